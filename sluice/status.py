@@ -1,0 +1,99 @@
+"""Error details on the wire: the one encoding both services agree on.
+
+A failed ``Generate`` or ``ListModels`` call ends with a gRPC status code and a
+``google.rpc.Status`` in the ``grpc-status-details-bin`` trailer holding:
+
+- ``google.rpc.ErrorInfo``: ``reason`` is a stable machine code (for example
+  ``invalid_parameter``, ``model_not_found``, ``queue_full``), ``domain`` is
+  ``sluice.v1`` and ``metadata`` may carry ``param`` (the offending request
+  field) and ``retry_after_seconds``;
+- ``google.rpc.BadRequest`` with one field violation, when a field is named.
+
+The worker builds these with :func:`build_status`; callers read them back with
+:func:`read_details` on any ``grpc.aio.AioRpcError`` or ``grpc.RpcError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+DOMAIN = "sluice.v1"
+DETAILS_KEY = "grpc-status-details-bin"
+
+
+@dataclass(frozen=True)
+class ErrorDetails:
+    """What a failed call said, in a transport-neutral form."""
+
+    code: grpc.StatusCode
+    message: str
+    reason: str = ""
+    param: str | None = None
+    retry_after_seconds: float | None = None
+
+
+def build_status(details: ErrorDetails) -> grpc.Status:
+    """Builds a ``grpc.Status`` (for ``context.abort_with_status``) carrying the details."""
+    metadata: dict[str, str] = {}
+    if details.param:
+        metadata["param"] = details.param
+    if details.retry_after_seconds is not None:
+        metadata["retry_after_seconds"] = f"{details.retry_after_seconds:g}"
+    info = any_pb2.Any()
+    info.Pack(error_details_pb2.ErrorInfo(reason=details.reason or "error", domain=DOMAIN, metadata=metadata))
+    packed = [info]
+    if details.param:
+        bad = any_pb2.Any()
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=details.param, description=details.message
+        )
+        bad.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+        packed.append(bad)
+    proto = status_pb2.Status(code=_rpc_code(details.code), message=details.message, details=packed)
+    return rpc_status.to_status(proto)
+
+
+def read_details(error: grpc.RpcError) -> ErrorDetails:
+    """Reads code, message and details from a failed call; never raises."""
+    code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
+    message = error.details() if hasattr(error, "details") else str(error)
+    result = ErrorDetails(code=code or grpc.StatusCode.UNKNOWN, message=message or "")
+    raw = _details_bytes(error)
+    if raw is None:
+        return result
+    proto = status_pb2.Status()
+    try:
+        proto.ParseFromString(raw)
+    except Exception:  # a peer that is not Sluice; keep code and message
+        return result
+    reason, param, retry = "", None, None
+    for item in proto.details:
+        if item.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
+            info = error_details_pb2.ErrorInfo()
+            item.Unpack(info)
+            reason = info.reason
+            param = info.metadata.get("param") or param
+            if "retry_after_seconds" in info.metadata:
+                try:
+                    retry = float(info.metadata["retry_after_seconds"])
+                except ValueError:
+                    retry = None
+    return ErrorDetails(result.code, result.message, reason, param, retry)
+
+
+def _details_bytes(error: grpc.RpcError) -> bytes | None:
+    trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+    for key, value in trailing or ():
+        if key == DETAILS_KEY and isinstance(value, bytes):
+            return value
+    return None
+
+
+def _rpc_code(code: grpc.StatusCode) -> int:
+    name = code.name
+    return int(getattr(code_pb2, name, code_pb2.UNKNOWN))

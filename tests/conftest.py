@@ -1,0 +1,69 @@
+"""Shared fixtures: models built on the spot, and real worker/edge processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.processes import EdgeProcess, WorkerProcess
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A cache dir holding the default model converted from its GGUF file (done once per session)."""
+    from worker.model_loader import converted_gguf_folder, default_gguf_path
+
+    cache = tmp_path_factory.mktemp("sluice-cache")
+    converted_gguf_folder(default_gguf_path(), cache)
+    return cache
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(model_cache: Path) -> Path:
+    return next((model_cache / "models").iterdir())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A tiny random Llama (2 layers, 512 positions) with the default model's real tokenizer and chat
+    template, saved with save_pretrained so the worker loads it like any checkpoint."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def default_worker(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    """A real worker process serving the default model."""
+    with WorkerProcess(cache_dir=model_cache, log_dir=tmp_path_factory.mktemp("worker-log")) as worker:
+        yield worker
+
+
+@pytest.fixture(scope="module")
+def default_edge(default_worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Iterator[EdgeProcess]:
+    """A real edge process in front of ``default_worker``."""
+    with EdgeProcess([default_worker.address], log_dir=tmp_path_factory.mktemp("edge-log")) as edge:
+        yield edge

@@ -1,0 +1,151 @@
+"""Real worker and edge processes on 127.0.0.1 with free ports, for integration and e2e tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """Reads a Prometheus endpoint into {metric name: value} (labels dropped)."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = float(value)
+    return values
+
+
+class _Process:
+    name = "process"
+
+    def __init__(self, args: list[str], log_dir: Path, env: dict[str, str] | None = None):
+        self.args = args
+        self.log_path = log_dir / f"{self.name}.log"
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(self.args, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            if self.ready():
+                return
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"{self.name} did not become ready in {START_TIMEOUT_S}s:\n{self.log_tail()}")
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def __enter__(self) -> _Process:
+        self.start()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+
+class WorkerProcess(_Process):
+    name = "worker"
+
+    def __init__(self, *, cache_dir: Path, log_dir: Path, model: str | None = None, extra: list[str] | None = None):
+        self.port = free_port()
+        self.metrics_port = free_port()
+        args = [sys.executable, "-m", "worker", "--host", "127.0.0.1", "--port", str(self.port),
+                "--metrics-port", str(self.metrics_port), "--cache-dir", str(cache_dir), "--grace-period", "2"]
+        if model:
+            args += ["--model", model]
+        super().__init__(args + (extra or []), log_dir)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        try:
+            with grpc.insecure_channel(self.address) as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.RpcError:
+            return False
+
+    def metrics(self) -> dict[str, float]:
+        return scrape_metrics(self.metrics_port)
+
+    def __enter__(self) -> WorkerProcess:
+        self.start()
+        return self
+
+
+class EdgeProcess(_Process):
+    name = "edge"
+
+    def __init__(self, workers: list[str], *, log_dir: Path, extra: list[str] | None = None):
+        self.port = free_port()
+        args = [sys.executable, "-m", "edge", "--workers", ",".join(workers), "--host", "127.0.0.1",
+                "--port", str(self.port)]
+        super().__init__(args + (extra or []), log_dir)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/ready", timeout=2) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def __enter__(self) -> EdgeProcess:
+        self.start()
+        return self

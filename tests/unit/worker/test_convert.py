@@ -1,0 +1,123 @@
+import grpc
+import pytest
+
+from sluice.status import read_details
+from sluice.v1 import worker_pb2 as pb
+from worker.convert import event_to_proto, parse_request, sampling_options
+from worker.errors import InvalidRequest, ModelNotFound, WorkerError
+from worker.types import ContentDelta, Finished, FinishReason, TokenLogprob, TopLogprob, Usage
+
+MODEL = "SmolLM2-135M-Instruct"
+
+
+def chat(*messages: pb.ChatMessage, **kw) -> pb.GenerateRequest:
+    return pb.GenerateRequest(chat=pb.ChatInput(messages=list(messages)), **kw)
+
+
+def user(text: str = "hi") -> pb.ChatMessage:
+    return pb.ChatMessage(role="user", content=text)
+
+
+def param_of(call) -> str | None:
+    with pytest.raises(WorkerError) as info:
+        call()
+    return info.value.param
+
+
+def test_parses_chat_messages():
+    parsed = parse_request(chat(pb.ChatMessage(role="system", content="be brief"), user("hello")), MODEL)
+    assert [(m.role, m.content) for m in parsed.prompt.messages] == [("system", "be brief"), ("user", "hello")]
+
+
+@pytest.mark.parametrize(
+    ("request_", "param"),
+    [
+        (pb.GenerateRequest(), "messages"),
+        (chat(), "messages"),
+        (chat(pb.ChatMessage(role="robot", content="x")), "messages[0].role"),
+        (chat(user(), pb.ChatMessage(role="user")), "messages[1].content"),
+        (chat(pb.ChatMessage(role="tool", content="42")), "messages[0].tool_call_id"),
+    ],
+)
+def test_bad_requests_name_the_field(request_, param):
+    assert param_of(lambda: parse_request(request_, MODEL)) == param
+
+
+def test_unknown_model_is_not_found():
+    with pytest.raises(ModelNotFound) as info:
+        parse_request(chat(user(), model="gpt-9"), MODEL)
+    assert info.value.code == grpc.StatusCode.NOT_FOUND and "gpt-9" in info.value.message
+
+
+def options(**fields):
+    return sampling_options(pb.SamplingParams(**fields), prompt_tokens=10, context_length=100, vocab_size=1000)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 91}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"logprobs": 21}, "top_logprobs"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {5000: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: 101.0}}, "logit_bias"),
+        ({"stop_token_ids": [1000]}, "stop_token_ids"),
+        ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
+        ({"top_k": -2}, "top_k"),
+    ],
+)
+def test_out_of_range_sampling_names_the_field(fields, param):
+    assert param_of(lambda: options(**fields)) == param
+
+
+def test_unset_differs_from_zero():
+    assert options().temperature == 1.0
+    assert options(temperature=0.0).greedy
+
+
+def test_max_tokens_defaults_to_the_room_left_in_the_context():
+    assert options().max_tokens == 90
+    assert sampling_options(pb.SamplingParams(), prompt_tokens=10, context_length=100, vocab_size=10,
+                            default_max_tokens=20).max_tokens == 20
+
+
+def test_prompt_filling_the_context_is_rejected():
+    with pytest.raises(InvalidRequest) as info:
+        sampling_options(pb.SamplingParams(), prompt_tokens=100, context_length=100, vocab_size=10)
+    assert "context length is 100" in info.value.message
+
+
+def test_error_status_round_trips_through_details():
+    status = InvalidRequest("temperature must be in [0, 2]", param="temperature").to_status()
+
+    class FakeRpcError(grpc.RpcError):
+        def code(self):
+            return status.code
+
+        def details(self):
+            return status.details
+
+        def trailing_metadata(self):
+            return status.trailing_metadata
+
+    details = read_details(FakeRpcError())
+    assert (details.code, details.param, details.reason) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "temperature", "invalid_parameter")
+
+
+def test_events_to_proto():
+    lp = TokenLogprob(7, "hi", -0.5, b"hi", (TopLogprob(7, "hi", -0.5, b"hi"),))
+    msg = event_to_proto(ContentDelta(1, "hi", (7,), (lp,)))
+    assert msg.content.choice_index == 1 and msg.content.text == "hi" and list(msg.content.token_ids) == [7]
+    assert msg.content.logprobs[0].top_logprobs[0].bytes == b"hi"
+    fin = event_to_proto(Finished(0, FinishReason.LENGTH, 5)).finished
+    assert fin.reason == pb.LENGTH and not fin.HasField("matched_stop_token_id")
+    assert event_to_proto(Usage(3, 4)).usage.total_tokens == 7

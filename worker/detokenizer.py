@@ -1,0 +1,104 @@
+"""Incremental detokenization that never splits a character.
+
+Decoding token by token is wrong twice over: byte-level BPE tokens can hold
+part of a UTF-8 character, and SentencePiece tokenizers decide on a leading
+space from the token before. So each step decodes a short window twice: the
+tokens already emitted (``prefix``) and the same window plus the new tokens;
+the new text is the difference. When the difference ends in U+FFFD (an
+incomplete character) nothing is emitted until a later token completes it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+REPLACEMENT = "\ufffd"
+# Prompt tokens kept as left context so the first generated token gets the
+# spacing it would have inside the full text.
+CONTEXT_TOKENS = 4
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Turns a stream of token ids into text deltas. One instance per sequence."""
+
+    def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
+        self._tokenizer = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def push(self, token_id: int) -> str:
+        """Adds one token; returns the text that is now complete ("" when waiting)."""
+        self._ids.append(token_id)
+        prefix = self._decode(self._prefix_offset, self._read_offset)
+        full = self._decode(self._prefix_offset, len(self._ids))
+        if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._ids)
+            return full[len(prefix) :]
+        return ""
+
+    def flush(self) -> str:
+        """Returns whatever is still held back (at the end of a sequence)."""
+        prefix = self._decode(self._prefix_offset, self._read_offset)
+        full = self._decode(self._prefix_offset, len(self._ids))
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+    def _decode(self, start: int, end: int) -> str:
+        return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of GPT-2's bytes-to-unicode table used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    codes = printable[:]
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            codes.append(256 + extra)
+            extra += 1
+    return {chr(code): byte for byte, code in zip(printable, codes, strict=True)}
+
+
+_BYTE_DECODER = _byte_decoder()
+
+
+class TokenTexts:
+    """Text and exact bytes of single tokens, for logprobs (cached per id).
+
+    Byte-level BPE tokens map back to their raw bytes (which may be part of a
+    character); SentencePiece byte-fallback tokens (``<0xE2>``) to their byte;
+    anything else to the UTF-8 of its decoded text.
+    """
+
+    def __init__(self, tokenizer: Decoder):
+        self._tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, bytes]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, bytes]:
+        found = self._cache.get(token_id)
+        if found is None:
+            found = self._cache[token_id] = self._lookup(token_id)
+        return found
+
+    def _lookup(self, token_id: int) -> tuple[str, bytes]:
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)  # type: ignore[attr-defined]
+        raw: bytes | None = None
+        if isinstance(piece, str):
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                raw = bytes([int(piece[3:5], 16)])
+            elif piece and all(ch in _BYTE_DECODER for ch in piece):
+                raw = bytes(_BYTE_DECODER[ch] for ch in piece)
+        text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        if raw is None:
+            raw = text.encode("utf-8")
+        return text, raw

@@ -1,0 +1,373 @@
+"""The step loop that owns the model, and the async facade the service uses.
+
+One daemon thread runs steps forever: apply aborts → schedule → execute →
+update. Between steps requests join (``submit``) and leave (finish or
+``abort``); an aborted request is removed before the next step whether it is
+queued or running, and its caches are dropped with it.
+
+The gRPC layer never blocks this thread: each request gets a
+:class:`RequestStream` whose asyncio queue the thread fills with
+``call_soon_threadsafe`` once per step, so a request sees its events in
+batches as the step produces them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from worker.detokenizer import IncrementalDetokenizer, TokenTexts
+from worker.model_runner import ModelRunner
+from worker.sampler import SequenceSampler, blocked_ids
+from worker.scheduler import Scheduler, StepPlan
+from worker.stop_strings import StopStringMatcher
+from worker.types import (
+    ContentDelta,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    Timings,
+    TokenLogprob,
+    Usage,
+)
+
+log = logging.getLogger(__name__)
+
+_END = object()  # marks the end of a request's events
+Sink = Callable[[list[Any]], None]
+
+
+@dataclass
+class EngineCounters:
+    """Monotonic counters, read by metrics and by tests through the metrics endpoint."""
+
+    requests_submitted: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_failed: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    waiting_requests: int
+    running_requests: int
+    running_sequences: int
+    live_caches: int
+    counters: EngineCounters
+
+
+@dataclass
+class _Choice:
+    index: int
+    sampler: SequenceSampler
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    cache: Any = None
+    last_token: int = 0
+    generated: int = 0
+    finished: bool = False
+    pending_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class _RequestState:
+    key: str
+    request: GenerationRequest
+    choices: list[_Choice]
+    sink: Sink
+    admitted_time: float | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.key
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.choices)
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def done(self) -> bool:
+        return all(choice.finished for choice in self.choices)
+
+    def release(self) -> None:
+        for choice in self.choices:
+            choice.cache = None
+
+
+class RequestStream:
+    """The events of one submitted request, as an async iterator.
+
+    Iterate it once. Stopping early (``cancel()``, a cancelled task, or closing
+    the iterator) aborts the request in the engine.
+    """
+
+    def __init__(self, engine: Engine, key: str, loop: asyncio.AbstractEventLoop):
+        self._engine = engine
+        self.key = key
+        self._loop = loop
+        self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self._finished = False
+
+    def deliver(self, batch: list[Any]) -> None:
+        """Called from the engine thread."""
+        # A closed loop means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, batch)
+
+    def cancel(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine.abort(self.key)
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        try:
+            while not self._finished:
+                for item in await self._queue.get():
+                    if item is _END:
+                        self._finished = True
+                        return
+                    yield item
+        finally:
+            self.cancel()
+
+
+class Engine:
+    """Continuous batching over one model. Thread-safe ``submit``/``abort``; ``start`` once."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        *,
+        eos_token_ids: Iterable[int],
+        context_length: int,
+        max_running: int = 16,
+        max_queue: int = 256,
+        prefill_budget_tokens: int = 512,
+    ):
+        self._runner = runner
+        self._tokenizer = tokenizer
+        self._token_texts = TokenTexts(tokenizer)
+        self._eos = frozenset(eos_token_ids)
+        self._context_length = context_length
+        self._scheduler: Scheduler[_RequestState] = Scheduler(max_running, max_queue, prefill_budget_tokens)
+        self._cv = threading.Condition()
+        self._aborts: list[str] = []
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="sluice-engine", daemon=True)
+        self._ids = itertools.count()
+        self.counters = EngineCounters()
+
+    # ------------------------------------------------------------ control
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queues a request; raises QueueFull at once when the queue is at its bound."""
+        loop = asyncio.get_running_loop()
+        key = f"{request.request_id}#{next(self._ids)}"
+        stream = RequestStream(self, key, loop)
+        state = _RequestState(key, request, self._new_choices(request), stream.deliver)
+        with self._cv:
+            self._scheduler.add(state)
+            self.counters.requests_submitted += 1
+            self.counters.prompt_tokens += len(request.prompt_token_ids)
+            self._cv.notify_all()
+        return stream
+
+    def abort(self, key: str) -> None:
+        with self._cv:
+            self._aborts.append(key)
+            self._cv.notify_all()
+
+    def stats(self) -> EngineStats:
+        with self._cv:
+            running = list(self._scheduler.running)
+            return EngineStats(
+                waiting_requests=len(self._scheduler.waiting),
+                running_requests=len(running),
+                running_sequences=sum(r.num_sequences for r in running),
+                live_caches=sum(1 for r in running for c in r.choices if c.cache is not None),
+                counters=EngineCounters(**vars(self.counters)),
+            )
+
+    # --------------------------------------------------------------- loop
+
+    def _new_choices(self, request: GenerationRequest) -> list[_Choice]:
+        opts = request.sampling
+        blocked = blocked_ids(self._eos, opts)
+        return [
+            _Choice(
+                index=i,
+                sampler=SequenceSampler(opts, request.prompt_token_ids, blocked, seed_offset=i),
+                detokenizer=IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids),
+                stops=StopStringMatcher(opts.stop),
+            )
+            for i in range(opts.n)
+        ]
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (
+                    self._stopping or self._aborts or self._scheduler.waiting or self._scheduler.running
+                ):
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                self._apply_aborts()
+                plan = self._scheduler.schedule()
+            if plan.empty:
+                continue
+            try:
+                self._step(plan)
+            except Exception as exc:  # a model failure must not kill the loop
+                log.exception("engine step failed")
+                self._fail(plan.prefill + plan.decode, f"generation failed: {type(exc).__name__}")
+
+    def _apply_aborts(self) -> None:
+        aborts, self._aborts = self._aborts, []
+        for key in aborts:
+            removed = self._scheduler.remove(key)
+            if removed is not None:
+                removed.release()
+                self.counters.requests_cancelled += 1
+
+    def _step(self, plan: StepPlan[_RequestState]) -> None:
+        self.counters.steps += 1
+        events: dict[str, list[Any]] = {}
+        now = time.monotonic()
+        for state in plan.prefill:
+            state.admitted_time = now
+            logits, cache = self._runner.prefill(state.request.prompt_token_ids)
+            for choice in state.choices:
+                choice.cache = cache if choice.index == 0 else self._runner.fork(cache)
+            for choice in state.choices:
+                self._take(state, choice, logits, events)
+        batch = [(s, c) for s in plan.decode for c in s.choices if not c.finished and c.cache is not None]
+        if batch:
+            rows = self._runner.decode([(c.last_token, c.cache) for _, c in batch])
+            for (state, choice), logits in zip(batch, rows, strict=True):
+                self._take(state, choice, logits, events)
+        self._publish(plan.prefill + plan.decode, events)
+
+    def _take(self, state: _RequestState, choice: _Choice, logits: Any, events: dict[str, list[Any]]) -> None:
+        """Samples one token for a choice and turns it into events."""
+        token_id, logprob = choice.sampler.choose(logits, self._token_texts)
+        out = events.setdefault(state.key, [])
+        now = time.monotonic()
+        if choice.first_token_time is None:
+            choice.first_token_time = now
+        choice.last_token_time = now
+        choice.sampler.record(token_id)
+        choice.generated += 1
+        choice.last_token = token_id
+        self.counters.generated_tokens += 1
+        opts = state.request.sampling
+        if token_id in opts.stop_token_ids or (not opts.ignore_eos and token_id in self._eos):
+            self._finish(state, choice, FinishReason.STOP, out, stop_token=token_id)
+            return
+        choice.pending_ids.append(token_id)
+        if logprob is not None:
+            choice.pending_logprobs.append(logprob)
+        text, matched = choice.stops.push(choice.detokenizer.push(token_id))
+        if matched is not None:
+            self._emit(state, choice, text, out)
+            self._finish(state, choice, FinishReason.STOP, out, stop_string=matched)
+            return
+        self._emit(state, choice, text, out)
+        if choice.generated >= opts.max_tokens or self._at_context_end(state, choice):
+            self._finish(state, choice, FinishReason.LENGTH, out)
+
+    def _at_context_end(self, state: _RequestState, choice: _Choice) -> bool:
+        return state.prompt_length + choice.generated >= self._context_length
+
+    def _emit(self, state: _RequestState, choice: _Choice, text: str, out: list[Any]) -> None:
+        if not text:
+            return
+        ids = tuple(choice.pending_ids) if state.request.return_token_ids else ()
+        out.append(ContentDelta(choice.index, text, ids, tuple(choice.pending_logprobs)))
+        choice.pending_ids.clear()
+        choice.pending_logprobs.clear()
+
+    def _finish(
+        self,
+        state: _RequestState,
+        choice: _Choice,
+        reason: FinishReason,
+        out: list[Any],
+        *,
+        stop_string: str = "",
+        stop_token: int | None = None,
+    ) -> None:
+        if not stop_string:
+            # Release what the detokenizer and the stop matcher still hold;
+            # the tail itself may complete a stop string.
+            tail, matched = choice.stops.push(choice.detokenizer.flush())
+            if matched is not None:
+                reason, stop_string, stop_token = FinishReason.STOP, matched, None
+            else:
+                tail += choice.stops.flush()
+            self._emit(state, choice, tail, out)
+        choice.finished = True
+        choice.cache = None
+        arrival = state.request.arrival_time
+        first = choice.first_token_time or arrival
+        timings = Timings(
+            queue_seconds=max(0.0, (state.admitted_time or arrival) - arrival),
+            time_to_first_token_seconds=max(0.0, first - arrival),
+            decode_seconds=max(0.0, (choice.last_token_time or first) - first),
+        )
+        out.append(Finished(choice.index, reason, choice.generated, stop_string, stop_token, timings))
+
+    def _publish(self, states: list[_RequestState], events: dict[str, list[Any]]) -> None:
+        finished = [s for s in states if s.done]
+        if finished:
+            with self._cv:
+                for state in finished:
+                    self._scheduler.remove(state.key)
+                    self.counters.requests_finished += 1
+        for state in states:
+            batch = events.get(state.key, [])
+            if state.done:
+                completion = sum(c.generated for c in state.choices)
+                batch.append(Usage(state.prompt_length, completion))
+                batch.append(_END)
+            if batch:
+                state.sink(batch)
+
+    def _fail(self, states: list[_RequestState], message: str) -> None:
+        with self._cv:
+            for state in states:
+                if self._scheduler.remove(state.key) is not None:
+                    self.counters.requests_failed += 1
+                state.release()
+        for state in states:
+            state.sink([Failed(message), _END])

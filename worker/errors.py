@@ -1,0 +1,50 @@
+"""The worker's exception tree and its one mapping to gRPC statuses."""
+
+from __future__ import annotations
+
+import grpc
+
+from sluice.status import ErrorDetails, build_status
+
+
+class WorkerError(Exception):
+    """Base of every error the worker reports to a caller."""
+
+    code = grpc.StatusCode.INTERNAL
+    reason = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None, retry_after_seconds: float | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.retry_after_seconds = retry_after_seconds
+
+    def to_status(self) -> grpc.Status:
+        return build_status(
+            ErrorDetails(self.code, self.message, self.reason, self.param, self.retry_after_seconds)
+        )
+
+
+class InvalidRequest(WorkerError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "invalid_parameter"
+
+
+class ModelNotFound(WorkerError):
+    code = grpc.StatusCode.NOT_FOUND
+    reason = "model_not_found"
+
+
+class QueueFull(WorkerError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "queue_full"
+
+
+class NotReady(WorkerError):
+    code = grpc.StatusCode.UNAVAILABLE
+    reason = "not_ready"
+
+
+class GenerationFailed(WorkerError):
+    code = grpc.StatusCode.INTERNAL
+    reason = "generation_failed"

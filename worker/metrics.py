@@ -1,0 +1,77 @@
+"""Prometheus text exposition of the engine's state, on a small HTTP endpoint.
+
+``GET /metrics`` answers with the current gauges and counters; anything else
+is 404. It uses asyncio streams only, so the worker needs no web framework.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from worker.engine import EngineStats
+
+log = logging.getLogger(__name__)
+
+
+def render(stats: EngineStats, model_id: str) -> str:
+    c = stats.counters
+    label = f'{{model="{model_id}"}}'
+    rows = [
+        ("sluice_worker_queue_depth", "gauge", "requests waiting for a batch slot", stats.waiting_requests),
+        ("sluice_worker_running_requests", "gauge", "requests in the running batch", stats.running_requests),
+        (
+            "sluice_worker_running_sequences",
+            "gauge",
+            "sequences in the running batch",
+            stats.running_sequences,
+        ),
+        ("sluice_worker_live_caches", "gauge", "sequences holding a KV cache", stats.live_caches),
+        ("sluice_worker_requests_submitted_total", "counter", "requests admitted", c.requests_submitted),
+        ("sluice_worker_requests_finished_total", "counter", "requests finished", c.requests_finished),
+        (
+            "sluice_worker_requests_cancelled_total",
+            "counter",
+            "requests cancelled by callers",
+            c.requests_cancelled,
+        ),
+        ("sluice_worker_requests_failed_total", "counter", "requests failed by the model", c.requests_failed),
+        (
+            "sluice_worker_generated_tokens_total",
+            "counter",
+            "completion tokens generated",
+            c.generated_tokens,
+        ),
+        ("sluice_worker_prompt_tokens_total", "counter", "prompt tokens admitted", c.prompt_tokens),
+        ("sluice_worker_steps_total", "counter", "engine steps run", c.steps),
+    ]
+    lines = []
+    for name, kind, help_text, value in rows:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{label} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+async def serve_metrics(host: str, port: int, text: Callable[[], str]) -> asyncio.Server:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            request_line = await asyncio.wait_for(reader.readline(), 5)
+            while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
+                pass
+            parts = request_line.decode("latin-1").split()
+            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
+                status, body, ctype = "200 OK", text().encode(), "text/plain; version=0.0.4"
+            else:
+                status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
+            writer.write(
+                f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+                "Connection: close\r\n\r\n".encode()
+                + body
+            )
+            await writer.drain()
+        except (TimeoutError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    return await asyncio.start_server(handle, host, port)

@@ -1,0 +1,147 @@
+"""Starts the gRPC server, loads the model, and drains on SIGTERM/SIGINT.
+
+Order at start: the server listens first with health NOT_SERVING (so probes
+and callers get a clear UNAVAILABLE while the model loads), then the model
+loads in a thread, then the engine starts and health flips to SERVING.
+On a signal: health flips to NOT_SERVING, new calls are refused, in-flight
+calls get ``grace_period`` seconds, then the engine stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from sluice.v1 import worker_pb2, worker_pb2_grpc
+from worker import metrics
+from worker.config import WorkerConfig
+from worker.engine import Engine
+from worker.model_loader import ModelLoadError, load_model
+from worker.model_runner import ModelRunner
+from worker.prompt import PromptRenderer
+from worker.servicer import ServingModel, WorkerService
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def eos_token_ids(loaded_model: object, tokenizer: object) -> set[int]:
+    ids: set[int] = set()
+    configured = getattr(getattr(loaded_model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif isinstance(configured, list | tuple):
+        ids.update(int(i) for i in configured)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    return ids
+
+
+def build_serving(config: WorkerConfig) -> ServingModel:
+    """Loads the model and starts the engine (blocking; run in a thread)."""
+    loaded = load_model(
+        config.model,
+        served_model_name=config.served_model_name,
+        device=config.device,
+        dtype=config.dtype,
+        cache_dir=config.cache_dir,
+    )
+    engine = Engine(
+        ModelRunner(loaded),
+        loaded.tokenizer,
+        eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
+        context_length=loaded.context_length,
+        max_running=config.max_running,
+        max_queue=config.max_queue,
+        prefill_budget_tokens=config.prefill_chunk_tokens,
+    )
+    engine.start()
+    return ServingModel(
+        loaded, engine, PromptRenderer(loaded.tokenizer), config.max_running, config.default_max_tokens
+    )
+
+
+async def run(config: WorkerConfig) -> int:
+    service = WorkerService(config.resolved_worker_id)
+    health_service = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+    server = grpc.aio.server(options=CHANNEL_OPTIONS)
+    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+        server,
+    )
+    address = f"{config.host}:{config.port}"
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        log.error("cannot listen on %s: %s (is the port in use?)", address, exc)
+        return 2
+    await server.start()
+    await _set_health(health_service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    log.info("worker %s listening on %s; loading model", service.worker_id, address)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+
+    loading = asyncio.ensure_future(asyncio.to_thread(build_serving, config))
+    stopper = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    if not loading.done():
+        log.info("stopped while loading the model")
+        await server.stop(0)
+        return 0
+    try:
+        service.serving = loading.result()
+    except ModelLoadError as exc:
+        log.error("%s", exc.message)
+        await server.stop(0)
+        return 1
+    serving = service.serving
+    metrics_server = None
+    if config.metrics_port:
+        metrics_server = await metrics.serve_metrics(
+            config.host,
+            config.metrics_port,
+            lambda: metrics.render(serving.engine.stats(), serving.loaded.model_id),
+        )
+    await _set_health(health_service, health_pb2.HealthCheckResponse.SERVING)
+    log.info(
+        "serving %s on %s (metrics on :%s)", serving.loaded.model_id, address, config.metrics_port or "off"
+    )
+
+    await stopper
+    log.info("draining: refusing new calls, %.0fs grace for in-flight calls", config.grace_period)
+    await _set_health(health_service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await server.stop(config.grace_period)
+    serving.engine.stop()
+    if metrics_server is not None:
+        metrics_server.close()
+    log.info("worker stopped")
+    return 0
+
+
+async def _set_health(service: object, status: int) -> None:
+    for name in ("", SERVICE_NAME):
+        result = service.set(name, status)  # type: ignore[attr-defined]
+        if asyncio.iscoroutine(result):
+            await result

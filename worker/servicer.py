@@ -1,0 +1,128 @@
+"""The sluice.v1.Worker gRPC service: thin translation between the wire and the engine."""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from sluice.v1 import worker_pb2 as pb
+from sluice.v1 import worker_pb2_grpc as pb_grpc
+from worker.convert import MAX_N, event_to_proto, parse_request, sampling_options
+from worker.engine import Engine
+from worker.errors import GenerationFailed, NotReady, WorkerError
+from worker.model_loader import LoadedModel
+from worker.prompt import PromptRenderer
+from worker.types import Failed, GenerationRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServingModel:
+    """What the service needs once the model is loaded."""
+
+    loaded: LoadedModel
+    engine: Engine
+    renderer: PromptRenderer
+    max_running: int
+    default_max_tokens: int | None = None
+
+
+class WorkerService(pb_grpc.WorkerServicer):
+    """Generate and ListModels. ``serving`` is None until the model is loaded (calls get UNAVAILABLE)."""
+
+    def __init__(self, worker_id: str):
+        self.worker_id = worker_id
+        self.serving: ServingModel | None = None
+
+    def _require_serving(self) -> ServingModel:
+        if self.serving is None:
+            raise NotReady("the worker is still loading its model; retry shortly", retry_after_seconds=5.0)
+        return self.serving
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        try:
+            loaded = self._require_serving().loaded
+        except WorkerError as exc:
+            await context.abort_with_status(exc.to_status())
+            raise  # unreachable: abort_with_status raises
+        info = pb.ModelInfo(
+            id=loaded.model_id,
+            created=int(loaded.loaded_at),
+            owned_by="sluice",
+            context_length=loaded.context_length,
+            source=loaded.source,
+        )
+        return pb.ListModelsResponse(models=[info], worker_id=self.worker_id)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        arrival = time.monotonic()
+        request_id = request.request_id or _metadata_request_id(context) or uuid.uuid4().hex
+        try:
+            serving = self._require_serving()
+            parsed = parse_request(request, serving.loaded.model_id)
+            prompt_ids, prompt_text = serving.renderer.render(parsed.prompt)
+            options = sampling_options(
+                parsed.sampling,
+                prompt_tokens=len(prompt_ids),
+                context_length=serving.loaded.context_length,
+                vocab_size=serving.renderer.vocab_size,
+                max_n=min(MAX_N, serving.max_running),
+                default_max_tokens=serving.default_max_tokens,
+            )
+            stream = serving.engine.submit(
+                GenerationRequest(
+                    request_id=request_id,
+                    prompt_token_ids=prompt_ids,
+                    sampling=options,
+                    arrival_time=arrival,
+                    return_token_ids=parsed.return_token_ids,
+                )
+            )
+        except WorkerError as exc:
+            log.info("request %s rejected: %s (%s)", request_id, exc.message, exc.code.name)
+            await context.abort_with_status(exc.to_status())
+            return
+        log.debug(
+            "request %s: %d prompt tokens, n=%d, max_tokens=%d",
+            request_id,
+            len(prompt_ids),
+            options.n,
+            options.max_tokens,
+        )
+        try:
+            yield pb.GenerateResponse(
+                started=pb.Started(
+                    request_id=request_id,
+                    model=serving.loaded.model_id,
+                    prompt_tokens=len(prompt_ids),
+                    worker_id=self.worker_id,
+                    prompt_text=prompt_text if parsed.echo_prompt else "",
+                    n=options.n,
+                )
+            )
+            async for event in stream:
+                if isinstance(event, Failed):
+                    await context.abort_with_status(GenerationFailed(event.message).to_status())
+                    return
+                yield event_to_proto(event)
+        finally:
+            # Reached on normal end, on failure and when the caller cancels (the
+            # task is cancelled): in every case the engine drops the sequence.
+            stream.cancel()
+
+
+def _metadata_request_id(context: grpc.aio.ServicerContext) -> str:
+    for key, value in context.invocation_metadata() or ():
+        if key == "x-request-id" and isinstance(value, str):
+            return value
+    return ""

@@ -1,0 +1,156 @@
+"""Internal request and event types of the worker: no torch, no protobuf.
+
+``convert.py`` turns wire messages into these and back; the engine and the
+scheduler only ever see these. Events form a closed union (``Event``).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """Validated sampling and stopping options of one request.
+
+    Defaults match OpenAI's: temperature 1, top_p 1, no top_k / min_p, no
+    penalties. ``max_tokens`` is always resolved (never None) by the time a
+    request reaches the engine.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None  # number of top alternatives; None = no logprobs
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A tokenized request, ready for the scheduler."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingOptions
+    arrival_time: float
+    return_token_ids: bool = False
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+    CONTENT_FILTER = "content_filter"
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    token_bytes: bytes
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Timings:
+    queue_seconds: float = 0.0
+    time_to_first_token_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+
+# ------------------------------------------------------------------ events
+
+
+@dataclass(frozen=True)
+class ContentDelta:
+    choice_index: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class ReasoningDelta:
+    choice_index: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class RefusalDelta:
+    choice_index: int
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    choice_index: int
+    tool_index: int
+    arguments: str
+    call_id: str = ""
+    name: str = ""
+
+
+@dataclass(frozen=True)
+class Progress:
+    stage: str  # "queued", "model_load", "prompt_processing"
+    fraction: float
+
+
+@dataclass(frozen=True)
+class Finished:
+    choice_index: int
+    reason: FinishReason
+    completion_tokens: int
+    matched_stop: str = ""
+    matched_stop_token_id: int | None = None
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The engine could not finish the request (a model error); ends the stream."""
+
+    message: str
+
+
+Event = ContentDelta | ReasoningDelta | RefusalDelta | ToolCallDelta | Progress | Finished | Usage | Failed
