@@ -63,12 +63,32 @@ def _stop(children: Sequence[subprocess.Popen[bytes]]) -> None:
 
 
 def serve(args: argparse.Namespace) -> int:
-    worker_cmd = [sys.executable, "-m", "worker", "--host", "127.0.0.1", "--port", str(args.worker_port),
-                  "--metrics-port", str(args.metrics_port), "--grace-period", "5"]
+    worker_cmd = [
+        sys.executable,
+        "-m",
+        "worker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.worker_port),
+        "--metrics-port",
+        str(args.metrics_port),
+        "--grace-period",
+        "5",
+    ]
     if args.model:
         worker_cmd += ["--model", args.model]
-    edge_cmd = [sys.executable, "-m", "edge", "--workers", f"127.0.0.1:{args.worker_port}",
-                "--host", args.host, "--port", str(args.port)]
+    edge_cmd = [
+        sys.executable,
+        "-m",
+        "edge",
+        "--workers",
+        f"127.0.0.1:{args.worker_port}",
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+    ]
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -84,8 +104,11 @@ def serve(args: argparse.Namespace) -> int:
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     base = f"http://{host}:{args.port}"
     try:
-        print(f"sluice: starting worker (:{args.worker_port}) and edge (:{args.port}); "
-              "the first start converts the model, about 20 s", flush=True)
+        print(
+            f"sluice: starting worker (:{args.worker_port}) and edge (:{args.port}); "
+            "the first start converts the model, about 20 s",
+            flush=True,
+        )
         if not _wait_ready(f"{base}/ready", children, READY_TIMEOUT_S):
             if not stopping:
                 print("sluice: the stack did not become ready; see the logs above", file=sys.stderr)

@@ -62,8 +62,9 @@ def default_worker(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="module")
-def default_edge(default_worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
-                 ) -> Iterator[EdgeProcess]:
+def default_edge(
+    default_worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EdgeProcess]:
     """A real edge process in front of ``default_worker``."""
     with EdgeProcess([default_worker.address], log_dir=tmp_path_factory.mktemp("edge-log")) as edge:
         yield edge

@@ -49,7 +49,9 @@ class _Process:
 
     def start(self) -> None:
         log = self.log_path.open("wb")
-        self.proc = subprocess.Popen(self.args, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            self.args, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -89,19 +91,35 @@ class _Process:
         self.start()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.stop()
 
 
 class WorkerProcess(_Process):
     name = "worker"
 
-    def __init__(self, *, cache_dir: Path, log_dir: Path, model: str | None = None, extra: list[str] | None = None):
+    def __init__(
+        self, *, cache_dir: Path, log_dir: Path, model: str | None = None, extra: list[str] | None = None
+    ):
         self.port = free_port()
         self.metrics_port = free_port()
-        args = [sys.executable, "-m", "worker", "--host", "127.0.0.1", "--port", str(self.port),
-                "--metrics-port", str(self.metrics_port), "--cache-dir", str(cache_dir), "--grace-period", "2"]
+        args = [
+            sys.executable,
+            "-m",
+            "worker",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--metrics-port",
+            str(self.metrics_port),
+            "--cache-dir",
+            str(cache_dir),
+            "--grace-period",
+            "2",
+        ]
         if model:
             args += ["--model", model]
         super().__init__(args + (extra or []), log_dir)
@@ -131,8 +149,17 @@ class EdgeProcess(_Process):
 
     def __init__(self, workers: list[str], *, log_dir: Path, extra: list[str] | None = None):
         self.port = free_port()
-        args = [sys.executable, "-m", "edge", "--workers", ",".join(workers), "--host", "127.0.0.1",
-                "--port", str(self.port)]
+        args = [
+            sys.executable,
+            "-m",
+            "edge",
+            "--workers",
+            ",".join(workers),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+        ]
         super().__init__(args + (extra or []), log_dir)
 
     @property

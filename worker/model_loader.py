@@ -110,15 +110,13 @@ def load_model(
     else:
         folder, source, model_id = None, model, model
     started = time.monotonic()
-    target = str(folder) if folder is not None else model
-    assert target is not None  # narrowed above: model is only None with a folder
+    target = str(folder) if folder is not None else str(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(target)
         hf_model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype)
     except OSError as exc:
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
-    hf_model.to(torch_device)
-    hf_model.eval()
+    hf_model = hf_model.to(torch_device).eval()  # type: ignore[arg-type]
     log.info(
         "loaded %s from %s in %.1fs on %s/%s",
         model_id,

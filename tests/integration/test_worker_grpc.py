@@ -58,27 +58,49 @@ def test_stream_is_started_deltas_finished_usage(stub):
 
 
 def test_max_tokens_gives_length_and_stop_string_is_cut(stub):
-    events = list(stub.Generate(chat("Count from 1 to 50, separated by commas.", temperature=0, max_tokens=6)))
+    events = list(
+        stub.Generate(chat("Count from 1 to 50, separated by commas.", temperature=0, max_tokens=6))
+    )
     finished = events[-2].finished
     assert finished.reason == pb.LENGTH and finished.completion_tokens == 6
-    full = "".join(e.content.text for e in list(stub.Generate(
-        chat("Count from 1 to 50, separated by commas.", temperature=0, max_tokens=40))) if e.HasField("content"))
+    full = "".join(
+        e.content.text
+        for e in list(
+            stub.Generate(chat("Count from 1 to 50, separated by commas.", temperature=0, max_tokens=40))
+        )
+        if e.HasField("content")
+    )
     stop = "5"
     assert stop in full
-    events = list(stub.Generate(chat("Count from 1 to 50, separated by commas.", temperature=0, max_tokens=40,
-                                     stop=[stop])))
+    events = list(
+        stub.Generate(
+            chat("Count from 1 to 50, separated by commas.", temperature=0, max_tokens=40, stop=[stop])
+        )
+    )
     text = "".join(e.content.text for e in events if e.HasField("content"))
     assert stop not in text and full.startswith(text)
     assert events[-2].finished.reason == pb.STOP and events[-2].finished.matched_stop == stop
 
 
 def test_raw_prompt_and_token_ids(stub):
-    events = list(stub.Generate(pb.GenerateRequest(prompt=pb.PromptInput(text="The capital of France is"),
-                                                   sampling=pb.SamplingParams(temperature=0, max_tokens=5),
-                                                   echo_prompt=True)))
+    events = list(
+        stub.Generate(
+            pb.GenerateRequest(
+                prompt=pb.PromptInput(text="The capital of France is"),
+                sampling=pb.SamplingParams(temperature=0, max_tokens=5),
+                echo_prompt=True,
+            )
+        )
+    )
     assert events[0].started.prompt_text == "The capital of France is"
-    ids = list(stub.Generate(pb.GenerateRequest(prompt=pb.PromptInput(token_ids=pb.TokenIds(ids=[504, 3575, 282])),
-                                                sampling=pb.SamplingParams(max_tokens=3, temperature=0))))
+    ids = list(
+        stub.Generate(
+            pb.GenerateRequest(
+                prompt=pb.PromptInput(token_ids=pb.TokenIds(ids=[504, 3575, 282])),
+                sampling=pb.SamplingParams(max_tokens=3, temperature=0),
+            )
+        )
+    )
     assert ids[0].started.prompt_tokens == 3 and ids[-1].usage.completion_tokens >= 1
 
 
@@ -87,8 +109,11 @@ def test_raw_prompt_and_token_ids(stub):
     [
         (pb.GenerateRequest(), grpc.StatusCode.INVALID_ARGUMENT, "messages"),
         (pb.GenerateRequest(chat=pb.ChatInput()), grpc.StatusCode.INVALID_ARGUMENT, "messages"),
-        (pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="wizard", content="x")])),
-         grpc.StatusCode.INVALID_ARGUMENT, "messages[0].role"),
+        (
+            pb.GenerateRequest(chat=pb.ChatInput(messages=[pb.ChatMessage(role="wizard", content="x")])),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "messages[0].role",
+        ),
         (chat("hi", temperature=3), grpc.StatusCode.INVALID_ARGUMENT, "temperature"),
         (chat("hi", max_tokens=0), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
         (chat("hi", max_tokens=100_000), grpc.StatusCode.INVALID_ARGUMENT, "max_tokens"),
@@ -112,22 +137,31 @@ def test_cancelled_call_stops_generation(stub, default_worker):
         if received == 3:
             call.cancel()
             break
-    assert wait_for(lambda: default_worker.metrics()["sluice_worker_requests_cancelled_total"]
-                    == before["sluice_worker_requests_cancelled_total"] + 1)
+    assert wait_for(
+        lambda: (
+            default_worker.metrics()["sluice_worker_requests_cancelled_total"]
+            == before["sluice_worker_requests_cancelled_total"] + 1
+        )
+    )
     after = default_worker.metrics()
     assert after["sluice_worker_running_sequences"] == 0 and after["sluice_worker_live_caches"] == 0
     generated = after["sluice_worker_generated_tokens_total"] - before["sluice_worker_generated_tokens_total"]
     assert generated < 20, f"{generated} tokens generated for a call cancelled after 3"
     time.sleep(0.5)  # and it stays stopped
-    assert default_worker.metrics()["sluice_worker_generated_tokens_total"] == after[
-        "sluice_worker_generated_tokens_total"]
+    assert (
+        default_worker.metrics()["sluice_worker_generated_tokens_total"]
+        == after["sluice_worker_generated_tokens_total"]
+    )
 
 
 def test_deadline_ends_the_call_and_frees_the_sequence(stub, default_worker):
     before = default_worker.metrics()["sluice_worker_requests_cancelled_total"]
     with pytest.raises(grpc.RpcError) as info:
-        list(stub.Generate(chat("Tell me everything about the ocean.", max_tokens=2000, ignore_eos=True),
-                           timeout=1.0))
+        list(
+            stub.Generate(
+                chat("Tell me everything about the ocean.", max_tokens=2000, ignore_eos=True), timeout=1.0
+            )
+        )
     assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert wait_for(lambda: default_worker.metrics()["sluice_worker_requests_cancelled_total"] == before + 1)
     assert default_worker.metrics()["sluice_worker_running_sequences"] == 0
@@ -143,6 +177,8 @@ def test_list_models_health_and_reflection(default_worker, stub):
             status = health.Check(health_pb2.HealthCheckRequest(service=service)).status
             assert status == health_pb2.HealthCheckResponse.SERVING
         reflect = reflection_pb2_grpc.ServerReflectionStub(channel)
-        replies = reflect.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        replies = reflect.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")])
+        )
         names = {s.name for r in replies for s in r.list_services_response.service}
         assert {"sluice.v1.Worker", "grpc.health.v1.Health"} <= names

@@ -25,6 +25,15 @@ def test_contract_has_the_full_event_vocabulary():
     from sluice.v1 import worker_pb2 as pb
 
     events = {f.name for f in pb.GenerateResponse.DESCRIPTOR.oneofs_by_name["event"].fields}
-    assert events == {"started", "progress", "content", "reasoning", "tool_call", "refusal", "finished", "usage"}
+    assert events == {
+        "started",
+        "progress",
+        "content",
+        "reasoning",
+        "tool_call",
+        "refusal",
+        "finished",
+        "usage",
+    }
     optional = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence}
     assert {"temperature", "top_p", "seed", "max_tokens", "n", "logprobs"} <= optional

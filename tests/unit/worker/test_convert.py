@@ -26,7 +26,10 @@ def param_of(call) -> str | None:
 
 def test_parses_chat_messages():
     parsed = parse_request(chat(pb.ChatMessage(role="system", content="be brief"), user("hello")), MODEL)
-    assert [(m.role, m.content) for m in parsed.prompt.messages] == [("system", "be brief"), ("user", "hello")]
+    assert [(m.role, m.content) for m in parsed.prompt.messages] == [
+        ("system", "be brief"),
+        ("user", "hello"),
+    ]
 
 
 @pytest.mark.parametrize(
@@ -50,7 +53,9 @@ def test_unknown_model_is_not_found():
 
 
 def options(**fields):
-    return sampling_options(pb.SamplingParams(**fields), prompt_tokens=10, context_length=100, vocab_size=1000)
+    return sampling_options(
+        pb.SamplingParams(**fields), prompt_tokens=10, context_length=100, vocab_size=1000
+    )
 
 
 @pytest.mark.parametrize(
@@ -85,8 +90,12 @@ def test_unset_differs_from_zero():
 
 def test_max_tokens_defaults_to_the_room_left_in_the_context():
     assert options().max_tokens == 90
-    assert sampling_options(pb.SamplingParams(), prompt_tokens=10, context_length=100, vocab_size=10,
-                            default_max_tokens=20).max_tokens == 20
+    assert (
+        sampling_options(
+            pb.SamplingParams(), prompt_tokens=10, context_length=100, vocab_size=10, default_max_tokens=20
+        ).max_tokens
+        == 20
+    )
 
 
 def test_prompt_filling_the_context_is_rejected():
@@ -110,7 +119,10 @@ def test_error_status_round_trips_through_details():
 
     details = read_details(FakeRpcError())
     assert (details.code, details.param, details.reason) == (
-        grpc.StatusCode.INVALID_ARGUMENT, "temperature", "invalid_parameter")
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "temperature",
+        "invalid_parameter",
+    )
 
 
 def test_events_to_proto():

@@ -23,16 +23,28 @@ def loaded(tiny_model_dir):
 
 @pytest.fixture
 def engine(loaded):
-    eng = Engine(ModelRunner(loaded), loaded.tokenizer, eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
-                 context_length=loaded.context_length, max_running=4, max_queue=1000, prefill_budget_tokens=64)
+    eng = Engine(
+        ModelRunner(loaded),
+        loaded.tokenizer,
+        eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
+        context_length=loaded.context_length,
+        max_running=4,
+        max_queue=1000,
+        prefill_budget_tokens=64,
+    )
     eng.start()
     yield eng
     eng.stop()
 
 
 def request(prompt: list[int], **sampling) -> GenerationRequest:
-    return GenerationRequest(f"r{random.random()}", tuple(prompt), SamplingOptions(**sampling), time.monotonic(),
-                             return_token_ids=True)
+    return GenerationRequest(
+        f"r{random.random()}",
+        tuple(prompt),
+        SamplingOptions(**sampling),
+        time.monotonic(),
+        return_token_ids=True,
+    )
 
 
 async def collect(engine: Engine, req: GenerationRequest) -> list:
@@ -40,7 +52,9 @@ async def collect(engine: Engine, req: GenerationRequest) -> list:
 
 
 def token_ids(events: list, choice: int = 0) -> list[int]:
-    return [t for e in events if isinstance(e, ContentDelta) and e.choice_index == choice for t in e.token_ids]
+    return [
+        t for e in events if isinstance(e, ContentDelta) and e.choice_index == choice for t in e.token_ids
+    ]
 
 
 def test_batched_greedy_equals_sequential_generate(engine, loaded):
@@ -49,15 +63,23 @@ def test_batched_greedy_equals_sequential_generate(engine, loaded):
     steps = 12
 
     async def run_all():
-        return await asyncio.gather(*[
-            collect(engine, request(p, temperature=0.0, max_tokens=steps, min_tokens=steps)) for p in prompts])
+        return await asyncio.gather(
+            *[
+                collect(engine, request(p, temperature=0.0, max_tokens=steps, min_tokens=steps))
+                for p in prompts
+            ]
+        )
 
     results = asyncio.run(run_all())
     for prompt, events in zip(prompts, results, strict=True):
         with torch.inference_mode():
-            expected = loaded.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt),
-                                             dtype=torch.long), max_new_tokens=steps, min_new_tokens=steps,
-                                             do_sample=False)[0, len(prompt):].tolist()
+            expected = loaded.model.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+            )[0, len(prompt) :].tolist()
         # Tokens that decode to nothing visible still count; compare the full id stream.
         finished = [e for e in events if isinstance(e, Finished)]
         assert finished[0].completion_tokens == steps and finished[0].reason is FinishReason.LENGTH
@@ -70,9 +92,11 @@ def test_event_order_and_usage(engine):
     finished = [e for e in events if isinstance(e, Finished)]
     assert sorted(f.choice_index for f in finished) == [0, 1]
     assert isinstance(events[-1], Usage)
-    assert events[-1].prompt_tokens == 3 and events[-1].completion_tokens == sum(f.completion_tokens for f in finished)
+    assert events[-1].prompt_tokens == 3 and events[-1].completion_tokens == sum(
+        f.completion_tokens for f in finished
+    )
     for f in finished:  # nothing of a choice after its finish
-        later = events[events.index(f) + 1:]
+        later = events[events.index(f) + 1 :]
         assert not any(isinstance(e, ContentDelta) and e.choice_index == f.choice_index for e in later)
     assert token_ids(events, 0) == token_ids(events, 1)  # greedy choices agree
 
@@ -105,8 +129,11 @@ def test_random_cancellations_leave_nothing_behind(engine):
     rng = random.Random(42)
 
     async def one(i: int) -> None:
-        stream = engine.submit(request([rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))],
-                                       max_tokens=200, ignore_eos=True))
+        stream = engine.submit(
+            request(
+                [rng.randrange(3, 500) for _ in range(rng.randrange(1, 30))], max_tokens=200, ignore_eos=True
+            )
+        )
         if rng.random() < 0.2:  # cancelled while queued, before any event
             stream.cancel()
             return

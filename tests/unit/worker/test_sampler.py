@@ -48,7 +48,9 @@ def test_same_seed_same_tokens_other_seed_other_tokens(logits):
 
 def test_choices_of_one_seeded_request_differ(logits):
     flat = logits / 10
-    assert draw(make(SamplingOptions(seed=7), offset=0), flat) != draw(make(SamplingOptions(seed=7), offset=1), flat)
+    assert draw(make(SamplingOptions(seed=7), offset=0), flat) != draw(
+        make(SamplingOptions(seed=7), offset=1), flat
+    )
 
 
 def test_top_k_one_and_tiny_top_p_pick_the_argmax(logits):

@@ -46,5 +46,5 @@ def test_any_split_gives_the_unsplit_result(seed: int):
     cuts = sorted(rng.sample(range(1, len(text)), 8))
     pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
     assert run(StopStringMatcher(stops), pieces) == whole
-    emitted, matched = whole
+    emitted, _matched = whole
     assert all(stop not in emitted for stop in stops)

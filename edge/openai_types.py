@@ -1,0 +1,270 @@
+"""The OpenAI chat completions request, validated.
+
+:func:`parse_chat_request` is the only entry point: it turns a decoded JSON
+body into a :class:`ChatCompletionRequest` or raises
+:class:`~edge.errors.InvalidRequestError` whose ``param`` is the field path
+(``temperature``, ``messages[0].role``) and whose ``code`` is
+``missing_required_parameter``, ``invalid_type`` or ``invalid_value``.
+
+Unknown fields are ignored. Union-shaped OpenAI fields (``content``,
+``stop``, ``tool_choice``, ``response_format``) are normalized to one shape
+by "before" validators, so error locations never contain pydantic's union
+tags and later code sees a single type.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic_core import PydanticCustomError
+
+from edge.errors import InvalidRequestError
+
+# Seeds: any int64 (OpenAI) or uint64 (the proto) value.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+def _invalid(message: str) -> PydanticCustomError:
+    return PydanticCustomError("invalid_value", message)
+
+
+def _join_text_parts(value: Any) -> Any:
+    """An array of ``{"type": "text", "text": ...}`` parts becomes one string.
+
+    Parts are joined with a newline, as vLLM does, so separate parts never run
+    together into one word.
+    """
+    if not isinstance(value, list):
+        return value
+    texts: list[str] = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise _invalid(f"content[{i}] must be an object like {{'type': 'text', 'text': '...'}}")
+        if part.get("type") != "text":
+            raise _invalid(f"content[{i}].type {part.get('type')!r} is not supported; only 'text' parts are")
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise _invalid(f"content[{i}].text must be a string")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+class FunctionCall(_Model):
+    name: str
+    # JSON text, as OpenAI sends it; passed through untouched.
+    arguments: str
+
+
+class AssistantToolCall(_Model):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Model):
+    """One conversation turn. Role-specific rules are checked in :func:`parse_chat_request`."""
+
+    role: Role
+    content: str | None = None
+    name: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    _text_parts = field_validator("content", mode="before")(_join_text_parts)
+
+
+class FunctionDefinition(_Model):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("name")
+    @classmethod
+    def _name_shape(cls, value: str) -> str:
+        if not _FUNCTION_NAME.match(value):
+            raise _invalid("must be 1-64 characters of a-z, A-Z, 0-9, '_', '.' or '-'")
+        return value
+
+
+class ToolDefinition(_Model):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoice(_Model):
+    """``"none" | "auto" | "required"`` or a named function, in one shape."""
+
+    mode: Literal["none", "auto", "required", "function"]
+    function_name: str | None = None
+
+
+class StreamOptions(_Model):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Model):
+    name: str
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class ChatCompletionRequest(_Model):
+    """A validated ``POST /v1/chat/completions`` body (see the module docstring)."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    n: int | None = Field(default=None, ge=1, le=128)
+    stop: list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    user: str | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    metadata: dict[str, str] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_shape(cls, value: Any) -> Any:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            if value not in ("none", "auto", "required"):
+                raise _invalid("must be 'none', 'auto', 'required' or {'type': 'function', ...}")
+            return {"mode": value}
+        if isinstance(value, dict):
+            function = value.get("function")
+            name = function.get("name") if isinstance(function, dict) else None
+            if value.get("type") != "function" or not isinstance(name, str) or not name:
+                raise _invalid("a named tool choice must be {'type': 'function', 'function': {'name': ...}}")
+            return {"mode": "function", "function_name": name}
+        raise _invalid("must be a string or an object")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < 2**31:
+                raise _invalid(f"key {key!r} is not a token id")
+            if not -100 <= bias <= 100:
+                raise _invalid(f"bias {bias} for token {key} is not in [-100, 100]")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def completion_token_limit(self) -> int | None:
+        """``max_completion_tokens`` (the current name) wins over ``max_tokens``."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
+    """Validates a decoded JSON body fully; raises :class:`InvalidRequestError`."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("The request body must be a JSON object.", code="invalid_type")
+    try:
+        request = ChatCompletionRequest.model_validate(body)
+    except ValidationError as error:
+        raise _to_invalid_request(error) from None
+    _check_semantics(request)
+    return request
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
+    """Reports the first validation error, OpenAI style."""
+    first = error.errors(include_url=False)[0]
+    param = _param_path(tuple(first["loc"])) or None
+    kind = first["type"]
+    if kind == "missing":
+        return InvalidRequestError(
+            f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+        )
+    code = (
+        "invalid_type"
+        if kind.endswith(("_type", "_parsing")) or kind == "int_from_float"
+        else "invalid_value"
+    )
+    return InvalidRequestError(f"Invalid '{param}': {first['msg']}.", param=param, code=code)
+
+
+def _check_semantics(request: ChatCompletionRequest) -> None:
+    """Rules that span fields; each error names the exact field."""
+    for i, message in enumerate(request.messages):
+        where = f"messages[{i}]"
+        if message.role == "assistant":
+            if message.content is None and not message.tool_calls:
+                raise _missing(f"{where}.content", "an assistant message needs content or tool_calls")
+            continue
+        if message.tool_calls:
+            raise _bad(
+                f"{where}.tool_calls", f"only assistant messages may have tool_calls, not {message.role}"
+            )
+        if message.content is None:
+            raise _missing(f"{where}.content", f"a {message.role} message needs content")
+        if message.role == "tool" and not message.tool_call_id:
+            raise _missing(f"{where}.tool_call_id", "a tool message needs the tool_call_id it answers")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise _bad("top_logprobs", "top_logprobs requires logprobs to be true")
+    choice = request.tool_choice
+    tool_names = [tool.function.name for tool in request.tools or ()]
+    if choice is not None and choice.mode in ("required", "function") and not tool_names:
+        raise _bad("tool_choice", f"tool_choice {choice.mode!r} requires tools")
+    if choice is not None and choice.mode == "function" and choice.function_name not in tool_names:
+        raise _bad("tool_choice", f"function {choice.function_name!r} is not in tools")
+    if len(set(tool_names)) != len(tool_names):
+        raise _bad("tools", "tool function names must be unique")
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+        raise _missing("response_format.json_schema", "response_format of type json_schema needs json_schema")
+
+
+def _bad(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(f"Invalid '{param}': {message}.", param=param, code="invalid_value")
+
+
+def _missing(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"Missing required parameter: '{param}' ({message}).", param=param, code="missing_required_parameter"
+    )

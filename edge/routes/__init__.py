@@ -1,0 +1,16 @@
+"""HTTP routes, one blueprint per area. Handlers are thin: parse → delegate → wrap."""
+
+from __future__ import annotations
+
+from quart import Quart
+
+from edge.routes.chat import blueprint as chat_blueprint
+from edge.routes.health import blueprint as health_blueprint
+from edge.routes.models import blueprint as models_blueprint
+
+
+def register_routes(app: Quart) -> None:
+    """Registers every blueprint on ``app``."""
+    app.register_blueprint(chat_blueprint)
+    app.register_blueprint(models_blueprint)
+    app.register_blueprint(health_blueprint)

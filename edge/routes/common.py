@@ -1,0 +1,87 @@
+"""Helpers shared by the route modules: app state, JSON in and out, request ids."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any
+
+from quart import current_app, g, request
+from quart.wrappers import Response
+
+from edge.errors import EdgeError, InvalidRequestError
+from edge.settings import Settings
+from edge.sse import dumps
+from edge.worker_pool import WorkerPool
+
+POOL_KEY = "sluice.worker_pool"
+SETTINGS_KEY = "sluice.settings"
+# A caller's X-Request-ID is echoed only if it is short and header-safe.
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
+
+
+def current_pool() -> WorkerPool:
+    pool: WorkerPool = current_app.extensions[POOL_KEY]
+    return pool
+
+
+def current_settings() -> Settings:
+    settings: Settings = current_app.extensions[SETTINGS_KEY]
+    return settings
+
+
+def assign_request_id() -> None:
+    """Before each request: echo a valid ``X-Request-ID`` or make one (in ``g.request_id``)."""
+    given = request.headers.get("X-Request-ID", "")
+    g.request_id = given if _REQUEST_ID.match(given) else f"req_{uuid.uuid4().hex}"
+
+
+def current_request_id() -> str:
+    request_id: str = g.get("request_id") or f"req_{uuid.uuid4().hex}"
+    return request_id
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    """Compact JSON with ``Content-Type: application/json``."""
+    return Response(dumps(obj), status=status, headers=headers, content_type="application/json")
+
+
+def error_response(error: EdgeError) -> Response:
+    """The OpenAI error body with the error's status and headers (``Retry-After``)."""
+    return json_response(error.payload(), status=error.http_status, headers=error.headers())
+
+
+async def read_json_body() -> Any:
+    """The request body as decoded JSON.
+
+    Raises :class:`InvalidRequestError` for a non-JSON content type or
+    unparseable JSON; an over-limit body raises werkzeug's 413 from
+    ``get_data`` (``MAX_CONTENT_LENGTH``), mapped by the app's handler.
+    """
+    if request.mimetype != "application/json":
+        raise InvalidRequestError(
+            f"Content-Type must be application/json, got {request.mimetype or 'none'!r}.",
+            code="invalid_content_type",
+        )
+    data = await request.get_data(cache=False, as_text=False)
+    try:
+        return json.loads(data, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as error:
+        raise InvalidRequestError(
+            f"We could not parse the JSON body of your request ({_describe(error)}). "
+            "The body must be a JSON object.",
+            code="invalid_json",
+        ) from None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    if isinstance(error, json.JSONDecodeError):
+        return f"{error.msg} at line {error.lineno} column {error.colno}"
+    return str(error)

@@ -1,0 +1,28 @@
+"""``GET /health`` (liveness) and ``GET /ready`` (at least one worker SERVING)."""
+
+from __future__ import annotations
+
+from quart import Blueprint
+from quart.wrappers import Response
+
+from edge.errors import ServiceUnavailableError
+from edge.routes.common import current_pool, json_response
+
+blueprint = Blueprint("health", __name__)
+
+
+@blueprint.get("/health")
+async def health() -> Response:
+    """Always 200 while the process serves: liveness must not depend on workers."""
+    return json_response({"status": "ok"})
+
+
+@blueprint.get("/ready")
+async def ready() -> Response:
+    """200 when a worker answers SERVING, else 503 with an OpenAI error; both list every worker."""
+    checks = await current_pool().health()
+    workers = [{"address": c.address, "status": c.status, "outstanding": c.outstanding} for c in checks]
+    if any(c.serving for c in checks):
+        return json_response({"status": "ready", "workers": workers})
+    error = ServiceUnavailableError("No model worker is serving.", code="no_worker_serving")
+    return json_response({**error.payload(), "status": "not_ready", "workers": workers}, status=503)

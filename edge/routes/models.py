@@ -1,0 +1,42 @@
+"""``GET /v1/models`` and ``GET /v1/models/<id>`` (ids may contain "/")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import Blueprint
+from quart.wrappers import Response
+
+from edge.errors import NotFoundError
+from edge.routes.common import current_pool, json_response
+from sluice.v1 import worker_pb2
+
+blueprint = Blueprint("models", __name__)
+
+
+def model_object(model: worker_pb2.ModelInfo) -> dict[str, Any]:
+    """The OpenAI model object for one worker model."""
+    return {
+        "id": model.id,
+        "object": "model",
+        "created": model.created,
+        "owned_by": model.owned_by or "sluice",
+    }
+
+
+@blueprint.get("/v1/models")
+async def list_models() -> Response:
+    models = await current_pool().list_models()
+    return json_response({"object": "list", "data": [model_object(m) for m in models]})
+
+
+@blueprint.get("/v1/models/<path:model_id>")
+async def retrieve_model(model_id: str) -> Response:
+    for model in await current_pool().list_models():
+        if model.id == model_id:
+            return json_response(model_object(model))
+    raise NotFoundError(
+        f"The model '{model_id}' does not exist or you do not have access to it.",
+        param="model",
+        code="model_not_found",
+    )

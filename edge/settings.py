@@ -1,0 +1,166 @@
+"""Edge configuration: one frozen :class:`Settings`, built from flags and env vars.
+
+Every flag ``--some-name`` also reads ``SLUICE_EDGE_SOME_NAME`` from the
+environment; a flag given on the command line wins. Invalid values end the
+program with a message naming the setting (``SystemExit``), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+ENV_PREFIX = "SLUICE_EDGE_"
+
+
+def parse_worker_address(text: str) -> str:
+    """Checks one ``host:port`` (IPv6 as ``[::1]:port``) and returns it stripped."""
+    address = text.strip()
+    host, sep, port = address.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"{text!r} is not host:port")
+    if host.startswith("[") != host.endswith("]"):
+        raise ValueError(f"{text!r} has an unbalanced IPv6 bracket")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} has an invalid port")
+    return address
+
+
+def parse_worker_list(text: str) -> tuple[str, ...]:
+    """Parses ``host:port[,host:port...]``; blanks between commas are ignored."""
+    return tuple(parse_worker_address(part) for part in text.split(",") if part.strip())
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything the edge needs to run; immutable once built.
+
+    ``workers`` is the static list of worker gRPC addresses (at least one).
+    Times are seconds, sizes bytes. ``__post_init__`` rejects bad values with
+    ``ValueError`` naming the field.
+    """
+
+    workers: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8080
+    # A ": heartbeat" comment goes out when a stream was silent this long.
+    heartbeat_interval_s: float = 15.0
+    # Total gRPC deadline of one Generate call (queueing included).
+    request_timeout_s: float = 600.0
+    # How long a worker may take to accept a call (send `started`) before the
+    # edge gives up on it and tries the next one.
+    worker_connect_timeout_s: float = 10.0
+    # Deadline of one health check or ListModels call.
+    health_timeout_s: float = 2.0
+    max_body_bytes: int = 4 * 1024 * 1024
+    # On SIGINT/SIGTERM, open streams get this long to finish before they are cut.
+    graceful_timeout_s: float = 5.0
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if not self.workers:
+            raise ValueError("workers: at least one worker address (host:port) is required")
+        for address in self.workers:
+            try:
+                parse_worker_address(address)
+            except ValueError as error:
+                raise ValueError(f"workers: {error}") from None
+        if not self.host:
+            raise ValueError("host: must not be empty")
+        if not 0 <= self.port < 65536:
+            raise ValueError(f"port: {self.port} is not in 0..65535")
+        for name in (
+            "heartbeat_interval_s",
+            "request_timeout_s",
+            "worker_connect_timeout_s",
+            "health_timeout_s",
+        ):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value <= 0:
+                raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
+        if not math.isfinite(self.graceful_timeout_s) or self.graceful_timeout_s < 0:
+            raise ValueError(f"graceful_timeout_s: must be >= 0 seconds, got {self.graceful_timeout_s}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes: must be >= 1, got {self.max_body_bytes}")
+        if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
+            raise ValueError(f"log_level: unknown level {self.log_level!r}")
+
+    @property
+    def base_url(self) -> str:
+        """The URL callers use (an IPv6 host is bracketed)."""
+        host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
+        return f"http://{host}:{self.port}"
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
+        """Builds settings from CLI flags, falling back to ``SLUICE_EDGE_*`` env vars.
+
+        ``argv`` defaults to ``sys.argv[1:]`` and ``env`` to ``os.environ``.
+        Raises ``SystemExit`` (via argparse) with a message naming the bad setting.
+        """
+        env = os.environ if env is None else env
+        parser = argparse.ArgumentParser(
+            prog="sluice-edge",
+            description="OpenAI-compatible HTTP/SSE edge in front of Sluice gRPC workers. "
+            f"Every flag also reads {ENV_PREFIX}<FLAG_NAME> (e.g. {ENV_PREFIX}WORKERS); flags win.",
+        )
+        # (flag, dataclass field, converter, help)
+        options: list[tuple[str, str, Callable[[str], Any], str]] = [
+            ("workers", "workers", parse_worker_list, "worker gRPC addresses, host:port[,host:port...]"),
+            ("host", "host", str, "address to listen on (default 127.0.0.1)"),
+            ("port", "port", int, "port to listen on (default 8080)"),
+            (
+                "heartbeat-interval",
+                "heartbeat_interval_s",
+                float,
+                "seconds of stream silence before a heartbeat",
+            ),
+            ("request-timeout", "request_timeout_s", float, "total deadline of one generation, seconds"),
+            (
+                "worker-connect-timeout",
+                "worker_connect_timeout_s",
+                float,
+                "seconds a worker has to accept a call",
+            ),
+            (
+                "health-timeout",
+                "health_timeout_s",
+                float,
+                "deadline of health checks and model listing, seconds",
+            ),
+            ("max-body-bytes", "max_body_bytes", int, "largest accepted request body, bytes"),
+            ("graceful-timeout", "graceful_timeout_s", float, "seconds open streams get on shutdown"),
+            ("log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+        ]
+        for flag, _field, _convert, help_text in options:
+            parser.add_argument(
+                f"--{flag}", default=None, metavar=flag.split("-")[-1].upper(), help=help_text
+            )
+        args = parser.parse_args(argv)
+
+        values: dict[str, Any] = {}
+        for flag, field_name, convert, _help in options:
+            env_name = ENV_PREFIX + flag.upper().replace("-", "_")
+            raw = getattr(args, flag.replace("-", "_"))
+            source = f"--{flag}"
+            if raw is None and env.get(env_name):
+                raw, source = env[env_name], env_name
+            if raw is None:
+                continue
+            try:
+                values[field_name] = convert(raw)
+            except ValueError as error:
+                parser.error(f"{source}: invalid value {raw!r} ({error})")
+        if "workers" not in values:
+            parser.error(f"--workers (or {ENV_PREFIX}WORKERS) is required: host:port[,host:port...]")
+        try:
+            return cls(**values)
+        except ValueError as error:
+            # "field_name: reason" from __post_init__ → name the flag the user typed.
+            flags = {field_name: f"--{flag}" for flag, field_name, _c, _h in options}
+            field_name, _, reason = str(error).partition(": ")
+            parser.error(f"{flags.get(field_name, field_name)}: {reason}")

@@ -1,0 +1,408 @@
+"""Pure translation between the OpenAI wire shapes and the gRPC contract.
+
+- :func:`to_generate_request`: a validated request → ``GenerateRequest``.
+- :func:`call_metadata`: the gRPC call metadata (``x-request-id``).
+- :class:`ChunkBuilder`: each ``GenerateResponse`` → zero or more
+  ``chat.completion.chunk`` dicts (DESIGN.md section 3).
+- :class:`CompletionAccumulator`: the same events → one ``chat.completion``.
+
+No I/O here; everything is deterministic given its inputs, so golden tests
+pin the exact dicts.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from edge.openai_types import ChatCompletionRequest, ChatMessage, ResponseFormat, ToolChoice
+from sluice.v1 import worker_pb2
+
+_UINT64 = 2**64
+_FINISH_REASONS: dict[int, str] = {
+    worker_pb2.STOP: "stop",
+    worker_pb2.LENGTH: "length",
+    worker_pb2.TOOL_CALLS: "tool_calls",
+    worker_pb2.CONTENT_FILTER: "content_filter",
+}
+_TOOL_CHOICE_MODES = {
+    "none": worker_pb2.ToolChoice.NONE,
+    "auto": worker_pb2.ToolChoice.AUTO,
+    "required": worker_pb2.ToolChoice.REQUIRED,
+}
+
+
+def new_completion_id() -> str:
+    """A fresh ``chatcmpl-<32 hex>`` id."""
+    return f"chatcmpl-{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------ request
+
+
+def to_generate_request(request: ChatCompletionRequest, request_id: str) -> worker_pb2.GenerateRequest:
+    """Builds the worker request; every accepted field lands in the proto.
+
+    Proto3 ``optional`` sampling fields are set only when the caller gave
+    them, so the worker's defaults apply otherwise.
+    """
+    chat = worker_pb2.ChatInput(
+        messages=[_message(m) for m in request.messages],
+        tools=[
+            worker_pb2.Tool(
+                name=tool.function.name,
+                description=tool.function.description or "",
+                parameters_json=_compact(tool.function.parameters)
+                if tool.function.parameters is not None
+                else "",
+                strict=bool(tool.function.strict),
+            )
+            for tool in request.tools or ()
+        ],
+        # OpenAI's default is true; the proto's bool defaults to false, so always set it.
+        parallel_tool_calls=True if request.parallel_tool_calls is None else request.parallel_tool_calls,
+    )
+    if request.tool_choice is not None:
+        chat.tool_choice.CopyFrom(_tool_choice(request.tool_choice))
+    proto = worker_pb2.GenerateRequest(
+        request_id=request_id,
+        model=request.model,
+        chat=chat,
+        sampling=_sampling(request),
+        user=request.user or "",
+        metadata=request.metadata or {},
+    )
+    if request.response_format is not None:
+        proto.response_format.CopyFrom(_response_format(request.response_format))
+    return proto
+
+
+def call_metadata(request: ChatCompletionRequest, request_id: str) -> tuple[tuple[str, str | bytes], ...]:
+    """gRPC metadata for the call: the request id, so worker logs carry it too."""
+    return (("x-request-id", request_id),)
+
+
+def _compact(obj: Any) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def _message(message: ChatMessage) -> worker_pb2.ChatMessage:
+    proto = worker_pb2.ChatMessage(
+        role=message.role,
+        tool_calls=[
+            worker_pb2.ToolCall(id=call.id, name=call.function.name, arguments=call.function.arguments)
+            for call in message.tool_calls or ()
+        ],
+        tool_call_id=message.tool_call_id or "",
+        name=message.name or "",
+    )
+    if message.content is not None:
+        proto.content = message.content
+    if message.reasoning_content is not None:
+        proto.reasoning_content = message.reasoning_content
+    return proto
+
+
+def _tool_choice(choice: ToolChoice) -> worker_pb2.ToolChoice:
+    if choice.mode == "function":
+        return worker_pb2.ToolChoice(function_name=choice.function_name or "")
+    return worker_pb2.ToolChoice(mode=_TOOL_CHOICE_MODES[choice.mode])
+
+
+def _response_format(fmt: ResponseFormat) -> worker_pb2.ResponseFormat:
+    if fmt.type == "json_object":
+        return worker_pb2.ResponseFormat(json_object=True)
+    if fmt.type == "json_schema" and fmt.json_schema is not None:
+        schema = fmt.json_schema
+        return worker_pb2.ResponseFormat(
+            json_schema=worker_pb2.JsonSchema(
+                name=schema.name,
+                schema_json=_compact(schema.schema_) if schema.schema_ is not None else "",
+                strict=bool(schema.strict),
+            )
+        )
+    return worker_pb2.ResponseFormat(text=True)
+
+
+def _sampling(request: ChatCompletionRequest) -> worker_pb2.SamplingParams:
+    sampling = worker_pb2.SamplingParams(stop=request.stop or [])
+    if request.temperature is not None:
+        sampling.temperature = request.temperature
+    if request.top_p is not None:
+        sampling.top_p = request.top_p
+    if request.n is not None:
+        sampling.n = request.n
+    if request.seed is not None:
+        # OpenAI seeds are int64; the proto's is uint64: keep the bits (two's complement).
+        sampling.seed = request.seed % _UINT64
+    if request.presence_penalty is not None:
+        sampling.presence_penalty = request.presence_penalty
+    if request.frequency_penalty is not None:
+        sampling.frequency_penalty = request.frequency_penalty
+    if request.completion_token_limit is not None:
+        sampling.max_tokens = request.completion_token_limit
+    for token, bias in (request.logit_bias or {}).items():
+        sampling.logit_bias[int(token)] = bias
+    if request.logprobs:
+        sampling.logprobs = request.top_logprobs or 0
+    return sampling
+
+
+# ----------------------------------------------------------------- responses
+
+
+def finish_reason_name(reason: int) -> str:
+    """The OpenAI ``finish_reason`` for a proto ``FinishReason`` (unspecified → "stop")."""
+    return _FINISH_REASONS.get(reason, "stop")
+
+
+def usage_dict(usage: worker_pb2.Usage) -> dict[str, Any]:
+    """OpenAI ``usage`` with the cached and reasoning token details."""
+    return {
+        "prompt_tokens": usage.prompt_tokens,
+        "completion_tokens": usage.completion_tokens,
+        "total_tokens": usage.total_tokens or usage.prompt_tokens + usage.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
+        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
+    }
+
+
+def logprob_entries(logprobs: Any) -> list[dict[str, Any]]:
+    """Per-token OpenAI logprob objects (``bytes`` as a list of ints)."""
+    return [
+        {
+            "token": lp.token,
+            "logprob": lp.logprob,
+            "bytes": list(lp.bytes),
+            "top_logprobs": [
+                {"token": top.token, "logprob": top.logprob, "bytes": list(top.bytes)}
+                for top in lp.top_logprobs
+            ],
+        }
+        for lp in logprobs
+    ]
+
+
+@dataclass
+class ChunkBuilder:
+    """Turns the events of one call into ``chat.completion.chunk`` dicts.
+
+    Construct once per response with the fixed ``id``/``created``/``model``;
+    feed every event in order to :meth:`on_event`. ``started`` yields one
+    role chunk per choice (indexes increasing); a delta for a choice not yet
+    announced yields that choice's role chunk first, so the role always comes
+    first whatever the worker sends. ``usage`` yields the usage chunk only
+    when ``include_usage``; then every other chunk carries ``"usage": null``,
+    otherwise no chunk has a ``usage`` key.
+    """
+
+    id: str
+    created: int
+    model: str
+    include_usage: bool = False
+    logprobs: bool = False
+    system_fingerprint: str | None = None
+    _announced: set[int] = field(default_factory=set)
+    _tool_calls_seen: set[tuple[int, int]] = field(default_factory=set)
+
+    def on_event(self, event: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        """Chunks for one event, in wire order (possibly none)."""
+        kind = event.WhichOneof("event")
+        if kind == "started":
+            return [self._role_chunk(i) for i in range(max(1, event.started.n)) if i not in self._announced]
+        if kind == "content":
+            delta = event.content
+            if not delta.text and not delta.logprobs:
+                return []
+            lp = {"content": logprob_entries(delta.logprobs), "refusal": None} if self.logprobs else None
+            return self._delta(delta.choice_index, {"content": delta.text}, lp)
+        if kind == "reasoning":
+            if not event.reasoning.text:
+                return []
+            return self._delta(
+                event.reasoning.choice_index, {"reasoning_content": event.reasoning.text}, None
+            )
+        if kind == "refusal":
+            delta_r = event.refusal
+            lp = {"content": None, "refusal": logprob_entries(delta_r.logprobs)} if self.logprobs else None
+            return self._delta(delta_r.choice_index, {"refusal": delta_r.text}, lp)
+        if kind == "tool_call":
+            return self._delta(
+                event.tool_call.choice_index, {"tool_calls": [self._tool_call(event.tool_call)]}, None
+            )
+        if kind == "finished":
+            index = event.finished.choice_index
+            chunks = self._announce(index)
+            chunks.append(self._chunk([self._choice(index, {}, finish_reason_name(event.finished.reason))]))
+            return chunks
+        if kind == "usage":
+            if not self.include_usage:
+                return []
+            chunk = self._chunk([])
+            chunk["usage"] = usage_dict(event.usage)
+            return [chunk]
+        return []  # progress (the heartbeat covers the silence) or an unknown future event
+
+    def _tool_call(self, delta: worker_pb2.ToolCallDelta) -> dict[str, Any]:
+        key = (delta.choice_index, delta.tool_index)
+        if key in self._tool_calls_seen:
+            return {"index": delta.tool_index, "function": {"arguments": delta.arguments}}
+        self._tool_calls_seen.add(key)
+        return {
+            "index": delta.tool_index,
+            "id": delta.id or f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": delta.name, "arguments": delta.arguments},
+        }
+
+    def _delta(
+        self, index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None
+    ) -> list[dict[str, Any]]:
+        chunks = self._announce(index)
+        chunks.append(self._chunk([self._choice(index, delta, None, logprobs)]))
+        return chunks
+
+    def _announce(self, index: int) -> list[dict[str, Any]]:
+        return [] if index in self._announced else [self._role_chunk(index)]
+
+    def _role_chunk(self, index: int) -> dict[str, Any]:
+        self._announced.add(index)
+        return self._chunk([self._choice(index, {"role": "assistant", "content": ""}, None)])
+
+    @staticmethod
+    def _choice(
+        index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+            "service_tier": None,
+            "choices": choices,
+        }
+        if self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+
+@dataclass
+class _ChoiceState:
+    content: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    refusal: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    refusal_logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+
+
+@dataclass
+class CompletionAccumulator:
+    """Builds the non-streaming ``chat.completion`` from the same events.
+
+    Feed every event to :meth:`add`, then call :meth:`result` once the call
+    ended OK. ``usage`` is always present: the worker's ``usage`` event, or,
+    if it never came, the prompt tokens from ``started`` plus each choice's
+    ``finished.completion_tokens``.
+    """
+
+    id: str
+    created: int
+    model: str
+    logprobs: bool = False
+    system_fingerprint: str | None = None
+    _choices: dict[int, _ChoiceState] = field(default_factory=dict)
+    _usage: dict[str, Any] | None = None
+    _prompt_tokens: int = 0
+    _cached_tokens: int = 0
+
+    def add(self, event: worker_pb2.GenerateResponse) -> None:
+        kind = event.WhichOneof("event")
+        if kind == "started":
+            self._prompt_tokens = event.started.prompt_tokens
+            self._cached_tokens = event.started.cached_tokens
+            for i in range(max(1, event.started.n)):
+                self._choice(i)
+        elif kind == "content":
+            state = self._choice(event.content.choice_index)
+            state.content.append(event.content.text)
+            state.logprobs.extend(logprob_entries(event.content.logprobs))
+        elif kind == "reasoning":
+            self._choice(event.reasoning.choice_index).reasoning.append(event.reasoning.text)
+        elif kind == "refusal":
+            state = self._choice(event.refusal.choice_index)
+            state.refusal.append(event.refusal.text)
+            state.refusal_logprobs.extend(logprob_entries(event.refusal.logprobs))
+        elif kind == "tool_call":
+            delta = event.tool_call
+            calls = self._choice(delta.choice_index).tool_calls
+            if delta.tool_index not in calls:
+                calls[delta.tool_index] = {
+                    "id": delta.id or f"call_{uuid.uuid4().hex[:24]}",
+                    "type": "function",
+                    "function": {"name": delta.name, "arguments": ""},
+                }
+            calls[delta.tool_index]["function"]["arguments"] += delta.arguments
+        elif kind == "finished":
+            state = self._choice(event.finished.choice_index)
+            state.finish_reason = finish_reason_name(event.finished.reason)
+            state.completion_tokens = event.finished.completion_tokens
+        elif kind == "usage":
+            self._usage = usage_dict(event.usage)
+
+    def _choice(self, index: int) -> _ChoiceState:
+        return self._choices.setdefault(index, _ChoiceState())
+
+    def result(self) -> dict[str, Any]:
+        """The ``chat.completion`` dict (choices ordered by index)."""
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.system_fingerprint,
+            "service_tier": None,
+            "choices": [self._render(i, s) for i, s in sorted(self._choices.items())],
+            "usage": self._usage or self._fallback_usage(),
+        }
+
+    def _render(self, index: int, state: _ChoiceState) -> dict[str, Any]:
+        text = "".join(state.content)
+        message: dict[str, Any] = {
+            "role": "assistant",
+            # OpenAI sends null content for a pure tool-call or refusal answer.
+            "content": text if text or not (state.tool_calls or state.refusal) else None,
+            "refusal": "".join(state.refusal) or None,
+        }
+        if state.tool_calls:
+            message["tool_calls"] = [state.tool_calls[k] for k in sorted(state.tool_calls)]
+        if state.reasoning:
+            message["reasoning_content"] = "".join(state.reasoning)
+        logprobs = None
+        if self.logprobs:
+            logprobs = {"content": state.logprobs, "refusal": state.refusal_logprobs or None}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": logprobs,
+            "finish_reason": state.finish_reason or "stop",
+        }
+
+    def _fallback_usage(self) -> dict[str, Any]:
+        completion = sum(s.completion_tokens for s in self._choices.values())
+        return usage_dict(
+            worker_pb2.Usage(
+                prompt_tokens=self._prompt_tokens,
+                completion_tokens=completion,
+                total_tokens=self._prompt_tokens + completion,
+                cached_tokens=self._cached_tokens,
+            )
+        )

@@ -1,0 +1,191 @@
+"""Fakes for the edge tests: a scripted grpc.aio Worker servicer and a served edge.
+
+No pytest-asyncio: each async test body runs under ``asyncio.run`` (see
+``run``), so the suite needs nothing beyond pytest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import grpc
+import httpx
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from edge.__main__ import serve_edge
+from edge.settings import Settings
+from sluice.status import ErrorDetails, build_status
+from sluice.v1 import worker_pb2, worker_pb2_grpc
+
+T = TypeVar("T")
+
+
+def run(coro: Coroutine[Any, Any, T], timeout: float = 20.0) -> T:
+    """Runs one async test body in a fresh loop, with an overall timeout."""
+
+    async def bounded() -> T:
+        return await asyncio.wait_for(coro, timeout)
+
+    return asyncio.run(bounded())
+
+
+@dataclass
+class Sleep:
+    seconds: float
+
+
+@dataclass
+class Abort:
+    details: ErrorDetails
+
+
+@dataclass
+class Hang:
+    """Waits forever (until the call is cancelled)."""
+
+
+Step = worker_pb2.GenerateResponse | Sleep | Abort | Hang
+
+
+def started(
+    n: int = 1, model: str = "SmolLM2-135M-Instruct", prompt_tokens: int = 5
+) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        started=worker_pb2.Started(model=model, worker_id="worker-a", prompt_tokens=prompt_tokens, n=n)
+    )
+
+
+def content(text: str, index: int = 0) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(content=worker_pb2.ContentDelta(choice_index=index, text=text))
+
+
+def finished(index: int = 0, reason: int = worker_pb2.STOP, tokens: int = 2) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        finished=worker_pb2.Finished(choice_index=index, reason=reason, completion_tokens=tokens)  # type: ignore[arg-type]
+    )
+
+
+def usage(prompt: int = 5, completion: int = 2) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        usage=worker_pb2.Usage(
+            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+        )
+    )
+
+
+@dataclass
+class FakeWorker(worker_pb2_grpc.WorkerServicer):
+    """A Worker whose Generate plays ``script`` and records what it saw."""
+
+    script: list[Step] = field(default_factory=list)
+    models: list[str] = field(default_factory=lambda: ["SmolLM2-135M-Instruct"])
+    requests: list[worker_pb2.GenerateRequest] = field(default_factory=list)
+    metadata: list[dict[str, str | bytes]] = field(default_factory=list)
+    calls_started: int = 0
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def Generate(  # gRPC method name
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        self.calls_started += 1
+        self.requests.append(request)
+        self.metadata.append(dict(context.invocation_metadata() or ()))
+        try:
+            for step in self.script:
+                if isinstance(step, Sleep):
+                    await asyncio.sleep(step.seconds)
+                elif isinstance(step, Hang):
+                    await asyncio.Event().wait()
+                elif isinstance(step, Abort):
+                    await context.abort_with_status(build_status(step.details))
+                else:
+                    yield step
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+    async def ListModels(  # gRPC method name
+        self, request: worker_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.ListModelsResponse:
+        return worker_pb2.ListModelsResponse(
+            models=[worker_pb2.ModelInfo(id=m, created=1700000000, owned_by="sluice") for m in self.models],
+            worker_id="worker-a",
+        )
+
+
+@contextlib.asynccontextmanager
+async def running_worker(fake: FakeWorker, serving: bool = True) -> AsyncIterator[str]:
+    """Serves ``fake`` (plus grpc.health.v1) on 127.0.0.1:<free port>; yields the address."""
+    server = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerServicer_to_server(fake, server)
+    health_servicer = health.aio.HealthServicer()
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    await health_servicer.set("", status)
+    await health_servicer.set("sluice.v1.Worker", status)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(None)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def dead_address() -> str:
+    """An address nothing listens on (connection refused)."""
+    return f"127.0.0.1:{free_port()}"
+
+
+@contextlib.asynccontextmanager
+async def running_edge(workers: list[str], **overrides: Any) -> AsyncIterator[str]:
+    """Serves the edge with hypercorn on a free port; yields its base URL."""
+    settings = replace(Settings(workers=tuple(workers)), port=free_port(), **overrides)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve_edge(settings, stop))
+    base = f"http://127.0.0.1:{settings.port}"
+    async with httpx.AsyncClient() as client:
+        for _ in range(200):
+            with contextlib.suppress(httpx.TransportError):
+                if (await client.get(f"{base}/health")).status_code == 200:
+                    break
+            if task.done():
+                task.result()
+            await asyncio.sleep(0.02)
+    try:
+        yield base
+    finally:
+        stop.set()
+        await task
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool] | bool], within_s: float = 5.0) -> None:
+    """Polls ``predicate`` until true or fails the test."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within_s
+    while True:
+        result = predicate()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return
+        if loop.time() > end:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
+
+
+CHAT_BODY: dict[str, Any] = {
+    "model": "SmolLM2-135M-Instruct",
+    "messages": [{"role": "user", "content": "Hi"}],
+}

@@ -1,0 +1,59 @@
+"""Settings from flags and SLUICE_EDGE_* env vars."""
+
+from __future__ import annotations
+
+import pytest
+
+from edge.settings import Settings
+
+
+def test_defaults_and_flags() -> None:
+    settings = Settings.from_args(["--workers", "127.0.0.1:50051, w2:50052", "--port", "9000"], env={})
+    assert settings.workers == ("127.0.0.1:50051", "w2:50052")
+    assert (settings.host, settings.port) == ("127.0.0.1", 9000)
+    assert settings.heartbeat_interval_s == 15.0
+    assert settings.request_timeout_s == 600.0
+    assert settings.max_body_bytes == 4 * 1024 * 1024
+    assert settings.base_url == "http://127.0.0.1:9000"
+
+
+def test_env_vars_and_flag_precedence() -> None:
+    env = {
+        "SLUICE_EDGE_WORKERS": "[::1]:7000",
+        "SLUICE_EDGE_PORT": "1234",
+        "SLUICE_EDGE_HEARTBEAT_INTERVAL": "0.5",
+        "SLUICE_EDGE_REQUEST_TIMEOUT": "30",
+    }
+    settings = Settings.from_args(["--port", "4321"], env=env)
+    assert settings.workers == ("[::1]:7000",)
+    assert settings.port == 4321
+    assert settings.heartbeat_interval_s == 0.5
+    assert settings.request_timeout_s == 30.0
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "names"),
+    [
+        ([], {}, "--workers"),
+        (["--workers", "nohost"], {}, "--workers"),
+        (["--workers", "h:99999"], {}, "--workers"),
+        (["--workers", "h:1", "--port", "x"], {}, "--port"),
+        (["--workers", "h:1"], {"SLUICE_EDGE_PORT": "x"}, "SLUICE_EDGE_PORT"),
+        (["--workers", "h:1", "--heartbeat-interval", "0"], {}, "--heartbeat-interval"),
+        (["--workers", "h:1", "--max-body-bytes", "0"], {}, "--max-body-bytes"),
+    ],
+)
+def test_bad_values_exit_with_a_message_naming_the_setting(
+    argv: list[str], env: dict[str, str], names: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as caught:
+        Settings.from_args(argv, env=env)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert names in err and "Traceback" not in err
+
+
+def test_settings_are_frozen() -> None:
+    settings = Settings(workers=("a:1",))
+    with pytest.raises(AttributeError):
+        settings.port = 1  # type: ignore[misc]
