@@ -70,11 +70,11 @@ class EngineStats:
 
 @dataclass
 class _Choice:
+    key: tuple[str, int]  # the runner's row key
     index: int
     sampler: SequenceSampler
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
-    cache: Any = None
     last_token: int = 0
     generated: int = 0
     finished: bool = False
@@ -108,9 +108,9 @@ class _RequestState:
     def done(self) -> bool:
         return all(choice.finished for choice in self.choices)
 
-    def release(self) -> None:
-        for choice in self.choices:
-            choice.cache = None
+    @property
+    def row_keys(self) -> list[tuple[str, int]]:
+        return [choice.key for choice in self.choices]
 
 
 class RequestStream:
@@ -194,7 +194,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         key = f"{request.request_id}#{next(self._ids)}"
         stream = RequestStream(self, key, loop)
-        state = _RequestState(key, request, self._new_choices(request), stream.deliver)
+        state = _RequestState(key, request, self._new_choices(key, request), stream.deliver)
         with self._cv:
             self._scheduler.add(state)
             self.counters.requests_submitted += 1
@@ -214,17 +214,18 @@ class Engine:
                 waiting_requests=len(self._scheduler.waiting),
                 running_requests=len(running),
                 running_sequences=sum(r.num_sequences for r in running),
-                live_caches=sum(1 for r in running for c in r.choices if c.cache is not None),
+                live_caches=self._runner.live_rows,
                 counters=EngineCounters(**vars(self.counters)),
             )
 
     # --------------------------------------------------------------- loop
 
-    def _new_choices(self, request: GenerationRequest) -> list[_Choice]:
+    def _new_choices(self, key: str, request: GenerationRequest) -> list[_Choice]:
         opts = request.sampling
         blocked = blocked_ids(self._eos, opts)
         return [
             _Choice(
+                key=(key, i),
                 index=i,
                 sampler=SequenceSampler(opts, request.prompt_token_ids, blocked, seed_offset=i),
                 detokenizer=IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids),
@@ -257,26 +258,33 @@ class Engine:
         for key in aborts:
             removed = self._scheduler.remove(key)
             if removed is not None:
-                removed.release()
+                self._runner.release(removed.row_keys)
                 self.counters.requests_cancelled += 1
 
     def _step(self, plan: StepPlan[_RequestState]) -> None:
+        """Prefill the new requests (first token), then decode every running row once."""
         self.counters.steps += 1
         events: dict[str, list[Any]] = {}
-        now = time.monotonic()
-        for state in plan.prefill:
-            state.admitted_time = now
-            logits, cache = self._runner.prefill(state.request.prompt_token_ids)
-            for choice in state.choices:
-                choice.cache = cache if choice.index == 0 else self._runner.fork(cache)
-            for choice in state.choices:
-                self._take(state, choice, logits, events)
-        batch = [(s, c) for s in plan.decode for c in s.choices if not c.finished and c.cache is not None]
-        if batch:
-            rows = self._runner.decode([(c.last_token, c.cache) for _, c in batch])
-            for (state, choice), logits in zip(batch, rows, strict=True):
-                self._take(state, choice, logits, events)
+        if plan.prefill:
+            now = time.monotonic()
+            logits, prefilled = self._runner.prefill([s.request.prompt_token_ids for s in plan.prefill])
+            self._runner.admit(prefilled, [(i, c.key) for i, s in enumerate(plan.prefill) for c in s.choices])
+            for row, state in enumerate(plan.prefill):
+                state.admitted_time = now
+                for choice in state.choices:
+                    self._take(state, choice, logits[row], events)
+            self._release_finished(plan.prefill)
+        live = {c.key: (s, c) for s in plan.decode + plan.prefill for c in s.choices if not c.finished}
+        if live:
+            keys = self._runner.row_keys
+            rows = self._runner.decode({key: live[key][1].last_token for key in keys})
+            for key, logits in zip(keys, rows, strict=True):
+                self._take(*live[key], logits, events)
+        self._release_finished(plan.prefill + plan.decode)
         self._publish(plan.prefill + plan.decode, events)
+
+    def _release_finished(self, states: list[_RequestState]) -> None:
+        self._runner.release(c.key for s in states for c in s.choices if c.finished)
 
     def _take(self, state: _RequestState, choice: _Choice, logits: Any, events: dict[str, list[Any]]) -> None:
         """Samples one token for a choice and turns it into events."""
@@ -337,7 +345,6 @@ class Engine:
                 tail += choice.stops.flush()
             self._emit(state, choice, tail, out)
         choice.finished = True
-        choice.cache = None
         arrival = state.request.arrival_time
         first = choice.first_token_time or arrival
         timings = Timings(
@@ -364,10 +371,12 @@ class Engine:
                 state.sink(batch)
 
     def _fail(self, states: list[_RequestState], message: str) -> None:
+        # The batch's cache state is unknown after a failed step: drop it all
+        # (``states`` is every running request).
+        self._runner.reset()
         with self._cv:
             for state in states:
                 if self._scheduler.remove(state.key) is not None:
                     self.counters.requests_failed += 1
-                state.release()
         for state in states:
             state.sink([Failed(message), _END])
