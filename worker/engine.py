@@ -23,9 +23,11 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from worker.detokenizer import IncrementalDetokenizer, TokenTexts
 from worker.model_runner import ModelRunner
-from worker.sampler import SequenceSampler, blocked_ids
+from worker.sampler import SequenceSampler, blocked_ids, choose_batch
 from worker.scheduler import Scheduler, StepPlan
 from worker.stop_strings import StopStringMatcher
 from worker.types import (
@@ -268,29 +270,42 @@ class Engine:
         if plan.prefill:
             now = time.monotonic()
             logits, prefilled = self._runner.prefill([s.request.prompt_token_ids for s in plan.prefill])
-            self._runner.admit(prefilled, [(i, c.key) for i, s in enumerate(plan.prefill) for c in s.choices])
-            for row, state in enumerate(plan.prefill):
+            admitted = [(i, s, c) for i, s in enumerate(plan.prefill) for c in s.choices]
+            self._runner.admit(prefilled, [(i, c.key) for i, _, c in admitted])
+            for state in plan.prefill:
                 state.admitted_time = now
-                for choice in state.choices:
-                    self._take(state, choice, logits[row], events)
+            rows = logits[torch.tensor([i for i, _, _ in admitted])]
+            self._take([(s, c) for _, s, c in admitted], rows, events)
             self._release_finished(plan.prefill)
         live = {c.key: (s, c) for s in plan.decode + plan.prefill for c in s.choices if not c.finished}
         if live:
             keys = self._runner.row_keys
-            rows = self._runner.decode({key: live[key][1].last_token for key in keys})
-            for key, logits in zip(keys, rows, strict=True):
-                self._take(*live[key], logits, events)
+            logits = self._runner.decode({key: live[key][1].last_token for key in keys})
+            self._take([live[key] for key in keys], logits, events)
         self._release_finished(plan.prefill + plan.decode)
         self._publish(plan.prefill + plan.decode, events)
 
     def _release_finished(self, states: list[_RequestState]) -> None:
         self._runner.release(c.key for s in states for c in s.choices if c.finished)
 
-    def _take(self, state: _RequestState, choice: _Choice, logits: Any, events: dict[str, list[Any]]) -> None:
-        """Samples one token for a choice and turns it into events."""
-        token_id, logprob = choice.sampler.choose(logits, self._token_texts)
-        out = events.setdefault(state.key, [])
+    def _take(
+        self, rows: list[tuple[_RequestState, _Choice]], logits: torch.Tensor, events: dict[str, list[Any]]
+    ) -> None:
+        """Samples one token for each row (state, choice) and turns the tokens into events."""
+        picks = choose_batch(logits, [c.sampler for _, c in rows], self._token_texts)
         now = time.monotonic()
+        for (state, choice), (token_id, logprob) in zip(rows, picks, strict=True):
+            self._advance(state, choice, token_id, logprob, now, events.setdefault(state.key, []))
+
+    def _advance(
+        self,
+        state: _RequestState,
+        choice: _Choice,
+        token_id: int,
+        logprob: TokenLogprob | None,
+        now: float,
+        out: list[Any],
+    ) -> None:
         if choice.first_token_time is None:
             choice.first_token_time = now
         choice.last_token_time = now

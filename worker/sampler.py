@@ -10,6 +10,8 @@ vLLM's documented behaviour):
 3. temperature 0 takes the argmax; otherwise temperature, top_k, top_p and
    min_p filter, and one token is drawn with the sequence's own generator, so
    a seeded request gives the same tokens whatever else runs in the batch.
+
+The engine calls :func:`choose_batch` once per step for all rows.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class SequenceSampler:
     seed_offset: int = 0
     generator: torch.Generator = field(init=False)
     _counts: dict[int, int] = field(default_factory=dict, init=False)
+    _generated: int = field(default=0, init=False)
     _bias_ids: torch.Tensor | None = field(default=None, init=False)
     _bias_values: torch.Tensor | None = field(default=None, init=False)
 
@@ -51,32 +54,29 @@ class SequenceSampler:
 
     def record(self, token_id: int) -> None:
         self._counts[token_id] = self._counts.get(token_id, 0) + 1
+        self._generated += 1
 
     @property
     def generated(self) -> int:
-        return sum(self._counts.values())
+        return self._generated
 
     def choose(self, logits: torch.Tensor, token_info: TokenInfo) -> tuple[int, TokenLogprob | None]:
         """Picks the next token from one row of logits (shape [vocab]); returns it and its logprob."""
-        logits = logits.float()
-        logprob_entry = None
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if self.options.logprobs is not None else None
-        logits = self._process(logits)
-        token_id = self._draw(logits)
-        if raw_logprobs is not None:
-            logprob_entry = _logprob_entry(raw_logprobs, token_id, self.options.logprobs or 0, token_info)
-        return token_id, logprob_entry
+        return choose_batch(logits[None], [self], token_info)[0]
 
-    def _process(self, logits: torch.Tensor) -> torch.Tensor:
+    @property
+    def needs_processing(self) -> bool:
         opts = self.options
-        needs_copy = (
+        return bool(
             self._bias_ids is not None
             or opts.repetition_penalty != 1.0
             or (self._counts and (opts.presence_penalty or opts.frequency_penalty))
             or (self.blocked_before_min and self.generated < opts.min_tokens)
         )
-        if not needs_copy:
-            return logits
+
+    def process(self, logits: torch.Tensor) -> torch.Tensor:
+        """Applies logit_bias, penalties and the min_tokens mask to one row (a new tensor)."""
+        opts = self.options
         logits = logits.clone()
         if self._bias_ids is not None and self._bias_values is not None:
             logits.index_add_(0, self._bias_ids, self._bias_values)
@@ -95,24 +95,67 @@ class SequenceSampler:
             logits[torch.tensor(sorted(self.blocked_before_min), dtype=torch.long)] = float("-inf")
         return logits
 
-    def _draw(self, logits: torch.Tensor) -> int:
-        opts = self.options
-        if opts.greedy:
-            return int(torch.argmax(logits))
-        logits = logits / opts.temperature
-        if 0 < opts.top_k < logits.numel():
-            kth = torch.topk(logits, opts.top_k).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        if opts.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
+
+def choose_batch(
+    logits: torch.Tensor, samplers: list[SequenceSampler], token_info: TokenInfo
+) -> list[tuple[int, TokenLogprob | None]]:
+    """Picks one token per row of ``logits`` [rows, vocab], row ``i`` with ``samplers[i]``.
+
+    Work is batched across rows where the rows allow it: one argmax for all
+    greedy rows; one softmax and one inverse-CDF draw for all sampled rows.
+    Each row's uniform number comes from the row's own generator, so a seeded
+    row draws the same tokens whatever shares its batch.
+    """
+    logits = logits.float()
+    rows = len(samplers)
+    with_logprobs = [i for i, s in enumerate(samplers) if s.options.logprobs is not None]
+    raw_logprobs = torch.log_softmax(logits[with_logprobs], dim=-1) if with_logprobs else None
+    processed = [i for i, s in enumerate(samplers) if s.needs_processing]
+    if processed:
+        logits = logits.clone()
+        for i in processed:
+            logits[i] = samplers[i].process(logits[i])
+    tokens = [0] * rows
+    greedy = [i for i, s in enumerate(samplers) if s.options.greedy]
+    if greedy:
+        for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
+            tokens[i] = int(token)
+    sampled = [i for i, s in enumerate(samplers) if not s.options.greedy]
+    if sampled:
+        for i, token in zip(sampled, _draw([samplers[i] for i in sampled], logits[sampled]), strict=True):
+            tokens[i] = token
+    results: list[tuple[int, TokenLogprob | None]] = [(token, None) for token in tokens]
+    if raw_logprobs is not None:
+        for row, i in enumerate(with_logprobs):
+            top_n = samplers[i].options.logprobs or 0
+            results[i] = (tokens[i], _logprob_entry(raw_logprobs[row], tokens[i], top_n, token_info))
+    return results
+
+
+def _draw(samplers: list[SequenceSampler], logits: torch.Tensor) -> list[int]:
+    temperatures = torch.tensor([s.options.temperature for s in samplers], dtype=torch.float32)
+    logits = logits / temperatures[:, None]
+    for row, sampler in enumerate(samplers):
+        top_k = sampler.options.top_k
+        if 0 < top_k < logits.shape[-1]:
+            kth = torch.topk(logits[row], top_k).values[-1]
+            logits[row] = logits[row].masked_fill(logits[row] < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    for row, sampler in enumerate(samplers):
+        top_p = sampler.options.top_p
+        if top_p < 1.0:
+            sorted_probs, order = torch.sort(probs[row], descending=True)
             # Keep the smallest set whose mass reaches top_p (always at least one token).
-            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= opts.top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        if opts.min_p > 0.0:
-            probs = probs.masked_fill(probs < opts.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            drop = torch.cumsum(sorted_probs, dim=-1) - sorted_probs >= top_p
+            probs[row] = torch.zeros_like(probs[row]).scatter_(0, order, sorted_probs.masked_fill(drop, 0.0))
+    min_p = torch.tensor([s.options.min_p for s in samplers], dtype=torch.float32)
+    if bool((min_p > 0).any()):
+        probs = probs.masked_fill(probs < min_p[:, None] * probs.max(dim=-1, keepdim=True).values, 0.0)
+    # Inverse-CDF draw: one uniform number per row from the row's own generator.
+    uniform = torch.cat([torch.rand(1, generator=s.generator) for s in samplers])
+    cdf = probs.cumsum(dim=-1)
+    picks = torch.searchsorted(cdf, (uniform * cdf[:, -1])[:, None]).clamp_(max=probs.shape[-1] - 1)
+    return [int(t) for t in picks[:, 0].tolist()]
 
 
 def _logprob_entry(logprobs: torch.Tensor, token_id: int, top_n: int, token_info: TokenInfo) -> TokenLogprob:

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from worker.sampler import SequenceSampler, blocked_ids
+from worker.sampler import SequenceSampler, blocked_ids, choose_batch
 from worker.types import SamplingOptions
 
 VOCAB = 50
@@ -115,3 +115,23 @@ def test_logprobs_are_the_raw_log_softmax_whatever_the_temperature(logits):
 
 def test_no_logprobs_unless_asked(logits):
     assert make(SamplingOptions()).choose(logits, info)[1] is None
+
+
+def test_batched_draw_follows_the_softmax_distribution():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    samplers = [make(SamplingOptions(seed=s)) for s in range(4)]
+    counts = torch.zeros(4)
+    for _ in range(1500):
+        for token, _ in choose_batch(logits.repeat(4, 1), samplers, info):
+            counts[token] += 1
+    freq = counts / counts.sum()
+    assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.02), freq
+
+
+def test_batched_choice_equals_row_by_row_choice(logits):
+    rows = torch.stack([logits, logits * 0.5, logits * 2, logits.flip(0)])
+    options = [SamplingOptions(seed=1), SamplingOptions(temperature=0), SamplingOptions(seed=2, top_p=0.8),
+               SamplingOptions(seed=3, top_k=5, logprobs=2)]
+    batched = choose_batch(rows, [make(o) for o in options], info)
+    alone = [make(o).choose(row, info) for o, row in zip(options, rows, strict=True)]
+    assert batched == alone

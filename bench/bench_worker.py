@@ -1,0 +1,345 @@
+"""Engine benchmark: concurrent streams against a Sluice worker (gRPC) and, optionally, the peer.
+
+Usage::
+
+    python bench/bench_worker.py                      # starts a worker with the default model
+    python bench/bench_worker.py --peer               # ... and compares with `transformers serve --continuous-batching`
+    python bench/bench_worker.py --worker 127.0.0.1:50051 --concurrency 1,16
+
+For each concurrency level C, C streams start at once; request i asks for
+64 + (37 * i mod 65) tokens (64 to 128) at temperature 1 for one of a few
+story prompts, so both servers get the same load. Printed per level:
+aggregate completion tokens/s (all tokens / wall time), time to first token
+p50/p95, inter-token gap p50/p95; then the 16-to-1 throughput ratio and, with
+--peer, Sluice / peer ratios. Both servers stay up (each idles at no CPU)
+while the load alternates between them, level by level, for --rounds rounds;
+the summary takes each level's median run, so a noisy moment on this shared
+machine does not decide a ratio.
+The peer needs `pip install "transformers[serving]"` and loads the same
+converted checkpoint the worker uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from sluice.v1 import worker_pb2 as pb  # noqa: E402
+from sluice.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
+
+PROMPTS = [
+    "Write a long story about a dragon who learns to cook.",
+    "Explain in detail how a steam engine works.",
+    "Describe a journey across the ocean on a small sailing boat.",
+    "Write a long letter to a friend about your favourite books.",
+]
+
+
+@dataclass
+class StreamResult:
+    tokens: int = 0
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    wall: float
+    results: list[StreamResult]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(r.tokens for r in self.results) / self.wall
+
+    def ttft(self, q: float) -> float:
+        return quantile([r.ttft for r in self.results if r.ttft is not None], q)
+
+    def gap(self, q: float) -> float:
+        return quantile([g for r in self.results for g in r.gaps], q)
+
+
+def quantile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def load(i: int) -> tuple[str, int]:
+    return PROMPTS[i % len(PROMPTS)], 64 + (37 * i) % 65
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+# ------------------------------------------------------------------ Sluice
+
+
+async def sluice_stream(stub: pb_grpc.WorkerStub, i: int) -> StreamResult:
+    prompt, max_tokens = load(i)
+    request = pb.GenerateRequest(
+        chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content=prompt)]),
+        sampling=pb.SamplingParams(temperature=1.0, max_tokens=max_tokens),
+    )
+    result, start, last = StreamResult(), time.perf_counter(), None
+    async for event in stub.Generate(request):
+        kind = event.WhichOneof("event")
+        if kind == "content":
+            now = time.perf_counter()
+            if result.ttft is None:
+                result.ttft = now - start
+            elif last is not None:
+                result.gaps.append(now - last)
+            last = now
+        elif kind == "usage":
+            result.tokens = event.usage.completion_tokens
+    return result
+
+
+async def sluice_level(stub: pb_grpc.WorkerStub, c: int) -> LevelResult:
+    start = time.perf_counter()
+    results = await asyncio.gather(*[sluice_stream(stub, i) for i in range(c)])
+    return LevelResult(c, time.perf_counter() - start, list(results))
+
+
+def start_worker(cache_dir: str | None) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "worker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "0",
+        "--max-running",
+        "32",
+        "--log-level",
+        "WARNING",
+    ]
+    if cache_dir:
+        args += ["--cache-dir", cache_dir]
+    proc = subprocess.Popen(args, cwd=REPO)
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return proc, f"127.0.0.1:{port}"
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the worker did not start")
+
+
+# -------------------------------------------------------------------- peer
+
+
+async def peer_stream(client: httpx.AsyncClient, url: str, model: str, i: int) -> StreamResult:
+    prompt, max_tokens = load(i)
+    body = {
+        "model": model,
+        "stream": True,
+        "max_tokens": max_tokens,
+        "temperature": 1.0,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream_options": {"include_usage": True},
+    }
+    result, start, last, chunks, usage = StreamResult(), time.perf_counter(), None, 0, None
+    async with client.stream("POST", url, json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"].get("completion_tokens")
+            if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
+                now = time.perf_counter()
+                chunks += 1
+                if result.ttft is None:
+                    result.ttft = now - start
+                elif last is not None:
+                    result.gaps.append(now - last)
+                last = now
+    result.tokens = usage or chunks
+    return result
+
+
+async def peer_level(client: httpx.AsyncClient, url: str, model: str, c: int) -> LevelResult:
+    start = time.perf_counter()
+    results = await asyncio.gather(*[peer_stream(client, url, model, i) for i in range(c)])
+    return LevelResult(c, time.perf_counter() - start, list(results))
+
+
+def start_peer(model_dir: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    exe = Path(sys.executable).with_name("transformers")
+    proc = subprocess.Popen(
+        [
+            str(exe),
+            "serve",
+            "--continuous-batching",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--device",
+            "cpu",
+            model_dir,
+        ],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if proc.poll() is not None:
+            raise SystemExit("the peer exited; is transformers[serving] installed?")
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("the peer did not start")
+
+
+def default_model_dir(cache_dir: str | None) -> str:
+    from worker.model_loader import converted_gguf_folder, default_gguf_path
+
+    return str(
+        converted_gguf_folder(default_gguf_path(), Path(cache_dir or Path.home() / ".cache" / "sluice"))
+    )
+
+
+# ------------------------------------------------------------------ report
+
+
+def report(name: str, r: LevelResult) -> None:
+    tokens = sum(x.tokens for x in r.results)
+    print(
+        f"{name:>6} c={r.concurrency:<3} {r.tokens_per_s:7.1f} tok/s  ({tokens} tokens in {r.wall:5.1f} s)  "
+        f"ttft p50 {r.ttft(0.5):5.2f} s p95 {r.ttft(0.95):5.2f} s  "
+        f"gap p50 {r.gap(0.5) * 1000:6.1f} ms p95 {r.gap(0.95) * 1000:6.1f} ms",
+        flush=True,
+    )
+
+
+def median_level(runs: list[LevelResult]) -> LevelResult:
+    """The run with the median throughput (its latencies are reported with it)."""
+    return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
+
+
+def summary(sluice: dict[int, LevelResult], peer: dict[int, LevelResult]) -> None:
+    print("\nsummary (median run of each level)")
+    for name, results in (("sluice", sluice), ("peer", peer)):
+        for level in results.values():
+            report(name, level)
+    for name, results in (("sluice", sluice), ("peer", peer)):
+        if 1 in results and 16 in results:
+            print(
+                f"  {name} 16-to-1 throughput ratio: {results[16].tokens_per_s / results[1].tokens_per_s:.2f}x"
+            )
+    for c, ours in sluice.items():
+        if c in peer:
+            print(
+                f"  c={c:<3} sluice/peer throughput {ours.tokens_per_s / peer[c].tokens_per_s:.2f}x, "
+                f"ttft p95 sluice {ours.ttft(0.95):.2f} s vs peer {peer[c].ttft(0.95):.2f} s"
+            )
+
+
+async def measure(
+    address: str, peer_base: str | None, peer_model: str, levels: list[int], rounds: int
+) -> tuple[dict[int, LevelResult], dict[int, LevelResult]]:
+    """Runs every level ``rounds`` times, Sluice and the peer alternating, one at a time."""
+    ours: dict[int, list[LevelResult]] = {c: [] for c in levels}
+    theirs: dict[int, list[LevelResult]] = {c: [] for c in levels}
+    url = f"{peer_base}/v1/chat/completions"
+    async with grpc.aio.insecure_channel(address) as channel, httpx.AsyncClient(timeout=600) as client:
+        stub = pb_grpc.WorkerStub(channel)
+        await sluice_stream(stub, 0)  # warm-up
+        if peer_base:
+            await peer_stream(client, url, peer_model, 0)
+        for round_ in range(rounds):
+            for c in levels:
+                ours[c].append(await sluice_level(stub, c))
+                report(f"sluice r{round_ + 1}", ours[c][-1])
+                if peer_base:
+                    theirs[c].append(await peer_level(client, url, peer_model, c))
+                    report(f"peer r{round_ + 1}", theirs[c][-1])
+    return (
+        {c: median_level(r) for c, r in ours.items()},
+        {c: median_level(r) for c, r in theirs.items() if r},
+    )
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--worker", help="address of a running worker (default: start one)")
+    parser.add_argument(
+        "--peer", action="store_true", help="also run transformers serve --continuous-batching"
+    )
+    parser.add_argument("--concurrency", default="1,4,16,32")
+    parser.add_argument("--rounds", type=int, default=3, help="runs of each level; the median is reported")
+    parser.add_argument("--cache-dir", help="the worker's converted-model cache")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+
+    procs = []
+    try:
+        address = args.worker
+        if address is None:
+            proc, address = start_worker(args.cache_dir)
+            procs.append(proc)
+        peer_base, peer_model = None, ""
+        if args.peer:
+            peer_model = default_model_dir(args.cache_dir)
+            peer_proc, peer_base = start_peer(peer_model)
+            procs.append(peer_proc)
+        sluice, peer = asyncio.run(measure(address, peer_base, peer_model, levels, args.rounds))
+    finally:
+        for proc in procs:
+            stop(proc)
+    summary(sluice, peer)
+
+
+if __name__ == "__main__":
+    main()
