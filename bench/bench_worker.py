@@ -3,7 +3,7 @@
 Usage::
 
     python bench/bench_worker.py                      # starts a worker with the default model
-    python bench/bench_worker.py --peer               # ... and compares with `transformers serve --continuous-batching`
+    python bench/bench_worker.py --peer               # ... and compares with the peer
     python bench/bench_worker.py --worker 127.0.0.1:50051 --concurrency 1,16
 
 For each concurrency level C, C streams start at once; request i asks for
@@ -265,9 +265,8 @@ def summary(sluice: dict[int, LevelResult], peer: dict[int, LevelResult]) -> Non
             report(name, level)
     for name, results in (("sluice", sluice), ("peer", peer)):
         if 1 in results and 16 in results:
-            print(
-                f"  {name} 16-to-1 throughput ratio: {results[16].tokens_per_s / results[1].tokens_per_s:.2f}x"
-            )
+            ratio = results[16].tokens_per_s / results[1].tokens_per_s
+            print(f"  {name} 16-to-1 throughput ratio: {ratio:.2f}x")
     for c, ours in sluice.items():
         if c in peer:
             print(
