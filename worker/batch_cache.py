@@ -90,6 +90,15 @@ class BatchCache(Cache):
     def rows(self) -> int:
         return len(self.lengths)
 
+    @property
+    def allocated_bytes(self) -> int:
+        total = 0
+        for layer in self._layers():
+            for buffer in (layer.buffer_k, layer.buffer_v):
+                if buffer is not None:
+                    total += buffer.numel() * buffer.element_size()
+        return total
+
     def _layers(self) -> list[_BufferLayer]:
         return self.layers  # type: ignore[return-value]
 

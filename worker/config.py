@@ -31,7 +31,8 @@ class WorkerConfig:
     worker_id: str = ""
     max_running: int = 16
     max_queue: int = 256
-    prefill_chunk_tokens: int = 512
+    max_prefill_tokens: int = 1024
+    max_batch_tokens: int | None = None
     default_max_tokens: int | None = None
     metrics_port: int = 9090
     grace_period: float = 30.0
@@ -108,7 +109,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("--worker-id", default="", help="id reported in Started and ListModels (default host:port)")
     add("--max-running", type=_positive_int("--max-running"), default=16, help="sequences decoded at once")
     add("--max-queue", type=_positive_int("--max-queue"), default=256, help="requests waiting for a slot")
-    add("--prefill-chunk-tokens", type=_positive_int("--prefill-chunk-tokens"), default=512)
+    add(
+        "--max-prefill-tokens",
+        type=_positive_int("--max-prefill-tokens"),
+        default=1024,
+        help="prompt tokens (padded) prefilled per engine step; bounds the stall of running streams",
+    )
+    add(
+        "--max-batch-tokens",
+        type=_positive_int("--max-batch-tokens"),
+        default=None,
+        help="KV cache bound: sum over running sequences of prompt + max_tokens "
+        "(default: max-running x the model's context length)",
+    )
     add("--default-max-tokens", type=_positive_int("--default-max-tokens"), default=None)
     add("--metrics-port", type=_metrics_port, default=9090, help="Prometheus /metrics port (0 = off)")
     add(

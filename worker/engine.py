@@ -20,12 +20,13 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from worker.detokenizer import IncrementalDetokenizer, TokenTexts
+from worker.histogram import Histogram
 from worker.model_runner import ModelRunner
 from worker.sampler import SequenceSampler, blocked_ids, choose_batch
 from worker.scheduler import Scheduler, StepPlan
@@ -59,6 +60,7 @@ class EngineCounters:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     steps: int = 0
+    time_to_first_token: Histogram = field(default_factory=Histogram)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class EngineStats:
     running_requests: int
     running_sequences: int
     live_caches: int
+    cache_tokens: int
+    cache_bytes: int
+    reserved_tokens: int
     counters: EngineCounters
 
 
@@ -105,6 +110,10 @@ class _RequestState:
     @property
     def prompt_length(self) -> int:
         return len(self.request.prompt_token_ids)
+
+    @property
+    def reserved_tokens(self) -> int:
+        return (self.prompt_length + self.request.sampling.max_tokens) * len(self.choices)
 
     @property
     def done(self) -> bool:
@@ -164,14 +173,17 @@ class Engine:
         context_length: int,
         max_running: int = 16,
         max_queue: int = 256,
-        prefill_budget_tokens: int = 512,
+        prefill_budget_tokens: int = 1024,
+        max_batch_tokens: int | None = None,
     ):
         self._runner = runner
         self._tokenizer = tokenizer
         self._token_texts = TokenTexts(tokenizer)
         self._eos = frozenset(eos_token_ids)
         self._context_length = context_length
-        self._scheduler: Scheduler[_RequestState] = Scheduler(max_running, max_queue, prefill_budget_tokens)
+        self._scheduler: Scheduler[_RequestState] = Scheduler(
+            max_running, max_queue, prefill_budget_tokens, max_batch_tokens or max_running * context_length
+        )
         self._cv = threading.Condition()
         self._aborts: list[str] = []
         self._stopping = False
@@ -217,7 +229,10 @@ class Engine:
                 running_requests=len(running),
                 running_sequences=sum(r.num_sequences for r in running),
                 live_caches=self._runner.live_rows,
-                counters=EngineCounters(**vars(self.counters)),
+                cache_tokens=self._runner.cache_tokens,
+                cache_bytes=self._runner.cache_bytes,
+                reserved_tokens=self._scheduler.reserved_tokens,
+                counters=replace(self.counters, time_to_first_token=self.counters.time_to_first_token.copy()),
             )
 
     # --------------------------------------------------------------- loop
@@ -308,6 +323,7 @@ class Engine:
     ) -> None:
         if choice.first_token_time is None:
             choice.first_token_time = now
+            self.counters.time_to_first_token.observe(now - state.request.arrival_time)
         choice.last_token_time = now
         choice.sampler.record(token_id)
         choice.generated += 1
@@ -332,8 +348,10 @@ class Engine:
     def _at_context_end(self, state: _RequestState, choice: _Choice) -> bool:
         return state.prompt_length + choice.generated >= self._context_length
 
-    def _emit(self, state: _RequestState, choice: _Choice, text: str, out: list[Any]) -> None:
-        if not text:
+    def _emit(self, state: _RequestState, choice: _Choice, text: str, out: list[Any], final: bool = False) -> None:
+        """Sends text with the tokens (ids, logprobs) that produced it; ``final`` also flushes tokens that
+        produced no text (a special token, or bytes of an unfinished character at the end)."""
+        if not text and not (final and (choice.pending_ids or choice.pending_logprobs)):
             return
         ids = tuple(choice.pending_ids) if state.request.return_token_ids else ()
         out.append(ContentDelta(choice.index, text, ids, tuple(choice.pending_logprobs)))
@@ -358,7 +376,7 @@ class Engine:
                 reason, stop_string, stop_token = FinishReason.STOP, matched, None
             else:
                 tail += choice.stops.flush()
-            self._emit(state, choice, tail, out)
+            self._emit(state, choice, tail, out, final=True)
         choice.finished = True
         arrival = state.request.arrival_time
         first = choice.first_token_time or arrival

@@ -28,6 +28,14 @@ def render(stats: EngineStats, model_id: str) -> str:
             stats.running_sequences,
         ),
         ("sluice_worker_live_caches", "gauge", "sequences holding a KV cache", stats.live_caches),
+        ("sluice_worker_kv_cache_tokens", "gauge", "tokens held in the KV cache", stats.cache_tokens),
+        ("sluice_worker_kv_cache_bytes", "gauge", "bytes allocated for the KV cache", stats.cache_bytes),
+        (
+            "sluice_worker_reserved_tokens",
+            "gauge",
+            "prompt + max_tokens reserved by running sequences",
+            stats.reserved_tokens,
+        ),
         ("sluice_worker_requests_submitted_total", "counter", "requests admitted", c.requests_submitted),
         ("sluice_worker_requests_finished_total", "counter", "requests finished", c.requests_finished),
         (
@@ -49,6 +57,11 @@ def render(stats: EngineStats, model_id: str) -> str:
     lines = []
     for name, kind, help_text, value in rows:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{label} {value}"]
+    ttft = c.time_to_first_token
+    name = "sluice_worker_time_to_first_token_seconds"
+    lines += [f"# HELP {name} seconds from arrival to a choice's first token", f"# TYPE {name} histogram"]
+    lines += [f'{name}_bucket{{model="{model_id}",le="{le}"}} {count}' for le, count in ttft.cumulative()]
+    lines += [f"{name}_sum{label} {ttft.total}", f"{name}_count{label} {ttft.count}"]
     return "\n".join(lines) + "\n"
 
 

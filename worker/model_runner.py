@@ -42,6 +42,16 @@ class ModelRunner:
     def live_rows(self) -> int:
         return len(self._rows)
 
+    @property
+    def cache_tokens(self) -> int:
+        """Tokens held in the batch's KV cache (padding not counted)."""
+        return sum(self._batch.lengths)
+
+    @property
+    def cache_bytes(self) -> int:
+        """Bytes allocated for the batch's KV cache (padding and headroom included)."""
+        return self._batch.allocated_bytes
+
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, BatchCache]:
         """Runs the prompts in one left-padded forward.

@@ -2,10 +2,21 @@
 
 The scheduler owns two collections: ``waiting`` (a bounded FIFO of admitted
 requests) and ``running`` (requests whose sequences are in the batch). Each
-engine step asks :meth:`Scheduler.schedule` what to do; the scheduler moves
-waiting requests into the batch while there are free sequence slots and the
-step's prefill token budget allows, so a burst of long prompts cannot stall
-the running streams for more than one bounded prefill per step.
+engine step asks :meth:`Scheduler.schedule` what to do. A waiting request
+joins the batch when all of these hold:
+
+- a sequence slot is free for each of its choices (``max_running``);
+- its token reservation fits: every sequence reserves its prompt plus its
+  ``max_tokens``, so the KV cache can never outgrow ``max_batch_tokens``;
+- the step's prefill budget allows it: new prompts are prefilled together,
+  left-padded to the longest, so a step costs (new prompts) x (longest new
+  prompt) tokens, and that cost is kept under ``prefill_budget_tokens``. A
+  burst of long prompts therefore cannot stall the running streams for more
+  than one bounded prefill per step. The first admission of a step always
+  goes through, so a prompt longer than the budget still runs (alone).
+
+Admission is first come, first served: a request that does not fit blocks the
+ones behind it, so a large request is never starved by small ones.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from worker.errors import QueueFull
+from worker.errors import InvalidRequest, QueueFull
 
 
 class Schedulable(Protocol):
@@ -26,6 +37,9 @@ class Schedulable(Protocol):
 
     @property
     def prompt_length(self) -> int: ...
+
+    @property
+    def reserved_tokens(self) -> int: ...
 
 
 T = TypeVar("T", bound=Schedulable)
@@ -44,12 +58,13 @@ class StepPlan(Generic[T]):
 
 
 class Scheduler(Generic[T]):
-    """FCFS continuous-batching scheduler with a bounded queue and a per-step prefill budget."""
+    """FCFS continuous-batching scheduler with a bounded queue, token reservations and a prefill budget."""
 
-    def __init__(self, max_running: int, max_queue: int, prefill_budget_tokens: int):
+    def __init__(self, max_running: int, max_queue: int, prefill_budget_tokens: int, max_batch_tokens: int):
         self.max_running = max_running
         self.max_queue = max_queue
         self.prefill_budget_tokens = prefill_budget_tokens
+        self.max_batch_tokens = max_batch_tokens
         self.waiting: deque[T] = deque()
         self.running: list[T] = []
 
@@ -57,8 +72,22 @@ class Scheduler(Generic[T]):
     def running_sequences(self) -> int:
         return sum(item.num_sequences for item in self.running)
 
+    @property
+    def reserved_tokens(self) -> int:
+        return sum(item.reserved_tokens for item in self.running)
+
     def add(self, item: T) -> None:
-        """Queues a request; raises QueueFull (with a retry hint) when the queue is at its bound."""
+        """Queues a request.
+
+        Raises InvalidRequest when the request could never fit the batch, and
+        QueueFull (with a retry hint) when the queue is at its bound.
+        """
+        if item.reserved_tokens > self.max_batch_tokens:
+            raise InvalidRequest(
+                f"the request needs {item.reserved_tokens} tokens of cache (prompt + max_tokens, times n), "
+                f"more than this worker's limit of {self.max_batch_tokens}; lower max_tokens or n",
+                param="max_tokens",
+            )
         if len(self.waiting) >= self.max_queue:
             raise QueueFull(
                 f"the worker's queue is full ({self.max_queue} requests waiting); retry later",
@@ -79,19 +108,20 @@ class Scheduler(Generic[T]):
 
     def schedule(self) -> StepPlan[T]:
         plan: StepPlan[T] = StepPlan(decode=list(self.running))
-        free = self.max_running - self.running_sequences
-        budget = self.prefill_budget_tokens
+        free_slots = self.max_running - self.running_sequences
+        free_tokens = self.max_batch_tokens - self.reserved_tokens
+        longest = 0
         while self.waiting:
             head = self.waiting[0]
-            if head.num_sequences > free:
+            if head.num_sequences > free_slots or head.reserved_tokens > free_tokens:
                 break
-            # The first admission of a step always goes through, so a prompt
-            # longer than the budget still runs (alone).
-            if plan.prefill and head.prompt_length > budget:
+            padded_cost = (len(plan.prefill) + 1) * max(longest, head.prompt_length)
+            if plan.prefill and padded_cost > self.prefill_budget_tokens:
                 break
             self.waiting.popleft()
             plan.prefill.append(head)
             self.running.append(head)
-            free -= head.num_sequences
-            budget -= head.prompt_length
+            free_slots -= head.num_sequences
+            free_tokens -= head.reserved_tokens
+            longest = max(longest, head.prompt_length)
         return plan

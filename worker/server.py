@@ -69,7 +69,8 @@ def build_serving(config: WorkerConfig) -> ServingModel:
         context_length=loaded.context_length,
         max_running=config.max_running,
         max_queue=config.max_queue,
-        prefill_budget_tokens=config.prefill_chunk_tokens,
+        prefill_budget_tokens=config.max_prefill_tokens,
+        max_batch_tokens=config.max_batch_tokens or config.max_running * loaded.context_length,
     )
     engine.start()
     return ServingModel(

@@ -130,8 +130,12 @@ def test_batched_draw_follows_the_softmax_distribution():
 
 def test_batched_choice_equals_row_by_row_choice(logits):
     rows = torch.stack([logits, logits * 0.5, logits * 2, logits.flip(0)])
-    options = [SamplingOptions(seed=1), SamplingOptions(temperature=0), SamplingOptions(seed=2, top_p=0.8),
-               SamplingOptions(seed=3, top_k=5, logprobs=2)]
+    options = [
+        SamplingOptions(seed=1),
+        SamplingOptions(temperature=0),
+        SamplingOptions(seed=2, top_p=0.8),
+        SamplingOptions(seed=3, top_k=5, logprobs=2),
+    ]
     batched = choose_batch(rows, [make(o) for o in options], info)
     alone = [make(o).choose(row, info) for o, row in zip(options, rows, strict=True)]
     assert batched == alone
