@@ -35,6 +35,8 @@ class WorkerConfig:
     max_batch_tokens: int | None = None
     default_max_tokens: int | None = None
     metrics_port: int = 9090
+    blocked_phrases: tuple[str, ...] = ()
+    refusal_message: str = "I can't help with that."
     grace_period: float = 30.0
     log_level: str = "INFO"
 
@@ -83,6 +85,10 @@ def _seconds(name: str):
     return parse
 
 
+def _phrases(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
 def _choice(name: str, allowed: Sequence[str]):
     def parse(text: str) -> str:
         if text not in allowed and not (name == "--device" and text.startswith("cuda:")):
@@ -123,6 +129,17 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: max-running x the model's context length)",
     )
     add("--default-max-tokens", type=_positive_int("--default-max-tokens"), default=None)
+    add(
+        "--blocked-phrases",
+        type=_phrases,
+        default=(),
+        help="comma-separated phrases that end a choice with a refusal and finish_reason content_filter",
+    )
+    add(
+        "--refusal-message",
+        default="I can't help with that.",
+        help="the refusal sent when a phrase is blocked",
+    )
     add("--metrics-port", type=_metrics_port, default=9090, help="Prometheus /metrics port (0 = off)")
     add(
         "--grace-period",

@@ -15,6 +15,7 @@ from typing import Any
 
 from sluice.v1 import worker_pb2 as pb
 from worker.errors import InvalidRequest, ModelNotFound
+from worker.grammar import GrammarSpec
 from worker.prompt import CHAT_ROLES, ChatMessage, ChatPrompt, RawPrompt
 from worker.types import (
     ContentDelta,
@@ -43,6 +44,9 @@ class ParsedRequest:
     sampling: pb.SamplingParams
     return_token_ids: bool
     echo_prompt: bool
+    grammar: GrammarSpec | None = None
+    parse_tool_calls: bool = False
+    enable_thinking: bool | None = None
 
 
 def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedRequest:
@@ -50,14 +54,20 @@ def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedReque
         raise ModelNotFound(
             f"model {request.model!r} is not served here; this worker serves {served_model!r}", param="model"
         )
-    if request.response_format.WhichOneof("format") in ("json_object", "json_schema"):
-        raise InvalidRequest(
-            "response_format json_object / json_schema is not supported yet", param="response_format"
-        )
     kind = request.WhichOneof("input")
     prompt: ChatPrompt | RawPrompt
+    grammar, parse_tools, thinking = _response_format(request.response_format), False, None
     if kind == "chat":
         prompt = _chat_prompt(request.chat)
+        tool_grammar, parse_tools = _tool_choice(request.chat, prompt)
+        if tool_grammar is not None:
+            if grammar is not None:
+                raise InvalidRequest(
+                    "a tool_choice that forces a call cannot be combined with a JSON response_format",
+                    param="response_format",
+                )
+            grammar = tool_grammar
+        thinking = request.chat.enable_thinking if request.chat.HasField("enable_thinking") else None
     elif kind == "prompt":
         which = request.prompt.WhichOneof("prompt")
         if which == "token_ids":
@@ -72,14 +82,87 @@ def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedReque
         sampling=request.sampling,
         return_token_ids=request.return_token_ids,
         echo_prompt=request.echo_prompt,
+        grammar=grammar,
+        parse_tool_calls=parse_tools,
+        enable_thinking=thinking,
     )
+
+
+def _json_object(text: str, param: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"{param} is not valid JSON: {exc}", param=param) from exc
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"{param} must be a JSON object", param=param)
+    return value
+
+
+def _response_format(fmt: pb.ResponseFormat) -> GrammarSpec | None:
+    which = fmt.WhichOneof("format")
+    if which == "json_object":
+        return GrammarSpec("json_object")
+    if which == "json_schema":
+        param = "response_format.json_schema.schema"
+        if not fmt.json_schema.schema_json:
+            raise InvalidRequest(f"{param} is missing", param=param)
+        return GrammarSpec(
+            "json_schema", schema=_json_object(fmt.json_schema.schema_json, param), param=param
+        )
+    return None
+
+
+def _tools(chat: pb.ChatInput) -> list[dict[str, Any]]:
+    tools = []
+    names: set[str] = set()
+    for i, tool in enumerate(chat.tools):
+        if not tool.name:
+            raise InvalidRequest(f"tools[{i}].function.name is missing", param=f"tools[{i}].function.name")
+        if tool.name in names:
+            raise InvalidRequest(f"two tools are named {tool.name!r}", param=f"tools[{i}].function.name")
+        names.add(tool.name)
+        params = (
+            _json_object(tool.parameters_json, f"tools[{i}].function.parameters")
+            if tool.parameters_json
+            else {"type": "object", "properties": {}}
+        )
+        tools.append({"name": tool.name, "description": tool.description, "parameters": params})
+    return tools
+
+
+def _tool_choice(chat: pb.ChatInput, prompt: ChatPrompt) -> tuple[GrammarSpec | None, bool]:
+    """Returns (the grammar that forces a call, or None; whether to parse the output for calls)."""
+    choice = chat.tool_choice
+    which = choice.WhichOneof("choice")
+    mode = choice.mode if which == "mode" else pb.ToolChoice.MODE_UNSPECIFIED
+    if not chat.tools:
+        if which == "function_name" or mode == pb.ToolChoice.REQUIRED:
+            raise InvalidRequest(
+                "tool_choice asks for a tool call, but no tools were given", param="tool_choice"
+            )
+        return None, False
+    if mode == pb.ToolChoice.NONE:
+        return None, False
+    functions = tuple((t["name"], t["parameters"]) for t in prompt.tools)
+    if which == "function_name":
+        chosen = tuple(f for f in functions if f[0] == choice.function_name)
+        if not chosen:
+            raise InvalidRequest(
+                f"tool_choice names {choice.function_name!r}, which is not one of the tools",
+                param="tool_choice",
+            )
+        return GrammarSpec("tool_call", functions=chosen, param="tool_choice"), True
+    if mode == pb.ToolChoice.REQUIRED:
+        spec = GrammarSpec(
+            "tool_call", functions=functions, parallel=chat.parallel_tool_calls, param="tool_choice"
+        )
+        return spec, True
+    return None, True  # auto
 
 
 def _chat_prompt(chat: pb.ChatInput) -> ChatPrompt:
     if not chat.messages:
         raise InvalidRequest("messages must contain at least one message", param="messages")
-    if chat.tools:
-        raise InvalidRequest("tools are not supported yet by this worker", param="tools")
     messages = []
     for i, m in enumerate(chat.messages):
         if m.role not in CHAT_ROLES:
@@ -120,7 +203,14 @@ def _chat_prompt(chat: pb.ChatInput) -> ChatPrompt:
             )
     if chat.HasField("enable_thinking"):
         kwargs["enable_thinking"] = chat.enable_thinking
-    return ChatPrompt(messages=tuple(messages), template_kwargs=kwargs)
+    which = chat.tool_choice.WhichOneof("choice")
+    none = which == "mode" and chat.tool_choice.mode == pb.ToolChoice.NONE
+    forced = chat.tool_choice.function_name if which == "function_name" else ""
+    if which == "mode" and chat.tool_choice.mode == pb.ToolChoice.REQUIRED:
+        forced = "*"
+    # tool_choice "none": the model is not told about the tools.
+    tools = () if none else tuple(_tools(chat))
+    return ChatPrompt(messages=tuple(messages), tools=tools, template_kwargs=kwargs, forced_tool=forced)
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> float:

@@ -26,18 +26,20 @@ from typing import Any
 import torch
 
 from worker.detokenizer import IncrementalDetokenizer, TokenTexts
+from worker.grammar import GrammarCompiler, TokenConstraint
 from worker.histogram import Histogram
 from worker.model_runner import ModelRunner
+from worker.output_parser import ChoiceOutput
 from worker.sampler import SequenceSampler, blocked_ids, choose_batch
 from worker.scheduler import Scheduler, StepPlan
 from worker.stop_strings import StopStringMatcher
 from worker.types import (
-    ContentDelta,
     Event,
     Failed,
     Finished,
     FinishReason,
     GenerationRequest,
+    RefusalDelta,
     Timings,
     TokenLogprob,
     Usage,
@@ -82,11 +84,11 @@ class _Choice:
     sampler: SequenceSampler
     detokenizer: IncrementalDetokenizer
     stops: StopStringMatcher
+    output: ChoiceOutput
     last_token: int = 0
     generated: int = 0
     finished: bool = False
-    pending_ids: list[int] = field(default_factory=list)
-    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    reasoning_tokens: int = 0
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -175,12 +177,19 @@ class Engine:
         max_queue: int = 256,
         prefill_budget_tokens: int = 1024,
         max_batch_tokens: int | None = None,
+        blocked_phrases: tuple[str, ...] = (),
+        refusal_message: str = "I can't help with that.",
+        grammars: GrammarCompiler | None = None,
     ):
         self._runner = runner
         self._tokenizer = tokenizer
         self._token_texts = TokenTexts(tokenizer)
         self._eos = frozenset(eos_token_ids)
         self._context_length = context_length
+        # Worker-wide content rule: a blocked phrase ends the choice with a refusal and "content_filter".
+        self._blocked_phrases = tuple(blocked_phrases)
+        self._refusal_message = refusal_message
+        self._grammars = grammars
         self._scheduler: Scheduler[_RequestState] = Scheduler(
             max_running, max_queue, prefill_budget_tokens, max_batch_tokens or max_running * context_length
         )
@@ -244,12 +253,26 @@ class Engine:
             _Choice(
                 key=(key, i),
                 index=i,
-                sampler=SequenceSampler(opts, request.prompt_token_ids, blocked, seed_offset=i),
+                sampler=SequenceSampler(
+                    opts,
+                    request.prompt_token_ids,
+                    blocked,
+                    seed_offset=i,
+                    constraint=self._constraint(request),
+                ),
                 detokenizer=IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids),
-                stops=StopStringMatcher(opts.stop),
+                stops=StopStringMatcher(opts.stop + self._blocked_phrases),
+                output=ChoiceOutput(i, request.output),
             )
             for i in range(opts.n)
         ]
+
+    def _constraint(self, request: GenerationRequest) -> TokenConstraint | None:
+        if request.grammar is None:
+            return None
+        if self._grammars is None:
+            raise RuntimeError("a grammar-constrained request reached an engine without a grammar compiler")
+        return self._grammars.constraint(request.grammar)
 
     def _loop(self) -> None:
         while True:
@@ -333,30 +356,26 @@ class Engine:
         if token_id in opts.stop_token_ids or (not opts.ignore_eos and token_id in self._eos):
             self._finish(state, choice, FinishReason.STOP, out, stop_token=token_id)
             return
-        choice.pending_ids.append(token_id)
-        if logprob is not None:
-            choice.pending_logprobs.append(logprob)
+        if choice.output.thinking:
+            choice.reasoning_tokens += 1
+        choice.output.add_token(token_id if state.request.return_token_ids else None, logprob)
         text, matched = choice.stops.push(choice.detokenizer.push(token_id))
+        out += choice.output.push(text)
         if matched is not None:
-            self._emit(state, choice, text, out)
-            self._finish(state, choice, FinishReason.STOP, out, stop_string=matched)
+            if matched in self._blocked_phrases and matched not in opts.stop:
+                out.append(RefusalDelta(choice.index, self._refusal_message))
+                self._finish(state, choice, FinishReason.CONTENT_FILTER, out, stop_string=matched)
+            else:
+                self._finish(state, choice, FinishReason.STOP, out, stop_string=matched)
             return
-        self._emit(state, choice, text, out)
-        if choice.generated >= opts.max_tokens or self._at_context_end(state, choice):
+        constraint = choice.sampler.constraint
+        if constraint is not None and constraint.finished:
+            self._finish(state, choice, FinishReason.STOP, out)  # the grammar allows nothing more
+        elif choice.generated >= opts.max_tokens or self._at_context_end(state, choice):
             self._finish(state, choice, FinishReason.LENGTH, out)
 
     def _at_context_end(self, state: _RequestState, choice: _Choice) -> bool:
         return state.prompt_length + choice.generated >= self._context_length
-
-    def _emit(self, state: _RequestState, choice: _Choice, text: str, out: list[Any], final: bool = False) -> None:
-        """Sends text with the tokens (ids, logprobs) that produced it; ``final`` also flushes tokens that
-        produced no text (a special token, or bytes of an unfinished character at the end)."""
-        if not text and not (final and (choice.pending_ids or choice.pending_logprobs)):
-            return
-        ids = tuple(choice.pending_ids) if state.request.return_token_ids else ()
-        out.append(ContentDelta(choice.index, text, ids, tuple(choice.pending_logprobs)))
-        choice.pending_ids.clear()
-        choice.pending_logprobs.clear()
 
     def _finish(
         self,
@@ -368,6 +387,7 @@ class Engine:
         stop_string: str = "",
         stop_token: int | None = None,
     ) -> None:
+        tail = ""
         if not stop_string:
             # Release what the detokenizer and the stop matcher still hold;
             # the tail itself may complete a stop string.
@@ -376,7 +396,11 @@ class Engine:
                 reason, stop_string, stop_token = FinishReason.STOP, matched, None
             else:
                 tail += choice.stops.flush()
-            self._emit(state, choice, tail, out, final=True)
+        out += choice.output.finish(tail)
+        if reason is FinishReason.STOP and choice.output.tool_calls:
+            reason = FinishReason.TOOL_CALLS
+        if reason is FinishReason.CONTENT_FILTER:
+            stop_string = ""  # the blocked phrase is not shown to the caller
         choice.finished = True
         arrival = state.request.arrival_time
         first = choice.first_token_time or arrival
@@ -398,7 +422,8 @@ class Engine:
             batch = events.get(state.key, [])
             if state.done:
                 completion = sum(c.generated for c in state.choices)
-                batch.append(Usage(state.prompt_length, completion))
+                reasoning = sum(c.reasoning_tokens for c in state.choices)
+                batch.append(Usage(state.prompt_length, completion, reasoning_tokens=reasoning))
                 batch.append(_END)
             if batch:
                 state.sink(batch)

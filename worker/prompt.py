@@ -26,8 +26,21 @@ class ChatMessage:
 @dataclass(frozen=True)
 class ChatPrompt:
     messages: tuple[ChatMessage, ...]
-    tools: tuple[dict[str, Any], ...] = ()
+    tools: tuple[dict[str, Any], ...] = ()  # {"name", "description", "parameters"}
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    forced_tool: str = ""  # a function the answer must call; "*" = any of the tools
+
+
+TOOL_PROMPT = """You can call functions to help answer. These are the functions, one JSON object per line:
+{tools}
+
+To call a function, answer with a block like this for each call, and nothing else:
+<tool_call>
+{{"name": "<function name>", "arguments": {{<the arguments, as JSON>}}}}
+</tool_call>
+A function's result comes back in a <tool_response> block. If no function is needed, answer normally."""
+FORCED_ONE = "\nCall the function `{name}` now."
+FORCED_ANY = "\nCall one of the functions now."
 
 
 @dataclass(frozen=True)
@@ -41,7 +54,14 @@ class PromptRenderer:
 
     def __init__(self, tokenizer: Any):
         self._tokenizer = tokenizer
-        self.has_chat_template = bool(getattr(tokenizer, "chat_template", None))
+        template = getattr(tokenizer, "chat_template", None)
+        self.has_chat_template = bool(template)
+        # A template that reads a `tools` variable renders tools its own way; others get TOOL_PROMPT.
+        self.template_knows_tools = isinstance(template, str) and "tools" in template
+        # Reasoning models mark their thinking with <think> ... </think>.
+        self.thinks = (
+            isinstance(template, str) and "<think>" in template
+        ) or "<think>" in tokenizer.get_vocab()
         self.vocab_size = len(tokenizer)
 
     def render(self, prompt: ChatPrompt | RawPrompt) -> tuple[tuple[int, ...], str]:
@@ -71,10 +91,14 @@ class PromptRenderer:
             raise InvalidRequest(
                 "this model has no chat template; send a raw prompt instead", param="messages"
             )
-        messages = [self._message_dict(m) for m in prompt.messages]
         kwargs: dict[str, Any] = dict(prompt.template_kwargs)
-        if prompt.tools:
-            kwargs["tools"] = list(prompt.tools)
+        if prompt.tools and self.template_knows_tools:
+            kwargs["tools"] = [{"type": "function", "function": tool} for tool in prompt.tools]
+            messages = [self._message_dict(m) for m in prompt.messages]
+        elif prompt.tools or any(m.tool_calls or m.role == "tool" for m in prompt.messages):
+            messages = builtin_tool_messages(prompt)
+        else:
+            messages = [self._message_dict(m) for m in prompt.messages]
         try:
             text = self._tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=True, **kwargs
@@ -115,3 +139,37 @@ def _arguments(text: str) -> Any:
         return json.loads(text) if text else {}
     except json.JSONDecodeError:
         return text
+
+
+def _call_text(call: dict[str, Any]) -> str:
+    body = json.dumps({"name": call["name"], "arguments": _arguments(call["arguments"])}, ensure_ascii=False)
+    return f"<tool_call>\n{body}\n</tool_call>"
+
+
+def builtin_tool_messages(prompt: ChatPrompt) -> list[dict[str, Any]]:
+    """Messages for a template that knows no tools: the tools go into the system message (TOOL_PROMPT),
+    earlier calls into the assistant's text, and tool results into user turns as <tool_response> blocks."""
+    messages: list[dict[str, Any]] = []
+    for message in prompt.messages:
+        role = "system" if message.role == "developer" else message.role
+        content = message.content or ""
+        if message.tool_calls:
+            calls = "\n".join(_call_text(call) for call in message.tool_calls)
+            content = f"{content}\n{calls}" if content else calls
+        if role == "tool":
+            role, content = "user", f"<tool_response>\n{content}\n</tool_response>"
+        messages.append({"role": role, "content": content})
+    if prompt.tools:
+        listing = "\n".join(
+            json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in prompt.tools
+        )
+        instructions = TOOL_PROMPT.format(tools=listing)
+        if prompt.forced_tool == "*":
+            instructions += FORCED_ANY
+        elif prompt.forced_tool:
+            instructions += FORCED_ONE.format(name=prompt.forced_tool)
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = f"{messages[0]['content']}\n\n{instructions}"
+        else:
+            messages.insert(0, {"role": "system", "content": instructions})
+    return messages

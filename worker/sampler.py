@@ -7,6 +7,7 @@ vLLM's documented behaviour):
    any sampling transform (so they do not depend on temperature or top_p);
 2. logit_bias is added; repetition, presence and frequency penalties apply;
    stop tokens are masked while fewer than ``min_tokens`` were generated;
+   a grammar constraint, if any, masks every token it does not allow;
 3. temperature 0 takes the argmax; otherwise temperature, top_k, top_p and
    min_p filter, and one token is drawn with the sequence's own generator, so
    a seeded request gives the same tokens whatever else runs in the batch.
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from worker.grammar import TokenConstraint
 from worker.types import SamplingOptions, TokenLogprob, TopLogprob
 
 TokenInfo = Callable[[int], tuple[str, bytes]]
@@ -35,6 +37,7 @@ class SequenceSampler:
     prompt_token_ids: tuple[int, ...]
     blocked_before_min: frozenset[int]  # EOS and stop token ids
     seed_offset: int = 0
+    constraint: TokenConstraint | None = None  # grammar-constrained decoding
     generator: torch.Generator = field(init=False)
     _counts: dict[int, int] = field(default_factory=dict, init=False)
     _generated: int = field(default=0, init=False)
@@ -55,6 +58,8 @@ class SequenceSampler:
     def record(self, token_id: int) -> None:
         self._counts[token_id] = self._counts.get(token_id, 0) + 1
         self._generated += 1
+        if self.constraint is not None:
+            self.constraint.advance(token_id)
 
     @property
     def generated(self) -> int:
@@ -69,6 +74,7 @@ class SequenceSampler:
         opts = self.options
         return bool(
             self._bias_ids is not None
+            or self.constraint is not None
             or opts.repetition_penalty != 1.0
             or (self._counts and (opts.presence_penalty or opts.frequency_penalty))
             or (self.blocked_before_min and self.generated < opts.min_tokens)
@@ -93,6 +99,9 @@ class SequenceSampler:
             logits[ids] -= opts.frequency_penalty * counts + opts.presence_penalty
         if self.blocked_before_min and self.generated < opts.min_tokens:
             logits[torch.tensor(sorted(self.blocked_before_min), dtype=torch.long)] = float("-inf")
+        if self.constraint is not None:
+            # Last, so the grammar wins over bias and min_tokens: only allowed tokens can be drawn.
+            logits.masked_fill_(~self.constraint.allowed(logits.shape[-1]), float("-inf"))
         return logits
 
 

@@ -22,6 +22,7 @@ from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker import metrics
 from worker.config import WorkerConfig
 from worker.engine import Engine
+from worker.grammar import GrammarCompiler
 from worker.model_loader import ModelLoadError, load_model
 from worker.model_runner import ModelRunner
 from worker.prompt import PromptRenderer
@@ -62,19 +63,29 @@ def build_serving(config: WorkerConfig) -> ServingModel:
         dtype=config.dtype,
         cache_dir=config.cache_dir,
     )
+    eos = eos_token_ids(loaded.model, loaded.tokenizer)
+    grammars = GrammarCompiler(loaded.tokenizer, eos)
     engine = Engine(
         ModelRunner(loaded),
         loaded.tokenizer,
-        eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
+        eos_token_ids=eos,
         context_length=loaded.context_length,
         max_running=config.max_running,
         max_queue=config.max_queue,
         prefill_budget_tokens=config.max_prefill_tokens,
         max_batch_tokens=config.max_batch_tokens or config.max_running * loaded.context_length,
+        blocked_phrases=config.blocked_phrases,
+        refusal_message=config.refusal_message,
+        grammars=grammars,
     )
     engine.start()
     return ServingModel(
-        loaded, engine, PromptRenderer(loaded.tokenizer), config.max_running, config.default_max_tokens
+        loaded,
+        engine,
+        PromptRenderer(loaded.tokenizer),
+        grammars,
+        config.max_running,
+        config.default_max_tokens,
     )
 
 

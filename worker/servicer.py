@@ -15,9 +15,10 @@ from sluice.v1 import worker_pb2_grpc as pb_grpc
 from worker.convert import MAX_N, event_to_proto, parse_request, sampling_options
 from worker.engine import Engine
 from worker.errors import GenerationFailed, NotReady, WorkerError
+from worker.grammar import GrammarCompiler
 from worker.model_loader import LoadedModel
 from worker.prompt import PromptRenderer
-from worker.types import Failed, GenerationRequest
+from worker.types import Failed, GenerationRequest, OutputOptions
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +30,7 @@ class ServingModel:
     loaded: LoadedModel
     engine: Engine
     renderer: PromptRenderer
+    grammars: GrammarCompiler
     max_running: int
     default_max_tokens: int | None = None
 
@@ -79,6 +81,13 @@ class WorkerService(pb_grpc.WorkerServicer):
                 max_n=min(MAX_N, serving.max_running),
                 default_max_tokens=serving.default_max_tokens,
             )
+            grammar = serving.grammars.validate(parsed.grammar) if parsed.grammar is not None else None
+            output = OutputOptions(
+                tool_calls=parsed.parse_tool_calls,
+                reasoning=serving.renderer.thinks,
+                keep_reasoning=parsed.enable_thinking is not False,
+                starts_thinking=prompt_text.rstrip().endswith("<think>"),
+            )
             stream = serving.engine.submit(
                 GenerationRequest(
                     request_id=request_id,
@@ -86,6 +95,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                     sampling=options,
                     arrival_time=arrival,
                     return_token_ids=parsed.return_token_ids,
+                    output=output,
+                    grammar=grammar,
                 )
             )
         except WorkerError as exc:

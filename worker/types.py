@@ -42,6 +42,16 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class OutputOptions:
+    """How a request's output text is parsed into events."""
+
+    tool_calls: bool = False  # tools were given and tool_choice is not "none"
+    reasoning: bool = False  # the model thinks between <think> markers
+    keep_reasoning: bool = True  # False: thinking was turned off; drop any that appears
+    starts_thinking: bool = False  # the prompt already opened the thinking block
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A tokenized request, ready for the scheduler."""
 
@@ -50,6 +60,8 @@ class GenerationRequest:
     sampling: SamplingOptions
     arrival_time: float
     return_token_ids: bool = False
+    output: OutputOptions = OutputOptions()
+    grammar: str | None = None  # an llguidance grammar (worker.grammar); None = unconstrained
 
 
 class FinishReason(enum.Enum):

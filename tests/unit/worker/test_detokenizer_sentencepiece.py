@@ -35,7 +35,9 @@ def tokenizer() -> PreTrainedTokenizerFast:
     for token in data["added_tokens"]:
         token["special"] = token["content"] in ("<unk>", "<s>", "</s>")
     core = Tokenizer.from_str(json.dumps(data))
-    return PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,99 @@
+"""A choice's generated text → content, reasoning and tool-call events.
+
+Text goes through the reasoning parser first (thinking becomes reasoning
+deltas), then the answer goes through the tool-call parser (calls become
+tool-call deltas, everything else content). Both are optional per request.
+Token ids and logprobs travel with the first content or reasoning delta of a
+step; tokens that only produced tool-call text carry none (OpenAI reports no
+logprobs for tool calls).
+"""
+
+from __future__ import annotations
+
+from worker.reasoning import ReasoningParser
+from worker.tool_calls import CallPiece, Piece, ToolCallParser
+from worker.types import ContentDelta, OutputOptions, ReasoningDelta, TokenLogprob, ToolCallDelta
+
+OutputEvent = ContentDelta | ReasoningDelta | ToolCallDelta
+
+
+class ChoiceOutput:
+    """One per choice. Call order: ``add_token`` per generated token, ``push`` for each piece of text the
+    detokenizer and stop matcher release, ``finish`` once at the end."""
+
+    def __init__(self, choice_index: int, options: OutputOptions):
+        self.index = choice_index
+        self.options = options
+        self._reasoning = ReasoningParser(options.starts_thinking) if options.reasoning else None
+        self._tools = ToolCallParser() if options.tool_calls else None
+        self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
+
+    @property
+    def tool_calls(self) -> int:
+        return self._tools.calls if self._tools is not None else 0
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the text so far ended inside the thinking block (for counting reasoning tokens)."""
+        return self._reasoning is not None and self._reasoning.in_thinking
+
+    def add_token(self, token_id: int | None, logprob: TokenLogprob | None) -> None:
+        """Records a generated token (its id only when the caller asked for ids)."""
+        if token_id is not None:
+            self._ids.append(token_id)
+        if logprob is not None:
+            self._logprobs.append(logprob)
+
+    def push(self, text: str) -> list[OutputEvent]:
+        if not text:
+            return []
+        pieces = self._reasoning.push(text) if self._reasoning is not None else [("content", text)]
+        return self._attach(self._events(pieces), final=False)
+
+    def finish(self, text: str) -> list[OutputEvent]:
+        pieces = self._reasoning.push(text) if self._reasoning is not None and text else []
+        if self._reasoning is not None:
+            pieces += self._reasoning.finish()
+        elif text:
+            pieces = [("content", text)]
+        events = self._events(pieces)
+        if self._tools is not None:
+            events += [self._convert(piece) for piece in self._tools.finish()]
+        return self._attach(events, final=True)
+
+    def _events(self, pieces: list[tuple[str, str]]) -> list[OutputEvent]:
+        events: list[OutputEvent] = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                if self.options.keep_reasoning:
+                    events.append(ReasoningDelta(self.index, text))
+            elif self._tools is None:
+                events.append(ContentDelta(self.index, text))
+            else:
+                events += [self._convert(piece) for piece in self._tools.push(text)]
+        return events
+
+    def _convert(self, piece: Piece) -> OutputEvent:
+        if isinstance(piece, CallPiece):
+            return ToolCallDelta(self.index, piece.tool_index, piece.arguments, piece.call_id, piece.name)
+        return ContentDelta(self.index, piece.text)
+
+    def _attach(self, events: list[OutputEvent], final: bool) -> list[OutputEvent]:
+        """Puts the pending tokens on the first content or reasoning delta; keeps them while the parsers
+        hold text back; drops them for tokens that only made tool calls."""
+        if not self._ids and not self._logprobs:
+            return events
+        ids, logprobs = tuple(self._ids), tuple(self._logprobs)
+        for position, event in enumerate(events):
+            if isinstance(event, ContentDelta | ReasoningDelta):
+                events[position] = type(event)(event.choice_index, event.text, ids, logprobs)
+                self._ids, self._logprobs = [], []
+                return events
+        if any(isinstance(e, ToolCallDelta) for e in events):
+            self._ids, self._logprobs = [], []
+        elif final:
+            # Tokens that produced no text at the end (a special token, an unfinished character).
+            events.append(ContentDelta(self.index, "", ids, logprobs))
+            self._ids, self._logprobs = [], []
+        return events

@@ -1,0 +1,83 @@
+"""Separates a reasoning model's thinking (between ``<think>`` and ``</think>``) from its answer.
+
+:class:`ReasoningParser` takes the generated text in deltas of any size and
+returns (kind, text) pieces, kind "reasoning" or "content"; the markers never
+reach either. Only a block at the very start of the answer (after optional
+white space) counts as thinking; white space between ``</think>`` and the
+answer is dropped. The result does not depend on how the text was split.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from worker.markers import split_at_marker
+
+OPEN = "<think>"
+CLOSE = "</think>"
+
+
+class _State(enum.Enum):
+    START = 0  # only white space so far: an opening marker may still come
+    THINKING = 1
+    AFTER_THINKING = 2  # dropping white space before the answer
+    CONTENT = 3
+
+
+class ReasoningParser:
+    """One per choice; ``starts_thinking``: the prompt already opened the block."""
+
+    def __init__(self, starts_thinking: bool = False):
+        self._state = _State.THINKING if starts_thinking else _State.START
+        self._held = ""
+
+    @property
+    def in_thinking(self) -> bool:
+        return self._state is _State.THINKING
+
+    def push(self, text: str) -> list[tuple[str, str]]:
+        buffer, self._held = self._held + text, ""
+        out: list[tuple[str, str]] = []
+        while buffer:
+            if self._state is _State.START:
+                stripped = buffer.lstrip()
+                if stripped.startswith(OPEN):
+                    self._state, buffer = _State.THINKING, stripped[len(OPEN) :]
+                elif not stripped or OPEN.startswith(stripped):
+                    self._held = buffer  # white space or a partial "<thi": wait for more
+                    break
+                else:
+                    self._state = _State.CONTENT
+            elif self._state is _State.THINKING:
+                before, found, rest = split_at_marker(buffer, CLOSE)
+                out.append(("reasoning", before))
+                if not found:
+                    self._held = rest
+                    break
+                self._state, buffer = _State.AFTER_THINKING, rest
+            elif self._state is _State.AFTER_THINKING:
+                buffer = buffer.lstrip()
+                if buffer:
+                    self._state = _State.CONTENT
+            else:
+                out.append(("content", buffer))
+                break
+        return _merge(out)
+
+    def finish(self) -> list[tuple[str, str]]:
+        """Releases held text at the end (an unfinished marker is just text)."""
+        held, self._held = self._held, ""
+        kind = "reasoning" if self._state is _State.THINKING else "content"
+        return [(kind, held)] if held and self._state is not _State.AFTER_THINKING else []
+
+
+def _merge(pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    merged: list[tuple[str, str]] = []
+    for kind, text in pieces:
+        if not text:
+            continue
+        if merged and merged[-1][0] == kind:
+            merged[-1] = (kind, merged[-1][1] + text)
+        else:
+            merged.append((kind, text))
+    return merged
