@@ -68,9 +68,8 @@ def test_full_queue_is_resource_exhausted_with_a_retry_hint(small_worker):
 
 
 def test_request_larger_than_the_cache_bound_is_refused_naming_max_tokens(small_worker):
-    with grpc.insecure_channel(small_worker.address) as channel:
-        with pytest.raises(grpc.RpcError) as info:
-            list(pb_grpc.WorkerStub(channel).Generate(chat("hi", max_tokens=3000)))
+    with grpc.insecure_channel(small_worker.address) as channel, pytest.raises(grpc.RpcError) as info:
+        list(pb_grpc.WorkerStub(channel).Generate(chat("hi", max_tokens=3000)))
     details = read_details(info.value)
     assert details.code == grpc.StatusCode.INVALID_ARGUMENT and details.param == "max_tokens"
 
