@@ -21,7 +21,8 @@ pytestmark = pytest.mark.integration
 def small_worker(model_cache, tmp_path_factory):
     """One sequence at a time, two waiting at most, 2000 tokens of cache."""
     extra = ["--max-running", "1", "--max-queue", "2", "--max-batch-tokens", "2000"]
-    with WorkerProcess(cache_dir=model_cache, log_dir=tmp_path_factory.mktemp("small"), extra=extra) as worker:
+    log_dir = tmp_path_factory.mktemp("small")
+    with WorkerProcess(cache_dir=model_cache, log_dir=log_dir, extra=extra) as worker:
         yield worker
 
 
@@ -114,10 +115,11 @@ def test_hundreds_of_random_cancellations_leave_nothing_running(default_worker):
     metrics = settle(default_worker, timeout=60)
     assert metrics["sluice_worker_running_sequences"] == 0 and metrics["sluice_worker_queue_depth"] == 0
     assert metrics["sluice_worker_live_caches"] == 0 and metrics["sluice_worker_kv_cache_bytes"] == 0
-    submitted = metrics["sluice_worker_requests_submitted_total"] - before["sluice_worker_requests_submitted_total"]
-    gone = (metrics["sluice_worker_requests_cancelled_total"] - before["sluice_worker_requests_cancelled_total"]) + (
-        metrics["sluice_worker_requests_finished_total"] - before["sluice_worker_requests_finished_total"]
-    )
-    assert submitted == gone, "every submitted request was cancelled or finished"
-    generated = metrics["sluice_worker_generated_tokens_total"] - before["sluice_worker_generated_tokens_total"]
+
+    def delta(name: str) -> float:
+        return metrics[f"sluice_worker_{name}"] - before[f"sluice_worker_{name}"]
+
+    gone = delta("requests_cancelled_total") + delta("requests_finished_total")
+    assert delta("requests_submitted_total") == gone, "every submitted request was cancelled or finished"
+    generated = delta("generated_tokens_total")
     assert generated < 200 * 40, f"{generated} tokens: cancelled requests kept generating"

@@ -16,8 +16,8 @@ from worker.tool_calls import CallPiece, ContentPiece, ToolCallParser
 from worker.types import ContentDelta, OutputOptions, ReasoningDelta, ToolCallDelta
 
 TOOL_TEXTS = [
-    'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich 🌧", "n": [1, {"x": "}"}]}}\n'
-    "</tool_call>",
+    'Let me check.<tool_call>\n{"name": "get_weather", '
+    '"arguments": {"city": "Zürich 🌧", "n": [1, {"x": "}"}]}}\n</tool_call>',
     '<tool_call>{"arguments": {"a": 1}, "name": "f"}</tool_call>\n<tool_call>{"name": "g", "arguments": {}}'
     "</tool_call>",
     '{"name": "lookup", "arguments": {"q": "caf\\u00e9 \\"quoted\\" <tool_call> \\\\"}}',
