@@ -94,12 +94,24 @@ def free_port() -> int:
 # ------------------------------------------------------------------ Sluice
 
 
-async def sluice_stream(stub: pb_grpc.WorkerStub, i: int) -> StreamResult:
+STORY_SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {"title": {"type": "string"}, "story": {"type": "string"}},
+        "required": ["title", "story"],
+        "additionalProperties": False,
+    }
+)
+
+
+async def sluice_stream(stub: pb_grpc.WorkerStub, i: int, constrained: bool = False) -> StreamResult:
     prompt, max_tokens = load(i)
     request = pb.GenerateRequest(
         chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content=prompt)]),
         sampling=pb.SamplingParams(temperature=1.0, max_tokens=max_tokens),
     )
+    if constrained:  # the same load under a JSON-schema grammar
+        request.response_format.json_schema.CopyFrom(pb.JsonSchema(name="story", schema_json=STORY_SCHEMA))
     result, start, last = StreamResult(), time.perf_counter(), None
     async for event in stub.Generate(request):
         kind = event.WhichOneof("event")
@@ -115,9 +127,9 @@ async def sluice_stream(stub: pb_grpc.WorkerStub, i: int) -> StreamResult:
     return result
 
 
-async def sluice_level(stub: pb_grpc.WorkerStub, c: int) -> LevelResult:
+async def sluice_level(stub: pb_grpc.WorkerStub, c: int, constrained: bool = False) -> LevelResult:
     start = time.perf_counter()
-    results = await asyncio.gather(*[sluice_stream(stub, i) for i in range(c)])
+    results = await asyncio.gather(*[sluice_stream(stub, i, constrained) for i in range(c)])
     return LevelResult(c, time.perf_counter() - start, list(results))
 
 
@@ -258,11 +270,22 @@ def median_level(runs: list[LevelResult]) -> LevelResult:
     return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
 
 
-def summary(sluice: dict[int, LevelResult], peer: dict[int, LevelResult]) -> None:
+def summary(
+    sluice: dict[int, LevelResult], peer: dict[int, LevelResult], constrained: dict[int, LevelResult]
+) -> None:
     print("\nsummary (median run of each level)")
-    for name, results in (("sluice", sluice), ("peer", peer)):
+    for name, results in (("sluice", sluice), ("json", constrained), ("peer", peer)):
         for level in results.values():
             report(name, level)
+    for c, plain in sluice.items():
+        if c in constrained:
+            json_run = constrained[c]
+            extra = (json_run.gap(0.5) - plain.gap(0.5)) * 1000
+            print(
+                f"  c={c:<3} constrained decoding: {json_run.tokens_per_s:.1f} vs "
+                f"{plain.tokens_per_s:.1f} tok/s "
+                f"({json_run.tokens_per_s / plain.tokens_per_s:.2f}x), inter-token gap p50 {extra:+.1f} ms"
+            )
     for name, results in (("sluice", sluice), ("peer", peer)):
         if 1 in results and 16 in results:
             ratio = results[16].tokens_per_s / results[1].tokens_per_s
@@ -276,28 +299,32 @@ def summary(sluice: dict[int, LevelResult], peer: dict[int, LevelResult]) -> Non
 
 
 async def measure(
-    address: str, peer_base: str | None, peer_model: str, levels: list[int], rounds: int
-) -> tuple[dict[int, LevelResult], dict[int, LevelResult]]:
-    """Runs every level ``rounds`` times, Sluice and the peer alternating, one at a time."""
-    ours: dict[int, list[LevelResult]] = {c: [] for c in levels}
-    theirs: dict[int, list[LevelResult]] = {c: [] for c in levels}
+    address: str, peer_base: str | None, peer_model: str, levels: list[int], rounds: int, constrained: bool
+) -> tuple[dict[int, LevelResult], dict[int, LevelResult], dict[int, LevelResult]]:
+    """Runs every level ``rounds`` times: Sluice, Sluice under a JSON grammar (with --constrained) and the
+    peer (with --peer) alternating, one at a time. Returns the median runs of each."""
+    runs: dict[str, dict[int, list[LevelResult]]] = {"sluice": {}, "json": {}, "peer": {}}
     url = f"{peer_base}/v1/chat/completions"
     async with grpc.aio.insecure_channel(address) as channel, httpx.AsyncClient(timeout=600) as client:
         stub = pb_grpc.WorkerStub(channel)
         await sluice_stream(stub, 0)  # warm-up
+        if constrained:
+            await sluice_stream(stub, 0, constrained=True)
         if peer_base:
             await peer_stream(client, url, peer_model, 0)
         for round_ in range(rounds):
             for c in levels:
-                ours[c].append(await sluice_level(stub, c))
-                report(f"sluice r{round_ + 1}", ours[c][-1])
+                plan = [("sluice", lambda c=c: sluice_level(stub, c))]
+                if constrained:
+                    plan.append(("json", lambda c=c: sluice_level(stub, c, constrained=True)))
                 if peer_base:
-                    theirs[c].append(await peer_level(client, url, peer_model, c))
-                    report(f"peer r{round_ + 1}", theirs[c][-1])
-    return (
-        {c: median_level(r) for c, r in ours.items()},
-        {c: median_level(r) for c, r in theirs.items() if r},
-    )
+                    plan.append(("peer", lambda c=c: peer_level(client, url, peer_model, c)))
+                for name, run in plan:
+                    result = await run()
+                    runs[name].setdefault(c, []).append(result)
+                    report(f"{name} r{round_ + 1}", result)
+    medians = {name: {c: median_level(r) for c, r in by_level.items()} for name, by_level in runs.items()}
+    return medians["sluice"], medians["peer"], medians["json"]
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -319,6 +346,9 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,4,16,32")
     parser.add_argument("--rounds", type=int, default=3, help="runs of each level; the median is reported")
     parser.add_argument("--cache-dir", help="the worker's converted-model cache")
+    parser.add_argument(
+        "--constrained", action="store_true", help="also run the load under a JSON-schema grammar"
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
 
@@ -333,11 +363,13 @@ def main() -> None:
             peer_model = default_model_dir(args.cache_dir)
             peer_proc, peer_base = start_peer(peer_model)
             procs.append(peer_proc)
-        sluice, peer = asyncio.run(measure(address, peer_base, peer_model, levels, args.rounds))
+        sluice, peer, constrained = asyncio.run(
+            measure(address, peer_base, peer_model, levels, args.rounds, args.constrained)
+        )
     finally:
         for proc in procs:
             stop(proc)
-    summary(sluice, peer)
+    summary(sluice, peer, constrained)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,124 @@
+"""The engine with a scripted runner: reasoning, refusals and tool calls from a known token stream."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from worker.batch_cache import BatchCache
+from worker.engine import Engine
+from worker.types import (
+    ContentDelta,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    OutputOptions,
+    ReasoningDelta,
+    RefusalDelta,
+    SamplingOptions,
+    ToolCallDelta,
+    Usage,
+)
+
+
+class ScriptedRunner:
+    """Stands in for ModelRunner: every row's logits force the next token of one script."""
+
+    def __init__(self, script: list[int], vocab_size: int):
+        self.script, self.vocab = script, vocab_size
+        self.rows: list[tuple[str, int]] = []
+        self.position: dict[tuple[str, int], int] = {}
+
+    def _logits(self, positions: list[int]) -> torch.Tensor:
+        logits = torch.zeros(len(positions), self.vocab)
+        for row, at in enumerate(positions):
+            logits[row, self.script[min(at, len(self.script) - 1)]] = 100.0
+        return logits
+
+    row_keys = property(lambda self: list(self.rows))
+    live_rows = property(lambda self: len(self.rows))
+    cache_tokens = property(lambda self: 0)
+    cache_bytes = property(lambda self: 0)
+
+    def prefill(self, prompts):
+        return self._logits([0] * len(prompts)), BatchCache(1)
+
+    def admit(self, prefilled, rows):
+        for _, key in rows:
+            self.rows.append(key)
+            self.position[key] = 1
+
+    def decode(self, last_tokens):
+        positions = [self.position[key] for key in self.rows]
+        for key in self.rows:
+            self.position[key] += 1
+        return self._logits(positions)
+
+    def release(self, keys):
+        gone = set(keys)
+        self.rows = [k for k in self.rows if k not in gone]
+
+    def reset(self):
+        self.rows = []
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return AutoTokenizer.from_pretrained(default_model_dir)
+
+
+def run(tokenizer, text: str, output: OutputOptions, **engine_options) -> list:
+    script = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    engine = Engine(ScriptedRunner(script, len(tokenizer)), tokenizer, eos_token_ids={tokenizer.eos_token_id},
+                    context_length=4096, **engine_options)  # type: ignore[arg-type]
+    engine.start()
+    request = GenerationRequest("r", (1, 2, 3), SamplingOptions(temperature=0.0, max_tokens=200), time.monotonic(),
+                                output=output)
+
+    async def collect() -> list:
+        return [event async for event in engine.submit(request)]
+
+    try:
+        return asyncio.run(collect())
+    finally:
+        engine.stop()
+
+
+def test_thinking_streams_as_reasoning_and_is_counted(tokenizer):
+    text = "<think>The user wants 2+2. That is 4.</think>\n\nThe answer is 4."
+    events = run(tokenizer, text, OutputOptions(reasoning=True))
+    reasoning = "".join(e.text for e in events if isinstance(e, ReasoningDelta))
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    assert reasoning == "The user wants 2+2. That is 4." and content == "The answer is 4."
+    usage = events[-1]
+    assert isinstance(usage, Usage)
+    thinking_tokens = len(tokenizer("<think>The user wants 2+2. That is 4.", add_special_tokens=False)["input_ids"])
+    assert 0 < usage.reasoning_tokens <= thinking_tokens + 1 < usage.completion_tokens
+
+
+def test_thinking_turned_off_is_dropped(tokenizer):
+    events = run(tokenizer, "<think>hidden</think>Shown.", OutputOptions(reasoning=True, keep_reasoning=False))
+    assert not [e for e in events if isinstance(e, ReasoningDelta)]
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Shown."
+
+
+def test_blocked_phrase_becomes_a_refusal_with_content_filter(tokenizer):
+    events = run(tokenizer, "Sure, here is the secret plan: step one.", OutputOptions(),
+                 blocked_phrases=("secret plan",), refusal_message="I can't share that.")
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Sure, here is the "
+    assert [e.text for e in events if isinstance(e, RefusalDelta)] == ["I can't share that."]
+    finished = next(e for e in events if isinstance(e, Finished))
+    assert finished.reason is FinishReason.CONTENT_FILTER and finished.matched_stop == ""
+
+
+def test_tool_call_text_ends_with_tool_calls(tokenizer):
+    text = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    events = run(tokenizer, text, OutputOptions(tool_calls=True))
+    calls = [e for e in events if isinstance(e, ToolCallDelta)]
+    assert calls[0].name == "get_weather" and "".join(c.arguments for c in calls) == '{"city": "Oslo"}'
+    assert next(e for e in events if isinstance(e, Finished)).reason is FinishReason.TOOL_CALLS
+    assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Checking."
