@@ -35,6 +35,7 @@ class WorkerConfig:
     max_batch_tokens: int | None = None
     default_max_tokens: int | None = None
     metrics_port: int = 9090
+    torch_threads: int = 0
     blocked_phrases: tuple[str, ...] = ()
     refusal_message: str = "I can't help with that."
     grace_period: float = 30.0
@@ -53,6 +54,19 @@ def _positive_int(name: str):
             raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
         if value < 1:
             raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {value}")
+        return value
+
+    return parse
+
+
+def _non_negative_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must not be negative, got {value}")
         return value
 
     return parse
@@ -139,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--refusal-message",
         default="I can't help with that.",
         help="the refusal sent when a phrase is blocked",
+    )
+    add(
+        "--torch-threads",
+        type=_non_negative_int("--torch-threads"),
+        default=0,
+        help="intra-op threads for torch (0 = torch's default, one per core)",
     )
     add("--metrics-port", type=_metrics_port, default=9090, help="Prometheus /metrics port (0 = off)")
     add(

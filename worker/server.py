@@ -15,6 +15,7 @@ import logging
 import signal
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -56,6 +57,8 @@ def eos_token_ids(loaded_model: object, tokenizer: object) -> set[int]:
 
 def build_serving(config: WorkerConfig) -> ServingModel:
     """Loads the model and starts the engine (blocking; run in a thread)."""
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
     loaded = load_model(
         config.model,
         served_model_name=config.served_model_name,
