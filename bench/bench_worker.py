@@ -39,6 +39,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sluice.cli import worker_command  # noqa: E402
 from sluice.v1 import worker_pb2 as pb  # noqa: E402
 from sluice.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -135,21 +136,7 @@ async def sluice_level(stub: pb_grpc.WorkerStub, c: int, constrained: bool = Fal
 
 def start_worker(cache_dir: str | None) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    args = [
-        sys.executable,
-        "-m",
-        "worker",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--metrics-port",
-        "0",
-        "--max-running",
-        "32",
-        "--log-level",
-        "WARNING",
-    ]
+    args = worker_command(port, 0, "--max-running", "32", "--log-level", "WARNING")
     if cache_dir:
         args += ["--cache-dir", cache_dir]
     proc = subprocess.Popen(args, cwd=REPO)

@@ -62,33 +62,43 @@ def _stop(children: Sequence[subprocess.Popen[bytes]]) -> None:
             child.wait()
 
 
-def serve(args: argparse.Namespace) -> int:
-    worker_cmd = [
+def worker_command(port: int, metrics_port: int, *extra: str, host: str = "127.0.0.1") -> list[str]:
+    """The command line of a local worker process (used here, by the tests and by the benchmarks)."""
+    return [
         sys.executable,
         "-m",
         "worker",
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
-        str(args.worker_port),
+        str(port),
         "--metrics-port",
-        str(args.metrics_port),
-        "--grace-period",
-        "5",
+        str(metrics_port),
+        *extra,
     ]
-    if args.model:
-        worker_cmd += ["--model", args.model]
-    edge_cmd = [
+
+
+def edge_command(workers: Sequence[str], port: int, *extra: str, host: str = "127.0.0.1") -> list[str]:
+    """The command line of a local edge process."""
+    return [
         sys.executable,
         "-m",
         "edge",
         "--workers",
-        f"127.0.0.1:{args.worker_port}",
+        ",".join(workers),
         "--host",
-        args.host,
+        host,
         "--port",
-        str(args.port),
+        str(port),
+        *extra,
     ]
+
+
+def serve(args: argparse.Namespace) -> int:
+    worker_cmd = worker_command(args.worker_port, args.metrics_port, "--grace-period", "5")
+    if args.model:
+        worker_cmd += ["--model", args.model]
+    edge_cmd = edge_command([f"127.0.0.1:{args.worker_port}"], args.port, host=args.host)
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:

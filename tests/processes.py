@@ -6,7 +6,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +14,8 @@ from types import TracebackType
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sluice.cli import edge_command, worker_command
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180.0
@@ -105,21 +106,9 @@ class WorkerProcess(_Process):
     ):
         self.port = free_port()
         self.metrics_port = free_port()
-        args = [
-            sys.executable,
-            "-m",
-            "worker",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--metrics-port",
-            str(self.metrics_port),
-            "--cache-dir",
-            str(cache_dir),
-            "--grace-period",
-            "2",
-        ]
+        args = worker_command(
+            self.port, self.metrics_port, "--cache-dir", str(cache_dir), "--grace-period", "2"
+        )
         if model:
             args += ["--model", model]
         super().__init__(args + (extra or []), log_dir)
@@ -149,17 +138,7 @@ class EdgeProcess(_Process):
 
     def __init__(self, workers: list[str], *, log_dir: Path, extra: list[str] | None = None):
         self.port = free_port()
-        args = [
-            sys.executable,
-            "-m",
-            "edge",
-            "--workers",
-            ",".join(workers),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-        ]
+        args = edge_command(workers, self.port)
         super().__init__(args + (extra or []), log_dir)
 
     @property

@@ -46,30 +46,21 @@ class WorkerConfig:
         return self.worker_id or f"{socket.gethostname()}:{self.port}"
 
 
+def _int_at_least(name: str, minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be at least {minimum}, got {value}")
+        return value
+
+    return parse
+
+
 def _positive_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"{name} must be at least 1, got {value}")
-        return value
-
-    return parse
-
-
-def _non_negative_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must not be negative, got {value}")
-        return value
-
-    return parse
+    return _int_at_least(name, 1)
 
 
 def _port(text: str) -> int:
@@ -156,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add(
         "--torch-threads",
-        type=_non_negative_int("--torch-threads"),
+        type=_int_at_least("--torch-threads", 0),
         default=0,
         help="intra-op threads for torch (0 = torch's default, one per core)",
     )
