@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test lint protos clean
+.PHONY: install run test lint protos bench clean
 
 install: $(STAMP)
 
@@ -35,6 +35,10 @@ lint: install
 
 protos: install
 	$(PY) protos/generate.py
+
+bench: install
+	$(PY) -m pip install --quiet -e '.[bench]'
+	$(PY) bench/bench_worker.py --peer --constrained --concurrency 1,4,16,32 --rounds 3
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

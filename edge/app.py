@@ -1,4 +1,8 @@
-"""The Quart application: :func:`create_app` wires settings, worker pool, routes and errors.
+"""The Quart application: :func:`create_app` wires settings, worker pool, auth, routes and errors.
+
+Before each request, in this order: the request id is assigned (so every
+answer, errors included, carries ``X-Request-ID``), then the API key is
+checked for ``/v1/*`` when keys are configured (:mod:`edge.auth`).
 
 Every error leaves as the OpenAI error JSON (``{"error": {...}}``), never as
 HTML or a traceback: edge errors with their own status, werkzeug HTTP errors
@@ -14,6 +18,7 @@ from quart import Quart, request
 from quart.wrappers import Response
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from edge.auth import ApiKeyCheck
 from edge.errors import (
     GENERIC_INTERNAL_MESSAGE,
     EdgeError,
@@ -60,6 +65,9 @@ def create_app(settings: Settings) -> Quart:
         await current_pool().close()
 
     app.before_request(assign_request_id)
+    api_keys = ApiKeyCheck(settings.api_keys)
+    if api_keys.enabled:
+        app.before_request(api_keys.before_request)
 
     @app.after_request
     async def add_request_id(response: Response) -> Response:

@@ -45,6 +45,8 @@ class EdgeError(Exception):
         self.param = param
         self.code = code if code is not None else self.default_code
         self.retry_after = retry_after
+        self.worker_id: str | None = None
+        self.extra_headers: dict[str, str] = {}
 
     def payload(self) -> dict[str, Any]:
         """The OpenAI error body; also the data of a mid-stream ``event: error``."""
@@ -58,11 +60,15 @@ class EdgeError(Exception):
         }
 
     def headers(self) -> dict[str, str]:
-        """Extra response headers for a plain HTTP answer (``Retry-After``)."""
-        if self.retry_after is None:
-            return {}
-        # Retry-After takes whole seconds; round up so clients never retry early.
-        return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
+        """Extra response headers for a plain HTTP answer: ``Retry-After``,
+        ``X-Sluice-Worker-ID`` and any ``extra_headers``."""
+        headers = dict(self.extra_headers)
+        if self.retry_after is not None:
+            # Retry-After takes whole seconds; round up so clients never retry early.
+            headers["Retry-After"] = str(max(1, math.ceil(self.retry_after)))
+        if self.worker_id:
+            headers["X-Sluice-Worker-ID"] = self.worker_id
+        return headers
 
 
 class InvalidRequestError(EdgeError):
@@ -70,6 +76,26 @@ class InvalidRequestError(EdgeError):
 
     http_status = 400
     type = "invalid_request_error"
+
+
+class AuthenticationError(EdgeError):
+    """A missing or wrong API key (401, OpenAI's ``invalid_api_key``)."""
+
+    http_status = 401
+    type = "invalid_request_error"
+    default_code = "invalid_api_key"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.extra_headers["WWW-Authenticate"] = "Bearer"
+
+
+class UnprocessableEntityError(EdgeError):
+    """A body that is well-formed JSON but not a JSON object (422)."""
+
+    http_status = 422
+    type = "invalid_request_error"
+    default_code = "invalid_type"
 
 
 class NotFoundError(EdgeError):

@@ -1,40 +1,123 @@
-"""The OpenAI chat completions request, validated.
+"""The OpenAI chat completions request, validated, and the parts every request shares.
 
-:func:`parse_chat_request` is the only entry point: it turns a decoded JSON
-body into a :class:`ChatCompletionRequest` or raises
-:class:`~edge.errors.InvalidRequestError` whose ``param`` is the field path
-(``temperature``, ``messages[0].role``) and whose ``code`` is
-``missing_required_parameter``, ``invalid_type`` or ``invalid_value``.
+:func:`parse_chat_request` is the entry point for ``POST /v1/chat/completions``
+(:mod:`edge.completion_types` has the one for ``/v1/completions``). Both go
+through :func:`validate_body`, which turns a decoded JSON body into a model or
+raises:
 
-Unknown fields are ignored. Union-shaped OpenAI fields (``content``,
-``stop``, ``tool_choice``, ``response_format``) are normalized to one shape
-by "before" validators, so error locations never contain pydantic's union
-tags and later code sees a single type.
+- :class:`~edge.errors.UnprocessableEntityError` (422) when the body is valid
+  JSON but not a JSON object;
+- :class:`~edge.errors.InvalidRequestError` (400) whose ``param`` is the field
+  path (``temperature``, ``messages[0].role``) and whose ``code`` is
+  ``missing_required_parameter``, ``invalid_type`` or ``invalid_value``.
+
+Unknown fields are ignored; booleans are strict (``"yes"`` is not ``true``).
+Union-shaped OpenAI fields (``content``, ``stop``, ``tool_choice``) are
+normalized to one shape by "before" validators,
+so error locations never contain pydantic's union tags and later code sees a
+single type; each such validator declares the wire shape as its
+``json_schema_input_type``, so the OpenAPI document (:mod:`edge.openapi`)
+shows what callers send, not the normalized form.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
-from edge.errors import InvalidRequestError
+from edge.errors import InvalidRequestError, UnprocessableEntityError
 
 # Seeds: any int64 (OpenAI) or uint64 (the proto) value.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
-def _invalid(message: str) -> PydanticCustomError:
+def invalid(message: str) -> PydanticCustomError:
+    """A validation error reported with ``code: invalid_value`` and ``message``."""
     return PydanticCustomError("invalid_value", message)
+
+
+# ------------------------------------------------------------ shared fields
+
+
+class StreamOptions(_Model):
+    """``stream_options``; only allowed with ``stream: true``."""
+
+    include_usage: StrictBool = Field(
+        default=False, description="End the stream with one chunk carrying the total usage (choices: [])."
+    )
+    continuous_usage_stats: StrictBool = Field(
+        default=False,
+        description="vLLM's extension: every chunk carries the usage so far (completion tokens counted "
+        "per choice and summed).",
+    )
+
+
+class SamplingRequest(_Model):
+    """Fields shared by chat and text completions requests."""
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    n: int | None = Field(default=None, ge=1, le=128)
+    stop: list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @field_validator("stop", mode="before", json_schema_input_type=str | list[str] | None)
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < 2**31:
+                raise invalid(f"key {key!r} is not a token id")
+            if not -100 <= bias <= 100:
+                raise invalid(f"bias {bias} for token {key} is not in [-100, 100]")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n if self.n is not None else 1
+
+
+# --------------------------------------------------------------------- chat
+
+
+class TextPart(_Model):
+    """One part of an array ``content``; only text parts are supported."""
+
+    type: Literal["text"]
+    text: str
 
 
 def _join_text_parts(value: Any) -> Any:
@@ -48,12 +131,12 @@ def _join_text_parts(value: Any) -> Any:
     texts: list[str] = []
     for i, part in enumerate(value):
         if not isinstance(part, dict):
-            raise _invalid(f"content[{i}] must be an object like {{'type': 'text', 'text': '...'}}")
+            raise invalid(f"content[{i}] must be an object like {{'type': 'text', 'text': '...'}}")
         if part.get("type") != "text":
-            raise _invalid(f"content[{i}].type {part.get('type')!r} is not supported; only 'text' parts are")
+            raise invalid(f"content[{i}].type {part.get('type')!r} is not supported; only 'text' parts are")
         text = part.get("text")
         if not isinstance(text, str):
-            raise _invalid(f"content[{i}].text must be a string")
+            raise invalid(f"content[{i}].text must be a string")
         texts.append(text)
     return "\n".join(texts)
 
@@ -80,26 +163,39 @@ class ChatMessage(_Model):
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
-    _text_parts = field_validator("content", mode="before")(_join_text_parts)
+    _text_parts = field_validator(
+        "content", mode="before", json_schema_input_type=str | list[TextPart] | None
+    )(_join_text_parts)
 
 
 class FunctionDefinition(_Model):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
     @field_validator("name")
     @classmethod
     def _name_shape(cls, value: str) -> str:
         if not _FUNCTION_NAME.match(value):
-            raise _invalid("must be 1-64 characters of a-z, A-Z, 0-9, '_', '.' or '-'")
+            raise invalid("must be 1-64 characters of a-z, A-Z, 0-9, '_', '.' or '-'")
         return value
 
 
 class ToolDefinition(_Model):
     type: Literal["function"]
     function: FunctionDefinition
+
+
+class NamedFunction(_Model):
+    name: str
+
+
+class NamedToolChoice(_Model):
+    """``{"type": "function", "function": {"name": ...}}`` (the wire shape, for the schema)."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ToolChoice(_Model):
@@ -109,14 +205,10 @@ class ToolChoice(_Model):
     function_name: str | None = None
 
 
-class StreamOptions(_Model):
-    include_usage: bool = False
-
-
 class JsonSchemaFormat(_Model):
     name: str
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(_Model):
@@ -124,68 +216,39 @@ class ResponseFormat(_Model):
     json_schema: JsonSchemaFormat | None = None
 
 
-class ChatCompletionRequest(_Model):
+class ChatCompletionRequest(SamplingRequest):
     """A validated ``POST /v1/chat/completions`` body (see the module docstring)."""
 
-    model: str
     messages: list[ChatMessage] = Field(min_length=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
-    n: int | None = Field(default=None, ge=1, le=128)
-    stop: list[str] | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
-    user: str | None = None
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
 
-    @field_validator("stop", mode="before")
-    @classmethod
-    def _stop_as_list(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
-
-    @field_validator("tool_choice", mode="before")
+    @field_validator(
+        "tool_choice",
+        mode="before",
+        json_schema_input_type=Literal["none", "auto", "required"] | NamedToolChoice | None,
+    )
     @classmethod
     def _tool_choice_shape(cls, value: Any) -> Any:
         if value is None:
             return None
         if isinstance(value, str):
             if value not in ("none", "auto", "required"):
-                raise _invalid("must be 'none', 'auto', 'required' or {'type': 'function', ...}")
+                raise invalid("must be 'none', 'auto', 'required' or {'type': 'function', ...}")
             return {"mode": value}
         if isinstance(value, dict):
             function = value.get("function")
             name = function.get("name") if isinstance(function, dict) else None
             if value.get("type") != "function" or not isinstance(name, str) or not name:
-                raise _invalid("a named tool choice must be {'type': 'function', 'function': {'name': ...}}")
+                raise invalid("a named tool choice must be {'type': 'function', 'function': {'name': ...}}")
             return {"mode": "function", "function_name": name}
-        raise _invalid("must be a string or an object")
-
-    @field_validator("logit_bias")
-    @classmethod
-    def _logit_bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < 2**31:
-                raise _invalid(f"key {key!r} is not a token id")
-            if not -100 <= bias <= 100:
-                raise _invalid(f"bias {bias} for token {key} is not in [-100, 100]")
-        return value
-
-    @property
-    def include_usage(self) -> bool:
-        """Whether a streamed answer ends with a usage chunk."""
-        return bool(self.stream_options and self.stream_options.include_usage)
+        raise invalid("must be a string or an object")
 
     @property
     def completion_token_limit(self) -> int | None:
@@ -193,16 +256,94 @@ class ChatCompletionRequest(_Model):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
+# Known OpenAI chat fields that cannot be honoured: ignoring them would change
+# the answer's meaning, so they are refused instead (param: the field).
+_UNSUPPORTED_CHAT_FIELDS = {
+    "functions": "'functions' (deprecated) is not supported; use 'tools'.",
+    "function_call": "'function_call' (deprecated) is not supported; use 'tool_choice'.",
+    "audio": "'audio': audio output is not supported.",
+}
+
+
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
-    """Validates a decoded JSON body fully; raises :class:`InvalidRequestError`."""
+    """Validates a decoded JSON body fully; raises :class:`InvalidRequestError`
+    (or :class:`UnprocessableEntityError` for a non-object body)."""
+    request = validate_body(ChatCompletionRequest, body)
+    for name, message in _UNSUPPORTED_CHAT_FIELDS.items():
+        if body.get(name) is not None:
+            raise InvalidRequestError(message, param=name, code="unsupported_parameter")
+    modalities = body.get("modalities")
+    if isinstance(modalities, list) and any(m != "text" for m in modalities):
+        raise InvalidRequestError(
+            "'modalities': only 'text' output is supported.", param="modalities", code="unsupported_parameter"
+        )
+    _check_chat_semantics(request)
+    return request
+
+
+def _check_chat_semantics(request: ChatCompletionRequest) -> None:
+    """Rules that span fields; each error names the exact field."""
+    for i, message in enumerate(request.messages):
+        where = f"messages[{i}]"
+        if message.role == "assistant":
+            if message.content is None and not message.tool_calls:
+                raise missing(f"{where}.content", "an assistant message needs content or tool_calls")
+            continue
+        if message.tool_calls:
+            raise bad(
+                f"{where}.tool_calls", f"only assistant messages may have tool_calls, not {message.role}"
+            )
+        if message.content is None:
+            raise missing(f"{where}.content", f"a {message.role} message needs content")
+        if message.role == "tool" and not message.tool_call_id:
+            raise missing(f"{where}.tool_call_id", "a tool message needs the tool_call_id it answers")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise bad("top_logprobs", "top_logprobs requires logprobs to be true")
+    choice = request.tool_choice
+    tool_names = [tool.function.name for tool in request.tools or ()]
+    if choice is not None and choice.mode in ("required", "function") and not tool_names:
+        raise bad("tool_choice", f"tool_choice {choice.mode!r} requires tools")
+    if choice is not None and choice.mode == "function" and choice.function_name not in tool_names:
+        raise bad("tool_choice", f"function {choice.function_name!r} is not in tools")
+    if len(set(tool_names)) != len(tool_names):
+        raise bad("tools", "tool function names must be unique")
+    fmt = request.response_format
+    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+        raise missing("response_format.json_schema", "response_format of type json_schema needs json_schema")
+
+
+# --------------------------------------------------------------- validation
+
+
+def validate_body(model: type[ModelT], body: Any) -> ModelT:
+    """Validates a decoded JSON body against ``model`` and the rules every request shares.
+
+    Raises :class:`UnprocessableEntityError` when ``body`` is not a JSON object
+    and :class:`InvalidRequestError` naming the first bad field otherwise.
+    """
     if not isinstance(body, dict):
-        raise InvalidRequestError("The request body must be a JSON object.", code="invalid_type")
+        raise UnprocessableEntityError(
+            f"The request body must be a JSON object, got {_json_type(body)}.", code="invalid_type"
+        )
     try:
-        request = ChatCompletionRequest.model_validate(body)
+        request = model.model_validate(body)
     except ValidationError as error:
         raise _to_invalid_request(error) from None
-    _check_semantics(request)
+    if isinstance(request, SamplingRequest) and request.stream_options is not None and not request.stream:
+        raise bad("stream_options", "stream_options is only allowed when stream is true")
     return request
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "null" if value is None else type(value).__name__
 
 
 def _param_path(loc: tuple[int | str, ...]) -> str:
@@ -229,42 +370,13 @@ def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
     return InvalidRequestError(f"Invalid '{param}': {first['msg']}.", param=param, code=code)
 
 
-def _check_semantics(request: ChatCompletionRequest) -> None:
-    """Rules that span fields; each error names the exact field."""
-    for i, message in enumerate(request.messages):
-        where = f"messages[{i}]"
-        if message.role == "assistant":
-            if message.content is None and not message.tool_calls:
-                raise _missing(f"{where}.content", "an assistant message needs content or tool_calls")
-            continue
-        if message.tool_calls:
-            raise _bad(
-                f"{where}.tool_calls", f"only assistant messages may have tool_calls, not {message.role}"
-            )
-        if message.content is None:
-            raise _missing(f"{where}.content", f"a {message.role} message needs content")
-        if message.role == "tool" and not message.tool_call_id:
-            raise _missing(f"{where}.tool_call_id", "a tool message needs the tool_call_id it answers")
-    if request.top_logprobs is not None and not request.logprobs:
-        raise _bad("top_logprobs", "top_logprobs requires logprobs to be true")
-    choice = request.tool_choice
-    tool_names = [tool.function.name for tool in request.tools or ()]
-    if choice is not None and choice.mode in ("required", "function") and not tool_names:
-        raise _bad("tool_choice", f"tool_choice {choice.mode!r} requires tools")
-    if choice is not None and choice.mode == "function" and choice.function_name not in tool_names:
-        raise _bad("tool_choice", f"function {choice.function_name!r} is not in tools")
-    if len(set(tool_names)) != len(tool_names):
-        raise _bad("tools", "tool function names must be unique")
-    fmt = request.response_format
-    if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
-        raise _missing("response_format.json_schema", "response_format of type json_schema needs json_schema")
-
-
-def _bad(param: str, message: str) -> InvalidRequestError:
+def bad(param: str, message: str) -> InvalidRequestError:
+    """A 400 ``invalid_value`` naming ``param``."""
     return InvalidRequestError(f"Invalid '{param}': {message}.", param=param, code="invalid_value")
 
 
-def _missing(param: str, message: str) -> InvalidRequestError:
+def missing(param: str, message: str) -> InvalidRequestError:
+    """A 400 ``missing_required_parameter`` naming ``param``."""
     return InvalidRequestError(
         f"Missing required parameter: '{param}' ({message}).", param=param, code="missing_required_parameter"
     )

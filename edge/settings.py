@@ -11,7 +11,8 @@ import argparse
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "SLUICE_EDGE_"
@@ -33,6 +34,33 @@ def parse_worker_address(text: str) -> str:
 def parse_worker_list(text: str) -> tuple[str, ...]:
     """Parses ``host:port[,host:port...]``; blanks between commas are ignored."""
     return tuple(parse_worker_address(part) for part in text.split(",") if part.strip())
+
+
+def parse_api_keys(text: str) -> tuple[str, ...]:
+    """Comma-separated API keys; blanks are ignored. Errors never quote a key."""
+    return _check_keys(part.strip() for part in text.split(","))
+
+
+def read_api_keys_file(path: str) -> tuple[str, ...]:
+    """One API key per line; blank lines and lines starting with ``#`` are ignored."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as error:
+        raise ValueError(f"cannot read {path!r}: {error.__class__.__name__}") from None
+    return _check_keys(line.strip() for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+def _check_keys(candidates: Any) -> tuple[str, ...]:
+    keys = tuple(key for key in candidates if key)
+    for position, key in enumerate(keys, 1):
+        # A bearer token is visible ASCII; anything else could never match a header.
+        if not all("!" <= ch <= "~" for ch in key):
+            raise ValueError(f"API key #{position} contains a space or a non-printable/non-ASCII character")
+    return keys
+
+
+# Options whose values are secrets: never echoed in an error message.
+_SECRET_FLAGS = frozenset({"api-keys"})
 
 
 @dataclass(frozen=True)
@@ -60,6 +88,9 @@ class Settings:
     # On SIGINT/SIGTERM, open streams get this long to finish before they are cut.
     graceful_timeout_s: float = 5.0
     log_level: str = "INFO"
+    # When non-empty, every /v1/* request needs "Authorization: Bearer <one of these>".
+    # repr=False: the settings object may be logged; the keys must never be.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -88,6 +119,10 @@ class Settings:
             raise ValueError(f"max_body_bytes: must be >= 1, got {self.max_body_bytes}")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
             raise ValueError(f"log_level: unknown level {self.log_level!r}")
+        try:
+            _check_keys(self.api_keys)
+        except ValueError as error:
+            raise ValueError(f"api_keys: {error}") from None
 
     @property
     def base_url(self) -> str:
@@ -135,6 +170,13 @@ class Settings:
             ("max-body-bytes", "max_body_bytes", int, "largest accepted request body, bytes"),
             ("graceful-timeout", "graceful_timeout_s", float, "seconds open streams get on shutdown"),
             ("log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+            (
+                "api-keys",
+                "api_keys",
+                parse_api_keys,
+                "comma-separated API keys; when set, /v1/* needs 'Authorization: Bearer <key>'",
+            ),
+            ("api-keys-file", "api_keys_file", read_api_keys_file, "file with one API key per line"),
         ]
         for flag, _field, _convert, help_text in options:
             parser.add_argument(
@@ -154,7 +196,12 @@ class Settings:
             try:
                 values[field_name] = convert(raw)
             except ValueError as error:
-                parser.error(f"{source}: invalid value {raw!r} ({error})")
+                shown = "" if flag in _SECRET_FLAGS else f" {raw!r}"
+                parser.error(f"{source}: invalid value{shown} ({error})")
+        # Keys from the flag/env and from the file are all accepted.
+        file_keys = values.pop("api_keys_file", ())
+        if file_keys or "api_keys" in values:
+            values["api_keys"] = tuple(dict.fromkeys((*values.get("api_keys", ()), *file_keys)))
         if "workers" not in values:
             parser.error(f"--workers (or {ENV_PREFIX}WORKERS) is required: host:port[,host:port...]")
         try:

@@ -1,13 +1,16 @@
-"""Pure translation between the OpenAI wire shapes and the gRPC contract.
+"""Pure translation between the OpenAI chat wire shapes and the gRPC contract.
 
-- :func:`to_generate_request`: a validated request → ``GenerateRequest``.
+- :func:`to_generate_request`: a validated chat request → ``GenerateRequest``.
+- :func:`sampling_params`: the sampling fields every request shares (also
+  used by :mod:`edge.translate_completions`).
 - :func:`call_metadata`: the gRPC call metadata (``x-request-id``).
 - :class:`ChunkBuilder`: each ``GenerateResponse`` → zero or more
-  ``chat.completion.chunk`` dicts (DESIGN.md section 3).
+  ``chat.completion.chunk`` dicts (DESIGN.md section 3), then
+  :meth:`ChunkBuilder.finish` for the usage chunk.
 - :class:`CompletionAccumulator`: the same events → one ``chat.completion``.
 
-No I/O here; everything is deterministic given its inputs, so golden tests
-pin the exact dicts.
+No I/O here; everything is deterministic given its inputs (ids and
+timestamps are passed in), so golden tests pin the exact dicts.
 """
 
 from __future__ import annotations
@@ -17,7 +20,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge.openai_types import ChatCompletionRequest, ChatMessage, ResponseFormat, ToolChoice
+from edge.openai_types import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ResponseFormat,
+    SamplingRequest,
+    ToolChoice,
+)
+from edge.usage import UsageTracker
 from sluice.v1 import worker_pb2
 
 _UINT64 = 2**64
@@ -66,11 +76,16 @@ def to_generate_request(request: ChatCompletionRequest, request_id: str) -> work
     )
     if request.tool_choice is not None:
         chat.tool_choice.CopyFrom(_tool_choice(request.tool_choice))
+    sampling = sampling_params(request, max_tokens=request.completion_token_limit)
+    if request.logprobs:
+        sampling.logprobs = request.top_logprobs or 0
     proto = worker_pb2.GenerateRequest(
         request_id=request_id,
         model=request.model,
         chat=chat,
-        sampling=_sampling(request),
+        sampling=sampling,
+        # Token ids are only needed to count completion tokens for continuous usage.
+        return_token_ids=request.stream and request.continuous_usage,
         user=request.user or "",
         metadata=request.metadata or {},
     )
@@ -79,7 +94,7 @@ def to_generate_request(request: ChatCompletionRequest, request_id: str) -> work
     return proto
 
 
-def call_metadata(request: ChatCompletionRequest, request_id: str) -> tuple[tuple[str, str | bytes], ...]:
+def call_metadata(request: SamplingRequest, request_id: str) -> tuple[tuple[str, str | bytes], ...]:
     """gRPC metadata for the call: the request id, so worker logs carry it too."""
     return (("x-request-id", request_id),)
 
@@ -126,7 +141,12 @@ def _response_format(fmt: ResponseFormat) -> worker_pb2.ResponseFormat:
     return worker_pb2.ResponseFormat(text=True)
 
 
-def _sampling(request: ChatCompletionRequest) -> worker_pb2.SamplingParams:
+def sampling_params(request: SamplingRequest, *, max_tokens: int | None) -> worker_pb2.SamplingParams:
+    """The shared sampling fields; unset ones stay unset (the worker's defaults apply).
+
+    ``max_tokens`` is passed in because each API has its own rule for it;
+    ``logprobs`` is left to the caller for the same reason.
+    """
     sampling = worker_pb2.SamplingParams(stop=request.stop or [])
     if request.temperature is not None:
         sampling.temperature = request.temperature
@@ -141,12 +161,10 @@ def _sampling(request: ChatCompletionRequest) -> worker_pb2.SamplingParams:
         sampling.presence_penalty = request.presence_penalty
     if request.frequency_penalty is not None:
         sampling.frequency_penalty = request.frequency_penalty
-    if request.completion_token_limit is not None:
-        sampling.max_tokens = request.completion_token_limit
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
     for token, bias in (request.logit_bias or {}).items():
         sampling.logit_bias[int(token)] = bias
-    if request.logprobs:
-        sampling.logprobs = request.top_logprobs or 0
     return sampling
 
 
@@ -156,17 +174,6 @@ def _sampling(request: ChatCompletionRequest) -> worker_pb2.SamplingParams:
 def finish_reason_name(reason: int) -> str:
     """The OpenAI ``finish_reason`` for a proto ``FinishReason`` (unspecified → "stop")."""
     return _FINISH_REASONS.get(reason, "stop")
-
-
-def usage_dict(usage: worker_pb2.Usage) -> dict[str, Any]:
-    """OpenAI ``usage`` with the cached and reasoning token details."""
-    return {
-        "prompt_tokens": usage.prompt_tokens,
-        "completion_tokens": usage.completion_tokens,
-        "total_tokens": usage.total_tokens or usage.prompt_tokens + usage.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": usage.cached_tokens},
-        "completion_tokens_details": {"reasoning_tokens": usage.reasoning_tokens},
-    }
 
 
 def logprob_entries(logprobs: Any) -> list[dict[str, Any]]:
@@ -190,25 +197,34 @@ class ChunkBuilder:
     """Turns the events of one call into ``chat.completion.chunk`` dicts.
 
     Construct once per response with the fixed ``id``/``created``/``model``;
-    feed every event in order to :meth:`on_event`. ``started`` yields one
-    role chunk per choice (indexes increasing); a delta for a choice not yet
-    announced yields that choice's role chunk first, so the role always comes
-    first whatever the worker sends. ``usage`` yields the usage chunk only
-    when ``include_usage``; then every other chunk carries ``"usage": null``,
-    otherwise no chunk has a ``usage`` key.
+    feed every event in order to :meth:`on_event`, then call :meth:`finish`
+    once the call ended OK. ``started`` yields one role chunk per choice
+    (indexes increasing); a delta for a choice not yet announced yields that
+    choice's role chunk first, so the role always comes first whatever the
+    worker sends. Each ``finished`` yields that choice's ``delta: {}`` chunk
+    with its ``finish_reason``.
+
+    Usage: with ``include_usage``, :meth:`finish` yields one more chunk with
+    ``choices: []`` and the total ``usage``, and every other chunk carries
+    ``"usage": null``; with ``continuous_usage``, every chunk carries the usage
+    so far instead (see :class:`~edge.usage.UsageTracker`); with neither, no
+    chunk has a ``usage`` key.
     """
 
     id: str
     created: int
     model: str
     include_usage: bool = False
+    continuous_usage: bool = False
     logprobs: bool = False
     system_fingerprint: str | None = None
+    usage: UsageTracker = field(default_factory=UsageTracker)
     _announced: set[int] = field(default_factory=set)
     _tool_calls_seen: set[tuple[int, int]] = field(default_factory=set)
 
     def on_event(self, event: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """Chunks for one event, in wire order (possibly none)."""
+        self.usage.on_event(0, event)
         kind = event.WhichOneof("event")
         if kind == "started":
             return [self._role_chunk(i) for i in range(max(1, event.started.n)) if i not in self._announced]
@@ -237,13 +253,15 @@ class ChunkBuilder:
             chunks = self._announce(index)
             chunks.append(self._chunk([self._choice(index, {}, finish_reason_name(event.finished.reason))]))
             return chunks
-        if kind == "usage":
-            if not self.include_usage:
-                return []
-            chunk = self._chunk([])
-            chunk["usage"] = usage_dict(event.usage)
-            return [chunk]
-        return []  # progress (the heartbeat covers the silence) or an unknown future event
+        return []  # usage (see finish), progress (the heartbeat covers the silence), or a future event
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The chunks after the last event: the usage chunk when ``include_usage``."""
+        if not self.include_usage:
+            return []
+        chunk = self._chunk([])
+        chunk["usage"] = self.usage.final()
+        return [chunk]
 
     def _tool_call(self, delta: worker_pb2.ToolCallDelta) -> dict[str, Any]:
         key = (delta.choice_index, delta.tool_index)
@@ -287,7 +305,9 @@ class ChunkBuilder:
             "service_tier": None,
             "choices": choices,
         }
-        if self.include_usage:
+        if self.continuous_usage:
+            chunk["usage"] = self.usage.running()
+        elif self.include_usage:
             chunk["usage"] = None
         return chunk
 
@@ -301,7 +321,6 @@ class _ChoiceState:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     refusal_logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
-    completion_tokens: int = 0
 
 
 @dataclass
@@ -309,9 +328,7 @@ class CompletionAccumulator:
     """Builds the non-streaming ``chat.completion`` from the same events.
 
     Feed every event to :meth:`add`, then call :meth:`result` once the call
-    ended OK. ``usage`` is always present: the worker's ``usage`` event, or,
-    if it never came, the prompt tokens from ``started`` plus each choice's
-    ``finished.completion_tokens``.
+    ended OK. ``usage`` is always present (:meth:`~edge.usage.UsageTracker.final`).
     """
 
     id: str
@@ -319,16 +336,13 @@ class CompletionAccumulator:
     model: str
     logprobs: bool = False
     system_fingerprint: str | None = None
+    usage: UsageTracker = field(default_factory=UsageTracker)
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
-    _usage: dict[str, Any] | None = None
-    _prompt_tokens: int = 0
-    _cached_tokens: int = 0
 
     def add(self, event: worker_pb2.GenerateResponse) -> None:
+        self.usage.on_event(0, event)
         kind = event.WhichOneof("event")
         if kind == "started":
-            self._prompt_tokens = event.started.prompt_tokens
-            self._cached_tokens = event.started.cached_tokens
             for i in range(max(1, event.started.n)):
                 self._choice(i)
         elif kind == "content":
@@ -352,11 +366,9 @@ class CompletionAccumulator:
                 }
             calls[delta.tool_index]["function"]["arguments"] += delta.arguments
         elif kind == "finished":
-            state = self._choice(event.finished.choice_index)
-            state.finish_reason = finish_reason_name(event.finished.reason)
-            state.completion_tokens = event.finished.completion_tokens
-        elif kind == "usage":
-            self._usage = usage_dict(event.usage)
+            self._choice(event.finished.choice_index).finish_reason = finish_reason_name(
+                event.finished.reason
+            )
 
     def _choice(self, index: int) -> _ChoiceState:
         return self._choices.setdefault(index, _ChoiceState())
@@ -371,7 +383,7 @@ class CompletionAccumulator:
             "system_fingerprint": self.system_fingerprint,
             "service_tier": None,
             "choices": [self._render(i, s) for i, s in sorted(self._choices.items())],
-            "usage": self._usage or self._fallback_usage(),
+            "usage": self.usage.final(),
         }
 
     def _render(self, index: int, state: _ChoiceState) -> dict[str, Any]:
@@ -395,14 +407,3 @@ class CompletionAccumulator:
             "logprobs": logprobs,
             "finish_reason": state.finish_reason or "stop",
         }
-
-    def _fallback_usage(self) -> dict[str, Any]:
-        completion = sum(s.completion_tokens for s in self._choices.values())
-        return usage_dict(
-            worker_pb2.Usage(
-                prompt_tokens=self._prompt_tokens,
-                completion_tokens=completion,
-                total_tokens=self._prompt_tokens + completion,
-                cached_tokens=self._cached_tokens,
-            )
-        )

@@ -46,6 +46,8 @@ class _Worker:
         self.address = address
         self.outstanding = 0
         self.down_until = 0.0
+        # The worker's own id (``started.worker_id``), learned from its answers.
+        self.worker_id: str | None = None
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
@@ -77,6 +79,14 @@ class _Worker:
         if self._channel is not None:
             channel, self._channel, self._stub, self._health = self._channel, None, None, None
             await channel.close(grace=None)
+
+
+@dataclass(frozen=True)
+class ModelListing:
+    """The models the reachable workers serve, and the ids of the workers that answered."""
+
+    models: list[worker_pb2.ModelInfo]
+    worker_ids: list[str]
 
 
 @dataclass(frozen=True)
@@ -198,8 +208,9 @@ class WorkerPool:
         ``timeout_s`` is the call's total deadline in seconds, shared by all
         attempts. Raises :class:`EdgeError` when the call fails before its
         first event (after trying the other workers for UNAVAILABLE and
-        RESOURCE_EXHAUSTED). If the caller is cancelled meanwhile, the call is
-        cancelled too.
+        RESOURCE_EXHAUSTED). An error a worker answered carries that worker's
+        id (``EdgeError.worker_id``), so the response can name it. If the
+        caller is cancelled meanwhile, the call is cancelled too.
         """
         deadline = time.monotonic() + timeout_s
         call_metadata = tuple(metadata)
@@ -207,6 +218,7 @@ class WorkerPool:
             call_metadata = (("x-request-id", request_id), *call_metadata)
         last_error: EdgeError | None = None
         busy_error: EdgeError | None = None
+        busy_worker: _Worker | None = None
         for worker in self._candidates():
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -220,11 +232,12 @@ class WorkerPool:
                 worker.outstanding -= 1
                 mapped = from_grpc(error)
                 if error.code() not in _RETRY_BEFORE_FIRST_EVENT:
+                    mapped.worker_id = await self._learn_worker_id(worker)
                     raise mapped from None
                 if error.code() == grpc.StatusCode.UNAVAILABLE:
                     worker.down_until = time.monotonic() + _DOWN_PENALTY_S
                 else:
-                    busy_error = mapped
+                    busy_error, busy_worker = mapped, worker
                 last_error = mapped
                 log.info(
                     "request %s: worker %s refused (%s), trying the next",
@@ -256,15 +269,32 @@ class WorkerPool:
                 # The worker closed the call OK without a single event: a contract breach.
                 worker.outstanding -= 1
                 raise ServiceUnavailableError("The model worker ended the request without an answer.")
+            if first.WhichOneof("event") == "started" and first.started.worker_id:
+                worker.worker_id = first.started.worker_id
             return GenerateStream(call, worker, first)
-        if busy_error is not None:
+        if busy_error is not None and busy_worker is not None:
+            busy_error.worker_id = await self._learn_worker_id(busy_worker)
             raise busy_error
         if last_error is not None:
             raise last_error
         raise ServiceUnavailableError("The request timed out before a worker could take it.", retry_after=1.0)
 
-    async def list_models(self) -> list[worker_pb2.ModelInfo]:
-        """Every model any reachable worker serves, deduplicated by id, in worker order.
+    async def _learn_worker_id(self, worker: _Worker) -> str | None:
+        """The worker's id: known from an earlier answer, else asked with ListModels
+        (only on error paths; ``None`` when it does not answer in time)."""
+        if worker.worker_id is None:
+            try:
+                reply = await worker.stub.ListModels(
+                    worker_pb2.ListModelsRequest(), timeout=self._health_timeout_s
+                )
+            except grpc.RpcError:
+                return None
+            worker.worker_id = reply.worker_id or None
+        return worker.worker_id
+
+    async def list_models(self) -> ModelListing:
+        """Every model any reachable worker serves, deduplicated by id, in worker order,
+        with the ids of the workers that answered.
 
         Raises :class:`ServiceUnavailableError` when no worker answered.
         """
@@ -276,21 +306,22 @@ class WorkerPool:
             return_exceptions=True,
         )
         models: dict[str, worker_pb2.ModelInfo] = {}
-        answered = False
+        answered: list[str] = []
         for worker, result in zip(self._workers, results, strict=True):
             if isinstance(result, BaseException):
                 if not isinstance(result, grpc.RpcError):
                     raise result
                 log.info("ListModels on %s failed: %s", worker.address, result.code().name)
                 continue
-            answered = True
+            worker.worker_id = result.worker_id or worker.worker_id
+            answered.append(worker.worker_id or "")
             for model in result.models:
                 models.setdefault(model.id, model)
         if not answered:
             raise ServiceUnavailableError(
                 "No model worker is available; please retry later.", retry_after=1.0
             )
-        return list(models.values())
+        return ModelListing(list(models.values()), [i for i in dict.fromkeys(answered) if i])
 
     async def health(self) -> list[WorkerHealth]:
         """Checks every worker with grpc.health.v1 (``sluice.v1.Worker``, else ``""``)."""

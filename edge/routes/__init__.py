@@ -5,12 +5,16 @@ from __future__ import annotations
 from quart import Quart
 
 from edge.routes.chat import blueprint as chat_blueprint
+from edge.routes.completions import blueprint as completions_blueprint
 from edge.routes.health import blueprint as health_blueprint
 from edge.routes.models import blueprint as models_blueprint
+from edge.routes.openapi import blueprint as openapi_blueprint
 
 
 def register_routes(app: Quart) -> None:
     """Registers every blueprint on ``app``."""
     app.register_blueprint(chat_blueprint)
+    app.register_blueprint(completions_blueprint)
     app.register_blueprint(models_blueprint)
     app.register_blueprint(health_blueprint)
+    app.register_blueprint(openapi_blueprint)

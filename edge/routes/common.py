@@ -42,6 +42,14 @@ def current_request_id() -> str:
     return request_id
 
 
+WORKER_HEADER = "X-Sluice-Worker-ID"
+
+
+def worker_header(worker_ids: list[str]) -> dict[str, str]:
+    """``X-Sluice-Worker-ID``: the serving workers' ids, comma-separated (absent when none)."""
+    return {WORKER_HEADER: ",".join(worker_ids)} if worker_ids else {}
+
+
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     """Compact JSON with ``Content-Type: application/json``."""
     return Response(dumps(obj), status=status, headers=headers, content_type="application/json")

@@ -1,4 +1,8 @@
-"""``GET /v1/models`` and ``GET /v1/models/<id>`` (ids may contain "/")."""
+"""``GET /v1/models`` and ``GET /v1/models/<id>`` (ids may contain "/").
+
+Both answer ``X-Sluice-Worker-ID`` with the ids of the workers that answered
+the listing (comma-separated when there are several).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from quart import Blueprint
 from quart.wrappers import Response
 
 from edge.errors import NotFoundError
-from edge.routes.common import current_pool, json_response
+from edge.routes.common import current_pool, json_response, worker_header
 from sluice.v1 import worker_pb2
 
 blueprint = Blueprint("models", __name__)
@@ -26,17 +30,23 @@ def model_object(model: worker_pb2.ModelInfo) -> dict[str, Any]:
 
 @blueprint.get("/v1/models")
 async def list_models() -> Response:
-    models = await current_pool().list_models()
-    return json_response({"object": "list", "data": [model_object(m) for m in models]})
+    listing = await current_pool().list_models()
+    return json_response(
+        {"object": "list", "data": [model_object(m) for m in listing.models]},
+        headers=worker_header(listing.worker_ids),
+    )
 
 
 @blueprint.get("/v1/models/<path:model_id>")
 async def retrieve_model(model_id: str) -> Response:
-    for model in await current_pool().list_models():
+    listing = await current_pool().list_models()
+    for model in listing.models:
         if model.id == model_id:
-            return json_response(model_object(model))
-    raise NotFoundError(
+            return json_response(model_object(model), headers=worker_header(listing.worker_ids))
+    error = NotFoundError(
         f"The model '{model_id}' does not exist or you do not have access to it.",
         param="model",
         code="model_not_found",
     )
+    error.worker_id = ",".join(listing.worker_ids) or None
+    raise error

@@ -1,4 +1,7 @@
-"""The official openai SDK against a real edge and a real worker serving the default model."""
+"""The official openai Python SDK against a real edge and worker serving the default model: chat.
+
+Every request generates only a few tokens (the suite runs on two cores).
+"""
 
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ def test_models_lists_the_default_model(client):
 
 
 def test_streaming_matches_non_streaming_at_temperature_zero(client):
-    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=40)
+    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=8)
     choice = whole.choices[0]
     assert choice.message.role == "assistant" and "Paris" in choice.message.content
     assert choice.finish_reason in ("stop", "length")
@@ -44,7 +47,7 @@ def test_streaming_matches_non_streaming_at_temperature_zero(client):
             model=MODEL,
             messages=QUESTION,
             temperature=0,
-            max_tokens=40,
+            max_tokens=8,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -61,24 +64,28 @@ def test_streaming_matches_non_streaming_at_temperature_zero(client):
 
 
 def test_max_tokens_gives_length(client):
-    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3)
+    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, temperature=0)
     assert reply.choices[0].finish_reason == "length" and reply.usage.completion_tokens == 3
-    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=3, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, max_tokens=3, temperature=0, stream=True
+        )
+    )
     assert [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason] == ["length"]
 
 
 def test_stop_string_never_appears(client):
     messages = [{"role": "user", "content": "List the numbers from 1 to 20 separated by commas."}]
-    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=60)
+    full = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=12)
     text = full.choices[0].message.content
-    stop = "7"
+    stop = "4"
     assert stop in text
     for stream in (False, True):
         reply = client.chat.completions.create(
             model=MODEL,
             messages=messages,
             temperature=0,
-            max_tokens=60,
+            max_tokens=12,
             stop=[stop, "never-seen"],
             stream=stream,
         )
@@ -94,7 +101,8 @@ def test_stop_string_never_appears(client):
 
 def test_raw_sse_wire_format(default_edge):
     response, lines = sse_lines(
-        default_edge, {"model": MODEL, "messages": QUESTION, "stream": True, "max_tokens": 8}
+        default_edge,
+        {"model": MODEL, "messages": QUESTION, "stream": True, "max_tokens": 4, "temperature": 0},
     )
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/event-stream")
@@ -166,3 +174,162 @@ def test_breaking_out_of_a_stream_cancels_the_worker(client, default_worker):
     assert now["sluice_worker_running_sequences"] == 0
     generated = now["sluice_worker_generated_tokens_total"] - before["sluice_worker_generated_tokens_total"]
     assert generated < 50, f"{generated} tokens generated after the client left at 3"
+
+
+# ------------------------------------------------------------ chat features
+
+SHORT = {"model": MODEL, "messages": QUESTION, "temperature": 0, "max_tokens": 5}
+
+
+@pytest.fixture(scope="module")
+def reference(client) -> openai.types.chat.ChatCompletion:
+    """The greedy non-streaming answer to SHORT, with logprobs: what the other forms must equal."""
+    return client.chat.completions.create(**SHORT, logprobs=True, top_logprobs=3)
+
+
+def test_stream_helper_and_final_completion(client, reference):
+    # The helper refuses a "length" ending (LengthFinishReasonError): end on a stop string instead.
+    deltas, kinds = [], set()
+    with client.chat.completions.stream(**{**SHORT, "max_tokens": 8}, stop=[" France"]) as stream:
+        for event in stream:
+            kinds.add(event.type)
+            if event.type == "content.delta":
+                deltas.append(event.delta)
+        final = stream.get_final_completion()
+    assert {"chunk", "content.delta", "content.done"} <= kinds
+    text = reference.choices[0].message.content
+    assert " France" in text  # the greedy answer goes on past the stop string
+    expected = text[: text.index(" France")]
+    assert "".join(deltas) == expected and final.choices[0].message.content == expected
+    assert final.choices[0].finish_reason == "stop" and final.usage is None
+
+
+def test_logprobs_once_per_token_in_both_modes(client, reference):
+    choice = reference.choices[0]
+    entries = choice.logprobs.content
+    assert len(entries) == reference.usage.completion_tokens  # finish "length": no EOS among them
+    assert b"".join(bytes(e.bytes) for e in entries).decode() == choice.message.content
+    for entry in entries:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 3
+        best = entry.top_logprobs[0]
+        # Greedy: the chosen token is the most likely one, and the alternatives are sorted.
+        assert (best.token, best.logprob) == (entry.token, entry.logprob)
+        assert [t.logprob for t in entry.top_logprobs] == sorted(
+            (t.logprob for t in entry.top_logprobs), reverse=True
+        )
+
+    streamed = []
+    for chunk in client.chat.completions.create(**SHORT, logprobs=True, top_logprobs=3, stream=True):
+        for c in chunk.choices:
+            if c.delta.content:
+                streamed.extend(c.logprobs.content)
+                assert b"".join(bytes(e.bytes) for e in c.logprobs.content).decode() == c.delta.content
+            elif c.logprobs is not None:
+                assert not c.logprobs.content
+    assert [(e.token, round(e.logprob, 4)) for e in streamed] == [
+        (e.token, round(e.logprob, 4)) for e in entries
+    ]
+    without = client.chat.completions.create(**SHORT)
+    assert without.choices[0].logprobs is None
+
+
+def test_usage_chunk_and_continuous_usage(client, reference):
+    chunks = list(
+        client.chat.completions.create(
+            **SHORT, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
+        )
+    )
+    final = chunks[-1]
+    assert final.choices == [] and final.usage.completion_tokens == reference.usage.completion_tokens
+    assert final.usage.prompt_tokens == reference.usage.prompt_tokens
+    assert final.usage.prompt_tokens_details.cached_tokens == 0
+    assert final.usage.completion_tokens_details.reasoning_tokens == 0
+    running = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert running[0] == 0 and running == sorted(running) and running[-1] == final.usage.completion_tokens
+    assert all(c.usage.prompt_tokens == final.usage.prompt_tokens for c in chunks)
+    # One content chunk per token here (plain ASCII words), so the count rises by one each time.
+    content_counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].delta.content]
+    assert content_counts == list(range(1, len(content_counts) + 1))
+
+
+def test_n_choices_stream_in_openai_order(client):
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=QUESTION, n=3, max_tokens=3, temperature=1, seed=7, stream=True
+        )
+    )
+    roles = [c.choices[0].index for c in chunks if c.choices[0].delta.role == "assistant"]
+    assert roles == [0, 1, 2] and [c.choices[0].index for c in chunks[:3]] == [0, 1, 2]
+    finishes = sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason)
+    assert finishes == [0, 1, 2]
+    for index in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason is not None
+    whole = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, n=3, max_tokens=3, temperature=1, seed=7
+    )
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    assert 3 <= whole.usage.completion_tokens <= 9  # 3 choices of 1 to 3 tokens
+    # Seeded: the same request gives the same choices, streamed or not.
+    streamed = [
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in range(3)
+    ]
+    assert streamed == [c.message.content for c in whole.choices]
+
+
+def test_every_message_role_and_sampling_field_is_accepted(client):
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "You are terse."},
+            {"role": "developer", "content": [{"type": "text", "text": "Answer in English."}]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is the weather"},
+                    {"type": "text", "text": "in Paris?"},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        ],
+        temperature=0.5,
+        top_p=0.9,
+        seed=1,
+        stop=["\n\n", "###"],
+        max_completion_tokens=2,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        user="e2e-user",
+        metadata={"suite": "e2e"},
+        parallel_tool_calls=False,
+        response_format={"type": "text"},
+    )
+    assert reply.choices[0].finish_reason in ("length", "stop") and reply.usage.completion_tokens <= 2
+
+
+def test_logit_bias_is_honoured(client, reference, tokenizer):
+    first = reference.choices[0].logprobs.content[0].token
+    (token_id,) = tokenizer.encode(first, add_special_tokens=False)
+    biased = client.chat.completions.create(
+        **{**SHORT, "max_tokens": 1}, logprobs=True, logit_bias={str(token_id): -100}
+    )
+    assert biased.choices[0].logprobs.content[0].token != first
+
+
+def test_worker_refusals_reach_the_client_with_their_param(client):
+    # n is checked by the worker (at most 16 choices), after the edge's own checks passed.
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**SHORT, n=17, stream=stream)
+        assert caught.value.param == "n" and caught.value.code == "invalid_parameter"

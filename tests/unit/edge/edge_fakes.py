@@ -60,8 +60,10 @@ def started(
     )
 
 
-def content(text: str, index: int = 0) -> worker_pb2.GenerateResponse:
-    return worker_pb2.GenerateResponse(content=worker_pb2.ContentDelta(choice_index=index, text=text))
+def content(text: str, index: int = 0, token_ids: tuple[int, ...] = ()) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        content=worker_pb2.ContentDelta(choice_index=index, text=text, token_ids=token_ids)
+    )
 
 
 def finished(index: int = 0, reason: int = worker_pb2.STOP, tokens: int = 2) -> worker_pb2.GenerateResponse:
@@ -80,13 +82,16 @@ def usage(prompt: int = 5, completion: int = 2) -> worker_pb2.GenerateResponse:
 
 @dataclass
 class FakeWorker(worker_pb2_grpc.WorkerServicer):
-    """A Worker whose Generate plays ``script`` and records what it saw."""
+    """A Worker whose Generate plays ``script`` (or ``script_for(request)``) and records what it saw."""
 
     script: list[Step] = field(default_factory=list)
+    script_for: Callable[[worker_pb2.GenerateRequest], list[Step]] | None = None
+    worker_id: str = "worker-a"
     models: list[str] = field(default_factory=lambda: ["SmolLM2-135M-Instruct"])
     requests: list[worker_pb2.GenerateRequest] = field(default_factory=list)
     metadata: list[dict[str, str | bytes]] = field(default_factory=list)
     calls_started: int = 0
+    calls_cancelled: int = 0
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
 
     async def Generate(  # gRPC method name
@@ -95,8 +100,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self.calls_started += 1
         self.requests.append(request)
         self.metadata.append(dict(context.invocation_metadata() or ()))
+        script = self.script_for(request) if self.script_for is not None else self.script
         try:
-            for step in self.script:
+            for step in script:
                 if isinstance(step, Sleep):
                     await asyncio.sleep(step.seconds)
                 elif isinstance(step, Hang):
@@ -106,6 +112,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                 else:
                     yield step
         except asyncio.CancelledError:
+            self.calls_cancelled += 1
             self.cancelled.set()
             raise
 
@@ -114,7 +121,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     ) -> worker_pb2.ListModelsResponse:
         return worker_pb2.ListModelsResponse(
             models=[worker_pb2.ModelInfo(id=m, created=1700000000, owned_by="sluice") for m in self.models],
-            worker_id="worker-a",
+            worker_id=self.worker_id,
         )
 
 

@@ -391,3 +391,69 @@ def test_openai_sdk_streams_and_raises_on_error_event() -> None:
             await client.close()
 
     run(body())
+
+
+def test_every_answer_has_a_request_id_and_worker_answers_name_the_worker() -> None:
+    busy = FakeWorker(
+        script=[Abort(ErrorDetails(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full", "queue_full", None, 2))],
+        worker_id="worker-busy",
+    )
+
+    async def body() -> None:
+        async with (
+            running_worker(busy) as address,
+            running_edge([address], max_body_bytes=2000) as base,
+            httpx.AsyncClient() as client,
+        ):
+            answers = {
+                "400": await client.post(f"{base}/v1/chat/completions", json={**CHAT_BODY, "n": 0}),
+                "404": await client.get(f"{base}/v1/nothing-here"),
+                "405": await client.get(f"{base}/v1/completions"),
+                "413": await client.post(
+                    f"{base}/v1/chat/completions", json={**CHAT_BODY, "user": "x" * 3000}
+                ),
+                "422": await client.post(f"{base}/v1/chat/completions", json=[CHAT_BODY]),
+                "429": await client.post(f"{base}/v1/chat/completions", json=STREAM_BODY),
+            }
+            for status, response in answers.items():
+                assert str(response.status_code) == status, response.text
+                assert response.headers["content-type"] == "application/json"
+                assert response.headers["x-request-id"].startswith("req_")
+                assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+            # Only the 429 came from a worker: it names it; edge-side errors have no worker.
+            assert answers["429"].headers["x-sluice-worker-id"] == "worker-busy"
+            assert answers["429"].headers["retry-after"] == "2"
+            assert all("x-sluice-worker-id" not in r.headers for s, r in answers.items() if s != "429")
+            models = await client.get(f"{base}/v1/models")
+            assert models.headers["x-sluice-worker-id"] == "worker-busy"
+
+    run(body())
+
+
+def test_continuous_usage_over_http() -> None:
+    fake = FakeWorker(
+        script=[
+            started(prompt_tokens=4),
+            content("Hel", token_ids=(1, 2)),
+            content("lo", token_ids=(3,)),
+            finished(tokens=4),
+            usage(4, 4),
+        ]
+    )
+
+    async def body() -> None:
+        async with (
+            running_worker(fake) as address,
+            running_edge([address]) as base,
+            httpx.AsyncClient() as client,
+        ):
+            response = await client.post(
+                f"{base}/v1/chat/completions",
+                json={**CHAT_BODY, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+            )
+            chunks = [data_of(f) for f in split_frames(response.content)[:-1]]
+            assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 2, 3, 4]
+            assert all(c["usage"]["prompt_tokens"] == 4 for c in chunks)
+        assert fake.requests[0].return_token_ids
+
+    run(body())

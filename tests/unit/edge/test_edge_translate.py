@@ -167,7 +167,8 @@ ROLE = {"role": "assistant", "content": ""}
 
 
 def play(builder: ChunkBuilder, events: list[worker_pb2.GenerateResponse]) -> list[dict[str, Any]]:
-    return [c for e in events for c in builder.on_event(e)]
+    """Every chunk of a call that ended OK: each event's, then ``finish()``'s."""
+    return [c for e in events for c in builder.on_event(e)] + builder.finish()
 
 
 def test_single_choice_stream_without_usage_has_no_usage_key() -> None:
@@ -383,3 +384,54 @@ def test_accumulator_usage_falls_back_to_started_and_finished() -> None:
     assert result["usage"]["completion_tokens"] == 6
     assert result["usage"]["total_tokens"] == 10
     assert result["choices"][0]["logprobs"] is None
+
+
+# ------------------------------------------------------- continuous usage
+
+
+def test_token_ids_are_asked_only_for_streamed_continuous_usage() -> None:
+    assert not proto_for().return_token_ids
+    assert not proto_for(stream=True, stream_options={"include_usage": True}).return_token_ids
+    assert proto_for(stream=True, stream_options={"continuous_usage_stats": True}).return_token_ids
+
+
+def running(prompt: int, completion: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": 0},
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+
+
+def test_continuous_usage_on_every_chunk_and_the_total_last() -> None:
+    builder = ChunkBuilder("chatcmpl-x", 123, "M", include_usage=True, continuous_usage=True)
+    events = [
+        started(n=2, prompt_tokens=5),
+        content("Hel", index=0, token_ids=(1, 2)),
+        content("X", index=1, token_ids=(3,)),
+        finished(index=1, tokens=2),  # one more token than seen: EOS
+        content("lo", index=0, token_ids=(4,)),
+        finished(index=0, tokens=3),
+        usage(prompt=5, completion=5),
+    ]
+    assert play(builder, events) == [
+        chunk([choice(0, ROLE)], usage=running(5, 0)),
+        chunk([choice(1, ROLE)], usage=running(5, 0)),
+        chunk([choice(0, {"content": "Hel"})], usage=running(5, 2)),
+        chunk([choice(1, {"content": "X"})], usage=running(5, 3)),
+        chunk([choice(1, {}, "stop")], usage=running(5, 4)),
+        chunk([choice(0, {"content": "lo"})], usage=running(5, 5)),
+        chunk([choice(0, {}, "stop")], usage=running(5, 5)),
+        chunk([], usage=running(5, 5)),
+    ]
+
+
+def test_continuous_usage_without_include_usage_has_no_final_chunk() -> None:
+    builder = ChunkBuilder("chatcmpl-x", 123, "M", continuous_usage=True)
+    chunks = play(
+        builder, [started(prompt_tokens=2), content("a", token_ids=(9,)), finished(tokens=1), usage()]
+    )
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 1]
+    assert all(c["choices"] for c in chunks)

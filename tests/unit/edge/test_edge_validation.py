@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from edge.errors import InvalidRequestError
+from edge.errors import InvalidRequestError, UnprocessableEntityError
 from edge.openai_types import parse_chat_request
 
 OK: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -61,6 +61,20 @@ def with_(**fields: Any) -> dict[str, Any]:
         (with_(top_logprobs=2), "top_logprobs", "invalid_value"),
         (with_(stream="maybe"), "stream", "invalid_type"),
         (with_(stream_options={"include_usage": "x"}), "stream_options.include_usage", "invalid_type"),
+        (
+            with_(stream=True, stream_options={"continuous_usage_stats": []}),
+            "stream_options.continuous_usage_stats",
+            "invalid_type",
+        ),
+        (with_(stream_options={"include_usage": True}), "stream_options", "invalid_value"),
+        (with_(stream=False, stream_options={}), "stream_options", "invalid_value"),
+        (with_(functions=[{"name": "f"}]), "functions", "unsupported_parameter"),
+        (with_(function_call="auto"), "function_call", "unsupported_parameter"),
+        (with_(audio={"voice": "x"}), "audio", "unsupported_parameter"),
+        (with_(modalities=["text", "audio"]), "modalities", "unsupported_parameter"),
+        (with_(n=129), "n", "invalid_value"),
+        (with_(user=5), "user", "invalid_type"),
+        (with_(parallel_tool_calls="yes"), "parallel_tool_calls", "invalid_type"),
         (with_(tools=[{"type": "function"}]), "tools[0].function", "missing_required_parameter"),
         (
             with_(tools=[{"type": "function", "function": {"name": "a b"}}]),
@@ -94,9 +108,24 @@ def test_bad_field_names_its_param(body: dict[str, Any], param: str, code: str) 
     assert param in error.message
 
 
-def test_body_must_be_an_object() -> None:
-    with pytest.raises(InvalidRequestError):
-        parse_chat_request([OK])
+@pytest.mark.parametrize(("body", "kind"), [([OK], "an array"), ("hi", "a string"), (3, "a number")])
+def test_body_that_is_not_an_object_is_422(body: Any, kind: str) -> None:
+    with pytest.raises(UnprocessableEntityError) as caught:
+        parse_chat_request(body)
+    assert caught.value.http_status == 422
+    assert caught.value.payload()["error"]["type"] == "invalid_request_error"
+    assert kind in caught.value.message
+
+
+def test_stream_options_are_read() -> None:
+    request = parse_chat_request(
+        with_(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    )
+    assert request.include_usage and request.continuous_usage
+    plain = parse_chat_request(with_(stream=True, stream_options={}))
+    assert not plain.include_usage and not plain.continuous_usage
+    # Accepted and ignored: fields a text model can honour by doing nothing special.
+    assert parse_chat_request(with_(modalities=["text"], store=False, service_tier="auto")).model == "m"
 
 
 def test_valid_request_normalizes_unions_and_ignores_unknown_fields() -> None:

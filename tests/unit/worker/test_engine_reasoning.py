@@ -73,11 +73,17 @@ def tokenizer(default_model_dir):
 
 def run(tokenizer, text: str, output: OutputOptions, **engine_options) -> list:
     script = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    engine = Engine(ScriptedRunner(script, len(tokenizer)), tokenizer, eos_token_ids={tokenizer.eos_token_id},
-                    context_length=4096, **engine_options)  # type: ignore[arg-type]
+    engine = Engine(
+        ScriptedRunner(script, len(tokenizer)),
+        tokenizer,
+        eos_token_ids={tokenizer.eos_token_id},
+        context_length=4096,
+        **engine_options,
+    )  # type: ignore[arg-type]
     engine.start()
-    request = GenerationRequest("r", (1, 2, 3), SamplingOptions(temperature=0.0, max_tokens=200), time.monotonic(),
-                                output=output)
+    request = GenerationRequest(
+        "r", (1, 2, 3), SamplingOptions(temperature=0.0, max_tokens=200), time.monotonic(), output=output
+    )
 
     async def collect() -> list:
         return [event async for event in engine.submit(request)]
@@ -96,19 +102,28 @@ def test_thinking_streams_as_reasoning_and_is_counted(tokenizer):
     assert reasoning == "The user wants 2+2. That is 4." and content == "The answer is 4."
     usage = events[-1]
     assert isinstance(usage, Usage)
-    thinking_tokens = len(tokenizer("<think>The user wants 2+2. That is 4.", add_special_tokens=False)["input_ids"])
+    thinking_tokens = len(
+        tokenizer("<think>The user wants 2+2. That is 4.", add_special_tokens=False)["input_ids"]
+    )
     assert 0 < usage.reasoning_tokens <= thinking_tokens + 1 < usage.completion_tokens
 
 
 def test_thinking_turned_off_is_dropped(tokenizer):
-    events = run(tokenizer, "<think>hidden</think>Shown.", OutputOptions(reasoning=True, keep_reasoning=False))
+    events = run(
+        tokenizer, "<think>hidden</think>Shown.", OutputOptions(reasoning=True, keep_reasoning=False)
+    )
     assert not [e for e in events if isinstance(e, ReasoningDelta)]
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Shown."
 
 
 def test_blocked_phrase_becomes_a_refusal_with_content_filter(tokenizer):
-    events = run(tokenizer, "Sure, here is the secret plan: step one.", OutputOptions(),
-                 blocked_phrases=("secret plan",), refusal_message="I can't share that.")
+    events = run(
+        tokenizer,
+        "Sure, here is the secret plan: step one.",
+        OutputOptions(),
+        blocked_phrases=("secret plan",),
+        refusal_message="I can't share that.",
+    )
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Sure, here is the "
     assert [e.text for e in events if isinstance(e, RefusalDelta)] == ["I can't share that."]
     finished = next(e for e in events if isinstance(e, Finished))

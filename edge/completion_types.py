@@ -1,0 +1,109 @@
+"""The OpenAI (legacy) text completions request, validated.
+
+:func:`parse_completion_request` turns a decoded JSON body into a
+:class:`CompletionRequest` or raises the errors described in
+:mod:`edge.openai_types` (422 for a non-object body, 400 naming the field).
+
+``prompt`` is normalized to a list of prompts, each a string or a list of
+token ids: a string, a list of strings, a list of token ids (one prompt) and
+a list of lists of token ids are accepted; anything else (an empty list, a
+mix of strings and ids, a bool or negative id) is a 400 naming ``prompt``.
+
+Options the worker cannot honour are refused with a 400 naming them, never
+ignored: a non-empty ``suffix``; ``best_of`` other than ``n``; ``echo``
+together with ``logprobs`` (the worker computes no prompt logprobs).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, StrictBool, StrictInt, field_validator
+
+from edge.errors import InvalidRequestError
+from edge.openai_types import SamplingRequest, bad, invalid, validate_body
+
+# One worker call is opened per prompt; this bounds the fan-out of one request.
+MAX_PROMPTS = 128
+# OpenAI's limit for the legacy integer ``logprobs``.
+MAX_LEGACY_LOGPROBS = 5
+_TOKEN_ID_LIMIT = 2**31
+
+Prompt = str | list[int]
+
+
+class CompletionRequest(SamplingRequest):
+    """A validated ``POST /v1/completions`` body (see the module docstring)."""
+
+    prompt: list[Prompt]
+    # OpenAI's default is 16; an explicit null means "up to the context length".
+    max_tokens: int | None = Field(default=16, ge=1)
+    echo: StrictBool = False
+    # Strict: ``true`` (the chat API's boolean) is a mistake here, not 1.
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LEGACY_LOGPROBS)
+    best_of: int | None = Field(default=None, ge=1)
+    suffix: str | None = None
+
+    @field_validator(
+        "prompt", mode="before", json_schema_input_type=str | list[str] | list[int] | list[list[int]]
+    )
+    @classmethod
+    def _prompts(cls, value: Any) -> Any:
+        return normalize_prompt(value)
+
+
+def normalize_prompt(value: Any) -> list[Prompt]:
+    """The accepted ``prompt`` shapes as a list of prompts; raises a validation error otherwise."""
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise invalid("must be a string, a list of strings, a list of token ids or a list of such lists")
+    if all(isinstance(item, str) for item in value):
+        prompts: list[Prompt] = list(value)
+    elif all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+        prompts = [_token_ids(value, "prompt")]
+    elif all(isinstance(item, list) for item in value):
+        prompts = [_token_ids(item, f"prompt[{i}]") for i, item in enumerate(value)]
+    else:
+        raise invalid("a list prompt must hold only strings, only token ids, or only lists of token ids")
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    return prompts
+
+
+def _token_ids(value: list[Any], where: str) -> list[int]:
+    if not value:
+        raise invalid(f"{where} is an empty list of token ids")
+    for position, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < _TOKEN_ID_LIMIT:
+            raise invalid(f"{where}[{position}] is not a token id (an integer >= 0)")
+    return list(value)
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    """Validates a decoded JSON body fully; raises :class:`InvalidRequestError`
+    (or :class:`~edge.errors.UnprocessableEntityError` for a non-object body)."""
+    request = validate_body(CompletionRequest, body)
+    if request.suffix:
+        raise InvalidRequestError(
+            "'suffix' is not supported: the model has no fill-in-the-middle mode.",
+            param="suffix",
+            code="unsupported_parameter",
+        )
+    n = request.choices_per_prompt
+    if request.best_of is not None and request.best_of != n:
+        reason = (
+            f"best_of ({request.best_of}) must be at least n ({n})"
+            if request.best_of < n
+            else f"best_of greater than n ({request.best_of} > {n}) is not supported; "
+            "ask for n choices instead"
+        )
+        raise bad("best_of", reason)
+    if request.echo and request.logprobs is not None:
+        raise InvalidRequestError(
+            "'echo' together with 'logprobs' is not supported: the worker does not compute logprobs "
+            "of prompt tokens. Use one or the other.",
+            param="echo",
+            code="unsupported_parameter",
+        )
+    return request

@@ -1,0 +1,230 @@
+"""The edge's OpenAPI 3.1 document, served at ``GET /openapi.json``.
+
+Request schemas are generated from the pydantic request models
+(:mod:`edge.openai_types`, :mod:`edge.completion_types`) and response schemas
+from :mod:`edge.response_types`, all with ``models_json_schema`` into
+``components/schemas`` (OpenAPI 3.1 schemas are JSON Schema 2020-12, which is
+what pydantic writes). Request schemas are the validation-mode schemas, so
+union-shaped fields show the shapes callers send.
+
+Paths are listed here by hand, one entry per route; a test checks that every
+route the app serves is in the document and that the document validates.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from edge import response_types as out
+from edge.completion_types import CompletionRequest
+from edge.openai_types import ChatCompletionRequest
+
+REF = "#/components/schemas/{model}"
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
+    out.ErrorResponse,
+    out.ChatCompletion,
+    out.ChatCompletionChunk,
+    out.TextCompletion,
+    out.TextCompletionChunk,
+    out.ModelObject,
+    out.ModelList,
+    out.Health,
+    out.Readiness,
+)
+
+_ERRORS = {
+    "400": "Invalid request: bad JSON, wrong Content-Type, or a field missing or out of range "
+    "(`param` names it). Also what the worker refuses (for example `tools`).",
+    "401": "API keys are configured and the request has no valid `Authorization: Bearer <key>`.",
+    "404": "Unknown model (`code: model_not_found`) or route.",
+    "413": "The body is larger than the edge's `--max-body-bytes`.",
+    "422": "The body is valid JSON but not a JSON object.",
+    "429": "Every worker's queue is full; retry after `Retry-After` seconds.",
+    "500": "An internal error (no detail is shown).",
+    "503": "No worker is available; retry after `Retry-After` seconds.",
+    "504": "The request's deadline passed before it started.",
+}
+_RETRY_STATUSES = {"429", "503"}
+
+
+def schema_ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": REF.format(model=model.__name__)}
+
+
+def component_schemas() -> dict[str, Any]:
+    """``components/schemas``: every request and response model and the models they use."""
+    _, top = models_json_schema(
+        [(model, "validation") for model in (*REQUEST_MODELS, *RESPONSE_MODELS)], ref_template=REF
+    )
+    schemas: dict[str, Any] = top["$defs"]
+    return schemas
+
+
+def _headers(*names: str) -> dict[str, Any]:
+    return {name: {"$ref": f"#/components/headers/{name}"} for name in names}
+
+
+def _error_responses(*statuses: str) -> dict[str, Any]:
+    responses = {}
+    for status in statuses:
+        headers = _headers("X-Request-ID", "X-Sluice-Worker-ID")
+        if status in _RETRY_STATUSES:
+            headers.update(_headers("Retry-After"))
+        responses[status] = {
+            "description": _ERRORS[status],
+            "headers": headers,
+            "content": {"application/json": {"schema": schema_ref(out.ErrorResponse)}},
+        }
+    return responses
+
+
+def _json(model: type[BaseModel], description: str, *headers: str) -> dict[str, Any]:
+    return {
+        "description": description,
+        "headers": _headers("X-Request-ID", *headers),
+        "content": {"application/json": {"schema": schema_ref(model)}},
+    }
+
+
+def _generation(
+    summary: str, request: type[BaseModel], answer: type[BaseModel], chunk: type[BaseModel]
+) -> dict[str, Any]:
+    ok = _json(
+        answer,
+        f"With `stream: false` (the default): one `{answer.__name__}` (`application/json`). "
+        "With `stream: true`: `text/event-stream`, one `data: <chunk JSON>` event per chunk "
+        f"(`{chunk.__name__}`), ending with `data: [DONE]`; a failure after the stream began is "
+        "an `event: error` whose data is an `ErrorResponse`, then `data: [DONE]`; `: heartbeat` "
+        "comments keep an idle stream open.",
+        "X-Sluice-Worker-ID",
+    )
+    ok["headers"].update(_headers("Cache-Control"))
+    ok["content"]["text/event-stream"] = {
+        "schema": {"type": "string", "description": "Server-Sent Events; see the response description."},
+        "x-sse-data-schema": schema_ref(chunk),
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearerAuth": []}],
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": schema_ref(request)}},
+            },
+            "responses": {
+                "200": ok,
+                **_error_responses("400", "401", "404", "413", "422", "429", "500", "503", "504"),
+            },
+        }
+    }
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    """The whole document (built once; treat it as read-only)."""
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "Sluice edge",
+            "version": "1",
+            "description": "OpenAI-compatible HTTP API in front of Sluice gRPC workers. "
+            "See docs/http.md for where it differs from OpenAI.",
+        },
+        "paths": {
+            "/v1/chat/completions": _generation(
+                "Chat completion", ChatCompletionRequest, out.ChatCompletion, out.ChatCompletionChunk
+            ),
+            "/v1/completions": _generation(
+                "Text completion (legacy)", CompletionRequest, out.TextCompletion, out.TextCompletionChunk
+            ),
+            "/v1/models": {
+                "get": {
+                    "summary": "The models the workers serve",
+                    "security": [{"bearerAuth": []}],
+                    "responses": {
+                        "200": _json(out.ModelList, "The model list.", "X-Sluice-Worker-ID"),
+                        **_error_responses("401", "503"),
+                    },
+                }
+            },
+            "/v1/models/{model_id}": {
+                "get": {
+                    "summary": "One model",
+                    "security": [{"bearerAuth": []}],
+                    "parameters": [
+                        {
+                            "name": "model_id",
+                            "in": "path",
+                            "required": True,
+                            "description": "The model id; it may contain '/'.",
+                            "schema": {"type": "string"},
+                        }
+                    ],
+                    "responses": {
+                        "200": _json(out.ModelObject, "The model.", "X-Sluice-Worker-ID"),
+                        **_error_responses("401", "404", "503"),
+                    },
+                }
+            },
+            "/health": {
+                "get": {
+                    "summary": "Liveness: 200 while the process serves",
+                    "responses": {"200": _json(out.Health, "Alive.")},
+                }
+            },
+            "/ready": {
+                "get": {
+                    "summary": "Readiness: 200 when a worker is SERVING",
+                    "responses": {
+                        "200": _json(out.Readiness, "At least one worker is serving."),
+                        "503": _json(out.Readiness, "No worker is serving (the body has an `error`)."),
+                    },
+                }
+            },
+            "/openapi.json": {
+                "get": {
+                    "summary": "This document",
+                    "responses": {
+                        "200": {
+                            "description": "The OpenAPI 3.1 document.",
+                            "content": {"application/json": {"schema": {"type": "object"}}},
+                        }
+                    },
+                }
+            },
+        },
+        "components": {
+            "schemas": component_schemas(),
+            "headers": {
+                "X-Request-ID": {
+                    "description": "The caller's X-Request-ID (1-128 header-safe characters), else a new id.",
+                    "schema": {"type": "string"},
+                },
+                "X-Sluice-Worker-ID": {
+                    "description": "The id(s) of the worker(s) that served the request, comma-separated; "
+                    "absent when no worker was reached (validation errors, 401, 413, 503).",
+                    "schema": {"type": "string"},
+                },
+                "Retry-After": {
+                    "description": "Seconds to wait before retrying.",
+                    "schema": {"type": "integer"},
+                },
+                "Cache-Control": {
+                    "description": "`no-cache` on streams.",
+                    "schema": {"type": "string"},
+                },
+            },
+            "securitySchemes": {
+                "bearerAuth": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "Checked only when the edge runs with --api-keys / --api-keys-file.",
+                }
+            },
+        },
+    }

@@ -1,0 +1,16 @@
+"""``GET /openapi.json``: the OpenAPI 3.1 document (:mod:`edge.openapi`); open without a key."""
+
+from __future__ import annotations
+
+from quart import Blueprint
+from quart.wrappers import Response
+
+from edge.openapi import openapi_document
+from edge.routes.common import json_response
+
+blueprint = Blueprint("openapi", __name__)
+
+
+@blueprint.get("/openapi.json")
+async def openapi_json() -> Response:
+    return json_response(openapi_document())

@@ -1,0 +1,292 @@
+"""Pure translation between the OpenAI text completions shapes and the gRPC contract.
+
+A completions request with ``k`` prompts and ``n`` choices becomes ``k``
+worker calls (one per prompt, :func:`to_generate_requests`); the events of
+call ``p``, choice ``c`` become the response's choice ``p * n + c``, so the
+answer has ``k * n`` choices ordered as OpenAI orders them.
+
+- :class:`TextChunkBuilder`: events (tagged with their call index) →
+  ``text_completion`` chunks, then :meth:`TextChunkBuilder.finish` for the
+  usage chunk.
+- :class:`TextCompletionAccumulator`: the same events → one
+  ``text_completion`` object.
+- :class:`LegacyLogprobs`: the worker's per-token logprobs → OpenAI's legacy
+  ``{tokens, token_logprobs, top_logprobs, text_offset}``.
+
+``echo`` prepends the prompt as the worker rendered it (``started.prompt_text``,
+requested with ``echo_prompt``): the text itself for a string prompt, the
+decoded ids for a token prompt. No I/O here.
+"""
+
+from __future__ import annotations
+
+import codecs
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from edge.completion_types import CompletionRequest
+from edge.translate import finish_reason_name, sampling_params
+from edge.usage import UsageTracker
+from sluice.v1 import worker_pb2
+
+
+def new_text_completion_id() -> str:
+    """A fresh ``cmpl-<32 hex>`` id."""
+    return f"cmpl-{uuid.uuid4().hex}"
+
+
+def to_generate_requests(request: CompletionRequest, request_id: str) -> list[worker_pb2.GenerateRequest]:
+    """One worker request per prompt, in prompt order; every accepted field lands in each.
+
+    With several prompts, call ``i`` carries the request id ``<request_id>.<i>``
+    so worker logs tell the calls apart.
+    """
+    requests = []
+    for index, prompt in enumerate(request.prompt):
+        sampling = sampling_params(request, max_tokens=request.max_tokens)
+        if request.logprobs is not None:
+            sampling.logprobs = request.logprobs
+        proto = worker_pb2.GenerateRequest(
+            request_id=request_id if len(request.prompt) == 1 else f"{request_id}.{index}",
+            model=request.model,
+            sampling=sampling,
+            echo_prompt=request.echo,
+            return_token_ids=request.stream and request.continuous_usage,
+            user=request.user or "",
+        )
+        if isinstance(prompt, str):
+            proto.prompt.text = prompt
+        else:
+            proto.prompt.token_ids.ids.extend(prompt)
+        requests.append(proto)
+    return requests
+
+
+class LegacyLogprobs:
+    """Legacy logprobs of one choice, built incrementally (one instance per choice).
+
+    ``text_offset`` is the character offset of each token in the choice's
+    text (after ``base_offset`` characters of echoed prompt). A token holding
+    part of a UTF-8 character starts at the offset where that character
+    starts. ``top_logprobs`` maps token text to logprob for the requested
+    alternatives plus the sampled token (so up to ``logprobs + 1`` entries, as
+    OpenAI documents); two alternatives with the same text keep the higher.
+    """
+
+    def __init__(self, base_offset: int = 0) -> None:
+        self._offset = base_offset
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def entries(self, logprobs: Any) -> dict[str, Any]:
+        """The legacy object for the tokens of one delta (``logprobs``: ``TokenLogprob`` entries)."""
+        tokens: list[str] = []
+        token_logprobs: list[float] = []
+        top: list[dict[str, float]] = []
+        offsets: list[int] = []
+        for lp in logprobs:
+            tokens.append(lp.token)
+            token_logprobs.append(lp.logprob)
+            alternatives: dict[str, float] = {}
+            for alternative in lp.top_logprobs:
+                alternatives.setdefault(alternative.token, alternative.logprob)
+            alternatives.setdefault(lp.token, lp.logprob)
+            top.append(alternatives)
+            offsets.append(self._offset)
+            self._offset += len(self._decoder.decode(lp.bytes))
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
+
+
+def merge_legacy(into: dict[str, Any], more: dict[str, Any]) -> None:
+    """Appends the lists of one legacy logprobs object to another."""
+    for key, values in more.items():
+        into[key].extend(values)
+
+
+@dataclass
+class _Choices:
+    """Maps (call, worker choice) to the response's choice index and keeps per-choice logprobs."""
+
+    n: int
+    logprobs: bool
+    echo: bool
+    states: dict[int, LegacyLogprobs] = field(default_factory=dict)
+    prompts: dict[int, str] = field(default_factory=dict)
+
+    def index(self, call: int, choice: int) -> int:
+        return call * self.n + choice
+
+    def started(self, call: int, started: worker_pb2.Started) -> list[int]:
+        """Records a call's start; returns its choice indexes."""
+        if self.echo:
+            self.prompts[call] = started.prompt_text
+        indexes = [self.index(call, c) for c in range(max(1, started.n))]
+        for index in indexes:
+            self.states[index] = LegacyLogprobs(len(self.echoed(call)))
+        return indexes
+
+    def echoed(self, call: int) -> str:
+        return self.prompts.get(call, "")
+
+    def legacy(self, index: int, logprobs: Any) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        return self.states.setdefault(index, LegacyLogprobs()).entries(logprobs)
+
+
+@dataclass
+class TextChunkBuilder:
+    """Turns the events of a completions request's calls into ``text_completion`` chunks.
+
+    Construct once per response; feed every event with its call index to
+    :meth:`on_event`, then call :meth:`finish` once every call ended OK.
+    ``started`` yields, with ``echo``, one chunk per choice holding the
+    prompt; each content delta one chunk (with legacy ``logprobs`` when
+    asked, else null); each ``finished`` one chunk with ``text: ""`` and the
+    ``finish_reason``. Usage keys follow the chat rules
+    (:class:`edge.translate.ChunkBuilder`).
+    """
+
+    id: str
+    created: int
+    model: str
+    n: int = 1
+    echo: bool = False
+    logprobs: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+    usage: UsageTracker = field(default_factory=UsageTracker)
+    _choices: _Choices = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._choices = _Choices(self.n, self.logprobs, self.echo)
+
+    def on_event(self, call: int, event: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        """Chunks for one event of call ``call``, in wire order (possibly none)."""
+        self.usage.on_event(call, event)
+        kind = event.WhichOneof("event")
+        if kind == "started":
+            indexes = self._choices.started(call, event.started)
+            prompt = self._choices.echoed(call)
+            return [self._chunk(i, prompt) for i in indexes] if self.echo and prompt else []
+        if kind == "content":
+            delta = event.content
+            if not delta.text and not delta.logprobs:
+                return []
+            index = self._choices.index(call, delta.choice_index)
+            return [self._chunk(index, delta.text, self._choices.legacy(index, delta.logprobs))]
+        if kind == "finished":
+            index = self._choices.index(call, event.finished.choice_index)
+            return [self._chunk(index, "", None, finish_reason_name(event.finished.reason))]
+        # Usage is summed in finish(); raw prompts produce no reasoning, refusal or tool calls.
+        return []
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The chunks after the last event of every call: the usage chunk when ``include_usage``."""
+        if not self.include_usage:
+            return []
+        chunk = self._envelope([])
+        chunk["usage"] = self.usage.final()
+        return [chunk]
+
+    def _chunk(
+        self, index: int, text: str, logprobs: dict[str, Any] | None = None, finish_reason: str | None = None
+    ) -> dict[str, Any]:
+        return self._envelope(
+            [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}]
+        )
+
+    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": choices,
+        }
+        if self.continuous_usage:
+            chunk["usage"] = self.usage.running()
+        elif self.include_usage:
+            chunk["usage"] = None
+        return chunk
+
+
+@dataclass
+class _TextChoice:
+    text: list[str] = field(default_factory=list)
+    logprobs: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+
+@dataclass
+class TextCompletionAccumulator:
+    """Builds the non-streaming ``text_completion`` from the events of every call.
+
+    Feed every event with its call index to :meth:`add`, then call
+    :meth:`result` once every call ended OK. ``usage`` is always present,
+    summed over the calls.
+    """
+
+    id: str
+    created: int
+    model: str
+    n: int = 1
+    echo: bool = False
+    logprobs: bool = False
+    usage: UsageTracker = field(default_factory=UsageTracker)
+    _choices: _Choices = field(init=False)
+    _texts: dict[int, _TextChoice] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._choices = _Choices(self.n, self.logprobs, self.echo)
+
+    def add(self, call: int, event: worker_pb2.GenerateResponse) -> None:
+        self.usage.on_event(call, event)
+        kind = event.WhichOneof("event")
+        if kind == "started":
+            for index in self._choices.started(call, event.started):
+                state = self._text(index)
+                state.text.append(self._choices.echoed(call))
+        elif kind == "content":
+            delta = event.content
+            index = self._choices.index(call, delta.choice_index)
+            state = self._text(index)
+            state.text.append(delta.text)
+            legacy = self._choices.legacy(index, delta.logprobs)
+            if legacy is not None and state.logprobs is not None:
+                merge_legacy(state.logprobs, legacy)
+        elif kind == "finished":
+            index = self._choices.index(call, event.finished.choice_index)
+            self._text(index).finish_reason = finish_reason_name(event.finished.reason)
+
+    def _text(self, index: int) -> _TextChoice:
+        state = self._texts.setdefault(index, _TextChoice())
+        if self.logprobs and state.logprobs is None:
+            state.logprobs = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        return state
+
+    def result(self) -> dict[str, Any]:
+        """The ``text_completion`` dict (choices ordered by index)."""
+        return {
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": None,
+            "choices": [
+                {
+                    "text": "".join(state.text),
+                    "index": index,
+                    "logprobs": state.logprobs,
+                    "finish_reason": state.finish_reason or "stop",
+                }
+                for index, state in sorted(self._texts.items())
+            ],
+            "usage": self.usage.final(),
+        }
