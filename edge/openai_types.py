@@ -228,6 +228,11 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
+    # Reasoning models: "none" turns thinking off (vLLM's and SGLang's `chat_template_kwargs.enable_thinking`
+    # does the same); other values leave the model's default.
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # Extra variables for the model's chat template (a vLLM extension).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @field_validator(
         "tool_choice",

@@ -76,6 +76,14 @@ def to_generate_request(request: ChatCompletionRequest, request_id: str) -> work
     )
     if request.tool_choice is not None:
         chat.tool_choice.CopyFrom(_tool_choice(request.tool_choice))
+    template_kwargs = dict(request.chat_template_kwargs or {})
+    thinking = template_kwargs.pop("enable_thinking", None)
+    if request.reasoning_effort == "none":
+        thinking = False
+    if isinstance(thinking, bool):
+        chat.enable_thinking = thinking
+    if template_kwargs:
+        chat.chat_template_kwargs_json = _compact(template_kwargs)
     sampling = sampling_params(request, max_tokens=request.completion_token_limit)
     if request.logprobs:
         sampling.logprobs = request.top_logprobs or 0

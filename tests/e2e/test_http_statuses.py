@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -126,16 +127,26 @@ def test_429_when_the_only_worker_is_full(model_cache, tmp_path, tokenizer):
             "stream": True,
             "logit_bias": never_end,
         }
+
+        def metric(name: str) -> float:
+            return busy_worker.metrics()[f"sluice_worker_{name}"]
+
+        def until(condition) -> None:
+            deadline = time.monotonic() + 30
+            while not condition():
+                assert time.monotonic() < deadline, "the worker never reached the expected state"
+                time.sleep(0.05)
+
         with contextlib.ExitStack() as streams:
             running = streams.enter_context(http.stream("POST", "/v1/chat/completions", json=long))
-            # Its first content chunk: it holds the only running slot.
-            for line in running.iter_lines():
-                if '"content":"' in line and '"content":""' not in line:
-                    break
+            assert running.status_code == 200
+            until(lambda: metric("running_requests") == 1)  # it holds the only running slot
             queued = streams.enter_context(http.stream("POST", "/v1/chat/completions", json=long))
             assert queued.status_code == 200  # accepted into the one queue place
+            until(lambda: metric("queue_depth") == 1)
             with pytest.raises(openai.RateLimitError) as caught:
                 sdk(busy_edge).chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=1)
+            assert metric("running_requests") == 1 and metric("queue_depth") == 1
         error = caught.value
         assert error.status_code == 429 and error.type == "rate_limit_error"
         assert int(error.response.headers["retry-after"]) >= 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from edge_fakes import content, finished, started, usage
@@ -435,3 +436,21 @@ def test_continuous_usage_without_include_usage_has_no_final_chunk() -> None:
     )
     assert [c["usage"]["completion_tokens"] for c in chunks] == [0, 1, 1]
     assert all(c["choices"] for c in chunks)
+
+
+def test_thinking_switches_reach_the_worker() -> None:
+    off = to_generate_request(
+        parse_chat_request({"model": "m", "messages": USER, "reasoning_effort": "none"}), "r"
+    )
+    assert off.chat.HasField("enable_thinking") and off.chat.enable_thinking is False
+    body = {
+        "model": "m",
+        "messages": USER,
+        "chat_template_kwargs": {"enable_thinking": True, "style": "terse"},
+    }
+    on = to_generate_request(parse_chat_request(body), "r")
+    assert on.chat.enable_thinking is True and json.loads(on.chat.chat_template_kwargs_json) == {
+        "style": "terse"
+    }
+    default = to_generate_request(parse_chat_request({"model": "m", "messages": USER}), "r")
+    assert not default.chat.HasField("enable_thinking") and not default.chat.chat_template_kwargs_json
