@@ -27,7 +27,7 @@ from edge.openai_types import (
     SamplingRequest,
     ToolChoice,
 )
-from edge.usage import UsageTracker
+from edge.usage import UsageTracker, stream_envelope
 from sluice.v1 import worker_pb2
 
 _UINT64 = 2**64
@@ -304,20 +304,18 @@ class ChunkBuilder:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": "chat.completion.chunk",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.system_fingerprint,
-            "service_tier": None,
-            "choices": choices,
-        }
-        if self.continuous_usage:
-            chunk["usage"] = self.usage.running()
-        elif self.include_usage:
-            chunk["usage"] = None
-        return chunk
+        return stream_envelope(
+            object_name="chat.completion.chunk",
+            completion_id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage,
+            include_usage=self.include_usage,
+            continuous_usage=self.continuous_usage,
+            system_fingerprint=self.system_fingerprint,
+            service_tier=None,
+        )
 
 
 @dataclass

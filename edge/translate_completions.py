@@ -27,7 +27,7 @@ from typing import Any
 
 from edge.completion_types import CompletionRequest
 from edge.translate import finish_reason_name, sampling_params
-from edge.usage import UsageTracker
+from edge.usage import UsageTracker, stream_envelope
 from sluice.v1 import worker_pb2
 
 
@@ -202,19 +202,17 @@ class TextChunkBuilder:
         )
 
     def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk: dict[str, Any] = {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": choices,
-        }
-        if self.continuous_usage:
-            chunk["usage"] = self.usage.running()
-        elif self.include_usage:
-            chunk["usage"] = None
-        return chunk
+        return stream_envelope(
+            object_name="text_completion",
+            completion_id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=self.usage,
+            include_usage=self.include_usage,
+            continuous_usage=self.continuous_usage,
+            system_fingerprint=None,
+        )
 
 
 @dataclass

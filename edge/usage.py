@@ -110,3 +110,32 @@ class UsageTracker:
                 cached += call.cached_tokens
                 reasoning += call.reasoning
         return usage_dict(prompt, completion, cached, reasoning)
+
+
+def stream_envelope(
+    *,
+    object_name: str,
+    completion_id: str,
+    created: int,
+    model: str,
+    choices: list[dict[str, Any]],
+    usage: UsageTracker,
+    include_usage: bool,
+    continuous_usage: bool,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One streamed chunk: the fields every chunk of a response shares, its choices, and its ``usage``
+    (running usage with ``continuous_usage_stats``, ``null`` with ``include_usage``, else absent)."""
+    chunk: dict[str, Any] = {
+        "id": completion_id,
+        "object": object_name,
+        "created": created,
+        "model": model,
+        **extra,
+        "choices": choices,
+    }
+    if continuous_usage:
+        chunk["usage"] = usage.running()
+    elif include_usage:
+        chunk["usage"] = None
+    return chunk
