@@ -6,9 +6,9 @@ update. Between steps requests join (``submit``) and leave (finish or
 queued or running, and its caches are dropped with it.
 
 The gRPC layer never blocks this thread: each request gets a
-:class:`RequestStream` whose asyncio queue the thread fills with
-``call_soon_threadsafe`` once per step, so a request sees its events in
-batches as the step produces them.
+:class:`RequestStream` with an asyncio queue; once per step the thread hands
+every request's events over with a single ``call_soon_threadsafe`` per event
+loop, so a request sees its events in batches as the step produces them.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -48,7 +48,6 @@ from worker.types import (
 log = logging.getLogger(__name__)
 
 _END = object()  # marks the end of a request's events
-Sink = Callable[[list[Any]], None]
 
 
 @dataclass
@@ -98,7 +97,7 @@ class _RequestState:
     key: str
     request: GenerationRequest
     choices: list[_Choice]
-    sink: Sink
+    stream: RequestStream
     admitted_time: float | None = None
 
     @property
@@ -140,11 +139,13 @@ class RequestStream:
         self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
         self._finished = False
 
-    def deliver(self, batch: list[Any]) -> None:
-        """Called from the engine thread."""
-        # A closed loop means nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, batch)
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def put(self, batch: list[Any]) -> None:
+        """Runs on the stream's event loop (see :func:`_deliver`)."""
+        self._queue.put_nowait(batch)
 
     def cancel(self) -> None:
         if not self._finished:
@@ -161,6 +162,23 @@ class RequestStream:
                     yield item
         finally:
             self.cancel()
+
+
+def _deliver(batches: list[tuple[RequestStream, list[Any]]]) -> None:
+    """Hands a step's event batches to their streams, waking each event loop once per step (not once
+    per request). Called from the engine thread."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, list[Any]]]] = {}
+    for stream, batch in batches:
+        by_loop.setdefault(stream.loop, []).append((stream, batch))
+    for loop, items in by_loop.items():
+        # A closed loop means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_put_all, items)
+
+
+def _put_all(items: list[tuple[RequestStream, list[Any]]]) -> None:
+    for stream, batch in items:
+        stream.put(batch)
 
 
 class Engine:
@@ -217,7 +235,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         key = f"{request.request_id}#{next(self._ids)}"
         stream = RequestStream(self, key, loop)
-        state = _RequestState(key, request, self._new_choices(key, request), stream.deliver)
+        state = _RequestState(key, request, self._new_choices(key, request), stream)
         with self._cv:
             self._scheduler.add(state)
             self.counters.requests_submitted += 1
@@ -418,6 +436,7 @@ class Engine:
                 for state in finished:
                     self._scheduler.remove(state.key)
                     self.counters.requests_finished += 1
+        ready = []
         for state in states:
             batch = events.get(state.key, [])
             if state.done:
@@ -426,7 +445,8 @@ class Engine:
                 batch.append(Usage(state.prompt_length, completion, reasoning_tokens=reasoning))
                 batch.append(_END)
             if batch:
-                state.sink(batch)
+                ready.append((state.stream, batch))
+        _deliver(ready)
 
     def _fail(self, states: list[_RequestState], message: str) -> None:
         # The batch's cache state is unknown after a failed step: drop it all
@@ -436,5 +456,4 @@ class Engine:
             for state in states:
                 if self._scheduler.remove(state.key) is not None:
                     self.counters.requests_failed += 1
-        for state in states:
-            state.sink([Failed(message), _END])
+        _deliver([(state.stream, [Failed(message), _END]) for state in states])

@@ -17,10 +17,6 @@ class StopStringMatcher:
         self._stops = tuple(s for s in stops if s)
         self._pending = ""
 
-    @property
-    def pending(self) -> str:
-        return self._pending
-
     def push(self, text: str) -> tuple[str, str | None]:
         if not self._stops:
             return text, None
