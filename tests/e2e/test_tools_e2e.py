@@ -135,7 +135,8 @@ class Order(BaseModel):
 def test_json_schema_response_parses_into_a_model(client):
     completion = client.chat.completions.parse(
         model=MODEL,
-        max_tokens=80,
+        max_tokens=200,
+        temperature=0,
         messages=[{"role": "user", "content": "Order two spicy curries, as JSON."}],
         response_format=Order,
     )
@@ -146,12 +147,13 @@ def test_json_schema_response_parses_into_a_model(client):
 def test_json_object_response_is_a_json_object(client):
     reply = client.chat.completions.create(
         model=MODEL,
-        max_tokens=80,
+        max_tokens=200,
+        temperature=0,
         response_format={"type": "json_object"},
         messages=[{"role": "user", "content": "Describe a cat as JSON."}],
     )
-    if reply.choices[0].finish_reason == "stop":
-        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
 
 
 def test_langchain_merges_streamed_tool_call_chunks(default_edge):
