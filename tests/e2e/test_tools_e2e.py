@@ -60,7 +60,13 @@ def client(default_edge) -> openai.OpenAI:
 def test_streamed_named_tool_call_has_openai_shape_and_valid_arguments(client):
     chunks = list(
         client.chat.completions.create(
-            model=MODEL, messages=ASK, tools=TOOLS, tool_choice=FORCE, stream=True, max_tokens=60
+            model=MODEL,
+            messages=ASK,
+            tools=TOOLS,
+            tool_choice=FORCE,
+            stream=True,
+            max_tokens=120,
+            temperature=0,
         )
     )
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
@@ -77,7 +83,7 @@ def test_streamed_named_tool_call_has_openai_shape_and_valid_arguments(client):
 
 def test_stream_helper_accumulates_the_call(client):
     with client.chat.completions.stream(
-        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=FORCE, max_tokens=60
+        model=MODEL, messages=ASK, tools=TOOLS, tool_choice=FORCE, max_tokens=120, temperature=0
     ) as stream:
         for _ in stream:
             pass
@@ -95,7 +101,8 @@ def test_required_and_non_streaming(client):
         tools=TOOLS,
         tool_choice="required",
         parallel_tool_calls=False,
-        max_tokens=60,
+        max_tokens=120,
+        temperature=0,
     )
     message = reply.choices[0].message
     assert reply.choices[0].finish_reason == "tool_calls" and len(message.tool_calls) == 1
@@ -163,7 +170,8 @@ def test_langchain_merges_streamed_tool_call_chunks(default_edge):
         base_url=f"{default_edge.base_url}/v1",
         api_key="unused",
         model=MODEL,
-        max_tokens=60,
+        max_tokens=120,
+        temperature=0,
         stream_usage=True,
     )
     bound = llm.bind_tools([TOOLS[0]], tool_choice="get_weather")
@@ -213,7 +221,8 @@ def test_raw_tool_call_chunks_carry_index_and_function(default_edge):
         "tools": TOOLS,
         "tool_choice": FORCE,
         "stream": True,
-        "max_tokens": 60,
+        "max_tokens": 120,
+        "temperature": 0,
     }
     with httpx.stream(
         "POST", f"{default_edge.base_url}/v1/chat/completions", json=body, timeout=180
