@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test lint protos bench clean
+.PHONY: install run test lint protos bench bench-edge clean
 
 install: $(STAMP)
 
@@ -39,6 +39,11 @@ protos: install
 bench: install
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/bench_worker.py --peer --constrained --concurrency 1,4,16,32 --rounds 3
+
+# The edge under load (200 streams, real workers) and its overhead against direct gRPC (fake workers).
+bench-edge: install
+	$(PY) bench/load_edge.py
+	$(PY) bench/bench_edge_overhead.py --concurrency 1,16,64 --step-ms 0,20 --rounds 3
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

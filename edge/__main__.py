@@ -1,19 +1,42 @@
-"""``python -m edge`` / ``sluice-edge``: serve the edge with hypercorn until SIGINT/SIGTERM."""
+"""``python -m edge`` / ``sluice-edge``: serve the edge with hypercorn; drain gracefully on SIGTERM.
+
+Shutdown (see :mod:`edge.drain` for what each step means to a caller): the
+first SIGTERM/SIGINT starts draining (``/ready`` 503, new generations 503)
+while the listener stays open for ``--drain-delay`` seconds; then the
+listener closes and requests in flight get ``--graceful-timeout`` seconds;
+then the streams still open are ended with an ``event: error``
+(``server_shutting_down``) and ``data: [DONE]``; a moment later every client
+connection still open (a client that does not read its last frames) is
+aborted, hypercorn returns, and the process exits 0. A second signal skips
+what is left of the drain delay.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
 from edge.app import create_app
+from edge.client_connections import ClientConnections, app_connections
+from edge.drain import Drain, app_drain
 from edge.settings import Settings
+from sluice.logs import configure_logging
 
 log = logging.getLogger("sluice.edge")
+
+# After the grace period, ended streams get this long to write their last frames; then the
+# connections still open are aborted (hypercorn would otherwise wait forever for a client
+# that does not read to take its unsent bytes).
+FINAL_WRITE_S = 1.0
+# hypercorn's own grace is ours plus this, so it never cancels a stream we are still ending.
+FINAL_WRITE_MARGIN_S = FINAL_WRITE_S + 1.0
 
 
 def hypercorn_config(settings: Settings) -> Config:
@@ -23,34 +46,100 @@ def hypercorn_config(settings: Settings) -> Config:
         f"[{settings.host}]" if ":" in settings.host and not settings.host.startswith("[") else settings.host
     )
     config.bind = [f"{host}:{settings.port}"]
-    config.graceful_timeout = settings.graceful_timeout_s
+    config.graceful_timeout = settings.graceful_timeout_s + FINAL_WRITE_MARGIN_S
     config.accesslog = logging.getLogger("sluice.edge.access")
     config.errorlog = logging.getLogger("sluice.edge.server")
     return config
 
 
-async def serve_edge(settings: Settings, stop: asyncio.Event) -> None:
-    """Serves until ``stop`` is set, then lets open streams finish (up to the grace period)."""
+async def serve_edge(settings: Settings, stop: asyncio.Event, drain: asyncio.Event | None = None) -> None:
+    """Serves until shut down, then ends the requests in flight as described in the module.
+
+    ``drain`` set: start draining and keep the listener open for
+    ``--drain-delay``; ``stop`` set: the same without (or without the rest of)
+    the delay. Either way requests in flight get ``--graceful-timeout``.
+    """
     app = create_app(settings)
     log.info("sluice-edge serving %s/v1 (workers: %s)", settings.base_url, ", ".join(settings.workers))
-    await serve(app, hypercorn_config(settings), shutdown_trigger=stop.wait)
+    close_listener = asyncio.Event()
+    shutdown = asyncio.create_task(
+        _shutdown_sequence(
+            settings, app_drain(app), app_connections(app), stop, drain or asyncio.Event(), close_listener
+        )
+    )
+    try:
+        await serve(app, hypercorn_config(settings), shutdown_trigger=close_listener.wait)
+    finally:
+        shutdown.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await shutdown
+
+
+async def _shutdown_sequence(
+    settings: Settings,
+    state: Drain,
+    connections: ClientConnections,
+    stop: asyncio.Event,
+    drain: asyncio.Event,
+    close_listener: asyncio.Event,
+) -> None:
+    """Waits for ``stop`` or ``drain``, then drains, closes the listener and ends what is left.
+
+    Cancelled by :func:`serve_edge` when hypercorn returned (every connection closed).
+    """
+    await _first_of(stop.wait(), drain.wait())
+    state.begin()
+    if not stop.is_set() and settings.drain_delay_s > 0:
+        log.info(
+            "draining: /ready answers 503 and new requests are refused; the listener closes in %.1f s",
+            settings.drain_delay_s,
+        )
+        await _first_of(stop.wait(), asyncio.sleep(settings.drain_delay_s))
+    log.info(
+        "closing the listener; %d request(s) in flight get %.1f s",
+        state.in_flight,
+        settings.graceful_timeout_s,
+    )
+    close_listener.set()
+    await asyncio.sleep(settings.graceful_timeout_s)
+    ended = state.end_streams()
+    if ended:
+        log.warning("grace period over: ended %d request(s) with server_shutting_down", ended)
+    await asyncio.sleep(FINAL_WRITE_S)
+    aborted = connections.abort_all()
+    if aborted:
+        log.warning("closed %d client connection(s) that did not take their last bytes", aborted)
+
+
+async def _first_of(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Returns when the first of ``waits`` finishes; the others are cancelled."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 async def _run(settings: Settings) -> None:
-    stop = asyncio.Event()
+    stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        # The first signal drains; a second one skips the rest of the drain delay.
+        (stop if drain.is_set() else drain).set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    await serve_edge(settings, stop)
+        loop.add_signal_handler(sig, on_signal)
+    await serve_edge(settings, stop, drain)
     log.info("sluice-edge stopped")
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: parse settings (exit 2 with a message if invalid) and serve."""
     settings = Settings.from_args(argv)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(settings.log_level, settings.log_format)
     asyncio.run(_run(settings))
 
 

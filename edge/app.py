@@ -1,8 +1,14 @@
 """The Quart application: :func:`create_app` wires settings, worker pool, auth, routes and errors.
 
 Before each request, in this order: the request id is assigned (so every
-answer, errors included, carries ``X-Request-ID``), then the API key is
-checked for ``/v1/*`` when keys are configured (:mod:`edge.auth`).
+answer, errors included, carries ``X-Request-ID``) and bound to the log
+context (:mod:`edge.logs`), the start time is stamped for the metrics
+(:mod:`edge.metrics`) and the request limits are set for the parsers
+(:class:`~edge.openai_types.RequestLimits`); then the API key is checked for
+``/v1/*`` when keys are configured (:mod:`edge.auth`), then a generation
+request takes its caller's concurrency slot when that limit is on
+(:mod:`edge.concurrency`, released by an ASGI wrapper when the exchange
+ends). After each request it is counted and logged.
 
 Every error leaves as the OpenAI error JSON (``{"error": {...}}``), never as
 HTML or a traceback: edge errors with their own status, werkzeug HTTP errors
@@ -18,7 +24,9 @@ from quart import Quart, request
 from quart.wrappers import Response
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
+from edge import client_connections, drain
 from edge.auth import ApiKeyCheck
+from edge.concurrency import LIMITER_KEY, ConcurrencyLimiter, ReleaseSlots
 from edge.errors import (
     GENERIC_INTERNAL_MESSAGE,
     EdgeError,
@@ -28,6 +36,9 @@ from edge.errors import (
     NotFoundError,
     PayloadTooLargeError,
 )
+from edge.logs import bind_request_id, log_request
+from edge.metrics import METRICS_KEY, EdgeMetrics
+from edge.openai_types import request_limits
 from edge.routes import register_routes
 from edge.routes.common import (
     POOL_KEY,
@@ -49,25 +60,46 @@ def create_app(settings: Settings) -> Quart:
     app = Quart("edge")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.extensions[SETTINGS_KEY] = settings
+    drain.install(app)
     app.extensions[POOL_KEY] = WorkerPool(
         settings.workers,
         connect_timeout_s=settings.worker_connect_timeout_s,
         health_timeout_s=settings.health_timeout_s,
+        health_interval_s=settings.health_interval_s,
+        dns_name=settings.worker_dns,
+        dns_refresh_interval_s=settings.dns_refresh_interval_s,
     )
 
     @app.before_serving
     async def open_pool() -> None:
+        # Channels, DNS discovery and the health-check loop start here; close() stops them.
         current_pool().open()
-        log.info("edge ready for workers %s", ", ".join(settings.workers))
+        dns = [f"DNS {settings.worker_dns}"] if settings.worker_dns else []
+        log.info("edge ready for workers %s", ", ".join([*settings.workers, *dns]))
 
     @app.after_serving
     async def close_pool() -> None:
         await current_pool().close()
 
     app.before_request(assign_request_id)
+    app.before_request(bind_request_id)
+    metrics = app.extensions[METRICS_KEY] = EdgeMetrics()
+    app.before_request(metrics.before_request)
+    limits = settings.limits
+
+    @app.before_request
+    async def use_request_limits() -> None:
+        request_limits.set(limits)
+
     api_keys = ApiKeyCheck(settings.api_keys)
     if api_keys.enabled:
         app.before_request(api_keys.before_request)
+    limiter = app.extensions[LIMITER_KEY] = ConcurrencyLimiter(settings.max_concurrent_per_key)
+    if limiter.enabled:
+        app.before_request(limiter.before_request)
+        app.asgi_app = ReleaseSlots(app.asgi_app)  # type: ignore[method-assign]
+    app.after_request(metrics.after_request)
+    app.after_request(log_request)
 
     @app.after_request
     async def add_request_id(response: Response) -> Response:
@@ -91,6 +123,8 @@ def create_app(settings: Settings) -> Quart:
         return error_response(InternalError(GENERIC_INTERNAL_MESSAGE))
 
     register_routes(app)
+    # Outermost: a client that stops reading is disconnected after --write-timeout (see the module).
+    client_connections.install(app, settings.write_timeout_s)
     return app
 
 

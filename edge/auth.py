@@ -8,7 +8,10 @@ nothing (not even whether a route exists). ``/health``, ``/ready`` and
 ``/openapi.json`` stay open for probes and tooling.
 
 Keys are compared in constant time against every configured key (no early
-exit), and are never logged or echoed.
+exit), and are never logged or echoed. An accepted request is known by the
+position of its key (``key#3``, in :func:`caller_identity`), never by the
+key itself, so the per-key concurrency limit (:mod:`edge.concurrency`) and
+logs can name a caller without holding a secret.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import hmac
 from collections.abc import Iterable
 
-from quart import request
+from quart import g, request
 
 from edge.errors import AuthenticationError
 
@@ -40,24 +43,51 @@ class ApiKeyCheck:
 
     def matches(self, token: str) -> bool:
         """True when ``token`` equals one of the keys. Every key is compared, in constant time."""
-        given = token.encode("utf-8")
-        found = False
-        for key in self._keys:
-            found |= hmac.compare_digest(given, key)
-        return found
+        return self.match_index(token) is not None
 
-    def check(self, path: str, authorization: str | None) -> None:
+    def match_index(self, token: str) -> int | None:
+        """The position of the key ``token`` equals, or None. Every key is compared, in
+        constant time (the index is picked without a branch on the comparison)."""
+        given = token.encode("utf-8")
+        found = -1
+        for index, key in enumerate(self._keys):
+            equal = hmac.compare_digest(given, key)
+            # Keys are distinct after settings dedupe them, so at most one is equal.
+            found = max(found, index * equal - (not equal))
+        return found if found >= 0 else None
+
+    def check(self, path: str, authorization: str | None) -> int | None:
         """Raises :class:`AuthenticationError` when ``path`` needs a key and ``authorization``
-        (the raw header value) does not carry a valid one."""
+        (the raw header value) does not carry a valid one; returns the matched key's
+        position (None when no key was needed)."""
         if not self.enabled or not path.startswith(PROTECTED_PREFIX):
-            return
+            return None
         scheme, _, token = (authorization or "").strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
             raise AuthenticationError(_MISSING)
-        if not self.matches(token):
+        index = self.match_index(token)
+        if index is None:
             raise AuthenticationError(_WRONG)
+        return index
 
     async def before_request(self) -> None:
-        """Quart ``before_request`` hook (registered after the request id is assigned)."""
-        self.check(request.path, request.headers.get("Authorization"))
+        """Quart ``before_request`` hook (registered after the request id is assigned);
+        records the matched key's position for :func:`caller_identity`."""
+        index = self.check(request.path, request.headers.get("Authorization"))
+        if index is not None:
+            g.api_key_index = index
+
+
+def caller_identity() -> str:
+    """Who a request counts against for per-caller limits, inside a request context.
+
+    ``key#N`` (the position of the caller's API key) when the request was
+    authenticated, else ``client:<peer address>``. The peer is the TCP peer:
+    ``X-Forwarded-For`` is deliberately ignored, as any caller can forge it;
+    behind a proxy every request shares the proxy's address (use API keys there).
+    """
+    index = g.get("api_key_index")
+    if index is not None:
+        return f"key#{index}"
+    return f"client:{request.remote_addr or 'unknown'}"

@@ -9,6 +9,9 @@ token ids: a string, a list of strings, a list of token ids (one prompt) and
 a list of lists of token ids are accepted; anything else (an empty list, a
 mix of strings and ids, a bool or negative id) is a 400 naming ``prompt``.
 
+Operator limits (:class:`~edge.openai_types.RequestLimits`) bound the
+prompts' total size (``prompt``), ``n``, ``max_tokens`` and ``logprobs``.
+
 Options the worker cannot honour are refused with a 400 naming them, never
 ignored: a non-empty ``suffix``; ``best_of`` other than ``n``; ``echo``
 together with ``logprobs`` (the worker computes no prompt logprobs).
@@ -21,7 +24,15 @@ from typing import Any
 from pydantic import Field, StrictBool, StrictInt, field_validator
 
 from edge.errors import InvalidRequestError
-from edge.openai_types import SamplingRequest, bad, invalid, validate_body
+from edge.openai_types import (
+    RequestLimits,
+    SamplingRequest,
+    active_limits,
+    bad,
+    check_sampling_limits,
+    invalid,
+    validate_body,
+)
 
 # One worker call is opened per prompt; this bounds the fan-out of one request.
 MAX_PROMPTS = 128
@@ -80,8 +91,9 @@ def _token_ids(value: list[Any], where: str) -> list[int]:
     return list(value)
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
-    """Validates a decoded JSON body fully; raises :class:`InvalidRequestError`
+def parse_completion_request(body: Any, limits: RequestLimits | None = None) -> CompletionRequest:
+    """Validates a decoded JSON body fully, ``limits`` (default:
+    :func:`~edge.openai_types.active_limits`) included; raises :class:`InvalidRequestError`
     (or :class:`~edge.errors.UnprocessableEntityError` for a non-object body)."""
     request = validate_body(CompletionRequest, body)
     if request.suffix:
@@ -106,4 +118,19 @@ def parse_completion_request(body: Any) -> CompletionRequest:
             param="echo",
             code="unsupported_parameter",
         )
+    check_completion_limits(request, limits or active_limits())
     return request
+
+
+def check_completion_limits(request: CompletionRequest, limits: RequestLimits) -> None:
+    """Raises a 400 naming the field when ``request`` is over one of ``limits``."""
+    size = sum(len(prompt) for prompt in request.prompt)
+    if size > limits.max_prompt_chars:
+        raise bad(
+            "prompt",
+            f"the prompts hold {size} characters (or token ids); at most {limits.max_prompt_chars} "
+            "are accepted",
+        )
+    check_sampling_limits(request, limits)
+    if request.logprobs is not None and request.logprobs > limits.max_top_logprobs:
+        raise bad("logprobs", f"must be at most {limits.max_top_logprobs}, got {request.logprobs}")

@@ -144,6 +144,23 @@ class DeadlineExceededError(EdgeError):
     default_code = "timeout"
 
 
+class StreamIdleTimeoutError(EdgeError):
+    """The worker sent nothing (not even a progress event) for the request's idle timeout (504)."""
+
+    http_status = 504
+    type = "stream_idle_timeout"
+    default_code = "stream_idle_timeout"
+
+
+class ServerShuttingDownError(EdgeError):
+    """The edge is draining: a new request is refused (503, ``Retry-After``, so a client or load
+    balancer retries another replica) and a stream still open when the grace period ends is cut."""
+
+    http_status = 503
+    type = "server_error"
+    default_code = "server_shutting_down"
+
+
 class CallCancelledError(EdgeError):
     """The worker cancelled the call (nginx's 499: the request did not complete)."""
 

@@ -12,6 +12,12 @@ raises:
   ``missing_required_parameter``, ``invalid_type`` or ``invalid_value``.
 
 Unknown fields are ignored; booleans are strict (``"yes"`` is not ``true``).
+Operator limits (:class:`RequestLimits`: messages, prompt characters, ``n``,
+``max_tokens``, ``top_logprobs``) are checked after the shape, with the same
+400 naming the field. They come from the ``limits`` argument, else from
+:data:`request_limits`, which the app sets per request from its settings
+(the built-in defaults outside a request).
+
 Union-shaped OpenAI fields (``content``, ``stop``, ``tool_choice``) are
 normalized to one shape by "before" validators,
 so error locations never contain pydantic's union tags and later code sees a
@@ -23,6 +29,8 @@ shows what callers send, not the normalized form.
 from __future__ import annotations
 
 import re
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError, field_validator
@@ -36,6 +44,55 @@ _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+# Hard ceilings of the request schema; operator limits may only lower them.
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request bounds an operator tunes (``--max-messages`` and friends, see docs/http.md).
+
+    ``max_prompt_chars`` counts the characters of every message's text
+    (``content``, ``reasoning_content``, tool-call ``arguments``) of a chat
+    request, or of every prompt of a completions request (a token-id prompt
+    counts one per id). ``max_tokens`` bounds ``max_tokens`` and
+    ``max_completion_tokens`` when a request sets them; 0 means no bound at
+    the edge (the worker still bounds them by the context length). ``n`` is
+    per prompt. ``__post_init__`` raises ``ValueError`` naming a bad field.
+    """
+
+    max_messages: int = 1024
+    max_prompt_chars: int = 1_000_000
+    max_n: int = MAX_N
+    max_tokens: int = 0
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
+
+    def __post_init__(self) -> None:
+        for name, low, high in (
+            ("max_messages", 1, None),
+            ("max_prompt_chars", 1, None),
+            ("max_n", 1, MAX_N),
+            ("max_tokens", 0, None),
+            ("max_top_logprobs", 0, MAX_TOP_LOGPROBS),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+            if high is not None and value > high:
+                raise ValueError(f"{name}: must be at most {high}, got {value}")
+
+
+DEFAULT_LIMITS = RequestLimits()
+# The limits of the request being parsed; the edge app sets it per request (None: the defaults).
+request_limits: ContextVar[RequestLimits | None] = ContextVar("sluice_request_limits", default=None)
+
+
+def active_limits() -> RequestLimits:
+    """The limits set for this context, else :data:`DEFAULT_LIMITS`."""
+    return request_limits.get() or DEFAULT_LIMITS
 
 
 class _Model(BaseModel):
@@ -69,7 +126,7 @@ class SamplingRequest(_Model):
     model: str
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    n: int | None = Field(default=None, ge=1, le=128)
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
     stop: list[str] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
@@ -222,7 +279,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = None
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[ToolDefinition] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
@@ -270,9 +327,10 @@ _UNSUPPORTED_CHAT_FIELDS = {
 }
 
 
-def parse_chat_request(body: Any) -> ChatCompletionRequest:
-    """Validates a decoded JSON body fully; raises :class:`InvalidRequestError`
-    (or :class:`UnprocessableEntityError` for a non-object body)."""
+def parse_chat_request(body: Any, limits: RequestLimits | None = None) -> ChatCompletionRequest:
+    """Validates a decoded JSON body fully, ``limits`` (default: :func:`active_limits`)
+    included; raises :class:`InvalidRequestError` (or :class:`UnprocessableEntityError`
+    for a non-object body)."""
     request = validate_body(ChatCompletionRequest, body)
     for name, message in _UNSUPPORTED_CHAT_FIELDS.items():
         if body.get(name) is not None:
@@ -283,7 +341,43 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
             "'modalities': only 'text' output is supported.", param="modalities", code="unsupported_parameter"
         )
     _check_chat_semantics(request)
+    check_chat_limits(request, limits or active_limits())
     return request
+
+
+def check_chat_limits(request: ChatCompletionRequest, limits: RequestLimits) -> None:
+    """Raises a 400 naming the field when ``request`` is over one of ``limits``."""
+    if len(request.messages) > limits.max_messages:
+        raise bad(
+            "messages", f"at most {limits.max_messages} messages per request, got {len(request.messages)}"
+        )
+    chars = 0
+    for message in request.messages:
+        chars += len(message.content or "") + len(message.reasoning_content or "")
+        chars += sum(len(call.function.arguments) for call in message.tool_calls or ())
+    if chars > limits.max_prompt_chars:
+        raise bad(
+            "messages",
+            f"the messages hold {chars} characters of text; at most {limits.max_prompt_chars} are accepted",
+        )
+    check_sampling_limits(request, limits)
+    if request.max_completion_tokens is not None and limits.max_tokens:
+        _check_max_tokens("max_completion_tokens", request.max_completion_tokens, limits)
+    if request.top_logprobs is not None and request.top_logprobs > limits.max_top_logprobs:
+        raise bad("top_logprobs", f"must be at most {limits.max_top_logprobs}, got {request.top_logprobs}")
+
+
+def check_sampling_limits(request: SamplingRequest, limits: RequestLimits) -> None:
+    """The limits on fields both APIs share: ``n`` and ``max_tokens``."""
+    if request.n is not None and request.n > limits.max_n:
+        raise bad("n", f"must be at most {limits.max_n}, got {request.n}")
+    if request.max_tokens is not None and limits.max_tokens:
+        _check_max_tokens("max_tokens", request.max_tokens, limits)
+
+
+def _check_max_tokens(param: str, value: int, limits: RequestLimits) -> None:
+    if value > limits.max_tokens:
+        raise bad(param, f"must be at most {limits.max_tokens}, got {value}")
 
 
 def _check_chat_semantics(request: ChatCompletionRequest) -> None:

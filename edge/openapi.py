@@ -186,6 +186,17 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/metrics": {
+                "get": {
+                    "summary": "Prometheus metrics of the edge (no API key needed)",
+                    "responses": {
+                        "200": {
+                            "description": "The Prometheus text exposition format 0.0.4.",
+                            "content": {"text/plain": {"schema": {"type": "string"}}},
+                        }
+                    },
+                }
+            },
             "/openapi.json": {
                 "get": {
                     "summary": "This document",

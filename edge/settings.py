@@ -11,9 +11,12 @@ import argparse
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from edge.openai_types import RequestLimits
+from sluice.logs import LOG_FORMATS
 
 ENV_PREFIX = "SLUICE_EDGE_"
 
@@ -67,7 +70,8 @@ _SECRET_FLAGS = frozenset({"api-keys"})
 class Settings:
     """Everything the edge needs to run; immutable once built.
 
-    ``workers`` is the static list of worker gRPC addresses (at least one).
+    ``workers`` is the static list of worker gRPC addresses; it may be empty
+    when ``worker_dns`` names workers instead.
     Times are seconds, sizes bytes. ``__post_init__`` rejects bad values with
     ``ValueError`` naming the field.
     """
@@ -77,24 +81,57 @@ class Settings:
     port: int = 8080
     # A ": heartbeat" comment goes out when a stream was silent this long.
     heartbeat_interval_s: float = 15.0
-    # Total gRPC deadline of one Generate call (queueing included).
+    # Total deadline of one generation request (queueing included), the default for
+    # ``X-Sluice-Timeout``; a caller may ask for up to ``max_request_timeout_s``.
     request_timeout_s: float = 600.0
+    max_request_timeout_s: float = 3600.0
+    # A stream whose workers sent no event (progress events count) for this long is cut:
+    # the default for ``X-Sluice-Idle-Timeout``, which may ask for up to ``max_idle_timeout_s``.
+    idle_timeout_s: float = 120.0
+    max_idle_timeout_s: float = 600.0
+    # A client that accepted no bytes of its response for this long is disconnected.
+    write_timeout_s: float = 30.0
     # How long a worker may take to accept a call (send `started`) before the
     # edge gives up on it and tries the next one.
     worker_connect_timeout_s: float = 10.0
     # Deadline of one health check or ListModels call.
     health_timeout_s: float = 2.0
+    # Workers are health-checked this often; an ejected one sooner, with backoff.
+    health_interval_s: float = 5.0
+    # A DNS name (host:port) whose addresses are all workers, e.g. a Kubernetes
+    # headless service; re-resolved every dns_refresh_interval_s.
+    worker_dns: str | None = None
+    dns_refresh_interval_s: float = 10.0
     max_body_bytes: int = 4 * 1024 * 1024
-    # On SIGINT/SIGTERM, open streams get this long to finish before they are cut.
+    # On SIGINT/SIGTERM, readiness turns 503 and new generations are refused at once, but the
+    # listener stays open this long (so load balancers see readiness flip before it closes).
+    drain_delay_s: float = 5.0
+    # After the listener closes, open streams get this long to finish before they are cut.
     graceful_timeout_s: float = 5.0
     log_level: str = "INFO"
     # When non-empty, every /v1/* request needs "Authorization: Bearer <one of these>".
     # repr=False: the settings object may be logged; the keys must never be.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    # "text" or "json" (one JSON object per line, with the request id); see docs/observability.md.
+    log_format: str = "text"
+    # Generation requests one API key (or one client address when keys are off) may have in
+    # flight; 0 = no limit. See edge/concurrency.py.
+    max_concurrent_per_key: int = 0
+    # Per-request limits (edge.openai_types.RequestLimits); max_tokens_limit 0 = no edge cap.
+    max_messages: int = 1024
+    max_prompt_chars: int = 1_000_000
+    max_n: int = 128
+    max_tokens_limit: int = 0
+    max_top_logprobs: int = 20
 
     def __post_init__(self) -> None:
-        if not self.workers:
-            raise ValueError("workers: at least one worker address (host:port) is required")
+        if not self.workers and not self.worker_dns:
+            raise ValueError("workers: at least one worker address (host:port) or worker_dns is required")
+        if self.worker_dns is not None:
+            try:
+                parse_worker_address(self.worker_dns)
+            except ValueError as error:
+                raise ValueError(f"worker_dns: {error}") from None
         for address in self.workers:
             try:
                 parse_worker_address(address)
@@ -107,14 +144,30 @@ class Settings:
         for name in (
             "heartbeat_interval_s",
             "request_timeout_s",
+            "max_request_timeout_s",
+            "idle_timeout_s",
+            "max_idle_timeout_s",
+            "write_timeout_s",
             "worker_connect_timeout_s",
             "health_timeout_s",
+            "health_interval_s",
+            "dns_refresh_interval_s",
         ):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
-        if not math.isfinite(self.graceful_timeout_s) or self.graceful_timeout_s < 0:
-            raise ValueError(f"graceful_timeout_s: must be >= 0 seconds, got {self.graceful_timeout_s}")
+        for name in ("drain_delay_s", "graceful_timeout_s"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{name}: must be >= 0 seconds, got {value}")
+        for default, cap in (
+            ("request_timeout_s", "max_request_timeout_s"),
+            ("idle_timeout_s", "max_idle_timeout_s"),
+        ):
+            if getattr(self, default) > getattr(self, cap):
+                raise ValueError(
+                    f"{default}: {getattr(self, default)} s is above the cap {cap} ({getattr(self, cap)} s)"
+                )
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes: must be >= 1, got {self.max_body_bytes}")
         if self.log_level.upper() not in {"DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"}:
@@ -123,12 +176,163 @@ class Settings:
             _check_keys(self.api_keys)
         except ValueError as error:
             raise ValueError(f"api_keys: {error}") from None
+        if self.log_format not in LOG_FORMATS:
+            raise ValueError(f"log_format: must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        if self.max_concurrent_per_key < 0:
+            raise ValueError(
+                f"max_concurrent_per_key: must be >= 0 (0 = off), got {self.max_concurrent_per_key}"
+            )
+        try:
+            _ = self.limits  # building them validates them
+        except ValueError as error:
+            # RequestLimits names its own fields; max_tokens is max_tokens_limit here.
+            name, _, reason = str(error).partition(": ")
+            raise ValueError(f"{'max_tokens_limit' if name == 'max_tokens' else name}: {reason}") from None
+
+    @property
+    def limits(self) -> RequestLimits:
+        """The per-request limits the request parsers enforce."""
+        return RequestLimits(
+            max_messages=self.max_messages,
+            max_prompt_chars=self.max_prompt_chars,
+            max_n=self.max_n,
+            max_tokens=self.max_tokens_limit,
+            max_top_logprobs=self.max_top_logprobs,
+        )
 
     @property
     def base_url(self) -> str:
         """The URL callers use (an IPv6 host is bracketed)."""
         host = f"[{self.host}]" if ":" in self.host and not self.host.startswith("[") else self.host
         return f"http://{host}:{self.port}"
+
+    @staticmethod
+    def options() -> list[tuple[str, str, Callable[[str], Any], str]]:
+        """Every setting as (flag without ``--``, dataclass field, converter, help).
+
+        ``from_args`` builds its parser from this list and ``describe_settings``
+        (docs, deploy checks) reads it, so a setting added here is documented too.
+        """
+        return [
+            ("workers", "workers", parse_worker_list, "worker gRPC addresses, host:port[,host:port...]"),
+            ("host", "host", str, "address to listen on (default 127.0.0.1)"),
+            ("port", "port", int, "port to listen on (default 8080)"),
+            (
+                "heartbeat-interval",
+                "heartbeat_interval_s",
+                float,
+                "seconds of stream silence before a heartbeat",
+            ),
+            (
+                "request-timeout",
+                "request_timeout_s",
+                float,
+                "default total deadline of one generation (X-Sluice-Timeout), seconds",
+            ),
+            (
+                "max-request-timeout",
+                "max_request_timeout_s",
+                float,
+                "largest total deadline a caller may ask for, seconds",
+            ),
+            (
+                "idle-timeout",
+                "idle_timeout_s",
+                float,
+                "default seconds a stream may go without a worker event (X-Sluice-Idle-Timeout)",
+            ),
+            (
+                "max-idle-timeout",
+                "max_idle_timeout_s",
+                float,
+                "largest idle timeout a caller may ask for, seconds",
+            ),
+            (
+                "write-timeout",
+                "write_timeout_s",
+                float,
+                "seconds a client may accept no response bytes before it is disconnected",
+            ),
+            (
+                "worker-connect-timeout",
+                "worker_connect_timeout_s",
+                float,
+                "seconds a worker has to accept a call",
+            ),
+            (
+                "health-timeout",
+                "health_timeout_s",
+                float,
+                "deadline of health checks and model listing, seconds",
+            ),
+            (
+                "health-interval",
+                "health_interval_s",
+                float,
+                "seconds between health checks of each worker (ejected ones: sooner, with backoff)",
+            ),
+            (
+                "worker-dns",
+                "worker_dns",
+                parse_worker_address,
+                "host:port whose DNS addresses are all workers (e.g. a Kubernetes headless service)",
+            ),
+            (
+                "dns-refresh-interval",
+                "dns_refresh_interval_s",
+                float,
+                "seconds between re-resolutions of --worker-dns",
+            ),
+            ("max-body-bytes", "max_body_bytes", int, "largest accepted request body, bytes"),
+            (
+                "drain-delay",
+                "drain_delay_s",
+                float,
+                "seconds the listener stays open after SIGTERM while /ready answers 503",
+            ),
+            (
+                "graceful-timeout",
+                "graceful_timeout_s",
+                float,
+                "seconds open streams get after the listener closed on shutdown",
+            ),
+            ("log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR"),
+            (
+                "api-keys",
+                "api_keys",
+                parse_api_keys,
+                "comma-separated API keys; when set, /v1/* needs 'Authorization: Bearer <key>'",
+            ),
+            ("api-keys-file", "api_keys_file", read_api_keys_file, "file with one API key per line"),
+            ("log-format", "log_format", str, "text (default) or json: one JSON object per line"),
+            (
+                "max-concurrent-per-key",
+                "max_concurrent_per_key",
+                int,
+                "generation requests one API key (client address without keys) may have in flight; "
+                "0 = no limit",
+            ),
+            ("max-messages", "max_messages", int, "most messages in one chat request"),
+            (
+                "max-prompt-chars",
+                "max_prompt_chars",
+                int,
+                "most characters of message text (chat) or prompt (completions) in one request",
+            ),
+            ("max-n", "max_n", int, "largest n (choices per prompt), at most 128"),
+            (
+                "max-tokens-limit",
+                "max_tokens_limit",
+                int,
+                "largest max_tokens / max_completion_tokens a request may set; 0 = no edge limit",
+            ),
+            (
+                "max-top-logprobs",
+                "max_top_logprobs",
+                int,
+                "largest top_logprobs (chat) or logprobs (completions), at most 20",
+            ),
+        ]
 
     @classmethod
     def from_args(cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None) -> Settings:
@@ -143,41 +347,7 @@ class Settings:
             description="OpenAI-compatible HTTP/SSE edge in front of Sluice gRPC workers. "
             f"Every flag also reads {ENV_PREFIX}<FLAG_NAME> (e.g. {ENV_PREFIX}WORKERS); flags win.",
         )
-        # (flag, dataclass field, converter, help)
-        options: list[tuple[str, str, Callable[[str], Any], str]] = [
-            ("workers", "workers", parse_worker_list, "worker gRPC addresses, host:port[,host:port...]"),
-            ("host", "host", str, "address to listen on (default 127.0.0.1)"),
-            ("port", "port", int, "port to listen on (default 8080)"),
-            (
-                "heartbeat-interval",
-                "heartbeat_interval_s",
-                float,
-                "seconds of stream silence before a heartbeat",
-            ),
-            ("request-timeout", "request_timeout_s", float, "total deadline of one generation, seconds"),
-            (
-                "worker-connect-timeout",
-                "worker_connect_timeout_s",
-                float,
-                "seconds a worker has to accept a call",
-            ),
-            (
-                "health-timeout",
-                "health_timeout_s",
-                float,
-                "deadline of health checks and model listing, seconds",
-            ),
-            ("max-body-bytes", "max_body_bytes", int, "largest accepted request body, bytes"),
-            ("graceful-timeout", "graceful_timeout_s", float, "seconds open streams get on shutdown"),
-            ("log-level", "log_level", str, "DEBUG, INFO, WARNING or ERROR"),
-            (
-                "api-keys",
-                "api_keys",
-                parse_api_keys,
-                "comma-separated API keys; when set, /v1/* needs 'Authorization: Bearer <key>'",
-            ),
-            ("api-keys-file", "api_keys_file", read_api_keys_file, "file with one API key per line"),
-        ]
+        options = cls.options()
         for flag, _field, _convert, help_text in options:
             parser.add_argument(
                 f"--{flag}", default=None, metavar=flag.split("-")[-1].upper(), help=help_text
@@ -202,8 +372,12 @@ class Settings:
         file_keys = values.pop("api_keys_file", ())
         if file_keys or "api_keys" in values:
             values["api_keys"] = tuple(dict.fromkeys((*values.get("api_keys", ()), *file_keys)))
-        if "workers" not in values:
-            parser.error(f"--workers (or {ENV_PREFIX}WORKERS) is required: host:port[,host:port...]")
+        if not values.get("workers") and "worker_dns" not in values:
+            parser.error(
+                f"--workers (or {ENV_PREFIX}WORKERS) is required: host:port[,host:port...], "
+                "unless --worker-dns is set"
+            )
+        values.setdefault("workers", ())
         try:
             return cls(**values)
         except ValueError as error:
@@ -211,3 +385,17 @@ class Settings:
             flags = {field_name: f"--{flag}" for flag, field_name, _c, _h in options}
             field_name, _, reason = str(error).partition(": ")
             parser.error(f"{flags.get(field_name, field_name)}: {reason}")
+
+
+def describe_settings() -> list[tuple[str, str, object, str]]:
+    """Every edge setting as ``(flag, env var, default, help)``, in ``--help`` order.
+
+    Read by ``python -m sluice.config_docs`` (docs/configuration.md) and the
+    deploy checks. The default is the :class:`Settings` field's default,
+    ``dataclasses.MISSING`` for a required setting, None for one with no field.
+    """
+    defaults = {f.name: f.default for f in fields(Settings)}
+    return [
+        (f"--{flag}", ENV_PREFIX + flag.upper().replace("-", "_"), defaults.get(name), help_text)
+        for flag, name, _convert, help_text in Settings.options()
+    ]

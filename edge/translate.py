@@ -27,7 +27,7 @@ from edge.openai_types import (
     SamplingRequest,
     ToolChoice,
 )
-from edge.usage import UsageTracker, stream_envelope
+from edge.usage import StreamEnvelope, UsageTracker
 from sluice.v1 import worker_pb2
 
 _UINT64 = 2**64
@@ -217,6 +217,13 @@ class ChunkBuilder:
     ``"usage": null``; with ``continuous_usage``, every chunk carries the usage
     so far instead (see :class:`~edge.usage.UsageTracker`); with neither, no
     chunk has a ``usage`` key.
+
+    The fields every chunk shares (``id``, ``created``, ``model``, usage mode,
+    ``system_fingerprint``) are read once, at construction.
+
+    :meth:`on_event` runs once per streamed token, so its content path is
+    kept short: one oneof lookup (shared with the usage tracker) and one
+    envelope copy per chunk.
     """
 
     id: str
@@ -229,19 +236,39 @@ class ChunkBuilder:
     usage: UsageTracker = field(default_factory=UsageTracker)
     _announced: set[int] = field(default_factory=set)
     _tool_calls_seen: set[tuple[int, int]] = field(default_factory=set)
+    _envelope: StreamEnvelope = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self._envelope = StreamEnvelope(
+            object_name="chat.completion.chunk",
+            completion_id=self.id,
+            created=self.created,
+            model=self.model,
+            usage=self.usage,
+            include_usage=self.include_usage,
+            continuous_usage=self.continuous_usage,
+            system_fingerprint=self.system_fingerprint,
+            service_tier=None,
+        )
 
     def on_event(self, event: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """Chunks for one event, in wire order (possibly none)."""
-        self.usage.on_event(0, event)
         kind = event.WhichOneof("event")
+        self.usage.on_event(0, event, kind)
+        if kind == "content":  # the most frequent event first
+            delta = event.content
+            text = delta.text
+            if not text and not delta.logprobs:
+                return []
+            index = delta.choice_index
+            lp = {"content": logprob_entries(delta.logprobs), "refusal": None} if self.logprobs else None
+            # The role chunk (if this choice has none yet) is built after this one, but sent first.
+            chunk = self._envelope.chunk(
+                [{"index": index, "delta": {"content": text}, "logprobs": lp, "finish_reason": None}]
+            )
+            return [chunk] if index in self._announced else [self._role_chunk(index), chunk]
         if kind == "started":
             return [self._role_chunk(i) for i in range(max(1, event.started.n)) if i not in self._announced]
-        if kind == "content":
-            delta = event.content
-            if not delta.text and not delta.logprobs:
-                return []
-            lp = {"content": logprob_entries(delta.logprobs), "refusal": None} if self.logprobs else None
-            return self._delta(delta.choice_index, {"content": delta.text}, lp)
         if kind == "reasoning":
             if not event.reasoning.text:
                 return []
@@ -304,18 +331,7 @@ class ChunkBuilder:
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return stream_envelope(
-            object_name="chat.completion.chunk",
-            completion_id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=self.usage,
-            include_usage=self.include_usage,
-            continuous_usage=self.continuous_usage,
-            system_fingerprint=self.system_fingerprint,
-            service_tier=None,
-        )
+        return self._envelope.chunk(choices)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from typing import Any
 
 from edge.completion_types import CompletionRequest
 from edge.translate import finish_reason_name, sampling_params
-from edge.usage import UsageTracker, stream_envelope
+from edge.usage import StreamEnvelope, UsageTracker
 from sluice.v1 import worker_pb2
 
 
@@ -162,24 +162,37 @@ class TextChunkBuilder:
     continuous_usage: bool = False
     usage: UsageTracker = field(default_factory=UsageTracker)
     _choices: _Choices = field(init=False)
+    _envelope: StreamEnvelope = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._choices = _Choices(self.n, self.logprobs, self.echo)
+        # The fields every chunk shares are read once, here (on_event runs once per token).
+        self._envelope = StreamEnvelope(
+            object_name="text_completion",
+            completion_id=self.id,
+            created=self.created,
+            model=self.model,
+            usage=self.usage,
+            include_usage=self.include_usage,
+            continuous_usage=self.continuous_usage,
+            system_fingerprint=None,
+        )
 
     def on_event(self, call: int, event: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
         """Chunks for one event of call ``call``, in wire order (possibly none)."""
-        self.usage.on_event(call, event)
         kind = event.WhichOneof("event")
+        self.usage.on_event(call, event, kind)
+        if kind == "content":  # the most frequent event first
+            delta = event.content
+            text = delta.text
+            if not text and not delta.logprobs:
+                return []
+            index = self._choices.index(call, delta.choice_index)
+            return [self._chunk(index, text, self._choices.legacy(index, delta.logprobs))]
         if kind == "started":
             indexes = self._choices.started(call, event.started)
             prompt = self._choices.echoed(call)
             return [self._chunk(i, prompt) for i in indexes] if self.echo and prompt else []
-        if kind == "content":
-            delta = event.content
-            if not delta.text and not delta.logprobs:
-                return []
-            index = self._choices.index(call, delta.choice_index)
-            return [self._chunk(index, delta.text, self._choices.legacy(index, delta.logprobs))]
         if kind == "finished":
             index = self._choices.index(call, event.finished.choice_index)
             return [self._chunk(index, "", None, finish_reason_name(event.finished.reason))]
@@ -190,28 +203,15 @@ class TextChunkBuilder:
         """The chunks after the last event of every call: the usage chunk when ``include_usage``."""
         if not self.include_usage:
             return []
-        chunk = self._envelope([])
+        chunk = self._envelope.chunk([])
         chunk["usage"] = self.usage.final()
         return [chunk]
 
     def _chunk(
         self, index: int, text: str, logprobs: dict[str, Any] | None = None, finish_reason: str | None = None
     ) -> dict[str, Any]:
-        return self._envelope(
+        return self._envelope.chunk(
             [{"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}]
-        )
-
-    def _envelope(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return stream_envelope(
-            object_name="text_completion",
-            completion_id=self.id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=self.usage,
-            include_usage=self.include_usage,
-            continuous_usage=self.continuous_usage,
-            system_fingerprint=None,
         )
 
 

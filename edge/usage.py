@@ -65,16 +65,26 @@ class UsageTracker:
 
     _calls: dict[int, _Call] = field(default_factory=dict)
 
-    def on_event(self, call: int, event: worker_pb2.GenerateResponse) -> None:
-        """Records one event of worker call ``call``."""
-        state = self._calls.setdefault(call, _Call())
-        kind = event.WhichOneof("event")
-        if kind == "started":
+    def on_event(self, call: int, event: worker_pb2.GenerateResponse, kind: str | None = None) -> None:
+        """Records one event of worker call ``call``.
+
+        ``kind`` is ``event.WhichOneof("event")`` when the caller has it already
+        (this runs once per streamed token, so the lookup is not repeated).
+        """
+        state = self._calls.get(call)
+        if state is None:
+            state = self._calls[call] = _Call()
+        if kind is None:
+            kind = event.WhichOneof("event")
+        if kind == "content":  # the most frequent event first
+            delta = event.content
+            ids = delta.token_ids
+            if ids:  # only present when continuous usage asked the worker for them
+                index = delta.choice_index
+                state.counted[index] = state.counted.get(index, 0) + len(ids)
+        elif kind == "started":
             state.prompt_tokens = event.started.prompt_tokens
             state.cached_tokens = event.started.cached_tokens
-        elif kind == "content":
-            index = event.content.choice_index
-            state.counted[index] = state.counted.get(index, 0) + len(event.content.token_ids)
         elif kind == "reasoning":
             index, count = event.reasoning.choice_index, len(event.reasoning.token_ids)
             state.counted[index] = state.counted.get(index, 0) + count
@@ -112,30 +122,48 @@ class UsageTracker:
         return usage_dict(prompt, completion, cached, reasoning)
 
 
-def stream_envelope(
-    *,
-    object_name: str,
-    completion_id: str,
-    created: int,
-    model: str,
-    choices: list[dict[str, Any]],
-    usage: UsageTracker,
-    include_usage: bool,
-    continuous_usage: bool,
-    **extra: Any,
-) -> dict[str, Any]:
-    """One streamed chunk: the fields every chunk of a response shares, its choices, and its ``usage``
-    (running usage with ``continuous_usage_stats``, ``null`` with ``include_usage``, else absent)."""
-    chunk: dict[str, Any] = {
-        "id": completion_id,
-        "object": object_name,
-        "created": created,
-        "model": model,
-        **extra,
-        "choices": choices,
-    }
-    if continuous_usage:
-        chunk["usage"] = usage.running()
-    elif include_usage:
-        chunk["usage"] = None
-    return chunk
+class StreamEnvelope:
+    """The envelope of every streamed chunk of one response, built once per response.
+
+    Every chunk is ``{id, object, created, model, <extra>, choices}`` plus
+    ``usage``: the running usage with ``continuous_usage_stats``, ``null``
+    with ``include_usage``, else absent. The shared fields are fixed at
+    construction and copied into each chunk (a dict copy keeps their order,
+    which is the wire order), so a chunk costs one small copy instead of
+    rebuilding them for every token.
+    """
+
+    __slots__ = ("_continuous_usage", "_head", "_include_usage", "_usage")
+
+    def __init__(
+        self,
+        *,
+        object_name: str,
+        completion_id: str,
+        created: int,
+        model: str,
+        usage: UsageTracker,
+        include_usage: bool,
+        continuous_usage: bool,
+        **extra: Any,
+    ) -> None:
+        self._head: dict[str, Any] = {
+            "id": completion_id,
+            "object": object_name,
+            "created": created,
+            "model": model,
+            **extra,
+        }
+        self._usage = usage
+        self._include_usage = include_usage
+        self._continuous_usage = continuous_usage
+
+    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        """One chunk holding ``choices`` (a new dict; the caller may add to it)."""
+        chunk = self._head.copy()
+        chunk["choices"] = choices
+        if self._continuous_usage:
+            chunk["usage"] = self._usage.running()
+        elif self._include_usage:
+            chunk["usage"] = None
+        return chunk

@@ -76,6 +76,23 @@ class _Process:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
 
+    def kill(self) -> int | None:
+        """SIGKILL (no drain, no goodbye) and reap; returns the exit status."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait()
+
+    def wait_exit(self, timeout: float) -> int | None:
+        """The exit status once the process ended within ``timeout`` seconds, else None."""
+        if self.proc is None:
+            return None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
     def stop(self, timeout: float = 15.0) -> int | None:
         if self.proc is None:
             return None
@@ -139,7 +156,9 @@ class EdgeProcess(_Process):
     def __init__(self, workers: list[str], *, log_dir: Path, extra: list[str] | None = None):
         self.port = free_port()
         args = edge_command(workers, self.port)
-        super().__init__(args + (extra or []), log_dir)
+        # No load balancer watches a test edge's readiness: stop without the drain delay
+        # (a test that wants one passes --drain-delay, which wins over the env var).
+        super().__init__(args + (extra or []), log_dir, env={"SLUICE_EDGE_DRAIN_DELAY": "0"})
 
     @property
     def base_url(self) -> str:
@@ -155,3 +174,42 @@ class EdgeProcess(_Process):
     def __enter__(self) -> EdgeProcess:
         self.start()
         return self
+
+
+class LiveEdgeProcess(EdgeProcess):
+    """An edge that counts as started once ``/health`` answers (its workers may all be down)."""
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, OSError):
+            return False
+
+
+def build_tiny_model(folder: Path, tokenizer_dir: Path, *, positions: int = 512) -> Path:
+    """Saves a tiny random Llama (2 layers, ``positions`` positions) with the tokenizer and chat
+    template of ``tokenizer_dir`` into ``folder``, loadable like any checkpoint. Greedy decoding
+    of random weights practically never picks EOS, so requests run to ``max_tokens``."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

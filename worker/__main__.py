@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 
+from sluice.logs import configure_logging
 from worker.config import parse_config
 from worker.server import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
-    logging.basicConfig(
-        level=config.log_level,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(config.log_level, config.log_format, worker_id=config.resolved_worker_id)
     return asyncio.run(run(config))
 
 

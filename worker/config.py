@@ -40,6 +40,9 @@ class WorkerConfig:
     refusal_message: str = "I can't help with that."
     grace_period: float = 30.0
     log_level: str = "INFO"
+    log_format: str = "text"  # or "json": one object per line with request_id and worker_id
+    fake_tokens: bool = False  # benchmarks only: no model, tokens from worker/fake_runner.py
+    fake_step_ms: float = 0.0
 
     @property
     def resolved_worker_id(self) -> str:
@@ -90,6 +93,33 @@ def _seconds(name: str):
     return parse
 
 
+def _milliseconds(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of ms, got {text!r}") from None
+        if not 0 <= value <= 60_000:
+            raise argparse.ArgumentTypeError(f"{name} must be 0 to 60000 ms, got {text!r}")
+        return value
+
+    return parse
+
+
+def _flag(name: str):
+    """An on/off flag's environment value (the CLI form takes no value)."""
+
+    def parse(text: str) -> bool:
+        value = text.strip().lower()
+        if value in ("1", "true", "yes", "on"):
+            return True
+        if value in ("", "0", "false", "no", "off"):
+            return False
+        raise argparse.ArgumentTypeError(f"{name} must be 1/true/yes/on or 0/false/no/off, got {text!r}")
+
+    return parse
+
+
 def _phrases(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
@@ -114,8 +144,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--served-model-name", help="model id reported to callers (default: derived from --model)")
     add("--host", default="0.0.0.0", help="address to listen on")
     add("--port", type=_port, default=50051, help="gRPC port")
-    add("--device", type=_choice("--device", ("auto", "cpu", "cuda")), default="auto")
-    add("--dtype", type=_choice("--dtype", ("auto", "float32", "bfloat16", "float16")), default="auto")
+    add(
+        "--device",
+        type=_choice("--device", ("auto", "cpu", "cuda")),
+        default="auto",
+        help="auto (CUDA when available), cpu, cuda or cuda:N",
+    )
+    add(
+        "--dtype",
+        type=_choice("--dtype", ("auto", "float32", "bfloat16", "float16")),
+        default="auto",
+        help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16",
+    )
     add("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice", help="converted-model cache")
     add("--worker-id", default="", help="id reported in Started and ListModels (default host:port)")
     add("--max-running", type=_positive_int("--max-running"), default=16, help="sequences decoded at once")
@@ -133,7 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="KV cache bound: sum over running sequences of prompt + max_tokens "
         "(default: max-running x the model's context length)",
     )
-    add("--default-max-tokens", type=_positive_int("--default-max-tokens"), default=None)
+    add(
+        "--default-max-tokens",
+        type=_positive_int("--default-max-tokens"),
+        default=None,
+        help="max_tokens when a request leaves it unset (default: the room left in the context)",
+    )
     add(
         "--blocked-phrases",
         type=_phrases,
@@ -158,7 +203,30 @@ def build_parser() -> argparse.ArgumentParser:
         default=30.0,
         help="seconds in-flight calls get to finish on SIGTERM",
     )
-    add("--log-level", type=_choice("--log-level", ("DEBUG", "INFO", "WARNING", "ERROR")), default="INFO")
+    add(
+        "--log-level",
+        type=_choice("--log-level", ("DEBUG", "INFO", "WARNING", "ERROR")),
+        default="INFO",
+        help="DEBUG, INFO, WARNING or ERROR",
+    )
+    add(
+        "--log-format",
+        type=_choice("--log-format", ("text", "json")),
+        default="text",
+        help="text, or json: one JSON object per line with request_id and worker_id",
+    )
+    add(
+        "--fake-tokens",
+        action="store_true",
+        help="benchmarking the edge only: run no model and stream a fixed passage through the normal "
+        "serving path (only the tokenizer of --model is loaded)",
+    )
+    add(
+        "--fake-step-ms",
+        type=_milliseconds("--fake-step-ms"),
+        default=0.0,
+        help="with --fake-tokens: milliseconds each fake forward takes (0 = full speed)",
+    )
     return parser
 
 
@@ -173,9 +241,26 @@ def parse_config(argv: Sequence[str] | None = None, environ: dict[str, str] | No
         var = ENV_PREFIX + action.dest.upper()
         if var in env:
             try:
-                defaults[action.dest] = action.type(env[var]) if action.type else env[var]  # type: ignore[operator]
+                if isinstance(action, argparse._StoreTrueAction):
+                    defaults[action.dest] = _flag(var)(env[var])
+                else:
+                    defaults[action.dest] = action.type(env[var]) if action.type else env[var]  # type: ignore[operator]
             except (argparse.ArgumentTypeError, ValueError) as exc:
                 parser.error(f"{var}: {exc}")
     parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
+    if args.fake_step_ms and not args.fake_tokens:
+        parser.error("--fake-step-ms only applies with --fake-tokens")
     return WorkerConfig(**vars(args))
+
+
+def describe_settings() -> list[tuple[str, str, object, str]]:
+    """Every worker setting as ``(flag, env var, default, help)``, in ``--help`` order.
+
+    Read by ``python -m sluice.config_docs`` (docs/configuration.md) and the deploy checks.
+    """
+    return [
+        (action.option_strings[0], ENV_PREFIX + action.dest.upper(), action.default, action.help or "")
+        for action in build_parser()._actions
+        if action.option_strings and action.dest != "help"
+    ]

@@ -9,6 +9,12 @@ The gRPC layer never blocks this thread: each request gets a
 :class:`RequestStream` with an asyncio queue; once per step the thread hands
 every request's events over with a single ``call_soon_threadsafe`` per event
 loop, so a request sees its events in batches as the step produces them.
+
+Before its first token a request hears ``Progress`` events: ``queued`` when it
+is submitted and again every :data:`QUEUED_PROGRESS_INTERVAL_S` while it waits
+for a slot, ``prompt_processing`` when its prefill starts. They tell a caller
+with an idle timeout that the request is alive (the service forwards them
+only to calls that set ``stream_progress``).
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ from typing import Any
 
 import torch
 
+from sluice.prometheus import Histogram
 from worker.detokenizer import IncrementalDetokenizer, TokenTexts
 from worker.grammar import GrammarCompiler, TokenConstraint
-from worker.histogram import Histogram
 from worker.model_runner import ModelRunner
 from worker.output_parser import ChoiceOutput
 from worker.sampler import SequenceSampler, blocked_ids, choose_batch
@@ -39,6 +45,7 @@ from worker.types import (
     Finished,
     FinishReason,
     GenerationRequest,
+    Progress,
     RefusalDelta,
     Timings,
     TokenLogprob,
@@ -48,6 +55,9 @@ from worker.types import (
 log = logging.getLogger(__name__)
 
 _END = object()  # marks the end of a request's events
+# A request still waiting for a slot hears ``queued`` again this often, so a caller's idle
+# timer (the edge's --idle-timeout) does not mistake a long queue for a dead worker.
+QUEUED_PROGRESS_INTERVAL_S = 2.0
 
 
 @dataclass
@@ -99,6 +109,7 @@ class _RequestState:
     choices: list[_Choice]
     stream: RequestStream
     admitted_time: float | None = None
+    progress_time: float = 0.0  # when the last ``queued`` progress event went out
 
     @property
     def request_id(self) -> str:
@@ -235,7 +246,11 @@ class Engine:
         loop = asyncio.get_running_loop()
         key = f"{request.request_id}#{next(self._ids)}"
         stream = RequestStream(self, key, loop)
-        state = _RequestState(key, request, self._new_choices(key, request), stream)
+        state = _RequestState(
+            key, request, self._new_choices(key, request), stream, progress_time=time.monotonic()
+        )
+        # On the stream's own loop (we are on it): "queued" comes before anything the step loop sends.
+        stream.put([Progress("queued", 0.0)])
         with self._cv:
             self._scheduler.add(state)
             self.counters.requests_submitted += 1
@@ -303,6 +318,9 @@ class Engine:
                     return
                 self._apply_aborts()
                 plan = self._scheduler.schedule()
+                still_queued = self._queued_progress_due()
+            if still_queued:
+                _deliver([(state.stream, [Progress("queued", 0.0)]) for state in still_queued])
             if plan.empty:
                 continue
             try:
@@ -310,6 +328,14 @@ class Engine:
             except Exception as exc:  # a model failure must not kill the loop
                 log.exception("engine step failed")
                 self._fail(plan.prefill + plan.decode, f"generation failed: {type(exc).__name__}")
+
+    def _queued_progress_due(self) -> list[_RequestState]:
+        """Waiting requests whose last ``queued`` event is older than the interval (under the lock)."""
+        now = time.monotonic()
+        due = [s for s in self._scheduler.waiting if now - s.progress_time >= QUEUED_PROGRESS_INTERVAL_S]
+        for state in due:
+            state.progress_time = now
+        return due
 
     def _apply_aborts(self) -> None:
         aborts, self._aborts = self._aborts, []
@@ -324,6 +350,8 @@ class Engine:
         self.counters.steps += 1
         events: dict[str, list[Any]] = {}
         if plan.prefill:
+            # Sent before the prefill runs, so a caller waiting through a long prompt hears of it.
+            _deliver([(s.stream, [Progress("prompt_processing", 0.0)]) for s in plan.prefill])
             now = time.monotonic()
             logits, prefilled = self._runner.prefill([s.request.prompt_token_ids for s in plan.prefill])
             admitted = [(i, s, c) for i, s in enumerate(plan.prefill) for c in s.choices]

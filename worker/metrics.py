@@ -10,14 +10,16 @@ import asyncio
 import logging
 from collections.abc import Callable
 
+from sluice import prometheus
 from worker.engine import EngineStats
 
 log = logging.getLogger(__name__)
 
 
 def render(stats: EngineStats, model_id: str) -> str:
+    """The exposition text for one engine snapshot; every sample carries ``model``."""
     c = stats.counters
-    label = f'{{model="{model_id}"}}'
+    label = {"model": model_id}
     rows = [
         ("sluice_worker_queue_depth", "gauge", "requests waiting for a batch slot", stats.waiting_requests),
         ("sluice_worker_running_requests", "gauge", "requests in the running batch", stats.running_requests),
@@ -54,15 +56,16 @@ def render(stats: EngineStats, model_id: str) -> str:
         ("sluice_worker_prompt_tokens_total", "counter", "prompt tokens admitted", c.prompt_tokens),
         ("sluice_worker_steps_total", "counter", "engine steps run", c.steps),
     ]
-    lines = []
+    lines: list[str] = []
     for name, kind, help_text, value in rows:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name}{label} {value}"]
-    ttft = c.time_to_first_token
-    name = "sluice_worker_time_to_first_token_seconds"
-    lines += [f"# HELP {name} seconds from arrival to a choice's first token", f"# TYPE {name} histogram"]
-    lines += [f'{name}_bucket{{model="{model_id}",le="{le}"}} {count}' for le, count in ttft.cumulative()]
-    lines += [f"{name}_sum{label} {ttft.total}", f"{name}_count{label} {ttft.count}"]
-    return "\n".join(lines) + "\n"
+        lines += prometheus.simple_family(name, kind, help_text, [(label, value)])
+    lines += prometheus.histogram_family(
+        "sluice_worker_time_to_first_token_seconds",
+        "seconds from arrival to a choice's first token",
+        c.time_to_first_token,
+        label,
+    )
+    return prometheus.render(lines)
 
 
 async def serve_metrics(host: str, port: int, text: Callable[[], str]) -> asyncio.Server:
@@ -73,7 +76,7 @@ async def serve_metrics(host: str, port: int, text: Callable[[], str]) -> asynci
                 pass
             parts = request_line.decode("latin-1").split()
             if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
-                status, body, ctype = "200 OK", text().encode(), "text/plain; version=0.0.4"
+                status, body, ctype = "200 OK", text().encode(), prometheus.CONTENT_TYPE
             else:
                 status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
             writer.write(

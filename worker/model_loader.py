@@ -145,11 +145,16 @@ def context_length(config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
     return limit
 
 
-def converted_gguf_folder(gguf: Path, cache_dir: Path) -> Path:
-    """Returns a Hugging Face folder holding ``gguf`` dequantized, converting it once."""
+def gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
+    """Where :func:`converted_gguf_folder` keeps ``gguf`` converted (it may not exist yet)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
-    folder = cache_dir / "models" / f"{gguf.stem}-{key}"
+    return cache_dir / "models" / f"{gguf.stem}-{key}"
+
+
+def converted_gguf_folder(gguf: Path, cache_dir: Path) -> Path:
+    """Returns a Hugging Face folder holding ``gguf`` dequantized, converting it once."""
+    folder = gguf_cache_folder(gguf, cache_dir)
     if (folder / "config.json").is_file():
         return folder
     log.info("converting %s (first start only; cached in %s)", gguf.name, folder)

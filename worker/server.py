@@ -3,8 +3,14 @@
 Order at start: the server listens first with health NOT_SERVING (so probes
 and callers get a clear UNAVAILABLE while the model loads), then the model
 loads in a thread, then the engine starts and health flips to SERVING.
-On a signal: health flips to NOT_SERVING, new calls are refused, in-flight
-calls get ``grace_period`` seconds, then the engine stops.
+On SIGTERM/SIGINT (see :mod:`worker.drain`): health flips to NOT_SERVING
+first (so health-checking callers stop sending), then new ``Generate`` calls
+are refused with UNAVAILABLE (so the edge moves them to another worker),
+in-flight calls get ``grace_period`` seconds to finish, the ones still running
+are ended with UNAVAILABLE "worker is shutting down", the server stops, then
+the engine, and the process exits.
+
+Channel settings (:data:`SERVER_OPTIONS`) are documented in docs/grpc.md.
 """
 
 from __future__ import annotations
@@ -19,10 +25,14 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from sluice.client import MAX_MESSAGE_BYTES
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker import metrics
 from worker.config import WorkerConfig
+from worker.drain import DrainingWorker
 from worker.engine import Engine
+from worker.fake_runner import FakeRunner, load_fake_model
+from worker.fake_runner import metrics_text as fake_metrics_text
 from worker.grammar import GrammarCompiler
 from worker.model_loader import ModelLoadError, load_model
 from worker.model_runner import ModelRunner
@@ -32,14 +42,35 @@ from worker.servicer import ServingModel, WorkerService
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+# Server channel settings; the client side is sluice.client.CHANNEL_OPTIONS. Why:
+# - message sizes match the client's (a whole prompt fits in one request);
+# - keepalive enforcement: clients ping every 20 s, with or without calls. The
+#   server accepts pings down to every 10 s and with no call open; stricter
+#   values would make it answer a well-behaved client with GOAWAY
+#   "too_many_pings" and drop its connection;
+# - the server's own pings (every 60 s, 20 s to answer) close connections of
+#   clients that vanished, freeing their calls;
+# - max connection age: every connection is closed (GOAWAY) after about 5
+#   minutes (gRPC adds +-10% jitter), so clients that reach workers through a
+#   DNS name re-resolve and spread over new replicas. The grace lets calls
+#   already running on the old connection finish: it is longer than the edge's
+#   default request deadline (600 s), so age alone never cuts a generation.
+#   New calls go to a new connection at once.
+MAX_CONNECTION_AGE_MS = 5 * 60_000
+MAX_CONNECTION_AGE_GRACE_MS = 11 * 60_000
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 60_000),
+    ("grpc.keepalive_timeout_ms", 20_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 2),
+    ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
+    ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
 ]
+# Calls cut at the end of the grace period get this long to send their status.
+_CUT_WAIT_S = 2.0
 
 
 def eos_token_ids(loaded_model: object, tokenizer: object) -> set[int]:
@@ -59,17 +90,28 @@ def build_serving(config: WorkerConfig) -> ServingModel:
     """Loads the model and starts the engine (blocking; run in a thread)."""
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    loaded = load_model(
-        config.model,
-        served_model_name=config.served_model_name,
-        device=config.device,
-        dtype=config.dtype,
-        cache_dir=config.cache_dir,
-    )
+    runner: ModelRunner
+    if config.fake_tokens:  # benchmarks only: no model (worker/fake_runner.py)
+        if not config.torch_threads:
+            # Only small tensor ops are left; extra OpenMP threads would spin against the edge.
+            torch.set_num_threads(1)
+        loaded = load_fake_model(
+            config.model, served_model_name=config.served_model_name, cache_dir=config.cache_dir
+        )
+        runner = FakeRunner(loaded, step_ms=config.fake_step_ms)
+    else:
+        loaded = load_model(
+            config.model,
+            served_model_name=config.served_model_name,
+            device=config.device,
+            dtype=config.dtype,
+            cache_dir=config.cache_dir,
+        )
+        runner = ModelRunner(loaded)
     eos = eos_token_ids(loaded.model, loaded.tokenizer)
     grammars = GrammarCompiler(loaded.tokenizer, eos)
     engine = Engine(
-        ModelRunner(loaded),
+        runner,
         loaded.tokenizer,
         eos_token_ids=eos,
         context_length=loaded.context_length,
@@ -94,9 +136,10 @@ def build_serving(config: WorkerConfig) -> ServingModel:
 
 async def run(config: WorkerConfig) -> int:
     service = WorkerService(config.resolved_worker_id)
+    served = DrainingWorker(service)
     health_service = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-    server = grpc.aio.server(options=CHANNEL_OPTIONS)
-    worker_pb2_grpc.add_WorkerServicer_to_server(service, server)
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    worker_pb2_grpc.add_WorkerServicer_to_server(served, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
@@ -137,7 +180,10 @@ async def run(config: WorkerConfig) -> int:
         metrics_server = await metrics.serve_metrics(
             config.host,
             config.metrics_port,
-            lambda: metrics.render(serving.engine.stats(), serving.loaded.model_id),
+            lambda: (
+                metrics.render(serving.engine.stats(), serving.loaded.model_id)
+                + (fake_metrics_text(serving.loaded.model_id) if config.fake_tokens else "")
+            ),
         )
     await _set_health(health_service, health_pb2.HealthCheckResponse.SERVING)
     log.info(
@@ -145,14 +191,26 @@ async def run(config: WorkerConfig) -> int:
     )
 
     await stopper
-    log.info("draining: refusing new calls, %.0fs grace for in-flight calls", config.grace_period)
-    await _set_health(health_service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.stop(config.grace_period)
+    await _drain(served, health_service, config.grace_period)
+    await server.stop(0)
     serving.engine.stop()
     if metrics_server is not None:
         metrics_server.close()
     log.info("worker stopped")
     return 0
+
+
+async def _drain(served: DrainingWorker, health_service: object, grace_period: float) -> None:
+    """Health NOT_SERVING, refuse new calls, give in-flight calls the grace, then cut them."""
+    await _set_health(health_service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    served.start_drain()
+    log.info("draining: refusing new calls, %g s grace for %d in-flight", grace_period, served.in_flight)
+    if await served.wait_idle(grace_period):
+        log.info("drained: every in-flight call finished")
+        return
+    log.warning("grace period over: ending %d in-flight calls with UNAVAILABLE", served.cut())
+    if not await served.wait_idle(_CUT_WAIT_S):
+        log.warning("%d calls did not end after the cut; the server stop cancels them", served.in_flight)
 
 
 async def _set_health(service: object, status: int) -> None:

@@ -1,7 +1,16 @@
-"""The sluice.v1.Worker gRPC service: thin translation between the wire and the engine."""
+"""The sluice.v1.Worker gRPC service: thin translation between the wire and the engine.
+
+Logging: each ``Generate`` call binds its request id (the request's own
+``request_id``, else the edge's ``x-request-id`` metadata, else a new one) to
+:data:`sluice.logs.request_id_var`, so every line it logs carries it in the
+JSON format, and logs one line when the request is accepted (prompt tokens,
+``n``, ``max_tokens``) and one when it ends: completed (each choice's finish
+reason, completion tokens), failed, or cancelled by the caller.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -10,6 +19,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from sluice.logs import request_id_var
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from worker.convert import MAX_N, event_to_proto, parse_request, sampling_options
@@ -18,7 +28,7 @@ from worker.errors import GenerationFailed, NotReady, WorkerError
 from worker.grammar import GrammarCompiler
 from worker.model_loader import LoadedModel
 from worker.prompt import PromptRenderer
-from worker.types import Failed, GenerationRequest, OutputOptions
+from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +79,8 @@ class WorkerService(pb_grpc.WorkerServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         arrival = time.monotonic()
         request_id = request.request_id or _metadata_request_id(context) or uuid.uuid4().hex
+        # grpc.aio runs each call in its own task, so this binds the id for this call only.
+        request_id_var.set(request_id)
         try:
             serving = self._require_serving()
             parsed = parse_request(request, serving.loaded.model_id)
@@ -103,13 +115,16 @@ class WorkerService(pb_grpc.WorkerServicer):
             log.info("request %s rejected: %s (%s)", request_id, exc.message, exc.code.name)
             await context.abort_with_status(exc.to_status())
             return
-        log.debug(
-            "request %s: %d prompt tokens, n=%d, max_tokens=%d",
+        log.info(
+            "request %s accepted: %d prompt tokens, n=%d, max_tokens=%d",
             request_id,
             len(prompt_ids),
             options.n,
             options.max_tokens,
         )
+        reasons: list[str] = []
+        completion_tokens = 0
+        outcome = "cancelled by the caller"  # unless the stream ends or fails below
         try:
             yield pb.GenerateResponse(
                 started=pb.Started(
@@ -123,13 +138,35 @@ class WorkerService(pb_grpc.WorkerServicer):
             )
             async for event in stream:
                 if isinstance(event, Failed):
+                    outcome = "failed"
+                    log.error("request %s: generation failed: %s", request_id, event.message)
                     await context.abort_with_status(GenerationFailed(event.message).to_status())
                     return
+                if isinstance(event, Finished):
+                    reasons.append(event.reason.value)
+                    completion_tokens += event.completion_tokens
+                if isinstance(event, Progress) and not request.stream_progress:
+                    continue  # the caller did not ask for progress events
                 yield event_to_proto(event)
+            outcome = "completed"
+        except (asyncio.CancelledError, GeneratorExit):
+            raise
+        except Exception as error:
+            if outcome != "failed":  # abort_with_status raises after a Failed event
+                outcome = f"failed ({error.__class__.__name__})"
+            raise
         finally:
             # Reached on normal end, on failure and when the caller cancels (the
             # task is cancelled): in every case the engine drops the sequence.
             stream.cancel()
+            log.info(
+                "request %s %s: finish_reasons=%s, completion_tokens=%d, %.3f s",
+                request_id,
+                outcome,
+                ",".join(reasons) or "-",
+                completion_tokens,
+                time.monotonic() - arrival,
+            )
 
 
 def _metadata_request_id(context: grpc.aio.ServicerContext) -> str:

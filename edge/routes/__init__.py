@@ -7,6 +7,7 @@ from quart import Quart
 from edge.routes.chat import blueprint as chat_blueprint
 from edge.routes.completions import blueprint as completions_blueprint
 from edge.routes.health import blueprint as health_blueprint
+from edge.routes.metrics import blueprint as metrics_blueprint
 from edge.routes.models import blueprint as models_blueprint
 from edge.routes.openapi import blueprint as openapi_blueprint
 
@@ -17,4 +18,5 @@ def register_routes(app: Quart) -> None:
     app.register_blueprint(completions_blueprint)
     app.register_blueprint(models_blueprint)
     app.register_blueprint(health_blueprint)
+    app.register_blueprint(metrics_blueprint)
     app.register_blueprint(openapi_blueprint)

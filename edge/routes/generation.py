@@ -15,23 +15,39 @@ Call order, and why:
 A client disconnect reaches us as cancellation (handler task cancelled) or as
 ``aclose()`` of the response generator; both cancel every worker call at once.
 A route must call ``group.cancel()`` if it fails between steps 2 and 3.
+
+Time limits (:mod:`edge.deadlines`): :func:`open_calls` reads the request's
+limits (``X-Sluice-Timeout``, ``X-Sluice-Idle-Timeout``; a bad value is a
+400 before any call opens), enforces the total deadline itself while the
+calls open (their gRPC deadline, 1 s later, is only a backstop) and keeps an
+:class:`~edge.deadlines.EventGuard` for the request; the guard ends
+the events of :func:`sse_response` and :func:`collect` at the total deadline,
+after the idle timeout, or when a draining edge's grace period ends
+(:mod:`edge.drain`), cancelling the calls. While draining, :func:`open_calls`
+refuses new requests with 503 ``server_shutting_down``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
+from quart import g, request
 from quart.wrappers import Response
 
-from edge import sse
+from edge import metrics, sse
 from edge.call_group import CallGroup
+from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER, EventGuard, request_limits
+from edge.drain import Drain, current_drain, shutting_down_error
 from edge.errors import EdgeError, stream_error_payload
 from edge.routes.common import current_pool, current_request_id, current_settings, worker_header
 from sluice.v1 import worker_pb2
 
 log = logging.getLogger("sluice.edge")
+# How much later than the request's own deadline its gRPC calls' deadline falls.
+GRPC_DEADLINE_MARGIN_S = 1.0
 
 OnEvent = Callable[[int, worker_pb2.GenerateResponse], list[dict[str, Any]]]
 Finish = Callable[[], list[dict[str, Any]]]
@@ -40,11 +56,54 @@ Finish = Callable[[], list[dict[str, Any]]]
 async def open_calls(
     requests: Sequence[worker_pb2.GenerateRequest], metadata: Sequence[tuple[str, str | bytes]] = ()
 ) -> CallGroup:
-    """Opens one worker call per request with the edge's deadline; raises :class:`EdgeError`."""
+    """Opens one worker call per request with the request's total deadline; raises
+    :class:`EdgeError` (a 503 while the edge drains, a 400 for a bad timeout header).
+
+    The calls ask for ``progress`` events, so a request waiting in a worker's
+    queue or in a long prefill still resets the idle timeout.
+    """
+    if current_drain().draining:
+        error = shutting_down_error()
+        # Make a keep-alive client reconnect, so its retry can reach another replica.
+        error.extra_headers["Connection"] = "close"
+        raise error
     settings = current_settings()
-    return await CallGroup.open(
-        current_pool(), requests, current_request_id(), settings.request_timeout_s, metadata
+    limits = request_limits(
+        request.headers.get(TIMEOUT_HEADER), request.headers.get(IDLE_TIMEOUT_HEADER), settings
     )
+    guard = EventGuard(limits)
+    g.sluice_event_guard = guard
+    for worker_request in requests:
+        worker_request.stream_progress = True
+    # The edge's own timer is authoritative (one clear error, from one clock); the gRPC
+    # deadline, a little later, is the backstop that also tells the worker when to give up.
+    try:
+        async with asyncio.timeout_at(guard.deadline) as timer:
+            group = await CallGroup.open(
+                current_pool(),
+                requests,
+                current_request_id(),
+                limits.total_s + GRPC_DEADLINE_MARGIN_S,
+                metadata,
+            )
+    except TimeoutError:
+        if timer.expired():
+            raise guard.deadline_error() from None
+        raise
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        # The client went away just as the first event arrived, and the cancellation was
+        # swallowed on the way (Python 3.11's asyncio.wait_for returns a result that races
+        # with a cancellation): honour it here, or the calls would run to their end.
+        group.cancel()
+        raise asyncio.CancelledError
+    return group
+
+
+def _request_guard() -> EventGuard:
+    """The guard :func:`open_calls` made for this request."""
+    guard: EventGuard = g.sluice_event_guard
+    return guard
 
 
 def response_headers(group: CallGroup) -> dict[str, str]:
@@ -53,18 +112,27 @@ def response_headers(group: CallGroup) -> dict[str, str]:
 
 
 async def collect(group: CallGroup, add: Callable[[int, worker_pb2.GenerateResponse], None]) -> None:
-    """Feeds every event of every call to ``add``; raises :class:`EdgeError` if a call fails."""
-    async for call, event in group.events():
-        add(call, event)
+    """Feeds every event of every call to ``add``; raises :class:`EdgeError` if a call fails or
+    a time limit (or the shutdown grace period) ends the request."""
+    guard = _request_guard()
+    with current_drain().track(guard):
+        async for call, event in guard.watch(group.events()):
+            add(call, event)
 
 
 def sse_response(group: CallGroup, on_event: OnEvent, finish: Finish, headers: dict[str, str]) -> Response:
     """The 200 ``text/event-stream`` response: ``on_event``'s chunks for every event, then
-    ``finish()``'s, then ``data: [DONE]``; heartbeats while the workers are silent."""
+    ``finish()``'s, then ``data: [DONE]``; heartbeats while the workers are silent.
+
+    Everything the body needs is taken here, inside the request context: the
+    body runs after the handler returned.
+    """
     settings = current_settings()
     body = sse.with_heartbeats(
-        _frames(group, on_event, finish, current_request_id()), settings.heartbeat_interval_s
+        _frames(group, _request_guard(), current_drain(), on_event, finish, current_request_id()),
+        settings.heartbeat_interval_s,
     )
+    body = metrics.observe_stream(body)  # TTFT, chunk gaps, errors, disconnects (edge/metrics.py)
     headers = {
         **headers,
         "Cache-Control": "no-cache",
@@ -78,17 +146,19 @@ def sse_response(group: CallGroup, on_event: OnEvent, finish: Finish, headers: d
 
 
 async def _frames(
-    group: CallGroup, on_event: OnEvent, finish: Finish, request_id: str
+    group: CallGroup, guard: EventGuard, drain: Drain, on_event: OnEvent, finish: Finish, request_id: str
 ) -> AsyncIterator[bytes]:
-    """The SSE body after ``started``: chunks, an ``event: error`` on failure, then ``[DONE]``.
+    """The SSE body after ``started``: chunks, an ``event: error`` on failure (a worker error, a
+    time limit, the end of the shutdown grace period), then ``[DONE]``.
 
     The ``finally`` cancels the calls however this generator ends: normally
     (a no-op), cancelled inside a read, or closed at a ``yield``.
     """
     try:
-        async for call, event in group.events():
-            for chunk in on_event(call, event):
-                yield sse.data_frame(chunk)
+        with drain.track(guard):
+            async for call, event in guard.watch(group.events()):
+                for chunk in on_event(call, event):
+                    yield sse.data_frame(chunk)
         for chunk in finish():
             yield sse.data_frame(chunk)
     except EdgeError as error:

@@ -1,10 +1,11 @@
-"""``GET /health`` (liveness) and ``GET /ready`` (at least one worker SERVING)."""
+"""``GET /health`` (liveness) and ``GET /ready`` (the pool holds at least one SERVING worker)."""
 
 from __future__ import annotations
 
 from quart import Blueprint
 from quart.wrappers import Response
 
+from edge.drain import current_drain
 from edge.errors import ServiceUnavailableError
 from edge.routes.common import current_pool, json_response
 
@@ -19,7 +20,14 @@ async def health() -> Response:
 
 @blueprint.get("/ready")
 async def ready() -> Response:
-    """200 when a worker answers SERVING, else 503 with an OpenAI error; both list every worker."""
+    """200 when the pool holds a SERVING worker (its background health checks), else 503 with
+    an OpenAI error; both list every worker's state. Asks no worker itself.
+
+    While the edge drains (SIGTERM), 503 ``server_shutting_down`` at once, whatever the workers say.
+    """
+    if current_drain().draining:
+        draining = ServiceUnavailableError("The edge is shutting down.", code="server_shutting_down")
+        return json_response({**draining.payload(), "status": "draining"}, status=503)
     checks = await current_pool().health()
     workers = [{"address": c.address, "status": c.status, "outstanding": c.outstanding} for c in checks]
     if any(c.serving for c in checks):

@@ -111,7 +111,9 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
                     await context.abort_with_status(build_status(step.details))
                 else:
                     yield step
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
+            # A cancellation that finds the handler between steps arrives as CancelledError;
+            # one that finds it at a ``yield`` (a write in progress) closes the generator.
             self.calls_cancelled += 1
             self.cancelled.set()
             raise

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import httpx
 import pytest
+from edge_fakes import FakeWorker, content, finished, run, running_edge, running_worker, started, usage
 
+from edge.completion_types import parse_completion_request
 from edge.errors import InvalidRequestError, UnprocessableEntityError
-from edge.openai_types import parse_chat_request
+from edge.openai_types import RequestLimits, parse_chat_request, request_limits
+from edge.settings import Settings
 
 OK: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 TOOLS = [{"type": "function", "function": {"name": "w"}}]
@@ -154,3 +158,139 @@ def test_valid_request_normalizes_unions_and_ignores_unknown_fields() -> None:
     assert request.messages[0].content == "a"
     assert request.messages[3].content == "ok"
     assert not request.include_usage
+
+
+# ------------------------------------------------------------------ operator limits
+
+TIGHT = RequestLimits(max_messages=3, max_prompt_chars=10, max_n=2, max_tokens=50, max_top_logprobs=3)
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        (with_(messages=[user("a")] * 4), "messages", "at most 3 messages"),
+        (with_(messages=[user("123456"), user("12345")]), "messages", "11 characters"),
+        (
+            with_(
+                messages=[
+                    user("1"),
+                    {
+                        "role": "assistant",
+                        "reasoning_content": "23",
+                        "content": None,
+                        "tool_calls": [
+                            {
+                                "id": "c",
+                                "type": "function",
+                                "function": {"name": "f", "arguments": "4567890123"},
+                            }
+                        ],
+                    },
+                ]
+            ),
+            "messages",
+            "13 characters",
+        ),
+        (with_(n=3), "n", "at most 2"),
+        (with_(max_tokens=51), "max_tokens", "at most 50"),
+        (with_(max_completion_tokens=51), "max_completion_tokens", "at most 50"),
+        (with_(logprobs=True, top_logprobs=4), "top_logprobs", "at most 3"),
+    ],
+)
+def test_chat_limits_name_the_field(body: dict[str, Any], param: str, needle: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_chat_request(body, TIGHT)
+    error = caught.value
+    assert (error.http_status, error.param, error.code) == (400, param, "invalid_value")
+    assert needle in error.message
+
+
+def test_requests_at_the_limits_pass() -> None:
+    at_limit = with_(
+        messages=[user("1234"), user("5678"), user("90")], n=2, max_tokens=50, logprobs=True, top_logprobs=3
+    )
+    assert len(parse_chat_request(at_limit, TIGHT).messages) == 3
+    completion = {"model": "m", "prompt": ["12345", "67890"], "n": 2, "max_tokens": 50, "logprobs": 3}
+    assert parse_completion_request(completion, TIGHT).n == 2
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        ({"prompt": ["123456", "12345"]}, "prompt", "11 characters"),
+        ({"prompt": [[1] * 11]}, "prompt", "11 characters (or token ids)"),
+        ({"prompt": "x", "n": 3}, "n", "at most 2"),
+        ({"prompt": "x", "max_tokens": 51}, "max_tokens", "at most 50"),
+        ({"prompt": "x", "logprobs": 4}, "logprobs", "at most 3"),
+    ],
+)
+def test_completion_limits_name_the_field(body: dict[str, Any], param: str, needle: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_completion_request({"model": "m", **body}, TIGHT)
+    assert (caught.value.param, caught.value.code) == (param, "invalid_value")
+    assert needle in caught.value.message
+
+
+def test_max_tokens_limit_zero_means_no_edge_limit_and_defaults_apply_outside_requests() -> None:
+    assert parse_chat_request(with_(max_tokens=10**6)).max_tokens == 10**6
+    # The defaults (no context var set): 1024 messages, 128 choices.
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_chat_request(with_(messages=[user("a")] * 1025))
+    assert caught.value.param == "messages"
+    token = request_limits.set(TIGHT)
+    try:
+        with pytest.raises(InvalidRequestError):
+            parse_chat_request(with_(n=3))  # the limits set for this context apply
+    finally:
+        request_limits.reset(token)
+    assert parse_chat_request(with_(n=3)).n == 3
+
+
+def test_limit_settings_are_validated_and_name_their_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    settings = Settings.from_args(
+        ["--workers", "h:1", "--max-messages", "5", "--max-n", "4", "--max-tokens-limit", "100"],
+        env={"SLUICE_EDGE_MAX_PROMPT_CHARS": "900", "SLUICE_EDGE_MAX_TOP_LOGPROBS": "2"},
+    )
+    assert settings.limits == RequestLimits(
+        max_messages=5, max_prompt_chars=900, max_n=4, max_tokens=100, max_top_logprobs=2
+    )
+    for flag, value in (
+        ("--max-messages", "0"),
+        ("--max-n", "129"),
+        ("--max-tokens-limit", "-1"),
+        ("--max-top-logprobs", "21"),
+        ("--max-prompt-chars", "lots"),
+    ):
+        with pytest.raises(SystemExit):
+            Settings.from_args(["--workers", "h:1", flag, value], env={})
+        assert flag in capsys.readouterr().err
+    with pytest.raises(ValueError, match="max_n"):
+        RequestLimits(max_n=0)
+
+
+def test_a_served_edge_applies_its_limits_before_calling_a_worker() -> None:
+    fake = FakeWorker(script=[started(), content("ok"), finished(), usage()])
+
+    async def body() -> None:
+        async with (
+            running_worker(fake) as address,
+            running_edge([address], max_messages=1, max_tokens_limit=5) as base,
+            httpx.AsyncClient() as client,
+        ):
+            url = f"{base}/v1/chat/completions"
+            too_many = await client.post(url, json=with_(messages=[user("a"), user("b")]))
+            assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "messages"
+            too_long = await client.post(url, json=with_(max_tokens=6))
+            assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+            legacy = await client.post(
+                f"{base}/v1/completions", json={"model": "m", "prompt": "x", "max_tokens": 9}
+            )
+            assert legacy.status_code == 400 and legacy.json()["error"]["param"] == "max_tokens"
+            assert (await client.post(url, json=with_(max_tokens=5))).status_code == 200
+        assert fake.calls_started == 1
+
+    run(body())

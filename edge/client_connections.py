@@ -1,0 +1,150 @@
+"""Client connections: the write timeout for clients that stop reading, and the final abort at shutdown.
+
+How backpressure works under hypercorn (asyncio worker, HTTP/1.1 and h2):
+each ASGI ``send`` of a body chunk ends in ``TCPServer.protocol_send``, which
+writes the bytes to the connection's transport and awaits
+``StreamWriter.drain()`` (under a per-connection lock). ``drain`` returns only
+once the transport's buffer is below its high-water mark (64 KiB by default),
+i.e. once the client has accepted enough bytes. Quart asks the response body
+generator for its next frame only after ``send`` returned, so a client that
+stops reading stops the SSE generator, which stops reading the worker's gRPC
+stream; gRPC flow control then holds the rest in the worker. The edge keeps at
+most the transport buffer (~64 KiB plus one frame) and the channel's receive
+window per stalled stream, and no other connection waits on it: only this
+connection's task is suspended.
+
+What hypercorn does not do is give up. A client that keeps its connection
+open but never reads would hold the request (and its worker slot) forever,
+and closing such a connection waits for the unsent bytes to flush, which
+never happens; at shutdown that would stall hypercorn past its grace period.
+So :class:`ClientConnections`:
+
+- times every ``send``: when one has not completed after ``write_timeout_s``
+  (the client accepted too little for that long), the connection's transport
+  is aborted (unsent bytes dropped, socket closed). The blocked ``send`` then
+  returns, hypercorn reports the disconnect, Quart cancels the response, and
+  the response's own cleanup cancels the worker calls (the normal disconnect
+  path);
+- remembers the transport of every connection that made a request (weakly),
+  so :meth:`ClientConnections.abort_all` can cut what is left at the very end
+  of a shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent, Scope
+from quart import Quart
+
+log = logging.getLogger("sluice.edge")
+
+ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
+CONNECTIONS_KEY = "sluice.client_connections"
+# How deep to look through hypercorn's bound ``send`` methods for the connection.
+_MAX_HOPS = 6
+
+
+def transport_of(send: Callable[..., Any]) -> asyncio.WriteTransport | None:
+    """The transport behind hypercorn's ASGI ``send`` callable, or ``None`` if not found.
+
+    hypercorn (0.14 to at least 0.18) hands the app ``HTTPStream.app_send``,
+    whose stream sends through the protocol's ``send`` (``H11Protocol`` /
+    ``H2Protocol``), whose ``send`` is ``TCPServer.protocol_send``, which owns
+    the connection's ``writer``. These are private attributes, so this follows
+    them defensively (bound method → owner → its ``send``) and returns
+    ``None`` for any other shape; the tests prove the path.
+    """
+    current: Any = send
+    for _ in range(_MAX_HOPS):
+        owner = getattr(current, "__self__", None)
+        if owner is None:
+            return None
+        writer = getattr(owner, "writer", None)
+        if isinstance(writer, asyncio.StreamWriter) and isinstance(writer.transport, asyncio.WriteTransport):
+            return writer.transport
+        current = getattr(owner, "send", None)
+    return None
+
+
+class ClientConnections:
+    """ASGI middleware: a ``send`` slower than ``write_timeout_s`` aborts its connection.
+
+    Over HTTP/2 a stalled stream aborts the client's whole connection (its
+    other streams included): a client that stops reading one stream usually
+    stops reading the connection. Where the transport cannot be found
+    (another server), the task blocked in
+    ``send`` is cancelled instead: the response ends and its worker calls are
+    cancelled, but the connection may stay open until the client reads or
+    goes away.
+    """
+
+    def __init__(self, app: ASGIApp, write_timeout_s: float) -> None:
+        self.app = app
+        self.write_timeout_s = write_timeout_s
+        self._transports: weakref.WeakSet[asyncio.WriteTransport] = weakref.WeakSet()
+
+    def abort_all(self) -> int:
+        """Aborts every known connection still open (the last step of a shutdown, after the
+        streams were ended and had time to write their last frames); returns how many."""
+        open_ones = [t for t in self._transports if not t.is_closing()]
+        for transport in open_ones:
+            transport.abort()
+        return len(open_ones)
+
+    async def __call__(self, scope: Scope, receive: ASGIReceiveCallable, send: ASGISendCallable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        transport = transport_of(send)
+        if transport is not None:
+            self._transports.add(transport)
+        loop = asyncio.get_running_loop()
+        timeout_s = self.write_timeout_s
+
+        async def timed_send(message: ASGISendEvent) -> None:
+            task = asyncio.current_task()
+
+            def on_stall() -> None:
+                log.warning(
+                    "client %s accepted no response bytes for %.1f s; closing the connection",
+                    _client(scope),
+                    timeout_s,
+                )
+                if transport is not None:
+                    transport.abort()  # drops the unsent bytes and closes the socket now
+                elif task is not None:
+                    task.cancel()
+
+            handle = loop.call_later(timeout_s, on_stall)
+            try:
+                await send(message)
+            finally:
+                handle.cancel()
+
+        await self.app(scope, receive, timed_send)
+
+
+def install(app: Quart, write_timeout_s: float) -> ClientConnections:
+    """Wraps ``app``'s ASGI entry point (outermost) and keeps the middleware in its extensions."""
+    connections = ClientConnections(app.asgi_app, write_timeout_s)
+    app.asgi_app = connections  # type: ignore[method-assign]
+    app.extensions[CONNECTIONS_KEY] = connections
+    return connections
+
+
+def app_connections(app: Quart) -> ClientConnections:
+    """The :class:`ClientConnections` of ``app``."""
+    connections: ClientConnections = app.extensions[CONNECTIONS_KEY]
+    return connections
+
+
+def _client(scope: Scope) -> str:
+    client = scope.get("client")
+    if isinstance(client, list | tuple) and len(client) == 2:
+        return f"{client[0]}:{client[1]}"
+    return "?"

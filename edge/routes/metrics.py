@@ -1,0 +1,25 @@
+"""``GET /metrics``: the edge's Prometheus metrics (see :mod:`edge.metrics`, docs/observability.md).
+
+Open like ``/health``: it is outside ``/v1/``, so API keys do not guard it.
+It names worker addresses, so keep the edge's port off the public internet
+or block ``/metrics`` at the proxy in front of it.
+"""
+
+from __future__ import annotations
+
+from quart import Blueprint, current_app
+from quart.wrappers import Response
+
+from edge.concurrency import LIMITER_KEY
+from edge.metrics import current_metrics
+from edge.routes.common import current_pool
+from sluice.prometheus import CONTENT_TYPE
+
+blueprint = Blueprint("metrics", __name__)
+
+
+@blueprint.get("/metrics")
+async def metrics() -> Response:
+    """The exposition text; worker health is asked of the pool at each scrape."""
+    text = await current_metrics().render(current_pool(), current_app.extensions.get(LIMITER_KEY))
+    return Response(text, status=200, content_type=CONTENT_TYPE)

@@ -1,0 +1,321 @@
+"""A typed asyncio client for a Sluice worker's gRPC API (``sluice.v1.Worker`` and health).
+
+The one place that creates worker channels: internal services use it
+directly, and the edge's worker pool builds one :class:`WorkerClient` per
+worker address. Usage::
+
+    async with WorkerClient("127.0.0.1:50051") as client:
+        async with client.generate(request, timeout=60) as stream:
+            async for event in stream:
+                ...
+
+Contracts:
+
+- The channel is created lazily, inside the running event loop, on first
+  use (``grpc.aio`` binds a channel to the loop it is created in), so a
+  client may be constructed anywhere.
+- :meth:`WorkerClient.generate` starts the call at once and returns a
+  :class:`GenerateCall`, an async iterator of ``GenerateResponse`` events.
+  The call is cancelled on the worker (which frees the sequence before its
+  next step) when the caller stops: leaving an ``async with`` block,
+  :meth:`GenerateCall.aclose` / :meth:`GenerateCall.cancel`, the reading task
+  being cancelled, or the call object being garbage collected (so a plain
+  ``break`` out of ``async for client.generate(...)`` cancels it too).
+- ``timeout`` is the call's gRPC deadline in seconds: the worker sees it and
+  drops the request when it passes; the caller gets ``DEADLINE_EXCEEDED``.
+- Every failed call raises :class:`WorkerCallError`: the gRPC code, the
+  message and the structured details the worker attached (reason, param,
+  retry hint; see :mod:`sluice.status`). A failure may come after some
+  events (mid-stream); callers must handle both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Any, cast
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from sluice.status import ErrorDetails, read_details
+from sluice.v1 import worker_pb2, worker_pb2_grpc
+
+WORKER_SERVICE = "sluice.v1.Worker"
+# Largest gRPC message either side accepts. A request carries a whole prompt
+# (the edge accepts 4 MiB bodies, and a token-id prompt is larger on the wire
+# than as JSON digits); a response event is small, except a `started` that
+# echoes the prompt. 16 MiB leaves room for both; the gRPC default (4 MiB
+# received) would refuse the largest requests the edge accepts.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+# The recommended client channel settings. Why each one:
+# - keepalive pings every 20 s, and a connection whose ping is not answered in
+#   10 s is closed: a worker that vanished without a FIN/RST (node lost, network
+#   partition) is noticed in about 30 s instead of the kernel's TCP timeout
+#   (minutes), and its open streams fail instead of hanging;
+# - pings are also sent with no call open (permit_without_calls) and without
+#   data in between (max_pings_without_data = 0: unlimited), so an idle
+#   channel is known to be dead before the next request is sent on it. The
+#   worker's server settings (worker/server.py) permit exactly this;
+# - reconnect backoff capped at 5 s (gRPC's default grows to 120 s): a worker
+#   restarted on the same address is reconnected within seconds;
+# - message sizes: see MAX_MESSAGE_BYTES.
+# Connection age is a server setting (worker/server.py): workers close each
+# connection after a few minutes, so clients that resolve a DNS name
+# re-resolve and spread over new replicas.
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+)
+
+Metadata = Sequence[tuple[str, str | bytes]]
+
+
+class WorkerCallError(grpc.RpcError):
+    """A failed worker call: gRPC code, message and Sluice's structured details.
+
+    It is a ``grpc.RpcError`` with the same ``code()``, ``details()`` and
+    ``trailing_metadata()`` methods as grpc's own errors, so code written for
+    those (``sluice.status.read_details`` included) accepts it unchanged.
+    """
+
+    def __init__(self, status: ErrorDetails, trailing_metadata: Metadata = ()) -> None:
+        super().__init__(f"{status.code.name}: {status.message}")
+        self.status = status
+        self._trailing_metadata = tuple(trailing_metadata)
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> WorkerCallError:
+        """Wraps a grpc error (reads its details once, never raises)."""
+        if isinstance(error, WorkerCallError):
+            return error
+        trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+        return cls(read_details(error), tuple(trailing or ()))
+
+    def code(self) -> grpc.StatusCode:
+        """The gRPC status code."""
+        return self.status.code
+
+    def details(self) -> str:
+        """The status message (grpc's name for it)."""
+        return self.status.message
+
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The call's trailing metadata (holds the encoded status details)."""
+        return self._trailing_metadata
+
+    @property
+    def message(self) -> str:
+        return self.status.message
+
+    @property
+    def reason(self) -> str:
+        """The worker's machine code (``invalid_parameter``, ``queue_full``, ``not_ready``...);
+        empty when the failure did not come from a Sluice worker (e.g. a transport error)."""
+        return self.status.reason
+
+    @property
+    def param(self) -> str | None:
+        """The offending request field, when one is named."""
+        return self.status.param
+
+    @property
+    def retry_after_seconds(self) -> float | None:
+        """The worker's retry hint (``RESOURCE_EXHAUSTED``, ``UNAVAILABLE``), if any."""
+        return self.status.retry_after_seconds
+
+
+class ServingStatus(enum.StrEnum):
+    """A grpc.health.v1 answer (the names of ``HealthCheckResponse.ServingStatus``)."""
+
+    UNKNOWN = "UNKNOWN"
+    SERVING = "SERVING"
+    NOT_SERVING = "NOT_SERVING"
+    SERVICE_UNKNOWN = "SERVICE_UNKNOWN"
+
+
+def _locally_cancelled() -> WorkerCallError:
+    return WorkerCallError(ErrorDetails(grpc.StatusCode.CANCELLED, "the call was cancelled by this client"))
+
+
+class GenerateCall:
+    """One open ``Generate`` call: an async iterator of ``GenerateResponse`` events.
+
+    Iterate it (or :meth:`read` it) once. Iteration ends when the call ends
+    OK and raises :class:`WorkerCallError` when it fails; reading after
+    :meth:`cancel` raises ``WorkerCallError`` with ``CANCELLED``. A task
+    cancelled while reading cancels the call and re-raises the cancellation.
+    """
+
+    def __init__(self, call: grpc.aio.UnaryStreamCall) -> None:
+        self._call = call
+
+    async def read(self) -> worker_pb2.GenerateResponse | None:
+        """The next event, or ``None`` once the call ended OK."""
+        try:
+            event = await self._call.read()
+        except grpc.aio.AioRpcError as error:
+            raise WorkerCallError.from_rpc_error(error) from None
+        except asyncio.CancelledError:
+            self._call.cancel()
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # our caller is being cancelled: let it
+            # grpc raises CancelledError on reads of a call this side cancelled.
+            raise _locally_cancelled() from None
+        if event is grpc.aio.EOF:
+            return None
+        return cast(worker_pb2.GenerateResponse, event)  # grpc's read() is untyped
+
+    def __aiter__(self) -> GenerateCall:
+        return self
+
+    async def __anext__(self) -> worker_pb2.GenerateResponse:
+        event = await self.read()
+        if event is None:
+            raise StopAsyncIteration
+        return event
+
+    def cancel(self) -> bool:
+        """Cancels the call on the worker; idempotent. False if it had already ended."""
+        return bool(self._call.cancel())
+
+    def done(self) -> bool:
+        """True once the call ended (OK, failed or cancelled)."""
+        return bool(self._call.done())
+
+    async def aclose(self) -> None:
+        """Cancels the call (the async-generator-style way to stop early)."""
+        self.cancel()
+
+    async def __aenter__(self) -> GenerateCall:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.cancel()
+
+    def __del__(self) -> None:
+        # A caller that dropped the call (`break` out of `async for client.generate(...)`)
+        # is done with it. grpc's own call object sits in a reference cycle and would
+        # only be cancelled whenever the cycle collector runs; this object is freed at once.
+        call = getattr(self, "_call", None)
+        if call is not None and not call.done():
+            with contextlib.suppress(Exception):  # e.g. the loop already closed at exit
+                call.cancel()
+
+
+class WorkerClient:
+    """A channel to one worker and its typed calls; ``async with`` it, or :meth:`close` it.
+
+    ``address`` is anything ``grpc.aio.insecure_channel`` takes
+    (``host:port``, ``dns:///name:port``...); ``options`` are channel
+    arguments (default :data:`CHANNEL_OPTIONS`).
+    """
+
+    def __init__(self, address: str, *, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS) -> None:
+        if not address or not address.strip():
+            raise ValueError("WorkerClient: address must be a non-empty host:port")
+        self.address = address
+        self._options = tuple(options)
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: worker_pb2_grpc.WorkerStub | None = None
+        self._health: health_pb2_grpc.HealthStub | None = None
+
+    def _connect(self) -> tuple[worker_pb2_grpc.WorkerStub, health_pb2_grpc.HealthStub]:
+        if self._stub is None or self._health is None:
+            self._channel = grpc.aio.insecure_channel(self.address, options=self._options)
+            self._stub = worker_pb2_grpc.WorkerStub(self._channel)
+            self._health = health_pb2_grpc.HealthStub(self._channel)
+        return self._stub, self._health
+
+    def connect(self) -> None:
+        """Creates the channel (if needed) and starts connecting; never waits, never raises
+        for an unreachable worker. Must run inside the event loop that will use the client."""
+        self._connect()
+        assert self._channel is not None  # set by _connect
+        self._channel.get_state(try_to_connect=True)
+
+    def generate(
+        self,
+        request: worker_pb2.GenerateRequest,
+        *,
+        timeout: float | None = None,
+        metadata: Metadata = (),
+        wait_for_ready: bool = False,
+    ) -> GenerateCall:
+        """Starts ``Generate``; iterate the result for events (see :class:`GenerateCall`).
+
+        ``timeout``: the call's deadline in seconds (None: none). ``metadata``:
+        call metadata, e.g. ``[("x-request-id", "...")]``. ``wait_for_ready``:
+        wait for the channel to connect instead of failing at once with
+        ``UNAVAILABLE`` while the worker is unreachable.
+        """
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"generate: timeout must be > 0 seconds or None, got {timeout}")
+        stub, _ = self._connect()
+        call = stub.Generate(
+            request, timeout=timeout, metadata=tuple(metadata), wait_for_ready=wait_for_ready
+        )
+        return GenerateCall(call)
+
+    async def list_models(
+        self,
+        *,
+        # The gRPC deadline the worker sees (grpc's own name for it), not a local wait.
+        timeout: float | None = 10.0,  # noqa: ASYNC109
+    ) -> worker_pb2.ListModelsResponse:
+        """The worker's model and id; raises :class:`WorkerCallError`."""
+        stub, _ = self._connect()
+        try:
+            reply = await stub.ListModels(worker_pb2.ListModelsRequest(), timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            raise WorkerCallError.from_rpc_error(error) from None
+        assert isinstance(reply, worker_pb2.ListModelsResponse)  # narrows grpc's untyped result
+        return reply
+
+    async def health(
+        self,
+        service: str = WORKER_SERVICE,
+        *,
+        timeout: float | None = 5.0,  # noqa: ASYNC109 (a gRPC deadline, as for list_models)
+    ) -> ServingStatus:
+        """grpc.health.v1 ``Check`` of ``service`` (``""``: the whole server).
+
+        Raises :class:`WorkerCallError`: ``UNAVAILABLE`` when unreachable,
+        ``NOT_FOUND`` when the server does not know ``service``.
+        """
+        _, health = self._connect()
+        try:
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        except grpc.aio.AioRpcError as error:
+            raise WorkerCallError.from_rpc_error(error) from None
+        name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        return ServingStatus(name) if name in ServingStatus.__members__ else ServingStatus.UNKNOWN
+
+    async def close(self, grace: float | None = None) -> None:
+        """Closes the channel; calls still open are cancelled (after ``grace`` seconds if given).
+        Idempotent; the client reconnects if used again."""
+        channel, self._channel, self._stub, self._health = self._channel, None, None, None
+        if channel is not None:
+            await channel.close(grace=grace)
+
+    async def __aenter__(self) -> WorkerClient:
+        self._connect()
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()

@@ -1,0 +1,115 @@
+"""A real worker process in fake-token mode (``--fake-tokens``), over real gRPC and through a real edge."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import grpc
+import httpx
+import pytest
+
+from sluice.v1 import worker_pb2 as pb
+from sluice.v1 import worker_pb2_grpc as pb_grpc
+from tests.processes import EdgeProcess, WorkerProcess
+from worker.fake_runner import PASSAGE, SOURCE_PREFIX
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def fake_worker(model_cache, tmp_path_factory):
+    with WorkerProcess(
+        cache_dir=model_cache,
+        log_dir=tmp_path_factory.mktemp("fake-worker-log"),
+        extra=["--fake-tokens", "--max-running", "64"],
+    ) as worker:
+        yield worker
+
+
+@pytest.fixture(scope="module")
+def stub(fake_worker):
+    with grpc.insecure_channel(fake_worker.address) as channel:
+        yield pb_grpc.WorkerStub(channel)
+
+
+def chat(max_tokens: int, **sampling) -> pb.GenerateRequest:
+    return pb.GenerateRequest(
+        chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Tell me about the town.")]),
+        sampling=pb.SamplingParams(max_tokens=max_tokens, **sampling),
+    )
+
+
+def test_list_models_and_logs_say_fake(stub, fake_worker):
+    reply = stub.ListModels(pb.ListModelsRequest())
+    assert [m.id for m in reply.models] == ["SmolLM2-135M-Instruct"]
+    assert reply.models[0].source.startswith(SOURCE_PREFIX)
+    assert "FAKE TOKENS" in fake_worker.log_tail(200)
+
+
+def test_stream_has_the_normal_shape_and_the_passage(stub):
+    events = list(stub.Generate(chat(50, temperature=0)))
+    kinds = [e.WhichOneof("event") for e in events]
+    assert kinds[0] == "started" and kinds[-2:] == ["finished", "usage"]
+    assert set(kinds[1:-2]) == {"content"}
+    finished, usage = events[-2].finished, events[-1].usage
+    assert finished.reason == pb.LENGTH and finished.completion_tokens == 50
+    assert usage.completion_tokens == 50 and usage.prompt_tokens == events[0].started.prompt_tokens > 5
+    text = "".join(e.content.text for e in events if e.HasField("content"))
+    assert len(text) > 100 and PASSAGE.startswith(text)
+
+
+def test_stop_string_and_sampling_options_take_the_normal_path(stub):
+    events = list(stub.Generate(chat(100, temperature=1.0, top_p=0.9, stop=["mill"])))
+    text = "".join(e.content.text for e in events if e.HasField("content"))
+    assert text == "The river ran quietly past the old "
+    assert events[-2].finished.reason == pb.STOP and events[-2].finished.matched_stop == "mill"
+
+
+def test_many_concurrent_streams_all_finish(fake_worker):
+    async def one(stub: pb_grpc.WorkerStub) -> int:
+        tokens = 0
+        async for event in stub.Generate(chat(64, temperature=0), timeout=30):
+            if event.HasField("finished"):
+                tokens = event.finished.completion_tokens
+        return tokens
+
+    async def run() -> list[int]:
+        async with grpc.aio.insecure_channel(fake_worker.address) as channel:
+            stub = pb_grpc.WorkerStub(channel)
+            return await asyncio.gather(*(one(stub) for _ in range(48)))
+
+    started = time.monotonic()
+    counts = asyncio.run(run())
+    elapsed = time.monotonic() - started
+    print(f"48 fake streams x 64 tokens in {elapsed:.2f}s ({48 * 64 / elapsed:.0f} tokens/s)")
+    assert counts == [64] * 48
+    assert elapsed < 30  # a functional bound: no stream hangs
+
+
+def test_metrics_mark_the_worker_fake_and_count_tokens(fake_worker, stub):
+    before = fake_worker.metrics()["sluice_worker_generated_tokens_total"]
+    list(stub.Generate(chat(10)))
+    after = fake_worker.metrics()
+    assert after["sluice_worker_fake_tokens"] == 1
+    assert after["sluice_worker_generated_tokens_total"] == before + 10
+
+
+def test_streams_through_an_edge(fake_worker, tmp_path):
+    with EdgeProcess([fake_worker.address], log_dir=tmp_path) as edge:
+        body = {
+            "model": "SmolLM2-135M-Instruct",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 30,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream("POST", f"{edge.base_url}/v1/chat/completions", json=body, timeout=30) as reply:
+            assert reply.status_code == 200
+            lines = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(line[len("data: ") :]) for line in lines[:-1]]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert PASSAGE.startswith(text) and len(text) > 50
+    assert chunks[-1]["usage"]["completion_tokens"] == 30

@@ -1,0 +1,133 @@
+"""Worker drain: refuse new ``Generate`` calls, let in-flight ones finish, then end them clearly.
+
+:class:`DrainingWorker` wraps the :class:`~worker.servicer.WorkerService`
+(the servicer stays unaware of shutdown) and keeps the set of in-flight
+``Generate`` calls. Call order at shutdown (``worker/server.py``):
+
+1. :meth:`DrainingWorker.start_drain`: new ``Generate`` calls are refused
+   with ``UNAVAILABLE`` (reason ``not_ready``, "worker is shutting down"), so
+   the edge moves them to another worker before their first event;
+2. :meth:`DrainingWorker.wait_idle` with the grace period;
+3. :meth:`DrainingWorker.cut` for the calls still running: each ends with
+   ``UNAVAILABLE`` "worker is shutting down" (not a bare ``CANCELLED``, which
+   a caller would read as its own cancellation), and its sequence leaves the
+   engine like any cancelled request.
+
+How a call is cut: its handler task is cancelled only while it waits for the
+engine's next event (inside the servicer's generator, whose ``finally``
+aborts the sequence); a handler that is busy writing an event to the wire
+just sees the flag before its next read. Either way the handler itself ends
+the call with the status, which is the only way grpc-aio sends one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass, field
+from typing import cast
+
+import grpc
+
+from sluice.v1 import worker_pb2 as pb
+from sluice.v1 import worker_pb2_grpc as pb_grpc
+from worker.errors import NotReady
+from worker.servicer import WorkerService
+
+log = logging.getLogger(__name__)
+
+SHUTTING_DOWN_MESSAGE = "worker is shutting down; retry on another worker"
+CUT_MESSAGE = "worker is shutting down: the grace period ended before this call finished"
+# A refused caller may retry at once elsewhere; here, only after a restart.
+_RETRY_AFTER_S = 1.0
+
+
+@dataclass(eq=False)
+class _Call:
+    task: asyncio.Task[object] | None
+    # True while the handler awaits the engine (the only safe place to cancel it).
+    reading: bool = False
+    cut: bool = False
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class DrainingWorker(pb_grpc.WorkerServicer):
+    """The Worker service as served: ``service``'s calls, plus refusal and cut-off at shutdown."""
+
+    def __init__(self, service: WorkerService) -> None:
+        self._service = service
+        self._calls: set[_Call] = set()
+        self._draining = False
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def in_flight(self) -> int:
+        """``Generate`` calls currently running."""
+        return len(self._calls)
+
+    def start_drain(self) -> None:
+        """From now on, new ``Generate`` calls are refused with UNAVAILABLE."""
+        self._draining = True
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Waits up to ``timeout_s`` for every in-flight call to end; True if they all did."""
+        calls = [call.done.wait() for call in self._calls]
+        if not calls:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.gather(*calls), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def cut(self) -> int:
+        """Ends every in-flight call with UNAVAILABLE "worker is shutting down"; returns how many."""
+        for call in self._calls:
+            call.cut = True
+            if call.reading and call.task is not None:
+                call.task.cancel()
+        return len(self._calls)
+
+    async def ListModels(
+        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListModelsResponse:
+        return await self._service.ListModels(request, context)
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        if self._draining:
+            refusal = NotReady(SHUTTING_DOWN_MESSAGE, retry_after_seconds=_RETRY_AFTER_S)
+            await context.abort_with_status(refusal.to_status())
+            return
+        call = _Call(asyncio.current_task())
+        self._calls.add(call)
+        # WorkerService.Generate is an async generator function (typed as its iterator).
+        events = cast(AsyncGenerator[pb.GenerateResponse, None], self._service.Generate(request, context))
+        try:
+            while not call.cut:
+                call.reading = True
+                try:
+                    event = await anext(events)
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if not call.cut:
+                        raise  # the caller cancelled (or its deadline passed)
+                    if call.task is not None:
+                        call.task.uncancel()  # our own cut, not a cancellation of the call
+                    break
+                finally:
+                    call.reading = False
+                yield event
+            await events.aclose()  # ends the sequence in the engine (the servicer's finally)
+            log.info("in-flight call ended: %s", CUT_MESSAGE)
+            await context.abort_with_status(NotReady(CUT_MESSAGE).to_status())
+        finally:
+            self._calls.discard(call)
+            call.done.set()
+            await events.aclose()

@@ -1,0 +1,260 @@
+"""A model runner that runs no model: tokens from a fixed passage, for benchmarking the edge.
+
+``--fake-tokens`` swaps :class:`~worker.model_runner.ModelRunner` for
+:class:`FakeRunner`; everything else a request goes through is the normal
+path (servicer, prompt rendering with the real tokenizer and chat template,
+scheduler, engine step loop, sampler, detokenizer, stop strings, output
+parser, proto conversion). So a fake worker costs what a real one costs
+minus the forward passes, and an edge in front of it is measured against a
+stream it did not have to wait for.
+
+Contract (the one :class:`~worker.engine.Engine` relies on, see
+``model_runner.py``): ``prefill`` → ``admit`` → ``decode`` each step,
+``release`` for rows that left, ``reset`` after a failed step. Logits are
+``[rows, vocab]`` float32 tensors that put all the mass on one token: the
+next token of :data:`PASSAGE` for that row (each row starts at the
+passage's beginning and cycles through it). Greedy and sampled requests
+therefore get the same text; logit_bias, penalties, ``min_tokens`` masks or a
+grammar may move the pick elsewhere, as they would with a model. The passage
+never contains EOS, so a request runs to ``max_tokens``, a stop string, or
+the context length.
+
+Pacing: with ``step_ms > 0`` every forward (prefill or decode) sleeps that
+long, releasing the GIL as a real forward does, so a stream gets at most
+``1000 / step_ms`` tokens/s; with 0 the step loop runs as fast as the CPU
+lets it. A fake worker runs torch with one intra-op thread unless
+``--torch-threads`` says otherwise (``worker/server.py``): only small tensor
+ops are left, and more OpenMP threads would spin-wait against the edge on a
+small machine (on two cores, 16 streams from one fake worker went from about 330
+to 3000 tokens/s with one thread).
+
+Only the tokenizer of the model is loaded (:func:`load_fake_model`), from the
+converted-model cache when it is there (well under a second), else from the
+model's GGUF file or folder. The worker says it is fake everywhere it can: a
+warning at start, ``ModelInfo.source`` in ``ListModels`` (prefixed
+``fake-tokens:``), and the ``sluice_worker_fake_tokens`` gauge on
+``/metrics`` (:func:`metrics_text`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from transformers import AutoConfig, AutoTokenizer
+
+from worker.batch_cache import BatchCache
+from worker.model_loader import (
+    DEFAULT_MODEL_ID,
+    LoadedModel,
+    ModelLoadError,
+    context_length,
+    default_gguf_path,
+    gguf_cache_folder,
+)
+from worker.model_runner import ModelRunner, RowKey
+
+log = logging.getLogger(__name__)
+
+SOURCE_PREFIX = "fake-tokens:"
+# The text fake streams cycle through: plain prose with a few non-ASCII
+# characters, so the detokenizer's multi-byte path is exercised too, and
+# nothing a parser reacts to (no <think>, no <tool_call>).
+PASSAGE = (
+    "The river ran quietly past the old mill, where a café served coffee to travellers "
+    "on their way north. Each morning the baker opened the shutters, swept the steps, "
+    "and set out bread for the first customers — fishermen, teachers, a naïve young "
+    "clerk who always counted his change twice. Nobody hurried; the water kept its own "
+    "time, and so did the town. "
+)
+# Large enough that softmax puts all the mass on the chosen token (e^-100 per other token).
+_SPIKE = 100.0
+
+
+def passage_token_ids(tokenizer: Any) -> list[int]:
+    """The passage as token ids (no special tokens); what fake rows cycle through."""
+    ids = [int(i) for i in tokenizer(PASSAGE, add_special_tokens=False)["input_ids"]]
+    if not ids:
+        raise ModelLoadError("fake tokens: the tokenizer turned the fake passage into no tokens")
+    return ids
+
+
+class FakeRunner(ModelRunner):
+    """Produces logits without a model; see the module docstring.
+
+    It subclasses :class:`ModelRunner` only so the engine's type holds; it
+    overrides every method and holds no model and no KV cache.
+    """
+
+    def __init__(self, loaded: LoadedModel, *, step_ms: float = 0.0):
+        if step_ms < 0:
+            raise ValueError(f"step_ms must not be negative, got {step_ms}")
+        # ModelRunner.__init__ is not called on purpose: it would need a model.
+        self.device = torch.device("cpu")
+        self.dtype = torch.float32
+        self.vocab_size = len(loaded.tokenizer)
+        self._passage = passage_token_ids(loaded.tokenizer)
+        self._step_s = step_ms / 1000.0
+        self._rows: list[RowKey] = []
+        # Per row: the next passage position, and the tokens a real cache would hold.
+        self._position: dict[RowKey, int] = {}
+        self._length: dict[RowKey, int] = {}
+
+    @property
+    def row_keys(self) -> list[RowKey]:
+        return list(self._rows)
+
+    @property
+    def live_rows(self) -> int:
+        return len(self._rows)
+
+    @property
+    def cache_tokens(self) -> int:
+        """The tokens a real KV cache would hold for the rows (prompt + generated)."""
+        return sum(self._length.values())
+
+    @property
+    def cache_bytes(self) -> int:
+        return 0  # no cache is allocated
+
+    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, BatchCache]:
+        """Logits picking the passage's first token for each prompt; the "cache" carries only the
+        prompt lengths (``admit`` reads them)."""
+        self._pace()
+        cache = BatchCache(0)
+        cache.lengths = [len(p) for p in prompts]
+        return self._logits([self._passage[0]] * len(prompts)), cache
+
+    def admit(self, prefilled: BatchCache, rows: Sequence[tuple[int, RowKey]]) -> None:
+        for index, key in rows:
+            self._rows.append(key)
+            self._position[key] = 1  # the prefill's pick was position 0
+            self._length[key] = prefilled.lengths[index]
+
+    def decode(self, last_tokens: Mapping[RowKey, int]) -> torch.Tensor:
+        """Logits picking each row's next passage token, in ``row_keys`` order."""
+        if set(last_tokens) != set(self._rows):
+            raise RuntimeError("decode needs exactly one token for every row of the batch")
+        self._pace()
+        picks = []
+        for key in self._rows:
+            position = self._position[key]
+            picks.append(self._passage[position % len(self._passage)])
+            self._position[key] = position + 1
+            self._length[key] += 1
+        return self._logits(picks)
+
+    def release(self, keys: Iterable[RowKey]) -> None:
+        gone = set(keys)
+        if not gone.intersection(self._rows):
+            return
+        self._rows = [key for key in self._rows if key not in gone]
+        for key in gone:
+            self._position.pop(key, None)
+            self._length.pop(key, None)
+
+    def reset(self) -> None:
+        self._rows = []
+        self._position.clear()
+        self._length.clear()
+
+    def _pace(self) -> None:
+        if self._step_s:
+            time.sleep(self._step_s)  # stands in for a forward pass, which also releases the GIL
+
+    def _logits(self, tokens: list[int]) -> torch.Tensor:
+        logits = torch.zeros((len(tokens), self.vocab_size), dtype=torch.float32)
+        if tokens:
+            logits[torch.arange(len(tokens)), torch.tensor(tokens)] = _SPIKE
+        return logits
+
+
+def metrics_text(model_id: str) -> str:
+    """The Prometheus lines a fake worker adds to ``/metrics``."""
+    name = "sluice_worker_fake_tokens"
+    return (
+        f"# HELP {name} 1: this worker runs no model (--fake-tokens); its tokens are not generated\n"
+        f"# TYPE {name} gauge\n"
+        f'{name}{{model="{model_id}"}} 1\n'
+    )
+
+
+def load_fake_model(
+    model: str | None, *, served_model_name: str | None = None, cache_dir: Path | None = None
+) -> LoadedModel:
+    """The tokenizer (and context length) of ``model`` as a :class:`LoadedModel` with no model.
+
+    ``model`` is resolved as :func:`~worker.model_loader.load_model` resolves it
+    (None = the default model), and the model id is the same, so callers that
+    name the model work unchanged. ``source`` starts with :data:`SOURCE_PREFIX`.
+    """
+    started = time.monotonic()
+    cache = cache_dir or Path.home() / ".cache" / "sluice"
+    target, gguf_file, model_id = _tokenizer_source(model, cache)
+    try:
+        if gguf_file is not None:
+            tokenizer = AutoTokenizer.from_pretrained(target, gguf_file=gguf_file)
+            config: Any = AutoConfig.from_pretrained(target, gguf_file=gguf_file)
+        else:
+            tokenizer = AutoTokenizer.from_pretrained(target)
+            config = _folder_config(Path(target))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"fake tokens: could not load the tokenizer of {model or model_id!r}: {exc}"
+        ) from exc
+    where = f"{target}/{gguf_file}" if gguf_file else target
+    log.warning(
+        "FAKE TOKENS: this worker runs no model; it streams a fixed passage through the normal "
+        "serving path, with the tokenizer of %s (from %s, loaded in %.1fs). For benchmarks only.",
+        model_id,
+        where,
+        time.monotonic() - started,
+    )
+    return LoadedModel(
+        model=None,
+        tokenizer=tokenizer,
+        model_id=served_model_name or model_id,
+        source=f"{SOURCE_PREFIX} no model; tokenizer of {where}",
+        context_length=context_length(config, tokenizer),
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        loaded_at=time.time(),
+    )
+
+
+def _tokenizer_source(model: str | None, cache: Path) -> tuple[str, str | None, str]:
+    """(folder or hub id, GGUF file name or None, model id) to load the tokenizer from."""
+    if model is None or model.endswith(".gguf"):
+        gguf = default_gguf_path() if model is None else Path(model).expanduser()
+        if not gguf.is_file():
+            raise ModelLoadError(f"--model {model}: no such GGUF file")
+        model_id = DEFAULT_MODEL_ID if model is None else gguf.stem
+        converted = gguf_cache_folder(gguf, cache)
+        if (converted / "config.json").is_file():
+            return str(converted), None, model_id  # already converted: fast
+        return str(gguf.parent), gguf.name, model_id
+    folder = Path(model).expanduser()
+    if folder.is_dir():
+        return str(folder), None, folder.resolve().name
+    return model, None, model
+
+
+def _folder_config(folder: Path) -> Any:
+    """The model config as an object with attributes (only ``max_position_embeddings`` is read);
+    an empty one for a hub id or a folder without config.json (the context length then falls back)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        return SimpleNamespace()
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"fake tokens: cannot read {path}: {exc}") from exc
+
+    limit = values.get("max_position_embeddings", 0) if isinstance(values, dict) else 0
+    return SimpleNamespace(max_position_embeddings=limit)
