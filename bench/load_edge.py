@@ -46,15 +46,11 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from bench_worker import PROMPTS  # noqa: E402  (the same prompts as the engine benchmark)
+
 from tests.processes import EdgeProcess, WorkerProcess  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
-PROMPTS = [
-    "Write a long story about a dragon who learns to cook.",
-    "Explain in detail how a steam engine works.",
-    "Describe a journey across the ocean on a small sailing boat.",
-    "Write a long letter to a friend about your favourite books.",
-]
 
 
 @dataclass

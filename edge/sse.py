@@ -19,9 +19,13 @@ DONE_FRAME = b"data: [DONE]\n\n"
 HEARTBEAT_FRAME = b": heartbeat\n\n"
 
 
+# Built once: json.dumps with options builds a new encoder on every call (once per chunk here).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def dumps(obj: Any) -> str:
     """Compact JSON (no spaces). JSON escapes newlines, so a payload is one SSE line."""
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    return _ENCODER.encode(obj)
 
 
 def data_frame(obj: Any) -> bytes:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import EdgeProcess, WorkerProcess
+from tests.processes import EdgeProcess, WorkerProcess, build_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -29,29 +29,14 @@ def default_model_dir(model_cache: Path) -> Path:
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A tiny random Llama (2 layers, 512 positions) with the default model's real tokenizer and chat
     template, saved with save_pretrained so the worker loads it like any checkpoint."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
 
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    config.architectures = ["LlamaForCausalLM"]
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+
+@pytest.fixture(scope="session")
+def long_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """The tiny model with 4096 positions: generating to the end of its context (``ignore_eos``)
+    takes seconds, so a test can keep a stream or a worker slot busy and end it by disconnecting."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-4k"), default_model_dir, positions=4096)
 
 
 @pytest.fixture(scope="module")

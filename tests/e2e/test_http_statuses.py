@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from tests.processes import EdgeProcess, WorkerProcess, free_port
+from tests.processes import EdgeProcess, LiveEdgeProcess, WorkerProcess, free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -28,20 +26,9 @@ QUESTION = [{"role": "user", "content": "Hi!"}]
 KEYS = "sk-e2e-one,sk-e2e-two"
 
 
-class LiveEdge(EdgeProcess):
-    """An edge that counts as started once it answers /health (its workers may be unreachable)."""
-
-    def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
-                return bool(response.status == 200)
-        except (urllib.error.URLError, OSError):
-            return False
-
-
 @contextlib.contextmanager
 def edge(workers: list[str], log_dir: Path, *extra: str) -> Iterator[EdgeProcess]:
-    with LiveEdge(workers, log_dir=log_dir, extra=list(extra)) as process:
+    with LiveEdgeProcess(workers, log_dir=log_dir, extra=list(extra)) as process:
         yield process
 
 

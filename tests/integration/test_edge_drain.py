@@ -21,7 +21,6 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.long_model import long_tiny_model_dir  # noqa: F401  (fixture)
 from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -33,7 +32,7 @@ GRACE_S = 2.0
 @pytest.fixture(scope="module")
 def worker(
     model_cache: Path,
-    long_tiny_model_dir: Path,  # noqa: F811
+    long_tiny_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerProcess]:
     extra = ["--max-running", "4", "--torch-threads", "1"]

@@ -23,7 +23,6 @@ import pytest
 
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from tests.integration.long_model import long_tiny_model_dir  # noqa: F401  (fixture)
 from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -34,7 +33,7 @@ WRITE_TIMEOUT_S = 1.5
 @pytest.fixture(scope="module")
 def worker(
     model_cache: Path,
-    long_tiny_model_dir: Path,  # noqa: F811
+    long_tiny_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerProcess]:
     """Two sequences at a time, so a third request waits in the queue."""

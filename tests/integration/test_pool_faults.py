@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.processes import EdgeProcess, LiveEdgeProcess, WorkerProcess, build_tiny_model, free_port
+from tests.processes import EdgeProcess, LiveEdgeProcess, WorkerProcess, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -28,13 +28,8 @@ LONG = 1000
 
 
 @pytest.fixture(scope="module")
-def long_tiny_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("long-tiny"), default_model_dir, positions=4096)
-
-
-@pytest.fixture(scope="module")
 def two_workers(
-    long_tiny_model: Path, model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+    long_tiny_model_dir: Path, model_cache: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     logs = tmp_path_factory.mktemp("fault-workers")
     workers = []
@@ -43,7 +38,7 @@ def two_workers(
         extra = [*WORKER_FLAGS, "--worker-id", worker_id]
         workers.append(
             WorkerProcess(
-                cache_dir=model_cache, log_dir=logs / worker_id, model=str(long_tiny_model), extra=extra
+                cache_dir=model_cache, log_dir=logs / worker_id, model=str(long_tiny_model_dir), extra=extra
             )
         )
     a, b = workers

@@ -13,14 +13,9 @@ import pytest
 
 from sluice.client import ServingStatus, WorkerCallError, WorkerClient
 from sluice.v1 import worker_pb2 as pb
-from tests.processes import WorkerProcess, build_tiny_model
+from tests.processes import WorkerProcess
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def long_tiny_model(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("long-tiny"), default_model_dir, positions=4096)
 
 
 def worker_with_grace(model: Path, cache: Path, log_dir: Path, grace_s: float) -> WorkerProcess:
@@ -37,9 +32,9 @@ def long_request(max_tokens: int) -> pb.GenerateRequest:
 
 
 def test_sigterm_refuses_new_calls_and_lets_in_flight_ones_finish(
-    long_tiny_model: Path, model_cache: Path, tmp_path: Path
+    long_tiny_model_dir: Path, model_cache: Path, tmp_path: Path
 ) -> None:
-    with worker_with_grace(long_tiny_model, model_cache, tmp_path, grace_s=60) as worker:
+    with worker_with_grace(long_tiny_model_dir, model_cache, tmp_path, grace_s=60) as worker:
 
         async def scenario() -> tuple[list[str | None], float]:
             async with WorkerClient(worker.address) as client:
@@ -72,10 +67,10 @@ def test_sigterm_refuses_new_calls_and_lets_in_flight_ones_finish(
 
 
 def test_in_flight_call_still_running_when_the_grace_ends_gets_unavailable(
-    long_tiny_model: Path, model_cache: Path, tmp_path: Path
+    long_tiny_model_dir: Path, model_cache: Path, tmp_path: Path
 ) -> None:
     grace_s = 1.0
-    with worker_with_grace(long_tiny_model, model_cache, tmp_path, grace_s=grace_s) as worker:
+    with worker_with_grace(long_tiny_model_dir, model_cache, tmp_path, grace_s=grace_s) as worker:
 
         async def scenario() -> tuple[WorkerCallError, float, int]:
             async with WorkerClient(worker.address) as client:

@@ -11,7 +11,7 @@ import contextlib
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 import httpx
@@ -198,3 +198,28 @@ CHAT_BODY: dict[str, Any] = {
     "model": "SmolLM2-135M-Instruct",
     "messages": [{"role": "user", "content": "Hi"}],
 }
+
+
+class ScriptedSource(Generic[T]):
+    """An async source of items with scripted pauses (a float is a sleep of that many seconds);
+    records how many pauses it entered and how it ended (cancelled, closed)."""
+
+    def __init__(self, script: list[T | float]) -> None:
+        self.script = script
+        self.cancelled = False
+        self.closed = False
+        self.reads = 0
+
+    async def items(self) -> AsyncIterator[T]:
+        try:
+            for step in self.script:
+                if isinstance(step, float):
+                    self.reads += 1
+                    await asyncio.sleep(step)
+                else:
+                    yield step
+        except asyncio.CancelledError:
+            self.cancelled = True
+            raise
+        finally:
+            self.closed = True

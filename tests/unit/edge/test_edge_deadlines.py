@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -15,6 +14,7 @@ from edge_fakes import (
     CHAT_BODY,
     FakeWorker,
     Hang,
+    ScriptedSource,
     Sleep,
     Step,
     content,
@@ -125,32 +125,12 @@ def test_bad_lifecycle_flags_name_the_flag(
 # ------------------------------------------------------------------ the guard
 
 
-class Source:
-    """Events at scripted times; records whether it saw its cancellation."""
-
-    def __init__(self, script: list[str | float]) -> None:
-        self.script = script
-        self.cancelled = False
-        self.closed = False
-
-    async def events(self) -> AsyncIterator[str]:
-        try:
-            for step in self.script:
-                if isinstance(step, float):
-                    await asyncio.sleep(step)
-                else:
-                    yield step
-        except asyncio.CancelledError:
-            self.cancelled = True
-            raise
-        finally:
-            self.closed = True
-
-
-async def drain_guard(guard: EventGuard, source: Source) -> tuple[list[str], BaseException | None]:
+async def drain_guard(
+    guard: EventGuard, source: ScriptedSource[str]
+) -> tuple[list[str], BaseException | None]:
     got: list[str] = []
     try:
-        async for event in guard.watch(source.events()):
+        async for event in guard.watch(source.items()):
             got.append(event)
     except Exception as error:
         return got, error
@@ -159,7 +139,7 @@ async def drain_guard(guard: EventGuard, source: Source) -> tuple[list[str], Bas
 
 def test_events_within_the_limits_pass_untouched() -> None:
     async def body() -> None:
-        source = Source(["a", 0.05, "b", 0.05, "c"])
+        source = ScriptedSource(["a", 0.05, "b", 0.05, "c"])
         got, error = await drain_guard(EventGuard(TimeLimits(total_s=5.0, idle_s=0.5)), source)
         assert (got, error) == (["a", "b", "c"], None) and source.closed and not source.cancelled
 
@@ -169,7 +149,7 @@ def test_events_within_the_limits_pass_untouched() -> None:
 def test_idle_timeout_restarts_on_every_event_and_cuts_a_silence() -> None:
     async def body() -> None:
         # Ten gaps of 0.05 s (0.5 s in all) under a 0.2 s idle timeout, then silence.
-        source = Source([*(x for _ in range(10) for x in ("e", 0.05)), "last", 30.0, "never"])
+        source = ScriptedSource([*(x for _ in range(10) for x in ("e", 0.05)), "last", 30.0, "never"])
         started_at = time.monotonic()
         got, error = await drain_guard(EventGuard(TimeLimits(total_s=30.0, idle_s=0.2)), source)
         elapsed = time.monotonic() - started_at
@@ -183,7 +163,7 @@ def test_idle_timeout_restarts_on_every_event_and_cuts_a_silence() -> None:
 
 def test_total_deadline_cuts_a_stream_that_keeps_talking() -> None:
     async def body() -> None:
-        source = Source([x for _ in range(1000) for x in ("e", 0.02)])
+        source = ScriptedSource([x for _ in range(1000) for x in ("e", 0.02)])
         got, error = await drain_guard(EventGuard(TimeLimits(total_s=0.3, idle_s=10.0)), source)
         assert isinstance(error, DeadlineExceededError) and error.type == "timeout_error"
         assert 3 < len(got) < 100 and source.cancelled
@@ -194,7 +174,7 @@ def test_total_deadline_cuts_a_stream_that_keeps_talking() -> None:
 def test_stop_ends_a_waiting_read_at_once_and_a_busy_consumer_at_its_next_read() -> None:
     async def body() -> None:
         waiting = EventGuard(TimeLimits(total_s=30.0, idle_s=30.0))
-        source = Source(["a", 30.0])
+        source = ScriptedSource(["a", 30.0])
         task = asyncio.create_task(drain_guard(waiting, source))
         await asyncio.sleep(0.05)
         waiting.stop(ServerShuttingDownError("bye"))
@@ -202,7 +182,7 @@ def test_stop_ends_a_waiting_read_at_once_and_a_busy_consumer_at_its_next_read()
         assert got == ["a"] and isinstance(error, ServerShuttingDownError) and source.cancelled
 
         busy = EventGuard(TimeLimits(total_s=30.0, idle_s=30.0))
-        events = busy.watch(Source(["a", "b"]).events())
+        events = busy.watch(ScriptedSource(["a", "b"]).items())
         assert await anext(events) == "a"
         busy.stop(ServerShuttingDownError("bye"))  # the consumer is between reads
         with pytest.raises(ServerShuttingDownError):

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
-from edge_fakes import run
+from edge_fakes import ScriptedSource, run
 
 from edge.sse import DONE_FRAME, HEARTBEAT_FRAME, data_frame, dumps, error_frame, with_heartbeats
 
@@ -20,43 +20,19 @@ def test_frames_are_exact() -> None:
     assert dumps({"a": None}) == '{"a":null}'
 
 
-class Source:
-    """An async iterator of frames with scripted pauses; records how it ended."""
-
-    def __init__(self, script: list[bytes | float]) -> None:
-        self.script = script
-        self.cancelled = False
-        self.closed = False
-        self.reads = 0
-
-    async def frames(self) -> AsyncIterator[bytes]:
-        try:
-            for step in self.script:
-                if isinstance(step, float):
-                    self.reads += 1
-                    await asyncio.sleep(step)
-                else:
-                    yield step
-        except asyncio.CancelledError:
-            self.cancelled = True
-            raise
-        finally:
-            self.closed = True
-
-
 async def collect(it: AsyncIterator[bytes]) -> list[bytes]:
     return [frame async for frame in it]
 
 
 def test_no_heartbeat_when_frames_keep_coming() -> None:
-    source = Source([b"a", b"b"])
-    assert run(collect(with_heartbeats(source.frames(), 0.05))) == [b"a", b"b"]
+    source = ScriptedSource([b"a", b"b"])
+    assert run(collect(with_heartbeats(source.items(), 0.05))) == [b"a", b"b"]
     assert source.closed and not source.cancelled
 
 
 def test_heartbeats_during_silence_without_cancelling_the_pending_read() -> None:
-    source = Source([b"a", 0.28, b"b"])
-    frames = run(collect(with_heartbeats(source.frames(), 0.05)))
+    source = ScriptedSource([b"a", 0.28, b"b"])
+    frames = run(collect(with_heartbeats(source.items(), 0.05)))
     assert frames[0] == b"a" and frames[-1] == b"b"
     beats = frames[1:-1]
     assert 3 <= len(beats) <= 6 and set(beats) == {HEARTBEAT_FRAME}
@@ -65,8 +41,8 @@ def test_heartbeats_during_silence_without_cancelling_the_pending_read() -> None
 
 
 def test_heartbeat_before_the_first_frame() -> None:
-    source = Source([0.12, b"a"])
-    frames = run(collect(with_heartbeats(source.frames(), 0.05)))
+    source = ScriptedSource([0.12, b"a"])
+    frames = run(collect(with_heartbeats(source.items(), 0.05)))
     assert frames[0] == HEARTBEAT_FRAME and frames[-1] == b"a"
 
 
@@ -86,13 +62,13 @@ def test_source_errors_propagate() -> None:
 
 
 def test_cancellation_cancels_the_pending_read_and_propagates() -> None:
-    source = Source([b"a", 10.0, b"never"])
+    source = ScriptedSource([b"a", 10.0, b"never"])
 
     async def body() -> None:
         got: list[bytes] = []
 
         async def consume() -> None:
-            async for frame in with_heartbeats(source.frames(), 0.05):
+            async for frame in with_heartbeats(source.items(), 0.05):
                 got.append(frame)
 
         task = asyncio.create_task(consume())
@@ -107,10 +83,10 @@ def test_cancellation_cancels_the_pending_read_and_propagates() -> None:
 
 
 def test_aclose_at_a_yield_closes_the_source() -> None:
-    source = Source([b"a", b"b", b"c"])
+    source = ScriptedSource([b"a", b"b", b"c"])
 
     async def body() -> None:
-        wrapped = with_heartbeats(source.frames(), 0.05)
+        wrapped = with_heartbeats(source.items(), 0.05)
         assert await anext(wrapped) == b"a"
         await wrapped.aclose()
 
