@@ -33,6 +33,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import tempfile
 import time
@@ -196,6 +197,7 @@ def local_stack(
     fake_tokens: bool = False,
     fake_step_ms: float = 0.0,
     max_running: int = 32,
+    torch_threads: int | None = None,
     cache_dir: Path,
     log_dir: Path,
 ) -> Iterator[tuple[EdgeProcess, list[WorkerProcess]]]:
@@ -203,6 +205,8 @@ def local_stack(
     extra = ["--max-running", str(max_running), "--max-queue", "1024"]
     if fake_tokens:
         extra += ["--fake-tokens", "--fake-step-ms", str(fake_step_ms)]
+    if torch_threads is not None:
+        extra += ["--torch-threads", str(torch_threads)]
     with contextlib.ExitStack() as stack:
         started: list[WorkerProcess] = []
         for i in range(workers):
@@ -230,6 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--fake-tokens", action="store_true", help="workers that run no model (worker/fake_runner.py)")
     add("--fake-step-ms", type=float, default=0.0, help="with --fake-tokens: ms per fake forward")
     add("--max-running", type=int, default=None, help="workers' --max-running (default 32; 128 fake)")
+    add(
+        "--torch-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="each worker's --torch-threads (default: half the cores, as two workers share them)",
+    )
     add("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice", help="workers' model cache")
     return parser
 
@@ -266,11 +276,16 @@ def main(argv: list[str] | None = None) -> int:
     max_running = args.max_running or (128 if args.fake_tokens else 32)
     mode = f"fake tokens, {args.fake_step_ms:g} ms/step" if args.fake_tokens else "default model"
     with tempfile.TemporaryDirectory(prefix="sluice-load-") as logs:
-        print(f"starting 2 workers ({mode}, --max-running {max_running}) and an edge ...", flush=True)
+        print(
+            f"starting 2 workers ({mode}, --max-running {max_running}, --torch-threads "
+            f"{'default' if args.fake_tokens else args.torch_threads}) and an edge ...",
+            flush=True,
+        )
         with local_stack(
             fake_tokens=args.fake_tokens,
             fake_step_ms=args.fake_step_ms,
             max_running=max_running,
+            torch_threads=None if args.fake_tokens else args.torch_threads,
             cache_dir=args.cache_dir,
             log_dir=Path(logs),
         ) as (edge, _workers):
