@@ -98,7 +98,10 @@ def serve(args: argparse.Namespace) -> int:
     worker_cmd = worker_command(args.worker_port, args.metrics_port, "--grace-period", "5")
     if args.model:
         worker_cmd += ["--model", args.model]
-    edge_cmd = edge_command([f"127.0.0.1:{args.worker_port}"], args.port, host=args.host)
+    # No load balancer watches a local edge's readiness: Ctrl-C need not wait out a drain delay.
+    edge_cmd = edge_command(
+        [f"127.0.0.1:{args.worker_port}"], args.port, "--drain-delay", "0", host=args.host
+    )
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
