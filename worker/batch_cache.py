@@ -81,6 +81,9 @@ class BatchCache(Cache):
     def __init__(self, num_layers: int):
         super().__init__(layers=[_BufferLayer() for _ in range(num_layers)])
         self.lengths: list[int] = []
+        # A prefill's cache only: how many of each row's tokens came from the prefix cache
+        # (empty when none did).
+        self.prefix_lengths: list[int] = []
 
     @property
     def width(self) -> int:
@@ -182,3 +185,81 @@ def prefill_inputs(
     mask = torch.zeros(visible.shape, dtype=dtype)
     mask.masked_fill_(~visible, torch.finfo(dtype).min)
     return ids.to(device), positions.to(device), mask[:, None].to(device)
+
+
+def suffix_prefill_inputs(
+    prompts: Sequence[Sequence[int]],
+    prefix_lengths: Sequence[int],
+    pad_id: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs of a prefill whose rows start from cached prefixes (see :func:`from_prefixes`).
+
+    Row ``i`` computes only ``prompts[i][prefix_lengths[i]:]`` (at least one token), left-padded
+    to the longest suffix ``S``, at positions ``prefix_lengths[i] + j``. Returns ids [m, S],
+    positions [m, S] and the 4D mask [m, 1, S, P + S], where the first ``P`` (longest prefix)
+    key columns are the past: row ``i``'s prefix right-aligned in them.
+    """
+    prefixes = torch.tensor(list(prefix_lengths), dtype=torch.long)
+    suffixes = [prompt[n:] for prompt, n in zip(prompts, prefix_lengths, strict=True)]
+    if any(not suffix for suffix in suffixes):
+        raise ValueError("every row needs at least one token after its cached prefix")
+    past = int(prefixes.max())
+    ids, positions, own = prefill_inputs(suffixes, pad_id, dtype, torch.device("cpu"))
+    positions = positions + prefixes[:, None]
+    # Every query may see its row's whole prefix (padding queries too: their outputs are dropped).
+    visible = torch.arange(past)[None, :] >= (past - prefixes)[:, None]  # [m, P]
+    prefix_mask = torch.zeros(visible.shape, dtype=dtype)
+    prefix_mask.masked_fill_(~visible, torch.finfo(dtype).min)
+    width = ids.shape[1]
+    mask = torch.cat([prefix_mask[:, None, None, :].expand(-1, 1, width, -1), own], dim=-1)
+    return ids.to(device), positions.to(device), mask.to(device)
+
+
+def from_prefixes(
+    prefixes: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]],
+    prefix_lengths: Sequence[int],
+    suffix_width: int,
+) -> BatchCache:
+    """The past of a :func:`suffix_prefill_inputs` forward: row ``i``'s prefix KV (per layer,
+    ``[kv_heads, prefix_lengths[i], head_dim]``; an empty list for no prefix) right-aligned in
+    ``P`` columns, with room for ``suffix_width`` more so the forward writes in place."""
+    rows, past = len(prefix_lengths), max(prefix_lengths)
+    like = next(layers for layers in prefixes if layers)
+    cache = BatchCache(len(like))
+    for index, layer in enumerate(cache._layers()):
+        k0, v0 = like[index]
+        keys = k0.new_zeros((rows, k0.shape[0], past + suffix_width, k0.shape[-1]))
+        values = v0.new_zeros((rows, v0.shape[0], past + suffix_width, v0.shape[-1]))
+        for row, (layers, length) in enumerate(zip(prefixes, prefix_lengths, strict=True)):
+            if length:
+                keys[row, :, past - length : past] = layers[index][0]
+                values[row, :, past - length : past] = layers[index][1]
+        layer.set_buffers(keys, values, past)
+    return cache
+
+
+def compact(cache: BatchCache, prefix_lengths: Sequence[int], suffix_lengths: Sequence[int]) -> BatchCache:
+    """A prefix-started prefill's cache in the usual layout: row ``i``'s prefix columns and suffix
+    columns (with the padding between them) become its last ``prefix + suffix`` columns."""
+    past = max(prefix_lengths)
+    total = cache.width
+    suffix_width = total - past
+    lengths = [p + s for p, s in zip(prefix_lengths, suffix_lengths, strict=True)]
+    width = max(lengths)
+    # source[i, t]: the column of row i's token that lands in column t (0 for padding columns,
+    # which the mask hides anyway).
+    source = torch.zeros((len(lengths), width), dtype=torch.long)
+    for row, (p, s) in enumerate(zip(prefix_lengths, suffix_lengths, strict=True)):
+        start = width - p - s
+        source[row, start : start + p] = torch.arange(past - p, past)
+        source[row, start + p :] = torch.arange(past + suffix_width - s, total)
+    out = BatchCache(len(cache.layers))
+    for mine, theirs in zip(out._layers(), cache._layers(), strict=True):
+        assert theirs.buffer_k is not None and theirs.buffer_v is not None
+        k, v = theirs.buffer_k[:, :, :total], theirs.buffer_v[:, :, :total]
+        index = source.to(k.device)[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[-1])
+        mine.set_buffers(k.gather(2, index), v.gather(2, index), width)
+    out.lengths = lengths
+    return out

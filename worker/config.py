@@ -33,6 +33,7 @@ class WorkerConfig:
     max_queue: int = 256
     max_prefill_tokens: int = 1024
     max_batch_tokens: int | None = None
+    prefix_cache_tokens: int = 4096
     default_max_tokens: int | None = None
     metrics_port: int = 9090
     torch_threads: int = 0
@@ -172,6 +173,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="KV cache bound: sum over running sequences of prompt + max_tokens "
         "(default: max-running x the model's context length)",
+    )
+    add(
+        "--prefix-cache-tokens",
+        type=_int_at_least("--prefix-cache-tokens", 0),
+        default=4096,
+        help="prompt-prefix KV kept for reuse, in tokens (16-token blocks, least recently used "
+        "evicted first; 0 = off)",
     )
     add(
         "--default-max-tokens",

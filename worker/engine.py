@@ -70,6 +70,7 @@ class EngineCounters:
     requests_failed: int = 0
     generated_tokens: int = 0
     prompt_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     steps: int = 0
     time_to_first_token: Histogram = field(default_factory=Histogram)
 
@@ -109,6 +110,7 @@ class _RequestState:
     choices: list[_Choice]
     stream: RequestStream
     admitted_time: float | None = None
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     progress_time: float = 0.0  # when the last ``queued`` progress event went out
 
     @property
@@ -356,8 +358,11 @@ class Engine:
             logits, prefilled = self._runner.prefill([s.request.prompt_token_ids for s in plan.prefill])
             admitted = [(i, s, c) for i, s in enumerate(plan.prefill) for c in s.choices]
             self._runner.admit(prefilled, [(i, c.key) for i, _, c in admitted])
-            for state in plan.prefill:
+            reused = prefilled.prefix_lengths or [0] * len(plan.prefill)
+            for state, cached in zip(plan.prefill, reused, strict=True):
                 state.admitted_time = now
+                state.cached_tokens = cached
+            self.counters.prefix_cache_hit_tokens += sum(reused)
             rows = logits[torch.tensor([i for i, _, _ in admitted])]
             self._take([(s, c) for _, s, c in admitted], rows, events)
             self._release_finished(plan.prefill)
@@ -470,7 +475,14 @@ class Engine:
             if state.done:
                 completion = sum(c.generated for c in state.choices)
                 reasoning = sum(c.reasoning_tokens for c in state.choices)
-                batch.append(Usage(state.prompt_length, completion, reasoning_tokens=reasoning))
+                batch.append(
+                    Usage(
+                        state.prompt_length,
+                        completion,
+                        cached_tokens=state.cached_tokens,
+                        reasoning_tokens=reasoning,
+                    )
+                )
                 batch.append(_END)
             if batch:
                 ready.append((state.stream, batch))

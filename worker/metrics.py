@@ -54,6 +54,12 @@ def render(stats: EngineStats, model_id: str) -> str:
             c.generated_tokens,
         ),
         ("sluice_worker_prompt_tokens_total", "counter", "prompt tokens admitted", c.prompt_tokens),
+        (
+            "sluice_worker_prefix_cache_hit_tokens_total",
+            "counter",
+            "prompt tokens whose KV came from the prefix cache",
+            c.prefix_cache_hit_tokens,
+        ),
         ("sluice_worker_steps_total", "counter", "engine steps run", c.steps),
     ]
     lines: list[str] = []

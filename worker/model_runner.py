@@ -7,23 +7,30 @@ mapping from sequence keys to its rows. Call order per engine step:
 2. ``prefill`` the newly admitted prompts in one forward, then ``admit`` one
    row per choice (an ``n``-choice request shares its prompt's prefill);
 3. ``decode`` every row one token in one forward.
+
+With a prefix cache (``prefix_cache_tokens`` > 0), ``prefill`` first reuses
+the stored KV of each prompt's longest cached prefix and runs the model on the
+rest only; prompts of one prefill that share an uncached prefix get it computed
+once, just before. Every prefilled prompt's whole blocks are then stored.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from worker.batch_cache import BatchCache, prefill_inputs
+from worker.batch_cache import BatchCache, compact, from_prefixes, prefill_inputs, suffix_prefill_inputs
 from worker.model_loader import LoadedModel
+from worker.prefix_cache import PrefixCache
 
 # A batch row belongs to one choice of one request: (engine request key, choice index).
 RowKey = tuple[str, int]
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel):
+    def __init__(self, loaded: LoadedModel, *, prefix_cache_tokens: int = 0):
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -32,6 +39,7 @@ class ModelRunner:
         self.pad_id = int(pad) if pad is not None else 0
         self._batch = BatchCache(self.num_layers)
         self._rows: list[RowKey] = []
+        self.prefix_cache = PrefixCache(prefix_cache_tokens)
 
     @property
     def row_keys(self) -> list[RowKey]:
@@ -54,13 +62,63 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, BatchCache]:
-        """Runs the prompts in one left-padded forward.
+        """Runs the prompts in one left-padded forward (after one for their shared prefixes, if any).
 
-        Returns the logits of each prompt's last position [m, vocab] and the prompts' cache.
+        Returns the logits of each prompt's last position [m, vocab] and the prompts' cache, whose
+        ``prefix_lengths`` say how many tokens of each prompt came from the prefix cache.
         """
-        ids, positions, mask = prefill_inputs(prompts, self.pad_id, self.dtype, self.device)
-        cache = BatchCache(self.num_layers)
-        cache.lengths = [len(p) for p in prompts]
+        if not self.prefix_cache.enabled:
+            return self._forward(prompts, [0] * len(prompts), [])
+        shared = self._shared_prefixes(prompts)
+        if shared:
+            self._prefill_cached(shared)
+        return self._prefill_cached(prompts)
+
+    def _shared_prefixes(self, prompts: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """Whole-block prefixes that two or more of these prompts start with and that the cache
+        lacks: computing each once beats computing it in every row. The longest per prompt."""
+        size = self.prefix_cache.block_tokens
+        seen: Counter[tuple[int, ...]] = Counter()
+        for prompt in prompts:
+            seen.update(tuple(prompt[:end]) for end in range(size, len(prompt), size))
+        wanted: set[tuple[int, ...]] = set()
+        for prompt in prompts:
+            ends = [end for end in range(size, len(prompt), size) if seen[tuple(prompt[:end])] > 1]
+            if ends and self.prefix_cache.cached_length(prompt) < ends[-1]:
+                wanted.add(tuple(prompt[: ends[-1]]))
+        return sorted(wanted)
+
+    def _prefill_cached(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, BatchCache]:
+        hits = [self.prefix_cache.lookup(prompt) for prompt in prompts]
+        logits, cache = self._forward(prompts, [n for n, _ in hits], [layers for _, layers in hits])
+        width = cache.width
+        for row, prompt in enumerate(prompts):
+            start = width - len(prompt)
+            self.prefix_cache.store(
+                prompt,
+                [
+                    (layer.buffer_k[row, :, start:width], layer.buffer_v[row, :, start:width])
+                    for layer in cache._layers()
+                    if layer.buffer_k is not None and layer.buffer_v is not None
+                ],
+            )
+        return logits, cache
+
+    def _forward(
+        self,
+        prompts: Sequence[Sequence[int]],
+        prefix_lengths: list[int],
+        prefixes: list[list[tuple[torch.Tensor, torch.Tensor]]],
+    ) -> tuple[torch.Tensor, BatchCache]:
+        """One prefill forward; rows with a prefix (its length and per-layer KV) compute the rest only."""
+        if not any(prefix_lengths):
+            ids, positions, mask = prefill_inputs(prompts, self.pad_id, self.dtype, self.device)
+            cache = BatchCache(self.num_layers)
+        else:
+            ids, positions, mask = suffix_prefill_inputs(
+                prompts, prefix_lengths, self.pad_id, self.dtype, self.device
+            )
+            cache = from_prefixes(prefixes, prefix_lengths, ids.shape[1])
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
@@ -69,6 +127,11 @@ class ModelRunner:
             use_cache=True,
             logits_to_keep=1,
         )
+        if any(prefix_lengths):
+            suffixes = [len(p) - n for p, n in zip(prompts, prefix_lengths, strict=True)]
+            cache = compact(cache, prefix_lengths, suffixes)
+        cache.lengths = [len(p) for p in prompts]
+        cache.prefix_lengths = prefix_lengths
         return out.logits[:, -1].float().cpu(), cache
 
     def admit(self, prefilled: BatchCache, rows: Sequence[tuple[int, RowKey]]) -> None:
@@ -106,3 +169,5 @@ class ModelRunner:
         """Drops every row (after a failed step, whose cache state is unknown)."""
         self._batch = BatchCache(self.num_layers)
         self._rows = []
+        # A step may have failed between a forward and its stores; drop what may be half-made.
+        self.prefix_cache.clear()

@@ -107,7 +107,7 @@ def build_serving(config: WorkerConfig) -> ServingModel:
             dtype=config.dtype,
             cache_dir=config.cache_dir,
         )
-        runner = ModelRunner(loaded)
+        runner = ModelRunner(loaded, prefix_cache_tokens=config.prefix_cache_tokens)
     eos = eos_token_ids(loaded.model, loaded.tokenizer)
     grammars = GrammarCompiler(loaded.tokenizer, eos)
     engine = Engine(
