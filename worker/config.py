@@ -178,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--prefix-cache-tokens",
         type=_int_at_least("--prefix-cache-tokens", 0),
         default=4096,
-        help="prompt-prefix KV kept for reuse, in tokens (16-token blocks, least recently used "
+        help="prompt-prefix KV kept for reuse, in tokens (8-token blocks, least recently used "
         "evicted first; 0 = off)",
     )
     add(

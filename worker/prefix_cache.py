@@ -28,7 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-BLOCK_TOKENS = 16
+# Smaller blocks reuse more of a shared prefix (a chat template's ~25-token system prompt: 24 tokens
+# at 8, 16 at 16) for more, smaller entries; 8 measured best on the default model.
+BLOCK_TOKENS = 8
 
 # One layer's (keys, values), each [kv_heads, tokens, head_dim].
 LayerKV = tuple[torch.Tensor, torch.Tensor]
