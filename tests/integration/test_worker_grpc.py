@@ -57,6 +57,19 @@ def test_stream_is_started_deltas_finished_usage(stub):
     assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
+def test_a_repeated_prompt_reuses_its_prefix_and_reports_cached_tokens(stub, default_worker):
+    before = default_worker.metrics()["sluice_worker_prefix_cache_hit_tokens_total"]
+    request = chat("Name three prime numbers, please.", temperature=0, max_tokens=8)
+    first, second = list(stub.Generate(request)), list(stub.Generate(request))
+    usage = second[-1].usage
+    # Every whole 8-token block but the one holding the last token (which is always computed).
+    assert usage.prompt_tokens - 8 <= usage.cached_tokens < usage.prompt_tokens, usage
+    texts = ["".join(e.content.text for e in events if e.HasField("content")) for events in (first, second)]
+    assert texts[0] == texts[1]  # greedy: reuse changes nothing
+    after = default_worker.metrics()["sluice_worker_prefix_cache_hit_tokens_total"]
+    assert after - before == first[-1].usage.cached_tokens + usage.cached_tokens
+
+
 def test_max_tokens_gives_length_and_stop_string_is_cut(stub):
     events = list(
         stub.Generate(chat("Count from 1 to 50, separated by commas.", temperature=0, max_tokens=6))
