@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from worker.prefix_cache import BLOCK_TOKENS
+
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -234,6 +236,7 @@ def test_logprobs_once_per_token_in_both_modes(client, reference):
 
 
 def test_usage_chunk_and_continuous_usage(client, reference):
+    client.chat.completions.create(**SHORT)  # so the prompt's whole blocks are in the prefix cache
     chunks = list(
         client.chat.completions.create(
             **SHORT, stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}
@@ -242,7 +245,9 @@ def test_usage_chunk_and_continuous_usage(client, reference):
     final = chunks[-1]
     assert final.choices == [] and final.usage.completion_tokens == reference.usage.completion_tokens
     assert final.usage.prompt_tokens == reference.usage.prompt_tokens
-    assert final.usage.prompt_tokens_details.cached_tokens == 0
+    # The worker reuses every whole cached block of the prompt but always computes its last token.
+    cached = (final.usage.prompt_tokens - 1) // BLOCK_TOKENS * BLOCK_TOKENS
+    assert final.usage.prompt_tokens_details.cached_tokens == cached > 0
     assert final.usage.completion_tokens_details.reasoning_tokens == 0
     running = [c.usage.completion_tokens for c in chunks[:-1]]
     assert running[0] == 0 and running == sorted(running) and running[-1] == final.usage.completion_tokens
