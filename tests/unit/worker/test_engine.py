@@ -21,18 +21,36 @@ def loaded(tiny_model_dir):
     return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
-@pytest.fixture
-def engine(loaded):
+def make_engine(loaded, *, prefill_budget_tokens: int, prefix_cache_tokens: int = 0) -> Engine:
+    """A started engine on ``loaded`` with 4 sequence slots; the caller stops it."""
     eng = Engine(
-        ModelRunner(loaded),
+        ModelRunner(loaded, prefix_cache_tokens=prefix_cache_tokens),
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
         max_running=4,
         max_queue=1000,
-        prefill_budget_tokens=64,
+        prefill_budget_tokens=prefill_budget_tokens,
     )
     eng.start()
+    return eng
+
+
+def greedy(loaded, prompt: list[int], steps: int) -> list[int]:
+    """``steps`` tokens of transformers' own greedy ``generate`` on ``prompt`` alone."""
+    with torch.inference_mode():
+        return loaded.model.generate(
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            do_sample=False,
+        )[0, len(prompt) :].tolist()
+
+
+@pytest.fixture
+def engine(loaded):
+    eng = make_engine(loaded, prefill_budget_tokens=64)
     yield eng
     eng.stop()
 
@@ -72,14 +90,7 @@ def test_batched_greedy_equals_sequential_generate(engine, loaded):
 
     results = asyncio.run(run_all())
     for prompt, events in zip(prompts, results, strict=True):
-        with torch.inference_mode():
-            expected = loaded.model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=steps,
-                min_new_tokens=steps,
-                do_sample=False,
-            )[0, len(prompt) :].tolist()
+        expected = greedy(loaded, prompt, steps)
         # Tokens that decode to nothing visible still count; compare the full id stream.
         finished = [e for e in events if isinstance(e, Finished)]
         assert finished[0].completion_tokens == steps and finished[0].reason is FinishReason.LENGTH

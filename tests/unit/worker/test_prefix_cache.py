@@ -8,13 +8,11 @@ import random
 import pytest
 import torch
 
-from tests.unit.worker.test_engine import collect, request, token_ids
-from worker.engine import Engine
+from tests.unit.worker.test_engine import collect, greedy, make_engine, request, token_ids
 from worker.metrics import render
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner
 from worker.prefix_cache import PrefixCache
-from worker.server import eos_token_ids
 from worker.types import Finished, Usage
 
 
@@ -88,29 +86,9 @@ def test_prompts_of_one_prefill_share_a_prefix_computed_once(loaded):
 
 @pytest.fixture
 def engine(loaded):
-    eng = Engine(
-        ModelRunner(loaded, prefix_cache_tokens=4096),
-        loaded.tokenizer,
-        eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
-        context_length=loaded.context_length,
-        max_running=4,
-        max_queue=1000,
-        prefill_budget_tokens=256,
-    )
-    eng.start()
+    eng = make_engine(loaded, prefill_budget_tokens=256, prefix_cache_tokens=4096)
     yield eng
     eng.stop()
-
-
-def greedy(loaded, prompt: list[int], steps: int) -> list[int]:
-    with torch.inference_mode():
-        return loaded.model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=steps,
-            min_new_tokens=steps,
-            do_sample=False,
-        )[0, len(prompt) :].tolist()
 
 
 def test_batched_greedy_with_prefix_cache_equals_sequential_generate(engine, loaded):
