@@ -186,4 +186,4 @@ def test_every_worker_down_is_a_fast_503(tmp_path: Path) -> None:
             assert response.headers["content-type"] == "application/json"
             assert int(response.headers["retry-after"]) >= 1
             assert response.json()["error"]["type"] == "server_error"
-            assert elapsed < 2.0  # far below the 10 s connect timeout: no worker was waited for
+            assert elapsed < 5.0  # far below the 10 s connect timeout: no worker was waited for

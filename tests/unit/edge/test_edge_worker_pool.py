@@ -298,7 +298,7 @@ def test_every_worker_known_down_is_503_at_once() -> None:
             start = loop.time()
             with pytest.raises(ServiceUnavailableError) as caught:
                 await pool.generate(REQUEST, "r", 5.0)
-            assert loop.time() - start < 0.1
+            assert loop.time() - start < 1.0  # answered at once: no worker was tried or waited for
             assert caught.value.retry_after is not None and 1.0 <= caught.value.retry_after <= 3.0
             assert not any(f.calls for f in fakes.clients.values())  # nothing was even tried
             with pytest.raises(ServiceUnavailableError):
