@@ -101,10 +101,6 @@ class EventGuard:
         """The total deadline, in the event loop's clock."""
         return self._deadline
 
-    def remaining_s(self) -> float:
-        """Seconds left until the total deadline (never below 0)."""
-        return max(0.0, self._deadline - self._loop.time())
-
     def stop(self, error: EdgeError) -> None:
         """Ends :meth:`watch` with ``error``: at once if it is waiting for an event, else at its
         next wait. The first call wins; later ones are ignored. Safe to call from any callback

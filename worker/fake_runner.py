@@ -88,8 +88,9 @@ def passage_token_ids(tokenizer: Any) -> list[int]:
 class FakeRunner(ModelRunner):
     """Produces logits without a model; see the module docstring.
 
-    It subclasses :class:`ModelRunner` only so the engine's type holds; it
-    overrides every method and holds no model and no KV cache.
+    It subclasses :class:`ModelRunner` so the engine's type holds and keeps its
+    row bookkeeping (``row_keys``, ``live_rows`` read ``_rows``); it overrides
+    every method that would touch a model or a KV cache, and holds neither.
     """
 
     def __init__(self, loaded: LoadedModel, *, step_ms: float = 0.0):
@@ -105,14 +106,6 @@ class FakeRunner(ModelRunner):
         # Per row: the next passage position, and the tokens a real cache would hold.
         self._position: dict[RowKey, int] = {}
         self._length: dict[RowKey, int] = {}
-
-    @property
-    def row_keys(self) -> list[RowKey]:
-        return list(self._rows)
-
-    @property
-    def live_rows(self) -> int:
-        return len(self._rows)
 
     @property
     def cache_tokens(self) -> int:

@@ -127,11 +127,13 @@ def choose_batch(
     tokens = [0] * rows
     greedy = [i for i, s in enumerate(samplers) if s.options.greedy]
     if greedy:
-        for i, token in zip(greedy, logits[greedy].argmax(dim=-1).tolist(), strict=True):
+        for i, token in zip(greedy, _rows(logits, greedy).argmax(dim=-1).tolist(), strict=True):
             tokens[i] = int(token)
     sampled = [i for i, s in enumerate(samplers) if not s.options.greedy]
     if sampled:
-        for i, token in zip(sampled, _draw([samplers[i] for i in sampled], logits[sampled]), strict=True):
+        for i, token in zip(
+            sampled, _draw([samplers[i] for i in sampled], _rows(logits, sampled)), strict=True
+        ):
             tokens[i] = token
     results: list[tuple[int, TokenLogprob | None]] = [(token, None) for token in tokens]
     if raw_logprobs is not None:
@@ -139,6 +141,12 @@ def choose_batch(
             top_n = samplers[i].options.logprobs or 0
             results[i] = (tokens[i], _logprob_entry(raw_logprobs[row], tokens[i], top_n, token_info))
     return results
+
+
+def _rows(logits: torch.Tensor, indices: list[int]) -> torch.Tensor:
+    """``logits[indices]``, without the copy a gather makes when ``indices`` is every row (the usual
+    decode step, where all rows sample the same way). Readers only: ``_draw`` divides first."""
+    return logits if len(indices) == logits.shape[0] else logits[indices]
 
 
 def _draw(samplers: list[SequenceSampler], logits: torch.Tensor) -> list[int]:
