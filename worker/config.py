@@ -27,6 +27,7 @@ class WorkerConfig:
     port: int = 50051
     device: str = "auto"
     dtype: str = "auto"
+    cpu_linear: str = "onednn"
     cache_dir: Path = Path.home() / ".cache" / "sluice"
     worker_id: str = ""
     max_running: int = 16
@@ -156,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_choice("--dtype", ("auto", "float32", "bfloat16", "float16")),
         default="auto",
         help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16",
+    )
+    add(
+        "--cpu-linear",
+        type=_choice("--cpu-linear", ("onednn", "torch")),
+        default="onednn",
+        help="on the CPU: onednn (linear weights packed once for oneDNN, faster) or torch "
+        "(torch's default BLAS)",
     )
     add("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice", help="converted-model cache")
     add("--worker-id", default="", help="id reported in Started and ListModels (default host:port)")

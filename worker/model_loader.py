@@ -31,6 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from worker.errors import WorkerError
+from worker.packed_linear import pack_linears
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,14 @@ def load_model(
     device: str = "auto",
     dtype: str = "auto",
     cache_dir: Path | None = None,
+    cpu_linear: str = "onednn",
+    batch_hint: int = 16,
 ) -> LoadedModel:
-    """Loads the model named by ``model`` (see the module docstring) onto the chosen device."""
+    """Loads the model named by ``model`` (see the module docstring) onto the chosen device.
+
+    On the CPU with ``cpu_linear="onednn"``, linear weights are packed for oneDNN
+    (worker/packed_linear.py); ``batch_hint`` is the usual decode batch.
+    """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     cache = cache_dir or Path.home() / ".cache" / "sluice"
@@ -117,13 +124,17 @@ def load_model(
     except OSError as exc:
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
     hf_model = hf_model.to(torch_device).eval()  # type: ignore[arg-type]
+    packed = 0
+    if torch_device.type == "cpu" and cpu_linear == "onednn":
+        packed = pack_linears(hf_model, batch_hint=batch_hint)
     log.info(
-        "loaded %s from %s in %.1fs on %s/%s",
+        "loaded %s from %s in %.1fs on %s/%s (%s)",
         model_id,
         source,
         time.monotonic() - started,
         torch_device,
         torch_dtype,
+        f"{packed} linear layers packed for oneDNN" if packed else "torch's default linear kernels",
     )
     return LoadedModel(
         model=hf_model,

@@ -106,6 +106,8 @@ def build_serving(config: WorkerConfig) -> ServingModel:
             device=config.device,
             dtype=config.dtype,
             cache_dir=config.cache_dir,
+            cpu_linear=config.cpu_linear,
+            batch_hint=config.max_running,
         )
         runner = ModelRunner(loaded, prefix_cache_tokens=config.prefix_cache_tokens)
     eos = eos_token_ids(loaded.model, loaded.tokenizer)

@@ -1,0 +1,73 @@
+"""oneDNN-packed linear layers: same results as nn.Linear, every layer replaced, a clean fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.config import parse_config
+from worker.model_loader import load_model
+from worker.packed_linear import PackedLinear, pack_linears, packing_supported
+
+pytestmark = pytest.mark.skipif(
+    not packing_supported(torch.float32), reason="this torch build cannot pack weights for oneDNN"
+)
+
+
+def small_net(dtype: torch.dtype = torch.float32) -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 40, bias=False)
+    ).to(dtype)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 50])
+def test_packed_layers_compute_what_nn_linear_computes(rows):
+    net = small_net()
+    x = torch.randn(rows, 7, 64)
+    with torch.inference_mode():
+        want = net(x)
+        assert pack_linears(net, batch_hint=16) == 2
+        got = net(x)
+    assert all(not isinstance(m, torch.nn.Linear) for m in net.modules())
+    assert isinstance(net[0], PackedLinear) and net[0].bias is not None and net[2].bias is None
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_dtype_leaves_the_model_as_it_was():
+    net = small_net(torch.float16)
+    assert pack_linears(net, batch_hint=16) == 0
+    assert isinstance(net[0], torch.nn.Linear) and isinstance(net[2], torch.nn.Linear)
+
+
+def test_a_wrong_packed_result_leaves_the_model_as_it_was(monkeypatch):
+    net = small_net()
+    monkeypatch.setattr(PackedLinear, "forward", lambda self, x: torch.zeros(x.shape[0], self.out_features))
+    assert pack_linears(net, batch_hint=16) == 0
+    assert isinstance(net[0], torch.nn.Linear)
+
+
+def test_loaded_model_is_packed_and_gives_the_same_logits(tiny_model_dir):
+    packed = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    plain = load_model(str(tiny_model_dir), device="cpu", dtype="float32", cpu_linear="torch")
+    linears = sum(isinstance(m, torch.nn.Linear) for m in plain.model.modules())
+    assert linears > 0
+    assert sum(isinstance(m, PackedLinear) for m in packed.model.modules()) == linears
+    assert not any(isinstance(m, torch.nn.Linear) for m in packed.model.modules())
+    ids = torch.tensor([[1, 5, 9, 200, 31, 7]])
+    with torch.inference_mode():
+        want, got = plain.model(input_ids=ids).logits, packed.model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_cpu_linear_setting():
+    assert parse_config([], environ={}).cpu_linear == "onednn"
+    assert parse_config(["--cpu-linear", "torch"], environ={}).cpu_linear == "torch"
+    assert parse_config([], environ={"SLUICE_WORKER_CPU_LINEAR": "torch"}).cpu_linear == "torch"
+
+
+def test_bad_cpu_linear_names_the_flag(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--cpu-linear", "mkl"], environ={})
+    assert "--cpu-linear must be one of onednn, torch; got 'mkl'" in capsys.readouterr().err
