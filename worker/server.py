@@ -19,6 +19,9 @@ import asyncio
 import contextlib
 import logging
 import signal
+import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import grpc
 import torch
@@ -163,7 +166,7 @@ async def run(config: WorkerConfig) -> int:
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
 
-    loading = asyncio.ensure_future(asyncio.to_thread(build_serving, config))
+    loading = asyncio.ensure_future(in_own_thread(build_serving, config))
     stopper = asyncio.ensure_future(stop.wait())
     await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
     if not loading.done():
@@ -200,6 +203,43 @@ async def run(config: WorkerConfig) -> int:
         metrics_server.close()
     log.info("worker stopped")
     return 0
+
+
+_T = TypeVar("_T")
+_R = TypeVar("_R")
+
+
+async def in_own_thread(fn: Callable[[_T], _R], arg: _T) -> _R:
+    """``fn(arg)`` in a new thread that ends when it returns (not in asyncio's long-lived executor).
+
+    The model loads this way so that once serving starts the engine thread is the only thread
+    with an OpenMP team. libgomp keeps a team's threads for as long as the thread that started it
+    lives, and when a process has more OpenMP threads than cores, its threads stop spinning
+    between parallel regions and sleep instead: every operator of a decode step then pays a
+    wake-up. With the loader's team kept alive, a 16-row decode step of the default model took
+    about 1.4x as long (docs/benchmarks.md).
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_R] = loop.create_future()
+
+    def settle(result: _R | None, error: BaseException | None) -> None:
+        if future.done():  # the caller stopped waiting (shutdown while loading)
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            outcome: tuple[_R | None, BaseException | None] = (fn(arg), None)
+        except BaseException as exc:  # handed to the awaiting task, which decides
+            outcome = (None, exc)
+        with contextlib.suppress(RuntimeError):  # the event loop is gone: nobody is waiting
+            loop.call_soon_threadsafe(settle, *outcome)
+
+    threading.Thread(target=run, name="sluice-loader", daemon=True).start()
+    return await future
 
 
 async def _drain(served: DrainingWorker, health_service: object, grace_period: float) -> None:
