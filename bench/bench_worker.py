@@ -5,6 +5,7 @@ Usage::
     python bench/bench_worker.py                      # starts a worker with the default model
     python bench/bench_worker.py --peer               # ... and compares with the peer
     python bench/bench_worker.py --worker 127.0.0.1:50051 --concurrency 1,16
+    python bench/bench_worker.py --peer --worker-args="--cpu-linear torch"   # torch's default kernels
 
 For each concurrency level C, C streams start at once; request i asks for
 64 + (37 * i mod 65) tokens (64 to 128) at temperature 1 for one of a few
@@ -25,6 +26,7 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -134,9 +136,9 @@ async def sluice_level(stub: pb_grpc.WorkerStub, c: int, constrained: bool = Fal
     return LevelResult(c, time.perf_counter() - start, list(results))
 
 
-def start_worker(cache_dir: str | None) -> tuple[subprocess.Popen[bytes], str]:
+def start_worker(cache_dir: str | None, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    args = worker_command(port, 0, "--max-running", "32", "--log-level", "WARNING")
+    args = worker_command(port, 0, "--max-running", "32", "--log-level", "WARNING", *extra)
     if cache_dir:
         args += ["--cache-dir", cache_dir]
     proc = subprocess.Popen(args, cwd=REPO)
@@ -334,6 +336,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each level; the median is reported")
     parser.add_argument("--cache-dir", help="the worker's converted-model cache")
     parser.add_argument(
+        "--worker-args", default="", help='more flags for the started worker, e.g. "--cpu-linear torch"'
+    )
+    parser.add_argument(
         "--constrained", action="store_true", help="also run the load under a JSON-schema grammar"
     )
     args = parser.parse_args()
@@ -343,7 +348,7 @@ def main() -> None:
     try:
         address = args.worker
         if address is None:
-            proc, address = start_worker(args.cache_dir)
+            proc, address = start_worker(args.cache_dir, shlex.split(args.worker_args))
             procs.append(proc)
         peer_base, peer_model = None, ""
         if args.peer:

@@ -1,12 +1,11 @@
 """Linear layers with their weights packed once for oneDNN, for CPU inference.
 
 ``torch.nn.Linear`` on the CPU multiplies through the BLAS torch was built
-with (MKL), which re-lays-out the weight on every call and, on AMD CPUs, does
-not use the AVX-512 kernels. Nearly all of a decode step is these matrix
-multiplications: a 16-row step of SmolLM2-135M spends about 70 of its 100 ms
-in them on this project's 2-core AMD EPYC machines. oneDNN picks its kernels
-by instruction set, not vendor, and can keep a weight in its own blocked
-layout, so :func:`pack_linears` replaces every ``nn.Linear`` of a loaded model
+with (MKL), which packs the weight again on every call. Nearly all of a decode
+step is these matrix multiplications: a 16-row step of SmolLM2-135M spent
+about 70 of its 100 ms in them on this project's 2-core AMD EPYC machines.
+oneDNN can keep a weight in its own blocked layout, and its kernels were 1.5
+to 3x faster there (bench/bench_linear.py), so :func:`pack_linears` replaces every ``nn.Linear`` of a loaded model
 with a :class:`PackedLinear` that does exactly that: the same float32 matrix
 product (only the summation order differs, as between any two BLAS kernels),
 about 1.5x faster per decode step here (docs/benchmarks.md).
