@@ -5,10 +5,11 @@ with (MKL), which packs the weight again on every call. Nearly all of a decode
 step is these matrix multiplications: a 16-row step of SmolLM2-135M spent
 about 70 of its 100 ms in them on this project's 2-core AMD EPYC machines.
 oneDNN can keep a weight in its own blocked layout, and its kernels were 1.5
-to 3x faster there (bench/bench_linear.py), so :func:`pack_linears` replaces every ``nn.Linear`` of a loaded model
-with a :class:`PackedLinear` that does exactly that: the same float32 matrix
-product (only the summation order differs, as between any two BLAS kernels),
-about 1.5x faster per decode step here (docs/benchmarks.md).
+to 3x faster there (bench/bench_linear.py), so :func:`pack_linears` replaces
+every ``nn.Linear`` of a loaded model with a :class:`PackedLinear` that does
+exactly that: the same float32 matrix product (only the summation order
+differs, as between any two BLAS kernels), about 1.5x faster per decode step
+here (docs/benchmarks.md).
 
 This relies on two operators that torch's own compiler (Inductor) uses for the
 same purpose, ``mkldnn._reorder_linear_weight`` and ``mkldnn._linear_pointwise``.
@@ -63,23 +64,29 @@ def pack_linears(model: torch.nn.Module, *, batch_hint: int) -> int:
     ``batch_hint`` is the usual number of rows per call (the decode batch); any row count works.
     Returns 0, leaving the model unchanged, where packing is unsupported or gives a wrong result.
     """
-    targets = [
-        (parent, name, child)
+    # (parent, attribute) pairs only: holding the layers themselves would keep every original
+    # weight alive until the end, doubling the weights' memory while packing.
+    slots = [
+        (parent, name)
         for parent in model.modules()
         for name, child in parent.named_children()
         if isinstance(child, torch.nn.Linear) and child.weight.device.type == "cpu"
     ]
-    if not targets or not packing_supported(targets[0][2].weight.dtype):
+    if not slots or not packing_supported(getattr(*slots[0]).weight.dtype):
         return 0
+    hint = max(1, batch_hint)
     try:
-        packed = [PackedLinear(child, max(1, batch_hint)) for _, _, child in targets]
-        _check(targets[0][2], packed[0])
+        first = PackedLinear(getattr(*slots[0]), hint)
+        _check(getattr(*slots[0]), first)
     except (RuntimeError, ValueError) as exc:
         log.warning("oneDNN weight packing unavailable (%s); using torch's default linear kernels", exc)
         return 0
-    for (parent, name, _), replacement in zip(targets, packed, strict=True):
-        setattr(parent, name, replacement)
-    return len(packed)
+    setattr(*slots[0], first)
+    # One layer at a time, so each original weight is freed as soon as its packed copy replaces it
+    # (a tied one, such as an output layer sharing the embedding's weight, stays with the embedding).
+    for parent, name in slots[1:]:
+        setattr(parent, name, PackedLinear(getattr(parent, name), hint))
+    return len(slots)
 
 
 @torch.inference_mode()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
@@ -32,6 +35,26 @@ def test_packed_layers_compute_what_nn_linear_computes(rows):
     assert all(not isinstance(m, torch.nn.Linear) for m in net.modules())
     assert isinstance(net[0], PackedLinear) and net[0].bias is not None and net[2].bias is None
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_each_original_weight_is_released_before_the_next_layer_is_packed(monkeypatch):
+    net = small_net()
+    originals = [weakref.ref(net[0].weight), weakref.ref(net[2].weight)]
+    alive_when_packing: list[list[bool]] = []
+    pack = PackedLinear.__init__
+
+    def recording_init(self, linear, batch_hint):
+        gc.collect()
+        alive_when_packing.append([ref() is not None for ref in originals])
+        pack(self, linear, batch_hint)
+
+    monkeypatch.setattr(PackedLinear, "__init__", recording_init)
+    assert pack_linears(net, batch_hint=4) == 2
+    # The second layer is packed after the first one's original weight is gone (peak memory: one
+    # layer's extra copy, not the whole model's).
+    assert alive_when_packing == [[True, True], [False, True]]
+    gc.collect()
+    assert [ref() for ref in originals] == [None, None]
 
 
 def test_unsupported_dtype_leaves_the_model_as_it_was():
