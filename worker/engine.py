@@ -222,7 +222,11 @@ class Engine:
         self._refusal_message = refusal_message
         self._grammars = grammars
         self._scheduler: Scheduler[_RequestState] = Scheduler(
-            max_running, max_queue, prefill_budget_tokens, max_batch_tokens or max_running * context_length
+            max_running,
+            max_queue,
+            prefill_budget_tokens,
+            max_batch_tokens or max_running * context_length,
+            prefill_cost=self._prefill_cost,
         )
         self._cv = threading.Condition()
         self._aborts: list[str] = []
@@ -230,6 +234,12 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="sluice-engine", daemon=True)
         self._ids = itertools.count()
         self.counters = EngineCounters()
+
+    def _prefill_cost(self, state: _RequestState) -> int:
+        """The prompt tokens a request's prefill computes: those the prefix cache does not hold
+        (what the scheduler's per-step prefill budget counts)."""
+        prompt = state.request.prompt_token_ids
+        return len(prompt) - self._runner.prefix_cache.cached_length(prompt)
 
     # ------------------------------------------------------------ control
 
@@ -311,16 +321,17 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            with self._cv:
-                while not (
-                    self._stopping or self._aborts or self._scheduler.waiting or self._scheduler.running
-                ):
-                    self._cv.wait()
-                if self._stopping:
-                    return
-                self._apply_aborts()
-                plan = self._scheduler.schedule()
-                still_queued = self._queued_progress_due()
+            try:
+                scheduled = self._next_plan()
+            except Exception as exc:  # a scheduling bug must not kill the loop and hang every caller
+                log.exception("engine scheduling failed")
+                with self._cv:
+                    everyone = [*self._scheduler.waiting, *self._scheduler.running]
+                self._fail(everyone, f"generation failed: {type(exc).__name__}")
+                continue
+            if scheduled is None:
+                return
+            plan, still_queued = scheduled
             if still_queued:
                 _deliver([(state.stream, [Progress("queued", 0.0)]) for state in still_queued])
             if plan.empty:
@@ -330,6 +341,17 @@ class Engine:
             except Exception as exc:  # a model failure must not kill the loop
                 log.exception("engine step failed")
                 self._fail(plan.prefill + plan.decode, f"generation failed: {type(exc).__name__}")
+
+    def _next_plan(self) -> tuple[StepPlan[_RequestState], list[_RequestState]] | None:
+        """Waits for work, applies aborts and plans the next step (None once stopping); also returns
+        the waiting requests whose ``queued`` progress event is due."""
+        with self._cv:
+            while not (self._stopping or self._aborts or self._scheduler.waiting or self._scheduler.running):
+                self._cv.wait()
+            if self._stopping:
+                return None
+            self._apply_aborts()
+            return self._scheduler.schedule(), self._queued_progress_due()
 
     def _queued_progress_due(self) -> list[_RequestState]:
         """Waiting requests whose last ``queued`` event is older than the interval (under the lock)."""

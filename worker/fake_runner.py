@@ -59,6 +59,7 @@ from worker.model_loader import (
     gguf_cache_folder,
 )
 from worker.model_runner import ModelRunner, RowKey
+from worker.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class FakeRunner(ModelRunner):
         self._passage = passage_token_ids(loaded.tokenizer)
         self._step_s = step_ms / 1000.0
         self._rows: list[RowKey] = []
+        self.prefix_cache = PrefixCache(0)  # off: there is no KV to reuse
         # Per row: the next passage position, and the tokens a real cache would hold.
         self._position: dict[RowKey, int] = {}
         self._length: dict[RowKey, int] = {}

@@ -11,9 +11,11 @@ joins the batch when all of these hold:
 - the step's prefill budget allows it: new prompts are prefilled together,
   left-padded to the longest, so a step costs (new prompts) x (longest new
   prompt) tokens, and that cost is kept under ``prefill_budget_tokens``. A
-  burst of long prompts therefore cannot stall the running streams for more
-  than one bounded prefill per step. The first admission of a step always
-  goes through, so a prompt longer than the budget still runs (alone).
+  prompt's length here is what the prefill must compute (``prefill_cost``:
+  the engine leaves out the tokens the prefix cache already holds). A burst
+  of long prompts therefore cannot stall the running streams for more than
+  one bounded prefill per step. The first admission of a step always goes
+  through, so a prompt longer than the budget still runs (alone).
 
 Admission is first come, first served: a request that does not fit blocks the
 ones behind it, so a large request is never starved by small ones.
@@ -22,6 +24,7 @@ ones behind it, so a large request is never starved by small ones.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -60,11 +63,20 @@ class StepPlan(Generic[T]):
 class Scheduler(Generic[T]):
     """FCFS continuous-batching scheduler with a bounded queue, token reservations and a prefill budget."""
 
-    def __init__(self, max_running: int, max_queue: int, prefill_budget_tokens: int, max_batch_tokens: int):
+    def __init__(
+        self,
+        max_running: int,
+        max_queue: int,
+        prefill_budget_tokens: int,
+        max_batch_tokens: int,
+        prefill_cost: Callable[[T], int] | None = None,
+    ):
+        """``prefill_cost(item)``: the prompt tokens its prefill computes (default: all of them)."""
         self.max_running = max_running
         self.max_queue = max_queue
         self.prefill_budget_tokens = prefill_budget_tokens
         self.max_batch_tokens = max_batch_tokens
+        self._prefill_cost = prefill_cost or (lambda item: item.prompt_length)
         self.waiting: deque[T] = deque()
         self.running: list[T] = []
 
@@ -115,7 +127,8 @@ class Scheduler(Generic[T]):
             head = self.waiting[0]
             if head.num_sequences > free_slots or head.reserved_tokens > free_tokens:
                 break
-            padded_cost = (len(plan.prefill) + 1) * max(longest, head.prompt_length)
+            cost = self._prefill_cost(head)
+            padded_cost = (len(plan.prefill) + 1) * max(longest, cost)
             if plan.prefill and padded_cost > self.prefill_budget_tokens:
                 break
             self.waiting.popleft()
@@ -123,5 +136,5 @@ class Scheduler(Generic[T]):
             self.running.append(head)
             free_slots -= head.num_sequences
             free_tokens -= head.reserved_tokens
-            longest = max(longest, head.prompt_length)
+            longest = max(longest, cost)
         return plan

@@ -11,8 +11,10 @@ from transformers import AutoTokenizer
 
 from worker.batch_cache import BatchCache
 from worker.engine import Engine
+from worker.prefix_cache import PrefixCache
 from worker.types import (
     ContentDelta,
+    Failed,
     Finished,
     FinishReason,
     GenerationRequest,
@@ -32,6 +34,7 @@ class ScriptedRunner:
         self.script, self.vocab = script, vocab_size
         self.rows: list[tuple[str, int]] = []
         self.position: dict[tuple[str, int], int] = {}
+        self.prefix_cache = PrefixCache(0)  # off
 
     def _logits(self, positions: list[int]) -> torch.Tensor:
         logits = torch.zeros(len(positions), self.vocab)
@@ -137,3 +140,36 @@ def test_tool_call_text_ends_with_tool_calls(tokenizer):
     assert calls[0].name == "get_weather" and "".join(c.arguments for c in calls) == '{"city": "Oslo"}'
     assert next(e for e in events if isinstance(e, Finished)).reason is FinishReason.TOOL_CALLS
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Checking."
+
+
+class BrokenLookup(PrefixCache):
+    """A prefix cache whose lookups fail, standing in for any bug met while planning a step."""
+
+    def cached_length(self, prompt):  # type: ignore[no-untyped-def]
+        raise RuntimeError("broken")
+
+
+def test_a_failure_while_planning_a_step_fails_the_requests_instead_of_hanging(tokenizer):
+    script = tokenizer("Fine.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    runner = ScriptedRunner(script, len(tokenizer))
+    runner.prefix_cache = BrokenLookup(0)
+    engine = Engine(runner, tokenizer, eos_token_ids={tokenizer.eos_token_id}, context_length=4096)  # type: ignore[arg-type]
+    engine.start()
+
+    def request(name: str) -> GenerationRequest:
+        return GenerationRequest(
+            name, (1, 2, 3), SamplingOptions(temperature=0.0, max_tokens=20), time.monotonic()
+        )
+
+    async def collect(name: str) -> list:
+        return [event async for event in engine.submit(request(name))]
+
+    try:
+        events = asyncio.run(asyncio.wait_for(collect("a"), timeout=10))
+        assert isinstance(events[-1], Failed) and events[-1].message == "generation failed: RuntimeError"
+        runner.prefix_cache = PrefixCache(0)  # the loop is still alive and serves the next request
+        events = asyncio.run(asyncio.wait_for(collect("b"), timeout=10))
+        assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Fine."
+        assert engine.stats().counters.requests_failed == 1
+    finally:
+        engine.stop()

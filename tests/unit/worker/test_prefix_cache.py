@@ -9,10 +9,12 @@ import pytest
 import torch
 
 from tests.unit.worker.test_engine import collect, greedy, make_engine, request, token_ids
+from worker.engine import Engine
 from worker.metrics import render
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner
 from worker.prefix_cache import PrefixCache
+from worker.server import eos_token_ids
 from worker.types import Finished, Usage
 
 
@@ -125,3 +127,34 @@ def test_batched_greedy_with_prefix_cache_equals_sequential_generate(engine, loa
     assert stats.counters.prefix_cache_hit_tokens == sum(cached)
     text = render(stats, "tiny")
     assert f'sluice_worker_prefix_cache_hit_tokens_total{{model="tiny"}} {sum(cached)}' in text
+
+
+def test_prefill_budget_counts_only_the_tokens_the_prefix_cache_lacks(loaded):
+    """Three 60-token prompts whose first 56 tokens are cached cost 3 x 4 tokens of a 64-token
+    prefill budget, so one step admits them all; three uncached ones (3 x 60) need three steps."""
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 1000) for _ in range(56)]
+    runner = ModelRunner(loaded, prefix_cache_tokens=4096)
+    runner.prefill([[*shared, 1, 2]])  # stores the shared 56 tokens (7 blocks)
+    engine = Engine(
+        runner,
+        loaded.tokenizer,
+        eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
+        context_length=loaded.context_length,
+        max_running=8,
+        max_queue=100,
+        prefill_budget_tokens=64,
+    )  # not started: the test drives the scheduler itself
+
+    async def admitted_per_step(prompts: list[list[int]]) -> list[int]:
+        for prompt in prompts:
+            engine.submit(request(prompt, max_tokens=4))
+        sizes = []
+        while plan := engine._scheduler.schedule().prefill:
+            sizes.append(len(plan))
+        return sizes
+
+    warm = [[*shared, *(rng.randrange(3, 1000) for _ in range(4))] for _ in range(3)]
+    cold = [[rng.randrange(3, 1000) for _ in range(60)] for _ in range(3)]
+    assert asyncio.run(admitted_per_step(warm)) == [3]
+    assert asyncio.run(admitted_per_step(cold)) == [1, 1, 1]

@@ -101,6 +101,22 @@ def test_prefill_budget_counts_padding_to_the_longest_new_prompt():
     assert [i.request_id for i in sched.schedule().prefill] == ["c"]
 
 
+def test_prefill_budget_uses_the_given_prefill_cost():
+    cached = {"a": 40, "b": 40, "c": 0}  # prompt tokens a prefix cache already holds
+    sched: Scheduler[Item] = Scheduler(
+        max_running=8,
+        max_queue=10,
+        prefill_budget_tokens=100,
+        max_batch_tokens=10_000,
+        prefill_cost=lambda item: item.prompt_length - cached[item.request_id],
+    )
+    for name in "abc":
+        sched.add(Item(name, prompt_length=45))
+    # a and b cost 5 each (2 x 5 = 10 fits); c costs 45, so 3 x 45 = 135 does not.
+    assert [i.request_id for i in sched.schedule().prefill] == ["a", "b"]
+    assert [i.request_id for i in sched.schedule().prefill] == ["c"]
+
+
 def test_token_reservations_bound_the_batch():
     sched: Scheduler[Item] = Scheduler(
         max_running=8, max_queue=10, prefill_budget_tokens=1000, max_batch_tokens=100
