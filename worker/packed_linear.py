@@ -84,9 +84,14 @@ def pack_linears(model: torch.nn.Module, *, batch_hint: int) -> int:
     setattr(*slots[0], first)
     # One layer at a time, so each original weight is freed as soon as its packed copy replaces it
     # (a tied one, such as an output layer sharing the embedding's weight, stays with the embedding).
+    # A layer of another dtype than the first is packed only if that dtype can be.
+    packed = 1
     for parent, name in slots[1:]:
-        setattr(parent, name, PackedLinear(getattr(parent, name), hint))
-    return len(slots)
+        layer = getattr(parent, name)
+        if packing_supported(layer.weight.dtype):
+            setattr(parent, name, PackedLinear(layer, hint))
+            packed += 1
+    return packed
 
 
 @torch.inference_mode()

@@ -63,6 +63,13 @@ def test_unsupported_dtype_leaves_the_model_as_it_was():
     assert isinstance(net[0], torch.nn.Linear) and isinstance(net[2], torch.nn.Linear)
 
 
+def test_a_layer_of_an_unsupported_dtype_keeps_nn_linear():
+    net = small_net()
+    net[2] = net[2].to(torch.float16)
+    assert pack_linears(net, batch_hint=4) == 1
+    assert isinstance(net[0], PackedLinear) and isinstance(net[2], torch.nn.Linear)
+
+
 def test_a_wrong_packed_result_leaves_the_model_as_it_was(monkeypatch):
     net = small_net()
     monkeypatch.setattr(PackedLinear, "forward", lambda self, x: torch.zeros(x.shape[0], self.out_features))
