@@ -58,7 +58,8 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         packed = [PackedLinear(m, rows) for m in plain]
         inputs = {m.in_features: torch.randn(rows, m.in_features) for m in plain}
-        one_pass(plain, inputs), one_pass(packed, inputs)  # warm-up
+        for layers in (plain, packed):  # warm-up
+            one_pass(layers, inputs)
         times: dict[str, list[float]] = {"torch": [], "onednn": []}
         for _ in range(args.rounds):
             times["torch"].append(one_pass(plain, inputs))
