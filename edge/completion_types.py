@@ -25,6 +25,8 @@ from pydantic import Field, StrictBool, StrictInt, field_validator
 
 from edge.errors import InvalidRequestError
 from edge.openai_types import (
+    INT32_MAX,
+    MAX_N,
     RequestLimits,
     SamplingRequest,
     active_limits,
@@ -38,7 +40,6 @@ from edge.openai_types import (
 MAX_PROMPTS = 128
 # OpenAI's limit for the legacy integer ``logprobs``.
 MAX_LEGACY_LOGPROBS = 5
-_TOKEN_ID_LIMIT = 2**31
 
 Prompt = str | list[int]
 
@@ -48,11 +49,12 @@ class CompletionRequest(SamplingRequest):
 
     prompt: list[Prompt]
     # OpenAI's default is 16; an explicit null means "up to the context length".
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
     echo: StrictBool = False
     # Strict: ``true`` (the chat API's boolean) is a mistake here, not 1.
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LEGACY_LOGPROBS)
-    best_of: int | None = Field(default=None, ge=1)
+    # Only ``best_of == n`` is served, so it has ``n``'s bounds.
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     suffix: str | None = None
 
     @field_validator(
@@ -86,7 +88,7 @@ def _token_ids(value: list[Any], where: str) -> list[int]:
     if not value:
         raise invalid(f"{where} is an empty list of token ids")
     for position, token in enumerate(value):
-        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < _TOKEN_ID_LIMIT:
+        if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= INT32_MAX:
             raise invalid(f"{where}[{position}] is not a token id (an integer >= 0)")
     return list(value)
 

@@ -40,6 +40,9 @@ from edge.errors import InvalidRequestError, UnprocessableEntityError
 
 # Seeds: any int64 (OpenAI) or uint64 (the proto) value.
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+# The largest value of a proto ``int32`` field (max_tokens, token ids, logprobs ...): a larger
+# number cannot travel to the worker, so the schema refuses it with a 400 naming the field.
+INT32_MAX = 2**31 - 1
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -128,7 +131,7 @@ class SamplingRequest(_Model):
     top_p: float | None = Field(default=None, ge=0, le=1)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     stop: list[str] | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
@@ -146,7 +149,7 @@ class SamplingRequest(_Model):
     @classmethod
     def _logit_bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < 2**31:
+            if not (key.isascii() and key.isdigit()) or not 0 <= int(key) <= INT32_MAX:
                 raise invalid(f"key {key!r} is not a token id")
             if not -100 <= bias <= 100:
                 raise invalid(f"bias {bias} for token {key} is not in [-100, 100]")
@@ -277,10 +280,10 @@ class ChatCompletionRequest(SamplingRequest):
     """A validated ``POST /v1/chat/completions`` body (see the module docstring)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: StrictBool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[ToolDefinition] | None = None
+    tools: list[ToolDefinition] | None = Field(default=None, min_length=1)
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: StrictBool | None = None
     response_format: ResponseFormat | None = None
@@ -399,9 +402,13 @@ def _check_chat_semantics(request: ChatCompletionRequest) -> None:
     if request.top_logprobs is not None and not request.logprobs:
         raise bad("top_logprobs", "top_logprobs requires logprobs to be true")
     choice = request.tool_choice
+    if choice is not None and request.tools is None:
+        raise InvalidRequestError(
+            "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' are specified.",
+            param="tool_choice",
+            code="invalid_value",
+        )
     tool_names = [tool.function.name for tool in request.tools or ()]
-    if choice is not None and choice.mode in ("required", "function") and not tool_names:
-        raise bad("tool_choice", f"tool_choice {choice.mode!r} requires tools")
     if choice is not None and choice.mode == "function" and choice.function_name not in tool_names:
         raise bad("tool_choice", f"function {choice.function_name!r} is not in tools")
     if len(set(tool_names)) != len(tool_names):
@@ -424,6 +431,7 @@ def validate_body(model: type[ModelT], body: Any) -> ModelT:
         raise UnprocessableEntityError(
             f"The request body must be a JSON object, got {_json_type(body)}.", code="invalid_type"
         )
+    check_unicode(body)
     try:
         request = model.model_validate(body)
     except ValidationError as error:
@@ -431,6 +439,49 @@ def validate_body(model: type[ModelT], body: Any) -> ModelT:
     if isinstance(request, SamplingRequest) and request.stream_options is not None and not request.stream:
         raise bad("stream_options", "stream_options is only allowed when stream is true")
     return request
+
+
+def check_unicode(body: dict[str, Any]) -> None:
+    """Raises a 400 naming the first string (value or key) that is not valid Unicode.
+
+    JSON's ``\\ud800`` escapes decode to lone surrogates, which cannot be encoded
+    as UTF-8: they would fail later, in the protobuf message or the tokenizer.
+    The walk is iterative, so a body nested as deep as the JSON parser allows
+    cannot exhaust the stack here.
+    """
+    pending: list[tuple[str, Any]] = [("", body)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            if not _encodes(value):
+                raise _bad_unicode(path or "body")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else key
+                if not _encodes(key):
+                    raise _bad_unicode(path or "body")
+                pending.append((child, item))
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+
+
+def _encodes(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _bad_unicode(param: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"Invalid '{param}': the string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+        "escape), which is not valid Unicode.",
+        param=param,
+        code="invalid_value",
+    )
 
 
 def _json_type(value: Any) -> str:
@@ -460,6 +511,14 @@ def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
     if kind == "missing":
         return InvalidRequestError(
             f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+        )
+    if kind == "too_short" and first.get("input") == []:
+        # OpenAI's own wording and code for an empty array (``messages``, ``tools``).
+        return InvalidRequestError(
+            f"Invalid '{param}': empty array. Expected an array with minimum length 1, "
+            "but got an empty array instead.",
+            param=param,
+            code="empty_array",
         )
     code = (
         "invalid_type"

@@ -17,6 +17,16 @@ Constraints:
 
 JSON is generated compactly (no free white space): small models otherwise
 tend to emit white space forever.
+
+Embedding: a tool's parameter schema becomes a subschema of the call schema,
+so its own ``#/...`` references (``#/$defs/Options``, what pydantic writes for
+nested models, ``#/definitions/...``, or ``#`` itself for recursion) would
+point at the wrong document root. :func:`embed_schema` keeps their meaning:
+each tool's ``$defs``/``definitions`` move to the combined root under names
+unique to that tool, and every local ``$ref`` is rewritten to match (a ref
+into the rest of the tool's schema points into a copy of that schema kept
+among the root's ``$defs``). A ``response_format`` schema is the root of its
+grammar, so its references resolve as written.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import unquote
 
 import numpy as np
 import torch
@@ -44,13 +55,82 @@ class GrammarSpec:
     param: str = "response_format"  # the request field to name in errors
 
 
-def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+# Keywords whose values are data, not schemas: a {"$ref": ...} inside them is not a reference.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+_DEFS_KEYWORDS = ("$defs", "definitions")
+
+
+def embed_schema(schema: dict[str, Any], prefix: str, root_defs: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` rewritten to be embedded anywhere in a larger document whose root ``$defs`` is
+    ``root_defs`` (filled here, under names starting with ``prefix``; the caller picks a prefix
+    unique per embedded schema).
+
+    Local references (``#...``) keep their meaning; remote ones are left as they are.
+    ``schema`` is not modified.
+    """
+    names: dict[tuple[str, str], str] = {}
+    for keyword in _DEFS_KEYWORDS:
+        for name in schema.get(keyword) or {}:
+            names[(keyword, name)] = f"{prefix}{keyword.strip('$')}_{len(names)}"
+    whole = f"{prefix}root"
+    needs_whole = False
+
+    def new_ref(ref: str) -> str:
+        nonlocal needs_whole
+        if ref != "#" and not ref.startswith("#/"):
+            return ref  # remote, or an anchor: not a JSON pointer into this schema
+        parts = ref[2:].split("/", 2) if ref != "#" else []
+        if len(parts) >= 2:
+            keyword, name = parts[0], unquote(parts[1]).replace("~1", "/").replace("~0", "~")
+            if (keyword, name) in names:
+                rest = f"/{parts[2]}" if len(parts) == 3 else ""
+                return f"#/$defs/{names[(keyword, name)]}{rest}"
+        needs_whole = True
+        return f"#/$defs/{whole}{ref[1:]}"
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                out[key] = new_ref(value)
+            elif key in _DATA_KEYWORDS:
+                out[key] = value
+            else:
+                out[key] = rewrite(value)
+        return out
+
+    body = {k: v for k, v in schema.items() if k not in (*_DEFS_KEYWORDS, "$schema", "$id")}
+    embedded = rewrite(body)
+    for (keyword, name), new_name in names.items():
+        root_defs[new_name] = rewrite(schema[keyword][name])
+    if needs_whole:
+        root_defs[whole] = embedded
+    return embedded
+
+
+def _call_schema(name: str, parameters: dict[str, Any], prefix: str, root_defs: dict[str, Any]) -> dict:
+    arguments = embed_schema(parameters, prefix, root_defs) if parameters else {"type": "object"}
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": parameters or {"type": "object"}},
+        "properties": {"name": {"const": name}, "arguments": arguments},
         "required": ["name", "arguments"],
         "additionalProperties": False,
     }
+
+
+def tool_call_schema(functions: tuple[tuple[str, dict[str, Any]], ...]) -> dict[str, Any]:
+    """The schema of one call to any of ``functions`` ((name, parameters schema) pairs), every
+    parameter schema embedded with :func:`embed_schema` (prefix ``t<index>_``)."""
+    root_defs: dict[str, Any] = {}
+    calls = [_call_schema(name, params, f"t{i}_", root_defs) for i, (name, params) in enumerate(functions)]
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    if root_defs:
+        schema = {**schema, "$defs": root_defs}
+    return schema
 
 
 def lark_source(spec: GrammarSpec) -> str:
@@ -60,8 +140,7 @@ def lark_source(spec: GrammarSpec) -> str:
     elif spec.kind == "json_schema":
         schema = dict(spec.schema or {})
     elif spec.kind == "tool_call":
-        calls = [_call_schema(name, params) for name, params in spec.functions]
-        schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+        schema = tool_call_schema(spec.functions)
         body = json.dumps({**schema, "x-guidance": COMPACT})
         start = 'call ("\\n" call)*' if spec.parallel else "call"
         return f'start: {start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}\n'

@@ -53,6 +53,11 @@ def test_defaults() -> None:
         (with_(prompt=[[1], []]), "prompt", "invalid_value"),
         (with_(prompt=["x"] * (MAX_PROMPTS + 1)), "prompt", "invalid_value"),
         (with_(max_tokens=0), "max_tokens", "invalid_value"),
+        (with_(max_tokens=10**12), "max_tokens", "invalid_value"),
+        (with_(prompt=[2**31]), "prompt", "invalid_value"),
+        (with_(prompt="\ud800"), "prompt", "invalid_value"),
+        (with_(prompt=["a", "b\udfff"]), "prompt[1]", "invalid_value"),
+        (with_(best_of=10**30), "best_of", "invalid_value"),
         (with_(logprobs=6), "logprobs", "invalid_value"),
         (with_(logprobs=-1), "logprobs", "invalid_value"),
         (with_(logprobs=True), "logprobs", "invalid_type"),  # the chat API's boolean, sent here by mistake

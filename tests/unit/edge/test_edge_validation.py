@@ -27,7 +27,15 @@ def with_(**fields: Any) -> dict[str, Any]:
         ({"messages": OK["messages"]}, "model", "missing_required_parameter"),
         ({"model": "m"}, "messages", "missing_required_parameter"),
         (with_(model=3), "model", "invalid_type"),
-        (with_(messages=[]), "messages", "invalid_value"),
+        (with_(messages=[]), "messages", "empty_array"),
+        (with_(tools=[]), "tools", "empty_array"),
+        (with_(tool_choice="auto"), "tool_choice", "invalid_value"),
+        (with_(tool_choice="none"), "tool_choice", "invalid_value"),
+        (with_(max_tokens=2**31), "max_tokens", "invalid_value"),
+        (with_(max_tokens=10**12), "max_tokens", "invalid_value"),
+        (with_(max_completion_tokens=10**12), "max_completion_tokens", "invalid_value"),
+        (with_(logit_bias={"2147483648": 1}), "logit_bias", "invalid_value"),
+        (with_(logit_bias={"\u0663": 1}), "logit_bias", "invalid_value"),
         (with_(messages="hi"), "messages", "invalid_type"),
         (with_(messages=[{"role": "bot", "content": "x"}]), "messages[0].role", "invalid_value"),
         (with_(messages=[{"content": "x"}]), "messages[0].role", "missing_required_parameter"),
@@ -294,3 +302,38 @@ def test_a_served_edge_applies_its_limits_before_calling_a_worker() -> None:
         assert fake.calls_started == 1
 
     run(body())
+
+
+# ------------------------------------------------------------ strings that are not Unicode
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (with_(model="\ud800"), "model"),
+        (with_(messages=[user("ok \udfff")]), "messages[0].content"),
+        (with_(stop=["a", "\ud800"]), "stop[1]"),
+        (with_(user="\udc00"), "user"),
+        (with_(metadata={"\ud800": "x"}), "metadata"),
+        (
+            with_(tools=[{"type": "function", "function": {"name": "f", "parameters": {"\ud800": {}}}}]),
+            "tools[0].function.parameters",
+        ),
+        (with_(chat_template_kwargs={"a": ["\ud800"]}), "chat_template_kwargs.a[0]"),
+    ],
+)
+def test_lone_surrogate_is_a_400_naming_the_field(body: dict[str, Any], param: str) -> None:
+    """JSON escapes like \\ud800 decode to strings that cannot be UTF-8 encoded (they used to be 500s)."""
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_chat_request(body)
+    assert (caught.value.param, caught.value.code) == (param, "invalid_value")
+    assert "surrogate" in caught.value.message
+
+
+def test_surrogate_check_survives_the_deepest_body_json_parses() -> None:
+    import json
+
+    deep = json.loads('{"model": "m", "messages": ' + "[" * 900 + '"\\ud800"' + "]" * 900 + "}")
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_chat_request(deep)
+    assert caught.value.param is not None and caught.value.param.startswith("messages[0][0]")
