@@ -35,6 +35,11 @@ from worker.types import (
 MAX_STOP_STRINGS = 16
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
+# Nesting bound of the caller's JSON (tool parameters, response schemas, template variables):
+# deeper documents are refused before the chat template, llguidance or Python's recursion
+# limit meet them. Schemas generated from real models nest far less.
+MAX_JSON_DEPTH = 64
+_TOOL_CHOICE_MODES = frozenset(pb.ToolChoice.Mode.values())
 
 
 @dataclass(frozen=True)
@@ -89,13 +94,33 @@ def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedReque
 
 
 def _json_object(text: str, param: str) -> dict[str, Any]:
+    """``text`` parsed as a JSON object nested at most :data:`MAX_JSON_DEPTH` deep, else
+    ``InvalidRequest`` naming ``param``."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"{param} is not valid JSON: {exc}", param=param) from exc
+    except RecursionError as exc:
+        raise InvalidRequest(f"{param} is nested too deeply", param=param) from exc
     if not isinstance(value, dict):
         raise InvalidRequest(f"{param} must be a JSON object", param=param)
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise InvalidRequest(f"{param} is nested more than {MAX_JSON_DEPTH} levels deep", param=param)
     return value
+
+
+def _depth(value: Any) -> int:
+    """How deep objects and arrays nest in ``value`` (a scalar is 0); iterative, so any depth is safe."""
+    deepest = 0
+    pending = [(value, 1)]
+    while pending:
+        node, level = pending.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, level)
+        pending.extend((child, level + 1) for child in children if isinstance(child, dict | list))
+    return deepest
 
 
 def _response_format(fmt: pb.ResponseFormat) -> GrammarSpec | None:
@@ -135,6 +160,10 @@ def _tool_choice(chat: pb.ChatInput, prompt: ChatPrompt) -> tuple[GrammarSpec | 
     choice = chat.tool_choice
     which = choice.WhichOneof("choice")
     mode = choice.mode if which == "mode" else pb.ToolChoice.MODE_UNSPECIFIED
+    if mode not in _TOOL_CHOICE_MODES:  # proto3 enums are open: any int32 arrives
+        raise InvalidRequest(
+            f"tool_choice.mode {mode} is not a known mode (NONE, AUTO or REQUIRED)", param="tool_choice"
+        )
     if not chat.tools:
         if which == "function_name" or mode == pb.ToolChoice.REQUIRED:
             raise InvalidRequest(
@@ -191,16 +220,7 @@ def _chat_prompt(chat: pb.ChatInput) -> ChatPrompt:
         )
     kwargs: dict[str, Any] = {}
     if chat.chat_template_kwargs_json:
-        try:
-            kwargs = json.loads(chat.chat_template_kwargs_json)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequest(
-                f"chat_template_kwargs_json is not JSON: {exc}", param="chat_template_kwargs"
-            ) from exc
-        if not isinstance(kwargs, dict):
-            raise InvalidRequest(
-                "chat_template_kwargs_json must be a JSON object", param="chat_template_kwargs"
-            )
+        kwargs = _json_object(chat.chat_template_kwargs_json, "chat_template_kwargs")
     if chat.HasField("enable_thinking"):
         kwargs["enable_thinking"] = chat.enable_thinking
     which = chat.tool_choice.WhichOneof("choice")

@@ -29,7 +29,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sluice.client import MAX_MESSAGE_BYTES
-from sluice.v1 import worker_pb2, worker_pb2_grpc
+from sluice.v1 import worker_pb2
 from worker import metrics
 from worker.config import WorkerConfig
 from worker.drain import DrainingWorker
@@ -41,6 +41,7 @@ from worker.model_loader import ModelLoadError, load_model
 from worker.model_runner import ModelRunner
 from worker.prompt import PromptRenderer
 from worker.servicer import ServingModel, WorkerService
+from worker.wire_decoding import add_worker_service
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +145,7 @@ async def run(config: WorkerConfig) -> int:
     served = DrainingWorker(service)
     health_service = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     server = grpc.aio.server(options=SERVER_OPTIONS)
-    worker_pb2_grpc.add_WorkerServicer_to_server(served, server)
+    add_worker_service(served, server)  # undecodable bytes: INVALID_ARGUMENT, not UNKNOWN
     health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
     reflection.enable_server_reflection(
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),

@@ -77,10 +77,102 @@ def options(**fields):
         ({"stop_token_ids": [1000]}, "stop_token_ids"),
         ({"min_tokens": 50, "max_tokens": 10}, "min_tokens"),
         ({"top_k": -2}, "top_k"),
+        # The extremes of each proto type (int32, uint64, float): refused naming the field, never a crash.
+        ({"max_tokens": 2**31 - 1}, "max_tokens"),
+        ({"max_tokens": -(2**31)}, "max_tokens"),
+        ({"n": 2**31 - 1}, "n"),
+        ({"n": -(2**31)}, "n"),
+        ({"logprobs": -1}, "top_logprobs"),
+        ({"logprobs": 2**31 - 1}, "top_logprobs"),
+        ({"min_tokens": -1}, "min_tokens"),
+        ({"min_tokens": 2**31 - 1}, "min_tokens"),
+        ({"top_k": -(2**31)}, "top_k"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {2**31 - 1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
+        ({"logit_bias": {5: float("inf")}}, "logit_bias"),
+        ({"stop_token_ids": [-(2**31)]}, "stop_token_ids"),
+        ({"temperature": float("nan")}, "temperature"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"top_p": float("-inf")}, "top_p"),
+        ({"min_p": float("nan")}, "min_p"),
+        ({"frequency_penalty": float("nan")}, "frequency_penalty"),
+        ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ],
 )
 def test_out_of_range_sampling_names_the_field(fields, param):
     assert param_of(lambda: options(**fields)) == param
+
+
+def test_the_largest_values_that_are_allowed_pass():
+    allowed = options(top_k=2**31 - 1, seed=2**64 - 1, max_tokens=90, min_tokens=90, n=16, logprobs=20)
+    assert (allowed.top_k, allowed.seed, allowed.max_tokens, allowed.n) == (2**31 - 1, 2**64 - 1, 90, 16)
+
+
+def nested(depth: int) -> str:
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize(
+    ("request_", "param"),
+    [
+        (
+            pb.GenerateRequest(
+                chat=pb.ChatInput(
+                    messages=[user()], tools=[pb.Tool(name="f")], tool_choice=pb.ToolChoice(mode=9)
+                )
+            ),
+            "tool_choice",
+        ),
+        (
+            pb.GenerateRequest(
+                chat=pb.ChatInput(messages=[user()], tools=[pb.Tool(name="f", parameters_json=nested(65))])
+            ),
+            "tools[0].function.parameters",
+        ),
+        (
+            pb.GenerateRequest(
+                chat=pb.ChatInput(messages=[user()], tools=[pb.Tool(name="f", parameters_json=nested(5000))])
+            ),
+            "tools[0].function.parameters",
+        ),
+        (
+            pb.GenerateRequest(chat=pb.ChatInput(messages=[user()], chat_template_kwargs_json=nested(500))),
+            "chat_template_kwargs",
+        ),
+        (
+            pb.GenerateRequest(
+                chat=pb.ChatInput(messages=[user()]),
+                response_format=pb.ResponseFormat(json_schema=pb.JsonSchema(schema_json=nested(100))),
+            ),
+            "response_format.json_schema.schema",
+        ),
+    ],
+)
+def test_unknown_enums_and_deep_json_are_invalid_arguments(request_, param):
+    with pytest.raises(InvalidRequest) as info:
+        parse_request(request_, MODEL)
+    assert info.value.param == param
+
+
+def test_json_nested_up_to_the_bound_is_accepted():
+    request = pb.GenerateRequest(
+        chat=pb.ChatInput(messages=[user()], tools=[pb.Tool(name="f", parameters_json=nested(63))])
+    )
+    assert parse_request(request, MODEL).prompt.tools[0]["name"] == "f"
+
+
+def test_undecodable_bytes_become_an_invalid_argument_naming_the_request():
+    from worker.wire_decoding import UndecodableRequest, lenient_decoder
+
+    decode = lenient_decoder(pb.GenerateRequest)
+    good = pb.GenerateRequest(model="m").SerializeToString()
+    assert decode(good).model == "m"
+    bad = decode(b"\x12\x02\xff\xfe")  # field 2 (model), a string, holding invalid UTF-8
+    assert isinstance(bad, UndecodableRequest)
+    error = bad.error()
+    assert (error.code, error.param) == (grpc.StatusCode.INVALID_ARGUMENT, "request")
+    assert isinstance(decode(b"\x0a\xff"), UndecodableRequest)  # truncated
 
 
 def test_unset_differs_from_zero():

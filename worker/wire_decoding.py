@@ -1,0 +1,88 @@
+"""Registers the ``sluice.v1.Worker`` service so that undecodable request bytes are the caller's error.
+
+gRPC decodes a request before the service sees it; with the generated
+registration a request that is not valid protobuf (a string field holding
+invalid UTF-8, a truncated message) ends the call with ``UNKNOWN`` ("Exception
+deserializing request!"), the status of a server bug. :func:`add_worker_service`
+registers the same methods with a decoder that turns such bytes into an
+:class:`UndecodableRequest`, and the call ends with ``INVALID_ARGUMENT`` (a
+``BadRequest`` naming ``request``) before the service is called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from sluice.v1 import worker_pb2 as pb
+from sluice.v1 import worker_pb2_grpc as pb_grpc
+from worker.errors import InvalidRequest
+
+SERVICE = "sluice.v1.Worker"
+
+
+@dataclass(frozen=True)
+class UndecodableRequest:
+    """What the decoder hands on for bytes that are not a valid request of ``message_name``."""
+
+    message_name: str
+    reason: str
+
+    def error(self) -> InvalidRequest:
+        return InvalidRequest(
+            f"the request is not a valid {self.message_name}: {self.reason}", param="request"
+        )
+
+
+def lenient_decoder(message: type[Message]) -> Callable[[bytes], Any]:
+    """A request deserializer that never raises: a message, or an :class:`UndecodableRequest`."""
+    name = message.DESCRIPTOR.full_name
+
+    def decode(data: bytes) -> Message | UndecodableRequest:
+        try:
+            return message.FromString(data)
+        except DecodeError as error:
+            return UndecodableRequest(name, str(error) or "malformed protobuf")
+
+    return decode
+
+
+def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server) -> None:
+    """Registers ``servicer`` (Generate and ListModels) on ``server``, in place of the generated
+    ``add_WorkerServicer_to_server``."""
+
+    async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        if isinstance(request, UndecodableRequest):
+            await context.abort_with_status(request.error().to_status())
+            return
+        responses = servicer.Generate(request, context)
+        try:
+            async for response in responses:
+                yield response
+        finally:
+            await responses.aclose()  # at once, whether the call ended, failed or was cancelled
+
+    async def list_models(request: Any, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
+        if isinstance(request, UndecodableRequest):
+            await context.abort_with_status(request.error().to_status())
+        reply: pb.ListModelsResponse = await servicer.ListModels(request, context)
+        return reply
+
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            generate,
+            request_deserializer=lenient_decoder(pb.GenerateRequest),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "ListModels": grpc.unary_unary_rpc_method_handler(
+            list_models,
+            request_deserializer=lenient_decoder(pb.ListModelsRequest),
+            response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
