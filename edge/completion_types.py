@@ -55,7 +55,8 @@ class CompletionRequest(SamplingRequest):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LEGACY_LOGPROBS)
     # Only ``best_of == n`` is served, so it has ``n``'s bounds.
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
-    suffix: str | None = None
+    # Refused unless empty (no fill-in-the-middle); the document says so with maxLength 0.
+    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
 
     @field_validator(
         "prompt", mode="before", json_schema_input_type=str | list[str] | list[int] | list[list[int]]

@@ -43,7 +43,7 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 # The largest value of a proto ``int32`` field (max_tokens, token ids, logprobs ...): a larger
 # number cannot travel to the worker, so the schema refuses it with a 400 naming the field.
 INT32_MAX = 2**31 - 1
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+_FUNCTION_NAME = "^[A-Za-z0-9_.\\-]{1,64}$"  # also the OpenAPI document's pattern (ECMA syntax)
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -213,8 +213,48 @@ class AssistantToolCall(_Model):
     function: FunctionCall
 
 
+_NOT_NULL: dict[str, Any] = {"not": {"type": "null"}}
+_NO_TOOL_CALLS: dict[str, Any] = {"anyOf": [{"type": "null"}, {"type": "array", "maxItems": 0}]}
+
+
+def _document_role_rules(schema: dict[str, Any]) -> None:
+    """The per-role rules of :func:`_check_chat_semantics`, in the OpenAPI document: content
+    for every role but an assistant calling tools, ``tool_call_id`` for tool messages,
+    ``tool_calls`` only on assistant messages."""
+    schema["anyOf"] = [
+        {
+            "properties": {
+                "role": {"enum": ["system", "developer", "user"]},
+                "content": _NOT_NULL,
+                "tool_calls": _NO_TOOL_CALLS,
+            },
+            "required": ["role", "content"],
+        },
+        {
+            "properties": {
+                "role": {"const": "tool"},
+                "content": _NOT_NULL,
+                "tool_call_id": {"type": "string", "minLength": 1},
+                "tool_calls": _NO_TOOL_CALLS,
+            },
+            "required": ["role", "content", "tool_call_id"],
+        },
+        {
+            "properties": {"role": {"const": "assistant"}, "content": _NOT_NULL},
+            "required": ["role", "content"],
+        },
+        {
+            "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+            "required": ["role", "tool_calls"],
+        },
+    ]
+
+
 class ChatMessage(_Model):
-    """One conversation turn. Role-specific rules are checked in :func:`parse_chat_request`."""
+    """One conversation turn. Role-specific rules are checked in :func:`parse_chat_request`
+    (and shown in the OpenAPI document by :func:`_document_role_rules`)."""
+
+    model_config = ConfigDict(json_schema_extra=_document_role_rules)
 
     role: Role
     content: str | None = None
@@ -229,7 +269,7 @@ class ChatMessage(_Model):
 
 
 class FunctionDefinition(_Model):
-    name: str
+    name: str = Field(json_schema_extra={"pattern": _FUNCTION_NAME})
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
@@ -237,7 +277,7 @@ class FunctionDefinition(_Model):
     @field_validator("name")
     @classmethod
     def _name_shape(cls, value: str) -> str:
-        if not _FUNCTION_NAME.match(value):
+        if not re.fullmatch(_FUNCTION_NAME[1:-1], value):
             raise invalid("must be 1-64 characters of a-z, A-Z, 0-9, '_', '.' or '-'")
         return value
 
@@ -248,7 +288,7 @@ class ToolDefinition(_Model):
 
 
 class NamedFunction(_Model):
-    name: str
+    name: str = Field(min_length=1)
 
 
 class NamedToolChoice(_Model):
@@ -276,8 +316,47 @@ class ResponseFormat(_Model):
     json_schema: JsonSchemaFormat | None = None
 
 
+def _requires(field: str, then: dict[str, Any]) -> dict[str, Any]:
+    """JSON Schema: when ``field`` is set (not null), ``then`` applies."""
+    return {"if": {"required": [field], "properties": {field: _NOT_NULL}}, "then": then}
+
+
+def _true(field: str) -> dict[str, Any]:
+    return {"required": [field], "properties": {field: {"const": True}}}
+
+
+def _document_chat_rules(schema: dict[str, Any]) -> None:
+    """The cross-field rules of :func:`_check_chat_semantics` and :func:`validate_body` that JSON
+    Schema can say, in the OpenAPI document (a named ``tool_choice`` must also name one of
+    ``tools``, which it cannot)."""
+    schema["allOf"] = [
+        _requires("stream_options", _true("stream")),
+        _requires("top_logprobs", _true("logprobs")),
+        _requires("tool_choice", {"required": ["tools"], "properties": {"tools": _NOT_NULL}}),
+        {
+            "if": {
+                "required": ["response_format"],
+                "properties": {
+                    "response_format": {
+                        "type": "object",
+                        "required": ["type"],
+                        "properties": {"type": {"const": "json_schema"}},
+                    }
+                },
+            },
+            "then": {
+                "properties": {
+                    "response_format": {"required": ["json_schema"], "properties": {"json_schema": _NOT_NULL}}
+                }
+            },
+        },
+    ]
+
+
 class ChatCompletionRequest(SamplingRequest):
     """A validated ``POST /v1/chat/completions`` body (see the module docstring)."""
+
+    model_config = ConfigDict(json_schema_extra=_document_chat_rules)
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)

@@ -21,6 +21,7 @@ from pydantic.json_schema import models_json_schema
 
 from edge import response_types as out
 from edge.completion_types import CompletionRequest
+from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER
 from edge.openai_types import ChatCompletionRequest
 
 REF = "#/components/schemas/{model}"
@@ -50,6 +51,41 @@ _ERRORS = {
     "504": "The request's deadline passed before it started.",
 }
 _RETRY_STATUSES = {"429", "503"}
+# Seconds as edge.deadlines parses them: a plain decimal number (no sign, exponent, inf or nan);
+# it must also be positive, which the descriptions say.
+_SECONDS_PATTERN = "^[0-9]{1,9}(\\.[0-9]{1,9})?$"
+_REQUEST_HEADERS: list[dict[str, Any]] = [
+    {
+        "name": name,
+        "in": "header",
+        "required": False,
+        "description": description,
+        "schema": {"type": "string", "pattern": _SECONDS_PATTERN},
+    }
+    for name, description in (
+        (
+            TIMEOUT_HEADER,
+            "The request's total deadline in seconds (default `--request-timeout`, values above "
+            "`--max-request-timeout` are clamped). Anything but a positive decimal number (zero included) "
+            "is a 400 naming the header.",
+        ),
+        (
+            IDLE_TIMEOUT_HEADER,
+            "The longest silence of the worker in seconds (default `--idle-timeout`, clamped to "
+            "`--max-idle-timeout`). Anything but a positive decimal number (zero included) is a 400 "
+            "naming the header.",
+        ),
+    )
+] + [
+    {
+        "name": "X-Request-ID",
+        "in": "header",
+        "required": False,
+        "description": "Echoed in the response and carried to the worker's logs when it is 1-128 "
+        "header-safe characters; otherwise the edge makes a new id.",
+        "schema": {"type": "string"},
+    }
+]
 
 
 def schema_ref(model: type[BaseModel]) -> dict[str, str]:
@@ -112,6 +148,7 @@ def _generation(
         "post": {
             "summary": summary,
             "security": [{"bearerAuth": []}],
+            "parameters": _REQUEST_HEADERS,
             "requestBody": {
                 "required": True,
                 "content": {"application/json": {"schema": schema_ref(request)}},

@@ -75,6 +75,7 @@ def test_request_schemas_show_the_wire_shapes() -> None:
             {"role": "user", "content": "hi"},
         ],
         "stop": "x",
+        "tools": [{"type": "function", "function": {"name": "f"}}],
         "tool_choice": "auto",
         "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
@@ -83,10 +84,35 @@ def test_request_schemas_show_the_wire_shapes() -> None:
     assert chat.is_valid({**ok, "tool_choice": {"type": "function", "function": {"name": "f"}}})
     assert not chat.is_valid({**ok, "temperature": 3})
     assert not chat.is_valid({**ok, "messages": [{"role": "bot", "content": "x"}]})
+    # The rules the edge checks across fields, as far as JSON Schema can say them.
+    user = {"role": "user", "content": "x"}
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    for bad in (
+        {**ok, "tools": []},
+        {**ok, "tools": [{"type": "function", "function": {"name": "a b"}}]},
+        {k: v for k, v in ok.items() if k != "tools"},  # tool_choice without tools
+        {**ok, "stream": False},  # stream_options without stream
+        {**ok, "top_logprobs": 2},  # without logprobs
+        {**ok, "max_tokens": 2**31},
+        {**ok, "messages": [{"role": "user"}]},
+        {**ok, "messages": [{"role": "tool", "content": "x"}]},
+        {**ok, "messages": [{"role": "assistant", "content": None}]},
+        {**ok, "messages": [{"role": "user", "content": "x", "tool_calls": [call]}]},
+        {**ok, "response_format": {"type": "json_schema"}},
+    ):
+        assert not chat.is_valid(bad), bad
+    for good in (
+        {**ok, "messages": [user, {"role": "assistant", "tool_calls": [call]}]},
+        {**ok, "messages": [user, {"role": "tool", "content": "x", "tool_call_id": "c"}]},
+        {**ok, "top_logprobs": 2, "logprobs": True},
+    ):
+        assert chat.is_valid(good), good
     completion = validator("CompletionRequest")
     for prompt in ("a", ["a", "b"], [1, 2], [[1], [2, 3]]):
         assert completion.is_valid({"model": "m", "prompt": prompt}), prompt
     assert not completion.is_valid({"model": "m", "prompt": "a", "logprobs": 6})
+    assert not completion.is_valid({"model": "m", "prompt": "a", "suffix": "b"})
+    assert not completion.is_valid({"model": "m", "prompt": "a", "max_tokens": 2**31})
 
 
 def test_real_answers_match_the_response_schemas() -> None:
