@@ -19,7 +19,7 @@ together with ``logprobs`` (the worker computes no prompt logprobs).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, StrictInt, field_validator
 
@@ -42,6 +42,15 @@ MAX_PROMPTS = 128
 MAX_LEGACY_LOGPROBS = 5
 
 Prompt = str | list[int]
+# The accepted prompt shapes as the OpenAPI document shows them (the validator below checks them).
+_TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
+_Text = Annotated[str, Field(min_length=1)]
+_PromptShapes = (
+    _Text
+    | Annotated[list[_Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+    | _TokenIds
+    | Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+)
 
 
 class CompletionRequest(SamplingRequest):
@@ -58,9 +67,7 @@ class CompletionRequest(SamplingRequest):
     # Refused unless empty (no fill-in-the-middle); the document says so with maxLength 0.
     suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
 
-    @field_validator(
-        "prompt", mode="before", json_schema_input_type=str | list[str] | list[int] | list[list[int]]
-    )
+    @field_validator("prompt", mode="before", json_schema_input_type=_PromptShapes)
     @classmethod
     def _prompts(cls, value: Any) -> Any:
         return normalize_prompt(value)

@@ -1,0 +1,156 @@
+"""The HTTP API fuzzed from its own OpenAPI document (``/openapi.json``) with schemathesis.
+
+A real edge in front of a real worker: a ``--fake-tokens`` worker for most of
+the examples (the model does not matter to the API's shape and it is fast),
+and a short run against the default model. Positive examples fit the document,
+negative ones break it somewhere (a type, a bound, a missing field, a header);
+both, streaming and not. Every answer must be a 2xx that conforms to the
+document or a 4xx with the OpenAI error body (:func:`check_answer`): never a
+5xx, a traceback or a hang; afterwards a normal request still succeeds.
+
+Positive examples are steered a little so they reach the model: the served
+model's name, and a completion length small enough to keep the run short
+(lengths beyond the context are kept: they are the worker's 400s). The run
+prints its figures (requests, statuses per operation and mode, time);
+``SLUICE_FUZZ_SCALE`` multiplies the example counts (``make fuzz``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import Case, GenerationMode
+
+from tests.fuzz.http_checks import (
+    ANSWER_TIMEOUT_S,
+    MODEL,
+    Tally,
+    check_answer,
+    chunk_schema,
+    examples,
+    load_api,
+)
+from tests.processes import EdgeProcess, WorkerProcess
+
+pytestmark = pytest.mark.integration
+
+# (path, method, examples per mode at scale 1): about 300 requests in all.
+OPERATIONS = [
+    ("/v1/chat/completions", "POST", 70),
+    ("/v1/completions", "POST", 50),
+    ("/v1/models", "GET", 5),
+    ("/v1/models/{model_id}", "GET", 15),
+]
+MODES = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
+# Completion lengths above this (and within any context) are lowered to it in positive examples.
+FAKE_MAX_TOKENS = 48
+REAL_MAX_TOKENS = 4
+TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def steer(case: Case, mode: GenerationMode, max_tokens: int) -> None:
+    """Points a positive example at the served model and keeps its completion short."""
+    if mode is not GenerationMode.POSITIVE or not isinstance(case.body, dict):
+        return
+    case.body["model"] = MODEL
+    if case.body.get("best_of") is not None:  # only best_of == n is served (docs/http.md)
+        case.body["best_of"] = case.body.get("n") or 1
+    for name in TOKEN_FIELDS:
+        value = case.body.get(name)
+        if isinstance(value, int) and max_tokens < value <= 100_000:
+            case.body[name] = max_tokens
+
+
+def fuzz(
+    api: Any,
+    base_url: str,
+    tally: Tally,
+    path: str,
+    method: str,
+    mode: GenerationMode,
+    count: int,
+    max_tokens: int,
+) -> None:
+    operation = api[path][method]
+    sse = chunk_schema(api.raw_schema, path) if method == "POST" else None
+
+    @settings(
+        max_examples=count,
+        deadline=None,
+        database=None,
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def one(case: Case) -> None:
+        steer(case, mode, max_tokens)
+        response = case.call(base_url=base_url, timeout=ANSWER_TIMEOUT_S)
+        tally.add(f"{method} {path}", mode.value, response.status_code)
+        check_answer(case, response, sse)
+
+    one()
+
+
+def still_serves(base_url: str) -> None:
+    reply = httpx.post(
+        f"{base_url}/v1/chat/completions",
+        json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
+        timeout=ANSWER_TIMEOUT_S,
+    )
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def tally() -> Iterator[Tally]:
+    counts = Tally()
+    yield counts
+    print(f"\nHTTP fuzzing: {counts.report()}")
+
+
+@pytest.fixture(scope="module")
+def fake_edge(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProcess]:
+    with (
+        WorkerProcess(
+            cache_dir=model_cache,
+            log_dir=tmp_path_factory.mktemp("fuzz-fake-worker"),
+            extra=["--fake-tokens", "--max-running", "32", "--default-max-tokens", str(FAKE_MAX_TOKENS)],
+        ) as worker,
+        EdgeProcess([worker.address], log_dir=tmp_path_factory.mktemp("fuzz-fake-edge")) as edge,
+    ):
+        yield edge
+
+
+@pytest.fixture(scope="module")
+def fake_api(fake_edge: EdgeProcess) -> Any:
+    return load_api(fake_edge.base_url)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.value)
+@pytest.mark.parametrize(("path", "method", "count"), OPERATIONS, ids=[f"{m} {p}" for p, m, _ in OPERATIONS])
+def test_fuzzed_requests_get_a_conforming_answer(
+    fake_api: Any,
+    fake_edge: EdgeProcess,
+    tally: Tally,
+    path: str,
+    method: str,
+    count: int,
+    mode: GenerationMode,
+) -> None:
+    fuzz(fake_api, fake_edge.base_url, tally, path, method, mode, examples(count), FAKE_MAX_TOKENS)
+    still_serves(fake_edge.base_url)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.value)
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_fuzzed_requests_against_the_default_model(
+    default_edge: EdgeProcess, tally: Tally, path: str, mode: GenerationMode
+) -> None:
+    api = load_api(default_edge.base_url)
+    fuzz(api, default_edge.base_url, tally, path, "POST", mode, examples(12), REAL_MAX_TOKENS)
+    still_serves(default_edge.base_url)
