@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install run test lint protos bench bench-edge clean
+.PHONY: install run test lint protos bench bench-edge fuzz clean
 
 install: $(STAMP)
 
@@ -44,6 +44,10 @@ bench: install
 bench-edge: install
 	$(PY) bench/load_edge.py
 	$(PY) bench/bench_edge_overhead.py --concurrency 1,16,64 --step-ms 0,20 --rounds 3
+
+# The fuzz tests (tests/fuzz) with 10 times the examples CI runs (SLUICE_FUZZ_SCALE); they print their figures.
+fuzz: install
+	SLUICE_FUZZ_SCALE=$${SLUICE_FUZZ_SCALE:-10} $(PY) -m pytest tests/fuzz -q -s --timeout=0
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

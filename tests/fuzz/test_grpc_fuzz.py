@@ -168,6 +168,7 @@ def sampling(draw: st.DrawFn) -> pb.SamplingParams:
         ("min_tokens", st.integers(0, 2)),
         ("n", st.integers(1, 3)),
         ("logprobs", st.integers(0, 5)),
+        ("prompt_logprobs", st.integers(0, 5)),
     ):
         if draw(st.integers(0, 2)) == 0:
             setattr(params, name, draw(mostly(valid_int, int32s)))
