@@ -4,7 +4,9 @@
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
-  const state = { apiKey: "", history: [], controller: null, pendingToolCalls: [] };
+  // `epoch` changes when the conversation is cleared, so a turn still finishing cannot write into it.
+  const state = { apiKey: "", history: [], controller: null, pendingToolCalls: [], epoch: 0 };
+  const views = new WeakMap(); // answer <li> → its AnswerView
   const EXAMPLE_TOOLS = [{
     type: "function",
     function: {
@@ -110,6 +112,7 @@
 
   function number(id, body, name) {
     const input = $(id);
+    if (input.validity.badInput) throw new FieldError(id, `${name}: not a number`);
     if (input.value === "") return;
     if (!input.checkValidity() || Number.isNaN(input.valueAsNumber)) {
       throw new FieldError(id, `${name}: ${input.validationMessage || "not a number"}`);
@@ -360,7 +363,7 @@
   // ------------------------------------------------------------------ logprob tooltip
 
   function showTip(span) {
-    const view = span.closest("li")._view;
+    const view = views.get(span.closest("li"));
     const entries = view && view.tokens[Number(span.dataset.i)];
     if (!entries) return;
     const tip = $("tip");
@@ -377,12 +380,21 @@
     const head = el("tr", {}, el("th", {}, "token"), el("th", {}, "logprob"), el("th", {}, "p"));
     tip.replaceChildren(el("table", {}, el("thead", {}, head), el("tbody", {}, ...rows)));
     tip.hidden = false;
+    tip.dataset.summary = entries.map(describeEntry).join("; ");
     // Above the token when it fits (the text being read stays visible below), else under it.
     const box = span.getBoundingClientRect();
     tip.style.left = `${Math.max(4, Math.min(window.scrollX + box.left,
       window.scrollX + document.documentElement.clientWidth - tip.offsetWidth - 4))}px`;
     const above = box.top - tip.offsetHeight - 4;
     tip.style.top = `${window.scrollY + (above > 0 ? above : box.bottom + 4)}px`;
+  }
+
+  // One token's figures as a sentence, for screen readers.
+  function describeEntry(entry) {
+    const p = (lp) => `${(100 * Math.exp(lp)).toFixed(1)}%`;
+    const alternatives = (entry.top_logprobs || []).map((a) => `${JSON.stringify(a.token)} ${p(a.logprob)}`);
+    return `${JSON.stringify(entry.token)}, logprob ${entry.logprob.toFixed(3)} (${p(entry.logprob)})` +
+      (alternatives.length ? `; alternatives: ${alternatives.join(", ")}` : "");
   }
 
   function hideTip() { $("tip").hidden = true; }
@@ -409,16 +421,17 @@
     if (current) current.classList.remove("active");
     spans[index].classList.add("active");
     showTip(spans[index]);
-    say(`Token ${index + 1} of ${spans.length}: ${$("tip").textContent}`);
+    say(`Token ${index + 1} of ${spans.length}: ${$("tip").dataset.summary}`);
   });
   $("log").addEventListener("focusout", hideTip);
 
   // ------------------------------------------------------------------ one chat turn
 
   function streaming(on) {
+    // A focused button that gets disabled would drop the focus to the page: move it on first.
+    if (!on && document.activeElement === $("stop")) $("composer").focus();
     $("send").disabled = on;
     $("stop").disabled = !on;
-    if (!on && document.activeElement === document.body) $("composer").focus();
   }
 
   function nextMessage(text) {
@@ -450,10 +463,11 @@
       if (error instanceof FieldError) { showSettingsError(error); return; }
       throw error;
     }
+    const epoch = state.epoch;
     const userItem = addUserTurn(message);
     $("composer").value = "";
     const view = new AnswerView();
-    view.item._view = view;
+    views.set(view.item, view);
     const controller = state.controller = new AbortController();
     streaming(true);
     say("Sending…");
@@ -484,19 +498,25 @@
     }
     state.controller = null;
     finishTurn(view, figures, response, outcome, body);
-    if (outcome === "refused" || (outcome === "failed" && !view.content && !view.calls.length)) {
-      // Nothing was answered: give the text back so it can be sent again.
-      userItem.classList.add("not-sent");
-      $("composer").value = text;
-    } else {
-      state.history.push(message);
-      if (message.role === "tool") state.pendingToolCalls.shift();
-      const answer = view.message();
-      if (answer.content !== "" || answer.tool_calls) state.history.push(answer);
-      state.pendingToolCalls.push(...(answer.tool_calls || []).map((c) => c.id));
-    }
+    // A conversation cleared meanwhile is gone: this turn no longer belongs anywhere.
+    if (epoch === state.epoch) recordTurn(message, view, outcome, userItem, text);
     showPendingToolCall();
     streaming(false);
+  }
+
+  // Keeps a finished turn in the conversation; a turn that got no answer gives its text back instead.
+  function recordTurn(message, view, outcome, userItem, text) {
+    if (outcome === "refused" || (outcome === "failed" && !view.content && !view.calls.length)) {
+      userItem.classList.add("not-sent");
+      userItem.querySelector(".who").append(" (not sent)");
+      $("composer").value = text;
+      return;
+    }
+    state.history.push(message);
+    if (message.role === "tool") state.pendingToolCalls.shift();
+    const answer = view.message();
+    if (answer.content !== "" || answer.tool_calls) state.history.push(answer);
+    state.pendingToolCalls.push(...(answer.tool_calls || []).map((c) => c.id));
   }
 
   // Reads the SSE body to its end; returns "done", "error" (an error event) or "incomplete" (no [DONE]).
@@ -583,6 +603,7 @@
   $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
   $("clear").addEventListener("click", () => {
     if (state.controller) state.controller.abort();
+    state.epoch += 1;
     state.history = [];
     state.pendingToolCalls = [];
     showPendingToolCall();

@@ -39,6 +39,11 @@ window.fetch = async (url, init) => {
   const pieces = script.pieces || [];
   const body = new ReadableStream({
     async pull(controller) {
+      // Like a real fetch: aborting fails the pending read with an AbortError.
+      if (init && init.signal && init.signal.aborted) {
+        controller.error(new DOMException("The user aborted a request.", "AbortError"));
+        return;
+      }
       if (!pieces.length) { controller.close(); return; }
       await new Promise((resolve) => setTimeout(resolve, 2));
       controller.enqueue(new TextEncoder().encode(pieces.shift()));
@@ -221,10 +226,37 @@ def test_tool_call_arguments_fill_in_and_settings_errors_name_the_field(page: Pl
     assert json.loads(call.find_element(By.CSS_SELECTOR, "pre.args").text) == {"city": "Paris"}
     assert page.by_id("tool-call-id").text == "call_1"
 
-    page.paste("tools", "[not json")
+    page.click("tools-example")  # the example's function becomes a forced choice
+    assert "function:get_weather" in [
+        o.get_attribute("value") for o in page.by_id("tool_choice").find_elements(By.TAG_NAME, "option")
+    ]
+    page.fill("top_p", "5")
     page.by_id("composer").send_keys("x")
+    page.by_id("send").click()
+    assert page.by_id("settings-error").text.startswith("top_p:")
+    assert page.driver.switch_to.active_element == page.by_id("top_p")
+    page.fill("top_p", "")
+    page.paste("tools", "[not json")
     page.by_id("send").click()
     error = page.by_id("settings-error")
     assert error.is_displayed() and error.text.startswith("Tools is not valid JSON")
     assert page.driver.switch_to.active_element == page.by_id("tools")
     assert page.by_id("tools").get_attribute("aria-invalid") == "true"
+
+
+def test_clearing_mid_stream_stops_and_forgets_the_turn(page: Playground) -> None:
+    slow = [sse([chunk({"role": "assistant", "content": ""})]), *[sse([chunk({"content": "x"})])] * 3000]
+    page.driver.execute_script("window.__script = {pieces: arguments[0]};", slow)
+    page.send("First")
+    page.wait(lambda: len(page.answer_text()) > 3, 30, "the scripted stream did not start")
+    page.by_id("clear").click()
+    page.wait(lambda: page.by_id("send").is_enabled(), 30, "the stream was not stopped")
+    assert page.driver.find_elements(By.CSS_SELECTOR, "#log > li") == []
+    page.driver.execute_script(
+        "window.__script = {pieces: arguments[0]};",
+        [sse([chunk({"content": "ok"}), chunk({}, "stop"), "data: [DONE]\n\n"])],
+    )
+    page.send("Second")
+    page.wait_until_finished()
+    body = json.loads(page.driver.execute_script("return window.__requests.at(-1).init.body;"))
+    assert body["messages"] == [{"role": "user", "content": "Second"}]
