@@ -64,6 +64,8 @@ def steer(
         return
     if fake and case.body.get("echo") is True and case.body.get("logprobs") is not None:
         del case.body["echo"]
+    if all(case.body.get(name) is None for name in TOKEN_FIELDS):
+        case.body["max_tokens"] = max_tokens  # unset would run to the end of the context
     if mode is not GenerationMode.POSITIVE:
         return
     case.body["model"] = MODEL
@@ -79,8 +81,6 @@ def steer(
         value = case.body.get(name)
         if isinstance(value, int) and max_tokens < value <= 100_000:
             case.body[name] = max_tokens
-    if all(case.body.get(name) is None for name in TOKEN_FIELDS):
-        case.body["max_tokens"] = max_tokens  # unset would run to the end of the context
 
 
 def fuzz(
