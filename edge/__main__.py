@@ -24,8 +24,8 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
 from edge.app import create_app
-from edge.client_connections import ClientConnections, app_connections
-from edge.drain import Drain, app_drain
+from edge.client_connections import ClientConnections
+from edge.drain import Drain
 from edge.settings import Settings
 from sluice.logs import configure_logging
 
@@ -60,11 +60,12 @@ async def serve_edge(settings: Settings, stop: asyncio.Event, drain: asyncio.Eve
     the delay. Either way requests in flight get ``--graceful-timeout``.
     """
     app = create_app(settings)
+    state = app.sluice
     log.info("sluice-edge serving %s/v1 (workers: %s)", settings.base_url, ", ".join(settings.workers))
     close_listener = asyncio.Event()
     shutdown = asyncio.create_task(
         _shutdown_sequence(
-            settings, app_drain(app), app_connections(app), stop, drain or asyncio.Event(), close_listener
+            settings, state.drain, state.connections, stop, drain or asyncio.Event(), close_listener
         )
     )
     try:

@@ -1,39 +1,34 @@
-"""The edge's Prometheus metrics: what callers experienced, gathered without touching the flow.
+"""The edge's Prometheus metrics: what callers experienced, counted where the facts are known.
 
 Three sources, none of which changes what a caller receives:
 
-- ``before_request`` / ``after_request`` hooks (:meth:`EdgeMetrics.before_request`,
-  :meth:`EdgeMetrics.after_request`): the request's start time, and one count
+- an ``after_request`` hook (:meth:`EdgeMetrics.after_request`): one count
   per answered request by route and HTTP status (a stream counts as its 200
   when its headers go out; how it ended is in the stream metrics);
-- :func:`observe_stream`, which wraps an SSE body and watches its byte frames:
-  the first ``data:`` frame carrying output gives the time to first token
-  (from the request's start), every later one the gap since the previous,
-  ``event: error`` frames are counted by type and code, and a stream closed
-  or cancelled before its end counts as a client disconnect; the in-flight
-  gauge goes up when the body starts and down however it ends;
+- each stream's pump (:mod:`edge.stream_pump`), which reports what it
+  does as it does it: the stream opening and closing (the in-flight gauge; a
+  close before the last frame is a client disconnect), the first write that
+  carries model output (time to first token, from the request's start), every
+  later one (the gap since the previous), and the error it sent by type and
+  code;
 - worker health, asked of the pool at scrape time (``await pool.health()``).
 
-Role chunks (``"delta":{"role":"assistant","content":""}``) are sent as soon
-as a worker accepts the call, before any token, so they are not "first
-tokens"; every other ``data:`` frame but ``[DONE]`` is (a completions
-``echo`` of the prompt included).
+Role chunks are sent as soon as a worker accepts the call, before any token,
+so they are not "first tokens"; a write carrying content, reasoning, a
+refusal, a tool-call delta or a choice's finish chunk is. Events that are
+ready together go out in one write, which counts once.
 
 Everything runs on the event loop, so plain counters need no lock.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
-import time
 from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
-from quart import current_app, g, request
+from quart import request
 from quart.wrappers import Response
 
 from sluice import prometheus
@@ -41,12 +36,6 @@ from sluice.prometheus import GAP_BUCKETS, LATENCY_BUCKETS, Histogram
 
 log = logging.getLogger("sluice.edge.stream")
 
-METRICS_KEY = "sluice.metrics"
-_STARTED_ATTR = "sluice_request_started"
-_DATA = b"data: "
-_DONE = b"data: [DONE]"
-_ERROR = b"event: error"
-_ROLE_CHUNK = b'"delta":{"role":"assistant","content":""}'
 # Requests that matched no route share one label, so random paths cannot grow the series.
 UNMATCHED_ROUTE = "other"
 
@@ -83,10 +72,6 @@ class EdgeMetrics:
 
     # ---------------------------------------------------------------- hooks
 
-    async def before_request(self) -> None:
-        """Quart hook: stamps the request's start (the reference of time to first token)."""
-        setattr(g, _STARTED_ATTR, time.monotonic())
-
     async def after_request(self, response: Response) -> Response:
         """Quart hook: counts the answered request by route and status."""
         rule = request.url_rule
@@ -94,57 +79,30 @@ class EdgeMetrics:
         self.requests[(route, str(response.status_code))] += 1
         return response
 
-    # -------------------------------------------------------------- streams
+    # ------------------------------------------------- streams (their pumps report)
 
-    async def watch(
-        self, body: AsyncIterable[bytes], started_at: float, request_id: str
-    ) -> AsyncGenerator[bytes, None]:
-        """Yields ``body``'s frames unchanged while measuring them (see the module docstring).
-
-        However this generator ends, the in-flight gauge is restored and
-        ``body`` is closed before it returns (so the body's own cleanup,
-        cancelling the worker calls, has run).
-        """
+    def stream_opened(self) -> None:
         self.streams_in_flight += 1
-        last_output: float | None = None
-        frames = 0
-        outcome = "client disconnected"
-        source = aiter(body)
-        try:
-            async for frame in source:
-                if frame.startswith(_DATA):
-                    if not frame.startswith(_DONE) and _ROLE_CHUNK not in frame:
-                        now = time.monotonic()
-                        if last_output is None:
-                            self.time_to_first_token.observe(now - started_at)
-                        else:
-                            self.chunk_gap.observe(now - last_output)
-                        last_output = now
-                    frames += 1
-                elif frame.startswith(_ERROR):
-                    kind, code = _error_labels(frame)
-                    self.stream_errors[(kind, code)] += 1
-                    outcome = f"error {kind}/{code}"
-                yield frame
-            if not outcome.startswith("error"):
-                outcome = "completed"
-        except (asyncio.CancelledError, GeneratorExit):
-            # Quart cancels the body (or closes it at a yield) when the client goes away.
-            self.client_disconnects += 1
-            raise
-        except Exception as error:
-            self.stream_errors[("api_error", "unhandled_exception")] += 1
-            outcome = f"failed ({error.__class__.__name__})"
-            raise
-        finally:
-            self.streams_in_flight -= 1
-            log.info("request %s: stream %s after %d data frames", request_id, outcome, frames)
-            aclose = getattr(source, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(RuntimeError):  # "already running": it was just cancelled
-                    await aclose()
 
-    # ----------------------------------------------------------- exposition
+    def stream_closed(self, *, disconnected: bool) -> None:
+        """A stream ended; ``disconnected``: before its last frame (the client went away)."""
+        self.streams_in_flight -= 1
+        if disconnected:
+            self.client_disconnects += 1
+
+    def first_output(self, seconds: float) -> None:
+        """A stream's first write carrying output, ``seconds`` after its request arrived."""
+        self.time_to_first_token.observe(seconds)
+
+    def output_gap(self, seconds: float) -> None:
+        """``seconds`` between two writes of one stream that carried output."""
+        self.chunk_gap.observe(seconds)
+
+    def stream_error(self, kind: str, code: str) -> None:
+        """A stream ended with an ``event: error`` of this type and code."""
+        self.stream_errors[(kind, code)] += 1
+
+    # ------------------------------------------------------------ exposition
 
     async def render(self, pool: HealthSource, concurrency: ConcurrencyStats | None = None) -> str:
         """The Prometheus text: this edge's metrics, then each worker's health as seen now."""
@@ -217,28 +175,3 @@ class ConcurrencyStats(Protocol):
     rejected: int
 
     def in_use(self, identity: str | None = None) -> int: ...
-
-
-def current_metrics() -> EdgeMetrics:
-    """The app's :class:`EdgeMetrics` (inside an app context)."""
-    metrics: EdgeMetrics = current_app.extensions[METRICS_KEY]
-    return metrics
-
-
-def observe_stream(body: AsyncIterable[bytes], request_id: str = "") -> AsyncGenerator[bytes, None]:
-    """Wraps an SSE body for the app's metrics; call it inside the request (it reads the
-    app and the request's start time now, the returned generator runs later)."""
-    started_at = g.get(_STARTED_ATTR) or time.monotonic()
-    return current_metrics().watch(body, started_at, request_id or g.get("request_id", ""))
-
-
-def _error_labels(frame: bytes) -> tuple[str, str]:
-    """(type, code) of an ``event: error`` frame's payload; ``unknown`` where absent."""
-    _, _, data = frame.partition(_DATA)
-    try:
-        error = json.loads(data).get("error") or {}
-    except (ValueError, AttributeError):
-        return "unknown", "unknown"
-    if not isinstance(error, dict):
-        return "unknown", "unknown"
-    return str(error.get("type") or "unknown"), str(error.get("code") or "unknown")
