@@ -20,7 +20,9 @@ shape, and anything unexpected as a generic 500 (logged with its traceback).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncGenerator
 
 from quart import request
 from quart.wrappers import Response
@@ -87,6 +89,14 @@ def create_app(settings: Settings) -> EdgeApp:
     async def close_pool() -> None:
         await app.sluice.pool.close()
 
+    if metrics.multiprocess:
+        # A scrape reaches one process: the others keep their live gauges fresh themselves.
+        @app.while_serving
+        async def refresh_metrics() -> AsyncGenerator[None, None]:
+            task = asyncio.create_task(_refresh_loop(app.sluice))
+            yield
+            task.cancel()
+
     app.before_request(assign_request_id)
     app.before_request(bind_request_id)
     api_keys = ApiKeyCheck(settings.api_keys)
@@ -123,6 +133,15 @@ def create_app(settings: Settings) -> EdgeApp:
     connections.app = inner
     app.asgi_app = connections  # type: ignore[method-assign]
     return app
+
+
+async def _refresh_loop(state: EdgeState) -> None:
+    while True:
+        try:
+            await state.metrics.refresh(state.pool, state.limiter)
+        except Exception:  # a metrics hiccup must not end the loop
+            log.exception("refreshing the live metrics failed")
+        await asyncio.sleep(state.settings.health_interval_s)
 
 
 def _from_http_exception(error: HTTPException) -> EdgeError:
