@@ -43,7 +43,7 @@ bench: install
 # The edge under load (200 streams, real workers) and its overhead against direct gRPC (fake workers).
 bench-edge: install
 	$(PY) bench/load_edge.py
-	$(PY) bench/bench_edge_overhead.py --concurrency 1,16,64 --step-ms 0,20 --rounds 3
+	$(PY) bench/bench_edge_overhead.py --rounds 3
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
