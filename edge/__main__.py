@@ -9,6 +9,10 @@ then the streams still open are ended with an ``event: error``
 connection still open (a client that does not read its last frames) is
 aborted, hypercorn returns, and the process exits 0. A second signal skips
 what is left of the drain delay.
+
+Start: the listening port is claimed (:func:`sluice.ports.claim_port`) before
+the app is built and handed to hypercorn as an already bound socket; a taken
+port is one line naming ``--port`` and exit status 2, never a traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any
 
@@ -28,6 +33,7 @@ from edge.client_connections import ClientConnections, app_connections
 from edge.drain import Drain, app_drain
 from edge.settings import Settings
 from sluice.logs import configure_logging
+from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, claim_port
 
 log = logging.getLogger("sluice.edge")
 
@@ -39,25 +45,35 @@ FINAL_WRITE_S = 1.0
 FINAL_WRITE_MARGIN_S = FINAL_WRITE_S + 1.0
 
 
-def hypercorn_config(settings: Settings) -> Config:
-    """The hypercorn config for ``settings`` (bind address, shutdown grace)."""
+def hypercorn_config(settings: Settings, listen_fd: int | None = None) -> Config:
+    """The hypercorn config for ``settings`` (bind address, shutdown grace).
+
+    ``listen_fd``: an already bound socket's descriptor, which hypercorn then owns.
+    """
     config = Config()
     host = (
         f"[{settings.host}]" if ":" in settings.host and not settings.host.startswith("[") else settings.host
     )
-    config.bind = [f"{host}:{settings.port}"]
+    config.bind = [f"fd://{listen_fd}" if listen_fd is not None else f"{host}:{settings.port}"]
     config.graceful_timeout = settings.graceful_timeout_s + FINAL_WRITE_MARGIN_S
     config.accesslog = logging.getLogger("sluice.edge.access")
     config.errorlog = logging.getLogger("sluice.edge.server")
     return config
 
 
-async def serve_edge(settings: Settings, stop: asyncio.Event, drain: asyncio.Event | None = None) -> None:
+async def serve_edge(
+    settings: Settings,
+    stop: asyncio.Event,
+    drain: asyncio.Event | None = None,
+    *,
+    listen_fd: int | None = None,
+) -> None:
     """Serves until shut down, then ends the requests in flight as described in the module.
 
     ``drain`` set: start draining and keep the listener open for
     ``--drain-delay``; ``stop`` set: the same without (or without the rest of)
     the delay. Either way requests in flight get ``--graceful-timeout``.
+    ``listen_fd``: the claimed listening socket (else hypercorn binds the port itself).
     """
     app = create_app(settings)
     log.info("sluice-edge serving %s/v1 (workers: %s)", settings.base_url, ", ".join(settings.workers))
@@ -68,7 +84,7 @@ async def serve_edge(settings: Settings, stop: asyncio.Event, drain: asyncio.Eve
         )
     )
     try:
-        await serve(app, hypercorn_config(settings), shutdown_trigger=close_listener.wait)
+        await serve(app, hypercorn_config(settings, listen_fd), shutdown_trigger=close_listener.wait)
     finally:
         shutdown.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -122,7 +138,7 @@ async def _first_of(*waits: Coroutine[Any, Any, Any]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _run(settings: Settings) -> None:
+async def _run(settings: Settings, listen_fd: int) -> None:
     stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -132,7 +148,7 @@ async def _run(settings: Settings) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    await serve_edge(settings, stop, drain)
+    await serve_edge(settings, stop, drain, listen_fd=listen_fd)
     log.info("sluice-edge stopped")
 
 
@@ -140,7 +156,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: parse settings (exit 2 with a message if invalid) and serve."""
     settings = Settings.from_args(argv)
     configure_logging(settings.log_level, settings.log_format)
-    asyncio.run(_run(settings))
+    try:
+        sock = claim_port(settings.host, settings.port, "--port")
+    except PortUnavailableError as error:
+        log.error("%s", error.message)
+        sys.exit(EXIT_PORT_TAKEN)
+    # hypercorn owns the descriptor from here on (it closes it at shutdown).
+    asyncio.run(_run(settings, sock.detach()))
 
 
 if __name__ == "__main__":
