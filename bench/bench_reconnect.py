@@ -58,21 +58,24 @@ def one_trial(absence_s: float, cache_dir: Path, log_dir: Path) -> Trial:
     log_dir.mkdir(parents=True, exist_ok=True)
     extra = ["--fake-tokens", "--served-model-name", "fake", "--torch-threads", "1"]
     worker = WorkerProcess(cache_dir=cache_dir, log_dir=log_dir, extra=extra)
-    with worker, EdgeProcess([worker.address], log_dir=log_dir) as edge:
-        with httpx.Client(base_url=edge.base_url, timeout=10) as client:
-            if not completion_ok(client):
-                raise SystemExit(f"the edge does not serve before the outage; see {log_dir}")
-            worker.kill()
-            # The edge notices at its next health check; wait until it answers 503.
-            while completion_ok(client):
-                time.sleep(POLL_S)
-            time.sleep(absence_s)
-            restarted = time.monotonic()
-            worker.start()  # returns once the worker's own health check answers SERVING
-            healthy = time.monotonic()
-            while not completion_ok(client):
-                time.sleep(POLL_S)
-            routed = time.monotonic()
+    with (
+        worker,
+        EdgeProcess([worker.address], log_dir=log_dir) as edge,
+        httpx.Client(base_url=edge.base_url, timeout=10) as client,
+    ):
+        if not completion_ok(client):
+            raise SystemExit(f"the edge does not serve before the outage; see {log_dir}")
+        worker.kill()
+        # The edge notices at its next health check; wait until it answers 503.
+        while completion_ok(client):
+            time.sleep(POLL_S)
+        time.sleep(absence_s)
+        restarted = time.monotonic()
+        worker.start()  # returns once the worker's own health check answers SERVING
+        healthy = time.monotonic()
+        while not completion_ok(client):
+            time.sleep(POLL_S)
+        routed = time.monotonic()
     return Trial(absence_s, healthy - restarted, routed - healthy)
 
 

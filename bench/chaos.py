@@ -232,11 +232,14 @@ async def client_loop(base_url: str, rng: random.Random, until: float, tally: Ta
 
 def worker_chaos(victim: WorkerProcess, rng: random.Random, until: float, tally: Tally) -> None:
     """Runs in a thread: abuses ``victim`` until ``until``, then leaves it running."""
+    actions: list[str] = []
     while time.monotonic() < until:
-        time.sleep(rng.uniform(2.0, 6.0))
+        time.sleep(rng.uniform(1.0, 4.0))
         if time.monotonic() >= until:
             break
-        action = rng.choice(["SIGKILL + restart", "SIGSTOP + SIGCONT", "graceful restart"])
+        if not actions:  # every kind once per round, in a random order
+            actions = rng.sample(["SIGKILL + restart", "SIGSTOP + SIGCONT", "graceful restart"], 3)
+        action = actions.pop()
         tally.actions[action] += 1
         if action == "SIGKILL + restart":
             victim.kill()
