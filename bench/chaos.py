@@ -231,7 +231,12 @@ async def client_loop(base_url: str, rng: random.Random, until: float, tally: Ta
 
 
 def worker_chaos(victim: WorkerProcess, rng: random.Random, until: float, tally: Tally) -> None:
-    """Runs in a thread: abuses ``victim`` until ``until``, then leaves it running."""
+    """Runs in a thread: abuses ``victim`` until ``until`` (the caller brings it back after).
+
+    A restart waits for the worker to be ready only half of the time: the other half, the
+    next blow may land while it is still starting (a worker starts in seconds alone, but in
+    a minute on a loaded 2-core machine, which would leave few blows per run).
+    """
     actions: list[str] = []
     while time.monotonic() < until:
         time.sleep(rng.uniform(1.0, 4.0))
@@ -241,17 +246,21 @@ def worker_chaos(victim: WorkerProcess, rng: random.Random, until: float, tally:
             actions = rng.sample(["SIGKILL + restart", "SIGSTOP + SIGCONT", "graceful restart"], 3)
         action = actions.pop()
         tally.actions[action] += 1
-        if action == "SIGKILL + restart":
-            victim.kill()
-            time.sleep(rng.uniform(0.5, 4.0))
-            victim.start()
-        elif action == "SIGSTOP + SIGCONT":
+        if action == "SIGSTOP + SIGCONT":
             victim.signal(signal.SIGSTOP)
             time.sleep(rng.uniform(1.0, 6.0))
             victim.signal(signal.SIGCONT)
+            continue
+        if action == "SIGKILL + restart":
+            victim.kill()
+            time.sleep(rng.uniform(0.5, 4.0))
         else:
+            victim.signal(signal.SIGCONT)  # a stopped process cannot drain
             victim.stop()
-            victim.start()
+        victim.launch()
+        if rng.random() < 0.5:
+            with contextlib.suppress(RuntimeError):  # it may exit: its port is still held
+                victim.wait_ready()
 
 
 def rss_kib(pid: int) -> int:
@@ -368,10 +377,11 @@ def main(argv: list[str] | None = None) -> int:
         started = time.monotonic()
         asyncio.run(chaos())
         ran_s = time.monotonic() - started
-        # The victim may be mid-restart when time is up: make sure it is back.
+        # The victim may be stopped or mid-restart when time is up: make sure it is back.
         victim.signal(signal.SIGCONT)
         if victim.proc is None or victim.proc.poll() is not None:
-            victim.start()
+            victim.launch()
+        victim.wait_ready()
         checks: list[tuple[str, bool, str]] = []
         with httpx.Client(base_url=edge.base_url, timeout=30) as client:
             health = client.get("/health").status_code

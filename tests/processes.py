@@ -66,10 +66,20 @@ class _Process:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        log = self.log_path.open("wb")
+        """Starts the process and waits until it is ready (raises if it exits or times out)."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Starts the process without waiting for it (its log is appended to)."""
+        log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             self.args, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
         )
+
+    def wait_ready(self) -> None:
+        """Waits until :meth:`ready` (raises if the process exits or :data:`START_TIMEOUT_S` passes)."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
