@@ -111,7 +111,7 @@ def chat_body(rng: random.Random, *, stream: bool) -> dict[str, Any]:
     return {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"Tell me about the number {rng.randint(0, 10**6)}."}],
-        "max_tokens": rng.randint(4, 48),
+        "max_tokens": rng.randint(4, 96),
         "stream": stream,
         "n": rng.choice([1, 1, 1, 2]),
     }
@@ -338,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     add("--clients", type=int, default=6, help="concurrent client loops")
     add("--seed", type=int, default=None, help="random seed (default: random, printed)")
     add("--real-model", action="store_true", help="serve the default model instead of fake tokens")
-    add("--fake-step-ms", type=float, default=20.0, help="fake workers: milliseconds per step")
+    add("--fake-step-ms", type=float, default=30.0, help="fake workers: milliseconds per step")
     add("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="workers' model cache")
     args = parser.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(10**6)
