@@ -58,8 +58,11 @@ from tests.processes import EdgeProcess, WorkerProcess  # noqa: E402
 from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
 
 MODEL = "chaos"
-# A request that neither finished nor failed in this long counts as a hang.
-HANG_S = 90.0
+# A response that sends no byte for this long counts as a hang (the edge's heartbeats come
+# every 15 s, and a SIGSTOP lasts at most 6 s); so does a request not over after TOTAL_S, a
+# bound far above the slowest reader's own pace (about 200 lines at up to 0.4 s each).
+HANG_S = 60.0
+TOTAL_S = 300.0
 # Worker gauges that must be back at 0 once every client is gone.
 IDLE_GAUGES = ("sluice_worker_running_requests", "sluice_worker_queue_depth", "sluice_worker_live_caches")
 RSS_TOLERANCE = 0.10
@@ -217,7 +220,7 @@ async def client_loop(base_url: str, rng: random.Random, until: float, tally: Ta
         while time.monotonic() < until:
             kind = rng.choices(list(KINDS), weights=list(KINDS.values()))[0]
             try:
-                async with asyncio.timeout(HANG_S):
+                async with asyncio.timeout(TOTAL_S):
                     if kind in ("stream", "disconnect", "slow reader"):
                         await stream_request(client, rng, kind, tally)
                     elif kind == "non-streaming":
@@ -225,7 +228,9 @@ async def client_loop(base_url: str, rng: random.Random, until: float, tally: Ta
                     else:
                         await bad_request(client, rng, kind, tally)
             except TimeoutError:
-                tally.add(Outcome(kind, "hang", False))
+                tally.add(Outcome(kind, f"hang (not over in {TOTAL_S:.0f} s)", False))
+            except httpx.ReadTimeout:
+                tally.add(Outcome(kind, f"hang (no byte for {HANG_S:.0f} s)", False))
             except httpx.HTTPError as error:
                 tally.add(Outcome(kind, f"transport error ({type(error).__name__})", False, str(error)))
 
