@@ -71,8 +71,8 @@ class _Process:
         self.wait_ready()
 
     def launch(self) -> None:
-        """Starts the process without waiting for it (its log is appended to)."""
-        log = self.log_path.open("ab")
+        """Starts the process without waiting for it (a restart appends to the first start's log)."""
+        log = self.log_path.open("ab" if self.proc is not None else "wb")
         self.proc = subprocess.Popen(
             self.args, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
         )
