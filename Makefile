@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install browser-deps run test lint protos bench bench-edge fuzz clean
+.PHONY: install browser-deps run test lint protos bench bench-edge chaos fuzz clean
 
 install: $(STAMP)
 
@@ -60,7 +60,12 @@ bench: install
 # The edge under load (200 streams, real workers) and its overhead against direct gRPC (fake workers).
 bench-edge: install
 	$(PY) bench/load_edge.py
-	$(PY) bench/bench_edge_overhead.py --concurrency 1,16,64 --step-ms 0,20 --rounds 3
+	$(PY) bench/bench_edge_overhead.py --rounds 3
+
+# Three minutes of worker kills/stops/restarts, client disconnects, slow readers and bad
+# bodies against two fake-token workers behind one edge; exits 1 if a check fails (docs/testing.md).
+chaos: install
+	$(PY) bench/chaos.py --duration 180
 
 # The fuzz tests (tests/fuzz) with 10 times the examples CI runs (SLUICE_FUZZ_SCALE); they print their figures.
 fuzz: install
