@@ -36,6 +36,7 @@ from typing import Protocol
 from quart import current_app, g, request
 from quart.wrappers import Response
 
+from edge.sse import OPENAI_FRAMING, Framing
 from sluice import prometheus
 from sluice.prometheus import GAP_BUCKETS, LATENCY_BUCKETS, Histogram
 
@@ -49,6 +50,14 @@ _ERROR = b"event: error"
 _ROLE_CHUNK = b'"delta":{"role":"assistant","content":""}'
 # Requests that matched no route share one label, so random paths cannot grow the series.
 UNMATCHED_ROUTE = "other"
+# The API surface of each generation blueprint, for the `surface` label.
+SURFACES = {
+    "chat": "openai",
+    "completions": "openai",
+    "responses": "responses",
+    "messages": "anthropic",
+    "native": "native",
+}
 
 
 class WorkerHealthLike(Protocol):
@@ -80,6 +89,8 @@ class EdgeMetrics:
         self.streams_in_flight = 0
         self.client_disconnects = 0
         self.stream_errors: Counter[tuple[str, str]] = Counter()  # (type, code)
+        self.surface_requests: Counter[tuple[str, str]] = Counter()  # (surface, status)
+        self.surface_streams: Counter[tuple[str, str]] = Counter()  # (surface, outcome)
 
     # ---------------------------------------------------------------- hooks
 
@@ -92,14 +103,25 @@ class EdgeMetrics:
         rule = request.url_rule
         route = rule.rule if rule is not None else UNMATCHED_ROUTE
         self.requests[(route, str(response.status_code))] += 1
+        surface = SURFACES.get(request.blueprint or "")
+        if surface is not None:
+            self.surface_requests[(surface, str(response.status_code))] += 1
         return response
 
     # -------------------------------------------------------------- streams
 
     async def watch(
-        self, body: AsyncIterable[bytes], started_at: float, request_id: str
+        self,
+        body: AsyncIterable[bytes],
+        started_at: float,
+        request_id: str,
+        framing: Framing = OPENAI_FRAMING,
     ) -> AsyncGenerator[bytes, None]:
         """Yields ``body``'s frames unchanged while measuring them (see the module docstring).
+
+        ``framing`` tells output and error frames apart on a named-event surface
+        (:class:`~edge.sse.Framing`); each stream's outcome (``completed``,
+        ``error``, ``client_disconnect``) is counted under its surface.
 
         However this generator ends, the in-flight gauge is restored and
         ``body`` is closed before it returns (so the body's own cleanup,
@@ -112,7 +134,21 @@ class EdgeMetrics:
         source = aiter(body)
         try:
             async for frame in source:
-                if frame.startswith(_DATA):
+                name = framing.event_name(frame) if framing.named else None
+                if name is not None:
+                    if name in framing.output_events:
+                        now = time.monotonic()
+                        if last_output is None:
+                            self.time_to_first_token.observe(now - started_at)
+                        else:
+                            self.chunk_gap.observe(now - last_output)
+                        last_output = now
+                        frames += 1
+                    elif name == "error":
+                        kind, code = _error_labels(frame)
+                        self.stream_errors[(kind, code)] += 1
+                        outcome = f"error {kind}/{code}"
+                elif frame.startswith(_DATA):
                     if not frame.startswith(_DONE) and _ROLE_CHUNK not in frame:
                         now = time.monotonic()
                         if last_output is None:
@@ -128,9 +164,11 @@ class EdgeMetrics:
                 yield frame
             if not outcome.startswith("error"):
                 outcome = "completed"
+            self.surface_streams[(framing.surface, outcome.partition(" ")[0])] += 1
         except (asyncio.CancelledError, GeneratorExit):
             # Quart cancels the body (or closes it at a yield) when the client goes away.
             self.client_disconnects += 1
+            self.surface_streams[(framing.surface, "client_disconnect")] += 1
             raise
         except Exception as error:
             self.stream_errors[("api_error", "unhandled_exception")] += 1
@@ -184,6 +222,18 @@ class EdgeMetrics:
             [({"type": kind, "code": code}, n) for (kind, code), n in sorted(self.stream_errors.items())],
         )
         lines += prometheus.simple_family(
+            "sluice_edge_surface_requests_total",
+            "counter",
+            "generation requests answered, by API surface (openai, responses, anthropic, native) and status",
+            [({"surface": sf, "status": st}, n) for (sf, st), n in sorted(self.surface_requests.items())],
+        )
+        lines += prometheus.simple_family(
+            "sluice_edge_surface_streams_total",
+            "counter",
+            "streams ended, by API surface and outcome (completed, error, client_disconnect)",
+            [({"surface": sf, "outcome": o}, n) for (sf, o), n in sorted(self.surface_streams.items())],
+        )
+        lines += prometheus.simple_family(
             "sluice_edge_worker_up",
             "gauge",
             "1 when the worker answers its health check SERVING, else 0",
@@ -225,11 +275,13 @@ def current_metrics() -> EdgeMetrics:
     return metrics
 
 
-def observe_stream(body: AsyncIterable[bytes], request_id: str = "") -> AsyncGenerator[bytes, None]:
+def observe_stream(
+    body: AsyncIterable[bytes], request_id: str = "", framing: Framing = OPENAI_FRAMING
+) -> AsyncGenerator[bytes, None]:
     """Wraps an SSE body for the app's metrics; call it inside the request (it reads the
     app and the request's start time now, the returned generator runs later)."""
     started_at = g.get(_STARTED_ATTR) or time.monotonic()
-    return current_metrics().watch(body, started_at, request_id or g.get("request_id", ""))
+    return current_metrics().watch(body, started_at, request_id or g.get("request_id", ""), framing)
 
 
 def _error_labels(frame: bytes) -> tuple[str, str]:
@@ -241,4 +293,9 @@ def _error_labels(frame: bytes) -> tuple[str, str]:
         return "unknown", "unknown"
     if not isinstance(error, dict):
         return "unknown", "unknown"
+    if not error:
+        # A Responses `error` event carries its code at the top level.
+        with contextlib.suppress(ValueError, AttributeError):
+            payload = json.loads(data)
+            return "error", str(payload.get("code") or "unknown")
     return str(error.get("type") or "unknown"), str(error.get("code") or "unknown")

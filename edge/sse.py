@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncGenerator, AsyncIterable
+from dataclasses import dataclass
 from typing import Any
 
 DONE_FRAME = b"data: [DONE]\n\n"
@@ -38,8 +39,11 @@ def error_frame(payload: Any) -> bytes:
     return b"event: error\ndata: " + dumps(payload).encode("utf-8") + b"\n\n"
 
 
-async def with_heartbeats(frames: AsyncIterable[bytes], interval_s: float) -> AsyncGenerator[bytes, None]:
-    """Yields ``frames``, plus :data:`HEARTBEAT_FRAME` after each ``interval_s`` of silence.
+async def with_heartbeats(
+    frames: AsyncIterable[bytes], interval_s: float, heartbeat: bytes = HEARTBEAT_FRAME
+) -> AsyncGenerator[bytes, None]:
+    """Yields ``frames``, plus ``heartbeat`` (default :data:`HEARTBEAT_FRAME`) after each
+    ``interval_s`` of silence.
 
     Timer-driven: one ``anext()`` task on the source stays pending across
     heartbeats (cancelling it would cancel the source, i.e. the gRPC call), and
@@ -59,7 +63,7 @@ async def with_heartbeats(frames: AsyncIterable[bytes], interval_s: float) -> As
                 pending = asyncio.ensure_future(anext(source))
             done, _ = await asyncio.wait({pending}, timeout=interval_s)
             if not done:
-                yield HEARTBEAT_FRAME
+                yield heartbeat
                 continue
             finished, pending = pending, None
             try:
@@ -79,3 +83,47 @@ async def with_heartbeats(frames: AsyncIterable[bytes], interval_s: float) -> As
         if aclose is not None:
             with contextlib.suppress(RuntimeError):  # "already running": its task was just cancelled
                 await aclose()
+
+
+# ------------------------------------------------------------------ framings
+# The OpenAI chat and completions streams above are one framing; the other HTTP surfaces
+# (Responses, Anthropic Messages, the native /api/v1/chat stream) name every event instead.
+
+
+def named_frame(obj: dict[str, Any]) -> bytes:
+    """One named event: ``event: <obj["type"]>``, then ``data: <json>`` and a blank line.
+
+    All three named-event surfaces put the event's name in its payload's ``type``
+    (``response.created``, ``message_start``, ``chat.start``), so the name is read from there.
+    """
+    return b"event: " + str(obj["type"]).encode("utf-8") + b"\ndata: " + dumps(obj).encode("utf-8") + b"\n\n"
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How one HTTP surface writes its stream: the event frame, the heartbeat, the last frame.
+
+    ``surface`` labels the surface's metrics. ``output_events`` are the event names
+    that carry generated output (the metrics' time to first token and chunk gaps);
+    with unnamed events every ``data:`` frame but ``[DONE]`` and role chunks is output.
+    """
+
+    surface: str
+    named: bool = False
+    heartbeat: bytes = HEARTBEAT_FRAME
+    done: bytes | None = DONE_FRAME
+    output_events: frozenset[str] = frozenset()
+
+    def frame(self, obj: dict[str, Any]) -> bytes:
+        return named_frame(obj) if self.named else data_frame(obj)
+
+    def event_name(self, frame: bytes) -> str | None:
+        """The ``event:`` name of a frame this framing wrote (None for an unnamed frame)."""
+        if not frame.startswith(b"event: "):
+            return None
+        return frame[7 : frame.find(b"\n")].decode("utf-8", "replace")
+
+
+OPENAI_FRAMING = Framing("openai")
+# Anthropic's SSE clients skip a `ping` event; its docs send one to keep idle streams open.
+ANTHROPIC_PING_FRAME = b'event: ping\ndata: {"type":"ping"}\n\n'

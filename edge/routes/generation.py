@@ -41,7 +41,7 @@ from edge import metrics, sse
 from edge.call_group import CallGroup
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER, EventGuard, request_limits
 from edge.drain import Drain, current_drain, shutting_down_error
-from edge.errors import EdgeError, stream_error_payload
+from edge.errors import GENERIC_INTERNAL_MESSAGE, EdgeError, InternalError, stream_error_payload
 from edge.routes.common import current_pool, current_request_id, current_settings, worker_header
 from sluice.v1 import worker_pb2
 
@@ -51,6 +51,9 @@ GRPC_DEADLINE_MARGIN_S = 1.0
 
 OnEvent = Callable[[int, worker_pb2.GenerateResponse], list[dict[str, Any]]]
 Finish = Callable[[], list[dict[str, Any]]]
+# A named-event surface's events for a failure after the stream began (Responses, Anthropic,
+# native); without one, the OpenAI `event: error` frame is sent.
+OnError = Callable[[EdgeError], list[dict[str, Any]]]
 
 
 async def open_calls(
@@ -120,19 +123,34 @@ async def collect(group: CallGroup, add: Callable[[int, worker_pb2.GenerateRespo
             add(call, event)
 
 
-def sse_response(group: CallGroup, on_event: OnEvent, finish: Finish, headers: dict[str, str]) -> Response:
+def sse_response(
+    group: CallGroup,
+    on_event: OnEvent,
+    finish: Finish,
+    headers: dict[str, str],
+    framing: sse.Framing = sse.OPENAI_FRAMING,
+    on_error: OnError | None = None,
+) -> Response:
     """The 200 ``text/event-stream`` response: ``on_event``'s chunks for every event, then
     ``finish()``'s, then ``data: [DONE]``; heartbeats while the workers are silent.
+
+    ``framing`` (default OpenAI's) decides how each chunk is written, the heartbeat
+    frame and whether ``[DONE]`` ends the stream; ``on_error`` gives a named-event
+    surface's own events for a failure (default: the OpenAI ``event: error`` frame).
 
     Everything the body needs is taken here, inside the request context: the
     body runs after the handler returned.
     """
     settings = current_settings()
     body = sse.with_heartbeats(
-        _frames(group, _request_guard(), current_drain(), on_event, finish, current_request_id()),
+        _frames(
+            group, _request_guard(), current_drain(), on_event, finish, current_request_id(), framing, on_error
+        ),
         settings.heartbeat_interval_s,
+        framing.heartbeat,
     )
-    body = metrics.observe_stream(body)  # TTFT, chunk gaps, errors, disconnects (edge/metrics.py)
+    # TTFT, chunk gaps, errors, disconnects (edge/metrics.py)
+    body = metrics.observe_stream(body, framing=framing)
     headers = {
         **headers,
         "Cache-Control": "no-cache",
@@ -146,7 +164,14 @@ def sse_response(group: CallGroup, on_event: OnEvent, finish: Finish, headers: d
 
 
 async def _frames(
-    group: CallGroup, guard: EventGuard, drain: Drain, on_event: OnEvent, finish: Finish, request_id: str
+    group: CallGroup,
+    guard: EventGuard,
+    drain: Drain,
+    on_event: OnEvent,
+    finish: Finish,
+    request_id: str,
+    framing: sse.Framing = sse.OPENAI_FRAMING,
+    on_error: OnError | None = None,
 ) -> AsyncIterator[bytes]:
     """The SSE body after ``started``: chunks, an ``event: error`` on failure (a worker error, a
     time limit, the end of the shutdown grace period), then ``[DONE]``.
@@ -158,15 +183,25 @@ async def _frames(
         with drain.track(guard):
             async for call, event in guard.watch(group.events()):
                 for chunk in on_event(call, event):
-                    yield sse.data_frame(chunk)
+                    yield framing.frame(chunk)
         for chunk in finish():
-            yield sse.data_frame(chunk)
+            yield framing.frame(chunk)
     except EdgeError as error:
         log.info("request %s: stream ended with %s (%s)", request_id, error.type, error.message)
-        yield sse.error_frame(error.payload())
+        for frame in _error_frames(error, framing, on_error):
+            yield frame
     except Exception as error:
         log.exception("request %s: stream failed", request_id)
-        yield sse.error_frame(stream_error_payload(error))
+        for frame in _error_frames(InternalError(GENERIC_INTERNAL_MESSAGE), framing, on_error):
+            yield frame
     finally:
         group.cancel()
-    yield sse.DONE_FRAME
+    if framing.done is not None:
+        yield framing.done
+
+
+def _error_frames(error: EdgeError, framing: sse.Framing, on_error: OnError | None) -> list[bytes]:
+    """The frames that report ``error`` mid-stream: the surface's own events, else OpenAI's."""
+    if on_error is None:
+        return [sse.error_frame(stream_error_payload(error))]
+    return [framing.frame(obj) for obj in on_error(error)]
