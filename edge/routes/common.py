@@ -12,8 +12,8 @@ from quart.wrappers import Response
 
 from edge.errors import EdgeError, InvalidRequestError
 from edge.settings import Settings
-from edge.surface_errors import error_body
 from edge.sse import dumps
+from edge.surface_errors import error_body
 from edge.worker_pool import WorkerPool
 
 POOL_KEY = "sluice.worker_pool"

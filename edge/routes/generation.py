@@ -144,7 +144,14 @@ def sse_response(
     settings = current_settings()
     body = sse.with_heartbeats(
         _frames(
-            group, _request_guard(), current_drain(), on_event, finish, current_request_id(), framing, on_error
+            group,
+            _request_guard(),
+            current_drain(),
+            on_event,
+            finish,
+            current_request_id(),
+            framing,
+            on_error,
         ),
         settings.heartbeat_interval_s,
         framing.heartbeat,
@@ -190,7 +197,7 @@ async def _frames(
         log.info("request %s: stream ended with %s (%s)", request_id, error.type, error.message)
         for frame in _error_frames(error, framing, on_error):
             yield frame
-    except Exception as error:
+    except Exception:
         log.exception("request %s: stream failed", request_id)
         for frame in _error_frames(InternalError(GENERIC_INTERNAL_MESSAGE), framing, on_error):
             yield frame

@@ -1,0 +1,69 @@
+"""``POST /v1/responses``: the OpenAI Responses API, stateless; JSON or typed SSE events.
+
+The request is rewritten as a chat request (:mod:`edge.responses_types`) and
+answered from the worker's events by :mod:`edge.translate_responses`. The call
+order, time limits and cancellation rules are those of
+:mod:`edge.routes.generation`; the stream's events are named (``event:
+response.output_text.delta``) and it ends without ``[DONE]``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from quart import Blueprint
+from quart.wrappers import Response
+
+from edge import sse, translate
+from edge.responses_types import parse_responses_request
+from edge.routes.common import current_request_id, json_response, read_json_body
+from edge.routes.generation import collect, open_calls, response_headers, sse_response
+from edge.translate_responses import ResponsesTranslator, new_id
+
+blueprint = Blueprint("responses", __name__)
+
+FRAMING = sse.Framing(
+    "responses",
+    named=True,
+    done=None,
+    output_events=frozenset(
+        {
+            "response.output_text.delta",
+            "response.reasoning_text.delta",
+            "response.refusal.delta",
+            "response.function_call_arguments.delta",
+        }
+    ),
+)
+
+
+@blueprint.post("/v1/responses")
+async def create_response() -> Response:
+    request_id = current_request_id()
+    parsed = parse_responses_request(await read_json_body())
+    group = await open_calls(
+        [translate.to_generate_request(parsed.chat, request_id)],
+        translate.call_metadata(parsed.chat, request_id),
+    )
+    try:
+        translator = ResponsesTranslator(
+            response_id=new_id("resp"),
+            created_at=int(time.time()),
+            model=group.started(0).model or parsed.chat.model,
+            echo=parsed.echo(),
+        )
+        headers = response_headers(group)
+        if not parsed.stream:
+            await collect(group, lambda _call, event: translator.add(event))
+            return json_response(translator.result(), headers=headers)
+        return sse_response(
+            group,
+            lambda _call, event: translator.on_event(event),
+            translator.finish,
+            headers,
+            framing=FRAMING,
+            on_error=translator.on_error,
+        )
+    except BaseException:
+        group.cancel()
+        raise
