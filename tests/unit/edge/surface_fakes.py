@@ -24,7 +24,9 @@ def refusal(text: str) -> worker_pb2.GenerateResponse:
     return worker_pb2.GenerateResponse(refusal=worker_pb2.RefusalDelta(text=text))
 
 
-def progress(fraction: float, stage: int = worker_pb2.Progress.PROMPT_PROCESSING) -> worker_pb2.GenerateResponse:
+def progress(
+    fraction: float, stage: int = worker_pb2.Progress.PROMPT_PROCESSING
+) -> worker_pb2.GenerateResponse:
     return worker_pb2.GenerateResponse(progress=worker_pb2.Progress(stage=stage, fraction=fraction))  # type: ignore[arg-type]
 
 
@@ -45,7 +47,9 @@ def finished_with(
     )
 
 
-def usage_with(prompt: int, completion: int, cached: int = 0, reasoning_tokens: int = 0) -> worker_pb2.GenerateResponse:
+def usage_with(
+    prompt: int, completion: int, cached: int = 0, reasoning_tokens: int = 0
+) -> worker_pb2.GenerateResponse:
     return worker_pb2.GenerateResponse(
         usage=worker_pb2.Usage(
             prompt_tokens=prompt,

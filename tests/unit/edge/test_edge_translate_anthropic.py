@@ -37,7 +37,9 @@ def usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict[str, i
 
 def test_text_stream_is_exact() -> None:
     t = translator()
-    events = play(t, [started(prompt_tokens=7), content("Hi"), content("!"), finished_with(), usage_with(7, 2, 3)])
+    events = play(
+        t, [started(prompt_tokens=7), content("Hi"), content("!"), finished_with(), usage_with(7, 2, 3)]
+    )
     events += t.finish()
     message = {
         "id": "msg_1",
@@ -95,7 +97,9 @@ def test_thinking_text_and_tool_use_blocks() -> None:
     assert [s["index"] for s in starts] == [0, 1, 2, 3]
     assert starts[2]["content_block"] == {"type": "tool_use", "id": "toolu_a", "name": "weather", "input": {}}
     assert starts[3]["content_block"]["id"] == "toolu_1"  # generated when the worker gives none
-    json_deltas = [e["delta"]["partial_json"] for e in events if e.get("delta", {}).get("type") == "input_json_delta"]
+    json_deltas = [
+        e["delta"]["partial_json"] for e in events if e.get("delta", {}).get("type") == "input_json_delta"
+    ]
     assert json_deltas == ['{"city":', '"Paris"}']
     assert [e["index"] for e in events if e["type"] == "content_block_stop"] == [0, 1, 2, 3]
     assert events[-2]["delta"]["stop_reason"] == "tool_use"
@@ -170,7 +174,11 @@ def test_request_blocks_become_chat_messages() -> None:
             {
                 "role": "user",
                 "content": [
-                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": "toolu_1",
+                        "content": [{"type": "text", "text": "sunny"}],
+                    },
                     {"type": "text", "text": "Thanks"},
                 ],
             },
@@ -189,7 +197,9 @@ def test_request_blocks_become_chat_messages() -> None:
     assert chat.messages[0].content == "Be\nbrief."
     assistant = chat.messages[2]
     assert assistant.content == "Checking." and assistant.reasoning_content == "Call it."
-    assert [(c.id, c.function.arguments) for c in assistant.tool_calls or ()] == [("toolu_1", '{"city":"Paris"}')]
+    assert [(c.id, c.function.arguments) for c in assistant.tool_calls or ()] == [
+        ("toolu_1", '{"city":"Paris"}')
+    ]
     assert chat.messages[3].tool_call_id == "toolu_1" and chat.messages[3].content == "sunny"
     assert chat.max_completion_tokens == 16 and chat.stop == ["END"]
     assert chat.temperature == 0 and chat.top_p == 0.9 and parsed.request.top_k == 5
@@ -200,7 +210,10 @@ def test_request_blocks_become_chat_messages() -> None:
 def test_any_tool_choice_is_required_and_error_results_are_marked() -> None:
     parsed = parse(
         messages=[
-            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "boom", "is_error": True}]}
+            {
+                "role": "user",
+                "content": [{"type": "tool_result", "tool_use_id": "t", "content": "boom", "is_error": True}],
+            }
         ],
         tools=[{"name": "f", "input_schema": {"type": "object"}}],
         tool_choice={"type": "any"},
@@ -228,7 +241,14 @@ def test_any_tool_choice_is_required_and_error_results_are_marked() -> None:
             "missing_required_parameter",
         ),
         (
-            {"messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": 3}]}]},
+            {
+                "messages": [
+                    {
+                        "role": "assistant",
+                        "content": [{"type": "tool_use", "id": "t", "name": "f", "input": 3}],
+                    }
+                ]
+            },
             "messages[0].content[0].input",
             "invalid_type",
         ),
@@ -236,8 +256,16 @@ def test_any_tool_choice_is_required_and_error_results_are_marked() -> None:
         ({"top_k": 0}, "top_k", "invalid_value"),
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, "tools[0].type", "unsupported_parameter"),
         ({"tools": [{"name": "f"}]}, "tools[0].input_schema", "missing_required_parameter"),
-        ({"tool_choice": {"type": "tool"}, "tools": [{"name": "f", "input_schema": {}}]}, "tool_choice.name", "unsupported_parameter"),
-        ({"tool_choice": {"type": "tool", "name": "g"}, "tools": [{"name": "f", "input_schema": {}}]}, "tool_choice", "invalid_value"),
+        (
+            {"tool_choice": {"type": "tool"}, "tools": [{"name": "f", "input_schema": {}}]},
+            "tool_choice.name",
+            "unsupported_parameter",
+        ),
+        (
+            {"tool_choice": {"type": "tool", "name": "g"}, "tools": [{"name": "f", "input_schema": {}}]},
+            "tool_choice",
+            "invalid_value",
+        ),
         ({"system": 5}, "system", "invalid_value"),
     ],
 )

@@ -124,7 +124,11 @@ def test_reasoning_tool_calls_and_failures_in_order() -> None:
         "reason": "Cannot find tool with name open_browser.",
         "metadata": {"type": "invalid_name", "tool_name": "open_browser"},
     }
-    assert events[11]["metadata"] == {"type": "invalid_arguments", "tool_name": "weather", "arguments": {"days": 2}}
+    assert events[11]["metadata"] == {
+        "type": "invalid_arguments",
+        "tool_name": "weather",
+        "arguments": {"days": 2},
+    }
     assert "arguments.city is required" in events[11]["reason"]
     assert events[13]["metadata"] == {"type": "invalid_arguments", "tool_name": "free"}  # not an object
     result = events[-1]["result"]
@@ -187,7 +191,9 @@ def test_schema_errors_cover_the_common_keywords() -> None:
         "arguments.x is not an allowed property",
     ]
     assert schema_errors({"city": "P", "days": True}, WEATHER) == ["arguments.days must be of type integer"]
-    assert schema_errors(["a"], {"type": "array", "items": {"enum": ["b"]}}) == ["arguments[0] must be one of ['b']"]
+    assert schema_errors(["a"], {"type": "array", "items": {"enum": ["b"]}}) == [
+        "arguments[0] must be one of ['b']"
+    ]
 
 
 # ------------------------------------------------------------------ request
@@ -199,7 +205,11 @@ def parse(**fields: Any) -> Any:
 
 def test_request_fields_reach_the_chat_request_and_the_proto() -> None:
     parsed = parse(
-        input=[{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+        input=[
+            {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"},
+            {"role": "user", "content": "c"},
+        ],
         system_prompt="Be brief.",
         temperature=0,
         top_k=3,

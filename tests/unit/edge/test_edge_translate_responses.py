@@ -52,7 +52,9 @@ TEXT_PART = {"type": "output_text", "text": "", "annotations": [], "logprobs": [
 
 def test_text_stream_is_exact() -> None:
     t = translator()
-    events = play(t, [started(prompt_tokens=7), content("Hi"), content("!"), finished_with(), usage_with(7, 2)])
+    events = play(
+        t, [started(prompt_tokens=7), content("Hi"), content("!"), finished_with(), usage_with(7, 2)]
+    )
     events += t.finish()
     message_done = {
         "type": "message",
@@ -126,7 +128,12 @@ def test_reasoning_then_text_then_two_tool_calls() -> None:
     ]
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.completed" and final["status"] == "completed"
-    assert [item["type"] for item in final["output"]] == ["reasoning", "message", "function_call", "function_call"]
+    assert [item["type"] for item in final["output"]] == [
+        "reasoning",
+        "message",
+        "function_call",
+        "function_call",
+    ]
     assert final["output"][2] == {
         "type": "function_call",
         "id": "fc_3",
@@ -232,8 +239,16 @@ def test_request_items_become_chat_messages() -> None:
         ({"background": True}, "background", "unsupported_parameter"),
         ({"input": 5}, "input", "invalid_value"),
         ({"input": []}, "input", "invalid_value"),
-        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "missing_required_parameter"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0].type", "unsupported_parameter"),
+        (
+            {"input": [{"type": "function_call_output", "output": "x"}]},
+            "input[0].call_id",
+            "missing_required_parameter",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input[0].content[0].type",
+            "unsupported_parameter",
+        ),
         ({"input": [{"type": "web_search_call"}]}, "input[0].type", "unsupported_parameter"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
         ({"tools": [{"type": "function", "name": "bad name"}]}, "tools[0].name", "invalid_value"),
@@ -241,7 +256,11 @@ def test_request_items_become_chat_messages() -> None:
         ({"tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "invalid_value"),
         ({"max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
         ({"temperature": 3}, "temperature", "invalid_value"),
-        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "missing_required_parameter"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x"}}},
+            "text.format.schema",
+            "missing_required_parameter",
+        ),
         ({"stream": "yes"}, "stream", "invalid_type"),
     ],
 )
