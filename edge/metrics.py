@@ -14,6 +14,11 @@ Three sources, none of which changes what a caller receives:
   gauge goes up when the body starts and down however it ends;
 - worker health, asked of the pool at scrape time (``await pool.health()``).
 
+On a named-event surface (Responses, Anthropic, native; :class:`~edge.sse.Framing`)
+the output frames are the surface's delta events and the error frames its
+``error`` events. Generation requests and stream outcomes are also counted per
+surface (``surface`` label: ``openai``, ``responses``, ``anthropic``, ``native``).
+
 Role chunks (``"delta":{"role":"assistant","content":""}``) are sent as soon
 as a worker accepts the call, before any token, so they are not "first
 tokens"; every other ``data:`` frame but ``[DONE]`` is (a completions

@@ -5,6 +5,10 @@ with compact JSON and no ``event:`` or ``id:`` line (openai-python breaks on
 both); the stream ends with ``data: [DONE]\\n\\n``; a mid-stream failure is
 ``event: error\\ndata: <json>\\n\\n`` followed by ``[DONE]``; a heartbeat is the
 comment ``: heartbeat\\n\\n``, which every SSE client ignores.
+
+The other HTTP surfaces name every event instead (:class:`Framing`:
+``event: <type>`` then ``data: <json>``, no ``[DONE]``; Anthropic's heartbeat
+is its ``ping`` event).
 """
 
 from __future__ import annotations
