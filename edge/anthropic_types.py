@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
+from edge.errors import InvalidRequestError
 from edge.openai_types import ChatCompletionRequest, FunctionDefinition, invalid, validate_body
 from edge.responses_types import string_or_list
 from edge.surface_requests import compact_json, to_chat_request, unsupported, validate_at
@@ -49,7 +50,7 @@ class ToolUseBlock(_Model):
 class ToolResultBlock(_Model):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: str | list[dict[str, Any]] = ""
+    content: str | list[Any] = ""
     is_error: StrictBool | None = None
 
     _content = field_validator("content", mode="before")(string_or_list)
@@ -63,7 +64,7 @@ class ThinkingBlock(_Model):
 
 class InputMessage(_Model):
     role: Literal["user", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: str | list[Any]
 
     _content = field_validator("content", mode="before")(string_or_list)
 
@@ -206,7 +207,9 @@ def _messages(request: MessagesRequest) -> list[dict[str, Any]]:
 
 def _block_type(block: Any, where: str) -> str:
     if not isinstance(block, dict):
-        raise unsupported(where, f"Invalid '{where}': each content block must be an object.")
+        raise InvalidRequestError(
+            f"Invalid '{where}': each content block must be an object.", param=where, code="invalid_type"
+        )
     return str(block.get("type"))
 
 

@@ -41,7 +41,7 @@ class NativeChatRequest(_Model):
     """A ``POST /api/v1/chat`` body, shape-checked (see the module docstring)."""
 
     model: str
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]
     system_prompt: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)

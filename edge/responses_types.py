@@ -60,7 +60,7 @@ class InputText(_Model):
 class InputMessage(_Model):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: str | list[dict[str, Any]]
+    content: str | list[Any]
 
     _content = field_validator("content", mode="before")(string_or_list)
 
@@ -79,7 +79,7 @@ class FunctionCallOutputItem(_Model):
 
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
-    output: str | list[dict[str, Any]]
+    output: str | list[Any]
 
     _output = field_validator("output", mode="before")(string_or_list)
 
@@ -113,7 +113,7 @@ class ResponsesRequest(_Model):
     """A ``POST /v1/responses`` body, shape-checked (see the module docstring)."""
 
     model: str
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]
     instructions: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -282,7 +282,9 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
     for i, item in enumerate(request.input):
         where = f"input[{i}]"
         if not isinstance(item, dict):
-            raise bad(where, "each input item must be an object")
+            raise InvalidRequestError(
+                f"Invalid '{where}': each input item must be an object.", param=where, code="invalid_type"
+            )
         kind = item.get("type", "message")
         if kind == "message":
             message = validate_at(InputMessage, item, where)
@@ -315,7 +317,7 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _text(content: str | list[dict[str, Any]], where: str) -> str:
+def _text(content: str | list[Any], where: str) -> str:
     """A string, or text parts joined with a newline (as chat joins its parts)."""
     if isinstance(content, str):
         return content

@@ -32,14 +32,16 @@ def rebase(error: EdgeError, prefix: str) -> InvalidRequestError:
     inner = error.param
     param = prefix if not inner else f"{prefix}{inner}" if inner.startswith("[") else f"{prefix}.{inner}"
     message = error.message.replace(f"'{inner}'", f"'{param}'", 1) if inner else error.message
-    if not inner and error.http_status == 422:
-        message = f"Invalid '{prefix}': {message[0].lower()}{message[1:]}"
     return InvalidRequestError(message, param=param, code=error.code)
 
 
 def validate_at(model: type[ModelT], value: Any, where: str) -> ModelT:
     """Validates one part of a body (an input item, a content block) found at ``where``;
     errors name the full path (``input[2].call_id``)."""
+    if not isinstance(value, dict):
+        raise InvalidRequestError(
+            f"Invalid '{where}': must be a JSON object.", param=where, code="invalid_type"
+        )
     try:
         return validate_body(model, value)
     except EdgeError as error:

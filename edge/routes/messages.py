@@ -14,8 +14,9 @@ from quart.wrappers import Response
 
 from edge import sse, translate
 from edge.anthropic_types import parse_messages_request
-from edge.routes.common import current_request_id, json_response, read_json_body
-from edge.routes.generation import collect, open_calls, response_headers, sse_response
+from edge.routes.common import current_request_id, read_json_body
+from edge.routes.generation import open_calls, response_headers
+from edge.routes.surfaces import answer_json, answer_stream
 from edge.translate_anthropic import MessagesTranslator, new_id
 
 blueprint = Blueprint("messages", __name__)
@@ -41,16 +42,8 @@ async def create_message() -> Response:
         translator = MessagesTranslator(new_id("msg"), group.started(0).model or parsed.chat.model)
         headers = response_headers(group)
         if not parsed.stream:
-            await collect(group, lambda _call, event: translator.add(event))
-            return json_response(translator.result(), headers=headers)
-        return sse_response(
-            group,
-            lambda _call, event: translator.on_event(event),
-            translator.finish,
-            headers,
-            framing=FRAMING,
-            on_error=translator.on_error,
-        )
+            return await answer_json(group, translator, headers)
+        return answer_stream(group, translator, headers, FRAMING)
     except BaseException:
         group.cancel()
         raise

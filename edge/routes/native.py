@@ -18,7 +18,8 @@ from quart.wrappers import Response
 from edge import sse, translate
 from edge.native_types import parse_native_request
 from edge.routes.common import current_pool, current_request_id, json_response, read_json_body, worker_header
-from edge.routes.generation import collect, open_calls, response_headers, sse_response
+from edge.routes.generation import open_calls, response_headers
+from edge.routes.surfaces import answer_json, answer_stream
 from edge.translate_native import NativeTranslator
 from edge.translate_responses import new_id
 from sluice.v1 import worker_pb2
@@ -48,16 +49,8 @@ async def chat() -> Response:
         )
         headers = response_headers(group)
         if not parsed.stream:
-            await collect(group, lambda _call, event: translator.add(event))
-            return json_response(translator.result(), headers=headers)
-        return sse_response(
-            group,
-            lambda _call, event: translator.on_event(event),
-            translator.finish,
-            headers,
-            framing=FRAMING,
-            on_error=translator.on_error,
-        )
+            return await answer_json(group, translator, headers)
+        return answer_stream(group, translator, headers, FRAMING)
     except BaseException:
         group.cancel()
         raise

@@ -16,8 +16,9 @@ from quart.wrappers import Response
 
 from edge import sse, translate
 from edge.responses_types import parse_responses_request
-from edge.routes.common import current_request_id, json_response, read_json_body
-from edge.routes.generation import collect, open_calls, response_headers, sse_response
+from edge.routes.common import current_request_id, read_json_body
+from edge.routes.generation import open_calls, response_headers
+from edge.routes.surfaces import answer_json, answer_stream
 from edge.translate_responses import ResponsesTranslator, new_id
 
 blueprint = Blueprint("responses", __name__)
@@ -54,16 +55,8 @@ async def create_response() -> Response:
         )
         headers = response_headers(group)
         if not parsed.stream:
-            await collect(group, lambda _call, event: translator.add(event))
-            return json_response(translator.result(), headers=headers)
-        return sse_response(
-            group,
-            lambda _call, event: translator.on_event(event),
-            translator.finish,
-            headers,
-            framing=FRAMING,
-            on_error=translator.on_error,
-        )
+            return await answer_json(group, translator, headers)
+        return answer_stream(group, translator, headers, FRAMING)
     except BaseException:
         group.cancel()
         raise
