@@ -132,7 +132,7 @@ class ModelRunner:
             cache = compact(cache, prefix_lengths, suffixes)
         cache.lengths = [len(p) for p in prompts]
         cache.prefix_lengths = prefix_lengths
-        return out.logits[:, -1].float().cpu(), cache
+        return out.logits[:, -1].float(), cache
 
     def admit(self, prefilled: BatchCache, rows: Sequence[tuple[int, RowKey]]) -> None:
         """Adds one batch row per (prompt index in ``prefilled``, sequence key)."""
@@ -141,7 +141,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, last_tokens: Mapping[RowKey, int]) -> torch.Tensor:
-        """Advances every row by its last token; returns logits [rows, vocab] in ``row_keys`` order."""
+        """Advances every row by its last token; returns float32 logits [rows, vocab] in ``row_keys`` order,
+        on the model's device (the sampler runs there)."""
         if set(last_tokens) != set(self._rows):
             raise RuntimeError("decode needs exactly one token for every row of the batch")
         ids = torch.tensor([[last_tokens[key]] for key in self._rows], dtype=torch.long, device=self.device)
@@ -154,7 +155,7 @@ class ModelRunner:
             use_cache=True,
         )
         self._batch.advance()
-        return out.logits[:, -1].float().cpu()
+        return out.logits[:, -1].float()
 
     def release(self, keys: Iterable[RowKey]) -> None:
         """Drops the rows of these sequences (unknown keys are ignored)."""
@@ -166,8 +167,7 @@ class ModelRunner:
         self._rows = [self._rows[i] for i in keep]
 
     def reset(self) -> None:
-        """Drops every row (after a failed step, whose cache state is unknown)."""
+        """Drops every row of the batch (after a failed decode, whose cache state is unknown). The
+        prefix cache stays: an entry is stored only after its prefill forward succeeded."""
         self._batch = BatchCache(self.num_layers)
         self._rows = []
-        # A step may have failed between a forward and its stores; drop what may be half-made.
-        self.prefix_cache.clear()
