@@ -15,7 +15,7 @@ const settings = {
   model: process.env.SLUICE_MODEL,
   input: "What is the capital of France? Answer in one sentence.",
   temperature: 0,
-  max_output_tokens: 6,
+  max_output_tokens: 16,
 };
 const out = {};
 

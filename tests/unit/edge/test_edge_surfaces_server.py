@@ -350,3 +350,30 @@ def test_native_models_listing() -> None:
         assert listing["models"][0]["loaded_instances"] == [{"id": MODEL}]
 
     run(body())
+
+
+@pytest.mark.parametrize("path", SURFACES)
+def test_deadline_before_the_first_event_is_a_504_in_each_shape(path: str) -> None:
+    async def body() -> None:
+        fake = FakeWorker(script=[Hang()])
+        async with (
+            running_worker(fake) as address,
+            running_edge([address]) as base,
+            httpx.AsyncClient() as client,
+        ):
+            response = await client.post(
+                f"{base}{path}", json=stream_body(path), headers={"X-Sluice-Timeout": "0.3"}
+            )
+            bad_header = await client.post(
+                f"{base}{path}", json=stream_body(path), headers={"X-Sluice-Timeout": "soon"}
+            )
+        assert response.status_code == 504
+        error = error_of(path, response.json())
+        if path == "/v1/messages":
+            assert error["type"] == "timeout_error"
+        else:
+            assert error["code"] == "timeout"
+        assert bad_header.status_code == 400
+        error_of(path, bad_header.json())
+
+    run(body())
