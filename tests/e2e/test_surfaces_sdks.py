@@ -60,7 +60,8 @@ def greedy_text(responses_client) -> str:
 
 def _without_ids(response: Any) -> dict[str, Any]:
     """A Response as a dict without what differs between two calls (ids, time, cache hits)."""
-    dumped = response.model_dump(exclude={"id", "created_at"})
+    # exclude_none: the stream helper adds `parsed: None` to text parts (no text_format asked).
+    dumped = response.model_dump(exclude={"id", "created_at"}, exclude_none=True)
     for item in dumped["output"]:
         item.pop("id", None)
     dumped["usage"]["input_tokens_details"].pop("cached_tokens")
