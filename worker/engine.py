@@ -55,6 +55,7 @@ from worker.sampler import GrammarFailure, Sample, SequenceSampling, blocked_ids
 from worker.scheduler import Scheduler, StepPlan
 from worker.types import (
     Admitted,
+    ChoiceEnded,
     CoreFailure,
     CoreOutput,
     Event,
@@ -63,6 +64,7 @@ from worker.types import (
     GenerationRequest,
     NewToken,
     Progress,
+    PromptScored,
 )
 
 log = logging.getLogger(__name__)
@@ -479,6 +481,14 @@ class Engine:
         # Sent before the prefill runs, so a caller waiting through a long prompt hears of it.
         _deliver([(s.stream, [Progress("prompt_processing", 0.0)]) for s in states])
         now = time.monotonic()
+        for state in [s for s in states if s.request.sampling.prompt_logprobs is not None]:
+            self._score(state, now, outputs)
+        # A request that only scores its prompt (max_tokens 0) needs no KV cache and no token.
+        states = [
+            s for s in states if s.request.sampling.max_tokens > 0 and not _failed(outputs.get(s.key, []))
+        ]
+        if not states:
+            return
         try:
             logits, prefilled = self._runner.prefill([s.request.prompt_token_ids for s in states])
         except Exception as exc:  # the running batch is untouched: only these requests fail
@@ -501,6 +511,22 @@ class Engine:
         self.counters.prefix_cache_hit_tokens += sum(reused)
         rows = logits[torch.tensor([i for i, _, _ in admitted], device=logits.device)]
         self._sample([(s, c) for _, s, c in admitted], rows, outputs)
+
+    def _score(self, state: _RequestState, now: float, outputs: dict[str, list[CoreOutput]]) -> None:
+        """The prompt's logprobs; a scoring-only request (max_tokens 0) ends here."""
+        top_n = state.request.sampling.prompt_logprobs or 0
+        try:
+            entries = self._runner.score(state.request.prompt_token_ids, top_n)
+        except Exception as exc:
+            log.exception("scoring the prompt of %s failed", state.key)
+            self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+            return
+        out = outputs.setdefault(state.key, [])
+        out += [Admitted(now, 0), PromptScored(tuple(entries))]
+        if state.request.sampling.max_tokens == 0:
+            for choice in state.choices:
+                choice.finished = True
+                out.append(ChoiceEnded(choice.index, FinishReason.LENGTH))
 
     def _sample(
         self,

@@ -27,6 +27,7 @@ from worker.output_parser import ChoiceOutput
 from worker.stop_strings import StopStringMatcher
 from worker.types import (
     Admitted,
+    ChoiceEnded,
     ContentDelta,
     CoreFailure,
     CoreOutput,
@@ -37,6 +38,8 @@ from worker.types import (
     GenerationRequest,
     NewToken,
     Progress,
+    PromptLogprobs,
+    PromptScored,
     ReasoningDelta,
     RefusalDelta,
     SampledLogprobs,
@@ -120,7 +123,20 @@ class RequestOutputProcessor:
             elif isinstance(item, Progress):
                 out.events.append(item)
             elif isinstance(item, Admitted):
-                self._admitted_time, self._cached_tokens = item.time, item.cached_tokens
+                if self._admitted_time is None:
+                    self._admitted_time, self._cached_tokens = item.time, item.cached_tokens
+                else:  # scored first, then prefilled: the prefill's cache hit counts
+                    self._cached_tokens = item.cached_tokens
+            elif isinstance(item, PromptScored):
+                logprobs = [self._logprob(entry) for entry in item.entries]
+                first = self._request.prompt_token_ids[0]
+                text, raw = self._texts(first)
+                scored = tuple(lp for lp in logprobs if lp is not None)
+                out.events.append(PromptLogprobs(scored, first, text, raw))
+            elif isinstance(item, ChoiceEnded):
+                choice = self._choices[item.choice_index]
+                if not choice.finished:
+                    self._finish(choice, item.reason, out)
             elif isinstance(item, CoreFailure):
                 out.events.append(Failed(item.message, self.usage()))
                 self._done = out.done = True

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import enum
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sluice.ids import new_tool_call_id
 from worker.markers import split_at_marker
 
 OPEN = "<tool_call>"
@@ -44,10 +44,6 @@ class CallPiece:
 
 
 Piece = ContentPiece | CallPiece
-
-
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
@@ -205,7 +201,7 @@ class _State(enum.Enum):
 class ToolCallParser:
     """One per choice. ``push`` and ``finish`` return content and tool-call pieces in order."""
 
-    def __init__(self, allow_bare_json: bool = True, id_factory: Callable[[], str] = new_call_id):
+    def __init__(self, allow_bare_json: bool = True, id_factory: Callable[[], str] = new_tool_call_id):
         self._allow_bare = allow_bare_json
         self._new_id = id_factory
         self._state = _State.TEXT

@@ -35,6 +35,7 @@ class SamplingOptions:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # number of top alternatives; None = no logprobs
+    prompt_logprobs: int | None = None  # the prompt's logprobs with this many alternatives; None = none
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +132,17 @@ class ToolCallDelta:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The logprob of every prompt token after the first, in prompt order (asked with prompt_logprobs);
+    the first token (which has no logprob) by id, text and bytes."""
+
+    logprobs: tuple[TokenLogprob, ...]
+    first_token_id: int = 0
+    first_token: str = ""
+    first_token_bytes: bytes = b""
+
+
+@dataclass(frozen=True)
 class Progress:
     stage: str  # "queued", "model_load", "prompt_processing"
     fraction: float
@@ -167,7 +179,17 @@ class Failed:
     usage: Usage | None = None
 
 
-Event = ContentDelta | ReasoningDelta | RefusalDelta | ToolCallDelta | Progress | Finished | Usage | Failed
+Event = (
+    ContentDelta
+    | ReasoningDelta
+    | RefusalDelta
+    | ToolCallDelta
+    | PromptLogprobs
+    | Progress
+    | Finished
+    | Usage
+    | Failed
+)
 
 
 # ------------------------------------------- from the engine core to the output processor
@@ -209,6 +231,21 @@ class NewToken:
 
 
 @dataclass(frozen=True)
+class PromptScored:
+    """The prompt's logprobs (ids only), one entry per prompt token after the first."""
+
+    entries: tuple[SampledLogprobs, ...]
+
+
+@dataclass(frozen=True)
+class ChoiceEnded:
+    """The core ended a choice without drawing a token (``max_tokens`` 0: the prompt was only scored)."""
+
+    choice_index: int
+    reason: FinishReason
+
+
+@dataclass(frozen=True)
 class CoreFailure:
     """The core could not go on with the request (its forward pass or its grammar failed)."""
 
@@ -216,4 +253,4 @@ class CoreFailure:
 
 
 # What the core hands a request's output processor, in order, once per step.
-CoreOutput = Progress | Admitted | NewToken | CoreFailure
+CoreOutput = Progress | Admitted | PromptScored | NewToken | ChoiceEnded | CoreFailure
