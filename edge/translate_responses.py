@@ -41,13 +41,17 @@ from typing import Any
 
 from edge.errors import EdgeError
 from edge.usage import UsageTracker
+from sluice.ids import new_tool_call_id
 from sluice.v1 import worker_pb2
 
 IdFactory = Callable[[str], str]
 
 
 def new_id(prefix: str) -> str:
-    """``<prefix>_<32 hex>`` (``resp``, ``msg``, ``rs``, ``fc``, ``call``)."""
+    """``<prefix>_<32 hex>`` (``resp``, ``msg``, ``rs``, ``fc``); a ``call`` id has the shared
+    tool-call format (:func:`sluice.ids.new_tool_call_id`)."""
+    if prefix == "call":
+        return new_tool_call_id()
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
