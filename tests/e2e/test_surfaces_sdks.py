@@ -30,6 +30,9 @@ MODEL = "SmolLM2-135M-Instruct"
 QUESTION = "What is the capital of France? Answer in one sentence."
 # Room for the whole greedy answer ("The capital of France is Paris.", 8 tokens with its end).
 LIMIT = 16
+# A forced call waits for its grammar before its first token; on a loaded two-core machine that
+# silence can pass the edge's default idle timeout, so the tool tests allow more.
+PATIENT = {"X-Sluice-Idle-Timeout": "600"}
 WEATHER_SCHEMA = {
     "type": "object",
     "properties": {"city": {"type": "string"}},
@@ -124,6 +127,7 @@ def test_responses_forced_tool_call_and_its_output_sent_back(responses_client):
         tool_choice={"type": "function", "name": "get_weather"},
         temperature=0,
         max_output_tokens=40,
+        extra_headers=PATIENT,
     ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
@@ -218,6 +222,7 @@ def test_anthropic_forced_tool_use_is_parsed_by_the_sdk(anthropic_client):
         tools=tools,
         tool_choice={"type": "tool", "name": "get_weather"},
         extra_body={"temperature": 0},
+        extra_headers=PATIENT,
     ) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_message()
