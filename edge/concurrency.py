@@ -39,8 +39,6 @@ GENERATION_ENDPOINTS = frozenset(
     }
 )
 _SCOPE_KEY = "sluice.concurrency_slot"
-# Where create_app keeps the limiter (app.extensions), for the metrics.
-LIMITER_KEY = "sluice.concurrency"
 
 AsgiApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
 

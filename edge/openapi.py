@@ -198,6 +198,20 @@ def _surface_generation(
     }
 
 
+def _playground(summary: str) -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {
+                "200": {
+                    "description": "The playground page (its script and style sheet are under /static/).",
+                    "content": {"text/html": {"schema": {"type": "string"}}},
+                }
+            },
+        }
+    }
+
+
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     """The whole document (built once; treat it as read-only)."""
@@ -308,6 +322,8 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/": _playground("The browser playground (docs/playground.md); no API key needed"),
+            "/playground": _playground("The browser playground (the same page as /)"),
             "/openapi.json": {
                 "get": {
                     "summary": "This document",

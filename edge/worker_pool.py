@@ -463,9 +463,8 @@ class WorkerPool:
         if self._dns is not None and not self._workers:
             await self.wait_first_round()  # first requests after start-up, before DNS answered
         deadline = time.monotonic() + timeout_s
+        # The request id travels in the request's own field (GenerateRequest.request_id), once.
         call_metadata = tuple(metadata)
-        if not any(key == "x-request-id" for key, _ in call_metadata):
-            call_metadata = (("x-request-id", request_id), *call_metadata)
         candidates = self._candidates()
         if not candidates:
             raise self._none_available()

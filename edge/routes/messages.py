@@ -21,14 +21,6 @@ from edge.translate_anthropic import MessagesTranslator, new_id
 
 blueprint = Blueprint("messages", __name__)
 
-FRAMING = sse.Framing(
-    "anthropic",
-    named=True,
-    done=None,
-    heartbeat=sse.ANTHROPIC_PING_FRAME,
-    output_events=frozenset({"content_block_delta"}),
-)
-
 
 @blueprint.post("/v1/messages")
 async def create_message() -> Response:
@@ -43,7 +35,7 @@ async def create_message() -> Response:
         headers = response_headers(group)
         if not parsed.stream:
             return await answer_json(group, translator, headers)
-        return answer_stream(group, translator, headers, FRAMING)
+        return answer_stream(group, translator, headers, sse.ANTHROPIC_PING_FRAME)
     except BaseException:
         group.cancel()
         raise

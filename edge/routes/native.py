@@ -15,7 +15,7 @@ from typing import Any
 from quart import Blueprint
 from quart.wrappers import Response
 
-from edge import sse, translate
+from edge import translate
 from edge.native_types import parse_native_request
 from edge.routes.common import current_pool, current_request_id, json_response, read_json_body, worker_header
 from edge.routes.generation import open_calls, response_headers
@@ -25,13 +25,6 @@ from edge.translate_responses import new_id
 from sluice.v1 import worker_pb2
 
 blueprint = Blueprint("native", __name__)
-
-FRAMING = sse.Framing(
-    "native",
-    named=True,
-    done=None,
-    output_events=frozenset({"message.delta", "reasoning.delta", "tool_call.start"}),
-)
 
 
 @blueprint.post("/api/v1/chat")
@@ -50,7 +43,7 @@ async def chat() -> Response:
         headers = response_headers(group)
         if not parsed.stream:
             return await answer_json(group, translator, headers)
-        return answer_stream(group, translator, headers, FRAMING)
+        return answer_stream(group, translator, headers)
     except BaseException:
         group.cancel()
         raise

@@ -14,7 +14,7 @@ import time
 from quart import Blueprint
 from quart.wrappers import Response
 
-from edge import sse, translate
+from edge import translate
 from edge.responses_types import parse_responses_request
 from edge.routes.common import current_request_id, read_json_body
 from edge.routes.generation import open_calls, response_headers
@@ -22,20 +22,6 @@ from edge.routes.surfaces import answer_json, answer_stream
 from edge.translate_responses import ResponsesTranslator, new_id
 
 blueprint = Blueprint("responses", __name__)
-
-FRAMING = sse.Framing(
-    "responses",
-    named=True,
-    done=None,
-    output_events=frozenset(
-        {
-            "response.output_text.delta",
-            "response.reasoning_text.delta",
-            "response.refusal.delta",
-            "response.function_call_arguments.delta",
-        }
-    ),
-)
 
 
 @blueprint.post("/v1/responses")
@@ -56,7 +42,7 @@ async def create_response() -> Response:
         headers = response_headers(group)
         if not parsed.stream:
             return await answer_json(group, translator, headers)
-        return answer_stream(group, translator, headers, FRAMING)
+        return answer_stream(group, translator, headers)
     except BaseException:
         group.cancel()
         raise

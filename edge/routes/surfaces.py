@@ -17,7 +17,7 @@ from edge import sse
 from edge.call_group import CallGroup
 from edge.errors import EdgeError
 from edge.routes.common import json_response
-from edge.routes.generation import collect, sse_response
+from edge.routes.generation import StreamFraming, collect, sse_response
 from sluice.v1 import worker_pb2
 
 
@@ -42,14 +42,19 @@ async def answer_json(group: CallGroup, translator: SurfaceTranslator, headers: 
 
 
 def answer_stream(
-    group: CallGroup, translator: SurfaceTranslator, headers: dict[str, str], framing: sse.Framing
+    group: CallGroup,
+    translator: SurfaceTranslator,
+    headers: dict[str, str],
+    heartbeat: bytes = sse.HEARTBEAT_FRAME,
 ) -> Response:
-    """The named-event stream of ``translator``'s events, framed by ``framing``."""
+    """The stream of ``translator``'s named events (:func:`edge.sse.named_frame`), with no
+    ``[DONE]``; a failure is the translator's own error events; ``heartbeat`` is sent after
+    each silence (a comment line, or Anthropic's ``ping`` event)."""
+
+    def error_frames(error: EdgeError) -> bytes:
+        return b"".join(sse.named_frame(event) for event in translator.on_error(error))
+
+    framing = StreamFraming(encode=sse.named_frame, heartbeat=heartbeat, end=b"", error=error_frames)
     return sse_response(
-        group,
-        lambda _call, event: translator.on_event(event),
-        translator.finish,
-        headers,
-        framing=framing,
-        on_error=translator.on_error,
+        group, lambda _call, event: translator.on_event(event), translator.finish, headers, framing=framing
     )
