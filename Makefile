@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install browser-deps run test lint protos bench bench-edge clean
+.PHONY: install browser-deps run test lint protos bench bench-edge chaos clean
 
 install: $(STAMP)
 
@@ -61,6 +61,11 @@ bench: install
 bench-edge: install
 	$(PY) bench/load_edge.py
 	$(PY) bench/bench_edge_overhead.py --rounds 3
+
+# Three minutes of worker kills/stops/restarts, client disconnects, slow readers and bad
+# bodies against two fake-token workers behind one edge; exits 1 if a check fails (docs/testing.md).
+chaos: install
+	$(PY) bench/chaos.py --duration 180
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -63,6 +63,7 @@ from load_edge import MODEL, PROMPTS, chat_body  # noqa: E402
 from sluice.client import WorkerCallError, WorkerClient  # noqa: E402
 from sluice.v1 import worker_pb2 as pb  # noqa: E402
 from tests.processes import EdgeProcess, WorkerProcess  # noqa: E402
+from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 REQUEST_TIMEOUT_S = 120.0
@@ -410,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per level (each path once per round)")
     parser.add_argument("--seconds", type=float, default=4.0, help="length of one measurement window")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request")
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     args = parser.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in parse_list(int, args.concurrency)]

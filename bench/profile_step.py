@@ -31,6 +31,7 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from worker import engine as engine_module  # noqa: E402
+from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.fake_runner import FakeRunner, load_fake_model  # noqa: E402
 from worker.server import eos_token_ids  # noqa: E402
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     args = parser.parse_args()
     torch.set_num_threads(1)
     loaded = load_fake_model(None, served_model_name=None, cache_dir=args.cache_dir)

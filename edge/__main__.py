@@ -10,14 +10,19 @@ connection still open (a client that does not read its last frames) is
 aborted, hypercorn returns, and the process exits 0. A second signal skips
 what is left of the drain delay.
 
+Start: the listening port is claimed (:func:`sluice.ports.claim_port`) before
+the app is built and handed to hypercorn as an already bound socket; a taken
+port is one line naming ``--port`` and exit status 2, never a traceback.
+
 Several processes (``--processes N``, 0 = one per core): :func:`supervise`
 forks N edge processes that share nothing but the port (each binds it with
-``SO_REUSEPORT``, so the kernel spreads new connections over them) and a
-folder for the Prometheus metrics (:mod:`edge.metrics`: a scrape of any
-process reports all of them). The supervisor passes SIGTERM/SIGINT on to
-every process (each drains as above) and exits once they all have, with the
-first non-zero exit status; if one process dies on its own, the others are
-stopped too, so the container's restart policy sees the failure.
+``SO_REUSEPORT``, so the kernel spreads new connections over them, after the
+supervisor checked the port is free) and a folder for the Prometheus metrics
+(:mod:`edge.metrics`: a scrape of any process reports all of them). The
+supervisor passes SIGTERM/SIGINT on to every process (each drains as above)
+and exits once they all have, with the first non-zero exit status; if one
+process dies on its own, the others are stopped too, so the container's
+restart policy sees the failure.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from edge.drain import Drain
 from edge.metrics import forget_process, use_multiprocess_dir
 from edge.settings import Settings
 from sluice.logs import configure_logging
+from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free, claim_port
 
 log = logging.getLogger("sluice.edge")
 
@@ -55,13 +61,16 @@ FINAL_WRITE_S = 1.0
 FINAL_WRITE_MARGIN_S = FINAL_WRITE_S + 1.0
 
 
-def hypercorn_config(settings: Settings) -> Config:
-    """The hypercorn config for ``settings`` (bind address, shutdown grace)."""
+def hypercorn_config(settings: Settings, listen_fd: int | None = None) -> Config:
+    """The hypercorn config for ``settings`` (bind address, shutdown grace).
+
+    ``listen_fd``: an already bound socket's descriptor, which hypercorn then owns.
+    """
     config = Config()
     host = (
         f"[{settings.host}]" if ":" in settings.host and not settings.host.startswith("[") else settings.host
     )
-    config.bind = [f"{host}:{settings.port}"]
+    config.bind = [f"fd://{listen_fd}" if listen_fd is not None else f"{host}:{settings.port}"]
     # More than one worker makes hypercorn bind with SO_REUSEPORT: every process of this edge
     # binds the same port itself. (hypercorn's own serve() runs one process either way.)
     config.workers = settings.process_count
@@ -71,12 +80,19 @@ def hypercorn_config(settings: Settings) -> Config:
     return config
 
 
-async def serve_edge(settings: Settings, stop: asyncio.Event, drain: asyncio.Event | None = None) -> None:
+async def serve_edge(
+    settings: Settings,
+    stop: asyncio.Event,
+    drain: asyncio.Event | None = None,
+    *,
+    listen_fd: int | None = None,
+) -> None:
     """Serves until shut down, then ends the requests in flight as described in the module.
 
     ``drain`` set: start draining and keep the listener open for
     ``--drain-delay``; ``stop`` set: the same without (or without the rest of)
     the delay. Either way requests in flight get ``--graceful-timeout``.
+    ``listen_fd``: the claimed listening socket (else hypercorn binds the port itself).
     """
     app = create_app(settings)
     state = app.sluice
@@ -88,7 +104,7 @@ async def serve_edge(settings: Settings, stop: asyncio.Event, drain: asyncio.Eve
         )
     )
     try:
-        await serve(app, hypercorn_config(settings), shutdown_trigger=close_listener.wait)
+        await serve(app, hypercorn_config(settings, listen_fd), shutdown_trigger=close_listener.wait)
     finally:
         shutdown.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -142,7 +158,7 @@ async def _first_of(*waits: Coroutine[Any, Any, Any]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _run(settings: Settings) -> None:
+async def _run(settings: Settings, listen_fd: int | None) -> None:
     stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -152,7 +168,7 @@ async def _run(settings: Settings) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    await serve_edge(settings, stop, drain)
+    await serve_edge(settings, stop, drain, listen_fd=listen_fd)
     log.info("sluice-edge stopped")
 
 
@@ -201,7 +217,7 @@ def _serve_one(settings: Settings) -> None:
     """One edge process of :func:`supervise` (a forked child)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # asyncio installs its own in _run
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    asyncio.run(_run(settings))
+    asyncio.run(_run(settings, None))  # binds the port itself, with SO_REUSEPORT
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -209,9 +225,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     settings = Settings.from_args(argv)
     configure_logging(settings.log_level, settings.log_format)
     count = settings.process_count
+    try:
+        if count > 1:
+            check_port_free(settings.host, settings.port, "--port")
+        else:
+            sock = claim_port(settings.host, settings.port, "--port")
+    except PortUnavailableError as error:
+        log.error("%s", error.message)
+        sys.exit(EXIT_PORT_TAKEN)
     if count > 1:
         sys.exit(supervise(settings, count))
-    asyncio.run(_run(settings))
+    # hypercorn owns the descriptor from here on (it closes it at shutdown).
+    asyncio.run(_run(settings, sock.detach()))
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from worker.config import DEFAULT_CACHE_DIR
 from worker.errors import WorkerError
 from worker.packed_linear import pack_linears
 
@@ -100,7 +101,7 @@ def load_model(
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    cache = cache_dir or Path.home() / ".cache" / "sluice"
+    cache = cache_dir or DEFAULT_CACHE_DIR
     if model is None:
         gguf = default_gguf_path()
         folder, source, model_id = converted_gguf_folder(gguf, cache), str(gguf), DEFAULT_MODEL_ID
