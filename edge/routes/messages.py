@@ -35,7 +35,7 @@ async def create_message() -> Response:
         headers = response_headers(group)
         if not parsed.stream:
             return await answer_json(group, translator, headers)
-        return answer_stream(group, translator, headers, sse.ANTHROPIC_PING_FRAME)
+        return answer_stream(group, translator, headers, "anthropic", sse.ANTHROPIC_PING_FRAME)
     except BaseException:
         group.cancel()
         raise

@@ -43,7 +43,7 @@ async def chat() -> Response:
         headers = response_headers(group)
         if not parsed.stream:
             return await answer_json(group, translator, headers)
-        return answer_stream(group, translator, headers)
+        return answer_stream(group, translator, headers, "native")
     except BaseException:
         group.cancel()
         raise

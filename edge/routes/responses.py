@@ -42,7 +42,7 @@ async def create_response() -> Response:
         headers = response_headers(group)
         if not parsed.stream:
             return await answer_json(group, translator, headers)
-        return answer_stream(group, translator, headers)
+        return answer_stream(group, translator, headers, "responses")
     except BaseException:
         group.cancel()
         raise

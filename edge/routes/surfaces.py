@@ -45,16 +45,20 @@ def answer_stream(
     group: CallGroup,
     translator: SurfaceTranslator,
     headers: dict[str, str],
+    surface: str,
     heartbeat: bytes = sse.HEARTBEAT_FRAME,
 ) -> Response:
     """The stream of ``translator``'s named events (:func:`edge.sse.named_frame`), with no
     ``[DONE]``; a failure is the translator's own error events; ``heartbeat`` is sent after
-    each silence (a comment line, or Anthropic's ``ping`` event)."""
+    each silence (a comment line, or Anthropic's ``ping`` event); ``surface`` labels the
+    stream's metrics."""
 
     def error_frames(error: EdgeError) -> bytes:
         return b"".join(sse.named_frame(event) for event in translator.on_error(error))
 
-    framing = StreamFraming(encode=sse.named_frame, heartbeat=heartbeat, end=b"", error=error_frames)
+    framing = StreamFraming(
+        encode=sse.named_frame, heartbeat=heartbeat, end=b"", error=error_frames, surface=surface
+    )
     return sse_response(
         group, lambda _call, event: translator.on_event(event), translator.finish, headers, framing=framing
     )
