@@ -28,6 +28,7 @@ class WorkerConfig:
     device: str = "auto"
     dtype: str = "auto"
     cpu_linear: str = "onednn"
+    quantization: str = "auto"
     cache_dir: Path = Path.home() / ".cache" / "sluice"
     worker_id: str = ""
     max_running: int = 16
@@ -164,6 +165,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="onednn",
         help="on the CPU: onednn (linear weights packed once for oneDNN, faster) or torch "
         "(torch's default BLAS)",
+    )
+    add(
+        "--quantization",
+        type=_choice("--quantization", ("auto", "none", "int8", "int4", "fp8")),
+        default="auto",
+        help="weight-only linear layers: none (float), int8, int4 (groups of 32), fp8 (CUDA, compute "
+        "capability 8.9+) or auto (the default model int4 on the CPU; docs/quantization.md)",
     )
     add("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice", help="converted-model cache")
     add("--worker-id", default="", help="id reported in Started and ListModels (default host:port)")

@@ -1,0 +1,171 @@
+"""Weight-only quantized layers, GGUF block repacking, quantized loading and the --quantization setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize, quantize
+
+from worker.config import parse_config
+from worker.model_loader import AUTO_DEFAULT_MODEL_CPU, ModelLoadError, choose_quantization, load_model
+from worker.quant.gguf_blocks import repacked_linear
+from worker.quant.layers import (
+    Fp8Linear,
+    Int4Linear,
+    Int8Embedding,
+    Int8Linear,
+    cpu_kernels_available,
+    quantize_linears,
+)
+from worker.quant.loading import unpermuted_rows
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no CPU int8/int4 kernels in this torch")
+
+CPU = torch.device("cpu")
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max())
+
+
+def random_weight(out_features: int = 96, in_features: int = 128) -> torch.Tensor:
+    return torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)) * 0.05
+
+
+@pytest.mark.parametrize("layer_class", [Int8Linear, Int4Linear])
+@pytest.mark.parametrize("rows", [1, 5, 16])
+def test_quantized_layer_computes_x_times_its_dequantized_weight(layer_class, rows):
+    weight, bias = random_weight(), torch.randn(96)
+    layer = layer_class.from_float(weight, bias)
+    x = torch.randn(2, rows, 128)
+    with torch.inference_mode():
+        got = layer(x)
+        want = torch.nn.functional.linear(x, layer.dequantized(), bias)
+    assert got.shape == (2, rows, 96) and got.dtype == torch.float32
+    # The kernels take bfloat16 activations: about 3 significant digits.
+    assert relative_error(got, want) < 2e-2
+
+
+@pytest.mark.parametrize(("layer_class", "bound"), [(Int8Linear, 0.01), (Int4Linear, 0.1), (Fp8Linear, 0.07)])
+def test_quantization_error_is_within_the_format_bound(layer_class, bound):
+    weight = random_weight()
+    layer = layer_class.from_float(weight)
+    assert relative_error(layer.dequantized(), weight) < bound
+
+
+def test_fp8_layer_computes_on_its_generic_path():
+    weight = random_weight()
+    layer = Fp8Linear.from_float(weight)
+    x = torch.randn(3, 128)
+    torch.testing.assert_close(layer(x), x @ layer.dequantized().t(), rtol=1e-4, atol=1e-4)
+
+
+def test_int8_embedding_reads_the_output_layers_rows():
+    table = Int8Linear.from_float(random_weight(50, 32))
+    embedding = Int8Embedding(table)
+    ids = torch.tensor([[0, 7, 49]])
+    torch.testing.assert_close(embedding(ids), table.dequantized()[ids])
+
+
+def gguf_tensor(tmp_path: Path, weight: np.ndarray, kind: GGMLQuantizationType):
+    writer = GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    raw = quantize(weight, kind)
+    writer.add_tensor("w", raw, raw_shape=raw.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFReader(str(tmp_path / "t.gguf")).tensors[0]
+
+
+@pytest.mark.parametrize("kind", [GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1])
+def test_q4_blocks_repack_into_int4_without_requantizing(tmp_path, kind):
+    weight = random_weight(64, 96).numpy()
+    tensor = gguf_tensor(tmp_path, weight, kind)
+    layer = repacked_linear(tensor, "int4")
+    assert isinstance(layer, Int4Linear)
+    want = torch.from_numpy(dequantize(np.asarray(tensor.data), kind).reshape(64, 96).astype(np.float32))
+    # Same 4-bit values; only the block scale and offset are rounded to bfloat16 (8 significant bits).
+    assert relative_error(layer.dequantized(), want) < 1e-2
+
+
+def test_q8_0_blocks_become_a_per_row_int8_layer(tmp_path):
+    weight = random_weight(64, 96).numpy()
+    tensor = gguf_tensor(tmp_path, weight, GGMLQuantizationType.Q8_0)
+    layer = repacked_linear(tensor, "int4")  # a Q8_0 tensor keeps its 8 bits under int4
+    assert isinstance(layer, Int8Linear)
+    want = torch.from_numpy(dequantize(np.asarray(tensor.data), GGMLQuantizationType.Q8_0).reshape(64, 96))
+    assert relative_error(layer.dequantized(), want.float()) < 1e-2
+
+
+def test_row_order_undoes_llama_cpps_rotary_permutation():
+    heads, head_dim = 3, 8
+    original = np.arange(heads * head_dim)
+    # llama.cpp's converter: per head, halves -> interleaved pairs.
+    permuted = original.reshape(heads, 2, head_dim // 2).swapaxes(1, 2).reshape(-1)
+    assert (permuted[unpermuted_rows(heads * head_dim, heads)] == original).all()
+
+
+def test_quantize_linears_replaces_every_linear_and_keeps_the_output_layer_int8():
+    net = torch.nn.Module()
+    net.body = torch.nn.Linear(64, 32)
+    net.lm_head = torch.nn.Linear(32, 80, bias=False)
+    assert quantize_linears(net, "int4") == 2
+    assert isinstance(net.body, Int4Linear) and isinstance(net.lm_head, Int8Linear)
+
+
+def test_auto_serves_the_default_model_quantized_on_the_cpu_only():
+    assert choose_quantization("auto", CPU, model_is_default=True) == AUTO_DEFAULT_MODEL_CPU
+    assert choose_quantization("auto", CPU, model_is_default=False) == "none"
+    assert choose_quantization("int8", CPU, model_is_default=False) == "int8"
+
+
+def test_fp8_on_the_cpu_is_refused_naming_the_setting():
+    with pytest.raises(ModelLoadError, match="--quantization fp8") as caught:
+        choose_quantization("fp8", CPU, model_is_default=True)
+    assert caught.value.param == "quantization"
+
+
+def test_quantization_setting(capsys):
+    assert parse_config([], environ={}).quantization == "auto"
+    assert parse_config(["--quantization", "int4"], environ={}).quantization == "int4"
+    assert parse_config([], environ={"SLUICE_WORKER_QUANTIZATION": "none"}).quantization == "none"
+    with pytest.raises(SystemExit):
+        parse_config(["--quantization", "int3"], environ={})
+    assert "--quantization must be one of" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_safetensors_folder_is_quantized_tensor_by_tensor(tiny_model_dir, scheme):
+    plain = load_model(str(tiny_model_dir), device="cpu", dtype="float32", cpu_linear="torch")
+    quantized = load_model(str(tiny_model_dir), device="cpu", dtype="float32", quantization=scheme)
+    assert quantized.quantization == scheme
+    layers = [m for m in quantized.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
+    assert layers and not any(isinstance(m, torch.nn.Linear) for m in quantized.model.modules())
+    ids = torch.tensor([[1, 42, 7, 99, 3]])
+    with torch.inference_mode():
+        want, got = plain.model(input_ids=ids).logits, quantized.model(input_ids=ids).logits
+    assert relative_error(got, want) < 0.1
+
+
+def test_default_gguf_loads_its_own_blocks_without_a_float_conversion(tmp_path, default_model_dir):
+    """The default model (Q4_1 blocks, a Q8_0 embedding tied to the output layer) loads int4 straight
+    from the GGUF file: only its config and tokenizer are cached, and its logits follow float32's."""
+    loaded = load_model(None, device="cpu", dtype="float32", quantization="int4", cache_dir=tmp_path)
+    cached = [p.name for p in (tmp_path / "models").iterdir()]
+    assert len(cached) == 1 and cached[0].endswith("-config")
+    assert not list((tmp_path / "models" / cached[0]).glob("*.safetensors"))
+    model = loaded.model
+    assert isinstance(model.model.layers[0].self_attn.q_proj, Int4Linear)
+    assert isinstance(model.lm_head, Int8Linear) and model.model.embed_tokens.table is model.lm_head
+    reference = load_model(str(default_model_dir), device="cpu", dtype="float32", cpu_linear="torch")
+    ids = loaded.tokenizer("The capital of France is", return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        got, want = model(input_ids=ids).logits[0], reference.model(input_ids=ids).logits[0]
+    # The same 4-bit weights the float model was dequantized from: only bfloat16 rounding differs.
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
+    assert relative_error(got, want) < 0.05
