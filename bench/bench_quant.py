@@ -15,6 +15,8 @@ today, dequantized from the GGUF file):
 - ``float32-onednn``: the worker's packed float32 layers (worker/packed_linear.py);
 - ``int8-aten``: ``aten._weight_int8pack_mm`` (int8, one scale per row, bfloat16 activations);
 - ``int4-aten``: ``aten._weight_int4pack_mm_for_cpu`` (4-bit groups of 32, bfloat16 activations);
+- ``int4-worker``: the worker's int4 layer: ``int4-aten`` below ``BATCH_ROWS`` (4) rows, its
+  float16 batch copy (``fp16-fbgemm`` on the int4 weight) from there on;
 - ``fp16-fbgemm``: ``quantized.linear_dynamic_fp16`` (float16 weights packed by fbgemm);
 - ``w8a8-fbgemm``: ``quantized.linear_dynamic`` (int8 weights and int8 activations, dynamic);
 - ``int4-kleidiai``: ``aten._dyn_quant_matmul_4bit`` (where this build has it).
@@ -82,8 +84,9 @@ def candidates(weight: torch.Tensor, rows: int) -> dict[str, Kernel]:
     linear.weight.data = weight
     built: dict[str, Kernel] = {
         "float32-onednn": PackedLinear(linear, rows),
-        "int8-aten": Int8Linear.from_float(weight),
-        "int4-aten": Int4Linear.from_float(weight),
+        "int8-aten": Int8Linear.from_float(weight, batch_copy=False),
+        "int4-aten": Int4Linear.from_float(weight, batch_copy=False),
+        "int4-worker": Int4Linear.from_float(weight),  # int4 below BATCH_ROWS rows, fp16 copy from it on
     }
     for name, make in (
         ("fp16-fbgemm", fbgemm_fp16),
@@ -177,7 +180,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rows", default="1,16")
+    parser.add_argument("--rows", default="1,4,16")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     parser.add_argument("--skip-kernels", action="store_true")

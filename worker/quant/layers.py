@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 CHOICES = ("none", "int8", "int4", "fp8", "auto")
 INT4_GROUP = 32  # GGUF's block size; 576 (the default model's width) is not a multiple of 64 or 128
+# From this many rows on, a CPU layer multiplies with its float16 batch copy (see BatchCopy).
+BATCH_ROWS = 4
 
 
 class QuantizationError(ValueError):
@@ -74,6 +76,38 @@ def _uses_cpu_kernels(tensor: torch.Tensor) -> bool:
     return tensor.device.type == "cpu"
 
 
+class BatchCopy:
+    """The layer's dequantized weight in float16, packed once by fbgemm, for batches of rows.
+
+    torch's weight-only int8/int4 CPU kernels widen the weight again for every row, and on
+    AVX2 machines without AVX-512 (this project's) that made a 16-row decode step 1.35x
+    slower than float32 (bench/bench_quant.py), while fbgemm's float16 kernel was faster than
+    float32 at every batch size. A layer therefore keeps both: the 4- or 8-bit weight for
+    one to three rows (a single stream's decode reads the fewest bytes) and this copy, 2
+    bytes per weight, from :data:`BATCH_ROWS` rows on. Both hold the same quantized weight (the
+    copy rounds it to float16, 11 significant bits; the kernels round the activations to
+    bfloat16, 8 bits), so a row's output does not depend on the batch beyond that rounding.
+    """
+
+    def __init__(self, weight: torch.Tensor):
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.float().contiguous(), None)
+
+    @staticmethod
+    def build(weight: torch.Tensor, enabled: bool) -> BatchCopy | None:
+        """A copy of ``weight`` where ``enabled``, on the CPU and with fbgemm in this build; else None."""
+        if not enabled or weight.device.type != "cpu":
+            return None
+        if "fbgemm" not in torch.backends.quantized.supported_engines:
+            return None
+        try:
+            return BatchCopy(weight)
+        except RuntimeError:
+            return None
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(rows.float().contiguous(), self.packed)
+
+
 def _flatten(x: torch.Tensor, in_features: int) -> torch.Tensor:
     return x.reshape(-1, in_features)
 
@@ -86,30 +120,45 @@ class Int8Linear(torch.nn.Module):
     scale_bf16: torch.Tensor
     bias: torch.Tensor | None
 
-    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        qweight: torch.Tensor,
+        scale: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        batch_copy: bool = True,
+    ):
         super().__init__()
         if qweight.dtype != torch.int8 or qweight.dim() != 2 or scale.shape != qweight.shape[:1]:
             raise ValueError("Int8Linear wants an int8 [out, in] weight and one scale per output row")
         self.out_features, self.in_features = qweight.shape
         self.register_buffer("qweight", qweight.contiguous())
-        self.register_buffer("scale", scale.float().contiguous())
-        self.register_buffer("scale_bf16", scale.to(torch.bfloat16))  # what the CPU kernel takes
+        # Rounded to bfloat16 (what the CPU kernel takes) once, so every path holds the same weight.
+        self.register_buffer("scale_bf16", scale.to(torch.bfloat16).contiguous())
+        self.register_buffer("scale", self.scale_bf16.float())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.batch_copy = BatchCopy.build(self.dequantized(), batch_copy)
 
     @classmethod
-    def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
+    def from_float(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, *, batch_copy: bool = True
+    ) -> Int8Linear:
         """Symmetric per-row quantization: each row's largest magnitude maps to 127."""
         weight = weight.detach().float()
         scale = (weight.abs().amax(dim=1) / 127).clamp(min=1e-12)
         qweight = torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return cls(qweight, scale, bias)
+        return cls(qweight, scale, bias, batch_copy=batch_copy)
 
     def dequantized(self) -> torch.Tensor:
         return self.qweight.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _flatten(x, self.in_features)
-        if _uses_cpu_kernels(self.qweight):
+        if self.batch_copy is not None and rows.shape[0] >= BATCH_ROWS:
+            y = self.batch_copy(rows).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(x.dtype)
+        elif _uses_cpu_kernels(self.qweight):
             y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.qweight, self.scale_bf16)
             y = y.to(x.dtype)
             if self.bias is not None:
@@ -158,6 +207,8 @@ class Int4Linear(torch.nn.Module):
         zero: torch.Tensor,
         bias: torch.Tensor | None = None,
         group: int = INT4_GROUP,
+        *,
+        batch_copy: bool = True,
     ):
         super().__init__()
         out_features, in_features = q.shape
@@ -180,10 +231,22 @@ class Int4Linear(torch.nn.Module):
             self.register_buffer("packed", nibbles[:, 0::2] | (nibbles[:, 1::2] << 4))
             self.register_buffer("scales_and_zeros", scales_and_zeros.contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.batch_copy = None
+        if batch_copy and _uses_cpu_kernels(q):
+            # The kernel's own (bfloat16) scales and offsets: both paths hold the same weight.
+            kernel_scale = self.scales_and_zeros[..., 0].float().t()[..., None]
+            kernel_zero = self.scales_and_zeros[..., 1].float().t()[..., None]
+            grouped = (q.float() - 8).reshape(out_features, -1, group) * kernel_scale + kernel_zero
+            self.batch_copy = BatchCopy.build(grouped.reshape(out_features, in_features), True)
 
     @classmethod
     def from_float(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group: int = INT4_GROUP
+        cls,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        group: int = INT4_GROUP,
+        *,
+        batch_copy: bool = True,
     ) -> Int4Linear:
         """Asymmetric group-wise quantization (as GGUF's Q4_1): each group's [min, max] spans 0..15."""
         weight = weight.detach().float()
@@ -193,7 +256,9 @@ class Int4Linear(torch.nn.Module):
         scale = ((high - low) / 15).clamp(min=1e-12)
         q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
         zero = low + 8 * scale
-        return cls(q.reshape(out_features, in_features), scale.t(), zero.t(), bias, group)
+        return cls(
+            q.reshape(out_features, in_features), scale.t(), zero.t(), bias, group, batch_copy=batch_copy
+        )
 
     def _dequantized_generic(self) -> torch.Tensor:
         low, high = self.packed & 0xF, self.packed >> 4
@@ -212,7 +277,11 @@ class Int4Linear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = _flatten(x, self.in_features)
-        if _uses_cpu_kernels(self.packed):
+        if self.batch_copy is not None and rows.shape[0] >= BATCH_ROWS:
+            y = self.batch_copy(rows).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(x.dtype)
+        elif _uses_cpu_kernels(self.packed):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 rows.to(torch.bfloat16), self.packed, self.group, self.scales_and_zeros
             ).to(x.dtype)

@@ -14,6 +14,7 @@ from worker.config import parse_config
 from worker.model_loader import AUTO_DEFAULT_MODEL_CPU, ModelLoadError, choose_quantization, load_model
 from worker.quant.gguf_blocks import repacked_linear
 from worker.quant.layers import (
+    BATCH_ROWS,
     Fp8Linear,
     Int4Linear,
     Int8Embedding,
@@ -48,6 +49,19 @@ def test_quantized_layer_computes_x_times_its_dequantized_weight(layer_class, ro
     assert got.shape == (2, rows, 96) and got.dtype == torch.float32
     # The kernels take bfloat16 activations: about 3 significant digits.
     assert relative_error(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("layer_class", [Int8Linear, Int4Linear])
+def test_a_row_gets_the_same_output_alone_and_in_a_batch(layer_class):
+    """One row multiplies with the 8/4-bit kernel, a batch with the float16 batch copy of the same
+    weight: the two differ by rounding only."""
+    layer = layer_class.from_float(random_weight())
+    assert layer.batch_copy is not None
+    batch = torch.randn(BATCH_ROWS + 3, 128)
+    with torch.inference_mode():
+        together = layer(batch)
+        alone = torch.cat([layer(row[None]) for row in batch])
+    assert relative_error(together, alone) < 2e-2
 
 
 @pytest.mark.parametrize(("layer_class", "bound"), [(Int8Linear, 0.01), (Int4Linear, 0.1), (Fp8Linear, 0.07)])
