@@ -100,7 +100,10 @@ def main() -> None:
     parser.add_argument("--schemes", default="int8,int4")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--cache-dir", help="the worker's converted-model cache")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     cache = Path(args.cache_dir) if args.cache_dir else None
 
     reference = load_model(None, device="cpu", dtype="float32", quantization="none", cache_dir=cache)

@@ -18,19 +18,32 @@ per row (:meth:`Int8Linear.from_float`); docs/quantization.md measures both erro
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from worker.quant.layers import INT4_GROUP, Int4Linear, Int8Linear, QuantizedLinear, quantize_weight
 
 BLOCK = 32
+
+
+class GGUFMatrix(Protocol):
+    """A GGUF tensor as ``gguf.GGUFMatrix`` or :class:`worker.quant.gguf_file.GGUFTensor` gives it."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    data: np.ndarray
+    shape: Any  # GGUF order, innermost first: (in, out) for a matrix
+
+
 _BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
 REPACKED = tuple(_BLOCK_BYTES)
 
 
-def _blocks(tensor: ReaderTensor, rows: np.ndarray | None) -> np.ndarray:
+def _blocks(tensor: GGUFMatrix, rows: np.ndarray | None) -> np.ndarray:
     """The tensor's raw blocks as uint8 [out, in / 32, block bytes], rows reordered by ``rows``."""
     raw = np.asarray(tensor.data, dtype=np.uint8)
     out_features = int(tensor.shape[1])
@@ -50,7 +63,7 @@ def _nibbles(packed: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(values.reshape(values.shape[0], -1).astype(np.int32))
 
 
-def dequantized(tensor: ReaderTensor, rows: np.ndarray | None = None) -> torch.Tensor:
+def dequantized(tensor: GGUFMatrix, rows: np.ndarray | None = None) -> torch.Tensor:
     """Any GGUF tensor as float32, shaped [out, in] for a matrix (one tensor's worth of memory)."""
     values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
     shape = [int(d) for d in reversed(tensor.shape)]
@@ -58,7 +71,7 @@ def dequantized(tensor: ReaderTensor, rows: np.ndarray | None = None) -> torch.T
     return weight if rows is None else weight[torch.from_numpy(rows)]
 
 
-def repacked_linear(tensor: ReaderTensor, scheme: str, rows: np.ndarray | None = None) -> QuantizedLinear:
+def repacked_linear(tensor: GGUFMatrix, scheme: str, rows: np.ndarray | None = None) -> QuantizedLinear:
     """A quantized layer holding the GGUF matrix ``tensor`` (rows reordered by ``rows``).
 
     ``scheme`` is the worker's choice (``int8`` or ``int4``). Q4_0/Q4_1 blocks go into an
@@ -75,7 +88,7 @@ def repacked_linear(tensor: ReaderTensor, scheme: str, rows: np.ndarray | None =
     return quantize_weight(scheme, dequantized(tensor, rows))
 
 
-def int4_from_q4(tensor: ReaderTensor, rows: np.ndarray | None = None) -> Int4Linear:
+def int4_from_q4(tensor: GGUFMatrix, rows: np.ndarray | None = None) -> Int4Linear:
     """Q4_0 / Q4_1 blocks as an :class:`Int4Linear` without dequantizing (same 4-bit values)."""
     blocks = _blocks(tensor, rows)
     scale = _f16(blocks, 0)
@@ -87,7 +100,7 @@ def int4_from_q4(tensor: ReaderTensor, rows: np.ndarray | None = None) -> Int4Li
     return Int4Linear(_nibbles(quants), scale.t().contiguous(), zero.t().contiguous(), group=INT4_GROUP)
 
 
-def int8_from_q8_0(tensor: ReaderTensor, rows: np.ndarray | None = None) -> Int8Linear:
+def int8_from_q8_0(tensor: GGUFMatrix, rows: np.ndarray | None = None) -> Int8Linear:
     """Q8_0 blocks (one scale per 32 weights) requantized to one scale per row."""
     blocks = _blocks(tensor, rows)
     scale = _f16(blocks, 0)

@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from transformers import AutoModelForCausalLM
 
-from worker.quant.gguf_blocks import dequantized, int8_from_q8_0, repacked_linear
+from worker.quant.gguf_blocks import GGUFMatrix, dequantized, int8_from_q8_0, repacked_linear
+from worker.quant.gguf_file import read_gguf
 from worker.quant.layers import Int8Embedding, Int8Linear, quantize_weight
 
 log = logging.getLogger(__name__)
@@ -128,17 +129,17 @@ def load_gguf_quantized(gguf: Path, config: Any, scheme: str) -> torch.nn.Module
     Q4_0/Q4_1 weights keep their 4-bit values and Q8_0 weights their 8-bit ones (see
     worker/quant/gguf_blocks.py); the norms are float32. ``scheme`` is ``int8`` or ``int4``.
     """
-    reader = GGUFReader(str(gguf))
-    architecture = _field_text(reader, "general.architecture")
+    reader = read_gguf(gguf)
+    architecture = reader.architecture
     if architecture != "llama" or getattr(config, "model_type", None) != "llama":
         raise DirectLoadUnsupported(f"direct GGUF loading knows the llama architecture, not {architecture}")
     model = _empty_model(config)
-    tensors: dict[str, ReaderTensor] = {}
-    for tensor in reader.tensors:
-        path = llama_module_path(tensor.name)
+    tensors: dict[str, GGUFMatrix] = {}
+    for entry in reader.tensors:
+        path = llama_module_path(entry.name)
         if path is None:
-            raise DirectLoadUnsupported(f"GGUF tensor {tensor.name} has no place in the model")
-        tensors[path] = tensor
+            raise DirectLoadUnsupported(f"GGUF tensor {entry.name} has no place in the model")
+        tensors[path] = entry
     for path, tensor in tensors.items():
         module = model.get_submodule(path)
         if isinstance(module, torch.nn.Linear):
@@ -161,13 +162,6 @@ def load_gguf_quantized(gguf: Path, config: Any, scheme: str) -> torch.nn.Module
     else:
         _tie_output(model, config, None if embedding is None else dequantized(embedding), scheme)
     return _finish(model, config)
-
-
-def _field_text(reader: GGUFReader, key: str) -> str | None:
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return None
-    return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
 
 
 @torch.no_grad()
