@@ -13,8 +13,9 @@ Operator limits (:class:`~edge.openai_types.RequestLimits`) bound the
 prompts' total size (``prompt``), ``n``, ``max_tokens`` and ``logprobs``.
 
 Options the worker cannot honour are refused with a 400 naming them, never
-ignored: a non-empty ``suffix``; ``best_of`` other than ``n``; ``echo``
-together with ``logprobs`` (the worker computes no prompt logprobs).
+ignored: a non-empty ``suffix``; ``best_of`` other than ``n``. ``echo`` with
+``logprobs`` returns the prompt tokens' logprobs too (the first one ``null``),
+and ``max_tokens: 0`` with ``echo`` only scores the prompt.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class CompletionRequest(SamplingRequest):
 
     prompt: list[Prompt]
     # OpenAI's default is 16; an explicit null means "up to the context length".
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 with ``echo``: the prompt is only scored (its logprobs), as evaluation harnesses ask.
+    max_tokens: int | None = Field(default=16, ge=0)
     echo: StrictBool = False
     # Strict: ``true`` (the chat API's boolean) is a mistake here, not 1.
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LEGACY_LOGPROBS)
@@ -111,13 +113,8 @@ def parse_completion_request(body: Any, limits: RequestLimits | None = None) -> 
             "ask for n choices instead"
         )
         raise bad("best_of", reason)
-    if request.echo and request.logprobs is not None:
-        raise InvalidRequestError(
-            "'echo' together with 'logprobs' is not supported: the worker does not compute logprobs "
-            "of prompt tokens. Use one or the other.",
-            param="echo",
-            code="unsupported_parameter",
-        )
+    if request.max_tokens == 0 and not request.echo:
+        raise bad("max_tokens", "must be at least 1, or 0 together with echo (to score the prompt only)")
     check_completion_limits(request, limits or active_limits())
     return request
 

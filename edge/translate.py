@@ -28,6 +28,7 @@ from edge.openai_types import (
     ToolChoice,
 )
 from edge.usage import StreamEnvelope, UsageTracker
+from sluice.ids import new_tool_call_id
 from sluice.v1 import worker_pb2
 
 _UINT64 = 2**64
@@ -305,7 +306,7 @@ class ChunkBuilder:
         self._tool_calls_seen.add(key)
         return {
             "index": delta.tool_index,
-            "id": delta.id or f"call_{uuid.uuid4().hex[:24]}",
+            "id": delta.id or new_tool_call_id(),
             "type": "function",
             "function": {"name": delta.name, "arguments": delta.arguments},
         }
@@ -382,7 +383,7 @@ class CompletionAccumulator:
             calls = self._choice(delta.choice_index).tool_calls
             if delta.tool_index not in calls:
                 calls[delta.tool_index] = {
-                    "id": delta.id or f"call_{uuid.uuid4().hex[:24]}",
+                    "id": delta.id or new_tool_call_id(),
                     "type": "function",
                     "function": {"name": delta.name, "arguments": ""},
                 }

@@ -47,6 +47,9 @@ def to_generate_requests(request: CompletionRequest, request_id: str) -> list[wo
         sampling = sampling_params(request, max_tokens=request.max_tokens)
         if request.logprobs is not None:
             sampling.logprobs = request.logprobs
+        if request.echo and (request.logprobs is not None or request.max_tokens == 0):
+            # The worker scores the prompt; max_tokens 0 is allowed only then.
+            sampling.prompt_logprobs = request.logprobs or 0
         proto = worker_pb2.GenerateRequest(
             request_id=request_id if len(request.prompt) == 1 else f"{request_id}.{index}",
             model=request.model,
@@ -78,11 +81,27 @@ class LegacyLogprobs:
         self._offset = base_offset
         self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+    def prompt_entries(self, scored: worker_pb2.PromptLogprobs) -> dict[str, Any]:
+        """The legacy object for the echoed prompt's tokens: the first with ``null`` logprobs (OpenAI's
+        legacy format), the rest as for generated tokens. Offsets restart at 0: the prompt is the start
+        of the echoed text."""
+        self._offset = 0
+        self._decoder.reset()
+        first_offset = self._offset
+        self._offset += len(self._decoder.decode(scored.first_token_bytes))
+        rest = self.entries(scored.logprobs)
+        return {
+            "tokens": [scored.first_token, *rest["tokens"]],
+            "token_logprobs": [None, *rest["token_logprobs"]],
+            "top_logprobs": [None, *rest["top_logprobs"]],
+            "text_offset": [first_offset, *rest["text_offset"]],
+        }
+
     def entries(self, logprobs: Any) -> dict[str, Any]:
         """The legacy object for the tokens of one delta (``logprobs``: ``TokenLogprob`` entries)."""
         tokens: list[str] = []
-        token_logprobs: list[float] = []
-        top: list[dict[str, float]] = []
+        token_logprobs: list[float | None] = []
+        top: list[dict[str, float] | None] = []
         offsets: list[int] = []
         for lp in logprobs:
             tokens.append(lp.token)
@@ -137,6 +156,13 @@ class _Choices:
         if not self.logprobs:
             return None
         return self.states.setdefault(index, LegacyLogprobs()).entries(logprobs)
+
+    def prompt_legacy(self, call: int, scored: worker_pb2.PromptLogprobs) -> list[tuple[int, dict[str, Any]]]:
+        """The echoed prompt's legacy logprobs for each choice of a call (none unless logprobs and echo)."""
+        if not (self.logprobs and self.echo):
+            return []
+        indexes = [self.index(call, c) for c in range(self.n)]
+        return [(i, self.states.setdefault(i, LegacyLogprobs()).prompt_entries(scored)) for i in indexes]
 
 
 @dataclass
@@ -196,6 +222,11 @@ class TextChunkBuilder:
         if kind == "finished":
             index = self._choices.index(call, event.finished.choice_index)
             return [self._chunk(index, "", None, finish_reason_name(event.finished.reason))]
+        if kind == "prompt_logprobs":  # with echo: the prompt's logprobs, in a chunk of no new text
+            return [
+                self._chunk(i, "", legacy)
+                for i, legacy in self._choices.prompt_legacy(call, event.prompt_logprobs)
+            ]
         # Usage is summed in finish(); raw prompts produce no reasoning, refusal or tool calls.
         return []
 
@@ -262,6 +293,11 @@ class TextCompletionAccumulator:
         elif kind == "finished":
             index = self._choices.index(call, event.finished.choice_index)
             self._text(index).finish_reason = finish_reason_name(event.finished.reason)
+        elif kind == "prompt_logprobs":
+            for index, legacy in self._choices.prompt_legacy(call, event.prompt_logprobs):
+                state = self._text(index)
+                if state.logprobs is not None:
+                    merge_legacy(state.logprobs, legacy)
 
     def _text(self, index: int) -> _TextChoice:
         state = self._texts.setdefault(index, _TextChoice())

@@ -43,7 +43,6 @@ def usage_dict(
 @dataclass
 class _Call:
     prompt_tokens: int = 0
-    cached_tokens: int = 0
     usage: worker_pb2.Usage | None = None
     # Per choice of this call: tokens counted from deltas, and the finished count.
     counted: dict[int, int] = field(default_factory=dict)
@@ -84,7 +83,6 @@ class UsageTracker:
                 state.counted[index] = state.counted.get(index, 0) + len(ids)
         elif kind == "started":
             state.prompt_tokens = event.started.prompt_tokens
-            state.cached_tokens = event.started.cached_tokens
         elif kind == "reasoning":
             index, count = event.reasoning.choice_index, len(event.reasoning.token_ids)
             state.counted[index] = state.counted.get(index, 0) + count
@@ -100,7 +98,7 @@ class UsageTracker:
         return usage_dict(
             sum(c.prompt_tokens for c in calls),
             sum(c.completion_so_far() for c in calls),
-            sum(c.cached_tokens for c in calls),
+            sum(c.usage.cached_tokens for c in calls if c.usage is not None),
             sum(c.reasoning for c in calls),
         )
 
@@ -117,7 +115,6 @@ class UsageTracker:
             else:
                 prompt += call.prompt_tokens
                 completion += call.completion_so_far()
-                cached += call.cached_tokens
                 reasoning += call.reasoning
         return usage_dict(prompt, completion, cached, reasoning)
 

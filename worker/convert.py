@@ -24,6 +24,7 @@ from worker.types import (
     Finished,
     FinishReason,
     Progress,
+    PromptLogprobs,
     ReasoningDelta,
     RefusalDelta,
     SamplingOptions,
@@ -245,10 +246,22 @@ def sampling_options(
             param="messages",
         )
     room = context_length - prompt_tokens
+    prompt_logprobs = params.prompt_logprobs if params.HasField("prompt_logprobs") else None
+    if prompt_logprobs is not None and not 0 <= prompt_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest(
+            f"prompt_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {prompt_logprobs}",
+            param="prompt_logprobs",
+        )
     if params.HasField("max_tokens"):
         max_tokens = params.max_tokens
-        if max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+        # 0 only scores the prompt, which needs its logprobs asked for.
+        least = 0 if prompt_logprobs is not None else 1
+        if max_tokens < least:
+            raise InvalidRequest(
+                f"max_tokens must be at least {least}, got {max_tokens}"
+                + ("" if least == 0 else " (0 is allowed only with prompt_logprobs)"),
+                param="max_tokens",
+            )
         if max_tokens > room:
             raise InvalidRequest(
                 f"max_tokens is {max_tokens}, but the context length is {context_length} tokens and the "
@@ -311,6 +324,7 @@ def sampling_options(
         ignore_eos=params.ignore_eos,
         n=n,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -409,6 +423,15 @@ def event_to_proto(event: Event) -> pb.GenerateResponse:
                     total_tokens=event.total_tokens,
                     cached_tokens=event.cached_tokens,
                     reasoning_tokens=event.reasoning_tokens,
+                )
+            )
+        case PromptLogprobs():
+            return pb.GenerateResponse(
+                prompt_logprobs=pb.PromptLogprobs(
+                    logprobs=_logprobs(event.logprobs),
+                    first_token=event.first_token,
+                    first_token_bytes=event.first_token_bytes,
+                    first_token_id=event.first_token_id,
                 )
             )
         case Failed():

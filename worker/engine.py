@@ -1,14 +1,28 @@
-"""The step loop that owns the model, and the async facade the service uses.
+"""The engine core (the step loop that owns the model) and the async facade the service uses.
 
-One daemon thread runs steps forever: apply aborts → schedule → execute →
-update. Between steps requests join (``submit``) and leave (finish or
-``abort``); an aborted request is removed before the next step whether it is
-queued or running, and its caches are dropped with it.
+One daemon thread runs steps forever: apply control messages (aborts, choices
+stopped by text) → schedule → forward → sample → token-level stops. It hands
+each request typed :data:`~worker.types.CoreOutput` messages (new token ids
+with their logprobs, token-level finishes, progress) and never touches text.
+Everything text-level runs in the request's :class:`RequestOutputProcessor`
+on the request's event loop, while this thread runs the next forward
+(``output_processor.py``). A stop string found there comes back as
+:meth:`Engine.stop_choices`, and the core drops the sequence before its next
+step.
+
+Failure isolation: a failure while planning, sampling or stopping one request
+fails that request alone (a ``CoreFailure`` message, then its stream's
+``Failed`` event with its partial usage); a failure in one request's output
+processing fails it in its stream. Only a failed forward pass fails more than
+one request, and then only its own rows: a failed prefill fails the requests
+being prefilled, a failed decode the batch it decoded (whose KV cache is
+dropped). The prefix cache is never dropped.
 
 The gRPC layer never blocks this thread: each request gets a
 :class:`RequestStream` with an asyncio queue; once per step the thread hands
-every request's events over with a single ``call_soon_threadsafe`` per event
-loop, so a request sees its events in batches as the step produces them.
+every request's outputs over with a single ``call_soon_threadsafe`` per event
+loop. A stream whose consumer fell behind processes every step waiting in its
+queue at once and merges their content into one delta (:func:`coalesce`).
 
 Before its first token a request hears ``Progress`` events: ``queued`` when it
 is submitted and again every :data:`QUEUED_PROGRESS_INTERVAL_S` while it waits
@@ -21,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import itertools
 import logging
 import threading
@@ -32,29 +47,28 @@ from typing import Any
 import torch
 
 from sluice.prometheus import Histogram
-from worker.detokenizer import IncrementalDetokenizer, TokenTexts
+from worker.detokenizer import TokenTexts
 from worker.grammar import GrammarCompiler, TokenConstraint
-from worker.model_runner import ModelRunner
-from worker.output_parser import ChoiceOutput
-from worker.sampler import SequenceSampler, blocked_ids, choose_batch
+from worker.model_runner import ModelRunner, RowKey
+from worker.output_processor import RequestOutputProcessor, TextRules, coalesce
+from worker.sampler import GrammarFailure, Sample, SequenceSampling, blocked_ids, sample_batch
 from worker.scheduler import Scheduler, StepPlan
-from worker.stop_strings import StopStringMatcher
 from worker.types import (
+    Admitted,
+    ChoiceEnded,
+    CoreFailure,
+    CoreOutput,
     Event,
     Failed,
-    Finished,
     FinishReason,
     GenerationRequest,
+    NewToken,
     Progress,
-    RefusalDelta,
-    Timings,
-    TokenLogprob,
-    Usage,
+    PromptScored,
 )
 
 log = logging.getLogger(__name__)
 
-_END = object()  # marks the end of a request's events
 # A request still waiting for a slot hears ``queued`` again this often, so a caller's idle
 # timer (the edge's --idle-timeout) does not mistake a long queue for a dead worker.
 QUEUED_PROGRESS_INTERVAL_S = 2.0
@@ -89,18 +103,12 @@ class EngineStats:
 
 @dataclass
 class _Choice:
-    key: tuple[str, int]  # the runner's row key
+    """The core's view of one choice: its batch row and its sampling state."""
+
+    key: RowKey
     index: int
-    sampler: SequenceSampler
-    detokenizer: IncrementalDetokenizer
-    stops: StopStringMatcher
-    output: ChoiceOutput
-    last_token: int = 0
-    generated: int = 0
+    sampling: SequenceSampling
     finished: bool = False
-    reasoning_tokens: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
 
 
 @dataclass
@@ -109,9 +117,6 @@ class _RequestState:
     request: GenerationRequest
     choices: list[_Choice]
     stream: RequestStream
-    admitted_time: float | None = None
-    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
-    progress_time: float = 0.0  # when the last ``queued`` progress event went out
 
     @property
     def request_id(self) -> str:
@@ -134,8 +139,22 @@ class _RequestState:
         return all(choice.finished for choice in self.choices)
 
     @property
-    def row_keys(self) -> list[tuple[str, int]]:
+    def row_keys(self) -> list[RowKey]:
         return [choice.key for choice in self.choices]
+
+
+class _Control(enum.Enum):
+    CANCEL = "cancel"  # the caller went away
+    FAIL = "fail"  # the request's output processing failed
+    STOP = "stop"  # choices ended by a stop string or blocked phrase
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A request with its per-choice sampling state built (grammars compiled): :meth:`Engine.prepare`."""
+
+    request: GenerationRequest
+    samplings: list[SequenceSampling]
 
 
 class RequestStream:
@@ -145,20 +164,23 @@ class RequestStream:
     the iterator) aborts the request in the engine.
     """
 
-    def __init__(self, engine: Engine, key: str, loop: asyncio.AbstractEventLoop):
+    def __init__(
+        self, engine: Engine, key: str, loop: asyncio.AbstractEventLoop, processor: RequestOutputProcessor
+    ):
         self._engine = engine
         self.key = key
         self._loop = loop
-        self._queue: asyncio.Queue[list[Any]] = asyncio.Queue()
+        self._processor = processor
+        self._queue: asyncio.Queue[list[CoreOutput]] = asyncio.Queue()
         self._finished = False
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
 
-    def put(self, batch: list[Any]) -> None:
+    def put(self, outputs: list[CoreOutput]) -> None:
         """Runs on the stream's event loop (see :func:`_deliver`)."""
-        self._queue.put_nowait(batch)
+        self._queue.put_nowait(outputs)
 
     def cancel(self) -> None:
         if not self._finished:
@@ -168,19 +190,33 @@ class RequestStream:
     async def __aiter__(self) -> AsyncIterator[Event]:
         try:
             while not self._finished:
-                for item in await self._queue.get():
-                    if item is _END:
-                        self._finished = True
-                        return
-                    yield item
+                outputs = await self._queue.get()
+                while not self._queue.empty():  # the consumer fell behind: take every waiting step
+                    outputs += self._queue.get_nowait()
+                for event in self._process(outputs):
+                    yield event
         finally:
             self.cancel()
 
+    def _process(self, outputs: list[CoreOutput]) -> list[Event]:
+        try:
+            result = self._processor.process(outputs)
+        except Exception as exc:  # this request's output failed: it alone ends
+            log.exception("output processing failed for %s", self.key)
+            self._finished = True
+            self._engine.abort(self.key, failed=True)
+            return [Failed(f"output processing failed: {type(exc).__name__}", self._processor.usage())]
+        if result.stopped:
+            self._engine.stop_choices(self.key, result.stopped)
+        if result.done:
+            self._finished = True  # the core has ended (or is told to end) every choice
+        return coalesce(result.events)
 
-def _deliver(batches: list[tuple[RequestStream, list[Any]]]) -> None:
-    """Hands a step's event batches to their streams, waking each event loop once per step (not once
-    per request). Called from the engine thread."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, list[Any]]]] = {}
+
+def _deliver(batches: Iterable[tuple[RequestStream, list[CoreOutput]]]) -> None:
+    """Hands a step's outputs to their streams, waking each event loop once per step (not once per
+    request). Called from the engine thread."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, list[CoreOutput]]]] = {}
     for stream, batch in batches:
         by_loop.setdefault(stream.loop, []).append((stream, batch))
     for loop, items in by_loop.items():
@@ -189,13 +225,13 @@ def _deliver(batches: list[tuple[RequestStream, list[Any]]]) -> None:
             loop.call_soon_threadsafe(_put_all, items)
 
 
-def _put_all(items: list[tuple[RequestStream, list[Any]]]) -> None:
+def _put_all(items: list[tuple[RequestStream, list[CoreOutput]]]) -> None:
     for stream, batch in items:
         stream.put(batch)
 
 
 class Engine:
-    """Continuous batching over one model. Thread-safe ``submit``/``abort``; ``start`` once."""
+    """Continuous batching over one model. Thread-safe ``prepare``/``submit``/``abort``; ``start`` once."""
 
     def __init__(
         self,
@@ -217,9 +253,7 @@ class Engine:
         self._token_texts = TokenTexts(tokenizer)
         self._eos = frozenset(eos_token_ids)
         self._context_length = context_length
-        # Worker-wide content rule: a blocked phrase ends the choice with a refusal and "content_filter".
-        self._blocked_phrases = tuple(blocked_phrases)
-        self._refusal_message = refusal_message
+        self._rules = TextRules(tuple(blocked_phrases), refusal_message)
         self._grammars = grammars
         self._scheduler: Scheduler[_RequestState] = Scheduler(
             max_running,
@@ -229,7 +263,8 @@ class Engine:
             prefill_cost=self._prefill_cost,
         )
         self._cv = threading.Condition()
-        self._aborts: list[str] = []
+        self._control: list[tuple[str, _Control, tuple[int, ...]]] = []
+        self._progress_due: dict[str, float] = {}  # waiting request key -> when "queued" went out
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="sluice-engine", daemon=True)
         self._ids = itertools.count()
@@ -253,26 +288,57 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
-        """Queues a request; raises QueueFull at once when the queue is at its bound."""
-        loop = asyncio.get_running_loop()
-        key = f"{request.request_id}#{next(self._ids)}"
-        stream = RequestStream(self, key, loop)
-        state = _RequestState(
-            key, request, self._new_choices(key, request), stream, progress_time=time.monotonic()
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        """Builds the request's per-choice sampling state, compiling its grammar (blocking: the
+        service calls it in a thread pool, off the event loop)."""
+        opts = request.sampling
+        blocked = blocked_ids(self._eos, opts)
+        return Prepared(
+            request,
+            [
+                SequenceSampling(
+                    opts,
+                    request.prompt_token_ids,
+                    blocked,
+                    seed_offset=i,
+                    constraint=self._constraint(request),
+                )
+                for i in range(opts.n)
+            ],
         )
+
+    def submit(self, request: GenerationRequest | Prepared) -> RequestStream:
+        """Queues a request (preparing it here if it was not); raises QueueFull at once when the queue is
+        at its bound. Call on the event loop that will read the stream."""
+        prepared = request if isinstance(request, Prepared) else self.prepare(request)
+        req = prepared.request
+        loop = asyncio.get_running_loop()
+        key = f"{req.request_id}#{next(self._ids)}"
+        stream = RequestStream(
+            self, key, loop, RequestOutputProcessor(req, self._tokenizer, self._token_texts, self._rules)
+        )
+        choices = [_Choice((key, i), i, sampling) for i, sampling in enumerate(prepared.samplings)]
+        state = _RequestState(key, req, choices, stream)
         # On the stream's own loop (we are on it): "queued" comes before anything the step loop sends.
         stream.put([Progress("queued", 0.0)])
         with self._cv:
             self._scheduler.add(state)
+            self._progress_due[key] = time.monotonic()
             self.counters.requests_submitted += 1
-            self.counters.prompt_tokens += len(request.prompt_token_ids)
+            self.counters.prompt_tokens += len(req.prompt_token_ids)
             self._cv.notify_all()
         return stream
 
-    def abort(self, key: str) -> None:
+    def abort(self, key: str, *, failed: bool = False) -> None:
+        """Removes the request before the next step, queued or running (cancelled, or failed)."""
         with self._cv:
-            self._aborts.append(key)
+            self._control.append((key, _Control.FAIL if failed else _Control.CANCEL, ()))
+            self._cv.notify_all()
+
+    def stop_choices(self, key: str, choices: Iterable[int]) -> None:
+        """Ends these choices of a request before the next step (a stop string was found in their text)."""
+        with self._cv:
+            self._control.append((key, _Control.STOP, tuple(choices)))
             self._cv.notify_all()
 
     def stats(self) -> EngineStats:
@@ -289,29 +355,6 @@ class Engine:
                 counters=replace(self.counters, time_to_first_token=self.counters.time_to_first_token.copy()),
             )
 
-    # --------------------------------------------------------------- loop
-
-    def _new_choices(self, key: str, request: GenerationRequest) -> list[_Choice]:
-        opts = request.sampling
-        blocked = blocked_ids(self._eos, opts)
-        return [
-            _Choice(
-                key=(key, i),
-                index=i,
-                sampler=SequenceSampler(
-                    opts,
-                    request.prompt_token_ids,
-                    blocked,
-                    seed_offset=i,
-                    constraint=self._constraint(request),
-                ),
-                detokenizer=IncrementalDetokenizer(self._tokenizer, request.prompt_token_ids),
-                stops=StopStringMatcher(opts.stop + self._blocked_phrases),
-                output=ChoiceOutput(i, request.output),
-            )
-            for i in range(opts.n)
-        ]
-
     def _constraint(self, request: GenerationRequest) -> TokenConstraint | None:
         if request.grammar is None:
             return None
@@ -319,203 +362,247 @@ class Engine:
             raise RuntimeError("a grammar-constrained request reached an engine without a grammar compiler")
         return self._grammars.constraint(request.grammar)
 
+    # --------------------------------------------------------------- loop
+
     def _loop(self) -> None:
         while True:
             try:
                 scheduled = self._next_plan()
-            except Exception as exc:  # a scheduling bug must not kill the loop and hang every caller
+            except Exception as exc:  # a scheduler bug must not kill the loop and hang every caller
                 log.exception("engine scheduling failed")
                 with self._cv:
                     everyone = [*self._scheduler.waiting, *self._scheduler.running]
-                self._fail(everyone, f"generation failed: {type(exc).__name__}")
+                outputs: dict[str, list[CoreOutput]] = {}
+                for state in everyone:
+                    self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+                self._publish(everyone, outputs)
                 continue
             if scheduled is None:
                 return
             plan, still_queued = scheduled
             if still_queued:
                 _deliver([(state.stream, [Progress("queued", 0.0)]) for state in still_queued])
-            if plan.empty:
-                continue
-            try:
+            if plan.failed:
+                outputs = {}
+                with self._cv:  # already out of the queue, so _fail does not count them
+                    self.counters.requests_failed += len(plan.failed)
+                for state, error in plan.failed:
+                    log.error("planning failed for %s: %r", state.key, error)
+                    self._fail(state, f"generation failed: {type(error).__name__}", outputs)
+                self._publish([state for state, _ in plan.failed], outputs)
+            if not plan.empty:
                 self._step(plan)
-            except Exception as exc:  # a model failure must not kill the loop
-                log.exception("engine step failed")
-                self._fail(plan.prefill + plan.decode, f"generation failed: {type(exc).__name__}")
 
     def _next_plan(self) -> tuple[StepPlan[_RequestState], list[_RequestState]] | None:
-        """Waits for work, applies aborts and plans the next step (None once stopping); also returns
-        the waiting requests whose ``queued`` progress event is due."""
+        """Waits for work, applies control messages and plans the next step (None once stopping); also
+        returns the waiting requests whose ``queued`` progress event is due."""
         with self._cv:
-            while not (self._stopping or self._aborts or self._scheduler.waiting or self._scheduler.running):
+            while not (self._stopping or self._control or self._scheduler.waiting or self._scheduler.running):
                 self._cv.wait()
             if self._stopping:
                 return None
-            self._apply_aborts()
-            return self._scheduler.schedule(), self._queued_progress_due()
+            self._apply_control()
+            plan = self._scheduler.schedule()
+            for state in plan.prefill:
+                self._progress_due.pop(state.key, None)
+            return plan, self._queued_progress_due()
 
     def _queued_progress_due(self) -> list[_RequestState]:
         """Waiting requests whose last ``queued`` event is older than the interval (under the lock)."""
         now = time.monotonic()
-        due = [s for s in self._scheduler.waiting if now - s.progress_time >= QUEUED_PROGRESS_INTERVAL_S]
+        due = [
+            s
+            for s in self._scheduler.waiting
+            if now - self._progress_due.get(s.key, now) >= QUEUED_PROGRESS_INTERVAL_S
+        ]
         for state in due:
-            state.progress_time = now
+            self._progress_due[state.key] = now
         return due
 
-    def _apply_aborts(self) -> None:
-        aborts, self._aborts = self._aborts, []
-        for key in aborts:
+    def _apply_control(self) -> None:
+        """Applies aborts and text-level stops (under the lock)."""
+        control, self._control = self._control, []
+        for key, kind, choices in control:
+            if kind is _Control.STOP:
+                state = next((s for s in self._scheduler.running if s.key == key), None)
+                if state is None:
+                    continue
+                stopped = [c for c in state.choices if c.index in choices and not c.finished]
+                for choice in stopped:
+                    choice.finished = True
+                self._runner.release(c.key for c in stopped)
+                if state.done:
+                    self._scheduler.remove(key)
+                    self.counters.requests_finished += 1
+                continue
             removed = self._scheduler.remove(key)
+            self._progress_due.pop(key, None)
             if removed is not None:
                 self._runner.release(removed.row_keys)
-                self.counters.requests_cancelled += 1
+                if kind is _Control.FAIL:
+                    self.counters.requests_failed += 1
+                else:
+                    self.counters.requests_cancelled += 1
 
     def _step(self, plan: StepPlan[_RequestState]) -> None:
-        """Prefill the new requests (first token), then decode every running row once."""
+        """Prefill the new requests (first token), then decode every running row once; hand each request
+        its outputs. Never raises: failures end the requests they belong to."""
         self.counters.steps += 1
-        events: dict[str, list[Any]] = {}
+        outputs: dict[str, list[CoreOutput]] = {}
         if plan.prefill:
-            # Sent before the prefill runs, so a caller waiting through a long prompt hears of it.
-            _deliver([(s.stream, [Progress("prompt_processing", 0.0)]) for s in plan.prefill])
-            now = time.monotonic()
-            logits, prefilled = self._runner.prefill([s.request.prompt_token_ids for s in plan.prefill])
-            admitted = [(i, s, c) for i, s in enumerate(plan.prefill) for c in s.choices]
-            self._runner.admit(prefilled, [(i, c.key) for i, _, c in admitted])
-            reused = prefilled.prefix_lengths or [0] * len(plan.prefill)
-            for state, cached in zip(plan.prefill, reused, strict=True):
-                state.admitted_time = now
-                state.cached_tokens = cached
-            self.counters.prefix_cache_hit_tokens += sum(reused)
-            rows = logits[torch.tensor([i for i, _, _ in admitted])]
-            self._take([(s, c) for _, s, c in admitted], rows, events)
-            self._release_finished(plan.prefill)
-        live = {c.key: (s, c) for s in plan.decode + plan.prefill for c in s.choices if not c.finished}
+            self._prefill(plan.prefill, outputs)
+            # Choices that ended on their first token leave the batch before the decode.
+            self._runner.release(c.key for s in plan.prefill for c in s.choices if c.finished)
+        live = [
+            (state, choice)
+            for state in plan.decode + plan.prefill
+            if state.key not in outputs or not _failed(outputs[state.key])
+            for choice in state.choices
+            if not choice.finished
+        ]
         if live:
+            by_key = {choice.key: (state, choice) for state, choice in live}
             keys = self._runner.row_keys
-            logits = self._runner.decode({key: live[key][1].last_token for key in keys})
-            self._take([live[key] for key in keys], logits, events)
-        self._release_finished(plan.prefill + plan.decode)
-        self._publish(plan.prefill + plan.decode, events)
+            try:
+                logits = self._runner.decode(
+                    {key: by_key[key][1].sampling.output_token_ids[-1] for key in keys}
+                )
+            except Exception as exc:
+                # The batch's KV cache may be half-written: drop it and fail the rows it held.
+                log.exception("decode forward failed")
+                self._runner.reset()
+                for state in {id(s): s for s, _ in live}.values():
+                    self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+            else:
+                self._sample([by_key[key] for key in keys], logits, outputs)
+        self._publish(plan.prefill + plan.decode, outputs)
 
-    def _release_finished(self, states: list[_RequestState]) -> None:
-        self._runner.release(c.key for s in states for c in s.choices if c.finished)
-
-    def _take(
-        self, rows: list[tuple[_RequestState, _Choice]], logits: torch.Tensor, events: dict[str, list[Any]]
-    ) -> None:
-        """Samples one token for each row (state, choice) and turns the tokens into events."""
-        picks = choose_batch(logits, [c.sampler for _, c in rows], self._token_texts)
+    def _prefill(self, states: list[_RequestState], outputs: dict[str, list[CoreOutput]]) -> None:
+        # Sent before the prefill runs, so a caller waiting through a long prompt hears of it.
+        _deliver([(s.stream, [Progress("prompt_processing", 0.0)]) for s in states])
         now = time.monotonic()
-        for (state, choice), (token_id, logprob) in zip(rows, picks, strict=True):
-            self._advance(state, choice, token_id, logprob, now, events.setdefault(state.key, []))
+        for state in [s for s in states if s.request.sampling.prompt_logprobs is not None]:
+            self._score(state, now, outputs)
+        # A request that only scores its prompt (max_tokens 0) needs no KV cache and no token.
+        states = [
+            s for s in states if s.request.sampling.max_tokens > 0 and not _failed(outputs.get(s.key, []))
+        ]
+        if not states:
+            return
+        try:
+            logits, prefilled = self._runner.prefill([s.request.prompt_token_ids for s in states])
+        except Exception as exc:  # the running batch is untouched: only these requests fail
+            log.exception("prefill forward failed")
+            for state in states:
+                self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+            return
+        admitted = [(i, s, c) for i, s in enumerate(states) for c in s.choices]
+        try:
+            self._runner.admit(prefilled, [(i, c.key) for i, _, c in admitted])
+        except Exception as exc:  # the batch may be half-rebuilt: drop it, fail everyone in it
+            log.exception("admitting prefilled rows failed")
+            self._runner.reset()
+            for state in [*states, *self._scheduler.running]:
+                self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+            return
+        reused = prefilled.prefix_lengths or [0] * len(states)
+        for state, cached in zip(states, reused, strict=True):
+            outputs.setdefault(state.key, []).append(Admitted(now, cached))
+        self.counters.prefix_cache_hit_tokens += sum(reused)
+        rows = logits[torch.tensor([i for i, _, _ in admitted], device=logits.device)]
+        self._sample([(s, c) for _, s, c in admitted], rows, outputs)
 
-    def _advance(
+    def _score(self, state: _RequestState, now: float, outputs: dict[str, list[CoreOutput]]) -> None:
+        """The prompt's logprobs; a scoring-only request (max_tokens 0) ends here."""
+        top_n = state.request.sampling.prompt_logprobs or 0
+        try:
+            entries = self._runner.score(state.request.prompt_token_ids, top_n)
+        except Exception as exc:
+            log.exception("scoring the prompt of %s failed", state.key)
+            self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+            return
+        out = outputs.setdefault(state.key, [])
+        out += [Admitted(now, 0), PromptScored(tuple(entries))]
+        if state.request.sampling.max_tokens == 0:
+            for choice in state.choices:
+                choice.finished = True
+                out.append(ChoiceEnded(choice.index, FinishReason.LENGTH))
+
+    def _sample(
         self,
-        state: _RequestState,
-        choice: _Choice,
-        token_id: int,
-        logprob: TokenLogprob | None,
-        now: float,
-        out: list[Any],
+        rows: list[tuple[_RequestState, _Choice]],
+        logits: torch.Tensor,
+        outputs: dict[str, list[CoreOutput]],
     ) -> None:
-        if choice.first_token_time is None:
-            choice.first_token_time = now
+        """Draws one token for each row (state, choice) and applies the token-level stops."""
+        failed: dict[str, str] = {}
+        try:
+            samples = sample_batch(logits, [c.sampling for _, c in rows])
+        except GrammarFailure as exc:
+            samples = exc.samples
+            for row in exc.rows:
+                failed[rows[row][0].key] = "generation failed: the grammar could not be applied"
+        except Exception as exc:  # a sampling bug: these rows cannot go on, the cache is fine
+            log.exception("sampling failed")
+            for state in {id(s): s for s, _ in rows}.values():
+                self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+            return
+        now = time.monotonic()
+        for (state, choice), sample in zip(rows, samples, strict=True):
+            if state.key in failed or choice.finished:
+                continue
+            try:
+                outputs.setdefault(state.key, []).append(self._advance(state, choice, sample, now))
+            except Exception as exc:
+                log.exception("advancing %s failed", state.key)
+                failed[state.key] = f"generation failed: {type(exc).__name__}"
+        for state in {id(s): s for s, _ in rows if s.key in failed}.values():
+            self._fail(state, failed[state.key], outputs)
+
+    def _advance(self, state: _RequestState, choice: _Choice, sample: Sample, now: float) -> NewToken:
+        """Records a drawn token and decides the token-level end of the choice."""
+        sampling = choice.sampling
+        sampling.record(sample.token_id)
+        if sampling.generated == 1:
             self.counters.time_to_first_token.observe(now - state.request.arrival_time)
-        choice.last_token_time = now
-        choice.sampler.record(token_id)
-        choice.generated += 1
-        choice.last_token = token_id
         self.counters.generated_tokens += 1
-        opts = state.request.sampling
-        if token_id in opts.stop_token_ids or (not opts.ignore_eos and token_id in self._eos):
-            self._finish(state, choice, FinishReason.STOP, out, stop_token=token_id)
-            return
-        if choice.output.thinking:
-            choice.reasoning_tokens += 1
-        choice.output.add_token(token_id if state.request.return_token_ids else None, logprob)
-        text, matched = choice.stops.push(choice.detokenizer.push(token_id))
-        out += choice.output.push(text)
-        if matched is not None:
-            if matched in self._blocked_phrases and matched not in opts.stop:
-                out.append(RefusalDelta(choice.index, self._refusal_message))
-                self._finish(state, choice, FinishReason.CONTENT_FILTER, out, stop_string=matched)
-            else:
-                self._finish(state, choice, FinishReason.STOP, out, stop_string=matched)
-            return
-        constraint = choice.sampler.constraint
-        if constraint is not None and constraint.finished:
-            self._finish(state, choice, FinishReason.STOP, out)  # the grammar allows nothing more
-        elif choice.generated >= opts.max_tokens or self._at_context_end(state, choice):
-            self._finish(state, choice, FinishReason.LENGTH, out)
+        opts, token = state.request.sampling, sample.token_id
+        finish, stop_token = None, None
+        if token in opts.stop_token_ids or (not opts.ignore_eos and token in self._eos):
+            finish, stop_token = FinishReason.STOP, token
+        elif sampling.constraint is not None and sampling.constraint.finished:
+            finish = FinishReason.STOP  # the grammar allows nothing more
+        elif sampling.generated >= opts.max_tokens or state.prompt_length + sampling.generated >= (
+            self._context_length
+        ):
+            finish = FinishReason.LENGTH
+        if finish is not None:
+            choice.finished = True
+        return NewToken(choice.index, token, now, sample.logprobs, finish, stop_token)
 
-    def _at_context_end(self, state: _RequestState, choice: _Choice) -> bool:
-        return state.prompt_length + choice.generated >= self._context_length
+    def _fail(self, state: _RequestState, message: str, outputs: dict[str, list[CoreOutput]]) -> None:
+        """Ends one request with a failure: out of the scheduler, its rows released."""
+        with self._cv:
+            removed = self._scheduler.remove(state.key)
+            self._progress_due.pop(state.key, None)
+            if removed is not None:
+                self.counters.requests_failed += 1
+        for choice in state.choices:
+            choice.finished = True
+        with contextlib.suppress(Exception):  # after a reset the rows are gone already
+            self._runner.release(state.row_keys)
+        outputs.setdefault(state.key, []).append(CoreFailure(message))
 
-    def _finish(
-        self,
-        state: _RequestState,
-        choice: _Choice,
-        reason: FinishReason,
-        out: list[Any],
-        *,
-        stop_string: str = "",
-        stop_token: int | None = None,
-    ) -> None:
-        tail = ""
-        if not stop_string:
-            # Release what the detokenizer and the stop matcher still hold;
-            # the tail itself may complete a stop string.
-            tail, matched = choice.stops.push(choice.detokenizer.flush())
-            if matched is not None:
-                reason, stop_string, stop_token = FinishReason.STOP, matched, None
-            else:
-                tail += choice.stops.flush()
-        out += choice.output.finish(tail)
-        if reason is FinishReason.STOP and choice.output.tool_calls:
-            reason = FinishReason.TOOL_CALLS
-        if reason is FinishReason.CONTENT_FILTER:
-            stop_string = ""  # the blocked phrase is not shown to the caller
-        choice.finished = True
-        arrival = state.request.arrival_time
-        first = choice.first_token_time or arrival
-        timings = Timings(
-            queue_seconds=max(0.0, (state.admitted_time or arrival) - arrival),
-            time_to_first_token_seconds=max(0.0, first - arrival),
-            decode_seconds=max(0.0, (choice.last_token_time or first) - first),
-        )
-        out.append(Finished(choice.index, reason, choice.generated, stop_string, stop_token, timings))
-
-    def _publish(self, states: list[_RequestState], events: dict[str, list[Any]]) -> None:
-        finished = [s for s in states if s.done]
+    def _publish(self, states: list[_RequestState], outputs: dict[str, list[CoreOutput]]) -> None:
+        self._runner.release(c.key for s in states for c in s.choices if c.finished)
+        finished = [s for s in states if s.done and not _failed(outputs.get(s.key, []))]
         if finished:
             with self._cv:
                 for state in finished:
-                    self._scheduler.remove(state.key)
-                    self.counters.requests_finished += 1
-        ready = []
-        for state in states:
-            batch = events.get(state.key, [])
-            if state.done:
-                completion = sum(c.generated for c in state.choices)
-                reasoning = sum(c.reasoning_tokens for c in state.choices)
-                batch.append(
-                    Usage(
-                        state.prompt_length,
-                        completion,
-                        cached_tokens=state.cached_tokens,
-                        reasoning_tokens=reasoning,
-                    )
-                )
-                batch.append(_END)
-            if batch:
-                ready.append((state.stream, batch))
-        _deliver(ready)
+                    if self._scheduler.remove(state.key) is not None:
+                        self.counters.requests_finished += 1
+        _deliver((s.stream, outputs[s.key]) for s in {id(s): s for s in states}.values() if s.key in outputs)
 
-    def _fail(self, states: list[_RequestState], message: str) -> None:
-        # The batch's cache state is unknown after a failed step: drop it all
-        # (``states`` is every running request).
-        self._runner.reset()
-        with self._cv:
-            for state in states:
-                if self._scheduler.remove(state.key) is not None:
-                    self.counters.requests_failed += 1
-        _deliver([(state.stream, [Failed(message), _END]) for state in states])
+
+def _failed(outputs: list[CoreOutput]) -> bool:
+    return any(isinstance(item, CoreFailure) for item in outputs)

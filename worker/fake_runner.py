@@ -60,6 +60,7 @@ from worker.model_loader import (
 )
 from worker.model_runner import ModelRunner, RowKey
 from worker.prefix_cache import PrefixCache
+from worker.types import SampledLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,9 @@ class FakeRunner(ModelRunner):
             self._rows.append(key)
             self._position[key] = 1  # the prefill's pick was position 0
             self._length[key] = prefilled.lengths[index]
+
+    def score(self, prompt: Sequence[int], top_n: int) -> list[SampledLogprobs]:
+        raise NotImplementedError("a fake-tokens worker runs no model, so it cannot score a prompt")
 
     def decode(self, last_tokens: Mapping[RowKey, int]) -> torch.Tensor:
         """Logits picking each row's next passage token, in ``row_keys`` order."""

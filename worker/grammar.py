@@ -25,7 +25,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from worker.errors import InvalidRequest
@@ -77,15 +76,19 @@ class TokenConstraint:
         self._matcher = matcher
         self._vocab_size = vocab_size
 
-    def allowed(self, vocab_size: int) -> torch.Tensor:
-        """A bool mask [vocab_size] of the tokens the grammar allows next."""
-        bits = np.unpackbits(
-            np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little"
-        )
-        mask = np.zeros(vocab_size, dtype=bool)
-        usable = min(vocab_size, self._vocab_size, bits.shape[0])
-        mask[:usable] = bits[:usable].astype(bool)
-        return torch.from_numpy(mask)
+    @property
+    def mask_words(self) -> int:
+        """The int32 words of one packed mask: ``ceil(vocab / 32)`` for the grammar's vocabulary."""
+        return (self._vocab_size + 31) // 32
+
+    def fill_mask(self, row: torch.Tensor) -> None:
+        """Writes the allowed-token bitmask into ``row``, a contiguous int32 CPU tensor of
+        :attr:`mask_words` words (bit ``t % 32`` of word ``t // 32`` set: token ``t`` allowed)."""
+        if row.dtype != torch.int32 or not row.is_contiguous() or row.numel() != self.mask_words:
+            raise ValueError(f"the mask row must be {self.mask_words} contiguous int32 words")
+        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+        if self._matcher.is_error():
+            raise RuntimeError(f"grammar error: {self._matcher.get_error()}")
 
     def advance(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)
@@ -94,10 +97,6 @@ class TokenConstraint:
     def finished(self) -> bool:
         """The grammar is complete and allows nothing more (the choice should end)."""
         return bool(self._matcher.is_stopped())
-
-    @property
-    def failed(self) -> bool:
-        return bool(self._matcher.is_error())
 
 
 class GrammarCompiler:

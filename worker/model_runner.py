@@ -24,6 +24,7 @@ import torch
 from worker.batch_cache import BatchCache, compact, from_prefixes, prefill_inputs, suffix_prefill_inputs
 from worker.model_loader import LoadedModel
 from worker.prefix_cache import PrefixCache
+from worker.types import SampledLogprobs
 
 # A batch row belongs to one choice of one request: (engine request key, choice index).
 RowKey = tuple[str, int]
@@ -132,7 +133,27 @@ class ModelRunner:
             cache = compact(cache, prefix_lengths, suffixes)
         cache.lengths = [len(p) for p in prompts]
         cache.prefix_lengths = prefix_lengths
-        return out.logits[:, -1].float().cpu(), cache
+        return out.logits[:, -1].float(), cache
+
+    @torch.inference_mode()
+    def score(self, prompt: Sequence[int], top_n: int) -> list[SampledLogprobs]:
+        """The logprob of each prompt token after the first given the tokens before it, with the
+        ``top_n`` best alternatives, from one forward over the whole prompt (no cache kept, no prefix
+        reused: every position needs its logits)."""
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        targets = ids[0, 1:]
+        chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+        top_values: list[list[float]] = [[] for _ in chosen]
+        top_ids: list[list[int]] = [[] for _ in chosen]
+        if top_n:
+            values, indexes = torch.topk(logprobs, top_n, dim=-1)
+            top_values, top_ids = values.tolist(), indexes.tolist()
+        return [
+            SampledLogprobs(int(token), value, tuple(alt_ids), tuple(alt_values))
+            for token, value, alt_ids, alt_values in zip(prompt[1:], chosen, top_ids, top_values, strict=True)
+        ]
 
     def admit(self, prefilled: BatchCache, rows: Sequence[tuple[int, RowKey]]) -> None:
         """Adds one batch row per (prompt index in ``prefilled``, sequence key)."""
@@ -141,7 +162,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, last_tokens: Mapping[RowKey, int]) -> torch.Tensor:
-        """Advances every row by its last token; returns logits [rows, vocab] in ``row_keys`` order."""
+        """Advances every row by its last token; returns float32 logits [rows, vocab] in ``row_keys`` order,
+        on the model's device (the sampler runs there)."""
         if set(last_tokens) != set(self._rows):
             raise RuntimeError("decode needs exactly one token for every row of the batch")
         ids = torch.tensor([[last_tokens[key]] for key in self._rows], dtype=torch.long, device=self.device)
@@ -154,7 +176,7 @@ class ModelRunner:
             use_cache=True,
         )
         self._batch.advance()
-        return out.logits[:, -1].float().cpu()
+        return out.logits[:, -1].float()
 
     def release(self, keys: Iterable[RowKey]) -> None:
         """Drops the rows of these sequences (unknown keys are ignored)."""
@@ -166,8 +188,7 @@ class ModelRunner:
         self._rows = [self._rows[i] for i in keep]
 
     def reset(self) -> None:
-        """Drops every row (after a failed step, whose cache state is unknown)."""
+        """Drops every row of the batch (after a failed decode, whose cache state is unknown). The
+        prefix cache stays: an entry is stored only after its prefill forward succeeded."""
         self._batch = BatchCache(self.num_layers)
         self._rows = []
-        # A step may have failed between a forward and its stores; drop what may be half-made.
-        self.prefix_cache.clear()

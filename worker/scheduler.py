@@ -54,6 +54,8 @@ class StepPlan(Generic[T]):
 
     prefill: list[T] = field(default_factory=list)
     decode: list[T] = field(default_factory=list)
+    # Waiting requests whose planning raised (their prefill cost): out of the queue, to be failed alone.
+    failed: list[tuple[T, Exception]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -127,7 +129,12 @@ class Scheduler(Generic[T]):
             head = self.waiting[0]
             if head.num_sequences > free_slots or head.reserved_tokens > free_tokens:
                 break
-            cost = self._prefill_cost(head)
+            try:
+                cost = self._prefill_cost(head)
+            except Exception as error:  # this request alone cannot be planned
+                self.waiting.popleft()
+                plan.failed.append((head, error))
+                continue
             padded_cost = (len(plan.prefill) + 1) * max(longest, cost)
             if plan.prefill and padded_cost > self.prefill_budget_tokens:
                 break

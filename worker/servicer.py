@@ -11,10 +11,13 @@ reason, completion tokens), failed, or cancelled by the caller.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
@@ -22,13 +25,17 @@ import grpc
 from sluice.logs import request_id_var
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from worker.convert import MAX_N, event_to_proto, parse_request, sampling_options
-from worker.engine import Engine
+from worker.convert import MAX_N, ParsedRequest, event_to_proto, parse_request, sampling_options
+from worker.engine import Engine, Prepared
 from worker.errors import GenerationFailed, NotReady, WorkerError
 from worker.grammar import GrammarCompiler
 from worker.model_loader import LoadedModel
 from worker.prompt import PromptRenderer
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
+
+# Template rendering, tokenization and grammar compilation of a large request take long enough to
+# stall every other stream's events if they ran on the event loop; they run in these threads.
+PREPARE_THREADS = 2
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +58,7 @@ class WorkerService(pb_grpc.WorkerServicer):
     def __init__(self, worker_id: str):
         self.worker_id = worker_id
         self.serving: ServingModel | None = None
+        self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="sluice-prepare")
 
     def _require_serving(self) -> ServingModel:
         if self.serving is None:
@@ -84,37 +92,21 @@ class WorkerService(pb_grpc.WorkerServicer):
         try:
             serving = self._require_serving()
             parsed = parse_request(request, serving.loaded.model_id)
-            prompt_ids, prompt_text = serving.renderer.render(parsed.prompt)
-            options = sampling_options(
-                parsed.sampling,
-                prompt_tokens=len(prompt_ids),
-                context_length=serving.loaded.context_length,
-                vocab_size=serving.renderer.vocab_size,
-                max_n=min(MAX_N, serving.max_running),
-                default_max_tokens=serving.default_max_tokens,
+            # In the caller's context, so the prepare thread's log lines carry the request id.
+            prepare = functools.partial(
+                contextvars.copy_context().run, _prepare, serving, parsed, request_id, arrival
             )
-            grammar = serving.grammars.validate(parsed.grammar) if parsed.grammar is not None else None
-            output = OutputOptions(
-                tool_calls=parsed.parse_tool_calls,
-                reasoning=serving.renderer.thinks,
-                keep_reasoning=parsed.enable_thinking is not False,
-                starts_thinking=prompt_text.rstrip().endswith("<think>"),
-            )
-            stream = serving.engine.submit(
-                GenerationRequest(
-                    request_id=request_id,
-                    prompt_token_ids=prompt_ids,
-                    sampling=options,
-                    arrival_time=arrival,
-                    return_token_ids=parsed.return_token_ids,
-                    output=output,
-                    grammar=grammar,
-                )
-            )
+            prepared = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare)
+            stream = serving.engine.submit(prepared.work)
         except WorkerError as exc:
             log.info("request %s rejected: %s (%s)", request_id, exc.message, exc.code.name)
             await context.abort_with_status(exc.to_status())
             return
+        prompt_ids, prompt_text, options = (
+            prepared.prompt_ids,
+            prepared.prompt_text,
+            prepared.work.request.sampling,
+        )
         log.info(
             "request %s accepted: %d prompt tokens, n=%d, max_tokens=%d",
             request_id,
@@ -140,6 +132,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 if isinstance(event, Failed):
                     outcome = "failed"
                     log.error("request %s: generation failed: %s", request_id, event.message)
+                    if event.usage is not None:
+                        yield event_to_proto(event.usage)  # the partial usage, before the status
                     await context.abort_with_status(GenerationFailed(event.message).to_status())
                     return
                 if isinstance(event, Finished):
@@ -147,7 +141,16 @@ class WorkerService(pb_grpc.WorkerServicer):
                     completion_tokens += event.completion_tokens
                 if isinstance(event, Progress) and not request.stream_progress:
                     continue  # the caller did not ask for progress events
-                yield event_to_proto(event)
+                try:
+                    message = event_to_proto(event)
+                except Exception as error:  # this request's output cannot be sent: it alone fails
+                    log.exception("request %s: converting %s failed", request_id, type(event).__name__)
+                    outcome = "failed"
+                    await context.abort_with_status(
+                        GenerationFailed(f"output conversion failed: {type(error).__name__}").to_status()
+                    )
+                    return
+                yield message
             outcome = "completed"
         except (asyncio.CancelledError, GeneratorExit):
             raise
@@ -167,6 +170,44 @@ class WorkerService(pb_grpc.WorkerServicer):
                 completion_tokens,
                 time.monotonic() - arrival,
             )
+
+
+@dataclass(frozen=True)
+class _PreparedCall:
+    work: Prepared
+    prompt_ids: tuple[int, ...]
+    prompt_text: str
+
+
+def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arrival: float) -> _PreparedCall:
+    """Everything blocking before a request can be queued: the chat template, tokenization, option
+    checks that need the prompt's length, grammar compilation. Runs in the prepare threads."""
+    prompt_ids, prompt_text = serving.renderer.render(parsed.prompt)
+    options = sampling_options(
+        parsed.sampling,
+        prompt_tokens=len(prompt_ids),
+        context_length=serving.loaded.context_length,
+        vocab_size=serving.renderer.vocab_size,
+        max_n=min(MAX_N, serving.max_running),
+        default_max_tokens=serving.default_max_tokens,
+    )
+    grammar = serving.grammars.validate(parsed.grammar) if parsed.grammar is not None else None
+    output = OutputOptions(
+        tool_calls=parsed.parse_tool_calls,
+        reasoning=serving.renderer.thinks,
+        keep_reasoning=parsed.enable_thinking is not False,
+        starts_thinking=prompt_text.rstrip().endswith("<think>"),
+    )
+    request = GenerationRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt_ids,
+        sampling=options,
+        arrival_time=arrival,
+        return_token_ids=parsed.return_token_ids,
+        output=output,
+        grammar=grammar,
+    )
+    return _PreparedCall(serving.engine.prepare(request), prompt_ids, prompt_text)
 
 
 def _metadata_request_id(context: grpc.aio.ServicerContext) -> str:

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import enum
 import json
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sluice.ids import new_tool_call_id
 from worker.markers import split_at_marker
 
 OPEN = "<tool_call>"
@@ -46,8 +46,46 @@ class CallPiece:
 Piece = ContentPiece | CallPiece
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
+
+
+def decode_json_string(body: str) -> str:
+    """The value of a JSON string literal's body (between the quotes), leniently: model text may hold
+    raw control characters, invalid escapes (``\\q``, a Windows path) or a cut ``\\u`` escape. Those are
+    kept as written instead of raising."""
+    try:
+        return _valid_unicode(str(json.loads(f'"{body}"', strict=False)))
+    except json.JSONDecodeError:
+        pass
+    out: list[str] = []
+    i = 0
+    while i < len(body):
+        char = body[i]
+        if char != "\\" or i + 1 >= len(body):
+            out.append(char)
+            i += 1
+            continue
+        code = body[i + 1]
+        if code in _ESCAPES:
+            out.append(_ESCAPES[code])
+            i += 2
+        elif code == "u" and _is_hex(body[i + 2 : i + 6]):
+            out.append(chr(int(body[i + 2 : i + 6], 16)))
+            i += 6
+        else:
+            out.append(char)  # an invalid or cut escape stays as written
+            i += 1
+    return _valid_unicode("".join(out))
+
+
+def _valid_unicode(text: str) -> str:
+    """Surrogate pairs written as two ``\\u`` escapes join; a lone surrogate (which no UTF-8 wire
+    accepts) becomes U+FFFD."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def _is_hex(text: str) -> bool:
+    return len(text) == 4 and all(c in "0123456789abcdefABCDEF" for c in text)
 
 
 class _CallScanner:
@@ -125,7 +163,7 @@ class _CallScanner:
                     self._start_value('"')
                     self._end_string_value()
                 elif self._value_key is None:
-                    self._pending_key = json.loads(f'"{self._string}"')
+                    self._pending_key = decode_json_string(self._string)
         else:
             self._string += char
 
@@ -142,10 +180,10 @@ class _CallScanner:
     def _end_string_value(self) -> None:
         key, self._value_key = self._value_key, None
         if key == "name":
-            self.name = json.loads(f'"{self._string}"')
+            self.name = decode_json_string(self._string)
         elif key in ARGUMENT_KEYS:
             # Arguments given as a JSON string: the call's arguments are its contents.
-            self.argument_text = json.loads(f'"{self._string}"')
+            self.argument_text = decode_json_string(self._string)
 
     def _end_value(self, closing: bool) -> None:
         if self._value_key in ARGUMENT_KEYS and not self._value_is_string and not closing:
@@ -163,7 +201,7 @@ class _State(enum.Enum):
 class ToolCallParser:
     """One per choice. ``push`` and ``finish`` return content and tool-call pieces in order."""
 
-    def __init__(self, allow_bare_json: bool = True, id_factory: Callable[[], str] = new_call_id):
+    def __init__(self, allow_bare_json: bool = True, id_factory: Callable[[], str] = new_tool_call_id):
         self._allow_bare = allow_bare_json
         self._new_id = id_factory
         self._state = _State.TEXT

@@ -35,6 +35,7 @@ class SamplingOptions:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None  # number of top alternatives; None = no logprobs
+    prompt_logprobs: int | None = None  # the prompt's logprobs with this many alternatives; None = none
 
     @property
     def greedy(self) -> bool:
@@ -131,6 +132,17 @@ class ToolCallDelta:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The logprob of every prompt token after the first, in prompt order (asked with prompt_logprobs);
+    the first token (which has no logprob) by id, text and bytes."""
+
+    logprobs: tuple[TokenLogprob, ...]
+    first_token_id: int = 0
+    first_token: str = ""
+    first_token_bytes: bytes = b""
+
+
+@dataclass(frozen=True)
 class Progress:
     stage: str  # "queued", "model_load", "prompt_processing"
     fraction: float
@@ -160,9 +172,85 @@ class Usage:
 
 @dataclass(frozen=True)
 class Failed:
-    """The engine could not finish the request (a model error); ends the stream."""
+    """The request could not be finished (a model error, or a failure in its own output processing);
+    ends the stream. ``usage`` counts what was generated before the failure."""
+
+    message: str
+    usage: Usage | None = None
+
+
+Event = (
+    ContentDelta
+    | ReasoningDelta
+    | RefusalDelta
+    | ToolCallDelta
+    | PromptLogprobs
+    | Progress
+    | Finished
+    | Usage
+    | Failed
+)
+
+
+# ------------------------------------------- from the engine core to the output processor
+
+
+@dataclass(frozen=True)
+class SampledLogprobs:
+    """A drawn token's raw logprob and its top alternatives, as ids (texts are looked up later)."""
+
+    token_id: int
+    logprob: float
+    top_ids: tuple[int, ...] = ()
+    top_logprobs: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """The request's prefill ran: when, and how many prompt tokens came from the prefix cache."""
+
+    time: float
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class NewToken:
+    """One token of one choice, drawn by the core at ``time``.
+
+    ``finish`` is set when the core ended the choice with this token: STOP for EOS or a stop token id
+    (``stop_token``: the token is counted but never shown), LENGTH for max_tokens or the context end,
+    STOP with no ``stop_token`` when the grammar is complete.
+    """
+
+    choice_index: int
+    token_id: int
+    time: float
+    logprobs: SampledLogprobs | None = None
+    finish: FinishReason | None = None
+    stop_token: int | None = None
+
+
+@dataclass(frozen=True)
+class PromptScored:
+    """The prompt's logprobs (ids only), one entry per prompt token after the first."""
+
+    entries: tuple[SampledLogprobs, ...]
+
+
+@dataclass(frozen=True)
+class ChoiceEnded:
+    """The core ended a choice without drawing a token (``max_tokens`` 0: the prompt was only scored)."""
+
+    choice_index: int
+    reason: FinishReason
+
+
+@dataclass(frozen=True)
+class CoreFailure:
+    """The core could not go on with the request (its forward pass or its grammar failed)."""
 
     message: str
 
 
-Event = ContentDelta | ReasoningDelta | RefusalDelta | ToolCallDelta | Progress | Finished | Usage | Failed
+# What the core hands a request's output processor, in order, once per step.
+CoreOutput = Progress | Admitted | PromptScored | NewToken | ChoiceEnded | CoreFailure

@@ -122,7 +122,7 @@ def test_default_max_tokens_is_16_and_stop_strings(client):
     [
         ({"suffix": "and that is all."}, "suffix"),
         ({"best_of": 2}, "best_of"),
-        ({"echo": True, "logprobs": 1}, "echo"),
+        ({"max_tokens": 0}, "max_tokens"),  # 0 only scores the prompt, which needs echo
         ({"logprobs": 6}, "logprobs"),
         ({"prompt": [10**7]}, "prompt"),  # out of the vocabulary: the worker's check
         ({"prompt": ""}, "prompt"),  # empty: the worker's check
@@ -132,3 +132,45 @@ def test_unsupported_or_bad_options_are_400_naming_the_param(client, extra, para
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(**{**GREEDY, "prompt": "x", **extra})
     assert caught.value.param == param
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_evaluation_harnesses_ask(client, tokenizer):
+    """lm-evaluation-harness's completions backend: echo + logprobs, max_tokens 0 (or 1)."""
+    prompt = "The capital of France is Paris"
+    ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    scored = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    choice = scored.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(ids)
+    legacy = choice.logprobs
+    assert "".join(legacy.tokens) == prompt and len(legacy.tokens) == len(ids)
+    assert legacy.token_logprobs[0] is None and legacy.top_logprobs[0] is None
+    assert all(lp is not None and lp <= 0 for lp in legacy.token_logprobs[1:])
+    assert all(len(top) >= 1 for top in legacy.top_logprobs[1:])
+    assert legacy.text_offset == sorted(legacy.text_offset) and legacy.text_offset[0] == 0
+    assert [prompt[o:] for o in legacy.text_offset] == [
+        prompt[len("".join(legacy.tokens[:i])) :] for i in range(len(ids))
+    ]
+    # A likely continuation scores higher than an unlikely one, as a harness compares them.
+    likely = (
+        client.completions.create(
+            model=MODEL, prompt="The capital of France is Paris", echo=True, logprobs=0, max_tokens=0
+        )
+        .choices[0]
+        .logprobs.token_logprobs[-1]
+    )
+    unlikely = (
+        client.completions.create(
+            model=MODEL, prompt="The capital of France is banana", echo=True, logprobs=0, max_tokens=0
+        )
+        .choices[0]
+        .logprobs.token_logprobs[-1]
+    )
+    assert likely > unlikely
+    # With one generated token: the prompt's entries, then the new token's, offsets continuing.
+    one = client.completions.create(
+        model=MODEL, prompt=prompt, echo=True, logprobs=1, max_tokens=1, temperature=0
+    )
+    legacy = one.choices[0].logprobs
+    assert len(legacy.tokens) == len(ids) + 1 and legacy.token_logprobs[-1] is not None
+    assert one.choices[0].text.startswith(prompt) and legacy.text_offset[-1] == len(prompt)

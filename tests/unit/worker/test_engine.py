@@ -13,7 +13,15 @@ from worker.engine import Engine
 from worker.model_loader import load_model
 from worker.model_runner import ModelRunner
 from worker.server import eos_token_ids
-from worker.types import ContentDelta, Finished, FinishReason, GenerationRequest, SamplingOptions, Usage
+from worker.types import (
+    ContentDelta,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    PromptLogprobs,
+    SamplingOptions,
+    Usage,
+)
 
 
 @pytest.fixture(scope="module")
@@ -170,3 +178,30 @@ def test_random_cancellations_leave_nothing_behind(engine):
     assert stats.counters.requests_cancelled + stats.counters.requests_finished == 300
     assert stats.counters.requests_cancelled > 250
     assert stats.cache_tokens == 0 and stats.cache_bytes == 0 and stats.reserved_tokens == 0
+
+
+def test_prompt_logprobs_score_every_token_after_the_first(engine, loaded):
+    prompt = [5, 17, 300, 42, 8, 99]
+    req = request(prompt, temperature=0.0, max_tokens=0, prompt_logprobs=2)
+    events = asyncio.run(collect(engine, req))
+    scored = next(e for e in events if isinstance(e, PromptLogprobs))
+    assert [lp.token_id for lp in scored.logprobs] == prompt[1:]
+    with torch.inference_mode():
+        logits = loaded.model(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    for position, entry in enumerate(scored.logprobs):
+        assert abs(entry.logprob - float(expected[position, prompt[position + 1]])) < 1e-4
+        assert len(entry.top) == 2 and entry.top[0].token_id == int(expected[position].argmax())
+    finished = next(e for e in events if isinstance(e, Finished))
+    assert finished.reason is FinishReason.LENGTH and finished.completion_tokens == 0
+    assert isinstance(events[-1], Usage) and events[-1].completion_tokens == 0
+    assert not any(isinstance(e, ContentDelta) for e in events)
+
+
+def test_prompt_logprobs_then_generation_as_usual(engine, loaded):
+    prompt = [9, 8, 7, 6]
+    events = asyncio.run(collect(engine, request(prompt, temperature=0.0, max_tokens=5, prompt_logprobs=0)))
+    scored = [e for e in events if isinstance(e, PromptLogprobs)]
+    assert len(scored) == 1 and len(scored[0].logprobs) == 3
+    assert token_ids(events) == greedy(loaded, prompt, 5)[: len(token_ids(events))]
+    assert events.index(scored[0]) < min(i for i, e in enumerate(events) if isinstance(e, ContentDelta))

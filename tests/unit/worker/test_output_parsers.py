@@ -163,3 +163,31 @@ def test_token_ids_are_reported_once_for_content_and_reasoning(tokenizer):
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     *_, reported = summarize(run_output(tokenizer, text, OutputOptions(reasoning=True)))
     assert reported == len(ids)
+
+
+# What real tool-calling models emit: code and paths in arguments, raw control characters, cut output.
+MALFORMED_TOOL_TEXTS = [
+    '<tool_call>{"name": "run", "arguments": {"path": "C:\\Users\\qa\\new"}}</tool_call>',
+    '<tool_call>{"name": "r\\q", "arguments": {"code": "line1\nline2\t\x01"}}</tool_call>',
+    '{"name": "x\ny", "arguments": {"a": "\\u12"}}',
+    '{"name": "s", "arguments": "{\\"a\\": \\q}"}',
+    '<tool_call>{"na\\me": "f", "arguments": {"unterminated": "abc',
+    '<tool_call>{"name": "f", "arguments": {"a": [1, 2',
+    '<tool_call>{"name": "\\ud83d", "arguments": {}}</tool_call>',
+    '{"name": "cut\\',
+    '<tool_call>{"name": "f", "arguments": {"a": 1}}}}]]</tool_call> tail "\\x" {',
+]
+
+
+@pytest.mark.parametrize("text", MALFORMED_TOOL_TEXTS)
+def test_malformed_tool_call_text_never_raises_whatever_the_split(text):
+    whole = run_tools([text])
+    for cut in range(1, len(text)):  # every two-piece split
+        assert run_tools([text[:cut], text[cut:]]) == whole
+    for end in range(len(text) + 1):  # truncated at every point, as a max_tokens cut would
+        content, calls = run_tools([text[:end]])
+        for name, arguments, _ in calls:
+            name.encode("utf-8")  # valid on any UTF-8 wire
+            arguments.encode("utf-8")
+        assert isinstance(content, str)
+    assert run_tools(list(text)) == whole  # character by character

@@ -1,20 +1,25 @@
+"""The batched sampler (worker/sampler.py): each transform, logprobs, seeds, batch independence."""
+
 import math
 
 import pytest
 import torch
 
-from worker.sampler import SequenceSampler, blocked_ids, choose_batch
+from worker.sampler import GrammarFailure, Sample, SequenceSampling, blocked_ids, sample_batch, uniform
 from worker.types import SamplingOptions
 
 VOCAB = 50
 
 
-def info(token_id: int) -> tuple[str, bytes]:
-    return f"t{token_id}", f"t{token_id}".encode()
+def make(
+    options: SamplingOptions, blocked: frozenset[int] = frozenset(), offset: int = 0
+) -> SequenceSampling:
+    return SequenceSampling(options, (1, 2, 3), blocked, seed_offset=offset)
 
 
-def make(options: SamplingOptions, blocked: frozenset[int] = frozenset(), offset: int = 0) -> SequenceSampler:
-    return SequenceSampler(options, (1, 2, 3), blocked, seed_offset=offset)
+def choose(sampling: SequenceSampling, logits: torch.Tensor) -> Sample:
+    """One draw for one row (without recording it)."""
+    return sample_batch(logits[None], [sampling])[0]
 
 
 @pytest.fixture
@@ -23,17 +28,17 @@ def logits() -> torch.Tensor:
     return torch.randn(VOCAB)
 
 
-def draw(sampler: SequenceSampler, logits: torch.Tensor, steps: int = 20) -> list[int]:
+def draw(sampling: SequenceSampling, logits: torch.Tensor, steps: int = 20) -> list[int]:
     out = []
     for _ in range(steps):
-        token, _ = sampler.choose(logits, info)
-        sampler.record(token)
+        token = choose(sampling, logits).token_id
+        sampling.record(token)
         out.append(token)
     return out
 
 
 def test_temperature_zero_is_argmax(logits):
-    token, _ = make(SamplingOptions(temperature=0)).choose(logits, info)
+    token = choose(make(SamplingOptions(temperature=0)), logits).token_id
     assert token == int(torch.argmax(logits))
 
 
@@ -73,7 +78,7 @@ def test_min_p_drops_unlikely_tokens(logits):
 def test_logit_bias_forces_and_bans(logits):
     assert set(draw(make(SamplingOptions(logit_bias=((5, 100.0),), seed=2)), logits)) == {5}
     best = int(torch.argmax(logits))
-    token, _ = make(SamplingOptions(temperature=0, logit_bias=((best, -100.0),))).choose(logits, info)
+    token = choose(make(SamplingOptions(temperature=0, logit_bias=((best, -100.0),))), logits).token_id
     assert token != best
 
 
@@ -96,34 +101,42 @@ def test_repetition_penalty_covers_the_prompt():
     logits = torch.zeros(VOCAB)
     logits[2] = 1.0  # token 2 is in the prompt (1, 2, 3)
     logits[9] = 0.9
-    token, _ = make(SamplingOptions(temperature=0, repetition_penalty=1.5)).choose(logits, info)
+    token = choose(make(SamplingOptions(temperature=0, repetition_penalty=1.5)), logits).token_id
     assert token == 9
 
 
 def test_logprobs_are_the_raw_log_softmax_whatever_the_temperature(logits):
     reference = torch.log_softmax(logits, -1)
     for temperature in (0.0, 0.3, 1.7):
-        sampler = make(SamplingOptions(temperature=temperature, top_p=0.5, logprobs=5, seed=1))
-        token, entry = sampler.choose(logits, info)
-        assert entry is not None and entry.token_id == token
-        assert math.isclose(entry.logprob, float(reference[token]), rel_tol=1e-5)
-        tops = [t.logprob for t in entry.top]
-        assert len(tops) == 5 and tops == sorted(tops, reverse=True)
-        assert math.isclose(tops[0], float(reference.max()), rel_tol=1e-5)
-        assert entry.token == f"t{token}" and entry.token_bytes == f"t{token}".encode()
+        sample = choose(make(SamplingOptions(temperature=temperature, top_p=0.5, logprobs=5, seed=1)), logits)
+        entry = sample.logprobs
+        assert entry is not None and entry.token_id == sample.token_id
+        assert math.isclose(entry.logprob, float(reference[sample.token_id]), rel_tol=1e-5)
+        assert len(entry.top_ids) == 5 and list(entry.top_logprobs) == sorted(
+            entry.top_logprobs, reverse=True
+        )
+        assert math.isclose(entry.top_logprobs[0], float(reference.max()), rel_tol=1e-5)
+        assert entry.top_ids[0] == int(reference.argmax())
 
 
 def test_no_logprobs_unless_asked(logits):
-    assert make(SamplingOptions()).choose(logits, info)[1] is None
+    assert choose(make(SamplingOptions()), logits).logprobs is None
+
+
+def test_rows_asking_different_numbers_of_alternatives_get_their_own(logits):
+    rows = [make(SamplingOptions(temperature=0, logprobs=n)) for n in (0, 3, 1)] + [make(SamplingOptions())]
+    samples = sample_batch(logits.repeat(4, 1), rows)
+    assert [len(s.logprobs.top_ids) if s.logprobs else None for s in samples] == [0, 3, 1, None]
 
 
 def test_batched_draw_follows_the_softmax_distribution():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    samplers = [make(SamplingOptions(seed=s)) for s in range(4)]
+    rows = [make(SamplingOptions(seed=s)) for s in range(4)]
     counts = torch.zeros(4)
     for _ in range(1500):
-        for token, _ in choose_batch(logits.repeat(4, 1), samplers, info):
-            counts[token] += 1
+        for row, sample in zip(rows, sample_batch(logits.repeat(4, 1), rows), strict=True):
+            counts[sample.token_id] += 1
+            row.record(sample.token_id)
     freq = counts / counts.sum()
     assert torch.allclose(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.02), freq
 
@@ -134,8 +147,45 @@ def test_batched_choice_equals_row_by_row_choice(logits):
         SamplingOptions(seed=1),
         SamplingOptions(temperature=0),
         SamplingOptions(seed=2, top_p=0.8),
-        SamplingOptions(seed=3, top_k=5, logprobs=2),
+        SamplingOptions(seed=3, top_k=5, logprobs=2, presence_penalty=1.0, logit_bias=((4, 3.0),)),
     ]
-    batched = choose_batch(rows, [make(o) for o in options], info)
-    alone = [make(o).choose(row, info) for o, row in zip(options, rows, strict=True)]
-    assert batched == alone
+    for _ in range(10):
+        batched = [make(o) for o in options]
+        alone = [make(o) for o in options]
+        for step in range(8):
+            together = sample_batch(rows, batched)
+            apart = [sample_batch(row[None], [s])[0] for row, s in zip(rows, alone, strict=True)]
+            assert together == apart, step
+            for a, b, sample in zip(batched, alone, together, strict=True):
+                a.record(sample.token_id)
+                b.record(sample.token_id)
+
+
+def test_the_uniform_stream_depends_only_on_seed_and_step():
+    values = [uniform(seed, step) for seed in (0, 1, 2**62) for step in range(200)]
+    assert all(0.0 <= v < 1.0 for v in values)
+    assert len(set(values)) == len(values)
+    assert uniform(7, 3) == uniform(7, 3) != uniform(7, 4)
+    mean = sum(values) / len(values)
+    assert abs(mean - 0.5) < 0.03
+
+
+class _BrokenConstraint:
+    mask_words = (VOCAB + 31) // 32
+    finished = False
+
+    def fill_mask(self, row: torch.Tensor) -> None:
+        raise RuntimeError("matcher in error state")
+
+    def advance(self, token_id: int) -> None:
+        pass
+
+
+def test_a_failing_grammar_fails_its_row_and_the_others_still_sample(logits):
+    good = make(SamplingOptions(temperature=0))
+    bad = make(SamplingOptions(temperature=0))
+    bad.constraint = _BrokenConstraint()  # type: ignore[assignment]
+    with pytest.raises(GrammarFailure) as caught:
+        sample_batch(logits.repeat(2, 1), [good, bad])
+    assert caught.value.rows == [1]
+    assert caught.value.samples[0].token_id == int(logits.argmax())

@@ -1,0 +1,127 @@
+"""One failure fails one request: output processing, sampling and forward failures on a tiny random Llama."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from tests.unit.worker.test_engine import greedy, make_engine
+from worker import engine as engine_module
+from worker.model_loader import load_model
+from worker.output_processor import RequestOutputProcessor
+from worker.types import ContentDelta, Failed, Finished, GenerationRequest, SamplingOptions, Usage
+
+STEPS = 10
+
+
+@pytest.fixture(scope="module")
+def loaded(tiny_model_dir):
+    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+
+
+def request(name: str, prompt: list[int]) -> GenerationRequest:
+    sampling = SamplingOptions(temperature=0.0, max_tokens=STEPS, min_tokens=STEPS)
+    return GenerationRequest(name, tuple(prompt), sampling, time.monotonic(), return_token_ids=True)
+
+
+def ids(events: list) -> list[int]:
+    return [t for e in events if isinstance(e, ContentDelta) for t in e.token_ids]
+
+
+class PoisonedProcessor(RequestOutputProcessor):
+    """Raises for the request named "poison" once it has three tokens, as a parser bug would."""
+
+    def __init__(self, request, *args, **kwargs):  # type: ignore[no-untyped-def]
+        super().__init__(request, *args, **kwargs)
+        self._poisoned = request.request_id == "poison"
+
+    def process(self, outputs):  # type: ignore[no-untyped-def]
+        if self._poisoned and self.usage().completion_tokens >= 3:
+            raise ValueError("parser bug")
+        return super().process(outputs)
+
+
+def test_a_failing_output_processor_fails_its_request_only(loaded, monkeypatch):
+    monkeypatch.setattr(engine_module, "RequestOutputProcessor", PoisonedProcessor)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(2, 30))] for _ in range(9)]
+    eng = make_engine(loaded, prefill_budget_tokens=512, prefix_cache_tokens=256)
+    eng._scheduler.max_running = 9  # all nine in one batch
+
+    async def collect(name: str, prompt: list[int]) -> list:
+        return [event async for event in eng.submit(request(name, prompt))]
+
+    async def run_all() -> list[list]:
+        names = ["poison" if i == 4 else f"r{i}" for i in range(9)]
+        return await asyncio.gather(*[collect(n, p) for n, p in zip(names, prompts, strict=True)])
+
+    try:
+        cached_before = eng._runner.prefix_cache.cached_length(prompts[0])
+        results = asyncio.run(asyncio.wait_for(run_all(), timeout=120))
+        for i, (prompt, events) in enumerate(zip(prompts, results, strict=True)):
+            if i == 4:
+                failed = events[-1]
+                assert isinstance(failed, Failed) and failed.message == "output processing failed: ValueError"
+                assert failed.usage is not None and failed.usage.prompt_tokens == len(prompt)
+                assert 0 < failed.usage.completion_tokens < STEPS
+                continue
+            assert ids(events) == greedy(loaded, prompt, STEPS), i
+            assert isinstance(events[-1], Usage) and events[-1].completion_tokens == STEPS
+        stats = eng.stats()
+        assert stats.counters.requests_failed == 1 and stats.counters.requests_finished == 8
+        assert stats.running_requests == 0 and stats.live_caches == 0
+        # No cache was dropped: the prompts' blocks are still there.
+        assert eng._runner.prefix_cache.cached_length(prompts[0]) >= cached_before
+        assert eng._runner.prefix_cache.cached_length(prompts[0]) > 0 or len(prompts[0]) <= 8
+    finally:
+        eng.stop()
+
+
+class FlakyRunner:
+    """Wraps the real runner; the prefill of a prompt starting with token 999 raises once."""
+
+    def __init__(self, inner):  # type: ignore[no-untyped-def]
+        self._inner = inner
+
+    def __getattr__(self, name):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+    def prefill(self, prompts):  # type: ignore[no-untyped-def]
+        if any(p[0] == 999 for p in prompts):
+            raise RuntimeError("out of memory in prefill")
+        return self._inner.prefill(prompts)
+
+
+def test_a_failed_prefill_fails_only_the_requests_it_prefilled(loaded):
+    eng = make_engine(loaded, prefill_budget_tokens=8)  # one prompt per prefill
+    eng._runner = FlakyRunner(eng._runner)  # type: ignore[assignment]
+    steady = [5, 6, 7, 8]
+
+    async def run() -> tuple[list, list]:
+        decoding = asyncio.Event()
+
+        async def steady_stream() -> list:
+            events = []
+            async for event in eng.submit(request("steady", steady)):
+                events.append(event)
+                if isinstance(event, ContentDelta):
+                    decoding.set()  # the steady request is decoding: now a bad prefill arrives
+            return events
+
+        task = asyncio.create_task(steady_stream())
+        await decoding.wait()
+        bad = [event async for event in eng.submit(request("bad", [999, 3, 4]))]
+        return await task, bad
+
+    try:
+        events, bad = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    finally:
+        eng.stop()
+    assert isinstance(bad[-1], Failed) and bad[-1].message == "generation failed: RuntimeError"
+    finished = [e for e in events if isinstance(e, Finished)]
+    assert (
+        ids(events) == greedy(loaded, steady, STEPS) and finished and finished[0].completion_tokens == STEPS
+    )

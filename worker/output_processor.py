@@ -1,0 +1,239 @@
+"""Text-level output of one request: the engine core's tokens → the events callers see.
+
+The core (``engine.py``) draws tokens and decides the token-level ends (EOS,
+stop token ids, max_tokens, context end, a complete grammar). Everything about
+text happens here, on the request's own event loop, while the core runs the
+next forward: incremental detokenization, stop strings, blocked phrases,
+reasoning and tool-call parsing, logprob texts, finish reasons, timings and
+usage.
+
+A stop string or blocked phrase found here ends the choice at once: nothing
+after it is ever emitted, later tokens of that choice are ignored, and the
+processor reports the choice in ``ProcessorOutput.stopped`` so the core drops
+its sequence before its next step.
+
+A processor is owned by one :class:`~worker.engine.RequestStream`; an
+exception raised here fails that request only (the stream turns it into a
+``Failed`` event with the partial usage).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from worker.detokenizer import Decoder, IncrementalDetokenizer, TokenTexts
+from worker.output_parser import ChoiceOutput
+from worker.stop_strings import StopStringMatcher
+from worker.types import (
+    Admitted,
+    ChoiceEnded,
+    ContentDelta,
+    CoreFailure,
+    CoreOutput,
+    Event,
+    Failed,
+    Finished,
+    FinishReason,
+    GenerationRequest,
+    NewToken,
+    Progress,
+    PromptLogprobs,
+    PromptScored,
+    ReasoningDelta,
+    RefusalDelta,
+    SampledLogprobs,
+    Timings,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+)
+
+
+@dataclass(frozen=True)
+class TextRules:
+    """Worker-wide text rules: a blocked phrase ends the choice with a refusal and "content_filter"."""
+
+    blocked_phrases: tuple[str, ...] = ()
+    refusal_message: str = "I can't help with that."
+
+
+@dataclass
+class _ChoiceText:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher
+    output: ChoiceOutput
+    generated: int = 0
+    reasoning_tokens: int = 0
+    finished: bool = False
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+
+@dataclass
+class ProcessorOutput:
+    events: list[Event] = field(default_factory=list)
+    stopped: list[int] = field(default_factory=list)  # choices ended here by text; the core drops them
+    done: bool = False  # the request's last event (Usage or Failed) is in ``events``
+
+
+class RequestOutputProcessor:
+    """One per request. ``process`` each batch of core outputs in order; ``usage`` at any time."""
+
+    def __init__(
+        self, request: GenerationRequest, tokenizer: Decoder, token_texts: TokenTexts, rules: TextRules
+    ):
+        self._request = request
+        self._texts = token_texts
+        self._rules = rules
+        stops = request.sampling.stop + rules.blocked_phrases
+        self._choices = [
+            _ChoiceText(
+                index=i,
+                detokenizer=IncrementalDetokenizer(tokenizer, request.prompt_token_ids),
+                stops=StopStringMatcher(stops),
+                output=ChoiceOutput(i, request.output),
+            )
+            for i in range(request.sampling.n)
+        ]
+        self._admitted_time: float | None = None
+        self._cached_tokens = 0
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def usage(self) -> Usage:
+        return Usage(
+            len(self._request.prompt_token_ids),
+            sum(c.generated for c in self._choices),
+            cached_tokens=self._cached_tokens,
+            reasoning_tokens=sum(c.reasoning_tokens for c in self._choices),
+        )
+
+    def process(self, outputs: Iterable[CoreOutput]) -> ProcessorOutput:
+        out = ProcessorOutput()
+        for item in outputs:
+            if self._done:
+                break
+            if isinstance(item, NewToken):
+                self._token(item, out)
+            elif isinstance(item, Progress):
+                out.events.append(item)
+            elif isinstance(item, Admitted):
+                if self._admitted_time is None:
+                    self._admitted_time, self._cached_tokens = item.time, item.cached_tokens
+                else:  # scored first, then prefilled: the prefill's cache hit counts
+                    self._cached_tokens = item.cached_tokens
+            elif isinstance(item, PromptScored):
+                logprobs = [self._logprob(entry) for entry in item.entries]
+                first = self._request.prompt_token_ids[0]
+                text, raw = self._texts(first)
+                scored = tuple(lp for lp in logprobs if lp is not None)
+                out.events.append(PromptLogprobs(scored, first, text, raw))
+            elif isinstance(item, ChoiceEnded):
+                choice = self._choices[item.choice_index]
+                if not choice.finished:
+                    self._finish(choice, item.reason, out)
+            elif isinstance(item, CoreFailure):
+                out.events.append(Failed(item.message, self.usage()))
+                self._done = out.done = True
+            if not self._done and all(c.finished for c in self._choices):
+                out.events.append(self.usage())
+                self._done = out.done = True
+        return out
+
+    def _token(self, item: NewToken, out: ProcessorOutput) -> None:
+        choice = self._choices[item.choice_index]
+        if choice.finished:
+            return  # drawn after a stop string ended the choice: never shown, never counted
+        if choice.first_token_time is None:
+            choice.first_token_time = item.time
+        choice.last_token_time = item.time
+        choice.generated += 1
+        if item.stop_token is not None:
+            self._finish(choice, FinishReason.STOP, out, stop_token=item.stop_token)
+            return
+        if choice.output.thinking:
+            choice.reasoning_tokens += 1
+        ids = item.token_id if self._request.return_token_ids else None
+        choice.output.add_token(ids, self._logprob(item.logprobs))
+        text, matched = choice.stops.push(choice.detokenizer.push(item.token_id))
+        out.events += choice.output.push(text)
+        if matched is not None:
+            if matched in self._rules.blocked_phrases and matched not in self._request.sampling.stop:
+                out.events.append(RefusalDelta(choice.index, self._rules.refusal_message))
+                self._finish(choice, FinishReason.CONTENT_FILTER, out, stop_string=matched)
+            else:
+                self._finish(choice, FinishReason.STOP, out, stop_string=matched)
+            out.stopped.append(choice.index)
+        elif item.finish is not None:
+            self._finish(choice, item.finish, out)
+
+    def _logprob(self, sampled: SampledLogprobs | None) -> TokenLogprob | None:
+        if sampled is None:
+            return None
+        text, raw = self._texts(sampled.token_id)
+        top = []
+        for alt, value in zip(sampled.top_ids, sampled.top_logprobs, strict=True):
+            alt_text, alt_raw = self._texts(alt)
+            top.append(TopLogprob(alt, alt_text, value, alt_raw))
+        return TokenLogprob(sampled.token_id, text, sampled.logprob, raw, tuple(top))
+
+    def _finish(
+        self,
+        choice: _ChoiceText,
+        reason: FinishReason,
+        out: ProcessorOutput,
+        *,
+        stop_string: str = "",
+        stop_token: int | None = None,
+    ) -> None:
+        tail = ""
+        if not stop_string:
+            # Release what the detokenizer and the stop matcher still hold; the tail itself may
+            # complete a stop string.
+            tail, matched = choice.stops.push(choice.detokenizer.flush())
+            if matched is not None:
+                reason, stop_string, stop_token = FinishReason.STOP, matched, None
+            else:
+                tail += choice.stops.flush()
+        out.events += choice.output.finish(tail)
+        if reason is FinishReason.STOP and choice.output.tool_calls:
+            reason = FinishReason.TOOL_CALLS
+        if reason is FinishReason.CONTENT_FILTER:
+            stop_string = ""  # the blocked phrase is not shown to the caller
+        choice.finished = True
+        arrival = self._request.arrival_time
+        first = choice.first_token_time or arrival
+        timings = Timings(
+            queue_seconds=max(0.0, (self._admitted_time or arrival) - arrival),
+            time_to_first_token_seconds=max(0.0, first - arrival),
+            decode_seconds=max(0.0, (choice.last_token_time or first) - first),
+        )
+        out.events.append(Finished(choice.index, reason, choice.generated, stop_string, stop_token, timings))
+
+
+def coalesce(events: Sequence[Event]) -> list[Event]:
+    """Merges runs of content (or reasoning) deltas of one choice into one delta: what a consumer that
+    fell behind by several steps receives as one message. Order and every other event are kept."""
+    merged: list[Event] = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if (
+            isinstance(event, ContentDelta | ReasoningDelta)
+            and type(last) is type(event)
+            and isinstance(last, ContentDelta | ReasoningDelta)
+            and last.choice_index == event.choice_index
+        ):
+            merged[-1] = type(event)(
+                event.choice_index,
+                last.text + event.text,
+                last.token_ids + event.token_ids,
+                last.logprobs + event.logprobs,
+            )
+        else:
+            merged.append(event)
+    return merged
