@@ -85,8 +85,8 @@ class BatchCopy:
     float32 at every batch size. A layer therefore keeps both: the 4- or 8-bit weight for
     one to three rows (a single stream's decode reads the fewest bytes) and this copy, 2
     bytes per weight, from :data:`BATCH_ROWS` rows on. Both hold the same quantized weight (the
-    copy rounds it to float16, 11 significant bits; the kernels round the activations to
-    bfloat16, 8 bits), so a row's output does not depend on the batch beyond that rounding.
+    copy rounds it to float16, 11 significant bits) and round activations and results to bfloat16
+    alike, so a row's output depends on its batch only through rare rounding-boundary cases.
     """
 
     def __init__(self, weight: torch.Tensor):
@@ -105,7 +105,10 @@ class BatchCopy:
             return None
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic_fp16(rows.float().contiguous(), self.packed)
+        # Activations in and results out rounded to bfloat16 as the 4/8-bit kernels round them, so a
+        # row's output mostly matches bit for bit whichever path its batch size picks.
+        rows = rows.to(torch.bfloat16).float().contiguous()
+        return torch.ops.quantized.linear_dynamic_fp16(rows, self.packed).to(torch.bfloat16)
 
 
 def _flatten(x: torch.Tensor, in_features: int) -> torch.Tensor:
