@@ -137,7 +137,8 @@ def main() -> None:
             addresses[scheme] = address
             rss, peak = memory_mb(proc.pid)
             print(
-                f"{scheme:5} worker after loading: resident {rss:6.0f} MB, peak while loading {peak:6.0f} MB"
+                f"{scheme:5} worker after loading: resident {rss:6.0f} MB, peak while loading {peak:6.0f} MB",
+                flush=True,
             )
         medians = asyncio.run(measure(addresses, levels, args.rounds, args.max_tokens))
     finally:
