@@ -2,61 +2,68 @@
 
 Usage::
 
-    python bench/bench_edge_overhead.py                        # 1, 16, 64 streams; full speed and 20 ms/step
-    python bench/bench_edge_overhead.py --concurrency 64 --rounds 5 --step-ms 20
+    python bench/bench_edge_overhead.py                     # full speed; 64, 128 and 256 streams
+    python bench/bench_edge_overhead.py --concurrency 128 --rounds 5 --step-ms 0,20
 
-For each pacing in ``--step-ms`` (0 = full speed) it starts two fake-token
-workers (``--fake-tokens``: no model, the normal serving path otherwise) and
-one edge in front of them. Then, for each concurrency level C and each of
-``--rounds`` rounds, it measures both paths, alternating which goes first:
+For each pacing in ``--step-ms`` (0 = full speed, the default) it starts two
+fake-token workers (``--fake-tokens``: no model, the normal serving path
+otherwise) and one edge in front of them (``--edge-processes`` processes).
+Then, for each concurrency level C and each of ``--rounds`` rounds, it
+measures both paths, alternating which goes first:
 
 - **edge**: C tasks send streaming ``POST /v1/chat/completions`` requests back
-  to back over loopback (httpx), parsing every SSE chunk as JSON;
+  to back, each over its own keep-alive connection, read by a light SSE
+  reader (:class:`SseReader`: raw asyncio streams, HTTP/1.1 chunked decoding,
+  a byte search per frame instead of JSON parsing), so the client costs
+  about what the gRPC client costs;
 - **direct**: C tasks send the same requests as ``Generate`` calls straight
   to the two workers (``sluice.client.WorkerClient``, the client the edge
   itself uses), alternating workers, reading every event.
 
 A measurement is a window of ``--seconds``, opened one second after the C
-tasks began streaming requests back to back; the client counts the content
-deltas (tokens; the fake passage decodes one delta per token) and the chunks
-that arrive inside it. At its end the requests in flight are cancelled (the
-client goes away, as a real one may), so no request's tail stretches it.
-Printed per level: median tokens/s of each path, their ratio (edge / direct;
-the bar is >= 0.90 at 64 streams), the edge process's CPU time per 1000
-chunks delivered (utime + stime from ``/proc/<pid>/stat`` at the window's
-start and end, over the SSE data frames the client parsed in it), and the
-CPU share each process used, which says who was short of CPU.
+tasks began streaming requests back to back. Both paths count the bytes of
+content text that arrive inside it; tokens are those bytes divided by the
+bytes per token the direct path saw (one gRPC content event is one token), so
+merged deltas (the edge coalesces a stream's pending deltas into one chunk
+when its client or the edge itself falls behind) count for every token they
+carry. At its end the requests in flight are cancelled (the client goes
+away, as a real one may), so no request's tail stretches it.
 
-Everything (client, edge, workers) runs on this machine, so at full speed
-the processes compete for the cores: read the paced figures for the edge's
-ratio under a realistic token rate and the CPU per 1000 chunks for its cost.
+Printed per level: median tokens/s of each path, their ratio (edge / direct),
+the edge's CPU time (utime + stime of every edge process, from
+``/proc/<pid>/stat``) per 1000 tokens delivered and per 1000 SSE chunks the
+client received, and the CPU share each process used, which says who was
+short of CPU. Everything runs on this machine, so at full speed the
+processes compete for the cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-
-import httpx
+from urllib.parse import urlsplit
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from load_edge import MODEL, PROMPTS, chat_body, local_stack, new_client  # noqa: E402
+from load_edge import MODEL, PROMPTS, chat_body  # noqa: E402
 
 from sluice.client import WorkerCallError, WorkerClient  # noqa: E402
 from sluice.v1 import worker_pb2 as pb  # noqa: E402
 from tests.processes import EdgeProcess, WorkerProcess  # noqa: E402
+from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 REQUEST_TIMEOUT_S = 120.0
@@ -71,6 +78,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
+def cpu_of(pid: int, with_children: bool) -> float:
+    """CPU seconds of ``pid``, plus those of its children still running when ``with_children``
+    (an edge's processes)."""
+    total = cpu_seconds(pid)
+    if not with_children:
+        return total
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as children:
+            kids = [int(k) for k in children.read().split()]
+    except OSError:
+        kids = []
+    for kid in kids:
+        with contextlib.suppress(OSError):  # ended meanwhile
+            total += cpu_seconds(kid)
+    return total
+
+
 def pid_of(process: EdgeProcess | WorkerProcess) -> int:
     if process.proc is None:
         raise RuntimeError(f"{process.name} is not running")
@@ -81,15 +105,77 @@ def pid_of(process: EdgeProcess | WorkerProcess) -> int:
 class Counts:
     """What the client received during one measurement window."""
 
-    tokens: int = 0  # content deltas (one per token: the fake passage decodes token by token)
+    content_bytes: int = 0  # UTF-8 bytes of content text (JSON escapes counted as one byte)
+    deltas: int = 0  # SSE chunks with content (edge) or gRPC content events (direct; one per token)
     chunks: int = 0  # SSE data frames (edge) or gRPC events (direct)
     errors: int = 0  # HTTP errors, error events, failed calls
+
+
+# The content of a chat chunk's delta; the role chunk ({"role":...) does not match.
+_CONTENT = re.compile(rb'"delta":\{"content":"((?:[^"\\]|\\.)*)"')
+
+
+class SseReader:
+    """A light HTTP/1.1 client for one keep-alive connection that streams chat completions.
+
+    It sends the request, decodes the chunked body and, per body chunk, counts
+    the ``data: {`` frames and the content bytes (one regex scan per chunk, no
+    JSON parsing), until the last chunk.
+    """
+
+    def __init__(self, base_url: str) -> None:
+        parts = urlsplit(base_url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+
+    async def stream(self, path: str, body: dict[str, object], counts: Counts) -> None:
+        if self._reader is None or self._writer is None:
+            self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self._reader, self._writer
+        payload = json.dumps(body).encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\n\r\n"
+        )
+        writer.write(head.encode() + payload)
+        try:
+            status = await reader.readuntil(b"\r\n\r\n")
+            if not status.startswith(b"HTTP/1.1 200"):
+                counts.errors += 1
+                await self.close()
+                return
+            while True:
+                size = int((await reader.readuntil(b"\r\n"))[:-2], 16)
+                if size == 0:
+                    await reader.readexactly(2)
+                    return
+                data = await reader.readexactly(size + 2)
+                counts.chunks += data.count(b"data: {")
+                for match in _CONTENT.finditer(data):
+                    text = match.group(1)
+                    counts.content_bytes += len(text) - text.count(b"\\")
+                    counts.deltas += 1
+                if b"event: error" in data:
+                    counts.errors += 1
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
+            counts.errors += 1
+            await self.close()
+        except BaseException:
+            await self.close()  # cancelled mid-response: the connection cannot be reused
+            raise
 
 
 @dataclass
 class Measurement:
     path: str
-    tokens: int
+    content_bytes: int
+    deltas: int
     chunks: int
     errors: int
     wall: float
@@ -97,13 +183,19 @@ class Measurement:
     worker_steps: float  # engine steps per second, averaged over the workers
     worker_tokens: float  # tokens the workers generated (their counters) per second, all workers
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.wall
+    def tokens_per_s(self, bytes_per_token: float) -> float:
+        return self.tokens(bytes_per_token) / self.wall
+
+    def tokens(self, bytes_per_token: float) -> float:
+        return self.content_bytes / bytes_per_token
 
     def cpu_share(self, name: str) -> float:
         """CPU seconds per wall second (1.0 = one core busy)."""
         return self.cpu[name] / self.wall
+
+    def edge_cpu_ms_per_1000_tokens(self, bytes_per_token: float) -> float:
+        tokens = self.tokens(bytes_per_token)
+        return 1e6 * self.cpu["edge"] / tokens if tokens else float("nan")
 
     @property
     def edge_cpu_ms_per_1000_chunks(self) -> float:
@@ -149,16 +241,17 @@ async def measure(
     tasks = [asyncio.create_task(user(i)) for i in range(concurrency)]
     await asyncio.sleep(WARMUP_S)  # every stream under way: the window sees the steady state
     before = replace(counts)
-    cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    cpu_before = {name: cpu_of(pid, name == "edge") for name, pid in pids.items()}
     steps_before, tokens_before = worker_counters(workers)
     started = time.monotonic()
     await asyncio.sleep(seconds)
     wall = time.monotonic() - started
-    cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
+    cpu = {name: cpu_of(pid, name == "edge") - cpu_before[name] for name, pid in pids.items()}
     steps_after, tokens_after = worker_counters(workers)
     result = Measurement(
         path,
-        counts.tokens - before.tokens,
+        counts.content_bytes - before.content_bytes,
+        counts.deltas - before.deltas,
         counts.chunks - before.chunks,
         counts.errors - before.errors,
         wall,
@@ -185,74 +278,81 @@ def direct_request(index: int, max_tokens: int) -> pb.GenerateRequest:
     )
 
 
+@contextlib.contextmanager
+def local_stack(
+    step_ms: float, edge_processes: int, cache_dir: Path, log_dir: Path
+) -> Iterator[tuple[EdgeProcess, list[WorkerProcess]]]:
+    """Two fake-token workers and one edge (``edge_processes`` processes) in front of them."""
+    extra = ["--max-running", "128", "--max-queue", "1024", "--fake-tokens", "--fake-step-ms", str(step_ms)]
+    edge_extra = ["--processes", str(edge_processes)] if edge_processes != 1 else []
+    with contextlib.ExitStack() as stack:
+        workers = []
+        for i in range(2):
+            folder = log_dir / f"worker{i}"
+            folder.mkdir(parents=True, exist_ok=True)
+            workers.append(
+                stack.enter_context(WorkerProcess(cache_dir=cache_dir, log_dir=folder, extra=extra))
+            )
+        edge_dir = log_dir / "edge"
+        edge_dir.mkdir(parents=True, exist_ok=True)
+        edge = EdgeProcess([w.address for w in workers], log_dir=edge_dir, extra=edge_extra)
+        yield stack.enter_context(edge), workers
+
+
 async def run_setting(
     step_ms: float, args: argparse.Namespace, log_dir: Path
 ) -> list[tuple[int, str, list[Measurement]]]:
     print(f"\n== fake workers at {'full speed' if not step_ms else f'{step_ms:g} ms/step'} ==", flush=True)
     rows: list[tuple[int, str, list[Measurement]]] = []
-    with local_stack(
-        fake_tokens=True, fake_step_ms=step_ms, max_running=128, cache_dir=args.cache_dir, log_dir=log_dir
-    ) as (edge, workers):
+    with local_stack(step_ms, args.edge_processes, args.cache_dir, log_dir) as (edge, workers):
         pids = {"edge": pid_of(edge), "client": os.getpid()}
         pids.update({f"worker{i}": pid_of(w) for i, w in enumerate(workers)})
-        url = f"{edge.base_url}/v1/chat/completions"
         clients = [WorkerClient(w.address) for w in workers]
-        async with new_client(max(args.concurrency), REQUEST_TIMEOUT_S) as http:
+        readers: dict[int, SseReader] = {}
 
-            async def via_edge(index: int, counts: Counts) -> None:
-                body = chat_body(index, args.max_tokens, 0.0)
-                try:
-                    async with http.stream("POST", url, json=body) as response:
-                        if response.status_code != 200:
-                            counts.errors += 1
-                            await response.aread()
-                            return
-                        async for line in response.aiter_lines():
-                            if line.startswith("data: {"):
-                                chunk = json.loads(line[6:])
-                                counts.chunks += 1
-                                for choice in chunk["choices"]:
-                                    if choice["delta"].get("content"):
-                                        counts.tokens += 1
-                            elif line.startswith("event: error"):
-                                counts.errors += 1
-                except httpx.HTTPError:
-                    counts.errors += 1
+        async def via_edge(index: int, counts: Counts) -> None:
+            # One connection per user (index modulo the level), reused request after request.
+            reader = readers.setdefault(index % args.max_users, SseReader(edge.base_url))
+            await reader.stream("/v1/chat/completions", chat_body(index, args.max_tokens, 0.0), counts)
 
-            async def direct(index: int, counts: Counts) -> None:
-                client = clients[index % len(clients)]
-                try:
-                    request = direct_request(index, args.max_tokens)
-                    async with client.generate(request, timeout=REQUEST_TIMEOUT_S) as call:
-                        async for event in call:
-                            counts.chunks += 1
-                            if event.HasField("content") and event.content.text:
-                                counts.tokens += 1
-                except WorkerCallError:
-                    counts.errors += 1
+        async def direct(index: int, counts: Counts) -> None:
+            client = clients[index % len(clients)]
+            try:
+                request = direct_request(index, args.max_tokens)
+                async with client.generate(request, timeout=REQUEST_TIMEOUT_S) as call:
+                    async for event in call:
+                        counts.chunks += 1
+                        if event.HasField("content") and event.content.text:
+                            counts.deltas += 1
+                            counts.content_bytes += len(event.content.text.encode())
+            except WorkerCallError:
+                counts.errors += 1
 
-            # Warm both paths (connections, first-call costs) before measuring.
-            await measure("edge", via_edge, 4, 0.5, pids, workers)
-            await measure("direct", direct, 4, 0.5, pids, workers)
-            for concurrency in args.concurrency:
-                by_path: dict[str, list[Measurement]] = {"edge": [], "direct": []}
-                for round_ in range(args.rounds):
-                    order = [("edge", via_edge), ("direct", direct)]
-                    if round_ % 2:
-                        order.reverse()
-                    for path, once in order:
-                        m = await measure(path, once, concurrency, args.seconds, pids, workers)
-                        by_path[path].append(m)
-                        print(
-                            f"  {concurrency:>3} streams, round {round_ + 1}, {path:>6}: "
-                            f"{m.tokens_per_s:6.0f} tok/s, {m.errors} errors; workers made "
-                            f"{m.worker_tokens:.0f} tok/s in {m.worker_steps:.1f} steps/s each; "
-                            f"edge CPU {m.cpu_share('edge'):.2f}",
-                            flush=True,
-                        )
-                rows += [(concurrency, path, ms) for path, ms in by_path.items()]
+        # Warm both paths (connections, first-call costs) before measuring.
+        await measure("edge", via_edge, 4, 0.5, pids, workers)
+        await measure("direct", direct, 4, 0.5, pids, workers)
+        for concurrency in args.concurrency:
+            by_path: dict[str, list[Measurement]] = {"edge": [], "direct": []}
+            for round_ in range(args.rounds):
+                order = [("edge", via_edge), ("direct", direct)]
+                if round_ % 2:
+                    order.reverse()
+                for path, once in order:
+                    m = await measure(path, once, concurrency, args.seconds, pids, workers)
+                    by_path[path].append(m)
+                    print(
+                        f"  {concurrency:>3} streams, round {round_ + 1}, {path:>6}: "
+                        f"{m.content_bytes / m.wall:8.0f} content B/s in {m.chunks} chunks, "
+                        f"{m.errors} errors; workers made "
+                        f"{m.worker_tokens:.0f} tok/s in {m.worker_steps:.1f} steps/s each; "
+                        f"edge CPU {m.cpu_share('edge'):.2f}",
+                        flush=True,
+                    )
+            rows += [(concurrency, path, ms) for path, ms in by_path.items()]
         for client in clients:
             await client.close()
+        for reader in readers.values():
+            await reader.close()
     return rows
 
 
@@ -263,24 +363,31 @@ def median_of(ms: list[Measurement], value: Callable[[Measurement], float]) -> f
 def summary(step_ms: float, rows: list[tuple[int, str, list[Measurement]]]) -> str:
     table = {(c, path): ms for c, path, ms in rows}
     levels = sorted({c for c, _, _ in rows})
+    directs = [m for _, path, ms in rows if path == "direct" for m in ms]
+    # Bytes of content per token, from the direct path (one content event is one token).
+    bytes_per_token = sum(m.content_bytes for m in directs) / max(1, sum(m.deltas for m in directs))
     lines = [
-        f"\nfake workers at {'full speed' if not step_ms else f'{step_ms:g} ms/step'} (medians):",
-        "| streams | edge tok/s | direct tok/s | edge / direct | edge CPU ms / 1000 chunks "
+        f"\nfake workers at {'full speed' if not step_ms else f'{step_ms:g} ms/step'} (medians; "
+        f"{bytes_per_token:.2f} content bytes per token):",
+        "| streams | edge tok/s | direct tok/s | edge / direct | edge CPU ms / 1000 tokens "
+        "| edge CPU ms / 1000 SSE chunks | tokens per SSE content chunk "
         "| worker steps/s, edge / direct runs "
         "| CPU share in edge runs: edge, workers, client | in direct runs: workers, client |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for c in levels:
         edge, direct = table[(c, "edge")], table[(c, "direct")]
-        edge_tps = median_of(edge, lambda m: m.tokens_per_s)
-        direct_tps = median_of(direct, lambda m: m.tokens_per_s)
+        edge_tps = median_of(edge, lambda m: m.tokens_per_s(bytes_per_token))
+        direct_tps = median_of(direct, lambda m: m.tokens_per_s(bytes_per_token))
 
         def workers(m: Measurement) -> float:
             return sum(m.cpu_share(name) for name in m.cpu if name.startswith("worker"))
 
         lines.append(
             f"| {c} | {edge_tps:.0f} | {direct_tps:.0f} | {edge_tps / direct_tps:.2f} "
+            f"| {median_of(edge, lambda m: m.edge_cpu_ms_per_1000_tokens(bytes_per_token)):.0f} "
             f"| {median_of(edge, lambda m: m.edge_cpu_ms_per_1000_chunks):.0f} "
+            f"| {median_of(edge, lambda m: m.tokens(bytes_per_token) / max(1, m.deltas)):.2f} "
             f"| {median_of(edge, lambda m: m.worker_steps):.1f} / "
             f"{median_of(direct, lambda m: m.worker_steps):.1f} "
             f"| {median_of(edge, lambda m: m.cpu_share('edge')):.2f}, {median_of(edge, workers):.2f}, "
@@ -298,12 +405,13 @@ def parse_list(kind: Callable[[str], float], text: str) -> list:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", default="1,16,64", help="comma-separated stream counts")
-    parser.add_argument("--step-ms", default="0,20", help="comma-separated fake pacings (0 = full speed)")
+    parser.add_argument("--concurrency", default="64,128,256", help="comma-separated stream counts")
+    parser.add_argument("--step-ms", default="0", help="comma-separated fake pacings (0 = full speed)")
+    parser.add_argument("--edge-processes", type=int, default=1, help="the edge's --processes")
     parser.add_argument("--rounds", type=int, default=3, help="rounds per level (each path once per round)")
     parser.add_argument("--seconds", type=float, default=4.0, help="length of one measurement window")
-    parser.add_argument("--max-tokens", type=int, default=512, help="max_tokens of each request")
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice")
+    parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     args = parser.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in parse_list(int, args.concurrency)]
@@ -312,8 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--concurrency and --step-ms take comma-separated numbers: {exc}")
     if not args.concurrency or min(args.concurrency) < 1 or not steps or min(steps) < 0:
         parser.error("--concurrency needs counts >= 1 and --step-ms values >= 0")
-    if args.rounds < 1 or args.seconds <= 0 or args.max_tokens < 1:
-        parser.error("--rounds and --max-tokens must be at least 1, --seconds positive")
+    args.max_users = max(args.concurrency)
+    if args.rounds < 1 or args.seconds <= 0 or args.max_tokens < 1 or args.edge_processes < 1:
+        parser.error("--rounds, --max-tokens and --edge-processes must be at least 1, --seconds positive")
     with open("/proc/loadavg") as loadavg:
         load = loadavg.read().split()[0]
     print(

@@ -53,6 +53,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
+
 VOCAB = 49152
 BATCH = 16
 
@@ -776,7 +778,7 @@ def load_tokenizer(cache_dir: Path) -> Any:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice")
+    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
     parser.add_argument("--repeats", type=int, default=10, help="single-row runs per grammar")
     parser.add_argument("--only", default="", help="comma-separated library names (skips the apply table)")
     parser.add_argument(

@@ -50,6 +50,7 @@ sys.path.insert(0, str(REPO))
 from bench_worker import PROMPTS  # noqa: E402  (the same prompts as the engine benchmark)
 
 from tests.processes import EdgeProcess, WorkerProcess  # noqa: E402
+from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -240,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=max(1, (os.cpu_count() or 2) // 2),
         help="each worker's --torch-threads (default: half the cores, as two workers share them)",
     )
-    add("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice", help="workers' model cache")
+    add("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR, help="workers' model cache")
     return parser
 
 

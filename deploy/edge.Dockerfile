@@ -25,12 +25,15 @@ RUN python -m pip install --no-deps .
 
 COPY --chmod=755 deploy/healthcheck.py /usr/local/bin/sluice-healthcheck
 
-# A fixed numeric uid, so Kubernetes can verify runAsNonRoot. The edge writes no files.
+# A fixed numeric uid, so Kubernetes can verify runAsNonRoot. The edge writes no files, except
+# with several processes: their metrics, in a temporary folder (/tmp).
 RUN useradd --system --uid 10001 --user-group --no-create-home sluice
 USER 10001:10001
 
 # Inside a container the edge must listen on every interface (its own default is 127.0.0.1).
-ENV SLUICE_EDGE_HOST=0.0.0.0
+# One edge process per CPU core the container may use (they share the port; --processes).
+ENV SLUICE_EDGE_HOST=0.0.0.0 \
+    SLUICE_EDGE_PROCESSES=0
 EXPOSE 8080
 # Liveness only: /ready (at least one worker SERVING) is the orchestrator's readiness signal.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \

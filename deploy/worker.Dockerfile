@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1
-# Sluice worker: one model on one GPU; gRPC on 50051, Prometheus /metrics on 9090.
+# Sluice worker: one model on one GPU; gRPC on 50051, Prometheus /metrics on 51051 (--port + 1000).
 #
 #   docker build -f deploy/worker.Dockerfile -t sluice-worker .     (from the repository root)
 #
@@ -42,7 +42,7 @@ ENV SLUICE_WORKER_CACHE_DIR=/var/cache/sluice \
 VOLUME ["/var/cache/sluice"]
 USER 10001:10001
 
-EXPOSE 50051 9090
+EXPOSE 50051 51051
 # gRPC health: NOT_SERVING while the model loads and while draining, SERVING otherwise.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=10m --retries=3 \
     CMD ["sluice-healthcheck", "grpc"]

@@ -9,6 +9,20 @@ then the streams still open are ended with an ``event: error``
 connection still open (a client that does not read its last frames) is
 aborted, hypercorn returns, and the process exits 0. A second signal skips
 what is left of the drain delay.
+
+Start: the listening port is claimed (:func:`sluice.ports.claim_port`) before
+the app is built and handed to hypercorn as an already bound socket; a taken
+port is one line naming ``--port`` and exit status 2, never a traceback.
+
+Several processes (``--processes N``, 0 = one per core): :func:`supervise`
+forks N edge processes that share nothing but the port (each binds it with
+``SO_REUSEPORT``, so the kernel spreads new connections over them, after the
+supervisor checked the port is free) and a folder for the Prometheus metrics
+(:mod:`edge.metrics`: a scrape of any process reports all of them). The
+supervisor passes SIGTERM/SIGINT on to every process (each drains as above)
+and exits once they all have, with the first non-zero exit status; if one
+process dies on its own, the others are stopped too, so the container's
+restart policy sees the failure.
 """
 
 from __future__ import annotations
@@ -16,18 +30,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import multiprocessing
+import multiprocessing.connection
+import os
 import signal
+import sys
+import tempfile
 from collections.abc import Coroutine, Sequence
+from types import FrameType
 from typing import Any
 
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
 from edge.app import create_app
-from edge.client_connections import ClientConnections, app_connections
-from edge.drain import Drain, app_drain
+from edge.client_connections import ClientConnections
+from edge.drain import Drain
+from edge.metrics import forget_process, use_multiprocess_dir
 from edge.settings import Settings
 from sluice.logs import configure_logging
+from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free, claim_port
 
 log = logging.getLogger("sluice.edge")
 
@@ -39,36 +61,50 @@ FINAL_WRITE_S = 1.0
 FINAL_WRITE_MARGIN_S = FINAL_WRITE_S + 1.0
 
 
-def hypercorn_config(settings: Settings) -> Config:
-    """The hypercorn config for ``settings`` (bind address, shutdown grace)."""
+def hypercorn_config(settings: Settings, listen_fd: int | None = None) -> Config:
+    """The hypercorn config for ``settings`` (bind address, shutdown grace).
+
+    ``listen_fd``: an already bound socket's descriptor, which hypercorn then owns.
+    """
     config = Config()
     host = (
         f"[{settings.host}]" if ":" in settings.host and not settings.host.startswith("[") else settings.host
     )
-    config.bind = [f"{host}:{settings.port}"]
+    config.bind = [f"fd://{listen_fd}" if listen_fd is not None else f"{host}:{settings.port}"]
+    # More than one worker makes hypercorn bind with SO_REUSEPORT: every process of this edge
+    # binds the same port itself. (hypercorn's own serve() runs one process either way.)
+    config.workers = settings.process_count
     config.graceful_timeout = settings.graceful_timeout_s + FINAL_WRITE_MARGIN_S
     config.accesslog = logging.getLogger("sluice.edge.access")
     config.errorlog = logging.getLogger("sluice.edge.server")
     return config
 
 
-async def serve_edge(settings: Settings, stop: asyncio.Event, drain: asyncio.Event | None = None) -> None:
+async def serve_edge(
+    settings: Settings,
+    stop: asyncio.Event,
+    drain: asyncio.Event | None = None,
+    *,
+    listen_fd: int | None = None,
+) -> None:
     """Serves until shut down, then ends the requests in flight as described in the module.
 
     ``drain`` set: start draining and keep the listener open for
     ``--drain-delay``; ``stop`` set: the same without (or without the rest of)
     the delay. Either way requests in flight get ``--graceful-timeout``.
+    ``listen_fd``: the claimed listening socket (else hypercorn binds the port itself).
     """
     app = create_app(settings)
+    state = app.sluice
     log.info("sluice-edge serving %s/v1 (workers: %s)", settings.base_url, ", ".join(settings.workers))
     close_listener = asyncio.Event()
     shutdown = asyncio.create_task(
         _shutdown_sequence(
-            settings, app_drain(app), app_connections(app), stop, drain or asyncio.Event(), close_listener
+            settings, state.drain, state.connections, stop, drain or asyncio.Event(), close_listener
         )
     )
     try:
-        await serve(app, hypercorn_config(settings), shutdown_trigger=close_listener.wait)
+        await serve(app, hypercorn_config(settings, listen_fd), shutdown_trigger=close_listener.wait)
     finally:
         shutdown.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -122,7 +158,7 @@ async def _first_of(*waits: Coroutine[Any, Any, Any]) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _run(settings: Settings) -> None:
+async def _run(settings: Settings, listen_fd: int | None) -> None:
     stop, drain = asyncio.Event(), asyncio.Event()
     loop = asyncio.get_running_loop()
 
@@ -132,15 +168,75 @@ async def _run(settings: Settings) -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, on_signal)
-    await serve_edge(settings, stop, drain)
+    await serve_edge(settings, stop, drain, listen_fd=listen_fd)
     log.info("sluice-edge stopped")
+
+
+def supervise(settings: Settings, count: int) -> int:
+    """Runs ``count`` edge processes until they all exit (see the module); returns the exit status."""
+    with tempfile.TemporaryDirectory(prefix="sluice-edge-metrics-") as folder:
+        use_multiprocess_dir(folder)
+        context = multiprocessing.get_context("fork")  # nothing runs yet: no loop, no channels
+        children = [
+            context.Process(target=_serve_one, args=(settings,), name=f"sluice-edge-{i}")
+            for i in range(count)
+        ]
+        for child in children:
+            child.start()
+        stopping = False
+
+        def stop_all(signum: int, _frame: FrameType | None = None) -> None:
+            nonlocal stopping
+            stopping = True
+            for child in children:
+                if child.is_alive() and child.pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signum)
+
+        signal.signal(signal.SIGTERM, stop_all)
+        signal.signal(signal.SIGINT, stop_all)
+        log.info("sluice-edge: %d processes serving %s", count, settings.base_url)
+        status = 0
+        running = list(children)
+        while running:
+            ended = multiprocessing.connection.wait([child.sentinel for child in running])
+            for child in [c for c in running if c.sentinel in ended]:
+                child.join()
+                running.remove(child)
+                if child.pid is not None:
+                    forget_process(child.pid)
+                code = child.exitcode or 0
+                status = status or code
+                if code and not stopping:
+                    log.error("edge process %s exited with %s; stopping the others", child.name, code)
+                    stop_all(signal.SIGTERM)
+        return status if status >= 0 else 1  # killed by a signal: -N
+
+
+def _serve_one(settings: Settings) -> None:
+    """One edge process of :func:`supervise` (a forked child)."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # asyncio installs its own in _run
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    asyncio.run(_run(settings, None))  # binds the port itself, with SO_REUSEPORT
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: parse settings (exit 2 with a message if invalid) and serve."""
     settings = Settings.from_args(argv)
     configure_logging(settings.log_level, settings.log_format)
-    asyncio.run(_run(settings))
+    count = settings.process_count
+    try:
+        if count > 1:
+            check_port_free(settings.host, settings.port, "--port")
+        else:
+            sock = claim_port(settings.host, settings.port, "--port")
+    except PortUnavailableError as error:
+        log.error("%s", error.message)
+        sys.exit(EXIT_PORT_TAKEN)
+    if count > 1:
+        sys.exit(supervise(settings, count))
+    # hypercorn owns the descriptor from here on (it closes it at shutdown).
+    asyncio.run(_run(settings, sock.detach()))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
 """The Quart application: :func:`create_app` wires settings, worker pool, auth, routes and errors.
 
-Before each request, in this order: the request id is assigned (so every
-answer, errors included, carries ``X-Request-ID``) and bound to the log
-context (:mod:`edge.logs`), the start time is stamped for the metrics
-(:mod:`edge.metrics`) and the request limits are set for the parsers
-(:class:`~edge.openai_types.RequestLimits`); then the API key is checked for
+Wiring: everything the handlers share (settings, worker pool, metrics, drain
+state, concurrency limiter, client connections) is one typed
+:class:`~edge.state.EdgeState` on the app (:mod:`edge.state`).
+
+Before each request, in this order: the request's state is started with its
+id (so every answer, errors included, carries ``X-Request-ID``) and its start
+time, and the id is bound to the log context (:mod:`edge.logs`); then the API key is checked for
 ``/v1/*`` when keys are configured (:mod:`edge.auth`), then a generation
 request takes its caller's concurrency slot when that limit is on
 (:mod:`edge.concurrency`, released by an ASGI wrapper when the exchange
@@ -18,15 +20,18 @@ shape, and anything unexpected as a generic 500 (logged with its traceback).
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncGenerator
 
-from quart import Quart, request
+from quart import request
 from quart.wrappers import Response
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from edge import client_connections, drain
 from edge.auth import ApiKeyCheck
-from edge.concurrency import LIMITER_KEY, ConcurrencyLimiter, ReleaseSlots
+from edge.client_connections import ClientConnections
+from edge.concurrency import ConcurrencyLimiter, ReleaseSlots
+from edge.drain import Drain
 from edge.errors import (
     GENERIC_INTERNAL_MESSAGE,
     EdgeError,
@@ -37,31 +42,22 @@ from edge.errors import (
     PayloadTooLargeError,
 )
 from edge.logs import bind_request_id, log_request
-from edge.metrics import METRICS_KEY, EdgeMetrics
-from edge.openai_types import request_limits
+from edge.metrics import EdgeMetrics
 from edge.routes import register_routes
-from edge.routes.common import (
-    POOL_KEY,
-    SETTINGS_KEY,
-    assign_request_id,
-    current_pool,
-    current_request_id,
-    error_response,
-)
+from edge.routes.common import assign_request_id, current_request_id, error_response
 from edge.settings import Settings
+from edge.state import EdgeApp, EdgeState
 from edge.worker_pool import WorkerPool
 
 log = logging.getLogger("sluice.edge")
 
 
-def create_app(settings: Settings) -> Quart:
+def create_app(settings: Settings) -> EdgeApp:
     """Builds the edge app. Channels open in ``before_serving`` (or on first use) and
     close in ``after_serving``; nothing connects at construction time."""
-    app = Quart("edge")
+    app = EdgeApp("edge")
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    app.extensions[SETTINGS_KEY] = settings
-    drain.install(app)
-    app.extensions[POOL_KEY] = WorkerPool(
+    pool = WorkerPool(
         settings.workers,
         connect_timeout_s=settings.worker_connect_timeout_s,
         health_timeout_s=settings.health_timeout_s,
@@ -69,35 +65,45 @@ def create_app(settings: Settings) -> Quart:
         dns_name=settings.worker_dns,
         dns_refresh_interval_s=settings.dns_refresh_interval_s,
     )
+    metrics = EdgeMetrics()
+    limiter = ConcurrencyLimiter(settings.max_concurrent_per_key)
+    # Outermost ASGI layer: a client that stops reading is disconnected after --write-timeout.
+    connections = ClientConnections(app.asgi_app, settings.write_timeout_s)
+    app.sluice = EdgeState(
+        settings=settings,
+        pool=pool,
+        metrics=metrics,
+        drain=Drain(),
+        limiter=limiter,
+        connections=connections,
+    )
 
     @app.before_serving
     async def open_pool() -> None:
         # Channels, DNS discovery and the health-check loop start here; close() stops them.
-        current_pool().open()
+        app.sluice.pool.open()
         dns = [f"DNS {settings.worker_dns}"] if settings.worker_dns else []
         log.info("edge ready for workers %s", ", ".join([*settings.workers, *dns]))
 
     @app.after_serving
     async def close_pool() -> None:
-        await current_pool().close()
+        await app.sluice.pool.close()
+
+    if metrics.multiprocess:
+        # A scrape reaches one process: the others keep their live gauges fresh themselves.
+        @app.while_serving
+        async def refresh_metrics() -> AsyncGenerator[None, None]:
+            task = asyncio.create_task(_refresh_loop(app.sluice))
+            yield
+            task.cancel()
 
     app.before_request(assign_request_id)
     app.before_request(bind_request_id)
-    metrics = app.extensions[METRICS_KEY] = EdgeMetrics()
-    app.before_request(metrics.before_request)
-    limits = settings.limits
-
-    @app.before_request
-    async def use_request_limits() -> None:
-        request_limits.set(limits)
-
     api_keys = ApiKeyCheck(settings.api_keys)
     if api_keys.enabled:
         app.before_request(api_keys.before_request)
-    limiter = app.extensions[LIMITER_KEY] = ConcurrencyLimiter(settings.max_concurrent_per_key)
     if limiter.enabled:
         app.before_request(limiter.before_request)
-        app.asgi_app = ReleaseSlots(app.asgi_app)  # type: ignore[method-assign]
     app.after_request(metrics.after_request)
     app.after_request(log_request)
 
@@ -123,9 +129,19 @@ def create_app(settings: Settings) -> Quart:
         return error_response(InternalError(GENERIC_INTERNAL_MESSAGE))
 
     register_routes(app)
-    # Outermost: a client that stops reading is disconnected after --write-timeout (see the module).
-    client_connections.install(app, settings.write_timeout_s)
+    inner = ReleaseSlots(app.asgi_app) if limiter.enabled else app.asgi_app
+    connections.app = inner
+    app.asgi_app = connections  # type: ignore[method-assign]
     return app
+
+
+async def _refresh_loop(state: EdgeState) -> None:
+    while True:
+        try:
+            await state.metrics.refresh(state.pool, state.limiter)
+        except Exception:  # a metrics hiccup must not end the loop
+            log.exception("refreshing the live metrics failed")
+        await asyncio.sleep(state.settings.health_interval_s)
 
 
 def _from_http_exception(error: HTTPException) -> EdgeError:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
+from edge.deadlines import TimeLimits
 from edge.errors import EdgeError
 from edge.worker_pool import GenerateStream, WorkerPool
 from sluice.v1 import worker_pb2
@@ -44,6 +45,21 @@ class CallGroup:
 
     def __init__(self, streams: Sequence[GenerateStream]) -> None:
         self._streams = list(streams)
+        # The request's time limits and total deadline (event loop clock), set by whoever
+        # opened the group for a request (edge.routes.generation.open_calls).
+        self.limits: TimeLimits | None = None
+        self.deadline: float | None = None
+
+    @property
+    def streams(self) -> list[GenerateStream]:
+        """The calls, in request order (each yields its first event again when iterated)."""
+        return self._streams
+
+    def time_limits(self) -> TimeLimits:
+        """The request's :attr:`limits`; raises ``RuntimeError`` when nobody set them."""
+        if self.limits is None:
+            raise RuntimeError("the call group has no time limits: open it with open_calls")
+        return self.limits
 
     @classmethod
     async def open(

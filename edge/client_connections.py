@@ -19,7 +19,9 @@ and closing such a connection waits for the unsent bytes to flush, which
 never happens; at shutdown that would stall hypercorn past its grace period.
 So :class:`ClientConnections`:
 
-- times every ``send``: when one has not completed after ``write_timeout_s``
+- times every ``send`` (except the body writes of a streamed response, which
+  its pump times with its own clock, :mod:`edge.stream_pump`; it finds the
+  transport with :func:`scope_transport`): when one has not completed after ``write_timeout_s``
   (the client accepted too little for that long), the connection's transport
   is aborted (unsent bytes dropped, socket closed). The blocked ``send`` then
   returns, hypercorn reports the disconnect, Quart cancels the response, and
@@ -35,16 +37,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import weakref
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, cast
 
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent, Scope
-from quart import Quart
 
 log = logging.getLogger("sluice.edge")
 
 ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
-CONNECTIONS_KEY = "sluice.client_connections"
+# ASGI scope keys (an app may keep its own keys in the scope): the connection's transport, and
+# the flag a streamed response sets when its pump times its body writes itself.
+_TRANSPORT_KEY = "sluice.transport"
+_PUMP_TIMES_WRITES_KEY = "sluice.pump_times_writes"
 # How deep to look through hypercorn's bound ``send`` methods for the connection.
 _MAX_HOPS = 6
 
@@ -101,12 +105,17 @@ class ClientConnections:
             await self.app(scope, receive, send)
             return
         transport = transport_of(send)
+        extra = _extra(scope)
         if transport is not None:
             self._transports.add(transport)
+            extra[_TRANSPORT_KEY] = transport
         loop = asyncio.get_running_loop()
         timeout_s = self.write_timeout_s
 
         async def timed_send(message: ASGISendEvent) -> None:
+            if message["type"] == "http.response.body" and extra.get(_PUMP_TIMES_WRITES_KEY):
+                await send(message)
+                return
             task = asyncio.current_task()
 
             def on_stall() -> None:
@@ -129,18 +138,17 @@ class ClientConnections:
         await self.app(scope, receive, timed_send)
 
 
-def install(app: Quart, write_timeout_s: float) -> ClientConnections:
-    """Wraps ``app``'s ASGI entry point (outermost) and keeps the middleware in its extensions."""
-    connections = ClientConnections(app.asgi_app, write_timeout_s)
-    app.asgi_app = connections  # type: ignore[method-assign]
-    app.extensions[CONNECTIONS_KEY] = connections
-    return connections
+def scope_transport(scope: Any) -> asyncio.WriteTransport | None:
+    """The transport of the connection behind ``scope`` (None when not found), and from now on
+    the body writes of that request are left to the caller to time (its stream pump)."""
+    extra = _extra(scope)
+    extra[_PUMP_TIMES_WRITES_KEY] = True
+    transport = extra.get(_TRANSPORT_KEY)
+    return transport if isinstance(transport, asyncio.WriteTransport) else None
 
 
-def app_connections(app: Quart) -> ClientConnections:
-    """The :class:`ClientConnections` of ``app``."""
-    connections: ClientConnections = app.extensions[CONNECTIONS_KEY]
-    return connections
+def _extra(scope: Any) -> MutableMapping[str, Any]:
+    return cast(MutableMapping[str, Any], scope)
 
 
 def _client(scope: Scope) -> str:

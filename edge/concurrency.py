@@ -30,8 +30,6 @@ from edge.errors import RateLimitError
 # Endpoints (blueprint.function) whose requests hold a slot while they run.
 GENERATION_ENDPOINTS = frozenset({"chat.chat_completions", "completions.completions"})
 _SCOPE_KEY = "sluice.concurrency_slot"
-# Where create_app keeps the limiter (app.extensions), for the metrics.
-LIMITER_KEY = "sluice.concurrency"
 
 AsgiApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]
 

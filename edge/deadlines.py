@@ -11,7 +11,9 @@ caller per request with two headers (seconds, a plain decimal number):
 A value above the cap is clamped to it; anything else that is not a positive
 number is a 400 naming the header (:func:`request_limits`).
 
-:class:`EventGuard` wraps a request's worker events and ends them with an
+A streamed response enforces its limits with its pump's own timer
+(:mod:`edge.stream_pump`); a non-streamed one, whose events are collected
+into one answer, with :class:`EventGuard`, which wraps a request's worker events and ends them with an
 :class:`~edge.errors.EdgeError` when the total deadline passes
 (:class:`~edge.errors.DeadlineExceededError`, ``timeout_error``), when no
 event arrived for the idle timeout
@@ -89,10 +91,17 @@ class EventGuard:
     interrupted while it does something else.
     """
 
-    def __init__(self, limits: TimeLimits, loop: asyncio.AbstractEventLoop | None = None) -> None:
+    def __init__(
+        self,
+        limits: TimeLimits,
+        loop: asyncio.AbstractEventLoop | None = None,
+        *,
+        deadline: float | None = None,
+    ) -> None:
         self.limits = limits
         self._loop = loop or asyncio.get_running_loop()
-        self._deadline = self._loop.time() + limits.total_s
+        # The total deadline counts from the request's start: an explicit one, else now.
+        self._deadline = deadline if deadline is not None else self._loop.time() + limits.total_s
         self._stop_error: EdgeError | None = None
         self._timer: asyncio.Timeout | None = None
 
@@ -144,21 +153,31 @@ class EventGuard:
 
     def deadline_error(self) -> DeadlineExceededError:
         """The error for a request whose total deadline passed."""
-        return DeadlineExceededError(
-            f"The request exceeded its deadline of {_seconds(self.limits.total_s)} "
-            f"(set with the {TIMEOUT_HEADER} header, up to the server's maximum).",
-            code="timeout",
-        )
+        return deadline_error(self.limits)
 
     def _limit_error(self, idle_end: float) -> EdgeError:
         if self._stop_error is not None:
             return self._stop_error
         if self._deadline <= idle_end:
             return self.deadline_error()
-        return StreamIdleTimeoutError(
-            f"The model worker sent nothing for {_seconds(self.limits.idle_s)} "
-            f"(set with the {IDLE_TIMEOUT_HEADER} header, up to the server's maximum).",
-        )
+        return idle_timeout_error(self.limits)
+
+
+def deadline_error(limits: TimeLimits) -> DeadlineExceededError:
+    """The error for a request whose total deadline (``limits.total_s``) passed."""
+    return DeadlineExceededError(
+        f"The request exceeded its deadline of {_seconds(limits.total_s)} "
+        f"(set with the {TIMEOUT_HEADER} header, up to the server's maximum).",
+        code="timeout",
+    )
+
+
+def idle_timeout_error(limits: TimeLimits) -> StreamIdleTimeoutError:
+    """The error for a request whose workers sent nothing for ``limits.idle_s``."""
+    return StreamIdleTimeoutError(
+        f"The model worker sent nothing for {_seconds(limits.idle_s)} "
+        f"(set with the {IDLE_TIMEOUT_HEADER} header, up to the server's maximum).",
+    )
 
 
 def _seconds(value: float) -> str:

@@ -11,23 +11,30 @@ Order on SIGTERM (driven by :mod:`edge.__main__`):
    non-streaming one with a 503), so no client sees a connection cut mid-JSON;
 4. hypercorn closes what is left and the process exits 0.
 
-Requests take part through :meth:`Drain.track`, which registers their
-:class:`~edge.deadlines.EventGuard` for step 3.
+Requests take part by registering something that can be stopped with an
+error: a stream's pump (:meth:`Drain.add`, :meth:`Drain.discard`) or a
+non-streamed request's :class:`~edge.deadlines.EventGuard` (:meth:`Drain.track`).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Protocol, TypeVar
 
-from quart import Quart, current_app
+from edge.errors import EdgeError, ServerShuttingDownError
 
-from edge.deadlines import EventGuard
-from edge.errors import ServerShuttingDownError
-
-DRAIN_KEY = "sluice.drain"
 # Retry-After on answers refused while draining: another replica can take the request now.
 RETRY_AFTER_S = 1.0
+
+
+class Stoppable(Protocol):
+    """A request in flight that can be ended with an error (a stream pump, an event guard)."""
+
+    def stop(self, error: EdgeError) -> None: ...
+
+
+S = TypeVar("S", bound=Stoppable)
 
 
 def shutting_down_error() -> ServerShuttingDownError:
@@ -44,7 +51,7 @@ class Drain:
     def __init__(self) -> None:
         self._draining = False
         self._ended = False
-        self._guards: set[EventGuard] = set()
+        self._guards: set[Stoppable] = set()
 
     @property
     def draining(self) -> bool:
@@ -69,16 +76,24 @@ class Drain:
             guard.stop(_grace_over_error())
         return len(guards)
 
-    @contextlib.contextmanager
-    def track(self, guard: EventGuard) -> Iterator[EventGuard]:
-        """Registers ``guard`` for :meth:`end_streams` while the block runs."""
+    def add(self, request: Stoppable) -> None:
+        """Registers ``request`` for :meth:`end_streams` (stopped at once if that already ran)."""
         if self._ended:
-            guard.stop(_grace_over_error())
-        self._guards.add(guard)
+            request.stop(_grace_over_error())
+        self._guards.add(request)
+
+    def discard(self, request: Stoppable) -> None:
+        """Forgets ``request`` (it ended); no-op if it was not registered."""
+        self._guards.discard(request)
+
+    @contextlib.contextmanager
+    def track(self, request: S) -> Iterator[S]:
+        """Registers ``request`` for :meth:`end_streams` while the block runs."""
+        self.add(request)
         try:
-            yield guard
+            yield request
         finally:
-            self._guards.discard(guard)
+            self.discard(request)
 
 
 def _grace_over_error() -> ServerShuttingDownError:
@@ -86,21 +101,3 @@ def _grace_over_error() -> ServerShuttingDownError:
         "The server is shutting down and the request's grace period ended; please retry.",
         retry_after=RETRY_AFTER_S,
     )
-
-
-def install(app: Quart) -> Drain:
-    """Creates the app's :class:`Drain` (once, in ``create_app``)."""
-    drain = Drain()
-    app.extensions[DRAIN_KEY] = drain
-    return drain
-
-
-def app_drain(app: Quart) -> Drain:
-    """The :class:`Drain` of ``app``."""
-    drain: Drain = app.extensions[DRAIN_KEY]
-    return drain
-
-
-def current_drain() -> Drain:
-    """The :class:`Drain` of the app serving the current request."""
-    return app_drain(current_app)

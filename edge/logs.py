@@ -6,8 +6,8 @@ every record logged while handling the request (its stream included: the body
 runs in the same task) carries it in the JSON format. :func:`log_request`
 (an ``after_request`` hook) logs the method, path, status and time to the
 response headers: INFO for ``/v1/*``, DEBUG for probes and scrapes, which
-would otherwise drown the log. The end of a stream is logged by
-:mod:`edge.metrics`, which watches it.
+would otherwise drown the log. The end of a stream is logged by its pump
+(:mod:`edge.stream_pump`).
 
 Nothing here logs a header, so API keys never reach the log.
 """
@@ -17,27 +17,25 @@ from __future__ import annotations
 import logging
 import time
 
-from quart import g, request
+from quart import request
 from quart.wrappers import Response
 
 from edge.routes.common import current_request_id
+from edge.state import current_request
 from sluice.logs import request_id_var
 
 log = logging.getLogger("sluice.edge.request")
 
-_STARTED_ATTR = "sluice_log_started"
-
 
 async def bind_request_id() -> None:
     """Quart hook: the current request's id becomes the log context's."""
-    setattr(g, _STARTED_ATTR, time.monotonic())
     request_id_var.set(current_request_id())
 
 
 async def log_request(response: Response) -> Response:
     """Quart hook: one line per answered request (see the module docstring)."""
-    started = g.get(_STARTED_ATTR)
-    elapsed = time.monotonic() - started if started is not None else 0.0
+    state = current_request()
+    elapsed = time.monotonic() - state.started_at if state is not None else 0.0
     level = logging.INFO if request.path.startswith("/v1/") else logging.DEBUG
     log.log(
         level,

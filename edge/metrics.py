@@ -1,54 +1,71 @@
-"""The edge's Prometheus metrics: what callers experienced, gathered without touching the flow.
+"""The edge's Prometheus metrics: what callers experienced, counted where the facts are known.
 
-Three sources, none of which changes what a caller receives:
+Sources, none of which changes what a caller receives:
 
-- ``before_request`` / ``after_request`` hooks (:meth:`EdgeMetrics.before_request`,
-  :meth:`EdgeMetrics.after_request`): the request's start time, and one count
+- an ``after_request`` hook (:meth:`EdgeMetrics.after_request`): one count
   per answered request by route and HTTP status (a stream counts as its 200
   when its headers go out; how it ended is in the stream metrics);
-- :func:`observe_stream`, which wraps an SSE body and watches its byte frames:
-  the first ``data:`` frame carrying output gives the time to first token
-  (from the request's start), every later one the gap since the previous,
-  ``event: error`` frames are counted by type and code, and a stream closed
-  or cancelled before its end counts as a client disconnect; the in-flight
-  gauge goes up when the body starts and down however it ends;
-- worker health, asked of the pool at scrape time (``await pool.health()``).
+- each stream's pump (:mod:`edge.stream_pump`), which reports what it
+  does as it does it: the stream opening and closing (the in-flight gauge; a
+  close before the last frame is a client disconnect), the first write that
+  carries model output (time to first token, from the request's start), every
+  later one (the gap since the previous), and the error it sent by type and
+  code;
+- live values (worker health as this process's pool sees it, concurrency
+  slots in use), read at each scrape and every few seconds
+  (:meth:`EdgeMetrics.refresh`).
 
-Role chunks (``"delta":{"role":"assistant","content":""}``) are sent as soon
-as a worker accepts the call, before any token, so they are not "first
-tokens"; every other ``data:`` frame but ``[DONE]`` is (a completions
-``echo`` of the prompt included).
+Role chunks are sent as soon as a worker accepts the call, before any token,
+so they are not "first tokens"; a write carrying content, reasoning, a
+refusal, a tool-call delta or a choice's finish chunk is. Events that are
+ready together go out in one write, which counts once.
 
-Everything runs on the event loop, so plain counters need no lock.
+Several processes (``--processes``): the metrics live in the
+``prometheus_client`` library; when the edge runs several processes,
+:func:`use_multiprocess_dir` (called by the supervisor before it starts them)
+makes every process keep its values in its own files in one folder, and a
+scrape of any process adds up all of them (counters and histograms summed,
+in-flight and slot gauges summed over live processes, ``worker_up`` the
+highest any process sees). Within one process everything runs on the event
+loop.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import json
 import logging
-import time
-from collections import Counter
-from collections.abc import AsyncGenerator, AsyncIterable, Sequence
+import os
+from collections.abc import Sequence
 from typing import Protocol
 
-from quart import current_app, g, request
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, multiprocess, values
+from quart import request
 from quart.wrappers import Response
 
-from sluice import prometheus
-from sluice.prometheus import GAP_BUCKETS, LATENCY_BUCKETS, Histogram
+from sluice.prometheus import GAP_BUCKETS, LATENCY_BUCKETS
 
 log = logging.getLogger("sluice.edge.stream")
 
-METRICS_KEY = "sluice.metrics"
-_STARTED_ATTR = "sluice_request_started"
-_DATA = b"data: "
-_DONE = b"data: [DONE]"
-_ERROR = b"event: error"
-_ROLE_CHUNK = b'"delta":{"role":"assistant","content":""}'
 # Requests that matched no route share one label, so random paths cannot grow the series.
 UNMATCHED_ROUTE = "other"
+MULTIPROCESS_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+# No "_created" series: they double the output and nobody here reads them.
+prometheus_client.disable_created_metrics()
+
+
+def use_multiprocess_dir(folder: str) -> None:
+    """Makes the metrics created from now on (in this process and the ones it forks) keep their
+    values in ``folder``, shared by every process of one edge. Call before any app is built."""
+    os.environ[MULTIPROCESS_ENV] = folder
+    values.ValueClass = values.MultiProcessValue()
+
+
+def forget_process(pid: int) -> None:
+    """Drops the live gauges of an edge process that ended (the supervisor calls it)."""
+    folder = os.environ.get(MULTIPROCESS_ENV)
+    if folder:
+        multiprocess.mark_process_dead(pid, folder)
 
 
 class WorkerHealthLike(Protocol):
@@ -70,147 +87,6 @@ class HealthSource(Protocol):
     async def health(self) -> Sequence[WorkerHealthLike]: ...
 
 
-class EdgeMetrics:
-    """The edge's counters, gauges and histograms, and their exposition."""
-
-    def __init__(self) -> None:
-        self.requests: Counter[tuple[str, str]] = Counter()  # (route, status)
-        self.time_to_first_token = Histogram(LATENCY_BUCKETS)
-        self.chunk_gap = Histogram(GAP_BUCKETS)
-        self.streams_in_flight = 0
-        self.client_disconnects = 0
-        self.stream_errors: Counter[tuple[str, str]] = Counter()  # (type, code)
-
-    # ---------------------------------------------------------------- hooks
-
-    async def before_request(self) -> None:
-        """Quart hook: stamps the request's start (the reference of time to first token)."""
-        setattr(g, _STARTED_ATTR, time.monotonic())
-
-    async def after_request(self, response: Response) -> Response:
-        """Quart hook: counts the answered request by route and status."""
-        rule = request.url_rule
-        route = rule.rule if rule is not None else UNMATCHED_ROUTE
-        self.requests[(route, str(response.status_code))] += 1
-        return response
-
-    # -------------------------------------------------------------- streams
-
-    async def watch(
-        self, body: AsyncIterable[bytes], started_at: float, request_id: str
-    ) -> AsyncGenerator[bytes, None]:
-        """Yields ``body``'s frames unchanged while measuring them (see the module docstring).
-
-        However this generator ends, the in-flight gauge is restored and
-        ``body`` is closed before it returns (so the body's own cleanup,
-        cancelling the worker calls, has run).
-        """
-        self.streams_in_flight += 1
-        last_output: float | None = None
-        frames = 0
-        outcome = "client disconnected"
-        source = aiter(body)
-        try:
-            async for frame in source:
-                if frame.startswith(_DATA):
-                    if not frame.startswith(_DONE) and _ROLE_CHUNK not in frame:
-                        now = time.monotonic()
-                        if last_output is None:
-                            self.time_to_first_token.observe(now - started_at)
-                        else:
-                            self.chunk_gap.observe(now - last_output)
-                        last_output = now
-                    frames += 1
-                elif frame.startswith(_ERROR):
-                    kind, code = _error_labels(frame)
-                    self.stream_errors[(kind, code)] += 1
-                    outcome = f"error {kind}/{code}"
-                yield frame
-            if not outcome.startswith("error"):
-                outcome = "completed"
-        except (asyncio.CancelledError, GeneratorExit):
-            # Quart cancels the body (or closes it at a yield) when the client goes away.
-            self.client_disconnects += 1
-            raise
-        except Exception as error:
-            self.stream_errors[("api_error", "unhandled_exception")] += 1
-            outcome = f"failed ({error.__class__.__name__})"
-            raise
-        finally:
-            self.streams_in_flight -= 1
-            log.info("request %s: stream %s after %d data frames", request_id, outcome, frames)
-            aclose = getattr(source, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(RuntimeError):  # "already running": it was just cancelled
-                    await aclose()
-
-    # ----------------------------------------------------------- exposition
-
-    async def render(self, pool: HealthSource, concurrency: ConcurrencyStats | None = None) -> str:
-        """The Prometheus text: this edge's metrics, then each worker's health as seen now."""
-        health = await pool.health()
-        lines = prometheus.simple_family(
-            "sluice_edge_requests_total",
-            "counter",
-            "HTTP requests answered, by route and status (a stream counts when its headers go out)",
-            [({"route": route, "status": status}, n) for (route, status), n in sorted(self.requests.items())],
-        )
-        lines += prometheus.histogram_family(
-            "sluice_edge_time_to_first_token_seconds",
-            "seconds from a stream request's arrival to its first output chunk",
-            self.time_to_first_token,
-        )
-        lines += prometheus.histogram_family(
-            "sluice_edge_inter_chunk_gap_seconds",
-            "seconds between consecutive output chunks of one stream",
-            self.chunk_gap,
-        )
-        lines += prometheus.simple_family(
-            "sluice_edge_streams_in_flight",
-            "gauge",
-            "SSE responses being sent",
-            [({}, self.streams_in_flight)],
-        )
-        lines += prometheus.simple_family(
-            "sluice_edge_client_disconnects_total",
-            "counter",
-            "streams that ended before their last frame (the client went away, or shutdown cut them)",
-            [({}, self.client_disconnects)],
-        )
-        lines += prometheus.simple_family(
-            "sluice_edge_stream_errors_total",
-            "counter",
-            "event: error frames sent mid-stream, by error type and code",
-            [({"type": kind, "code": code}, n) for (kind, code), n in sorted(self.stream_errors.items())],
-        )
-        lines += prometheus.simple_family(
-            "sluice_edge_worker_up",
-            "gauge",
-            "1 when the worker answers its health check SERVING, else 0",
-            [({"address": w.address}, int(w.serving)) for w in health],
-        )
-        lines += prometheus.simple_family(
-            "sluice_edge_worker_outstanding_requests",
-            "gauge",
-            "calls this edge has open on the worker",
-            [({"address": w.address}, w.outstanding) for w in health],
-        )
-        if concurrency is not None:
-            lines += prometheus.simple_family(
-                "sluice_edge_concurrency_slots_in_use",
-                "gauge",
-                "generation requests holding a per-key concurrency slot",
-                [({}, concurrency.in_use())],
-            )
-            lines += prometheus.simple_family(
-                "sluice_edge_concurrency_rejections_total",
-                "counter",
-                "generation requests refused (429) by the per-key concurrency limit",
-                [({}, concurrency.rejected)],
-            )
-        return prometheus.render(lines)
-
-
 class ConcurrencyStats(Protocol):
     """What the metrics read of :class:`edge.concurrency.ConcurrencyLimiter`."""
 
@@ -219,26 +95,139 @@ class ConcurrencyStats(Protocol):
     def in_use(self, identity: str | None = None) -> int: ...
 
 
-def current_metrics() -> EdgeMetrics:
-    """The app's :class:`EdgeMetrics` (inside an app context)."""
-    metrics: EdgeMetrics = current_app.extensions[METRICS_KEY]
-    return metrics
+class EdgeMetrics:
+    """The edge's counters, gauges and histograms, and their exposition (one per app)."""
 
+    def __init__(self) -> None:
+        self._folder = os.environ.get(MULTIPROCESS_ENV) or None
+        self.multiprocess = self._folder is not None
+        # Single process: the metrics are registered here. Several: each process writes its
+        # files and a scrape reads every process's files (registering them too would count
+        # this process twice).
+        self._registry = CollectorRegistry(auto_describe=True)
+        own = None if self._folder else self._registry
+        self._requests = Counter(
+            "sluice_edge_requests",
+            "HTTP requests answered, by route and status (a stream counts when its headers go out)",
+            ["route", "status"],
+            registry=own,
+        )
+        self._time_to_first_token = Histogram(
+            "sluice_edge_time_to_first_token_seconds",
+            "seconds from a stream request's arrival to its first output chunk",
+            buckets=LATENCY_BUCKETS,
+            registry=own,
+        )
+        self._chunk_gap = Histogram(
+            "sluice_edge_inter_chunk_gap_seconds",
+            "seconds between consecutive output writes of one stream",
+            buckets=GAP_BUCKETS,
+            registry=own,
+        )
+        self._in_flight = Gauge(
+            "sluice_edge_streams_in_flight",
+            "SSE responses being sent",
+            registry=own,
+            multiprocess_mode="livesum",
+        )
+        self._disconnects = Counter(
+            "sluice_edge_client_disconnects",
+            "streams that ended before their last frame (the client went away, or shutdown cut them)",
+            registry=own,
+        )
+        self._stream_errors = Counter(
+            "sluice_edge_stream_errors",
+            "event: error frames sent mid-stream, by error type and code",
+            ["type", "code"],
+            registry=own,
+        )
+        self._worker_up = Gauge(
+            "sluice_edge_worker_up",
+            "1 when the worker answers its health check SERVING, else 0",
+            ["address"],
+            registry=own,
+            multiprocess_mode="livemax",
+        )
+        self._outstanding = Gauge(
+            "sluice_edge_worker_outstanding_requests",
+            "calls this edge has open on the worker",
+            ["address"],
+            registry=own,
+            multiprocess_mode="livesum",
+        )
+        self._slots_in_use = Gauge(
+            "sluice_edge_concurrency_slots_in_use",
+            "generation requests holding a per-key concurrency slot",
+            registry=own,
+            multiprocess_mode="livesum",
+        )
+        self._rejections = Counter(
+            "sluice_edge_concurrency_rejections",
+            "generation requests refused (429) by the per-key concurrency limit",
+            registry=own,
+        )
+        self._rejections_seen = 0
+        self._addresses: set[str] = set()
 
-def observe_stream(body: AsyncIterable[bytes], request_id: str = "") -> AsyncGenerator[bytes, None]:
-    """Wraps an SSE body for the app's metrics; call it inside the request (it reads the
-    app and the request's start time now, the returned generator runs later)."""
-    started_at = g.get(_STARTED_ATTR) or time.monotonic()
-    return current_metrics().watch(body, started_at, request_id or g.get("request_id", ""))
+    # ---------------------------------------------------------------- hooks
 
+    async def after_request(self, response: Response) -> Response:
+        """Quart hook: counts the answered request by route and status."""
+        rule = request.url_rule
+        route = rule.rule if rule is not None else UNMATCHED_ROUTE
+        self._requests.labels(route, str(response.status_code)).inc()
+        return response
 
-def _error_labels(frame: bytes) -> tuple[str, str]:
-    """(type, code) of an ``event: error`` frame's payload; ``unknown`` where absent."""
-    _, _, data = frame.partition(_DATA)
-    try:
-        error = json.loads(data).get("error") or {}
-    except (ValueError, AttributeError):
-        return "unknown", "unknown"
-    if not isinstance(error, dict):
-        return "unknown", "unknown"
-    return str(error.get("type") or "unknown"), str(error.get("code") or "unknown")
+    # ------------------------------------------------- streams (their pumps report)
+
+    def stream_opened(self) -> None:
+        self._in_flight.inc()
+
+    def stream_closed(self, *, disconnected: bool) -> None:
+        """A stream ended; ``disconnected``: before its last frame (the client went away)."""
+        self._in_flight.dec()
+        if disconnected:
+            self._disconnects.inc()
+
+    def first_output(self, seconds: float) -> None:
+        """A stream's first write carrying output, ``seconds`` after its request arrived."""
+        self._time_to_first_token.observe(seconds)
+
+    def output_gap(self, seconds: float) -> None:
+        """``seconds`` between two writes of one stream that carried output."""
+        self._chunk_gap.observe(seconds)
+
+    def stream_error(self, kind: str, code: str) -> None:
+        """A stream ended with an ``event: error`` of this type and code."""
+        self._stream_errors.labels(kind, code).inc()
+
+    # ------------------------------------------------------------ live values
+
+    async def refresh(self, pool: HealthSource, concurrency: ConcurrencyStats | None = None) -> None:
+        """Sets the live gauges from the pool's latest health checks (asks no worker) and the
+        limiter's counts."""
+        health = await pool.health()
+        seen = set()
+        for worker in health:
+            seen.add(worker.address)
+            self._worker_up.labels(worker.address).set(int(worker.serving))
+            self._outstanding.labels(worker.address).set(worker.outstanding)
+        for gone in self._addresses - seen:  # a worker DNS no longer lists
+            self._worker_up.remove(gone)
+            self._outstanding.remove(gone)
+        self._addresses = seen
+        if concurrency is not None:
+            self._slots_in_use.set(concurrency.in_use())
+            self._rejections.inc(concurrency.rejected - self._rejections_seen)
+            self._rejections_seen = concurrency.rejected
+
+    # ------------------------------------------------------------ exposition
+
+    async def render(self, pool: HealthSource, concurrency: ConcurrencyStats | None = None) -> str:
+        """The Prometheus text: every process's metrics (see the module), live values fresh."""
+        await self.refresh(pool, concurrency)
+        if self._folder is None:
+            return prometheus_client.generate_latest(self._registry).decode()
+        everyone = CollectorRegistry()
+        multiprocess.MultiProcessCollector(everyone, path=self._folder)
+        return prometheus_client.generate_latest(everyone).decode()

@@ -124,6 +124,20 @@ def _generation(
     }
 
 
+def _playground(summary: str) -> dict[str, Any]:
+    return {
+        "get": {
+            "summary": summary,
+            "responses": {
+                "200": {
+                    "description": "The playground page (its script and style sheet are under /static/).",
+                    "content": {"text/html": {"schema": {"type": "string"}}},
+                }
+            },
+        }
+    }
+
+
 @functools.cache
 def openapi_document() -> dict[str, Any]:
     """The whole document (built once; treat it as read-only)."""
@@ -197,6 +211,8 @@ def openapi_document() -> dict[str, Any]:
                     },
                 }
             },
+            "/": _playground("The browser playground (docs/playground.md); no API key needed"),
+            "/playground": _playground("The browser playground (the same page as /)"),
             "/openapi.json": {
                 "get": {
                     "summary": "This document",

@@ -123,6 +123,9 @@ class Settings:
     max_n: int = 128
     max_tokens_limit: int = 0
     max_top_logprobs: int = 20
+    # Edge processes serving the port (SO_REUSEPORT), each with its own pool and state;
+    # 0 = one per CPU core. See docs/running.md.
+    processes: int = 1
 
     def __post_init__(self) -> None:
         if not self.workers and not self.worker_dns:
@@ -178,6 +181,10 @@ class Settings:
             raise ValueError(f"api_keys: {error}") from None
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format: must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        if self.processes < 0:
+            raise ValueError(f"processes: must be >= 0 (0 = one per CPU core), got {self.processes}")
+        if self.process_count > 1 and self.port == 0:
+            raise ValueError("processes: several processes need a fixed port (port 0 picks one per process)")
         if self.max_concurrent_per_key < 0:
             raise ValueError(
                 f"max_concurrent_per_key: must be >= 0 (0 = off), got {self.max_concurrent_per_key}"
@@ -199,6 +206,14 @@ class Settings:
             max_tokens=self.max_tokens_limit,
             max_top_logprobs=self.max_top_logprobs,
         )
+
+    @property
+    def process_count(self) -> int:
+        """How many edge processes to run: ``processes``, or the CPU count when it is 0."""
+        if self.processes:
+            return self.processes
+        # The cores this process may run on (a container's CPU set), not the machine's.
+        return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
     @property
     def base_url(self) -> str:
@@ -331,6 +346,13 @@ class Settings:
                 "max_top_logprobs",
                 int,
                 "largest top_logprobs (chat) or logprobs (completions), at most 20",
+            ),
+            (
+                "processes",
+                "processes",
+                int,
+                "edge processes sharing the port (SO_REUSEPORT), each with its own state; "
+                "0 = one per CPU core (default 1)",
             ),
         ]
 

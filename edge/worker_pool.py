@@ -14,8 +14,12 @@ worker that answers anything but SERVING, does not answer, or fails a call
 with UNAVAILABLE (or does not accept one within ``connect_timeout_s``) is
 *ejected*: it gets no calls and is re-checked after a backoff (0.5 s, then
 doubling, at most ``health_interval_s``, jittered), and taken back as soon as
-a check answers SERVING. A worker not checked yet is tried (start-up must not
-refuse requests while the first checks run).
+a check answers SERVING. Each re-check of an unreachable worker uses a fresh
+channel when the old one is waiting out gRPC's reconnect backoff, so a worker
+restarted after a long outage is taken back at the first re-check after it
+answers (within ``health_interval_s`` plus jitter), not after the channel's
+backoff. A worker not checked yet is tried (start-up must not refuse requests
+while the first checks run).
 
 Choice: the available worker with the fewest outstanding calls, ties broken
 round-robin. A request may move to another worker only before its first
@@ -394,11 +398,27 @@ class WorkerPool:
                 status = await worker.client.health("", timeout=self._health_timeout_s)
         except WorkerCallError as error:
             self._eject(worker, WorkerStatus.UNREACHABLE, f"health check {error.code().name}")
+            await self._fresh_channel_if_backing_off(worker)
             return
         if status == ServingStatus.SERVING:
             self._restore(worker)
         else:
             self._eject(worker, WorkerStatus.NOT_SERVING, f"health check answered {status}")
+
+    async def _fresh_channel_if_backing_off(self, worker: _Worker) -> None:
+        """Drops ``worker``'s channel when it is waiting out gRPC's reconnect backoff, so the
+        next check opens a fresh one that connects at once.
+
+        Why: an unreachable worker's channel retries on gRPC's own schedule, which backs off
+        (up to ``max_reconnect_backoff_ms``); a check made meanwhile fails at once without
+        trying. With a fresh channel per re-check, a restarted worker is found by the first
+        re-check after it answers, so the pool's re-check schedule (at most
+        ``health_interval_s``, jittered) alone bounds how long it waits to be taken back,
+        however long the outage was. Only an idle worker's channel is dropped: closing a
+        channel cancels its calls.
+        """
+        if worker.outstanding == 0 and worker.client.backing_off():
+            await worker.client.close()
 
     async def _refresh_dns(self) -> None:
         assert self._dns is not None  # only called with a DNS name
@@ -463,9 +483,8 @@ class WorkerPool:
         if self._dns is not None and not self._workers:
             await self.wait_first_round()  # first requests after start-up, before DNS answered
         deadline = time.monotonic() + timeout_s
+        # The request id travels in the request's own field (GenerateRequest.request_id), once.
         call_metadata = tuple(metadata)
-        if not any(key == "x-request-id" for key, _ in call_metadata):
-            call_metadata = (("x-request-id", request_id), *call_metadata)
         candidates = self._candidates()
         if not candidates:
             raise self._none_available()

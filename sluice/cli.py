@@ -3,7 +3,9 @@
 Starts ``python -m worker`` and ``python -m edge`` as child processes, waits
 until the edge is ready, prints the base URL, and on Ctrl-C (or SIGTERM)
 stops both: SIGTERM first, SIGKILL after a timeout. If either child dies, the
-other is stopped too and the exit status is non-zero.
+other is stopped too and the exit status is non-zero. Before starting anything
+it checks that the three ports are free: a taken one is one line naming the
+flag and exit status 2.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
+from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free
+
 READY_TIMEOUT_S = 600.0  # a first start converts the default model (about 20 s on two cores)
 STOP_TIMEOUT_S = 15.0
 
@@ -30,7 +34,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address the edge listens on")
     serve.add_argument("--port", type=int, default=8080, help="HTTP port of the edge")
     serve.add_argument("--worker-port", type=int, default=50051, help="gRPC port of the worker")
-    serve.add_argument("--metrics-port", type=int, default=9090, help="worker metrics port (0 = off)")
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="worker metrics port (default: --worker-port + 1000; 0 = off)",
+    )
     return parser
 
 
@@ -62,20 +71,13 @@ def _stop(children: Sequence[subprocess.Popen[bytes]]) -> None:
             child.wait()
 
 
-def worker_command(port: int, metrics_port: int, *extra: str, host: str = "127.0.0.1") -> list[str]:
-    """The command line of a local worker process (used here, by the tests and by the benchmarks)."""
-    return [
-        sys.executable,
-        "-m",
-        "worker",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--metrics-port",
-        str(metrics_port),
-        *extra,
-    ]
+def worker_command(port: int, metrics_port: int | None, *extra: str, host: str = "127.0.0.1") -> list[str]:
+    """The command line of a local worker process (used here, by the tests and by the benchmarks).
+
+    ``metrics_port`` None leaves the worker's default (its gRPC port + 1000).
+    """
+    metrics = [] if metrics_port is None else ["--metrics-port", str(metrics_port)]
+    return [sys.executable, "-m", "worker", "--host", host, "--port", str(port), *metrics, *extra]
 
 
 def edge_command(workers: Sequence[str], port: int, *extra: str, host: str = "127.0.0.1") -> list[str]:
@@ -94,7 +96,31 @@ def edge_command(workers: Sequence[str], port: int, *extra: str, host: str = "12
     ]
 
 
+def _check_ports(args: argparse.Namespace) -> str | None:
+    """None when every port ``serve`` needs is free, else the one line saying which is not."""
+    from worker.config import METRICS_PORT_OFFSET  # light: no torch
+
+    metrics_port = args.worker_port + METRICS_PORT_OFFSET if args.metrics_port is None else args.metrics_port
+    wanted = [(args.host, args.port, "--port"), ("127.0.0.1", args.worker_port, "--worker-port")]
+    if metrics_port:
+        wanted.append(("127.0.0.1", metrics_port, "--metrics-port"))
+    for i, (_, port, flag) in enumerate(wanted):
+        for _, other_port, other_flag in wanted[:i]:
+            if port == other_port:
+                return f"{flag} {port} is also {other_flag}; give each its own port"
+    try:
+        for host, port, flag in wanted:
+            check_port_free(host, port, flag)
+    except PortUnavailableError as error:
+        return error.message
+    return None
+
+
 def serve(args: argparse.Namespace) -> int:
+    taken = _check_ports(args)
+    if taken is not None:
+        print(f"sluice: {taken}", file=sys.stderr)
+        return EXIT_PORT_TAKEN
     worker_cmd = worker_command(args.worker_port, args.metrics_port, "--grace-period", "5")
     if args.model:
         worker_cmd += ["--model", args.model]

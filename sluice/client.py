@@ -62,7 +62,12 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 #   channel is known to be dead before the next request is sent on it. The
 #   worker's server settings (worker/server.py) permit exactly this;
 # - reconnect backoff capped at 5 s (gRPC's default grows to 120 s): a worker
-#   restarted on the same address is reconnected within seconds;
+#   restarted on the same address is reconnected within seconds (the edge's
+#   pool goes further: it replaces a channel that is backing off at each
+#   re-check of an ejected worker, see edge/worker_pool.py);
+# - a channel of its own (local subchannel pool): by default gRPC shares one
+#   connection, and its backoff state, between channels with the same address
+#   and settings, so a fresh channel would inherit the old one's backoff;
 # - message sizes: see MAX_MESSAGE_BYTES.
 # Connection age is a server setting (worker/server.py): workers close each
 # connection after a few minutes, so clients that resolve a DNS name
@@ -74,6 +79,7 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 5_000),
+    ("grpc.use_local_subchannel_pool", 1),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 )
@@ -303,6 +309,12 @@ class WorkerClient:
             raise WorkerCallError.from_rpc_error(error) from None
         name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
         return ServingStatus(name) if name in ServingStatus.__members__ else ServingStatus.UNKNOWN
+
+    def backing_off(self) -> bool:
+        """True while the channel waits out gRPC's reconnect backoff after a failed connection
+        (``TRANSIENT_FAILURE``): calls fail at once with UNAVAILABLE until its next attempt."""
+        channel = self._channel
+        return channel is not None and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
     async def close(self, grace: float | None = None) -> None:
         """Closes the channel; calls still open are cancelled (after ``grace`` seconds if given).

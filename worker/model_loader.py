@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
+from worker.config import DEFAULT_CACHE_DIR
 from worker.errors import WorkerError
 from worker.packed_linear import pack_linears
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
@@ -113,7 +114,7 @@ def load_model(
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    cache = cache_dir or Path.home() / ".cache" / "sluice"
+    cache = cache_dir or DEFAULT_CACHE_DIR
     gguf: Path | None = None
     folder: Path | None = None
     if model is None:

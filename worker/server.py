@@ -1,8 +1,11 @@
 """Starts the gRPC server, loads the model, and drains on SIGTERM/SIGINT.
 
-Order at start: the server listens first with health NOT_SERVING (so probes
-and callers get a clear UNAVAILABLE while the model loads), then the model
-loads in a thread, then the engine starts and health flips to SERVING.
+Order at start: every port is claimed first (``python -m worker`` claims the
+metrics port and checks the gRPC port before this module is even imported; a
+taken port is one line naming the setting and exit status 2). The gRPC server
+listens with health NOT_SERVING (so probes and callers get a clear UNAVAILABLE
+while the model loads) and /metrics answers 503; then the model loads in a
+thread, then the engine starts and health flips to SERVING.
 On SIGTERM/SIGINT (see :mod:`worker.drain`): health flips to NOT_SERVING
 first (so health-checking callers stop sending), then new ``Generate`` calls
 are refused with UNAVAILABLE (so the edge moves them to another worker),
@@ -19,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import threading
 from collections.abc import Callable
 from typing import TypeVar
@@ -29,6 +33,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sluice.client import MAX_MESSAGE_BYTES
+from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from worker import metrics
 from worker.config import WorkerConfig
@@ -58,7 +63,10 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 #   DNS name re-resolve and spread over new replicas. The grace lets calls
 #   already running on the old connection finish: it is longer than the edge's
 #   default request deadline (600 s), so age alone never cuts a generation.
-#   New calls go to a new connection at once.
+#   New calls go to a new connection at once;
+# - no SO_REUSEPORT (gRPC's default on Linux): with it, a second worker started on
+#   a taken port binds it without an error and the kernel splits the callers'
+#   connections between the two processes.
 MAX_CONNECTION_AGE_MS = 5 * 60_000
 MAX_CONNECTION_AGE_GRACE_MS = 11 * 60_000
 SERVER_OPTIONS: list[tuple[str, int]] = [
@@ -71,6 +79,7 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.http2.max_ping_strikes", 2),
     ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
     ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
+    ("grpc.so_reuseport", 0),
 ]
 # Calls cut at the end of the grace period get this long to send their status.
 _CUT_WAIT_S = 2.0
@@ -140,7 +149,9 @@ def build_serving(config: WorkerConfig) -> ServingModel:
     )
 
 
-async def run(config: WorkerConfig) -> int:
+async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = None) -> int:
+    """Serves until SIGTERM/SIGINT; returns the exit status (2: a port is taken, 1: the model
+    did not load). ``metrics_socket``: the claimed /metrics socket (None: metrics off)."""
     service = WorkerService(config.resolved_worker_id)
     served = DrainingWorker(service)
     health_service = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
@@ -153,13 +164,35 @@ async def run(config: WorkerConfig) -> int:
     )
     address = f"{config.host}:{config.port}"
     try:
+        # Checked again (python -m worker checked it before importing torch): the gRPC
+        # core's own bind error is a generic "Failed to bind" plus a C-level log line.
+        check_port_free(config.host, config.port, "--port")
         server.add_insecure_port(address)
-    except RuntimeError as exc:
-        log.error("cannot listen on %s: %s (is the port in use?)", address, exc)
-        return 2
+    except (PortUnavailableError, RuntimeError) as error:
+        reason = (
+            error.message if isinstance(error, PortUnavailableError) else f"--port {config.port}: {error}"
+        )
+        log.error("%s", reason)
+        if metrics_socket is not None:
+            metrics_socket.close()
+        return EXIT_PORT_TAKEN
     await server.start()
     await _set_health(health_service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    log.info("worker %s listening on %s; loading model", service.worker_id, address)
+    serving: ServingModel | None = None
+
+    def metrics_text() -> str | None:
+        if serving is None:
+            return None  # 503 while the model loads
+        text = metrics.render(serving.engine.stats(), serving.loaded.model_id)
+        return text + (fake_metrics_text(serving.loaded.model_id) if config.fake_tokens else "")
+
+    metrics_server = (
+        None if metrics_socket is None else await metrics.serve_metrics(metrics_socket, metrics_text)
+    )
+    metrics_where = f":{config.resolved_metrics_port}" if metrics_server is not None else "off"
+    log.info(
+        "worker %s listening on %s (metrics on %s); loading model", service.worker_id, address, metrics_where
+    )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -169,41 +202,30 @@ async def run(config: WorkerConfig) -> int:
 
     loading = asyncio.ensure_future(in_own_thread(build_serving, config))
     stopper = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    if not loading.done():
-        log.info("stopped while loading the model")
-        await server.stop(0)
-        return 0
     try:
-        service.serving = loading.result()
-    except ModelLoadError as exc:
-        log.error("%s", exc.message)
-        await server.stop(0)
-        return 1
-    serving = service.serving
-    metrics_server = None
-    if config.metrics_port:
-        metrics_server = await metrics.serve_metrics(
-            config.host,
-            config.metrics_port,
-            lambda: (
-                metrics.render(serving.engine.stats(), serving.loaded.model_id)
-                + (fake_metrics_text(serving.loaded.model_id) if config.fake_tokens else "")
-            ),
-        )
-    await _set_health(health_service, health_pb2.HealthCheckResponse.SERVING)
-    log.info(
-        "serving %s on %s (metrics on :%s)", serving.loaded.model_id, address, config.metrics_port or "off"
-    )
+        await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            log.info("stopped while loading the model")
+            await server.stop(0)
+            return 0
+        try:
+            serving = service.serving = loading.result()
+        except ModelLoadError as exc:
+            log.error("%s", exc.message)
+            await server.stop(0)
+            return 1
+        await _set_health(health_service, health_pb2.HealthCheckResponse.SERVING)
+        log.info("serving %s on %s (metrics on %s)", serving.loaded.model_id, address, metrics_where)
 
-    await stopper
-    await _drain(served, health_service, config.grace_period)
-    await server.stop(0)
-    serving.engine.stop()
-    if metrics_server is not None:
-        metrics_server.close()
-    log.info("worker stopped")
-    return 0
+        await stopper
+        await _drain(served, health_service, config.grace_period)
+        await server.stop(0)
+        serving.engine.stop()
+        log.info("worker stopped")
+        return 0
+    finally:
+        if metrics_server is not None:
+            metrics_server.close()
 
 
 _T = TypeVar("_T")

@@ -10,6 +10,7 @@ from edge.routes.health import blueprint as health_blueprint
 from edge.routes.metrics import blueprint as metrics_blueprint
 from edge.routes.models import blueprint as models_blueprint
 from edge.routes.openapi import blueprint as openapi_blueprint
+from edge.routes.playground import blueprint as playground_blueprint
 
 
 def register_routes(app: Quart) -> None:
@@ -20,3 +21,4 @@ def register_routes(app: Quart) -> None:
     app.register_blueprint(health_blueprint)
     app.register_blueprint(metrics_blueprint)
     app.register_blueprint(openapi_blueprint)
+    app.register_blueprint(playground_blueprint)

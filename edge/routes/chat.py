@@ -12,7 +12,7 @@ from quart.wrappers import Response
 
 from edge import translate
 from edge.openai_types import parse_chat_request
-from edge.routes.common import current_request_id, json_response, read_json_body
+from edge.routes.common import current_request_id, current_settings, json_response, read_json_body
 from edge.routes.generation import collect, open_calls, response_headers, sse_response
 
 blueprint = Blueprint("chat", __name__)
@@ -21,10 +21,8 @@ blueprint = Blueprint("chat", __name__)
 @blueprint.post("/v1/chat/completions")
 async def chat_completions() -> Response:
     request_id = current_request_id()
-    chat = parse_chat_request(await read_json_body())
-    group = await open_calls(
-        [translate.to_generate_request(chat, request_id)], translate.call_metadata(chat, request_id)
-    )
+    chat = parse_chat_request(await read_json_body(), current_settings().limits)
+    group = await open_calls([translate.to_generate_request(chat, request_id)])
     try:
         model = group.started(0).model or chat.model
         completion_id, created = translate.new_completion_id(), int(time.time())

@@ -1,4 +1,8 @@
-"""Helpers shared by the route modules: app state, JSON in and out, request ids."""
+"""Helpers shared by the route modules: JSON in and out, request ids, shortcuts to the app state.
+
+The state itself is :mod:`edge.state` (one typed object per app, one per
+request); :func:`current_pool` and :func:`current_settings` are shortcuts to it.
+"""
 
 from __future__ import annotations
 
@@ -7,39 +11,42 @@ import re
 import uuid
 from typing import Any
 
-from quart import current_app, g, request
+from quart import request
 from quart.wrappers import Response
 
 from edge.errors import EdgeError, InvalidRequestError
 from edge.settings import Settings
 from edge.sse import dumps
+from edge.state import begin_request, current_request, current_state
 from edge.worker_pool import WorkerPool
 
-POOL_KEY = "sluice.worker_pool"
-SETTINGS_KEY = "sluice.settings"
 # A caller's X-Request-ID is echoed only if it is short and header-safe.
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:/+=@-]{1,128}$")
 
 
 def current_pool() -> WorkerPool:
-    pool: WorkerPool = current_app.extensions[POOL_KEY]
-    return pool
+    """The app's worker pool (:attr:`edge.state.EdgeState.pool`)."""
+    return current_state().pool
 
 
 def current_settings() -> Settings:
-    settings: Settings = current_app.extensions[SETTINGS_KEY]
-    return settings
+    """The app's settings (:attr:`edge.state.EdgeState.settings`)."""
+    return current_state().settings
 
 
 def assign_request_id() -> None:
-    """Before each request: echo a valid ``X-Request-ID`` or make one (in ``g.request_id``)."""
+    """Before each request (the first hook): echo a valid ``X-Request-ID`` or make one, and start
+    the request's :class:`~edge.state.RequestState`."""
     given = request.headers.get("X-Request-ID", "")
-    g.request_id = given if _REQUEST_ID.match(given) else f"req_{uuid.uuid4().hex}"
+    begin_request(given if _REQUEST_ID.match(given) else f"req_{uuid.uuid4().hex}")
 
 
 def current_request_id() -> str:
-    request_id: str = g.get("request_id") or f"req_{uuid.uuid4().hex}"
-    return request_id
+    """The current request's id (a fresh one if no hook ran, e.g. a routing error)."""
+    state = current_request()
+    if state is None:
+        state = begin_request(f"req_{uuid.uuid4().hex}")
+    return state.request_id
 
 
 WORKER_HEADER = "X-Sluice-Worker-ID"

@@ -13,9 +13,9 @@ import time
 from quart import Blueprint
 from quart.wrappers import Response
 
-from edge import translate, translate_completions
+from edge import translate_completions
 from edge.completion_types import parse_completion_request
-from edge.routes.common import current_request_id, json_response, read_json_body
+from edge.routes.common import current_request_id, current_settings, json_response, read_json_body
 from edge.routes.generation import collect, open_calls, response_headers, sse_response
 
 blueprint = Blueprint("completions", __name__)
@@ -24,11 +24,8 @@ blueprint = Blueprint("completions", __name__)
 @blueprint.post("/v1/completions")
 async def completions() -> Response:
     request_id = current_request_id()
-    completion = parse_completion_request(await read_json_body())
-    group = await open_calls(
-        translate_completions.to_generate_requests(completion, request_id),
-        translate.call_metadata(completion, request_id),
-    )
+    completion = parse_completion_request(await read_json_body(), current_settings().limits)
+    group = await open_calls(translate_completions.to_generate_requests(completion, request_id))
     try:
         model = group.started(0).model or completion.model
         completion_id, created = translate_completions.new_text_completion_id(), int(time.time())

@@ -1,4 +1,4 @@
-"""What the generation routes (chat and text completions) share.
+"""What the generation routes share: open the worker calls, then answer with a stream or one JSON.
 
 Call order, and why:
 
@@ -9,78 +9,89 @@ Call order, and why:
    worker) is still a plain JSON error with its own HTTP status, never a
    stream;
 3. after ``started``: :func:`sse_response` sends the headers at once and then
-   the chunks (DESIGN.md section 3); :func:`collect` feeds every event to an
-   accumulator for a non-streaming answer.
+   the stream, pumped by a :class:`~edge.stream_pump.StreamPump`;
+   :func:`collect` feeds every event to an accumulator for a non-streaming
+   answer.
 
-A client disconnect reaches us as cancellation (handler task cancelled) or as
-``aclose()`` of the response generator; both cancel every worker call at once.
-A route must call ``group.cancel()`` if it fails between steps 2 and 3.
+A route plugs its own API surface into step 3 with a translator (``on_event``
+turns one worker event into the surface's chunks, ``finish`` gives the
+closing chunks) and a :class:`~edge.stream_pump.StreamFraming` (how a chunk,
+a heartbeat, the end and a mid-stream error look on the wire; OpenAI's is the
+default). The pump, its timers, coalescing and cancellation are shared.
+
+A client disconnect reaches us as cancellation of the handler task, or while
+the stream runs as the pump being cancelled and closed; both cancel every
+worker call at once. A route must call ``group.cancel()`` if it fails between
+steps 2 and 3.
 
 Time limits (:mod:`edge.deadlines`): :func:`open_calls` reads the request's
 limits (``X-Sluice-Timeout``, ``X-Sluice-Idle-Timeout``; a bad value is a
-400 before any call opens), enforces the total deadline itself while the
-calls open (their gRPC deadline, 1 s later, is only a backstop) and keeps an
-:class:`~edge.deadlines.EventGuard` for the request; the guard ends
-the events of :func:`sse_response` and :func:`collect` at the total deadline,
-after the idle timeout, or when a draining edge's grace period ends
-(:mod:`edge.drain`), cancelling the calls. While draining, :func:`open_calls`
-refuses new requests with 503 ``server_shutting_down``.
+400 before any call opens) and keeps them on the :class:`CallGroup`; it
+enforces the total deadline itself while the calls open (their gRPC deadline,
+1 s later, is only a backstop). After that the stream's pump, or
+:func:`collect`'s :class:`~edge.deadlines.EventGuard`, ends the request at the
+total deadline, after the idle timeout, or when a draining edge's grace
+period ends (:mod:`edge.drain`), cancelling the calls. While draining,
+:func:`open_calls` refuses new requests with 503 ``server_shutting_down``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+import time
+from collections.abc import Callable, Sequence
 
-from quart import g, request
+from quart import request
 from quart.wrappers import Response
 
-from edge import metrics, sse
 from edge.call_group import CallGroup
+from edge.client_connections import scope_transport
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER, EventGuard, request_limits
-from edge.drain import Drain, current_drain, shutting_down_error
-from edge.errors import EdgeError, stream_error_payload
-from edge.routes.common import current_pool, current_request_id, current_settings, worker_header
+from edge.drain import shutting_down_error
+from edge.routes.common import current_request_id, worker_header
+from edge.state import current_request, current_state
+from edge.stream_pump import OPENAI_FRAMING, Finish, OnEvent, PumpClock, StreamFraming, StreamPump
 from sluice.v1 import worker_pb2
+
+__all__ = ["Finish", "OnEvent", "StreamFraming", "collect", "open_calls", "response_headers", "sse_response"]
 
 log = logging.getLogger("sluice.edge")
 # How much later than the request's own deadline its gRPC calls' deadline falls.
 GRPC_DEADLINE_MARGIN_S = 1.0
-
-OnEvent = Callable[[int, worker_pb2.GenerateResponse], list[dict[str, Any]]]
-Finish = Callable[[], list[dict[str, Any]]]
 
 
 async def open_calls(
     requests: Sequence[worker_pb2.GenerateRequest], metadata: Sequence[tuple[str, str | bytes]] = ()
 ) -> CallGroup:
     """Opens one worker call per request with the request's total deadline; raises
-    :class:`EdgeError` (a 503 while the edge drains, a 400 for a bad timeout header).
+    :class:`~edge.errors.EdgeError` (a 503 while the edge drains, a 400 for a bad timeout header).
 
     The calls ask for ``progress`` events, so a request waiting in a worker's
-    queue or in a long prefill still resets the idle timeout.
+    queue or in a long prefill still resets the idle timeout. The request id
+    travels in each request's ``request_id`` field (set by the translator);
+    ``metadata`` is extra call metadata, if any.
     """
-    if current_drain().draining:
+    state = current_state()
+    if state.drain.draining:
         error = shutting_down_error()
         # Make a keep-alive client reconnect, so its retry can reach another replica.
         error.extra_headers["Connection"] = "close"
         raise error
-    settings = current_settings()
     limits = request_limits(
-        request.headers.get(TIMEOUT_HEADER), request.headers.get(IDLE_TIMEOUT_HEADER), settings
+        request.headers.get(TIMEOUT_HEADER), request.headers.get(IDLE_TIMEOUT_HEADER), state.settings
     )
-    guard = EventGuard(limits)
-    g.sluice_event_guard = guard
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.total_s
     for worker_request in requests:
         worker_request.stream_progress = True
     # The edge's own timer is authoritative (one clear error, from one clock); the gRPC
     # deadline, a little later, is the backstop that also tells the worker when to give up.
+    guard = EventGuard(limits, loop)
     try:
-        async with asyncio.timeout_at(guard.deadline) as timer:
+        async with asyncio.timeout_at(deadline) as timer:
             group = await CallGroup.open(
-                current_pool(),
+                state.pool,
                 requests,
                 current_request_id(),
                 limits.total_s + GRPC_DEADLINE_MARGIN_S,
@@ -90,6 +101,7 @@ async def open_calls(
         if timer.expired():
             raise guard.deadline_error() from None
         raise
+    group.limits, group.deadline = limits, deadline
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         # The client went away just as the first event arrived, and the cancellation was
@@ -100,73 +112,64 @@ async def open_calls(
     return group
 
 
-def _request_guard() -> EventGuard:
-    """The guard :func:`open_calls` made for this request."""
-    guard: EventGuard = g.sluice_event_guard
-    return guard
-
-
 def response_headers(group: CallGroup) -> dict[str, str]:
     """``X-Request-ID`` and ``X-Sluice-Worker-ID`` for a committed response."""
     return {"X-Request-ID": current_request_id(), **worker_header(group.worker_ids)}
 
 
 async def collect(group: CallGroup, add: Callable[[int, worker_pb2.GenerateResponse], None]) -> None:
-    """Feeds every event of every call to ``add``; raises :class:`EdgeError` if a call fails or
-    a time limit (or the shutdown grace period) ends the request."""
-    guard = _request_guard()
-    with current_drain().track(guard):
+    """Feeds every event of every call to ``add``; raises :class:`~edge.errors.EdgeError` if a call
+    fails or a time limit (or the shutdown grace period) ends the request."""
+    guard = EventGuard(group.time_limits(), deadline=group.deadline)
+    with current_state().drain.track(guard):
         async for call, event in guard.watch(group.events()):
             add(call, event)
 
 
-def sse_response(group: CallGroup, on_event: OnEvent, finish: Finish, headers: dict[str, str]) -> Response:
-    """The 200 ``text/event-stream`` response: ``on_event``'s chunks for every event, then
-    ``finish()``'s, then ``data: [DONE]``; heartbeats while the workers are silent.
+def sse_response(
+    group: CallGroup,
+    on_event: OnEvent,
+    finish: Finish,
+    headers: dict[str, str],
+    *,
+    framing: StreamFraming = OPENAI_FRAMING,
+    content_type: str = "text/event-stream",
+) -> Response:
+    """The 200 streamed response: ``on_event``'s chunks for every event, then ``finish()``'s, then
+    ``framing.end``; heartbeats while the workers are silent; ``framing.error`` after a failure.
 
     Everything the body needs is taken here, inside the request context: the
     body runs after the handler returned.
     """
-    settings = current_settings()
-    body = sse.with_heartbeats(
-        _frames(group, _request_guard(), current_drain(), on_event, finish, current_request_id()),
-        settings.heartbeat_interval_s,
+    state = current_state()
+    settings = state.settings
+    request_state = current_request()
+    limits = group.time_limits()
+    clock = PumpClock(
+        limits=limits,
+        deadline=group.deadline if group.deadline is not None else time.monotonic() + limits.total_s,
+        heartbeat_s=settings.heartbeat_interval_s,
+        write_timeout_s=settings.write_timeout_s,
     )
-    body = metrics.observe_stream(body)  # TTFT, chunk gaps, errors, disconnects (edge/metrics.py)
+    pump = StreamPump(
+        group,
+        on_event,
+        finish,
+        framing,
+        clock,
+        metrics=state.metrics,
+        drain=state.drain,
+        request_id=current_request_id(),
+        started_at=request_state.started_at if request_state is not None else time.monotonic(),
+        transport=scope_transport(request.scope),
+    )
     headers = {
         **headers,
         "Cache-Control": "no-cache",
         # Tells nginx-style proxies not to buffer the stream.
         "X-Accel-Buffering": "no",
     }
-    response = Response(body, status=200, headers=headers, content_type="text/event-stream")
+    response = Response(pump, status=200, headers=headers, content_type=content_type)
     # A stream lasts as long as generation does; Quart's default would cut it at 60 s.
     response.timeout = None
     return response
-
-
-async def _frames(
-    group: CallGroup, guard: EventGuard, drain: Drain, on_event: OnEvent, finish: Finish, request_id: str
-) -> AsyncIterator[bytes]:
-    """The SSE body after ``started``: chunks, an ``event: error`` on failure (a worker error, a
-    time limit, the end of the shutdown grace period), then ``[DONE]``.
-
-    The ``finally`` cancels the calls however this generator ends: normally
-    (a no-op), cancelled inside a read, or closed at a ``yield``.
-    """
-    try:
-        with drain.track(guard):
-            async for call, event in guard.watch(group.events()):
-                for chunk in on_event(call, event):
-                    yield sse.data_frame(chunk)
-        for chunk in finish():
-            yield sse.data_frame(chunk)
-    except EdgeError as error:
-        log.info("request %s: stream ended with %s (%s)", request_id, error.type, error.message)
-        yield sse.error_frame(error.payload())
-    except Exception as error:
-        log.exception("request %s: stream failed", request_id)
-        yield sse.error_frame(stream_error_payload(error))
-    finally:
-        group.cancel()
-    yield sse.DONE_FRAME

@@ -5,9 +5,9 @@ from __future__ import annotations
 from quart import Blueprint
 from quart.wrappers import Response
 
-from edge.drain import current_drain
 from edge.errors import ServiceUnavailableError
-from edge.routes.common import current_pool, json_response
+from edge.routes.common import json_response
+from edge.state import current_state
 
 blueprint = Blueprint("health", __name__)
 
@@ -25,10 +25,11 @@ async def ready() -> Response:
 
     While the edge drains (SIGTERM), 503 ``server_shutting_down`` at once, whatever the workers say.
     """
-    if current_drain().draining:
+    state = current_state()
+    if state.drain.draining:
         draining = ServiceUnavailableError("The edge is shutting down.", code="server_shutting_down")
         return json_response({**draining.payload(), "status": "draining"}, status=503)
-    checks = await current_pool().health()
+    checks = await state.pool.health()
     workers = [{"address": c.address, "status": c.status, "outstanding": c.outstanding} for c in checks]
     if any(c.serving for c in checks):
         return json_response({"status": "ready", "workers": workers})

@@ -7,12 +7,10 @@ or block ``/metrics`` at the proxy in front of it.
 
 from __future__ import annotations
 
-from quart import Blueprint, current_app
+from quart import Blueprint
 from quart.wrappers import Response
 
-from edge.concurrency import LIMITER_KEY
-from edge.metrics import current_metrics
-from edge.routes.common import current_pool
+from edge.state import current_state
 from sluice.prometheus import CONTENT_TYPE
 
 blueprint = Blueprint("metrics", __name__)
@@ -21,5 +19,6 @@ blueprint = Blueprint("metrics", __name__)
 @blueprint.get("/metrics")
 async def metrics() -> Response:
     """The exposition text; worker health is asked of the pool at each scrape."""
-    text = await current_metrics().render(current_pool(), current_app.extensions.get(LIMITER_KEY))
+    state = current_state()
+    text = await state.metrics.render(state.pool, state.limiter)
     return Response(text, status=200, content_type=CONTENT_TYPE)

@@ -107,7 +107,7 @@ def test_healthchecks_and_ports_agree_with_the_settings():
             "grpc" if kind == "worker" else "http",
         ]
         container_ports = {int(str(p).rsplit(":", 1)[1]) for p in service.get("ports", [])}
-        expected = {settings.metrics_port} if kind == "worker" else {settings.port}
+        expected = {settings.resolved_metrics_port} if kind == "worker" else {settings.port}
         assert container_ports == expected, f"{name}: published container ports"
         if kind == "edge":
             assert settings.host == "0.0.0.0"

@@ -120,7 +120,7 @@ def test_exposed_ports_are_the_configured_ports(service):
         env.setdefault("SLUICE_EDGE_WORKERS", "worker:50051")
     settings = parse_service(service, env)
     exposed = {int(p.split("/")[0]) for i in instructions(service, "EXPOSE") for p in i["value"].split()}
-    expected = {settings.port, settings.metrics_port} if service == "worker" else {settings.port}
+    expected = {settings.port, settings.resolved_metrics_port} if service == "worker" else {settings.port}
     assert exposed == expected
     if service == "edge":
         assert settings.host == "0.0.0.0", "the edge image must listen on every interface"

@@ -121,7 +121,11 @@ def test_worker_requests_one_gpu_and_probes_its_grpc_port(overlay, tmp_path):
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 600
     annotations = worker["spec"]["template"]["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
-    assert int(annotations["prometheus.io/port"]) == config.metrics_port == _port_number(container, "metrics")
+    assert (
+        int(annotations["prometheus.io/port"])
+        == config.resolved_metrics_port
+        == _port_number(container, "metrics")
+    )
 
 
 def test_worker_drain_fits_in_the_termination_grace(overlay, tmp_path):

@@ -238,3 +238,49 @@ def test_docs_show_the_example_program_verbatim() -> None:
 
     example = (REPO_ROOT / "docs" / "examples" / "client_example.py").read_text()
     assert f"```python\n{example}```" in (REPO_ROOT / "docs" / "grpc.md").read_text()
+
+
+def test_a_fresh_channel_does_not_inherit_the_old_ones_reconnect_backoff() -> None:
+    """What the edge's pool relies on to take a restarted worker back at once (issue 17)."""
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    from tests.unit.edge.edge_fakes import free_port
+
+    # A backoff of a minute: the old channel cannot retry during this test.
+    slow = {
+        **dict(CHANNEL_OPTIONS),
+        "grpc.initial_reconnect_backoff_ms": 60_000,
+        "grpc.min_reconnect_backoff_ms": 60_000,
+        "grpc.max_reconnect_backoff_ms": 60_000,
+    }
+    address = f"127.0.0.1:{free_port()}"
+
+    async def body() -> None:
+        old = WorkerClient(address, options=tuple(slow.items()))
+        with pytest.raises(WorkerCallError) as refused:
+            await old.health(timeout=5)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert old.backing_off()
+        server = grpc.aio.server()
+        servicer = health.aio.HealthServicer()
+        await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        server.add_insecure_port(address)
+        await server.start()
+        try:
+            # The worker is back, but the old channel waits out its backoff...
+            with pytest.raises(WorkerCallError):
+                await old.health("", timeout=5)
+            assert old.backing_off()
+            # ...while a fresh channel to the same address, same settings, connects at once.
+            async with WorkerClient(address, options=tuple(slow.items())) as fresh:
+                assert not fresh.backing_off()
+                assert await fresh.health("", timeout=5) == ServingStatus.SERVING
+            await old.close()
+            assert not old.backing_off()
+            assert await old.health("", timeout=5) == ServingStatus.SERVING  # reopened fresh
+        finally:
+            await old.close()
+            await server.stop(None)
+
+    run(body())

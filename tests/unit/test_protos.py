@@ -34,6 +34,7 @@ def test_contract_has_the_full_event_vocabulary():
         "refusal",
         "finished",
         "usage",
+        "prompt_logprobs",
     }
     optional = {f.name for f in pb.SamplingParams.DESCRIPTOR.fields if f.has_presence}
-    assert {"temperature", "top_p", "seed", "max_tokens", "n", "logprobs"} <= optional
+    assert {"temperature", "top_p", "seed", "max_tokens", "n", "logprobs", "prompt_logprobs"} <= optional

@@ -209,7 +209,7 @@ def test_validation_errors_never_reach_a_worker() -> None:
             for body_, param in [
                 ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
                 ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
-                ({"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+                ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
                 ({"model": MODEL, "prompt": [1, "a"]}, "prompt"),
             ]:
                 response = await client.post(f"{base}/v1/completions", json=body_)

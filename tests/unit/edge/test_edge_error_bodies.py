@@ -30,7 +30,6 @@ from edge_fakes import (
 from edge import translate
 from edge.app import create_app
 from edge.errors import GENERIC_INTERNAL_MESSAGE
-from edge.routes.common import POOL_KEY
 from edge.settings import Settings
 from sluice.status import ErrorDetails
 from sluice.v1 import worker_pb2
@@ -104,7 +103,7 @@ def test_unexpected_exceptions_in_a_fake_pool_give_generic_bodies(
     stream: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
     app = create_app(Settings(workers=(ADDRESS,)))
-    app.extensions[POOL_KEY] = _BrokenPool(stream_first=False)
+    app.sluice.pool = _BrokenPool(stream_first=False)  # type: ignore[assignment]
 
     async def body() -> None:
         client = app.test_client()
@@ -128,7 +127,7 @@ def test_unexpected_exceptions_in_a_fake_pool_give_generic_bodies(
 
 def test_a_stream_that_fails_mid_way_ends_with_a_generic_error_event() -> None:
     app = create_app(Settings(workers=(ADDRESS,)))
-    app.extensions[POOL_KEY] = _BrokenPool(stream_first=True)
+    app.sluice.pool = _BrokenPool(stream_first=True)  # type: ignore[assignment]
 
     async def body() -> None:
         response = await app.test_client().post("/v1/chat/completions", json={**CHAT_BODY, "stream": True})

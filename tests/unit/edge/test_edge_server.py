@@ -95,7 +95,8 @@ def test_stream_shape_byte_for_byte() -> None:
                 assert chunk["object"] == "chat.completion.chunk"
                 assert chunk["model"] == "SmolLM2-135M-Instruct"
                 assert chunk["system_fingerprint"] is None and chunk["service_tier"] is None
-            assert fake.metadata[0]["x-request-id"] == "caller-id-1"
+            # The request id travels once, in the request itself (not again as call metadata).
+            assert fake.requests[0].request_id == "caller-id-1" and "x-request-id" not in fake.metadata[0]
             assert fake.requests[0].user == "zoë"
             assert dict(fake.requests[0].metadata) == {"team": "ünï"}
             assert fake.requests[0].request_id == "caller-id-1"

@@ -57,3 +57,13 @@ def test_settings_are_frozen() -> None:
     settings = Settings(workers=("a:1",))
     with pytest.raises(AttributeError):
         settings.port = 1  # type: ignore[misc]
+
+
+def test_processes_setting() -> None:
+    assert Settings.from_args(["--workers", "w:1"]).process_count == 1
+    assert Settings.from_args(["--workers", "w:1", "--processes", "3"]).process_count == 3
+    assert Settings.from_args(["--workers", "w:1"], env={"SLUICE_EDGE_PROCESSES": "0"}).process_count >= 1
+    with pytest.raises(ValueError, match="processes"):
+        Settings(workers=("w:1",), processes=-1)
+    with pytest.raises(ValueError, match="fixed port"):
+        Settings(workers=("w:1",), processes=2, port=0)

@@ -220,3 +220,40 @@ def test_accumulator_echo_prepends_the_rendered_prompt() -> None:
     acc.add(0, finished(index=1))
     assert [c["text"] for c in acc.result()["choices"]] == ["Say: ", "Say: hi"]
     assert all(c["logprobs"] is None for c in acc.result()["choices"])
+
+
+def test_echo_with_logprobs_lists_the_prompt_tokens_first_with_a_null_first_logprob() -> None:
+    scored = worker_pb2.GenerateResponse(
+        prompt_logprobs=worker_pb2.PromptLogprobs(
+            first_token="Say",
+            first_token_bytes=b"Say",
+            first_token_id=7,
+            logprobs=[token(":", -0.25, b":"), token(" ", -1.5, b" ")],
+        )
+    )
+    acc = TextCompletionAccumulator("cmpl-x", 9, "M", n=1, echo=True, logprobs=True)
+    acc.add(0, worker_pb2.GenerateResponse(started=worker_pb2.Started(n=1, prompt_text="Say: ")))
+    acc.add(0, scored)
+    acc.add(
+        0,
+        worker_pb2.GenerateResponse(
+            content=worker_pb2.ContentDelta(text="hi", logprobs=[token("hi", -2, b"hi")])
+        ),
+    )
+    acc.add(0, finished(index=0))
+    choice = acc.result()["choices"][0]
+    assert choice["text"] == "Say: hi"
+    assert choice["logprobs"] == {
+        "tokens": ["Say", ":", " ", "hi"],
+        "token_logprobs": [None, -0.25, -1.5, -2],
+        "top_logprobs": [None, {":": -0.25}, {" ": -1.5}, {"hi": -2}],
+        "text_offset": [0, 3, 4, 5],
+    }
+    builder = TextChunkBuilder("cmpl-x", 9, "M", n=1, echo=True, logprobs=True)
+    builder.on_event(0, worker_pb2.GenerateResponse(started=worker_pb2.Started(n=1, prompt_text="Say: ")))
+    (chunk_,) = builder.on_event(0, scored)
+    assert chunk_["choices"][0]["text"] == "" and chunk_["choices"][0]["logprobs"]["token_logprobs"] == [
+        None,
+        -0.25,
+        -1.5,
+    ]

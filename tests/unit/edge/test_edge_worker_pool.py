@@ -67,9 +67,15 @@ class FakeClient:
     health_checks: int = 0
     calls: list[FakeCall] = field(default_factory=list)
     closed: bool = False
+    # Whether the channel is waiting out a reconnect backoff; closing makes a fresh one.
+    channel_backing_off: bool = False
+    channels_dropped: int = 0
 
     def connect(self) -> None:
         pass
+
+    def backing_off(self) -> bool:
+        return self.channel_backing_off
 
     async def health(
         self,
@@ -98,6 +104,9 @@ class FakeClient:
 
     async def close(self, grace: float | None = None) -> None:
         self.closed = True
+        if self.channel_backing_off:
+            self.channels_dropped += 1
+            self.channel_backing_off = False
 
 
 class Fakes:
@@ -216,6 +225,57 @@ def test_unreachable_on_health_check_is_ejected() -> None:
         try:
             assert [h.status for h in await pool.health()] == ["UNREACHABLE"]
         finally:
+            await pool.close()
+
+    run(body())
+
+
+def test_a_channel_backing_off_is_replaced_at_each_failed_recheck() -> None:
+    """A fresh channel per re-check: a restarted worker is not kept waiting by gRPC's backoff."""
+    fakes = Fakes()
+
+    async def body() -> None:
+        pool = make_pool(["a:1"], fakes)
+        client = fakes.clients["a:1"]
+        client.health_status = failure(grpc.StatusCode.UNAVAILABLE)
+        pool.open()
+        try:
+            for _ in range(3):
+                client.channel_backing_off = True  # the failed connection put it in backoff
+                await wait_for(lambda: not client.channel_backing_off, within_s=5)
+            assert client.channels_dropped == 3
+            assert pool.snapshot()[0].status == "UNREACHABLE"
+            client.health_status = ServingStatus.SERVING
+            await wait_for(lambda: pool.snapshot()[0].status == "SERVING", within_s=5)
+        finally:
+            await pool.close()
+
+    run(body())
+
+
+@pytest.mark.parametrize("case", ["a call is open on it", "not backing off (a stopped worker)"])
+def test_a_channel_is_kept_when_it_carries_calls_or_is_not_backing_off(case: str) -> None:
+    fakes = Fakes()
+
+    async def body() -> None:
+        pool = make_pool(["a:1"], fakes)
+        client = fakes.clients["a:1"]
+        if case == "a call is open on it":
+            client.script = lambda: [started(), HANG]
+            stream = await pool.generate(REQUEST, "r", 30.0)
+            client.channel_backing_off = True
+            client.health_status = failure(grpc.StatusCode.UNAVAILABLE)
+        else:
+            client.channel_backing_off = False
+            client.health_status = failure(grpc.StatusCode.DEADLINE_EXCEEDED)
+            pool.open()
+        try:
+            checks = client.health_checks
+            await wait_for(lambda: client.health_checks >= checks + 3, within_s=10)
+            assert client.channels_dropped == 0 and not client.closed
+        finally:
+            if case == "a call is open on it":
+                stream.cancel()
             await pool.close()
 
     run(body())

@@ -1,0 +1,322 @@
+"""The stream pump (edge/stream_pump.py) with fake calls: coalescing, the one clock, failures,
+cancellation and the metrics it reports. No gRPC and no HTTP: the test plays Quart's part (it
+iterates the pump and closes it)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from edge_fakes import content, finished, run, started, usage
+
+from edge import sse
+from edge.call_group import CallGroup
+from edge.deadlines import TimeLimits
+from edge.errors import EdgeError, ServerShuttingDownError, ServiceUnavailableError
+from edge.stream_pump import MAX_PENDING_EVENTS, OPENAI_FRAMING, PumpClock, StreamFraming, StreamPump
+from edge.translate import ChunkBuilder
+from sluice.v1 import worker_pb2
+
+END = object()
+
+
+class FakeStream:
+    """A started call: yields its first event, then what the test puts in :attr:`queue`
+    (an exception is raised, :data:`END` ends the call)."""
+
+    def __init__(self, first: worker_pb2.GenerateResponse | None = None) -> None:
+        self.first = first or started()
+        self.queue: asyncio.Queue[Any] = asyncio.Queue()
+        self.cancelled = False
+        self.reads = 0
+        self.worker_address = "fake"
+
+    def __aiter__(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        yield self.first
+        while True:
+            item = await self.queue.get()
+            self.reads += 1
+            if item is END:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+    def put(self, *items: Any) -> None:
+        for item in items:
+            self.queue.put_nowait(item)
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakeMetrics:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, Any]] = []
+
+    def stream_opened(self) -> None:
+        self.calls.append(("opened", None))
+
+    def stream_closed(self, *, disconnected: bool) -> None:
+        self.calls.append(("closed", disconnected))
+
+    def first_output(self, seconds: float) -> None:
+        self.calls.append(("first_output", None))
+
+    def output_gap(self, seconds: float) -> None:
+        self.calls.append(("gap", None))
+
+    def stream_error(self, kind: str, code: str) -> None:
+        self.calls.append(("error", (kind, code)))
+
+    def names(self) -> list[str]:
+        return [name for name, _ in self.calls]
+
+
+class FakeDrain:
+    def __init__(self) -> None:
+        self.registered: set[Any] = set()
+
+    def add(self, stoppable: Any) -> None:
+        self.registered.add(stoppable)
+
+    def discard(self, stoppable: Any) -> None:
+        self.registered.discard(stoppable)
+
+
+def make_pump(
+    streams: list[FakeStream],
+    *,
+    idle_s: float = 30.0,
+    total_s: float = 60.0,
+    heartbeat_s: float = 30.0,
+    framing: StreamFraming = OPENAI_FRAMING,
+    metrics: FakeMetrics | None = None,
+    drain: FakeDrain | None = None,
+) -> tuple[StreamPump, ChunkBuilder]:
+    builder = ChunkBuilder("chatcmpl-1", 1, "m", include_usage=True)
+    loop = asyncio.get_running_loop()
+    clock = PumpClock(
+        limits=TimeLimits(total_s=total_s, idle_s=idle_s),
+        deadline=loop.time() + total_s,
+        heartbeat_s=heartbeat_s,
+        write_timeout_s=30.0,
+    )
+    pump = StreamPump(
+        CallGroup(streams),  # type: ignore[arg-type]
+        lambda _call, event: builder.on_event(event),
+        builder.finish,
+        framing,
+        clock,
+        metrics=metrics or FakeMetrics(),
+        drain=drain or FakeDrain(),
+        request_id="req-1",
+        started_at=loop.time(),
+    )
+    return pump, builder
+
+
+def frames(write: bytes) -> list[str]:
+    return [f for f in write.decode().split("\n\n") if f]
+
+
+def deltas(write: bytes) -> list[dict[str, Any]]:
+    chunks = [json.loads(f[6:]) for f in frames(write) if f.startswith("data: {")]
+    return [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+
+
+async def drain_pump(pump: StreamPump) -> list[bytes]:
+    writes = [write async for write in pump]
+    await pump.aclose()
+    return writes
+
+
+def test_events_ready_together_go_out_in_one_write_with_deltas_merged() -> None:
+    async def body() -> None:
+        stream = FakeStream()
+        stream.put(content("Hel"), content("lo"), content(" you"), finished(), usage(), END)
+        metrics = FakeMetrics()
+        pump, _ = make_pump([stream], metrics=metrics)
+        writes = await drain_pump(pump)
+        assert len(writes) == 1  # role, merged content, finish, usage and [DONE]: one write
+        assert deltas(writes[0]) == [{"role": "assistant", "content": ""}, {"content": "Hello you"}, {}]
+        assert frames(writes[0])[-1] == "data: [DONE]"
+        assert metrics.names() == ["opened", "first_output", "closed"]
+        assert metrics.calls[-1] == ("closed", False)
+
+    run(body())
+
+
+def test_events_arriving_one_at_a_time_are_written_one_at_a_time() -> None:
+    async def body() -> None:
+        stream = FakeStream()
+        metrics = FakeMetrics()
+        pump, _ = make_pump([stream], metrics=metrics)
+        assert deltas(await anext(pump)) == [{"role": "assistant", "content": ""}]
+        for text in ("a", "b"):
+            stream.put(content(text))
+            assert deltas(await anext(pump)) == [{"content": text}]
+        stream.put(finished(), usage(), END)
+        last = await anext(pump)
+        assert frames(last)[-1] == "data: [DONE]"
+        with pytest.raises(StopAsyncIteration):
+            await anext(pump)
+        await pump.aclose()
+        assert metrics.names() == ["opened", "first_output", "gap", "gap", "closed"]  # a, b, finish
+
+    run(body())
+
+
+def test_a_slow_writer_bounds_what_the_reader_takes() -> None:
+    async def body() -> None:
+        stream = FakeStream()
+        pump, _ = make_pump([stream])
+        await anext(pump)  # the role chunk; now the "client" does not ask for more for a while
+        stream.put(*(content("x") for _ in range(3 * MAX_PENDING_EVENTS)))
+        await asyncio.sleep(0.05)
+        assert stream.reads == MAX_PENDING_EVENTS  # the reader waits instead of reading on
+        write = await anext(pump)
+        assert deltas(write) == [{"content": "x" * MAX_PENDING_EVENTS}]  # merged into one chunk
+        await asyncio.sleep(0.05)
+        assert stream.reads == 2 * MAX_PENDING_EVENTS
+        await pump.aclose()
+        assert stream.cancelled
+
+    run(body())
+
+
+def test_heartbeats_while_the_worker_is_silent() -> None:
+    async def body() -> None:
+        stream = FakeStream()
+        pump, _ = make_pump([stream], heartbeat_s=0.02)
+        await anext(pump)
+        assert await anext(pump) == sse.HEARTBEAT_FRAME
+        assert await anext(pump) == sse.HEARTBEAT_FRAME
+        stream.put(content("a"))
+        assert deltas(await anext(pump)) == [{"content": "a"}]
+        await pump.aclose()
+
+    run(body())
+
+
+def test_idle_timeout_ends_with_an_error_and_cancels_the_call() -> None:
+    async def body() -> None:
+        stream = FakeStream()
+        metrics = FakeMetrics()
+        pump, _ = make_pump([stream], idle_s=0.05, metrics=metrics)
+        stream.put(content("a"))
+        writes = await drain_pump(pump)
+        tail = frames(writes[-1])
+        assert tail[-2].startswith("event: error\n") and '"stream_idle_timeout"' in tail[-2]
+        assert tail[-1] == "data: [DONE]"
+        assert stream.cancelled
+        assert ("error", ("stream_idle_timeout", "stream_idle_timeout")) in metrics.calls
+        assert metrics.calls[-1] == ("closed", False)  # ended by us, not a disconnect
+
+    run(body())
+
+
+def test_total_deadline_cuts_a_stream_that_keeps_talking() -> None:
+    async def body() -> None:
+        stream = FakeStream()
+        pump, _ = make_pump([stream], total_s=0.1)
+
+        async def talk() -> None:
+            while True:
+                stream.put(content("x"))
+                await asyncio.sleep(0.005)
+
+        talker = asyncio.create_task(talk())
+        writes = await drain_pump(pump)
+        talker.cancel()
+        assert '"timeout_error"' in frames(writes[-1])[-2] and stream.cancelled
+
+    run(body())
+
+
+def test_stop_sends_what_was_read_then_the_error() -> None:
+    async def body() -> None:
+        stream = FakeStream()
+        drain = FakeDrain()
+        pump, _ = make_pump([stream], drain=drain)
+        await anext(pump)
+        assert drain.registered == {pump}
+        stream.put(content("a"))
+        await asyncio.sleep(0.01)  # read, not yet written
+        pump.stop(ServerShuttingDownError("bye", code="server_shutting_down"))
+        assert stream.cancelled
+        writes = await drain_pump(pump)
+        assert deltas(writes[0]) == [{"content": "a"}]
+        assert '"server_shutting_down"' in frames(writes[0])[-2]
+        assert not drain.registered
+
+    run(body())
+
+
+def test_a_call_failure_after_some_events_ends_with_its_error() -> None:
+    async def body() -> None:
+        stream = FakeStream()
+        stream.put(content("a"), ServiceUnavailableError("worker died", code="worker_unavailable"))
+        writes = await drain_pump(make_pump([stream])[0])
+        tail = frames(b"".join(writes))
+        assert deltas(b"".join(writes))[-1] == {"content": "a"}
+        assert json.loads(tail[-2].split("data: ", 1)[1])["error"]["code"] == "worker_unavailable"
+
+    run(body())
+
+
+def test_a_failure_of_one_of_several_calls_cancels_the_others() -> None:
+    async def body() -> None:
+        calls = [FakeStream(), FakeStream()]
+        calls[1].put(ServiceUnavailableError("gone"))
+        writes = await drain_pump(make_pump(calls)[0])
+        assert "event: error" in b"".join(writes).decode()
+        assert all(call.cancelled for call in calls)
+
+    run(body())
+
+
+def test_closing_early_is_a_disconnect_and_cancels_every_call() -> None:
+    async def body() -> None:
+        calls = [FakeStream(), FakeStream()]
+        metrics = FakeMetrics()
+        pump, _ = make_pump(calls, metrics=metrics)
+        await anext(pump)
+        waiting = asyncio.ensure_future(anext(pump))  # waits for the workers
+        await asyncio.sleep(0.01)
+        waiting.cancel()  # the client went away: Quart cancels the step, then closes the body
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await pump.aclose()
+        assert all(call.cancelled for call in calls)
+        assert metrics.calls[-1] == ("closed", True)
+
+    run(body())
+
+
+def test_a_surface_brings_its_own_framing() -> None:
+    def encode(chunk: dict[str, Any]) -> bytes:
+        return f"event: {'role' if 'role' in str(chunk) else 'delta'}\ndata: {sse.dumps(chunk)}\n\n".encode()
+
+    def error(failure: EdgeError) -> bytes:
+        return b"event: failure\ndata: " + sse.dumps({"type": failure.type}).encode() + b"\n\n"
+
+    framing = StreamFraming(encode=encode, heartbeat=b"event: ping\ndata: {}\n\n", end=b"", error=error)
+
+    async def body() -> None:
+        stream = FakeStream()
+        pump, _ = make_pump([stream], framing=framing, heartbeat_s=0.02)
+        assert frames(await anext(pump))[0].startswith("event: role\n")
+        assert await anext(pump) == b"event: ping\ndata: {}\n\n"
+        stream.put(content("a"), ServiceUnavailableError("gone"))
+        tail = frames(b"".join([w async for w in pump]))
+        assert tail[0].startswith("event: delta\n") and tail[-1].startswith("event: failure\n")
+        await pump.aclose()
+
+    run(body())
