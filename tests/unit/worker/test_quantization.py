@@ -175,10 +175,16 @@ def test_a_safetensors_folder_is_quantized_tensor_by_tensor(tiny_model_dir, sche
     assert quantized.quantization == scheme
     layers = [m for m in quantized.model.modules() if isinstance(m, (Int8Linear, Int4Linear))]
     assert layers and not any(isinstance(m, torch.nn.Linear) for m in quantized.model.modules())
+    # Every weight went to its own layer: each layer holds its checkpoint weight, quantized.
+    for name, module in quantized.model.named_modules():
+        if isinstance(module, (Int8Linear, Int4Linear)):
+            original = plain.model.get_submodule(name).weight
+            assert relative_error(module.dequantized(), original) < (0.01 if scheme == "int8" else 0.1), name
     ids = torch.tensor([[1, 42, 7, 99, 3]])
     with torch.inference_mode():
         want, got = plain.model(input_ids=ids).logits, quantized.model(input_ids=ids).logits
-    assert relative_error(got, want) < 0.1
+    # A random model has no margin to spare: 4-bit rounding moves its logits by tens of percent.
+    assert relative_error(got, want) < (0.05 if scheme == "int8" else 0.3)
 
 
 def test_default_gguf_loads_its_own_blocks_without_a_float_conversion(tmp_path):
