@@ -1,4 +1,5 @@
-"""Optional API keys: ``Authorization: Bearer <key>`` on every ``/v1/*`` request.
+"""Optional API keys: ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as Anthropic's
+clients send it) on every ``/v1/*`` and ``/api/v1/*`` request.
 
 Off when the edge has no keys (``--api-keys`` / ``--api-keys-file`` unset).
 When on, a request under ``/v1/`` without a matching key is answered 401 with
@@ -23,10 +24,10 @@ from quart import g, request
 
 from edge.errors import AuthenticationError
 
-PROTECTED_PREFIX = "/v1/"
+PROTECTED_PREFIXES = ("/v1/", "/api/v1/")
 _MISSING = (
     "You didn't provide an API key. You need to provide your API key in an Authorization header "
-    "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+    "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or in an x-api-key header."
 )
 _WRONG = "Incorrect API key provided."
 
@@ -56,15 +57,18 @@ class ApiKeyCheck:
             found = max(found, index * equal - (not equal))
         return found if found >= 0 else None
 
-    def check(self, path: str, authorization: str | None) -> int | None:
-        """Raises :class:`AuthenticationError` when ``path`` needs a key and ``authorization``
-        (the raw header value) does not carry a valid one; returns the matched key's
-        position (None when no key was needed)."""
-        if not self.enabled or not path.startswith(PROTECTED_PREFIX):
+    def check(self, path: str, authorization: str | None, api_key: str | None = None) -> int | None:
+        """Raises :class:`AuthenticationError` when ``path`` needs a key and neither
+        ``authorization`` (the raw header value) nor ``api_key`` (the ``x-api-key``
+        header, Anthropic's way) carries a valid one; returns the matched key's position
+        (None when no key was needed). A bearer token, when present, is the one checked."""
+        if not self.enabled or not path.startswith(PROTECTED_PREFIXES):
             return None
         scheme, _, token = (authorization or "").strip().partition(" ")
         token = token.strip()
         if scheme.lower() != "bearer" or not token:
+            token = (api_key or "").strip()
+        if not token:
             raise AuthenticationError(_MISSING)
         index = self.match_index(token)
         if index is None:
@@ -74,7 +78,9 @@ class ApiKeyCheck:
     async def before_request(self) -> None:
         """Quart ``before_request`` hook (registered after the request id is assigned);
         records the matched key's position for :func:`caller_identity`."""
-        index = self.check(request.path, request.headers.get("Authorization"))
+        index = self.check(
+            request.path, request.headers.get("Authorization"), request.headers.get("x-api-key")
+        )
         if index is not None:
             g.api_key_index = index
 

@@ -2,7 +2,8 @@
 
 A caller (its API key, or its client address when keys are off, see
 :func:`edge.auth.caller_identity`) may have at most ``limit`` generation
-requests (``POST /v1/chat/completions`` and ``/v1/completions``) in flight; one
+requests (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
+``/v1/messages`` and ``/api/v1/chat``) in flight; one
 more is answered 429 (``rate_limit_error``, code
 ``concurrency_limit_exceeded``, ``Retry-After: 1``) before its body is read.
 
@@ -28,7 +29,15 @@ from edge.auth import caller_identity
 from edge.errors import RateLimitError
 
 # Endpoints (blueprint.function) whose requests hold a slot while they run.
-GENERATION_ENDPOINTS = frozenset({"chat.chat_completions", "completions.completions"})
+GENERATION_ENDPOINTS = frozenset(
+    {
+        "chat.chat_completions",
+        "completions.completions",
+        "responses.create_response",
+        "messages.create_message",
+        "native.chat",
+    }
+)
 _SCOPE_KEY = "sluice.concurrency_slot"
 
 AsgiApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[None]]

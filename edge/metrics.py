@@ -95,6 +95,11 @@ class ConcurrencyStats(Protocol):
     def in_use(self, identity: str | None = None) -> int: ...
 
 
+#: The API surfaces that stream (the ``surface`` label): OpenAI chat and completions, the Responses
+#: API, Anthropic Messages, the native event stream.
+SURFACES = ("openai", "responses", "anthropic", "native")
+
+
 class EdgeMetrics:
     """The edge's counters, gauges and histograms, and their exposition (one per app)."""
 
@@ -114,31 +119,36 @@ class EdgeMetrics:
         )
         self._time_to_first_token = Histogram(
             "sluice_edge_time_to_first_token_seconds",
-            "seconds from a stream request's arrival to its first output chunk",
+            "seconds from a stream request's arrival to its first output chunk, by API surface",
+            ["surface"],
             buckets=LATENCY_BUCKETS,
             registry=own,
         )
         self._chunk_gap = Histogram(
             "sluice_edge_inter_chunk_gap_seconds",
-            "seconds between consecutive output writes of one stream",
+            "seconds between consecutive output writes of one stream, by API surface",
+            ["surface"],
             buckets=GAP_BUCKETS,
             registry=own,
         )
         self._in_flight = Gauge(
             "sluice_edge_streams_in_flight",
-            "SSE responses being sent",
+            "SSE responses being sent, by API surface",
+            ["surface"],
             registry=own,
             multiprocess_mode="livesum",
         )
         self._disconnects = Counter(
             "sluice_edge_client_disconnects",
-            "streams that ended before their last frame (the client went away, or shutdown cut them)",
+            "streams that ended before their last frame (the client went away, or shutdown cut them), "
+            "by API surface",
+            ["surface"],
             registry=own,
         )
         self._stream_errors = Counter(
             "sluice_edge_stream_errors",
-            "event: error frames sent mid-stream, by error type and code",
-            ["type", "code"],
+            "error events sent mid-stream, by API surface, error type and code",
+            ["surface", "type", "code"],
             registry=own,
         )
         self._worker_up = Gauge(
@@ -168,6 +178,9 @@ class EdgeMetrics:
         )
         self._rejections_seen = 0
         self._addresses: set[str] = set()
+        for surface in SURFACES:  # every surface's series exists from the start, at 0
+            self._in_flight.labels(surface)
+            self._disconnects.labels(surface)
 
     # ---------------------------------------------------------------- hooks
 
@@ -180,26 +193,26 @@ class EdgeMetrics:
 
     # ------------------------------------------------- streams (their pumps report)
 
-    def stream_opened(self) -> None:
-        self._in_flight.inc()
+    def stream_opened(self, surface: str) -> None:
+        self._in_flight.labels(surface).inc()
 
-    def stream_closed(self, *, disconnected: bool) -> None:
+    def stream_closed(self, surface: str, *, disconnected: bool) -> None:
         """A stream ended; ``disconnected``: before its last frame (the client went away)."""
-        self._in_flight.dec()
+        self._in_flight.labels(surface).dec()
         if disconnected:
-            self._disconnects.inc()
+            self._disconnects.labels(surface).inc()
 
-    def first_output(self, seconds: float) -> None:
+    def first_output(self, surface: str, seconds: float) -> None:
         """A stream's first write carrying output, ``seconds`` after its request arrived."""
-        self._time_to_first_token.observe(seconds)
+        self._time_to_first_token.labels(surface).observe(seconds)
 
-    def output_gap(self, seconds: float) -> None:
+    def output_gap(self, surface: str, seconds: float) -> None:
         """``seconds`` between two writes of one stream that carried output."""
-        self._chunk_gap.observe(seconds)
+        self._chunk_gap.labels(surface).observe(seconds)
 
-    def stream_error(self, kind: str, code: str) -> None:
-        """A stream ended with an ``event: error`` of this type and code."""
-        self._stream_errors.labels(kind, code).inc()
+    def stream_error(self, surface: str, kind: str, code: str) -> None:
+        """A stream ended with an error event of this type and code."""
+        self._stream_errors.labels(surface, kind, code).inc()
 
     # ------------------------------------------------------------ live values
 

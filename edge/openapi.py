@@ -20,12 +20,22 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from edge import response_types as out
+from edge import surface_response_types as sout
+from edge.anthropic_types import MessagesRequest
 from edge.completion_types import CompletionRequest
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER
+from edge.native_types import NativeChatRequest
 from edge.openai_types import ChatCompletionRequest
+from edge.responses_types import ResponsesRequest
 
 REF = "#/components/schemas/{model}"
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (ChatCompletionRequest, CompletionRequest)
+REQUEST_MODELS: tuple[type[BaseModel], ...] = (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    MessagesRequest,
+    NativeChatRequest,
+)
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     out.ErrorResponse,
     out.ChatCompletion,
@@ -36,12 +46,22 @@ RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     out.ModelList,
     out.Health,
     out.Readiness,
+    sout.ResponseObject,
+    sout.ResponseStreamEvent,
+    sout.AnthropicMessage,
+    sout.AnthropicStreamEvent,
+    sout.AnthropicErrorResponse,
+    sout.NativeChatResult,
+    sout.NativeStreamEvent,
+    sout.NativeErrorResponse,
+    sout.NativeModelList,
 )
 
 _ERRORS = {
     "400": "Invalid request: bad JSON, wrong Content-Type, or a field missing or out of range "
     "(`param` names it). Also what the worker refuses (for example `tools`).",
-    "401": "API keys are configured and the request has no valid `Authorization: Bearer <key>`.",
+    "401": "API keys are configured and the request has no valid `Authorization: Bearer <key>` "
+    "(or `x-api-key: <key>`).",
     "404": "Unknown model (`code: model_not_found`) or route.",
     "413": "The body is larger than the edge's `--max-body-bytes`.",
     "422": "The body is valid JSON but not a JSON object.",
@@ -105,7 +125,7 @@ def _headers(*names: str) -> dict[str, Any]:
     return {name: {"$ref": f"#/components/headers/{name}"} for name in names}
 
 
-def _error_responses(*statuses: str) -> dict[str, Any]:
+def _error_responses(*statuses: str, model: type[BaseModel] = out.ErrorResponse) -> dict[str, Any]:
     responses = {}
     for status in statuses:
         headers = _headers("X-Request-ID", "X-Sluice-Worker-ID")
@@ -114,7 +134,7 @@ def _error_responses(*statuses: str) -> dict[str, Any]:
         responses[status] = {
             "description": _ERRORS[status],
             "headers": headers,
-            "content": {"application/json": {"schema": schema_ref(out.ErrorResponse)}},
+            "content": {"application/json": {"schema": schema_ref(model)}},
         }
     return responses
 
@@ -161,6 +181,60 @@ def _generation(
     }
 
 
+_SURFACE_STREAMS = {
+    "responses": "one named event per typed Responses event (`event: response.output_text.delta`, "
+    "data: a `ResponseStreamEvent` with its `sequence_number`), from `response.created` to "
+    "`response.completed` (or `response.incomplete`); a failure after the stream began is an "
+    "`error` event then `response.failed`; no `[DONE]`; `: heartbeat` comments keep it open.",
+    "messages": "Anthropic's events (`message_start`, `content_block_start`, `content_block_delta`, "
+    "`content_block_stop`, `message_delta`, `message_stop`; data: `AnthropicStreamEvent`); a failure "
+    "after the stream began is one `error` event (data: `AnthropicErrorResponse`); `ping` events keep "
+    "an idle stream open.",
+    "native": "named events from `chat.start` to `chat.end` (data: `NativeStreamEvent`; `chat.end`'s "
+    "`result` is the non-streaming body); a failure is an `error` event, then `chat.end`; "
+    "`: heartbeat` comments keep it open.",
+}
+
+
+def _surface_generation(
+    summary: str,
+    request: type[BaseModel],
+    answer: type[BaseModel],
+    event: type[BaseModel],
+    error: type[BaseModel],
+    stream: str,
+    security: list[dict[str, list[str]]],
+) -> dict[str, Any]:
+    """A generation route of a named-event surface (Responses, Anthropic, native)."""
+    ok = _json(
+        answer,
+        f"With `stream: false` (the default): one `{answer.__name__}` (`application/json`). "
+        f"With `stream: true`: `text/event-stream`, {_SURFACE_STREAMS[stream]}",
+        "X-Sluice-Worker-ID",
+    )
+    ok["headers"].update(_headers("Cache-Control"))
+    ok["content"]["text/event-stream"] = {
+        "schema": {"type": "string", "description": "Server-Sent Events; see the response description."},
+        "x-sse-data-schema": schema_ref(event),
+    }
+    return {
+        "post": {
+            "summary": summary,
+            "security": security,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": schema_ref(request)}},
+            },
+            "responses": {
+                "200": ok,
+                **_error_responses(
+                    "400", "401", "404", "413", "422", "429", "500", "503", "504", model=error
+                ),
+            },
+        }
+    }
+
+
 def _playground(summary: str) -> dict[str, Any]:
     return {
         "get": {
@@ -193,6 +267,43 @@ def openapi_document() -> dict[str, Any]:
             "/v1/completions": _generation(
                 "Text completion (legacy)", CompletionRequest, out.TextCompletion, out.TextCompletionChunk
             ),
+            "/v1/responses": _surface_generation(
+                "OpenAI Responses API (stateless)",
+                ResponsesRequest,
+                sout.ResponseObject,
+                sout.ResponseStreamEvent,
+                out.ErrorResponse,
+                "responses",
+                [{"bearerAuth": []}],
+            ),
+            "/v1/messages": _surface_generation(
+                "Anthropic Messages",
+                MessagesRequest,
+                sout.AnthropicMessage,
+                sout.AnthropicStreamEvent,
+                sout.AnthropicErrorResponse,
+                "messages",
+                [{"bearerAuth": []}, {"apiKeyHeader": []}],
+            ),
+            "/api/v1/chat": _surface_generation(
+                "Native chat with a stream of named events",
+                NativeChatRequest,
+                sout.NativeChatResult,
+                sout.NativeStreamEvent,
+                sout.NativeErrorResponse,
+                "native",
+                [{"bearerAuth": []}, {"apiKeyHeader": []}],
+            ),
+            "/api/v1/models": {
+                "get": {
+                    "summary": "The loaded models, native shape",
+                    "security": [{"bearerAuth": []}, {"apiKeyHeader": []}],
+                    "responses": {
+                        "200": _json(sout.NativeModelList, "The model list.", "X-Sluice-Worker-ID"),
+                        **_error_responses("401", "503", model=sout.NativeErrorResponse),
+                    },
+                }
+            },
             "/v1/models": {
                 "get": {
                     "summary": "The models the workers serve",
@@ -288,7 +399,13 @@ def openapi_document() -> dict[str, Any]:
                     "type": "http",
                     "scheme": "bearer",
                     "description": "Checked only when the edge runs with --api-keys / --api-keys-file.",
-                }
+                },
+                "apiKeyHeader": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "x-api-key",
+                    "description": "The same keys as bearerAuth, in Anthropic's header.",
+                },
             },
         },
     }

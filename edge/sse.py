@@ -33,3 +33,14 @@ def data_frame(obj: Any) -> bytes:
 def error_frame(payload: Any) -> bytes:
     """A mid-stream error event; the caller sends :data:`DONE_FRAME` after it."""
     return b"event: error\ndata: " + dumps(payload).encode("utf-8") + b"\n\n"
+
+
+def named_frame(obj: dict[str, Any]) -> bytes:
+    """One named event (the Responses, Anthropic and native surfaces): ``event: <obj["type"]>``,
+    then ``data: <json>`` and a blank line. All three put the event's name in its payload's
+    ``type`` (``response.created``, ``message_start``, ``chat.start``), so it is read from there."""
+    return b"event: " + str(obj["type"]).encode("utf-8") + b"\ndata: " + dumps(obj).encode("utf-8") + b"\n\n"
+
+
+# Anthropic's SSE clients skip a `ping` event; its API sends one to keep an idle stream open.
+ANTHROPIC_PING_FRAME = b'event: ping\ndata: {"type":"ping"}\n\n'

@@ -72,13 +72,15 @@ class StreamFraming:
     ``heartbeat``: the frame sent after ``heartbeat_s`` of silence;
     ``end``: what follows ``finish()``'s chunks on success (``data: [DONE]``,
     or nothing); ``error``: everything sent after a mid-stream failure (the
-    error frame and whatever terminal frame the surface wants after it).
+    error frame and whatever terminal frame the surface wants after it);
+    ``surface``: the API's name in the stream metrics' ``surface`` label.
     """
 
     encode: Callable[[Any], bytes]
     heartbeat: bytes
     end: bytes
     error: Callable[[EdgeError], bytes]
+    surface: str = "openai"
 
 
 def _openai_error(error: EdgeError) -> bytes:
@@ -94,15 +96,15 @@ OPENAI_FRAMING = StreamFraming(
 class StreamMetrics(Protocol):
     """What a pump reports (see :class:`edge.metrics.EdgeMetrics`)."""
 
-    def stream_opened(self) -> None: ...
+    def stream_opened(self, surface: str) -> None: ...
 
-    def stream_closed(self, *, disconnected: bool) -> None: ...
+    def stream_closed(self, surface: str, *, disconnected: bool) -> None: ...
 
-    def first_output(self, seconds: float) -> None: ...
+    def first_output(self, surface: str, seconds: float) -> None: ...
 
-    def output_gap(self, seconds: float) -> None: ...
+    def output_gap(self, surface: str, seconds: float) -> None: ...
 
-    def stream_error(self, kind: str, code: str) -> None: ...
+    def stream_error(self, surface: str, kind: str, code: str) -> None: ...
 
 
 class StopRegistry(Protocol):
@@ -215,7 +217,7 @@ class StreamPump:
             return  # never started: nothing was counted
         if not self._ended:
             self._outcome = "client disconnected"
-        self._metrics.stream_closed(disconnected=not self._ended)
+        self._metrics.stream_closed(self._framing.surface, disconnected=not self._ended)
         stream_log.info(
             "request %s: stream %s after %d data frames", self._request_id, self._outcome, self._chunks
         )
@@ -242,7 +244,7 @@ class StreamPump:
         streams: Sequence[GenerateStream] = self._group.streams
         self._readers_left = len(streams)
         self._readers = [loop.create_task(self._read(i, s)) for i, s in enumerate(streams)]
-        self._metrics.stream_opened()
+        self._metrics.stream_opened(self._framing.surface)
         self._drain.add(self)
         self._arm(now)
         return loop
@@ -334,7 +336,7 @@ class StreamPump:
                 self._end("completed")
         if error is not None and not self._ended:
             parts.append(self._framing.error(error))
-            self._metrics.stream_error(error.type, str(error.code or "unknown"))
+            self._metrics.stream_error(self._framing.surface, error.type, str(error.code or "unknown"))
             self._end(f"error {error.type}/{error.code}")
         if parts:
             self._heartbeat_due = False
@@ -352,9 +354,9 @@ class StreamPump:
         now = self._loop.time()
         if self._last_output is None:
             # The request's start is on time.monotonic(), the loop's clock on the same source.
-            self._metrics.first_output(max(0.0, now - self._started_at))
+            self._metrics.first_output(self._framing.surface, max(0.0, now - self._started_at))
         else:
-            self._metrics.output_gap(now - self._last_output)
+            self._metrics.output_gap(self._framing.surface, now - self._last_output)
         self._last_output = now
 
     def _end(self, outcome: str) -> None:

@@ -188,6 +188,12 @@ class WorkerConfig:
         _choice("onednn", "torch"),
         "on the CPU: onednn (linear weights packed once for oneDNN, faster) or torch (torch's default BLAS)",
     )
+    quantization: str = setting(
+        "auto",
+        _choice("auto", "none", "int8", "int4", "fp8"),
+        "weight-only linear layers: none (float), int8, int4 (groups of 32), fp8 (CUDA, compute "
+        "capability 8.9+) or auto (the default model int4 on the CPU; docs/quantization.md)",
+    )
     # setting() returns a dataclasses.Field, and the default Path is immutable.
     cache_dir: Path = setting(DEFAULT_CACHE_DIR, Path, "converted-model cache")  # noqa: RUF009
     worker_id: str = setting("", _text, "id reported in Started and ListModels (default host:port)")

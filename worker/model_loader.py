@@ -12,6 +12,13 @@ GGUF weights are dequantized on load, which is slow (about 20 s for the
 default model on two cores), so the first load saves the converted weights
 and tokenizer as a plain Hugging Face folder under ``<cache_dir>/models`` and
 later starts load that folder in seconds.
+
+With ``quantization`` other than ``none`` the linear layers are weight-only
+int8/int4/fp8 (worker/quant/): a llama GGUF file loads its quantized blocks
+as they are, without that float32 conversion (only its config and tokenizer
+are cached), and a safetensors folder is quantized tensor by tensor; anything
+else loads in float and is quantized layer by layer. ``auto`` picks per
+:func:`choose_quantization`.
 """
 
 from __future__ import annotations
@@ -28,11 +35,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from worker.config import DEFAULT_CACHE_DIR
 from worker.errors import WorkerError
 from worker.packed_linear import pack_linears
+from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
+from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +64,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     loaded_at: float
+    quantization: str = "none"  # none, int8, int4 or fp8: what the linear layers hold
 
 
 def resolve_device(device: str) -> torch.device:
@@ -93,41 +103,53 @@ def load_model(
     cache_dir: Path | None = None,
     cpu_linear: str = "onednn",
     batch_hint: int = 16,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Loads the model named by ``model`` (see the module docstring) onto the chosen device.
 
-    On the CPU with ``cpu_linear="onednn"``, linear weights are packed for oneDNN
-    (worker/packed_linear.py); ``batch_hint`` is the usual decode batch.
+    On the CPU with ``cpu_linear="onednn"``, float linear weights are packed for oneDNN
+    (worker/packed_linear.py); ``batch_hint`` is the usual decode batch. ``quantization`` is one
+    of :data:`worker.quant.layers.CHOICES`; a choice the device cannot serve raises
+    :class:`ModelLoadError` naming ``--quantization``.
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     cache = cache_dir or DEFAULT_CACHE_DIR
+    gguf: Path | None = None
+    folder: Path | None = None
     if model is None:
-        gguf = default_gguf_path()
-        folder, source, model_id = converted_gguf_folder(gguf, cache), str(gguf), DEFAULT_MODEL_ID
+        gguf, model_id = default_gguf_path(), DEFAULT_MODEL_ID
     elif model.endswith(".gguf"):
         gguf = Path(model).expanduser()
         if not gguf.is_file():
             raise ModelLoadError(f"--model {model}: no such GGUF file")
-        folder, source, model_id = converted_gguf_folder(gguf, cache), str(gguf), gguf.stem
+        model_id = gguf.stem
     elif Path(model).expanduser().is_dir():
         folder = Path(model).expanduser()
         if not (folder / "config.json").is_file():
             raise ModelLoadError(f"--model {model}: folder has no config.json")
-        source, model_id = str(folder), folder.resolve().name
+        model_id = folder.resolve().name
     else:
-        folder, source, model_id = None, model, model
+        model_id = model
+    source = str(gguf or folder or model)
+    scheme = choose_quantization(quantization, torch_device, model_is_default=model is None)
     started = time.monotonic()
-    target = str(folder) if folder is not None else str(model)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
-        hf_model = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype)
-    except OSError as exc:
-        raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
+    if scheme == "none":
+        if gguf is not None:
+            folder = converted_gguf_folder(gguf, cache)
+        hf_model, tokenizer = _load_float(folder, model, torch_dtype)
+    else:
+        hf_model, tokenizer = _load_quantized(gguf, folder, model, cache, scheme, torch_device, torch_dtype)
     hf_model = hf_model.to(torch_device).eval()  # type: ignore[arg-type]
     packed = 0
     if torch_device.type == "cpu" and cpu_linear == "onednn":
-        packed = pack_linears(hf_model, batch_hint=batch_hint)
+        packed = pack_linears(hf_model, batch_hint=batch_hint)  # float layers only; quantized ones stay
+    if scheme != "none":
+        kernels = f"{scheme} weight-only linear layers"
+    elif packed:
+        kernels = f"{packed} linear layers packed for oneDNN"
+    else:
+        kernels = "torch's default linear kernels"
     log.info(
         "loaded %s from %s in %.1fs on %s/%s (%s)",
         model_id,
@@ -135,7 +157,7 @@ def load_model(
         time.monotonic() - started,
         torch_device,
         torch_dtype,
-        f"{packed} linear layers packed for oneDNN" if packed else "torch's default linear kernels",
+        kernels,
     )
     return LoadedModel(
         model=hf_model,
@@ -146,7 +168,96 @@ def load_model(
         device=torch_device,
         dtype=torch_dtype,
         loaded_at=time.time(),
+        quantization=scheme,
     )
+
+
+def choose_quantization(quantization: str, device: torch.device, *, model_is_default: bool) -> str:
+    """The scheme to load with: ``quantization`` itself, checked against ``device``, or for ``auto``
+    the measured choice (docs/quantization.md), logged with its reason.
+
+    ``auto``: on the CPU the default model is served int4 (its GGUF's own Q4_1 blocks, Q8_0
+    output layer) where torch has the weight-only kernels: on this project's 2-core machines that
+    decodes faster at 1 and 16 streams with greedy output and perplexity close to float32. Other
+    models stay float (their quality under quantization is not measured), as does every model on
+    a GPU (the GPU kernels are not measured yet).
+    """
+    try:
+        if quantization != "auto":
+            check_choice(quantization, device)
+            return quantization
+    except QuantizationError as exc:
+        raise ModelLoadError(str(exc), param="quantization") from exc
+    if device.type != "cpu":
+        choice, reason = "none", f"quantized kernels on {device.type} are not measured yet"
+    elif not model_is_default:
+        choice, reason = "none", "only the default model's quality under quantization is measured"
+    elif not cpu_kernels_available():
+        choice, reason = "none", "this torch build has no CPU int4/int8 weight-only kernels"
+    else:
+        choice, reason = AUTO_DEFAULT_MODEL_CPU, "the default model's measured choice on the CPU"
+    log.info("--quantization auto: %s (%s)", choice, reason)
+    return choice
+
+
+# What ``auto`` serves the default model with on the CPU (docs/quantization.md has the measurements).
+AUTO_DEFAULT_MODEL_CPU = "int4"
+
+
+def _load_float(
+    folder: Path | None, model: str | None, dtype: torch.dtype
+) -> tuple[Any, PreTrainedTokenizerBase]:
+    target = str(folder) if folder is not None else str(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target)
+        hf_model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+    except OSError as exc:
+        raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
+    return hf_model, tokenizer
+
+
+def _load_quantized(
+    gguf: Path | None,
+    folder: Path | None,
+    model: str | None,
+    cache: Path,
+    scheme: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[Any, PreTrainedTokenizerBase]:
+    """The model with ``scheme`` linear layers, built tensor by tensor where the checkpoint allows
+    (worker/quant/loading.py), else loaded in float and quantized one layer at a time."""
+    direct_ok = device.type == "cpu" and dtype == torch.float32 and scheme in ("int8", "int4")
+    tokenizer: PreTrainedTokenizerBase
+    if gguf is not None:
+        config_folder = gguf_config_folder(gguf, cache)
+        tokenizer = AutoTokenizer.from_pretrained(str(config_folder))
+        if direct_ok:
+            try:
+                config = AutoConfig.from_pretrained(str(config_folder))
+                return load_gguf_quantized(gguf, config, scheme), tokenizer
+            except DirectLoadUnsupported as exc:
+                log.info("%s: %s; converting to float first", gguf.name, exc)
+        folder = converted_gguf_folder(gguf, cache)
+    else:
+        tokenizer = _load_float_tokenizer(folder, model)
+    if folder is not None and direct_ok:
+        try:
+            config = AutoConfig.from_pretrained(str(folder))
+            return load_folder_quantized(folder, config, scheme), tokenizer
+        except DirectLoadUnsupported as exc:
+            log.info("%s: %s; loading in float, then quantizing", folder, exc)
+    hf_model, _ = _load_float(folder, model, dtype)
+    hf_model = hf_model.to(device)
+    quantize_linears(hf_model, scheme)
+    return hf_model, tokenizer
+
+
+def _load_float_tokenizer(folder: Path | None, model: str | None) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(str(folder) if folder is not None else str(model))
+    except OSError as exc:
+        raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
 
 
 def context_length(config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
@@ -162,6 +273,41 @@ def gguf_cache_folder(gguf: Path, cache_dir: Path) -> Path:
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:12]
     return cache_dir / "models" / f"{gguf.stem}-{key}"
+
+
+def gguf_config_folder(gguf: Path, cache_dir: Path) -> Path:
+    """A folder with ``gguf``'s config and tokenizer (no weights): the converted folder where it
+    exists, else one made once from the file's metadata (reading it takes ~15 s on two cores)."""
+    converted = gguf_cache_folder(gguf, cache_dir)
+    if (converted / "config.json").is_file():
+        return converted
+    folder = converted.with_name(converted.name + "-config")
+    if (folder / "config.json").is_file():
+        return folder
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {exc}") from exc
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    _save_atomically(folder, [config.save_pretrained, tokenizer.save_pretrained])
+    return folder
+
+
+def _save_atomically(folder: Path, writers: list[Any]) -> None:
+    """Runs each ``writer(staging_dir)`` and renames the staging folder to ``folder`` (so a crash
+    leaves no half folder; a lost race with another worker is fine)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
+    try:
+        for write in writers:
+            write(staging)
+        os.replace(staging, folder)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (folder / "config.json").is_file():
+            raise
 
 
 def converted_gguf_folder(gguf: Path, cache_dir: Path) -> Path:
@@ -186,15 +332,6 @@ def converted_gguf_folder(gguf: Path, cache_dir: Path) -> Path:
     config.architectures = [type(quantized).__name__]
     plain = type(quantized)(config)
     plain.load_state_dict(quantized.state_dict())
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".converting-", dir=folder.parent))
-    try:
-        plain.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, folder)  # atomic: a crashed conversion leaves no half folder
-    except OSError:
-        shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / "config.json").is_file():  # lost a race with another worker: fine
-            raise
+    _save_atomically(folder, [plain.save_pretrained, tokenizer.save_pretrained])
     log.info("converted %s in %.1fs", gguf.name, time.monotonic() - started)
     return folder

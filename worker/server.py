@@ -120,6 +120,7 @@ def build_serving(config: WorkerConfig) -> ServingModel:
             dtype=config.dtype,
             cache_dir=config.cache_dir,
             cpu_linear=config.cpu_linear,
+            quantization=config.quantization,
             batch_hint=config.max_running,
         )
         runner = ModelRunner(loaded, prefix_cache_tokens=config.prefix_cache_tokens)

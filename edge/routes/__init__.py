@@ -7,16 +7,22 @@ from quart import Quart
 from edge.routes.chat import blueprint as chat_blueprint
 from edge.routes.completions import blueprint as completions_blueprint
 from edge.routes.health import blueprint as health_blueprint
+from edge.routes.messages import blueprint as messages_blueprint
 from edge.routes.metrics import blueprint as metrics_blueprint
 from edge.routes.models import blueprint as models_blueprint
+from edge.routes.native import blueprint as native_blueprint
 from edge.routes.openapi import blueprint as openapi_blueprint
 from edge.routes.playground import blueprint as playground_blueprint
+from edge.routes.responses import blueprint as responses_blueprint
 
 
 def register_routes(app: Quart) -> None:
     """Registers every blueprint on ``app``."""
     app.register_blueprint(chat_blueprint)
     app.register_blueprint(completions_blueprint)
+    app.register_blueprint(responses_blueprint)
+    app.register_blueprint(messages_blueprint)
+    app.register_blueprint(native_blueprint)
     app.register_blueprint(models_blueprint)
     app.register_blueprint(health_blueprint)
     app.register_blueprint(metrics_blueprint)

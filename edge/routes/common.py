@@ -11,13 +11,14 @@ import re
 import uuid
 from typing import Any
 
-from quart import request
+from quart import has_request_context, request
 from quart.wrappers import Response
 
 from edge.errors import EdgeError, InvalidRequestError
 from edge.settings import Settings
 from edge.sse import dumps
 from edge.state import begin_request, current_request, current_state
+from edge.surface_errors import error_body
 from edge.worker_pool import WorkerPool
 
 # A caller's X-Request-ID is echoed only if it is short and header-safe.
@@ -63,8 +64,11 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 
 def error_response(error: EdgeError) -> Response:
-    """The OpenAI error body with the error's status and headers (``Retry-After``)."""
-    return json_response(error.payload(), status=error.http_status, headers=error.headers())
+    """The error body of the request's surface (OpenAI's, Anthropic's for ``/v1/messages``,
+    the native one for ``/api/v1/*``: :mod:`edge.surface_errors`) with the error's status
+    and headers (``Retry-After``)."""
+    body = error_body(request.path, error) if has_request_context() else error.payload()
+    return json_response(body, status=error.http_status, headers=error.headers())
 
 
 async def read_json_body() -> Any:

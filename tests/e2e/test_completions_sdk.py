@@ -6,14 +6,31 @@ list of prompts with n choices, streamed or not, must all give the same text.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import openai
 import pytest
+
+from tests.processes import WorkerProcess
 
 pytestmark = pytest.mark.e2e
 
 MODEL = "SmolLM2-135M-Instruct"
 PROMPTS = ["The capital of France is", "One, two, three,"]
 GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def default_worker(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    """The default model pinned to float32: these tests compare a 4-row batch's greedy text with one
+    row's, and a quantized worker multiplies 1-3 rows and 4+ rows with different kernels (the same
+    weights, rounded differently: docs/quantization.md), so a near-tie could pick another token."""
+    extra = ["--quantization", "none"]
+    with WorkerProcess(
+        cache_dir=model_cache, log_dir=tmp_path_factory.mktemp("worker-log"), extra=extra
+    ) as worker:
+        yield worker
 
 
 @pytest.fixture(scope="module")

@@ -98,12 +98,12 @@ def test_metrics_endpoint_counts_requests_streams_and_worker_health() -> None:
             assert samples['sluice_edge_requests_total{route="/v1/chat/completions",status="400"}'] == 1
             assert samples['sluice_edge_requests_total{route="/v1/models",status="401"}'] == 1
             assert samples['sluice_edge_requests_total{route="other",status="404"}'] == 1
-            assert samples["sluice_edge_time_to_first_token_seconds_count"] == 1
+            assert samples['sluice_edge_time_to_first_token_seconds_count{surface="openai"}'] == 1
             # "Hel", "lo" and the finish chunk: two gaps, fewer if some of them went out together.
-            assert samples["sluice_edge_inter_chunk_gap_seconds_count"] <= 2
-            assert samples['sluice_edge_time_to_first_token_seconds_bucket{le="+Inf"}'] == 1
-            assert samples["sluice_edge_streams_in_flight"] == 0
-            assert samples["sluice_edge_client_disconnects_total"] == 0
+            assert samples['sluice_edge_inter_chunk_gap_seconds_count{surface="openai"}'] <= 2
+            assert samples['sluice_edge_time_to_first_token_seconds_bucket{le="+Inf",surface="openai"}'] == 1
+            assert samples['sluice_edge_streams_in_flight{surface="openai"}'] == 0
+            assert samples['sluice_edge_client_disconnects_total{surface="openai"}'] == 0
             assert samples[f'sluice_edge_worker_up{{address="{address}"}}'] == 1
             assert samples[f'sluice_edge_worker_up{{address="{dead}"}}'] == 0
             assert samples[f'sluice_edge_worker_outstanding_requests{{address="{address}"}}'] == 0
@@ -138,14 +138,16 @@ def test_metrics_endpoint_sees_disconnects_and_stream_errors() -> None:
                     async for line in lines:
                         if '"content":"x"' in line:
                             break
-                    assert (await scrape(client, base))["sluice_edge_streams_in_flight"] == 1
+                    assert (await scrape(client, base))[
+                        'sluice_edge_streams_in_flight{surface="openai"}'
+                    ] == 1
                 await wait_for(hang.cancelled.wait)
 
                 async def settled() -> bool:
                     samples = await scrape(client, base)
                     return bool(
-                        samples["sluice_edge_client_disconnects_total"] == 1
-                        and samples["sluice_edge_streams_in_flight"] == 0
+                        samples['sluice_edge_client_disconnects_total{surface="openai"}'] == 1
+                        and samples['sluice_edge_streams_in_flight{surface="openai"}'] == 0
                     )
 
                 await wait_for(settled)
@@ -154,7 +156,12 @@ def test_metrics_endpoint_sees_disconnects_and_stream_errors() -> None:
                 assert "event: error" in text and "10.1.2.3" not in text
                 samples = await scrape(client, base)
                 # Label order is the client library's (alphabetical); it carries no meaning.
-                assert samples['sluice_edge_stream_errors_total{code="internal_error",type="api_error"}'] == 1
-                assert samples["sluice_edge_client_disconnects_total"] == 0
+                assert (
+                    samples[
+                        'sluice_edge_stream_errors_total{code="internal_error",surface="openai",type="api_error"}'
+                    ]
+                    == 1
+                )
+                assert samples['sluice_edge_client_disconnects_total{surface="openai"}'] == 0
 
     run(body())

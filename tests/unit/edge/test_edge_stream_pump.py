@@ -59,20 +59,22 @@ class FakeStream:
 class FakeMetrics:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
+        self.surfaces: set[str] = set()
 
-    def stream_opened(self) -> None:
+    def stream_opened(self, surface: str) -> None:
+        self.surfaces.add(surface)
         self.calls.append(("opened", None))
 
-    def stream_closed(self, *, disconnected: bool) -> None:
+    def stream_closed(self, surface: str, *, disconnected: bool) -> None:
         self.calls.append(("closed", disconnected))
 
-    def first_output(self, seconds: float) -> None:
+    def first_output(self, surface: str, seconds: float) -> None:
         self.calls.append(("first_output", None))
 
-    def output_gap(self, seconds: float) -> None:
+    def output_gap(self, surface: str, seconds: float) -> None:
         self.calls.append(("gap", None))
 
-    def stream_error(self, kind: str, code: str) -> None:
+    def stream_error(self, surface: str, kind: str, code: str) -> None:
         self.calls.append(("error", (kind, code)))
 
     def names(self) -> list[str]:
@@ -307,11 +309,14 @@ def test_a_surface_brings_its_own_framing() -> None:
     def error(failure: EdgeError) -> bytes:
         return b"event: failure\ndata: " + sse.dumps({"type": failure.type}).encode() + b"\n\n"
 
-    framing = StreamFraming(encode=encode, heartbeat=b"event: ping\ndata: {}\n\n", end=b"", error=error)
+    framing = StreamFraming(
+        encode=encode, heartbeat=b"event: ping\ndata: {}\n\n", end=b"", error=error, surface="anthropic"
+    )
+    metrics = FakeMetrics()
 
     async def body() -> None:
         stream = FakeStream()
-        pump, _ = make_pump([stream], framing=framing, heartbeat_s=0.02)
+        pump, _ = make_pump([stream], framing=framing, heartbeat_s=0.02, metrics=metrics)
         assert frames(await anext(pump))[0].startswith("event: role\n")
         assert await anext(pump) == b"event: ping\ndata: {}\n\n"
         stream.put(content("a"), ServiceUnavailableError("gone"))
@@ -320,3 +325,4 @@ def test_a_surface_brings_its_own_framing() -> None:
         await pump.aclose()
 
     run(body())
+    assert metrics.surfaces == {"anthropic"}  # the stream's metrics carry its surface

@@ -1,0 +1,109 @@
+"""GGUF quantized blocks read as they are and repacked into the quantized layers.
+
+Block layouts (ggml, 32 weights per block along the input dimension):
+
+- Q8_0, 34 bytes: float16 ``d``, 32 int8 ``q``; ``w = d * q``.
+- Q4_0, 18 bytes: float16 ``d``, 16 bytes of 4-bit ``q`` (byte j holds weight j in
+  its low nibble and weight j + 16 in its high one); ``w = d * (q - 8)``.
+- Q4_1, 20 bytes: float16 ``d``, float16 ``m``, 16 bytes of ``q`` as in Q4_0;
+  ``w = d * q + m``.
+
+Q4_0 and Q4_1 map exactly onto :class:`~worker.quant.layers.Int4Linear`
+(``scale = d``, ``zero = 0`` or ``m + 8 d``, group 32); the only rounding is of
+``scale`` and ``zero`` to bfloat16, which the CPU kernel takes. Q8_0 has a
+scale per 32 weights and the CPU int8 kernel one per row, so a Q8_0 tensor is
+requantized: its rows are dequantized (one tensor at a time) and quantized again
+per row (:meth:`Int8Linear.from_float`); docs/quantization.md measures both errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from worker.quant.layers import INT4_GROUP, Int4Linear, Int8Linear, QuantizedLinear, quantize_weight
+
+BLOCK = 32
+
+
+class GGUFMatrix(Protocol):
+    """A GGUF tensor as ``gguf.GGUFMatrix`` or :class:`worker.quant.gguf_file.GGUFTensor` gives it."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    data: np.ndarray
+    shape: Any  # GGUF order, innermost first: (in, out) for a matrix
+
+
+_BLOCK_BYTES = {GGMLQuantizationType.Q8_0: 34, GGMLQuantizationType.Q4_0: 18, GGMLQuantizationType.Q4_1: 20}
+REPACKED = tuple(_BLOCK_BYTES)
+
+
+def _blocks(tensor: GGUFMatrix, rows: np.ndarray | None) -> np.ndarray:
+    """The tensor's raw blocks as uint8 [out, in / 32, block bytes], rows reordered by ``rows``."""
+    raw = np.asarray(tensor.data, dtype=np.uint8)
+    out_features = int(tensor.shape[1])
+    blocks = raw.reshape(out_features, -1, _BLOCK_BYTES[tensor.tensor_type])
+    return blocks if rows is None else blocks[rows]
+
+
+def _f16(blocks: np.ndarray, offset: int) -> torch.Tensor:
+    field = np.ascontiguousarray(blocks[..., offset : offset + 2]).view(np.float16)[..., 0]
+    return torch.from_numpy(field.astype(np.float32))
+
+
+def _nibbles(packed: np.ndarray) -> torch.Tensor:
+    """[out, blocks, 16] bytes -> [out, blocks * 32] values 0..15 in weight order."""
+    low, high = packed & 0x0F, packed >> 4
+    values = np.concatenate([low, high], axis=-1)  # weights 0..15, then 16..31 of each block
+    return torch.from_numpy(values.reshape(values.shape[0], -1).astype(np.int32))
+
+
+def dequantized(tensor: GGUFMatrix, rows: np.ndarray | None = None) -> torch.Tensor:
+    """Any GGUF tensor as float32, shaped [out, in] for a matrix (one tensor's worth of memory)."""
+    values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    shape = [int(d) for d in reversed(tensor.shape)]
+    weight = torch.from_numpy(np.array(values, dtype=np.float32).reshape(shape))  # a writable copy
+    return weight if rows is None else weight[torch.from_numpy(rows)]
+
+
+def repacked_linear(tensor: GGUFMatrix, scheme: str, rows: np.ndarray | None = None) -> QuantizedLinear:
+    """A quantized layer holding the GGUF matrix ``tensor`` (rows reordered by ``rows``).
+
+    ``scheme`` is the worker's choice (``int8`` or ``int4``). Q4_0/Q4_1 blocks go into an
+    :class:`Int4Linear` as they are when ``scheme`` is int4; a Q8_0 tensor always becomes an
+    :class:`Int8Linear` (int4 would throw away precision the file keeps, and the file keeps 8 bits
+    where it matters, such as the tied embedding and output layer). Anything else is dequantized and
+    quantized to ``scheme``.
+    """
+    kind = tensor.tensor_type
+    if kind == GGMLQuantizationType.Q8_0:
+        return int8_from_q8_0(tensor, rows)
+    if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) and scheme == "int4":
+        return int4_from_q4(tensor, rows)
+    return quantize_weight(scheme, dequantized(tensor, rows))
+
+
+def int4_from_q4(tensor: GGUFMatrix, rows: np.ndarray | None = None) -> Int4Linear:
+    """Q4_0 / Q4_1 blocks as an :class:`Int4Linear` without dequantizing (same 4-bit values)."""
+    blocks = _blocks(tensor, rows)
+    scale = _f16(blocks, 0)
+    if tensor.tensor_type == GGMLQuantizationType.Q4_1:
+        # w = d q + m = d (q - 8) + (m + 8 d)
+        zero, quants = _f16(blocks, 2) + 8 * scale, blocks[..., 4:]
+    else:
+        zero, quants = torch.zeros_like(scale), blocks[..., 2:]
+    return Int4Linear(_nibbles(quants), scale.t().contiguous(), zero.t().contiguous(), group=INT4_GROUP)
+
+
+def int8_from_q8_0(tensor: GGUFMatrix, rows: np.ndarray | None = None) -> Int8Linear:
+    """Q8_0 blocks (one scale per 32 weights) requantized to one scale per row."""
+    blocks = _blocks(tensor, rows)
+    scale = _f16(blocks, 0)
+    quants = torch.from_numpy(np.ascontiguousarray(blocks[..., 2:]).view(np.int8).astype(np.float32))
+    weight = (quants * scale[..., None]).reshape(blocks.shape[0], -1)
+    return Int8Linear.from_float(weight)
