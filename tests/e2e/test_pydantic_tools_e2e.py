@@ -96,7 +96,7 @@ def test_required_with_two_pydantic_tools_streams_a_parsable_call(client) -> Non
 
 def test_auto_tool_choice_with_pydantic_tools_answers(client) -> None:
     """With "auto" the tools (and their $defs) go to the prompt; any answer the model gives is valid."""
-    reply = client.chat.completions.parse(
+    reply = client.chat.completions.create(
         model=MODEL, messages=ASK, tools=TOOLS, max_tokens=60, temperature=0
     )
     message = reply.choices[0].message
