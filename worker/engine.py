@@ -48,6 +48,7 @@ import torch
 
 from sluice.prometheus import Histogram
 from worker.detokenizer import TokenTexts
+from worker.errors import InvalidRequest
 from worker.grammar import GrammarCompiler, TokenConstraint
 from worker.model_runner import ModelRunner, RowKey
 from worker.output_processor import RequestOutputProcessor, TextRules, coalesce
@@ -290,8 +291,15 @@ class Engine:
 
     def prepare(self, request: GenerationRequest) -> Prepared:
         """Builds the request's per-choice sampling state, compiling its grammar (blocking: the
-        service calls it in a thread pool, off the event loop)."""
+        service calls it in a thread pool, off the event loop). Raises InvalidRequest for what this
+        engine cannot do."""
         opts = request.sampling
+        if opts.prompt_logprobs is not None and not self._runner.scores_prompts:
+            raise InvalidRequest(
+                "this worker runs no model (--fake-tokens), so it cannot score a prompt; "
+                "leave prompt_logprobs unset (completions: echo with logprobs, or max_tokens 0)",
+                param="prompt_logprobs",
+            )
         blocked = blocked_ids(self._eos, opts)
         return Prepared(
             request,

@@ -134,6 +134,8 @@ class FakeRunner(ModelRunner):
             self._position[key] = 1  # the prefill's pick was position 0
             self._length[key] = prefilled.lengths[index]
 
+    scores_prompts = False  # no model: the engine refuses prompt_logprobs up front
+
     def score(self, prompt: Sequence[int], top_n: int) -> list[SampledLogprobs]:
         raise NotImplementedError("a fake-tokens worker runs no model, so it cannot score a prompt")
 

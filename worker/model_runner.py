@@ -31,6 +31,8 @@ RowKey = tuple[str, int]
 
 
 class ModelRunner:
+    scores_prompts = True  # ``score`` works (a runner without a model says False)
+
     def __init__(self, loaded: LoadedModel, *, prefix_cache_tokens: int = 0):
         self.model = loaded.model
         self.device = loaded.device

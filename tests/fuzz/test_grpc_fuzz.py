@@ -168,8 +168,9 @@ def sampling(draw: st.DrawFn) -> pb.SamplingParams:
         ("min_tokens", st.integers(0, 2)),
         ("n", st.integers(1, 3)),
         ("logprobs", st.integers(0, 5)),
-        # Not prompt_logprobs: the --fake-tokens worker cannot score a prompt (it ends such a call
-        # with INTERNAL, NotImplementedError); the real model's scoring is tested in tests/e2e.
+        # A --fake-tokens worker refuses to score a prompt (INVALID_ARGUMENT naming the field); the
+        # real model's scoring is tested in tests/e2e.
+        ("prompt_logprobs", st.integers(0, 5)),
     ):
         if draw(st.integers(0, 2)) == 0:
             setattr(params, name, draw(mostly(valid_int, int32s)))

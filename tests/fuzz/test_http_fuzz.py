@@ -62,8 +62,8 @@ def steer(
 ) -> None:
     """Points a positive example at the served model and keeps its completion short; with
     ``max_fanout``, also at most that many choices and prompts (a real model is slow). With
-    ``fake`` (a ``--fake-tokens`` worker, which cannot score a prompt), no ``echo`` with
-    ``logprobs``: the default-model run covers prompt logprobs."""
+    ``fake`` (a ``--fake-tokens`` worker, which refuses to score a prompt with a 400), no ``echo``
+    with ``logprobs``, so positive cases stay positive: the default-model run covers prompt logprobs."""
     if not isinstance(case.body, dict):
         return
     if fake and case.body.get("echo") is True and case.body.get("logprobs") is not None:
