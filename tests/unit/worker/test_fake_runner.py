@@ -12,6 +12,7 @@ import torch
 
 from worker.config import parse_config
 from worker.engine import Engine
+from worker.errors import InvalidRequest
 from worker.fake_runner import PASSAGE, SOURCE_PREFIX, FakeRunner, load_fake_model, metrics_text
 from worker.model_loader import DEFAULT_MODEL_ID, ModelLoadError
 from worker.server import eos_token_ids
@@ -179,3 +180,13 @@ def test_bad_settings_name_the_setting(argv, environ, message, capsys):
 
 async def _gather(engine: Engine, *requests: GenerationRequest) -> list[list]:
     return list(await asyncio.gather(*(collect(engine, r) for r in requests)))
+
+
+def test_a_fake_worker_refuses_to_score_a_prompt_naming_the_field(loaded):
+    engine = engine_for(loaded)
+    try:
+        with pytest.raises(InvalidRequest) as caught:
+            engine.prepare(request(0, prompt_logprobs=1))
+    finally:
+        engine.stop()
+    assert caught.value.param == "prompt_logprobs" and "fake-tokens" in caught.value.message
