@@ -252,9 +252,11 @@ def test_usage_chunk_and_continuous_usage(client, reference):
     running = [c.usage.completion_tokens for c in chunks[:-1]]
     assert running[0] == 0 and running == sorted(running) and running[-1] == final.usage.completion_tokens
     assert all(c.usage.prompt_tokens == final.usage.prompt_tokens for c in chunks)
-    # One content chunk per token here (plain ASCII words), so the count rises by one each time.
+    # Every content chunk carries new tokens, so the count rises with each one (by one per token, or
+    # by several where the worker merged the tokens of several steps into one delta).
     content_counts = [c.usage.completion_tokens for c in chunks if c.choices and c.choices[0].delta.content]
-    assert content_counts == list(range(1, len(content_counts) + 1))
+    assert content_counts[0] >= 1 and all(a < b for a, b in zip(content_counts, content_counts[1:]))
+    assert content_counts[-1] <= final.usage.completion_tokens
 
 
 def test_n_choices_stream_in_openai_order(client):
