@@ -45,14 +45,16 @@ def free_port_pair(offset: int) -> int:
 
 
 def scrape_metrics(port: int) -> dict[str, float]:
-    """Reads a Prometheus endpoint into {metric name: value} (labels dropped)."""
+    """Reads a Prometheus endpoint into {metric name: value}: labels dropped, so a metric's series
+    (one per surface, model, ...) are summed."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            values[name.split("{")[0]] = float(value)
+            bare = name.split("{")[0]
+            values[bare] = values.get(bare, 0.0) + float(value)
     return values
 
 

@@ -76,8 +76,8 @@ def test_two_processes_serve_streams_and_report_metrics_as_one(model_cache, tmp_
         for seen in scrapes:
             # Whichever process answered, it reports every stream of both processes.
             assert seen[chat_200] == STREAMS
-            assert seen["sluice_edge_time_to_first_token_seconds_count"] == STREAMS
-            assert seen["sluice_edge_streams_in_flight"] == 0
+            assert seen['sluice_edge_time_to_first_token_seconds_count{surface="openai"}'] == STREAMS
+            assert seen['sluice_edge_streams_in_flight{surface="openai"}'] == 0
             assert seen[f'sluice_edge_worker_up{{address="{worker.address}"}}'] == 1
         # The scrapes count too (each after it answered): whichever process answered, it saw all before.
         metrics_200 = 'sluice_edge_requests_total{route="/metrics",status="200"}'
