@@ -227,7 +227,7 @@ def test_any_tool_choice_is_required_and_error_results_are_marked() -> None:
     [
         ({"max_tokens": None}, "max_tokens", "invalid_type"),
         ({"max_tokens": 0}, "max_tokens", "invalid_value"),
-        ({"messages": []}, "messages", "invalid_value"),
+        ({"messages": []}, "messages", "empty_array"),
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "invalid_value"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "invalid_value"),
         (
