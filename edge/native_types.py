@@ -20,8 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
-from edge.openai_types import ChatCompletionRequest, bad, invalid, validate_body
-from edge.responses_types import FunctionTool, string_or_list
+from edge.openai_types import ChatCompletionRequest, bad, validate_body
+from edge.responses_types import FunctionTool, flat_tool_choice, string_or_list
 from edge.surface_requests import to_chat_request, unsupported, validate_at
 from sluice.v1 import worker_pb2
 
@@ -63,14 +63,7 @@ class NativeChatRequest(_Model):
     def _stop_as_list(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
 
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _tool_choice_shape(cls, value: Any) -> Any:
-        if isinstance(value, str) and value not in ("none", "auto", "required"):
-            raise invalid("must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
-        if value is not None and not isinstance(value, str | dict):
-            raise invalid("must be a string or an object")
-        return value
+    _tool_choice = field_validator("tool_choice", mode="before")(flat_tool_choice)
 
 
 class ParsedNativeRequest:

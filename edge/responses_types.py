@@ -50,6 +50,16 @@ def string_or_list(value: Any) -> Any:
     return value
 
 
+def flat_tool_choice(value: Any) -> Any:
+    """A "before" validator for the flat ``tool_choice`` of the Responses and native APIs: a mode
+    string or ``{"type": "function", "name": ...}``."""
+    if isinstance(value, str) and value not in ("none", "auto", "required"):
+        raise invalid("must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
+    if value is not None and not isinstance(value, str | dict):
+        raise invalid("must be a string or an object")
+    return value
+
+
 class InputText(_Model):
     """A text part of an input message (``input_text``, or ``output_text`` of an earlier answer)."""
 
@@ -133,14 +143,7 @@ class ResponsesRequest(_Model):
 
     _input = field_validator("input", mode="before")(string_or_list)
 
-    @field_validator("tool_choice", mode="before")
-    @classmethod
-    def _tool_choice_shape(cls, value: Any) -> Any:
-        if isinstance(value, str) and value not in ("none", "auto", "required"):
-            raise invalid("must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
-        if value is not None and not isinstance(value, str | dict):
-            raise invalid("must be a string or an object")
-        return value
+    _tool_choice = field_validator("tool_choice", mode="before")(flat_tool_choice)
 
 
 class ParsedResponsesRequest:
