@@ -30,8 +30,8 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from worker import config as worker_config  # noqa: E402
 from worker import engine as engine_module  # noqa: E402
-from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
 from worker.engine import Engine  # noqa: E402
 from worker.fake_runner import FakeRunner, load_fake_model  # noqa: E402
 from worker.server import eos_token_ids  # noqa: E402
@@ -72,8 +72,11 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    # An older checkout (PYTHONPATH) may not have DEFAULT_CACHE_DIR: then pass --cache-dir.
+    parser.add_argument("--cache-dir", type=Path, default=getattr(worker_config, "DEFAULT_CACHE_DIR", None))
     args = parser.parse_args()
+    if args.cache_dir is None:
+        parser.error("this checkout has no DEFAULT_CACHE_DIR: pass --cache-dir")
     torch.set_num_threads(1)
     loaded = load_fake_model(None, served_model_name=None, cache_dir=args.cache_dir)
     print(f"engine from {Path(engine_module.__file__).resolve().parent.parent}")
