@@ -10,7 +10,8 @@ with one big request arriving after the first tokens: a JSON schema of
 ``--schema-properties`` properties (compiled for constrained decoding) and a
 conversation of ``--turns`` turns (rendered with the chat template and tokenized),
 asking for one token. Keep the conversation short: a long prompt's prefill stalls the
-other streams on purpose (bounded by --max-prefill-tokens), which is not what this measures. The worker prepares requests (template, tokenization,
+other streams on purpose (bounded by --max-prefill-tokens), which is not what this measures.
+The worker prepares requests (template, tokenization,
 grammar) in its prepare threads, so the big request should not widen the 16
 streams' inter-token gap p95. Printed: each round's gap p50/p95 both ways and the
 median ratio of p95 (with / without).
