@@ -28,7 +28,16 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_worker import PROMPTS, LevelResult, StreamResult, median_level, report, start_worker, stop
+from bench_worker import (
+    PROMPTS,
+    LevelResult,
+    StreamResult,
+    median_level,
+    read_stream,
+    report,
+    start_worker,
+    stop,
+)
 
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
@@ -50,19 +59,7 @@ async def stream(stub: pb_grpc.WorkerStub, i: int, max_tokens: int) -> StreamRes
         chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content=PROMPTS[i % len(PROMPTS)])]),
         sampling=pb.SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True),
     )
-    result, start, last = StreamResult(), time.perf_counter(), None
-    async for event in stub.Generate(request):
-        kind = event.WhichOneof("event")
-        if kind == "content":
-            now = time.perf_counter()
-            if result.ttft is None:
-                result.ttft = now - start
-            elif last is not None:
-                result.gaps.append(now - last)
-            last = now
-        elif kind == "usage":
-            result.tokens = event.usage.completion_tokens
-    return result
+    return await read_stream(stub, request)
 
 
 async def level(stub: pb_grpc.WorkerStub, c: int, max_tokens: int) -> LevelResult:

@@ -115,6 +115,11 @@ async def sluice_stream(stub: pb_grpc.WorkerStub, i: int, constrained: bool = Fa
     )
     if constrained:  # the same load under a JSON-schema grammar
         request.response_format.json_schema.CopyFrom(pb.JsonSchema(name="story", schema_json=STORY_SCHEMA))
+    return await read_stream(stub, request)
+
+
+async def read_stream(stub: pb_grpc.WorkerStub, request: pb.GenerateRequest) -> StreamResult:
+    """One Generate call's time to first token, inter-token gaps and completion tokens."""
     result, start, last = StreamResult(), time.perf_counter(), None
     async for event in stub.Generate(request):
         kind = event.WhichOneof("event")
