@@ -100,6 +100,16 @@ class EngineStats:
     cache_bytes: int
     reserved_tokens: int
     counters: EngineCounters
+    # The KV cache as blocks (what an inference gateway's endpoint picker scores): the pool's block
+    # size in tokens, its block count, and the blocks held now (by running sequences or kept for reuse).
+    kv_block_size: int = 1
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """The fraction of the KV cache's blocks in use, 0..1 (0 when it has none)."""
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 @dataclass
@@ -360,6 +370,10 @@ class Engine:
                 cache_tokens=self._runner.cache_tokens,
                 cache_bytes=self._runner.cache_bytes,
                 reserved_tokens=self._scheduler.reserved_tokens,
+                # Until the paged pool lands: the reservation bound as the pool, in 1-token blocks.
+                kv_block_size=1,
+                kv_blocks_total=self._scheduler.max_batch_tokens,
+                kv_blocks_used=self._scheduler.reserved_tokens,
                 counters=replace(self.counters, time_to_first_token=self.counters.time_to_first_token.copy()),
             )
 
