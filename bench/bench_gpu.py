@@ -65,6 +65,7 @@ from bench_worker import (  # noqa: E402
 
 from sluice.v1 import worker_pb2 as pb  # noqa: E402
 from sluice.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
+from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
 
 # Llama bodies by name. The SmolLM2 family shares the default model's 49,152-token vocabulary and
 # tied embeddings; "8b" is Llama-3-8B's body (GQA 32/8, untied head) on that same vocabulary.
@@ -395,7 +396,7 @@ def main() -> None:
     parser.add_argument(
         "--model-cache",
         type=Path,
-        default=Path.home() / ".cache" / "sluice" / "bench-models",
+        default=DEFAULT_CACHE_DIR / "bench-models",
         help="where built --shape models are kept",
     )
     parser.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the default model's)")
@@ -407,8 +408,6 @@ def main() -> None:
     if args.model:
         model_dir, shape = args.model.resolve(), args.model.name
     else:
-        from worker.config import DEFAULT_CACHE_DIR
-
         tokenizer = args.tokenizer or default_tokenizer_dir(DEFAULT_CACHE_DIR)
         model_dir = build_model(
             args.shape, args.model_cache / f"{args.shape}-{dtype}", tokenizer, args.device, dtype

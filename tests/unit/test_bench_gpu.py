@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from bench_gpu import SHAPES, Table, format_table, parse_levels, parse_skip, resolved_dtype  # noqa: E402
+from bench_gpu import SHAPES, Table, format_table, parse_levels, parse_skip, resolved_dtype
 
 
 def test_levels_parse_and_refuse_bad_values() -> None:
