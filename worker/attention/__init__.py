@@ -1,0 +1,1 @@
+"""Attention over the worker's paged KV cache."""
