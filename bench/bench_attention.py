@@ -144,9 +144,7 @@ def flex_paged(pool: Pool, compiled: bool) -> Attention:
     logical[row_ids[in_use], pool.block_tables[in_use].long()] = columns.expand_as(in_use)[in_use]
     seq_lens = pool.seq_lens
 
-    def mask_mod(
-        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-    ) -> torch.Tensor:
+    def mask_mod(b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor) -> torch.Tensor:
         index = logical[b, kv_idx // block_size]
         return (index >= 0) & (index * block_size + kv_idx % block_size < seq_lens[b])
 
@@ -287,9 +285,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--max-kv-mb", type=float, default=None, help="256 on cpu, none on cuda")
     parser.add_argument("--flex-compiled", action="store_true", help="also compiled flex on cpu")
-    parser.add_argument(
-        "--implementations", default=None, help="comma list to run (default: all that apply)"
-    )
+    parser.add_argument("--implementations", default=None, help="comma list to run (default: all that apply)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
     args = parser.parse_args()
     if args.threads:
@@ -315,9 +311,7 @@ def main() -> None:
                 if max_kv_mb is not None and kv_mb > max_kv_mb:
                     print(f"{label} | (skipped: {kv_mb:.0f} MB of KV > --max-kv-mb) | | |")
                     continue
-                pool = build_pool(
-                    rows, context, heads, kv_heads, head_dim, args.block_size, dtype, device
-                )
+                pool = build_pool(rows, context, heads, kv_heads, head_dim, args.block_size, dtype, device)
                 plan = plan_decode(rows, kv_heads, pool.block_tables.shape[1], args.block_size)
                 plan_text = f"{plan.partitions} x {plan.partition_tokens}" if plan.split else "1"
                 expected = paged_decode_reference(

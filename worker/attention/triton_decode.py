@@ -12,7 +12,7 @@ Layout (the lead's pool, one per layer): ``key_cache`` and ``value_cache`` are
 ``block_tables`` lists sequence ``b``'s blocks in order; ``seq_lens[b]`` is
 its context length with the current token already written to the pool. A
 row with length 0 is padding (a CUDA-graph batch bucket): its output is zeros
-and it reads nothing, not even its block-table row.
+and nothing of the pool or of its block-table row is read.
 
 Why the kernel is shaped this way (reasoning for an H100; not yet measured,
 ``bench/bench_attention.py`` measures it):
