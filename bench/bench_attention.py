@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.attention.triton_decode import (  # noqa: E402
+from worker.attention.triton_decode import (
     paged_decode_attention,
     paged_decode_reference,
     plan_decode,
