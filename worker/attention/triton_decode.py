@@ -70,15 +70,11 @@ Why the kernel is shaped this way (reasoning for an H100; not yet measured,
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from dataclasses import dataclass
 
 import torch
-
-try:  # triton comes with CUDA builds of torch; CPU installs may lack it.
-    import triton as _triton
-except ImportError:  # pragma: no cover - depends on the install
-    _triton = None
 
 # Tokens per inner-loop tile; a power of two >= 16 (tl.dot's smallest size).
 # Registers, not bandwidth, bound it (module docstring).
@@ -95,9 +91,11 @@ _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def triton_available() -> bool:
-    """Whether triton is importable (the kernel also needs CUDA tensors, or
-    triton's interpreter for CPU tensors)."""
-    return _triton is not None
+    """Whether triton is installed (it comes with CUDA builds of torch; CPU
+    installs may lack it). The kernel also needs CUDA tensors, or triton's
+    interpreter for CPU tensors. Importing this module does not import
+    triton: a CPU worker never pays for it."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass(frozen=True)
@@ -211,14 +209,16 @@ def paged_decode_attention(
     CUDA tensors, or CPU tensors in a process that set ``TRITON_INTERPRET=1``
     before importing triton (tests).
     """
-    if _triton is None:
+    if not triton_available():
         raise RuntimeError("paged_decode_attention needs triton, which is not installed")
     batch, heads, head_dim, kv_heads, block_size = _check_inputs(
         query, key_cache, value_cache, block_tables, seq_lens, out
     )
+    import triton
+
     from worker.attention import triton_decode_kernels as kernels
 
-    interpret = bool(_triton.knobs.runtime.interpret)
+    interpret = bool(triton.knobs.runtime.interpret)
     if query.device.type != "cuda" and not interpret:
         raise ValueError(
             f"query is on {query.device}: the Triton kernel needs CUDA tensors "
