@@ -23,6 +23,9 @@ query token per row, and times one call of each implementation, per layer:
   reference implementation); compiled flex uses the block mask to skip.
 - ``triton`` / ``triton-single``: the worker's kernel with its split rule, and
   forced to a single pass (CUDA only).
+- ``...+graph`` (CUDA): sdpa-gather and the Triton kernel captured once as a
+  CUDA graph and replayed, as the engine's decode step will be; the eager
+  figures include Python and launch costs that a replay does not have.
 - ``flashinfer``: ``BatchDecodeWithPagedKVCacheWrapper`` on the same pool
   (``NHD`` layout), when ``flashinfer`` is installed (CUDA only; it
   compiles its kernels on first use).
@@ -229,6 +232,26 @@ def flashinfer_decode(pool: Pool) -> Attention:
     return run
 
 
+def graphed(run: Attention) -> Attention:
+    """``run`` captured once as a CUDA graph; the returned function replays it
+    (the engine replays its decode step this way, so launch costs vanish)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
+
+
 def time_call(run: Attention, device: torch.device, iters: int, rounds: int) -> float:
     """Median milliseconds per call (fewer calls per round for a slow one:
     about half a second per round at most)."""
@@ -268,6 +291,10 @@ def implementations(pool: Pool, args: argparse.Namespace) -> dict[str, Callable[
             chosen["triton"] = lambda: triton_kernel(pool, None)
             chosen["triton-single"] = lambda: triton_kernel(pool, False)
         chosen["flashinfer"] = lambda: flashinfer_decode(pool)
+        # What the engine runs: the same calls replayed from a CUDA graph.
+        for name in ("sdpa-gather", "triton", "triton-single"):
+            if name in chosen:
+                chosen[f"{name}+graph"] = lambda make=chosen[name]: graphed(make())
     return chosen
 
 

@@ -263,6 +263,54 @@ def test_bad_input_names_the_argument(change: dict[str, torch.Tensor], field: st
         paged_decode_attention(**arguments)  # type: ignore[arg-type]
 
 
+needs_cuda = pytest.mark.skipif(
+    not (triton_available() and torch.cuda.is_available()), reason="needs CUDA and triton"
+)
+
+
+@needs_cuda
+@pytest.mark.parametrize("split_k", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_graph_replays_with_new_lengths(split_k: bool, dtype: torch.dtype) -> None:
+    """On a GPU (skipped in CI): an eager call with ``out`` and a workspace
+    allocates nothing, and a captured call replays correctly after the
+    lengths change in place (rows growing, shrinking, becoming padding)."""
+    query, key_cache, value_cache, block_tables, seq_lens = (
+        tensor.cuda() for tensor in random_pool(9, 3, 64, dtype)
+    )
+    plan = plan_decode(len(SEQ_LENS), 3, block_tables.shape[1], 16, split_k=split_k)
+    out = torch.empty_like(query)
+    workspace = allocate_split_workspace(query, plan)
+
+    def call() -> None:
+        paged_decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
+            0.125,
+            out,
+            plan=plan,
+            workspace=workspace,
+        )
+
+    call()  # compiles the kernels
+    torch.cuda.synchronize()
+    allocated = torch.cuda.memory_allocated()
+    call()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == allocated
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for lengths in (SEQ_LENS, [5, 70, 0, 33, 2]):
+        seq_lens.copy_(torch.tensor(lengths, dtype=torch.int32))
+        graph.replay()
+        expected = paged_decode_reference(query, key_cache, value_cache, block_tables, seq_lens, 0.125)
+        torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
+
+
 def _ptxas_available() -> bool:
     if not triton_available():
         return False
