@@ -246,6 +246,12 @@ class WorkerConfig:
         "the KV cache pool takes",
     )
     kv_block_size: int = setting(16, _power_of_two, "tokens per KV cache block (a power of two)")
+    cuda_graphs: bool = setting(
+        True,
+        _on_off,
+        "on CUDA: capture decode steps as CUDA graphs at start-up (padded batch-size buckets up to "
+        "--max-running; needs triton)",
+    )
     prefix_caching: bool = setting(
         True,
         _on_off,
