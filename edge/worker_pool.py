@@ -330,7 +330,10 @@ class WorkerPool:
         workers = [w for w in self._workers.values() if w.available]
         if not workers:
             return []
-        start = next(self._rotation)
+        # The round-robin turns only for requests that the load decides: were it to turn for
+        # every request, requests placed by affinity would skew which worker the next new
+        # conversation gets (four turns per conversation on two workers: always the same one).
+        start = next(self._rotation) if preferred is None else 0
         order = {id(w): (i - start) % len(workers) for i, w in enumerate(workers)}
         return sorted(workers, key=lambda w: (w.address != preferred, w.outstanding, order[id(w)]))
 

@@ -132,6 +132,14 @@ def test_the_pool_keeps_conversations_on_their_workers() -> None:
             for turns in (2, 3, 4):
                 for topic in topics:
                     assert await served(pool, conversation(topic, turns)) == first[topic]
+            # One conversation at a time, all its turns before the next: the new conversations
+            # still alternate (requests placed by affinity do not turn the round-robin).
+            owners = []
+            for topic in (f"sequential {i}" for i in range(4)):
+                owners.append(await served(pool, conversation(topic, 1)))
+                for turns in (2, 3, 4):
+                    assert await served(pool, conversation(topic, turns)) == owners[-1]
+            assert owners in (["a:1", "b:2"] * 2, ["b:2", "a:1"] * 2)
         finally:
             await pool.close()
 
