@@ -13,6 +13,13 @@ those turns, and how the conversations' turns spread over the workers.
 The bar (issue 18): with two workers and 20 conversations of 4 turns,
 prefix-affinity >= 90 %; least-outstanding gives about two thirds.
 
+``--parallel 1`` (the default) runs one conversation at a time: every request
+finds both workers idle, so least-outstanding's round-robin tie break sends a
+conversation's turns to alternating workers. With several conversations in
+flight (``--parallel 4``) the closed loop makes least-outstanding sticky by
+accident: a conversation's next turn is sent the moment its previous one
+ended, when its own worker has just become the less loaded one.
+
     python bench/bench_routing.py
     python bench/bench_routing.py --conversations 8 --turns 3 --policies prefix-affinity
 """
@@ -85,7 +92,7 @@ def main() -> None:
     )
     parser.add_argument("--conversations", type=int, default=20)
     parser.add_argument("--turns", type=int, default=4)
-    parser.add_argument("--parallel", type=int, default=4, help="conversations in flight at once")
+    parser.add_argument("--parallel", type=int, default=1, help="conversations in flight at once")
     parser.add_argument("--max-tokens", type=int, default=2)
     parser.add_argument("--torch-threads", type=int, default=1, help="per worker")
     parser.add_argument(
