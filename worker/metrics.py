@@ -142,7 +142,7 @@ class EngineCollector(Collector):
         yield self._gauge("sluice_worker_kv_cache_blocks", "blocks in the KV cache", s.kv_blocks_total)
         yield self._gauge(
             "sluice_worker_kv_cache_blocks_used",
-            "KV cache blocks held by running sequences or kept for prefix reuse",
+            "KV cache blocks held by sequences (cached prefix blocks nobody holds are free)",
             s.kv_blocks_used,
         )
         info = GaugeMetricFamily(
