@@ -69,8 +69,12 @@ class CallGroup:
         request_id: str,
         timeout_s: float,
         metadata: Sequence[tuple[str, str | bytes]] = (),
+        *,
+        load_events: bool = False,
     ) -> CallGroup:
-        """Opens one call per request, concurrently, and waits for every first event.
+        """Opens one call per request, concurrently, and waits for every first event
+        (``load_events``: see :meth:`WorkerPool.generate`; with it a first event may be a
+        MODEL_LOAD progress event rather than ``started``).
 
         The first call to fail before its first event fails the whole group at
         once: the other calls are cancelled (opened or still opening) and that
@@ -78,8 +82,13 @@ class CallGroup:
         the lowest-numbered call's).
         """
         if len(requests) == 1:
-            return cls([await pool.generate(requests[0], request_id, timeout_s, metadata)])
-        tasks = [asyncio.ensure_future(pool.generate(r, request_id, timeout_s, metadata)) for r in requests]
+            return cls(
+                [await pool.generate(requests[0], request_id, timeout_s, metadata, load_events=load_events)]
+            )
+        tasks = [
+            asyncio.ensure_future(pool.generate(r, request_id, timeout_s, metadata, load_events=load_events))
+            for r in requests
+        ]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except BaseException:
@@ -93,13 +102,14 @@ class CallGroup:
         return cls([task.result() for task in tasks])
 
     def started(self, call: int) -> worker_pb2.Started:
-        """The ``started`` event of call ``call`` (its first event)."""
+        """The ``started`` event of call ``call`` (its first event; empty when the first event
+        was a model-load progress event, see :meth:`open`)."""
         return self._streams[call].first.started
 
     @property
     def worker_ids(self) -> list[str]:
         """The distinct ids of the workers serving the calls, in call order."""
-        ids = (stream.first.started.worker_id for stream in self._streams)
+        ids = (stream.worker_id for stream in self._streams)
         return list(dict.fromkeys(i for i in ids if i))
 
     def cancel(self) -> None:

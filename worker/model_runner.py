@@ -18,13 +18,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from worker.attention import paged
+from worker.attention.triton_decode import triton_available
 from worker.kv_pool import KVPool, KVShape, kv_shape
 from worker.model_loader import LoadedModel
 from worker.types import SampledLogprobs
+
+if TYPE_CHECKING:
+    from worker.cuda_graphs import DecodeGraphs
 
 
 @dataclass(frozen=True)
@@ -57,7 +62,19 @@ class ModelRunner:
         # their keys and values there.
         self.pool = KVPool(self.kv_shape, num_blocks + 1, block_size, self.device)
         self.scratch_block = num_blocks
-        self.graphs = None  # a worker.cuda_graphs.DecodeGraphs once captured
+        self.graphs: DecodeGraphs | None = None  # set once captured (CUDA)
+        # On CUDA with triton, decode rows use the Triton kernel (no gather), graphs or not, once it
+        # passed its start-up check (worker.cuda_graphs.kernel_works).
+        self._use_kernel = False
+        if self.device.type == "cuda" and triton_available():
+            from worker.cuda_graphs import kernel_works
+
+            self._use_kernel = kernel_works(self)
+
+    @property
+    def decode_kernel_enabled(self) -> bool:
+        """Decode attention runs the Triton kernel (CUDA, triton installed, start-up check passed)."""
+        return self._use_kernel
 
     @property
     def pool_bytes(self) -> int:
@@ -83,27 +100,37 @@ class ModelRunner:
             item.table[p // size] * size + p % size for p in range(item.start, item.start + len(item.tokens))
         ]
 
-    def _decode(self, work: Sequence[Work]) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.fits(len(work)):
-            return self.graphs.run(work)
+    def _decode_rows(self, step: paged.PagedStep, work: Sequence[Work]) -> None:
+        """Fills ``step``'s decode rows (one query token each) for these items: block tables and
+        lengths, and the gather's mask or, on CUDA with triton, the decode kernel."""
         rows = len(work)
         lengths = [item.start + 1 for item in work]
         width = -(-max(lengths) // self.block_size)
-        tables = torch.zeros((rows, width), dtype=torch.long)
+        kernel = self._use_kernel
+        index_type = torch.int32 if kernel else torch.long
+        tables = torch.zeros((rows, width), dtype=index_type)
         for row, item in enumerate(work):
             used = -(-lengths[row] // self.block_size)
-            tables[row, :used] = torch.tensor(list(item.table[:used]), dtype=torch.long)
+            tables[row, :used] = torch.tensor(list(item.table[:used]), dtype=index_type)
+        step.decode_tables = tables.to(self.device)
+        step.decode_lengths = torch.tensor(lengths, dtype=index_type, device=self.device)
+        if kernel:
+            from worker.cuda_graphs import decode_kernel
+
+            shape = self.kv_shape
+            heads = shape.kv_heads * self.group
+            like = torch.empty((rows, heads, shape.head_dim), dtype=shape.dtype, device=self.device)
+            step.decode_kernel = decode_kernel(rows, shape.kv_heads, width, self.block_size, like)
+        else:
+            step.decode_mask = paged.decode_mask(step.decode_lengths, width * self.block_size)
+
+    def _decode(self, work: Sequence[Work]) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(len(work)):
+            return self.graphs.run(work)
         device = self.device
-        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
-        step = paged.PagedStep(
-            pool=self.pool,
-            slots=torch.tensor(
-                [s for item in work for s in self._slots(item)], dtype=torch.long, device=device
-            ),
-            decode_tables=tables.to(device),
-            decode_lengths=lengths_t,
-            decode_mask=paged.decode_mask(lengths_t, width * self.block_size),
-        )
+        slots = [s for item in work for s in self._slots(item)]
+        step = paged.PagedStep(pool=self.pool, slots=torch.tensor(slots, dtype=torch.long, device=device))
+        self._decode_rows(step, work)
         ids = torch.tensor([[item.tokens[0]] for item in work], dtype=torch.long, device=device)
         positions = torch.tensor([[item.start] for item in work], dtype=torch.long, device=device)
         with paged.paged_step(step):
@@ -146,17 +173,8 @@ class ModelRunner:
             pool=self.pool, slots=torch.tensor(slots, dtype=torch.long, device=device), chunks=chunks
         )
         if decode_work:
-            lengths = [item.start + 1 for item in decode_work]
-            width = -(-max(lengths) // self.block_size)
-            tables = torch.zeros((len(decode_work), width), dtype=torch.long)
-            for row, item in enumerate(decode_work):
-                used = -(-lengths[row] // self.block_size)
-                tables[row, :used] = torch.tensor(list(item.table[:used]), dtype=torch.long)
-            lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
             step.decode_tokens = torch.tensor(decode_tokens, dtype=torch.long, device=device)
-            step.decode_tables = tables.to(device)
-            step.decode_lengths = lengths_t
-            step.decode_mask = paged.decode_mask(lengths_t, width * self.block_size)
+            self._decode_rows(step, decode_work)
         input_ids = torch.tensor([ids], dtype=torch.long, device=device)
         position_ids = torch.tensor([positions], dtype=torch.long, device=device)
         with paged.paged_step(step):

@@ -215,3 +215,49 @@ def test_prompt_logprobs_then_generation_as_usual(engine, loaded):
     assert len(scored) == 1 and len(scored[0].logprobs) == 3
     assert token_ids(events) == greedy(loaded, prompt, 5)[: len(token_ids(events))]
     assert events.index(scored[0]) < min(i for i, e in enumerate(events) if isinstance(e, ContentDelta))
+
+
+def test_greedy_equals_sequential_generate_under_chunking_preemption_and_prefix_hits(loaded):
+    """A pool of 20 blocks of 8 tokens for 6 requests of up to 60 tokens each: prompts come in
+    chunks of 16 tokens, the newest requests are preempted and recomputed, and prompts sharing a
+    24-token start reuse its blocks. Every text still equals ``generate`` on the prompt alone."""
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 1000) for _ in range(24)]
+    prompts = [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (3, 17, 9)]
+    prompts += [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 30, 12)]
+    steps = 20
+    eng = make_engine(
+        loaded, prefill_budget_tokens=16, prefix_caching=True, pool_tokens=160, block_size=8, max_running=6
+    )
+
+    async def run_all():
+        first = await collect(eng, request(prompts[0], temperature=0.0, max_tokens=steps, min_tokens=steps))
+        rest = await asyncio.gather(
+            *[
+                collect(eng, request(p, temperature=0.0, max_tokens=steps, min_tokens=steps))
+                for p in prompts[1:]
+            ]
+        )
+        return [first, *rest]
+
+    try:
+        results = asyncio.run(asyncio.wait_for(run_all(), timeout=300))
+        stats = eng.stats()
+    finally:
+        eng.stop()
+    for prompt, events in zip(prompts, results, strict=True):
+        assert token_ids(events) == greedy(loaded, prompt, steps)
+    assert stats.counters.preemptions > 0
+    assert stats.counters.prefix_cache_hit_tokens >= 2 * 24
+    assert stats.kv_blocks_used == 0 and stats.running_requests == 0
+
+
+def test_n_choices_share_the_prompt_and_each_equals_generate(loaded):
+    eng = make_engine(loaded, prefill_budget_tokens=64, prefix_caching=True, block_size=8)
+    prompt = list(range(40, 61))
+    try:
+        events = asyncio.run(collect(eng, request(prompt, temperature=0.0, max_tokens=8, min_tokens=8, n=3)))
+    finally:
+        eng.stop()
+    expected = greedy(loaded, prompt, 8)
+    assert [token_ids(events, i) for i in range(3)] == [expected] * 3
