@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.openai_types import RequestLimits
+from edge.routing import RoutingPolicy
 from sluice.logs import LOG_FORMATS
 
 ENV_PREFIX = "SLUICE_EDGE_"
@@ -37,6 +38,14 @@ def parse_worker_address(text: str) -> str:
 def parse_worker_list(text: str) -> tuple[str, ...]:
     """Parses ``host:port[,host:port...]``; blanks between commas are ignored."""
     return tuple(parse_worker_address(part) for part in text.split(",") if part.strip())
+
+
+def parse_routing(text: str) -> RoutingPolicy:
+    """A ``--routing`` value (:class:`edge.routing.RoutingPolicy`)."""
+    try:
+        return RoutingPolicy(text.strip())
+    except ValueError:
+        raise ValueError(f"must be one of {', '.join(RoutingPolicy)}") from None
 
 
 def parse_api_keys(text: str) -> tuple[str, ...]:
@@ -130,6 +139,8 @@ class Settings:
     # Edge processes serving the port (SO_REUSEPORT), each with its own pool and state;
     # 0 = one per CPU core. See docs/running.md.
     processes: int = 1
+    # How the pool picks a worker per request (edge/routing.py): least-outstanding or prefix-affinity.
+    routing: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING
 
     def __post_init__(self) -> None:
         if not self.workers and not self.worker_dns:
@@ -185,6 +196,9 @@ class Settings:
             raise ValueError(f"api_keys: {error}") from None
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format: must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        if self.routing not in tuple(RoutingPolicy):
+            choices = ", ".join(RoutingPolicy)
+            raise ValueError(f"routing: must be one of {choices}, got {self.routing!r}")
         if self.processes < 0:
             raise ValueError(f"processes: must be >= 0 (0 = one per CPU core), got {self.processes}")
         if self.process_count > 1 and self.port == 0:
@@ -364,6 +378,14 @@ class Settings:
                 int,
                 "edge processes sharing the port (SO_REUSEPORT), each with its own state; "
                 "0 = one per CPU core (default 1)",
+            ),
+            (
+                "routing",
+                "routing",
+                parse_routing,
+                "how a worker is chosen per request: least-outstanding (default: fewest calls in "
+                "flight) or prefix-affinity (the worker that served the longest shared prompt prefix, "
+                "unless the load is unbalanced; docs/operations.md)",
             ),
         ]
 
