@@ -23,17 +23,20 @@ measures both paths, alternating which goes first:
 A measurement is a window of ``--seconds``, opened one second after the C
 tasks began streaming requests back to back. Both paths count the bytes of
 content text that arrive inside it; tokens are those bytes divided by the
-bytes per token the direct path saw (one gRPC content event is one token), so
-merged deltas (the edge coalesces a stream's pending deltas into one chunk
-when its client or the edge itself falls behind) count for every token they
-carry. At its end the requests in flight are cancelled (the client goes
+content bytes per token of the fake passage (measured once, before the
+windows, from direct calls that return their token ids), so merged deltas
+(the worker merges the steps a lagging caller has not read into one gRPC
+message, the edge merges what waits in a stream into one chunk) count for
+every token they carry. At its end the requests in flight are cancelled (the client goes
 away, as a real one may), so no request's tail stretches it.
 
 Printed per level: median tokens/s of each path, their ratio (edge / direct),
 the edge's CPU time (utime + stime of every edge process, from
 ``/proc/<pid>/stat``) per 1000 tokens delivered and per 1000 SSE chunks the
-client received, and the CPU share each process used, which says who was
-short of CPU. Everything runs on this machine, so at full speed the
+client received, the tokens per content chunk (SSE) and per content message
+(gRPC), and the CPU share each process used, which says who was short of CPU.
+``--edge-args`` passes more flags to the edge (e.g. ``'--stream-write-interval
+0'`` to compare with the write interval off). Everything runs on this machine, so at full speed the
 processes compete for the cores.
 """
 
@@ -107,7 +110,7 @@ class Counts:
     """What the client received during one measurement window."""
 
     content_bytes: int = 0  # UTF-8 bytes of content text (JSON escapes counted as one byte)
-    deltas: int = 0  # SSE chunks with content (edge) or gRPC content events (direct; one per token)
+    deltas: int = 0  # SSE chunks with content (edge) or gRPC content events (direct)
     chunks: int = 0  # SSE data frames (edge) or gRPC events (direct)
     errors: int = 0  # HTTP errors, error events, failed calls
 
