@@ -100,6 +100,9 @@ class Settings:
     max_idle_timeout_s: float = 600.0
     # A client that accepted no bytes of its response for this long is disconnected.
     write_timeout_s: float = 30.0
+    # Shortest time between two writes of one stream that carry model output: deltas that
+    # arrive sooner wait and go out merged in one chunk (edge/stream_pump.py). 0 = no wait.
+    stream_write_interval_s: float = 0.02
     # How long a worker may take to accept a call (send `started`) before the
     # edge gives up on it and tries the next one.
     worker_connect_timeout_s: float = 10.0
@@ -174,7 +177,7 @@ class Settings:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
-        for name in ("drain_delay_s", "graceful_timeout_s", "wait_for_load_s"):
+        for name in ("drain_delay_s", "graceful_timeout_s", "wait_for_load_s", "stream_write_interval_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}: must be >= 0 seconds, got {value}")
@@ -285,6 +288,13 @@ class Settings:
                 "write_timeout_s",
                 float,
                 "seconds a client may accept no response bytes before it is disconnected",
+            ),
+            (
+                "stream-write-interval",
+                "stream_write_interval_s",
+                float,
+                "shortest gap, seconds, between two output writes of one stream; deltas arriving "
+                "sooner are merged into the next chunk (0 = write each at once)",
             ),
             (
                 "worker-connect-timeout",
