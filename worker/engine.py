@@ -29,7 +29,8 @@ queue at once and merges their content into one delta (:func:`coalesce`).
 
 Before its first token a request hears ``Progress`` events: ``queued`` when it
 is submitted and again every :data:`QUEUED_PROGRESS_INTERVAL_S` while it waits
-for a slot, ``prompt_processing`` when its prefill starts. They tell a caller
+for a slot, ``prompt_processing`` when its prefill starts and, for a prompt
+computed in chunks, after each chunk with the fraction computed so far. They tell a caller
 with an idle timeout that the request is alive (the service forwards them
 only to calls that set ``stream_progress``).
 """
@@ -550,6 +551,14 @@ class Engine:
         with self._cv:
             for item in work:
                 self._scheduler.committed(item)
+        # A prompt computed in chunks reports how far it got after each chunk that did not finish it.
+        chunked = [owners[id(w.seq)] + (w.seq,) for w in work if not w.samples and w.seq.generated == 0]
+        if chunked:
+            _deliver(
+                (state.stream, [Progress("prompt_processing", seq.computed / max(1, seq.prompt_length))])
+                for state, choice, seq in chunked
+                if choice.index == 0
+            )
         rows: list[tuple[_RequestState, _Choice]] = []
         indexes: list[int] = []  # the logits row of each sampled row
         for row, item in enumerate(sampling):

@@ -18,6 +18,7 @@ from worker.types import (
     Finished,
     FinishReason,
     GenerationRequest,
+    Progress,
     PromptLogprobs,
     SamplingOptions,
     Usage,
@@ -261,3 +262,17 @@ def test_n_choices_share_the_prompt_and_each_equals_generate(loaded):
         eng.stop()
     expected = greedy(loaded, prompt, 8)
     assert [token_ids(events, i) for i in range(3)] == [expected] * 3
+
+
+def test_a_chunked_prompt_reports_its_progress_after_each_chunk(loaded):
+    eng = make_engine(loaded, prefill_budget_tokens=16)
+    try:
+        events = asyncio.run(collect(eng, request(list(range(100, 150)), temperature=0.0, max_tokens=2)))
+    finally:
+        eng.stop()
+    stages = [(e.stage, round(e.fraction, 2)) for e in events if isinstance(e, Progress)]
+    # 50 prompt tokens in chunks of 16: 16, 32 and 48 done before the last chunk samples (1.0 comes
+    # with the first token).
+    assert stages == [("queued", 0.0), ("prompt_processing", 0.0)] + [
+        ("prompt_processing", round(n / 50, 2)) for n in (16, 32, 48, 50)
+    ]
