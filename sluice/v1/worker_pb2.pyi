@@ -21,7 +21,7 @@ TOOL_CALLS: FinishReason
 CONTENT_FILTER: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "chat", "prompt", "sampling", "response_format", "stream_progress", "return_token_ids", "echo_prompt", "user", "metadata")
+    __slots__ = ("request_id", "model", "chat", "prompt", "sampling", "response_format", "stream_progress", "return_token_ids", "echo_prompt", "user", "metadata", "resume")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +40,7 @@ class GenerateRequest(_message.Message):
     ECHO_PROMPT_FIELD_NUMBER: _ClassVar[int]
     USER_FIELD_NUMBER: _ClassVar[int]
     METADATA_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     chat: ChatInput
@@ -51,7 +52,14 @@ class GenerateRequest(_message.Message):
     echo_prompt: bool
     user: str
     metadata: _containers.ScalarMap[str, str]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[_Union[PromptInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_progress: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., echo_prompt: _Optional[bool] = ..., user: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    resume: Resume
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[_Union[PromptInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_progress: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., echo_prompt: _Optional[bool] = ..., user: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedCompositeFieldContainer[TokenIds]
+    def __init__(self, choices: _Optional[_Iterable[_Union[TokenIds, _Mapping]]] = ...) -> None: ...
 
 class ChatInput(_message.Message):
     __slots__ = ("messages", "tools", "tool_choice", "parallel_tool_calls", "enable_thinking", "chat_template_kwargs_json")
@@ -333,18 +341,20 @@ class RefusalDelta(_message.Message):
     def __init__(self, choice_index: _Optional[int] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class ToolCallDelta(_message.Message):
-    __slots__ = ("choice_index", "tool_index", "id", "name", "arguments")
+    __slots__ = ("choice_index", "tool_index", "id", "name", "arguments", "token_ids")
     CHOICE_INDEX_FIELD_NUMBER: _ClassVar[int]
     TOOL_INDEX_FIELD_NUMBER: _ClassVar[int]
     ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     choice_index: int
     tool_index: int
     id: str
     name: str
     arguments: str
-    def __init__(self, choice_index: _Optional[int] = ..., tool_index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, choice_index: _Optional[int] = ..., tool_index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_seconds", "time_to_first_token_seconds", "decode_seconds")
