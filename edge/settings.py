@@ -62,6 +62,16 @@ def _check_keys(candidates: Any) -> tuple[str, ...]:
     return keys
 
 
+def parse_bool(value: str) -> bool:
+    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``, any case)."""
+    lowered = value.strip().lower()
+    if lowered in {"true", "1", "yes", "on"}:
+        return True
+    if lowered in {"false", "0", "no", "off"}:
+        return False
+    raise ValueError("expected true or false")
+
+
 # Options whose values are secrets: never echoed in an error message.
 _SECRET_FLAGS = frozenset({"api-keys"})
 
@@ -126,6 +136,10 @@ class Settings:
     # Edge processes serving the port (SO_REUSEPORT), each with its own pool and state;
     # 0 = one per CPU core. See docs/running.md.
     processes: int = 1
+    # A stream whose worker dies mid-stream continues on another worker (edge/migration.py), at
+    # most max_stream_migrations times per call.
+    migrate_streams: bool = True
+    max_stream_migrations: int = 2
 
     def __post_init__(self) -> None:
         if not self.workers and not self.worker_dns:
@@ -185,6 +199,8 @@ class Settings:
             raise ValueError(f"processes: must be >= 0 (0 = one per CPU core), got {self.processes}")
         if self.process_count > 1 and self.port == 0:
             raise ValueError("processes: several processes need a fixed port (port 0 picks one per process)")
+        if not 0 <= self.max_stream_migrations <= 16:
+            raise ValueError(f"max_stream_migrations: must be in 0..16, got {self.max_stream_migrations}")
         if self.max_concurrent_per_key < 0:
             raise ValueError(
                 f"max_concurrent_per_key: must be >= 0 (0 = off), got {self.max_concurrent_per_key}"
@@ -353,6 +369,19 @@ class Settings:
                 int,
                 "edge processes sharing the port (SO_REUSEPORT), each with its own state; "
                 "0 = one per CPU core (default 1)",
+            ),
+            (
+                "migrate-streams",
+                "migrate_streams",
+                parse_bool,
+                "true (default) or false: continue a stream on another worker when its worker dies "
+                "mid-stream (same text for greedy and seeded requests)",
+            ),
+            (
+                "max-stream-migrations",
+                "max_stream_migrations",
+                int,
+                "most times one call may move to another worker mid-stream (default 2; 0 = never)",
             ),
         ]
 

@@ -134,6 +134,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                     worker_id=self.worker_id,
                     prompt_text=prompt_text if parsed.echo_prompt else "",
                     n=options.n,
+                    resumable=True,
                 )
             )
             async for event in stream:

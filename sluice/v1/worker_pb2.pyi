@@ -247,20 +247,22 @@ class PromptLogprobs(_message.Message):
     def __init__(self, logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., first_token: _Optional[str] = ..., first_token_bytes: _Optional[bytes] = ..., first_token_id: _Optional[int] = ...) -> None: ...
 
 class Started(_message.Message):
-    __slots__ = ("request_id", "model", "prompt_tokens", "worker_id", "prompt_text", "n")
+    __slots__ = ("request_id", "model", "prompt_tokens", "worker_id", "prompt_text", "n", "resumable")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
     N_FIELD_NUMBER: _ClassVar[int]
+    RESUMABLE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     prompt_tokens: int
     worker_id: str
     prompt_text: str
     n: int
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., n: _Optional[int] = ...) -> None: ...
+    resumable: bool
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., worker_id: _Optional[str] = ..., prompt_text: _Optional[str] = ..., n: _Optional[int] = ..., resumable: _Optional[bool] = ...) -> None: ...
 
 class Progress(_message.Message):
     __slots__ = ("stage", "fraction")
