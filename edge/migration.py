@@ -123,6 +123,8 @@ class ResumableStream:
         self.migrations = 0
         self._choices: dict[int, _Choice] = {}
         self._cancelled = False
+        # Deltas are held for their ids only when the call can be resumed at all.
+        self._resumable = stream.first.started.resumable and resumable_request(request)
 
     @property
     def worker_address(self) -> str:
@@ -170,6 +172,8 @@ class ResumableStream:
     def _track(self, event: worker_pb2.GenerateResponse, resumed: bool) -> list[worker_pb2.GenerateResponse]:
         """Records ``event``; returns the events the caller may have now (held ones included)."""
         kind = event.WhichOneof("event")
+        if not self._resumable:
+            return [event]
         if kind in _DELTA_KINDS:
             delta = getattr(event, kind)
             choice = self._choice(delta.choice_index)
@@ -202,12 +206,12 @@ class ResumableStream:
         if not isinstance(error, ServiceUnavailableError) or self._cancelled:
             return None  # not a worker failure (or the caller is gone)
         failed_at = self._stream.worker_address
-        if self._choices and all(c.finished for c in self._choices.values()):
+        if self._resumable and self._choices and all(c.finished for c in self._choices.values()):
             log.info(
                 "request %s: worker %s failed after the last choice finished", self._request_id, failed_at
             )
             return "ended"
-        if not (self._stream.first.started.resumable and resumable_request(self._request)):
+        if not self._resumable:
             self._count("not_resumable")
             return None
         if self.migrations >= self._policy.max_migrations:
