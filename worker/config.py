@@ -135,6 +135,23 @@ def _on_off(text: str) -> bool:
     raise ValueError(f"must be 1/true/yes/on or 0/false/no/off, got {text!r}")
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"must be a number, got {text!r}") from None
+    if not 0 < value <= 1:
+        raise ValueError(f"must be above 0 and at most 1, got {text!r}")
+    return value
+
+
+def _power_of_two(text: str) -> int:
+    value = _int_at_least(1)(text)
+    if value & (value - 1) or value > 1024:
+        raise ValueError(f"must be a power of two up to 1024, got {value}")
+    return value
+
+
 def _phrases(text: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.split(",") if p.strip())
 
@@ -197,24 +214,49 @@ class WorkerConfig:
     # setting() returns a dataclasses.Field, and the default Path is immutable.
     cache_dir: Path = setting(DEFAULT_CACHE_DIR, Path, "converted-model cache")  # noqa: RUF009
     worker_id: str = setting("", _text, "id reported in Started and ListModels (default host:port)")
-    max_running: int = setting(16, _int_at_least(1), "sequences decoded at once")
-    max_queue: int = setting(256, _int_at_least(1), "requests waiting for a slot")
-    max_prefill_tokens: int = setting(
-        1024,
+    max_running: int | None = setting(
+        None,
         _int_at_least(1),
-        "prompt tokens (padded) prefilled per engine step; bounds the stall of running streams",
+        "sequences decoded at once (default: 16 on the CPU; on CUDA the KV pool's tokens / 256, at most 512)",
+        shown_default="16 (CPU); from the KV pool (CUDA)",
+    )
+    max_queue: int = setting(256, _int_at_least(1), "requests waiting for a slot")
+    max_prefill_tokens: int | None = setting(
+        None,
+        _int_at_least(1),
+        "prompt tokens computed per engine step (long prompts are computed in chunks of this "
+        "budget, mixed with the running streams' decode); bounds their stall",
+        shown_default="1024 (CPU); 2048 (CUDA)",
     )
     max_batch_tokens: int | None = setting(
         None,
         _int_at_least(1),
-        "KV cache bound: sum over running sequences of prompt + max_tokens "
-        "(default: max-running x the model's context length)",
+        "the KV cache pool's size in tokens (default: from memory, see --kv-cache-bytes and "
+        "--gpu-memory-fraction)",
     )
-    prefix_cache_tokens: int = setting(
-        4096,
-        _int_at_least(0),
-        "prompt-prefix KV kept for reuse, in tokens (8-token blocks, least recently used "
-        "evicted first; 0 = off)",
+    kv_cache_bytes: int = setting(
+        1 << 30,
+        _int_at_least(1 << 20),
+        "on the CPU: bytes of KV cache pool (allocated at start; pages are touched as used)",
+    )
+    gpu_memory_fraction: float = setting(
+        0.9,
+        _fraction,
+        "on CUDA: the fraction of the device memory still free after loading and warm-up that "
+        "the KV cache pool takes",
+    )
+    kv_block_size: int = setting(16, _power_of_two, "tokens per KV cache block (a power of two)")
+    cuda_graphs: bool = setting(
+        True,
+        _on_off,
+        "on CUDA: capture decode steps as CUDA graphs at start-up (padded batch-size buckets up to "
+        "--max-running; needs triton)",
+    )
+    prefix_caching: bool = setting(
+        True,
+        _on_off,
+        "reuse the KV blocks of prompt prefixes seen before (blocks nobody holds are kept until "
+        "their memory is needed, least recently used first)",
     )
     default_max_tokens: int | None = setting(
         None,

@@ -14,9 +14,12 @@ Failure isolation: a failure while planning, sampling or stopping one request
 fails that request alone (a ``CoreFailure`` message, then its stream's
 ``Failed`` event with its partial usage); a failure in one request's output
 processing fails it in its stream. Only a failed forward pass fails more than
-one request, and then only its own rows: a failed prefill fails the requests
-being prefilled, a failed decode the batch it decoded (whose KV cache is
-dropped). The prefix cache is never dropped.
+one request, and then only its own rows: when a step that prefilled prompt
+chunks fails, the requests of those chunks fail and the step's decode rows
+run again on their own (their keys and values are rewritten in place); a
+failed decode-only step fails the requests it decoded. Keys and values are
+only ever written into slots past a sequence's computed tokens, so the prefix
+cache (the registered, fully computed blocks) is never damaged or dropped.
 
 The gRPC layer never blocks this thread: each request gets a
 :class:`RequestStream` with an asyncio queue; once per step the thread hands
@@ -50,10 +53,12 @@ from sluice.prometheus import Histogram
 from worker.detokenizer import TokenTexts
 from worker.errors import InvalidRequest
 from worker.grammar import GrammarCompiler, TokenConstraint
-from worker.model_runner import ModelRunner, RowKey
+from worker.kv_blocks import BlockManager
+from worker.model_runner import ModelRunner
+from worker.model_runner import Work as RunnerWork
 from worker.output_processor import RequestOutputProcessor, TextRules, coalesce
 from worker.sampler import GrammarFailure, Sample, SequenceSampling, blocked_ids, sample_batch
-from worker.scheduler import Scheduler, StepPlan
+from worker.scheduler import Scheduler, Sequence, StepPlan, Work
 from worker.types import (
     Admitted,
     ChoiceEnded,
@@ -86,6 +91,7 @@ class EngineCounters:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    preemptions: int = 0  # requests sent back to the queue for blocks (recomputed later)
     steps: int = 0
     time_to_first_token: Histogram = field(default_factory=Histogram)
 
@@ -112,14 +118,22 @@ class EngineStats:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
+# A batch row belongs to one choice of one request: (engine request key, choice index).
+RowKey = tuple[str, int]
+
+
 @dataclass
 class _Choice:
-    """The core's view of one choice: its batch row and its sampling state."""
+    """The core's view of one choice: its sequence (tokens, KV blocks) and its sampling state."""
 
     key: RowKey
     index: int
     sampling: SequenceSampling
-    finished: bool = False
+    seq: Sequence
+
+    @property
+    def finished(self) -> bool:
+        return self.seq.finished
 
 
 @dataclass
@@ -128,30 +142,27 @@ class _RequestState:
     request: GenerationRequest
     choices: list[_Choice]
     stream: RequestStream
+    started: bool = False  # admitted at least once (a preempted request is re-admitted later)
 
     @property
     def request_id(self) -> str:
         return self.key
 
     @property
-    def num_sequences(self) -> int:
-        return len(self.choices)
+    def sequences(self) -> list[Sequence]:
+        return [choice.seq for choice in self.choices]
+
+    @property
+    def needs_kv(self) -> bool:
+        return self.request.sampling.max_tokens > 0
 
     @property
     def prompt_length(self) -> int:
         return len(self.request.prompt_token_ids)
 
     @property
-    def reserved_tokens(self) -> int:
-        return (self.prompt_length + self.request.sampling.max_tokens) * len(self.choices)
-
-    @property
     def done(self) -> bool:
         return all(choice.finished for choice in self.choices)
-
-    @property
-    def row_keys(self) -> list[RowKey]:
-        return [choice.key for choice in self.choices]
 
 
 class _Control(enum.Enum):
@@ -258,11 +269,12 @@ class Engine:
         max_running: int = 16,
         max_queue: int = 256,
         prefill_budget_tokens: int = 1024,
-        max_batch_tokens: int | None = None,
+        prefix_caching: bool = True,
         blocked_phrases: tuple[str, ...] = (),
         refusal_message: str = "I can't help with that.",
         grammars: GrammarCompiler | None = None,
     ):
+        """The KV pool's size and block size are the runner's (``num_blocks``, ``block_size``)."""
         self._runner = runner
         self._tokenizer = tokenizer
         self._token_texts = TokenTexts(tokenizer)
@@ -270,12 +282,12 @@ class Engine:
         self._context_length = context_length
         self._rules = TextRules(tuple(blocked_phrases), refusal_message)
         self._grammars = grammars
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=prefix_caching)
         self._scheduler: Scheduler[_RequestState] = Scheduler(
-            max_running,
-            max_queue,
-            prefill_budget_tokens,
-            max_batch_tokens or max_running * context_length,
-            prefill_cost=self._prefill_cost,
+            self.blocks,
+            max_running=max_running,
+            max_queue=max_queue,
+            prefill_budget_tokens=prefill_budget_tokens,
         )
         self._cv = threading.Condition()
         self._control: list[tuple[str, _Control, tuple[int, ...]]] = []
@@ -284,12 +296,6 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="sluice-engine", daemon=True)
         self._ids = itertools.count()
         self.counters = EngineCounters()
-
-    def _prefill_cost(self, state: _RequestState) -> int:
-        """The prompt tokens a request's prefill computes: those the prefix cache does not hold
-        (what the scheduler's per-step prefill budget counts)."""
-        prompt = state.request.prefill_token_ids
-        return len(prompt) - self._runner.prefix_cache.cached_length(prompt)
 
     # ------------------------------------------------------------ control
 
@@ -378,7 +384,19 @@ class Engine:
                 self.counters.requests_submitted += 1
                 self.counters.requests_finished += 1
             return stream
-        choices = [_Choice((key, i), i, sampling) for i, sampling in enumerate(prepared.samplings)]
+        prompt = list(req.prompt_token_ids)
+        longest = min(len(prompt) + req.sampling.max_tokens, self._context_length)
+        # A resumed request's sequence starts with its resumed tokens as generated ones: the first
+        # forward computes prompt plus those, and samples the next token.
+        choices = [
+            _Choice(
+                (key, i),
+                i,
+                sampling,
+                Sequence(list(req.prefill_token_ids), len(prompt), longest, awaits_prompt=i > 0),
+            )
+            for i, sampling in enumerate(prepared.samplings)
+        ]
         state = _RequestState(key, req, choices, stream)
         # On the stream's own loop (we are on it): "queued" comes before anything the step loop sends.
         stream.put([Progress("queued", 0.0)])
@@ -405,18 +423,19 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._cv:
             running = list(self._scheduler.running)
+            sequences = [c.seq for r in running for c in r.choices if not c.finished]
+            blocks = self.blocks
             return EngineStats(
                 waiting_requests=len(self._scheduler.waiting),
                 running_requests=len(running),
-                running_sequences=sum(r.num_sequences for r in running),
-                live_caches=self._runner.live_rows,
-                cache_tokens=self._runner.cache_tokens,
-                cache_bytes=self._runner.cache_bytes,
-                reserved_tokens=self._scheduler.reserved_tokens,
-                # Until the paged pool lands: the reservation bound as the pool, in 1-token blocks.
-                kv_block_size=1,
-                kv_blocks_total=self._scheduler.max_batch_tokens,
-                kv_blocks_used=self._scheduler.reserved_tokens,
+                running_sequences=len(sequences),
+                live_caches=sum(1 for seq in sequences if seq.blocks.table),
+                cache_tokens=sum(seq.computed for seq in sequences),
+                cache_bytes=self._runner.pool_bytes,
+                reserved_tokens=blocks.used * blocks.block_size,
+                kv_block_size=blocks.block_size,
+                kv_blocks_total=blocks.num_blocks,
+                kv_blocks_used=blocks.used,
                 counters=replace(self.counters, time_to_first_token=self.counters.time_to_first_token.copy()),
             )
 
@@ -468,7 +487,7 @@ class Engine:
                 return None
             self._apply_control()
             plan = self._scheduler.schedule()
-            for state in plan.prefill:
+            for state in plan.admitted:
                 self._progress_due.pop(state.key, None)
             return plan, self._queued_progress_due()
 
@@ -492,10 +511,9 @@ class Engine:
                 state = next((s for s in self._scheduler.running if s.key == key), None)
                 if state is None:
                     continue
-                stopped = [c for c in state.choices if c.index in choices and not c.finished]
-                for choice in stopped:
-                    choice.finished = True
-                self._runner.release(c.key for c in stopped)
+                for choice in state.choices:
+                    if choice.index in choices and not choice.finished:
+                        self._scheduler.finish(choice.seq)
                 if state.done:
                     self._scheduler.remove(key)
                     self.counters.requests_finished += 1
@@ -503,79 +521,102 @@ class Engine:
             removed = self._scheduler.remove(key)
             self._progress_due.pop(key, None)
             if removed is not None:
-                self._runner.release(removed.row_keys)
                 if kind is _Control.FAIL:
                     self.counters.requests_failed += 1
                 else:
                     self.counters.requests_cancelled += 1
 
     def _step(self, plan: StepPlan[_RequestState]) -> None:
-        """Prefill the new requests (first token), then decode every running row once; hand each request
-        its outputs. Never raises: failures end the requests they belong to."""
+        """Runs one planned step: the forward over every planned sequence's tokens, then a sample for
+        each sequence that reached its last token; hands each request its outputs. Never raises:
+        failures end the requests they belong to."""
         self.counters.steps += 1
         outputs: dict[str, list[CoreOutput]] = {}
-        if plan.prefill:
-            self._prefill(plan.prefill, outputs)
-            # Choices that ended on their first token leave the batch before the decode.
-            self._runner.release(c.key for s in plan.prefill for c in s.choices if c.finished)
-        live = [
-            (state, choice)
-            for state in plan.decode + plan.prefill
-            if state.key not in outputs or not _failed(outputs[state.key])
-            for choice in state.choices
-            if not choice.finished
-        ]
-        if live:
-            by_key = {choice.key: (state, choice) for state, choice in live}
-            keys = self._runner.row_keys
-            try:
-                logits = self._runner.decode(
-                    {key: by_key[key][1].sampling.output_token_ids[-1] for key in keys}
-                )
-            except Exception as exc:
-                # The batch's KV cache may be half-written: drop it and fail the rows it held.
-                log.exception("decode forward failed")
-                self._runner.reset()
-                for state in {id(s): s for s, _ in live}.values():
-                    self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
-            else:
-                self._sample([by_key[key] for key in keys], logits, outputs)
-        self._publish(plan.prefill + plan.decode, outputs)
+        if plan.preempted:
+            self._preempted(plan.preempted)
+        owners = {id(c.seq): (s, c) for s in [*self._scheduler.running] for c in s.choices}
+        fresh = [s for s in plan.admitted if not s.started]
+        if fresh:
+            self._start(fresh, outputs)
+        work = [w for w in plan.work if not _failed(outputs.get(owners[id(w.seq)][0].key, []))]
+        if work:
+            self._run(work, owners, outputs)
+        touched = {id(s): s for s in [*fresh, *(owners[id(w.seq)][0] for w in plan.work)]}
+        self._publish(list(touched.values()), outputs)
 
-    def _prefill(self, states: list[_RequestState], outputs: dict[str, list[CoreOutput]]) -> None:
-        # Sent before the prefill runs, so a caller waiting through a long prompt hears of it.
+    def _preempted(self, states: list[_RequestState]) -> None:
+        """Requests sent back to the queue: they keep their tokens and hear ``queued`` while waiting."""
+        now = time.monotonic()
+        with self._cv:
+            self.counters.preemptions += len(states)
+            for state in states:
+                self._progress_due[state.key] = now
+        log.info("preempted %d request(s) for KV blocks; they will be recomputed", len(states))
+
+    def _start(self, states: list[_RequestState], outputs: dict[str, list[CoreOutput]]) -> None:
+        """First admission: prompt processing starts (scored first when asked), and the prefix cache's
+        share of the prompt is reported."""
+        # Sent before the forward runs, so a caller waiting through a long prompt hears of it.
         _deliver([(s.stream, [Progress("prompt_processing", 0.0)]) for s in states])
         now = time.monotonic()
-        for state in [s for s in states if s.request.sampling.prompt_logprobs is not None]:
-            self._score(state, now, outputs)
-        # A request that only scores its prompt (max_tokens 0) needs no KV cache and no token.
-        states = [
-            s for s in states if s.request.sampling.max_tokens > 0 and not _failed(outputs.get(s.key, []))
-        ]
-        if not states:
-            return
+        for state in states:
+            state.started = True
+            if state.request.sampling.prompt_logprobs is not None:
+                self._score(state, now, outputs)
+            elif state.needs_kv:
+                cached = state.choices[0].seq.cached_tokens
+                outputs.setdefault(state.key, []).append(Admitted(now, cached))
+                self.counters.prefix_cache_hit_tokens += cached
+
+    def _run(
+        self,
+        work: list[Work],
+        owners: dict[int, tuple[_RequestState, _Choice]],
+        outputs: dict[str, list[CoreOutput]],
+    ) -> None:
+        """The step's forward (see the module docstring for what a failure fails), then sampling."""
         try:
-            logits, prefilled = self._runner.prefill([s.request.prefill_token_ids for s in states])
-        except Exception as exc:  # the running batch is untouched: only these requests fail
-            log.exception("prefill forward failed")
-            for state in states:
+            logits = self._runner.execute([_runner_work(w) for w in work])
+        except Exception as exc:
+            log.exception("forward failed")
+            chunks = [w for w in work if w.count > 1]
+            decodes = [w for w in work if w.count == 1]
+            blamed = chunks if chunks and decodes else work
+            for state in {id(s): s for s in (owners[id(w.seq)][0] for w in blamed)}.values():
                 self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+            if blamed is work:
+                return
+            work = [w for w in decodes if not _failed(outputs.get(owners[id(w.seq)][0].key, []))]
+            if not work:
+                return
+            try:
+                logits = self._runner.execute([_runner_work(w) for w in work])
+            except Exception as again:
+                log.exception("decode forward failed")
+                for state in {id(s): s for s in (owners[id(w.seq)][0] for w in work)}.values():
+                    self._fail(state, f"generation failed: {type(again).__name__}", outputs)
+                return
+        sampling = [w for w in work if w.samples]  # before the commit moves ``computed``
+        with self._cv:
+            for item in work:
+                self._scheduler.committed(item)
+        rows: list[tuple[_RequestState, _Choice]] = []
+        indexes: list[int] = []  # the logits row of each sampled row
+        for row, item in enumerate(sampling):
+            state, choice = owners[id(item.seq)]
+            rows.append((state, choice))
+            indexes.append(row)
+            if choice.seq.generated == 0:  # the prompt is done: waiting siblings draw from it too
+                for sibling in state.choices:
+                    if sibling.seq.awaits_prompt:
+                        sibling.seq.awaits_prompt = False
+                        rows.append((state, sibling))
+                        indexes.append(row)
+        if not rows:
             return
-        admitted = [(i, s, c) for i, s in enumerate(states) for c in s.choices]
-        try:
-            self._runner.admit(prefilled, [(i, c.key) for i, _, c in admitted])
-        except Exception as exc:  # the batch may be half-rebuilt: drop it, fail everyone in it
-            log.exception("admitting prefilled rows failed")
-            self._runner.reset()
-            for state in [*states, *self._scheduler.running]:
-                self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
-            return
-        reused = prefilled.prefix_lengths or [0] * len(states)
-        for state, cached in zip(states, reused, strict=True):
-            outputs.setdefault(state.key, []).append(Admitted(now, cached))
-        self.counters.prefix_cache_hit_tokens += sum(reused)
-        rows = logits[torch.tensor([i for i, _, _ in admitted], device=logits.device)]
-        self._sample([(s, c) for _, s, c in admitted], rows, outputs)
+        if len(indexes) != logits.shape[0] or indexes != list(range(len(indexes))):
+            logits = logits[torch.tensor(indexes, device=logits.device)]
+        self._sample(rows, logits, outputs)
 
     def _score(self, state: _RequestState, now: float, outputs: dict[str, list[CoreOutput]]) -> None:
         """The prompt's logprobs; a scoring-only request (max_tokens 0) ends here."""
@@ -589,9 +630,10 @@ class Engine:
         out = outputs.setdefault(state.key, [])
         out += [Admitted(now, 0), PromptScored(tuple(entries))]
         if state.request.sampling.max_tokens == 0:
-            for choice in state.choices:
-                choice.finished = True
-                out.append(ChoiceEnded(choice.index, FinishReason.LENGTH))
+            with self._cv:
+                for choice in state.choices:
+                    self._scheduler.finish(choice.seq)
+                    out.append(ChoiceEnded(choice.index, FinishReason.LENGTH))
 
     def _sample(
         self,
@@ -628,6 +670,7 @@ class Engine:
         """Records a drawn token and decides the token-level end of the choice."""
         sampling = choice.sampling
         sampling.record(sample.token_id)
+        choice.seq.tokens.append(sample.token_id)
         if sampling.generated == 1:
             self.counters.time_to_first_token.observe(now - state.request.arrival_time)
         self.counters.generated_tokens += 1
@@ -642,24 +685,23 @@ class Engine:
         ):
             finish = FinishReason.LENGTH
         if finish is not None:
-            choice.finished = True
+            with self._cv:
+                self._scheduler.finish(choice.seq)
         return NewToken(choice.index, token, now, sample.logprobs, finish, stop_token)
 
     def _fail(self, state: _RequestState, message: str, outputs: dict[str, list[CoreOutput]]) -> None:
-        """Ends one request with a failure: out of the scheduler, its rows released."""
+        """Ends one request with a failure: out of the scheduler, its blocks freed."""
         with self._cv:
             removed = self._scheduler.remove(state.key)
             self._progress_due.pop(state.key, None)
             if removed is not None:
                 self.counters.requests_failed += 1
-        for choice in state.choices:
-            choice.finished = True
-        with contextlib.suppress(Exception):  # after a reset the rows are gone already
-            self._runner.release(state.row_keys)
+            for choice in state.choices:
+                if not choice.finished:
+                    self._scheduler.finish(choice.seq)
         outputs.setdefault(state.key, []).append(CoreFailure(message))
 
     def _publish(self, states: list[_RequestState], outputs: dict[str, list[CoreOutput]]) -> None:
-        self._runner.release(c.key for s in states for c in s.choices if c.finished)
         finished = [s for s in states if s.done and not _failed(outputs.get(s.key, []))]
         if finished:
             with self._cv:
@@ -667,6 +709,17 @@ class Engine:
                     if self._scheduler.remove(state.key) is not None:
                         self.counters.requests_finished += 1
         _deliver((s.stream, outputs[s.key]) for s in {id(s): s for s in states}.values() if s.key in outputs)
+
+
+def _runner_work(work: Work) -> RunnerWork:
+    seq = work.seq
+    return RunnerWork(
+        seq.tokens[seq.computed : seq.computed + work.count],
+        seq.computed,
+        seq.blocks.table,
+        work.samples,
+        seq.generated,
+    )
 
 
 def _failed(outputs: list[CoreOutput]) -> bool:

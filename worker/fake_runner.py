@@ -9,11 +9,13 @@ minus the forward passes, and an edge in front of it is measured against a
 stream it did not have to wait for.
 
 Contract (the one :class:`~worker.engine.Engine` relies on, see
-``model_runner.py``): ``prefill`` → ``admit`` → ``decode`` each step,
-``release`` for rows that left, ``reset`` after a failed step. Logits are
-``[rows, vocab]`` float32 tensors that put all the mass on one token: the
-next token of :data:`PASSAGE` for that row (each row starts at the
-passage's beginning and cycles through it). Greedy and sampled requests
+``model_runner.py``): ``execute`` runs a step's work and returns logits
+``[sampling items, vocab]`` (float32) that put all the mass on one token: the
+next token of :data:`PASSAGE` for that sequence (each sequence starts at the
+passage's beginning and cycles through it, by its count of generated tokens,
+so a preempted and recomputed sequence goes on where it was). The engine's
+block manager, scheduler, chunked prefill and preemption run as with a model
+(over ``--max-batch-tokens`` of notional KV, default :data:`DEFAULT_TOKENS`). Greedy and sampled requests
 therefore get the same text; logit_bias, penalties, ``min_tokens`` masks or a
 grammar may move the pick elsewhere, as they would with a model. The passage
 never contains EOS, so a request runs to ``max_tokens``, a stop string, or
@@ -41,7 +43,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -49,7 +51,6 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoTokenizer
 
-from worker.batch_cache import BatchCache
 from worker.config import DEFAULT_CACHE_DIR
 from worker.model_loader import (
     DEFAULT_MODEL_ID,
@@ -59,8 +60,7 @@ from worker.model_loader import (
     default_gguf_path,
     gguf_cache_folder,
 )
-from worker.model_runner import ModelRunner, RowKey
-from worker.prefix_cache import PrefixCache
+from worker.model_runner import ModelRunner, Work
 from worker.types import SampledLogprobs
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,8 @@ PASSAGE = (
     "clerk who always counted his change twice. Nobody hurried; the water kept its own "
     "time, and so did the town. "
 )
+# The notional KV pool of a fake worker, in tokens, unless --max-batch-tokens says otherwise.
+DEFAULT_TOKENS = 1 << 20
 # Large enough that softmax puts all the mass on the chosen token (e^-100 per other token).
 _SPIKE = 100.0
 
@@ -91,80 +93,35 @@ def passage_token_ids(tokenizer: Any) -> list[int]:
 class FakeRunner(ModelRunner):
     """Produces logits without a model; see the module docstring.
 
-    It subclasses :class:`ModelRunner` so the engine's type holds and keeps its
-    row bookkeeping (``row_keys``, ``live_rows`` read ``_rows``); it overrides
-    every method that would touch a model or a KV cache, and holds neither.
+    It subclasses :class:`ModelRunner` so the engine's type holds; it overrides
+    every method that would touch a model, and holds no KV cache.
     """
 
-    def __init__(self, loaded: LoadedModel, *, step_ms: float = 0.0):
+    scores_prompts = False  # no model: the engine refuses prompt_logprobs up front
+    pool_bytes = 0  # no cache is allocated
+
+    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int, step_ms: float = 0.0):
         if step_ms < 0:
             raise ValueError(f"step_ms must not be negative, got {step_ms}")
         # ModelRunner.__init__ is not called on purpose: it would need a model.
         self.device = torch.device("cpu")
         self.dtype = torch.float32
+        self.num_blocks = num_blocks
+        self.block_size = block_size
         self.vocab_size = len(loaded.tokenizer)
         self._passage = passage_token_ids(loaded.tokenizer)
         self._step_s = step_ms / 1000.0
-        self._rows: list[RowKey] = []
-        self.prefix_cache = PrefixCache(0)  # off: there is no KV to reuse
-        # Per row: the next passage position, and the tokens a real cache would hold.
-        self._position: dict[RowKey, int] = {}
-        self._length: dict[RowKey, int] = {}
 
-    @property
-    def cache_tokens(self) -> int:
-        """The tokens a real KV cache would hold for the rows (prompt + generated)."""
-        return sum(self._length.values())
-
-    @property
-    def cache_bytes(self) -> int:
-        return 0  # no cache is allocated
-
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, BatchCache]:
-        """Logits picking the passage's first token for each prompt; the "cache" carries only the
-        prompt lengths (``admit`` reads them)."""
+    def execute(self, work: Sequence[Work]) -> torch.Tensor:
+        """Logits picking each sampling item's next passage token, in ``work`` order."""
+        if not work:
+            raise ValueError("execute needs at least one item")
         self._pace()
-        cache = BatchCache(0)
-        cache.lengths = [len(p) for p in prompts]
-        return self._logits([self._passage[0]] * len(prompts)), cache
-
-    def admit(self, prefilled: BatchCache, rows: Sequence[tuple[int, RowKey]]) -> None:
-        for index, key in rows:
-            self._rows.append(key)
-            self._position[key] = 1  # the prefill's pick was position 0
-            self._length[key] = prefilled.lengths[index]
-
-    scores_prompts = False  # no model: the engine refuses prompt_logprobs up front
+        passage = self._passage
+        return self._logits([passage[item.generated % len(passage)] for item in work if item.sample])
 
     def score(self, prompt: Sequence[int], top_n: int) -> list[SampledLogprobs]:
         raise NotImplementedError("a fake-tokens worker runs no model, so it cannot score a prompt")
-
-    def decode(self, last_tokens: Mapping[RowKey, int]) -> torch.Tensor:
-        """Logits picking each row's next passage token, in ``row_keys`` order."""
-        if set(last_tokens) != set(self._rows):
-            raise RuntimeError("decode needs exactly one token for every row of the batch")
-        self._pace()
-        picks = []
-        for key in self._rows:
-            position = self._position[key]
-            picks.append(self._passage[position % len(self._passage)])
-            self._position[key] = position + 1
-            self._length[key] += 1
-        return self._logits(picks)
-
-    def release(self, keys: Iterable[RowKey]) -> None:
-        gone = set(keys)
-        if not gone.intersection(self._rows):
-            return
-        self._rows = [key for key in self._rows if key not in gone]
-        for key in gone:
-            self._position.pop(key, None)
-            self._length.pop(key, None)
-
-    def reset(self) -> None:
-        self._rows = []
-        self._position.clear()
-        self._length.clear()
 
     def _pace(self) -> None:
         if self._step_s:

@@ -1,146 +1,185 @@
-"""Executes the model: the only module that runs torch forward passes.
+"""Executes the model over the paged KV cache: the only module that runs torch forward passes.
 
-The runner owns the running batch's KV cache (:class:`BatchCache`) and the
-mapping from sequence keys to its rows. Call order per engine step:
+The runner is stateless about sequences: the scheduler decides each step's
+:class:`Work` (which tokens of which sequence, and its block table, from
+:class:`worker.kv_blocks.BlockManager`), and :meth:`ModelRunner.execute`
+runs them all in one forward, writing their keys and values into the pool
+(:class:`worker.kv_pool.KVPool`) and returning the logits of the sequences
+that sample. A step mixes decode rows (one token each) with chunks of
+prompts (several tokens of one sequence, up to the step's prefill budget),
+so a long prompt never stalls the running streams for more than one chunk.
 
-1. ``release`` the sequences that left (finished or aborted);
-2. ``prefill`` the newly admitted prompts in one forward, then ``admit`` one
-   row per choice (an ``n``-choice request shares its prompt's prefill);
-3. ``decode`` every row one token in one forward.
-
-With a prefix cache (``prefix_cache_tokens`` > 0), ``prefill`` first reuses
-the stored KV of each prompt's longest cached prefix and runs the model on the
-rest only; prompts of one prefill that share an uncached prefix get it computed
-once, just before. Every prefilled prompt's whole blocks are then stored.
+A step of decode rows only runs as a ``[rows, 1]`` batch; on CUDA it replays
+a captured CUDA graph of the padded batch-size bucket (``cuda_graphs.py``).
+Anything else runs eagerly as one flat ``[1, tokens]`` sequence.
 """
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from worker.batch_cache import BatchCache, compact, from_prefixes, prefill_inputs, suffix_prefill_inputs
+from worker.attention import paged
+from worker.attention.triton_decode import triton_available
+from worker.kv_pool import KVPool, KVShape, kv_shape
 from worker.model_loader import LoadedModel
-from worker.prefix_cache import PrefixCache
 from worker.types import SampledLogprobs
 
-# A batch row belongs to one choice of one request: (engine request key, choice index).
-RowKey = tuple[str, int]
+if TYPE_CHECKING:
+    from worker.cuda_graphs import DecodeGraphs
+
+
+@dataclass(frozen=True)
+class Work:
+    """One sequence's part of a step: compute ``tokens`` at positions ``start..``, whose slots the
+    block table covers; ``sample``: the last token's logits are wanted (it ends the known tokens)."""
+
+    tokens: Sequence[int]
+    start: int
+    table: Sequence[int]
+    sample: bool
+    generated: int = 0  # tokens the sequence has generated so far (a fake runner picks from it)
 
 
 class ModelRunner:
     scores_prompts = True  # ``score`` works (a runner without a model says False)
 
-    def __init__(self, loaded: LoadedModel, *, prefix_cache_tokens: int = 0):
+    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int):
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
-        self.num_layers = int(loaded.model.config.num_hidden_layers)
-        pad = loaded.tokenizer.pad_token_id
-        self.pad_id = int(pad) if pad is not None else 0
-        self._batch = BatchCache(self.num_layers)
-        self._rows: list[RowKey] = []
-        self.prefix_cache = PrefixCache(prefix_cache_tokens)
+        paged.register()
+        self.model.set_attn_implementation(paged.NAME)
+        self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        heads = int(self.model.config.get_text_config().num_attention_heads)
+        self.group = heads // self.kv_shape.kv_heads
+        # One block more than the scheduler hands out: padding rows of a captured decode batch write
+        # their keys and values there.
+        self.pool = KVPool(self.kv_shape, num_blocks + 1, block_size, self.device)
+        self.scratch_block = num_blocks
+        self.graphs: DecodeGraphs | None = None  # set once captured (CUDA)
+        # On CUDA with triton, decode rows use the Triton kernel (no gather), graphs or not.
+        self._use_kernel = self.device.type == "cuda" and triton_available()
 
     @property
-    def row_keys(self) -> list[RowKey]:
-        """Sequence keys in row order (the order of ``decode``'s logits)."""
-        return list(self._rows)
-
-    @property
-    def live_rows(self) -> int:
-        return len(self._rows)
-
-    @property
-    def cache_tokens(self) -> int:
-        """Tokens held in the batch's KV cache (padding not counted)."""
-        return sum(self._batch.lengths)
-
-    @property
-    def cache_bytes(self) -> int:
-        """Bytes allocated for the batch's KV cache (padding and headroom included)."""
-        return self._batch.allocated_bytes
+    def pool_bytes(self) -> int:
+        return self.pool.bytes
 
     @torch.inference_mode()
-    def prefill(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, BatchCache]:
-        """Runs the prompts in one left-padded forward (after one for their shared prefixes, if any).
+    def execute(self, work: Sequence[Work]) -> torch.Tensor:
+        """Runs every item in one forward; float32 logits [sampling items, vocab] in ``work`` order,
+        on the model's device (the sampler runs there)."""
+        if not work:
+            raise ValueError("execute needs at least one item")
+        if all(len(item.tokens) == 1 for item in work):
+            logits = self._decode(work)
+            wanted = [i for i, item in enumerate(work) if item.sample]
+            if len(wanted) == len(work):
+                return logits
+            return logits[torch.tensor(wanted, device=logits.device)]
+        return self._mixed(work)
 
-        Returns the logits of each prompt's last position [m, vocab] and the prompts' cache, whose
-        ``prefix_lengths`` say how many tokens of each prompt came from the prefix cache.
-        """
-        if not self.prefix_cache.enabled:
-            return self._forward(prompts, [0] * len(prompts), [])
-        shared = self._shared_prefixes(prompts)
-        if shared:
-            self._prefill_cached(shared)
-        return self._prefill_cached(prompts)
+    def _slots(self, item: Work) -> list[int]:
+        size = self.block_size
+        return [
+            item.table[p // size] * size + p % size for p in range(item.start, item.start + len(item.tokens))
+        ]
 
-    def _shared_prefixes(self, prompts: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
-        """Whole-block prefixes that two or more of these prompts start with and that the cache
-        lacks: computing each once beats computing it in every row. The longest per prompt."""
-        size = self.prefix_cache.block_tokens
-        seen: Counter[tuple[int, ...]] = Counter()
-        for prompt in prompts:
-            seen.update(tuple(prompt[:end]) for end in range(size, len(prompt), size))
-        wanted: set[tuple[int, ...]] = set()
-        for prompt in prompts:
-            ends = [end for end in range(size, len(prompt), size) if seen[tuple(prompt[:end])] > 1]
-            if ends and self.prefix_cache.cached_length(prompt) < ends[-1]:
-                wanted.add(tuple(prompt[: ends[-1]]))
-        return sorted(wanted)
+    def _decode_rows(self, step: paged.PagedStep, work: Sequence[Work]) -> None:
+        """Fills ``step``'s decode rows (one query token each) for these items: block tables and
+        lengths, and the gather's mask or, on CUDA with triton, the decode kernel."""
+        rows = len(work)
+        lengths = [item.start + 1 for item in work]
+        width = -(-max(lengths) // self.block_size)
+        kernel = self._use_kernel
+        index_type = torch.int32 if kernel else torch.long
+        tables = torch.zeros((rows, width), dtype=index_type)
+        for row, item in enumerate(work):
+            used = -(-lengths[row] // self.block_size)
+            tables[row, :used] = torch.tensor(list(item.table[:used]), dtype=index_type)
+        step.decode_tables = tables.to(self.device)
+        step.decode_lengths = torch.tensor(lengths, dtype=index_type, device=self.device)
+        if kernel:
+            from worker.cuda_graphs import decode_kernel
 
-    def _prefill_cached(self, prompts: Sequence[Sequence[int]]) -> tuple[torch.Tensor, BatchCache]:
-        hits = [self.prefix_cache.lookup(prompt) for prompt in prompts]
-        logits, cache = self._forward(prompts, [n for n, _ in hits], [layers for _, layers in hits])
-        width = cache.width
-        for row, prompt in enumerate(prompts):
-            start = width - len(prompt)
-            self.prefix_cache.store(
-                prompt,
-                [
-                    (layer.buffer_k[row, :, start:width], layer.buffer_v[row, :, start:width])
-                    for layer in cache._layers()
-                    if layer.buffer_k is not None and layer.buffer_v is not None
-                ],
-            )
-        return logits, cache
-
-    def _forward(
-        self,
-        prompts: Sequence[Sequence[int]],
-        prefix_lengths: list[int],
-        prefixes: list[list[tuple[torch.Tensor, torch.Tensor]]],
-    ) -> tuple[torch.Tensor, BatchCache]:
-        """One prefill forward; rows with a prefix (its length and per-layer KV) compute the rest only."""
-        if not any(prefix_lengths):
-            ids, positions, mask = prefill_inputs(prompts, self.pad_id, self.dtype, self.device)
-            cache = BatchCache(self.num_layers)
+            shape = self.kv_shape
+            heads = shape.kv_heads * self.group
+            like = torch.empty((rows, heads, shape.head_dim), dtype=shape.dtype, device=self.device)
+            step.decode_kernel = decode_kernel(rows, shape.kv_heads, width, self.block_size, like)
         else:
-            ids, positions, mask = suffix_prefill_inputs(
-                prompts, prefix_lengths, self.pad_id, self.dtype, self.device
+            step.decode_mask = paged.decode_mask(step.decode_lengths, width * self.block_size)
+
+    def _decode(self, work: Sequence[Work]) -> torch.Tensor:
+        if self.graphs is not None and self.graphs.fits(len(work)):
+            return self.graphs.run(work)
+        device = self.device
+        slots = [s for item in work for s in self._slots(item)]
+        step = paged.PagedStep(pool=self.pool, slots=torch.tensor(slots, dtype=torch.long, device=device))
+        self._decode_rows(step, work)
+        ids = torch.tensor([[item.tokens[0]] for item in work], dtype=torch.long, device=device)
+        positions = torch.tensor([[item.start] for item in work], dtype=torch.long, device=device)
+        with paged.paged_step(step):
+            out = self.model(input_ids=ids, position_ids=positions, use_cache=False)
+        return out.logits[:, -1].float()
+
+    def _mixed(self, work: Sequence[Work]) -> torch.Tensor:
+        device = self.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        decode_tokens: list[int] = []
+        decode_work: list[Work] = []
+        chunks: list[paged.Chunk] = []
+        keep: list[int] = []
+        for item in work:
+            start = len(ids)
+            count = len(item.tokens)
+            ids += item.tokens
+            positions += range(item.start, item.start + count)
+            slots += self._slots(item)
+            if item.sample:
+                keep.append(start + count - 1)
+            if count == 1:
+                decode_tokens.append(start)
+                decode_work.append(item)
+                continue
+            context = item.start + count
+            blocks = item.table[: -(-context // self.block_size)]
+            chunks.append(
+                paged.Chunk(
+                    start,
+                    count,
+                    context,
+                    torch.tensor(list(blocks), dtype=torch.long, device=device),
+                    paged.chunk_mask(count, context, self.group, device),
+                )
             )
-            cache = from_prefixes(prefixes, prefix_lengths, ids.shape[1])
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
+        step = paged.PagedStep(
+            pool=self.pool, slots=torch.tensor(slots, dtype=torch.long, device=device), chunks=chunks
         )
-        if any(prefix_lengths):
-            suffixes = [len(p) - n for p, n in zip(prompts, prefix_lengths, strict=True)]
-            cache = compact(cache, prefix_lengths, suffixes)
-        cache.lengths = [len(p) for p in prompts]
-        cache.prefix_lengths = prefix_lengths
-        return out.logits[:, -1].float(), cache
+        if decode_work:
+            step.decode_tokens = torch.tensor(decode_tokens, dtype=torch.long, device=device)
+            self._decode_rows(step, decode_work)
+        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
+        position_ids = torch.tensor([positions], dtype=torch.long, device=device)
+        with paged.paged_step(step):
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+            )
+        return out.logits[0].float()
 
     @torch.inference_mode()
     def score(self, prompt: Sequence[int], top_n: int) -> list[SampledLogprobs]:
         """The logprob of each prompt token after the first given the tokens before it, with the
-        ``top_n`` best alternatives, from one forward over the whole prompt (no cache kept, no prefix
+        ``top_n`` best alternatives, from one forward over the whole prompt (no KV kept, no prefix
         reused: every position needs its logits)."""
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
         logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
@@ -156,41 +195,3 @@ class ModelRunner:
             SampledLogprobs(int(token), value, tuple(alt_ids), tuple(alt_values))
             for token, value, alt_ids, alt_values in zip(prompt[1:], chosen, top_ids, top_values, strict=True)
         ]
-
-    def admit(self, prefilled: BatchCache, rows: Sequence[tuple[int, RowKey]]) -> None:
-        """Adds one batch row per (prompt index in ``prefilled``, sequence key)."""
-        self._batch.append(prefilled, [index for index, _ in rows])
-        self._rows += [key for _, key in rows]
-
-    @torch.inference_mode()
-    def decode(self, last_tokens: Mapping[RowKey, int]) -> torch.Tensor:
-        """Advances every row by its last token; returns float32 logits [rows, vocab] in ``row_keys`` order,
-        on the model's device (the sampler runs there)."""
-        if set(last_tokens) != set(self._rows):
-            raise RuntimeError("decode needs exactly one token for every row of the batch")
-        ids = torch.tensor([[last_tokens[key]] for key in self._rows], dtype=torch.long, device=self.device)
-        mask, positions = self._batch.decode_inputs(self.dtype, self.device)
-        out = self.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            past_key_values=self._batch,
-            use_cache=True,
-        )
-        self._batch.advance()
-        return out.logits[:, -1].float()
-
-    def release(self, keys: Iterable[RowKey]) -> None:
-        """Drops the rows of these sequences (unknown keys are ignored)."""
-        gone = set(keys)
-        if not gone.intersection(self._rows):
-            return
-        keep = [i for i, key in enumerate(self._rows) if key not in gone]
-        self._batch.keep(keep)
-        self._rows = [self._rows[i] for i in keep]
-
-    def reset(self) -> None:
-        """Drops every row of the batch (after a failed decode, whose cache state is unknown). The
-        prefix cache stays: an entry is stored only after its prefill forward succeeded."""
-        self._batch = BatchCache(self.num_layers)
-        self._rows = []

@@ -1,34 +1,67 @@
-"""Admission and batching decisions: pure Python, no torch, testable without a model.
+"""Admission, chunked prefill and preemption over the paged KV cache: pure Python, no torch.
 
-The scheduler owns two collections: ``waiting`` (a bounded FIFO of admitted
-requests) and ``running`` (requests whose sequences are in the batch). Each
-engine step asks :meth:`Scheduler.schedule` what to do. A waiting request
-joins the batch when all of these hold:
+The scheduler owns ``waiting`` (a bounded FIFO of requests) and ``running``
+(requests whose sequences are in the batch), and the
+:class:`~worker.kv_blocks.BlockManager` that hands out KV blocks. A sequence
+is its known tokens (the prompt, then every generated token) and how many of
+them have their KV in the pool (``computed``); each step it computes the
+rest, or as much of it as the step's budget allows:
 
-- a sequence slot is free for each of its choices (``max_running``);
-- its token reservation fits: every sequence reserves its prompt plus its
-  ``max_tokens``, so the KV cache can never outgrow ``max_batch_tokens``;
-- the step's prefill budget allows it: new prompts are prefilled together,
-  left-padded to the longest, so a step costs (new prompts) x (longest new
-  prompt) tokens, and that cost is kept under ``prefill_budget_tokens``. A
-  prompt's length here is what the prefill must compute (``prefill_cost``:
-  the engine leaves out the tokens the prefix cache already holds). A burst
-  of long prompts therefore cannot stall the running streams for more than
-  one bounded prefill per step. The first admission of a step always goes
-  through, so a prompt longer than the budget still runs (alone).
+- a sequence with one token left (the last sampled one) **decodes**: one
+  token, every step, never held back by the budget;
+- a sequence with more left **prefills a chunk**: prompts share the step's
+  ``prefill_budget_tokens``, oldest first, so a long prompt is computed over
+  several steps and the running streams advance in every one of them. A
+  sequence samples only when its chunk reaches its last known token.
+
+A waiting request joins when a slot is free for each of its sequences
+(``max_running``), the budget has room, and its first chunk's blocks are
+available (after the blocks its prompt's cached prefix supplies). When a
+running sequence needs a block and none is left, the newest running request
+is **preempted**: its blocks are freed and it goes back to the front of the
+queue with its tokens, to be recomputed (mostly from the prefix cache) when
+blocks free up. Nothing fails for lack of memory: a request that could not
+fit the whole pool on its own is refused when it is added.
 
 Admission is first come, first served: a request that does not fit blocks the
 ones behind it, so a large request is never starved by small ones.
+
+An ``n > 1`` request computes its prompt once (its first sequence); the
+others wait for that sequence's first sample (``awaits_prompt``), then start
+from the prompt's blocks in the prefix cache plus their own first token.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
 from worker.errors import InvalidRequest, QueueFull
+from worker.kv_blocks import BlockManager, SequenceBlocks
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One choice's tokens and KV blocks. ``tokens`` grows by one per sample (the engine appends)."""
+
+    tokens: list[int]
+    prompt_length: int
+    max_length: int  # prompt + max_tokens, capped at the context: the most tokens it can reach
+    blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
+    computed: int = 0  # leading tokens whose KV is in the pool
+    finished: bool = False
+    awaits_prompt: bool = False  # an n > 1 sibling before the first sequence's prompt is done
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its first admission
+
+    @property
+    def pending(self) -> int:
+        """Known tokens without KV yet (1 for a decoding sequence)."""
+        return len(self.tokens) - self.computed
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_length
 
 
 class Schedulable(Protocol):
@@ -36,70 +69,82 @@ class Schedulable(Protocol):
     def request_id(self) -> str: ...
 
     @property
-    def num_sequences(self) -> int: ...
+    def sequences(self) -> list[Sequence]: ...
 
     @property
-    def prompt_length(self) -> int: ...
-
-    @property
-    def reserved_tokens(self) -> int: ...
+    def needs_kv(self) -> bool:
+        """False for a request that only scores its prompt (no sequence is computed)."""
+        ...
 
 
 T = TypeVar("T", bound=Schedulable)
 
 
+@dataclass(frozen=True)
+class Work:
+    """Compute ``count`` tokens of ``seq`` from ``seq.computed`` on (its table covers them)."""
+
+    seq: Sequence
+    count: int
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.computed + self.count == len(self.seq.tokens)
+
+
 @dataclass
 class StepPlan(Generic[T]):
-    """What one step does: prefill newly admitted requests, then decode the running ones."""
+    """One step: the work of every sequence that runs, the requests that joined the batch (first
+    time or after a preemption), those preempted, and those whose planning raised (to fail alone)."""
 
-    prefill: list[T] = field(default_factory=list)
-    decode: list[T] = field(default_factory=list)
-    # Waiting requests whose planning raised (their prefill cost): out of the queue, to be failed alone.
+    work: list[Work] = field(default_factory=list)
+    admitted: list[T] = field(default_factory=list)
+    preempted: list[T] = field(default_factory=list)
     failed: list[tuple[T, Exception]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.prefill and not self.decode
+        return not self.work and not self.admitted
 
 
 class Scheduler(Generic[T]):
-    """FCFS continuous-batching scheduler with a bounded queue, token reservations and a prefill budget."""
+    """FCFS continuous batching with chunked prefill and preemption over a block pool."""
 
     def __init__(
         self,
+        blocks: BlockManager,
+        *,
         max_running: int,
         max_queue: int,
         prefill_budget_tokens: int,
-        max_batch_tokens: int,
-        prefill_cost: Callable[[T], int] | None = None,
     ):
-        """``prefill_cost(item)``: the prompt tokens its prefill computes (default: all of them)."""
+        self.blocks = blocks
         self.max_running = max_running
         self.max_queue = max_queue
         self.prefill_budget_tokens = prefill_budget_tokens
-        self.max_batch_tokens = max_batch_tokens
-        self._prefill_cost = prefill_cost or (lambda item: item.prompt_length)
         self.waiting: deque[T] = deque()
         self.running: list[T] = []
 
     @property
     def running_sequences(self) -> int:
-        return sum(item.num_sequences for item in self.running)
+        return sum(len(_live(item)) for item in self.running)
 
     @property
-    def reserved_tokens(self) -> int:
-        return sum(item.reserved_tokens for item in self.running)
+    def capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size
 
     def add(self, item: T) -> None:
         """Queues a request.
 
-        Raises InvalidRequest when the request could never fit the batch, and
-        QueueFull (with a retry hint) when the queue is at its bound.
+        Raises InvalidRequest when the request could never fit the pool on its
+        own, and QueueFull (with a retry hint) when the queue is at its bound.
         """
-        if item.reserved_tokens > self.max_batch_tokens:
+        need = sum(self.blocks.blocks_for(seq.max_length) for seq in item.sequences) if item.needs_kv else 0
+        if need > self.blocks.num_blocks:
+            tokens = sum(seq.max_length for seq in item.sequences)
             raise InvalidRequest(
-                f"the request needs {item.reserved_tokens} tokens of cache (prompt + max_tokens, times n), "
-                f"more than this worker's limit of {self.max_batch_tokens}; lower max_tokens or n",
+                f"the request needs {tokens} tokens of KV cache (prompt + max_tokens, times n), more than "
+                f"this worker's {self.capacity_tokens}; lower max_tokens or n",
                 param="max_tokens",
             )
         if len(self.waiting) >= self.max_queue:
@@ -110,38 +155,123 @@ class Scheduler(Generic[T]):
         self.waiting.append(item)
 
     def remove(self, request_id: str) -> T | None:
-        """Takes a request out wherever it is (queued or running); returns it, or None if unknown."""
+        """Takes a request out wherever it is (queued or running), freeing its blocks; returns it,
+        or None if unknown."""
         for index, item in enumerate(self.running):
             if item.request_id == request_id:
+                self._free(item)
                 return self.running.pop(index)
         for item in self.waiting:
             if item.request_id == request_id:
                 self.waiting.remove(item)
+                self._free(item)
                 return item
         return None
 
+    def finish(self, seq: Sequence) -> None:
+        """A sequence ended: its blocks go back (registered prefix blocks stay reusable)."""
+        seq.finished = True
+        self.blocks.free(seq.blocks)
+
+    def committed(self, work: Work) -> None:
+        """Records that ``work`` ran: its tokens' KV is in the pool (and whole blocks registered)."""
+        seq = work.seq
+        seq.computed += work.count
+        self.blocks.commit(seq.blocks, seq.tokens, seq.computed)
+
+    def _free(self, item: T) -> None:
+        for seq in item.sequences:
+            self.blocks.free(seq.blocks)
+            seq.computed = 0
+
     def schedule(self) -> StepPlan[T]:
-        plan: StepPlan[T] = StepPlan(decode=list(self.running))
-        free_slots = self.max_running - self.running_sequences
-        free_tokens = self.max_batch_tokens - self.reserved_tokens
-        longest = 0
-        while self.waiting:
+        plan: StepPlan[T] = StepPlan()
+        budget = self.prefill_budget_tokens
+        index = 0
+        while index < len(self.running):  # oldest first; a preemption shortens the list from its end
+            item = self.running[index]
+            planned = len(plan.work)
+            budget, ok = self._plan(item, budget, plan)
+            if not ok:  # no block even after preempting every newer request: this one waits too
+                del plan.work[planned:]
+                self._preempt(item, plan)
+                continue
+            index += 1
+        while self.waiting and (budget > 0 or not plan.work):
             head = self.waiting[0]
-            if head.num_sequences > free_slots or head.reserved_tokens > free_tokens:
+            if len(head.sequences) + self.running_sequences > self.max_running:
                 break
+            planned = len(plan.work)
             try:
-                cost = self._prefill_cost(head)
+                budget, ok = self._admit(head, budget, plan)
             except Exception as error:  # this request alone cannot be planned
                 self.waiting.popleft()
+                self._free(head)
+                del plan.work[planned:]
                 plan.failed.append((head, error))
                 continue
-            padded_cost = (len(plan.prefill) + 1) * max(longest, cost)
-            if plan.prefill and padded_cost > self.prefill_budget_tokens:
+            if not ok:
+                del plan.work[planned:]
+                self._free(head)
                 break
             self.waiting.popleft()
-            plan.prefill.append(head)
             self.running.append(head)
-            free_slots -= head.num_sequences
-            free_tokens -= head.reserved_tokens
-            longest = max(longest, cost)
+            plan.admitted.append(head)
         return plan
+
+    def _plan(self, item: T, budget: int, plan: StepPlan[T]) -> tuple[int, bool]:
+        """Plans a running request's sequences, preempting newer requests for blocks if needed."""
+        for seq in _live(item):
+            if seq.awaits_prompt:
+                continue
+            if not seq.blocks.table and seq.computed == 0:
+                seq.computed = self.blocks.attach_prefix(seq.blocks, seq.tokens)
+            count = 1 if seq.pending == 1 else min(seq.pending, budget)
+            if count <= 0:
+                continue
+            while not self.blocks.ensure(seq.blocks, seq.computed + count):
+                victim = self.running[-1]
+                if victim is item:
+                    return budget, False
+                self._preempt(victim, plan)
+            plan.work.append(Work(seq, count))
+            if seq.pending > 1:
+                budget -= count
+        return budget, True
+
+    def _admit(self, item: T, budget: int, plan: StepPlan[T]) -> tuple[int, bool]:
+        """Plans a waiting request's first step; False (nothing taken) when its blocks are short.
+        Only free blocks count: admission never preempts."""
+        if not item.needs_kv:
+            return budget, True
+        for seq in _live(item):
+            if seq.awaits_prompt:
+                continue
+            cached = self.blocks.attach_prefix(seq.blocks, seq.tokens)
+            seq.computed = cached
+            if seq.generated == 0:
+                seq.cached_tokens = cached
+            count = 1 if seq.pending == 1 else min(seq.pending, max(budget, 0))
+            if count <= 0:
+                if plan.work:  # no budget left this step: try again next step
+                    return budget, False
+                count = min(seq.pending, self.prefill_budget_tokens)
+            if not self.blocks.ensure(seq.blocks, seq.computed + count):
+                return budget, False
+            plan.work.append(Work(seq, count))
+            if seq.pending > 1:
+                budget -= count
+        return budget, True
+
+    def _preempt(self, item: T, plan: StepPlan[T]) -> None:
+        """Frees a running request's blocks and puts it back at the front of the queue."""
+        self.running.remove(item)
+        self._free(item)
+        self.waiting.appendleft(item)
+        plan.preempted.append(item)
+        if item in plan.admitted:
+            plan.admitted.remove(item)
+
+
+def _live(item: Schedulable) -> list[Sequence]:
+    return [seq for seq in item.sequences if not seq.finished]

@@ -39,12 +39,13 @@ from worker import metrics
 from worker.config import WorkerConfig
 from worker.drain import DrainingWorker
 from worker.engine import Engine
-from worker.fake_runner import FakeRunner, load_fake_model
+from worker.fake_runner import load_fake_model
 from worker.fake_runner import metrics_text as fake_metrics_text
 from worker.grammar import GrammarCompiler
 from worker.model_loader import ModelLoadError, load_model
 from worker.model_runner import ModelRunner
 from worker.prompt import PromptRenderer
+from worker.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner
 from worker.servicer import ServingModel, WorkerService
 from worker.wire_decoding import add_worker_service
 
@@ -111,7 +112,8 @@ def build_serving(config: WorkerConfig) -> ServingModel:
         loaded = load_fake_model(
             config.model, served_model_name=config.served_model_name, cache_dir=config.cache_dir
         )
-        runner = FakeRunner(loaded, step_ms=config.fake_step_ms)
+        runner = fake_runner(loaded, config)
+        limits = batch_limits(config, loaded.device, runner.num_blocks * runner.block_size)
     else:
         loaded = load_model(
             config.model,
@@ -121,9 +123,9 @@ def build_serving(config: WorkerConfig) -> ServingModel:
             cache_dir=config.cache_dir,
             cpu_linear=config.cpu_linear,
             quantization=config.quantization,
-            batch_hint=config.max_running,
+            batch_hint=cpu_batch_hint(config),
         )
-        runner = ModelRunner(loaded, prefix_cache_tokens=config.prefix_cache_tokens)
+        runner, limits = model_runner(loaded, config)
     eos = eos_token_ids(loaded.model, loaded.tokenizer)
     grammars = GrammarCompiler(loaded.tokenizer, eos)
     engine = Engine(
@@ -131,10 +133,10 @@ def build_serving(config: WorkerConfig) -> ServingModel:
         loaded.tokenizer,
         eos_token_ids=eos,
         context_length=loaded.context_length,
-        max_running=config.max_running,
+        max_running=limits.max_running,
         max_queue=config.max_queue,
-        prefill_budget_tokens=config.max_prefill_tokens,
-        max_batch_tokens=config.max_batch_tokens or config.max_running * loaded.context_length,
+        prefill_budget_tokens=limits.prefill_tokens,
+        prefix_caching=config.prefix_caching,
         blocked_phrases=config.blocked_phrases,
         refusal_message=config.refusal_message,
         grammars=grammars,
@@ -145,7 +147,7 @@ def build_serving(config: WorkerConfig) -> ServingModel:
         engine,
         PromptRenderer(loaded.tokenizer),
         grammars,
-        config.max_running,
+        limits.max_running,
         config.default_max_tokens,
     )
 

@@ -12,9 +12,11 @@ import httpx
 import openai
 import pytest
 
-from worker.prefix_cache import BLOCK_TOKENS
+from worker.config import WorkerConfig
 
 pytestmark = pytest.mark.e2e
+
+BLOCK_TOKENS = WorkerConfig().kv_block_size
 
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from worker.config import (
+    _SETTING,
     DEFAULT_CACHE_DIR,
     ENV_PREFIX,
     METRICS_PORT_OFFSET,
@@ -30,7 +31,7 @@ def test_every_field_is_a_flag_and_a_variable_with_its_default():
         assert flag in described, f"{field.name} is not a setting"
         env, shown = described[flag]
         assert env == ENV_PREFIX + field.name.upper()
-        if field.name != "metrics_port":  # a computed default is described in words
+        if field.metadata[_SETTING].shown_default is None:  # a computed default is described in words
             assert shown == getattr(defaults, field.name) == field.default
     assert [f for f, *_ in describe_settings()] == [
         "--" + f.name.replace("_", "-") for f in dataclasses.fields(WorkerConfig)
@@ -53,7 +54,7 @@ def test_help_lists_every_setting():
         (["--max-running", "4"], {}, "max_running", 4),
         ([], {"SLUICE_WORKER_MAX_RUNNING": "4"}, "max_running", 4),
         (["--max-running", "5"], {"SLUICE_WORKER_MAX_RUNNING": "4"}, "max_running", 5),  # flag wins
-        ([], {"SLUICE_WORKER_MAX_RUNNING": ""}, "max_running", 16),  # empty = unset
+        ([], {"SLUICE_WORKER_MAX_RUNNING": ""}, "max_running", None),  # empty = unset: from the device
         ([], {"SLUICE_WORKER_CACHE_DIR": "/tmp/x"}, "cache_dir", Path("/tmp/x")),
         (["--blocked-phrases", "a, b,,c"], {}, "blocked_phrases", ("a", "b", "c")),
         (["--fake-tokens"], {}, "fake_tokens", True),

@@ -29,16 +29,26 @@ def loaded(tiny_model_dir):
     return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
 
 
-def make_engine(loaded, *, prefill_budget_tokens: int, prefix_cache_tokens: int = 0) -> Engine:
-    """A started engine on ``loaded`` with 4 sequence slots; the caller stops it."""
+def make_engine(
+    loaded,
+    *,
+    prefill_budget_tokens: int,
+    prefix_caching: bool = False,
+    pool_tokens: int = 4096,
+    block_size: int = 16,
+    max_running: int = 4,
+) -> Engine:
+    """A started engine on ``loaded`` with ``max_running`` sequence slots over a pool of
+    ``pool_tokens``; the caller stops it."""
     eng = Engine(
-        ModelRunner(loaded, prefix_cache_tokens=prefix_cache_tokens),
+        ModelRunner(loaded, num_blocks=pool_tokens // block_size, block_size=block_size),
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
-        max_running=4,
+        max_running=max_running,
         max_queue=1000,
         prefill_budget_tokens=prefill_budget_tokens,
+        prefix_caching=prefix_caching,
     )
     eng.start()
     return eng
@@ -177,7 +187,7 @@ def test_random_cancellations_leave_nothing_behind(engine):
     assert stats.running_sequences == 0 and stats.live_caches == 0
     assert stats.counters.requests_cancelled + stats.counters.requests_finished == 300
     assert stats.counters.requests_cancelled > 250
-    assert stats.cache_tokens == 0 and stats.cache_bytes == 0 and stats.reserved_tokens == 0
+    assert stats.cache_tokens == 0 and stats.reserved_tokens == 0 and stats.kv_blocks_used == 0
 
 
 def test_prompt_logprobs_score_every_token_after_the_first(engine, loaded):
@@ -205,3 +215,49 @@ def test_prompt_logprobs_then_generation_as_usual(engine, loaded):
     assert len(scored) == 1 and len(scored[0].logprobs) == 3
     assert token_ids(events) == greedy(loaded, prompt, 5)[: len(token_ids(events))]
     assert events.index(scored[0]) < min(i for i, e in enumerate(events) if isinstance(e, ContentDelta))
+
+
+def test_greedy_equals_sequential_generate_under_chunking_preemption_and_prefix_hits(loaded):
+    """A pool of 20 blocks of 8 tokens for 6 requests of up to 60 tokens each: prompts come in
+    chunks of 16 tokens, the newest requests are preempted and recomputed, and prompts sharing a
+    24-token start reuse its blocks. Every text still equals ``generate`` on the prompt alone."""
+    rng = random.Random(7)
+    shared = [rng.randrange(3, 1000) for _ in range(24)]
+    prompts = [shared + [rng.randrange(3, 1000) for _ in range(n)] for n in (3, 17, 9)]
+    prompts += [[rng.randrange(3, 1000) for _ in range(n)] for n in (5, 30, 12)]
+    steps = 20
+    eng = make_engine(
+        loaded, prefill_budget_tokens=16, prefix_caching=True, pool_tokens=160, block_size=8, max_running=6
+    )
+
+    async def run_all():
+        first = await collect(eng, request(prompts[0], temperature=0.0, max_tokens=steps, min_tokens=steps))
+        rest = await asyncio.gather(
+            *[
+                collect(eng, request(p, temperature=0.0, max_tokens=steps, min_tokens=steps))
+                for p in prompts[1:]
+            ]
+        )
+        return [first, *rest]
+
+    try:
+        results = asyncio.run(asyncio.wait_for(run_all(), timeout=300))
+        stats = eng.stats()
+    finally:
+        eng.stop()
+    for prompt, events in zip(prompts, results, strict=True):
+        assert token_ids(events) == greedy(loaded, prompt, steps)
+    assert stats.counters.preemptions > 0
+    assert stats.counters.prefix_cache_hit_tokens >= 2 * 24
+    assert stats.kv_blocks_used == 0 and stats.running_requests == 0
+
+
+def test_n_choices_share_the_prompt_and_each_equals_generate(loaded):
+    eng = make_engine(loaded, prefill_budget_tokens=64, prefix_caching=True, block_size=8)
+    prompt = list(range(40, 61))
+    try:
+        events = asyncio.run(collect(eng, request(prompt, temperature=0.0, max_tokens=8, min_tokens=8, n=3)))
+    finally:
+        eng.stop()
+    expected = greedy(loaded, prompt, 8)
+    assert [token_ids(events, i) for i in range(3)] == [expected] * 3

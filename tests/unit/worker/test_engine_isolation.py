@@ -48,8 +48,7 @@ def test_a_failing_output_processor_fails_its_request_only(loaded, monkeypatch):
     monkeypatch.setattr(engine_module, "RequestOutputProcessor", PoisonedProcessor)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(2, 30))] for _ in range(9)]
-    eng = make_engine(loaded, prefill_budget_tokens=512, prefix_cache_tokens=256)
-    eng._scheduler.max_running = 9  # all nine in one batch
+    eng = make_engine(loaded, prefill_budget_tokens=512, prefix_caching=True, max_running=9)
 
     async def collect(name: str, prompt: list[int]) -> list:
         return [event async for event in eng.submit(request(name, prompt))]
@@ -59,7 +58,7 @@ def test_a_failing_output_processor_fails_its_request_only(loaded, monkeypatch):
         return await asyncio.gather(*[collect(n, p) for n, p in zip(names, prompts, strict=True)])
 
     try:
-        cached_before = eng._runner.prefix_cache.cached_length(prompts[0])
+        cached_before = eng.blocks.cached_length(prompts[0])
         results = asyncio.run(asyncio.wait_for(run_all(), timeout=120))
         for i, (prompt, events) in enumerate(zip(prompts, results, strict=True)):
             if i == 4:
@@ -74,14 +73,14 @@ def test_a_failing_output_processor_fails_its_request_only(loaded, monkeypatch):
         assert stats.counters.requests_failed == 1 and stats.counters.requests_finished == 8
         assert stats.running_requests == 0 and stats.live_caches == 0
         # No cache was dropped: the prompts' blocks are still there.
-        assert eng._runner.prefix_cache.cached_length(prompts[0]) >= cached_before
-        assert eng._runner.prefix_cache.cached_length(prompts[0]) > 0 or len(prompts[0]) <= 8
+        assert eng.blocks.cached_length(prompts[0]) >= cached_before
+        assert eng.blocks.cached_length(prompts[0]) > 0 or len(prompts[0]) <= 16
     finally:
         eng.stop()
 
 
 class FlakyRunner:
-    """Wraps the real runner; the prefill of a prompt starting with token 999 raises once."""
+    """Wraps the real runner; a step that computes the start of a prompt beginning with 999 raises."""
 
     def __init__(self, inner):  # type: ignore[no-untyped-def]
         self._inner = inner
@@ -89,10 +88,10 @@ class FlakyRunner:
     def __getattr__(self, name):  # type: ignore[no-untyped-def]
         return getattr(self._inner, name)
 
-    def prefill(self, prompts):  # type: ignore[no-untyped-def]
-        if any(p[0] == 999 for p in prompts):
+    def execute(self, work):  # type: ignore[no-untyped-def]
+        if any(item.start == 0 and item.tokens[0] == 999 for item in work):
             raise RuntimeError("out of memory in prefill")
-        return self._inner.prefill(prompts)
+        return self._inner.execute(work)
 
 
 def test_a_failed_prefill_fails_only_the_requests_it_prefilled(loaded):

@@ -9,9 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from worker.batch_cache import BatchCache
 from worker.engine import Engine
-from worker.prefix_cache import PrefixCache
 from worker.types import (
     ContentDelta,
     Failed,
@@ -28,45 +26,23 @@ from worker.types import (
 
 
 class ScriptedRunner:
-    """Stands in for ModelRunner: every row's logits force the next token of one script."""
+    """Stands in for ModelRunner: every sampled sequence's logits force its next token of one script
+    (by how many tokens it has generated)."""
+
+    scores_prompts = False
+    pool_bytes = 0
+    num_blocks = 1024
+    block_size = 16
 
     def __init__(self, script: list[int], vocab_size: int):
         self.script, self.vocab = script, vocab_size
-        self.rows: list[tuple[str, int]] = []
-        self.position: dict[tuple[str, int], int] = {}
-        self.prefix_cache = PrefixCache(0)  # off
 
-    def _logits(self, positions: list[int]) -> torch.Tensor:
+    def execute(self, work):
+        positions = [item.generated for item in work if item.sample]
         logits = torch.zeros(len(positions), self.vocab)
         for row, at in enumerate(positions):
             logits[row, self.script[min(at, len(self.script) - 1)]] = 100.0
         return logits
-
-    row_keys = property(lambda self: list(self.rows))
-    live_rows = property(lambda self: len(self.rows))
-    cache_tokens = property(lambda self: 0)
-    cache_bytes = property(lambda self: 0)
-
-    def prefill(self, prompts):
-        return self._logits([0] * len(prompts)), BatchCache(1)
-
-    def admit(self, prefilled, rows):
-        for _, key in rows:
-            self.rows.append(key)
-            self.position[key] = 1
-
-    def decode(self, last_tokens):
-        positions = [self.position[key] for key in self.rows]
-        for key in self.rows:
-            self.position[key] += 1
-        return self._logits(positions)
-
-    def release(self, keys):
-        gone = set(keys)
-        self.rows = [k for k in self.rows if k not in gone]
-
-    def reset(self):
-        self.rows = []
 
 
 @pytest.fixture(scope="module")
@@ -142,18 +118,19 @@ def test_tool_call_text_ends_with_tool_calls(tokenizer):
     assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Checking."
 
 
-class BrokenLookup(PrefixCache):
-    """A prefix cache whose lookups fail, standing in for any bug met while planning a step."""
-
-    def cached_length(self, prompt):  # type: ignore[no-untyped-def]
-        raise RuntimeError("broken")
-
-
 def test_a_failure_while_planning_a_step_fails_the_requests_instead_of_hanging(tokenizer):
     script = tokenizer("Fine.", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     runner = ScriptedRunner(script, len(tokenizer))
-    runner.prefix_cache = BrokenLookup(0)
     engine = Engine(runner, tokenizer, eos_token_ids={tokenizer.eos_token_id}, context_length=4096)  # type: ignore[arg-type]
+    attach = engine.blocks.attach_prefix
+    broken = [True]
+
+    def broken_attach(seq, tokens):  # type: ignore[no-untyped-def]
+        if broken[0]:  # stands in for any bug met while planning a step
+            raise RuntimeError("broken")
+        return attach(seq, tokens)
+
+    engine.blocks.attach_prefix = broken_attach  # type: ignore[method-assign]
     engine.start()
 
     def request(name: str) -> GenerationRequest:
@@ -167,7 +144,7 @@ def test_a_failure_while_planning_a_step_fails_the_requests_instead_of_hanging(t
     try:
         events = asyncio.run(asyncio.wait_for(collect("a"), timeout=10))
         assert isinstance(events[-1], Failed) and events[-1].message == "generation failed: RuntimeError"
-        runner.prefix_cache = PrefixCache(0)  # the loop is still alive and serves the next request
+        broken[0] = False  # the loop is still alive and serves the next request
         events = asyncio.run(asyncio.wait_for(collect("b"), timeout=10))
         assert "".join(e.text for e in events if isinstance(e, ContentDelta)) == "Fine."
         assert engine.stats().counters.requests_failed == 1

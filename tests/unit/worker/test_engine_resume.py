@@ -66,13 +66,14 @@ def compiler(loaded):
 @pytest.fixture(scope="module")
 def engine(loaded, compiler):
     eng = Engine(
-        ModelRunner(loaded),
+        ModelRunner(loaded, num_blocks=256, block_size=16),
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
         max_running=8,
+        # Small: a resumed request's prompt plus tokens is computed in several chunks.
+        prefill_budget_tokens=16,
         grammars=compiler,
-        blocked_phrases=(),
     )
     eng.start()
     yield eng

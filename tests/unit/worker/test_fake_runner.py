@@ -15,6 +15,7 @@ from worker.engine import Engine
 from worker.errors import InvalidRequest
 from worker.fake_runner import PASSAGE, SOURCE_PREFIX, FakeRunner, load_fake_model, metrics_text
 from worker.model_loader import DEFAULT_MODEL_ID, ModelLoadError
+from worker.model_runner import Work
 from worker.server import eos_token_ids
 from worker.types import ContentDelta, Finished, FinishReason, GenerationRequest, SamplingOptions, Usage
 
@@ -31,7 +32,7 @@ def passage_ids(loaded) -> list[int]:
 
 def engine_for(loaded, step_ms: float = 0.0) -> Engine:
     engine = Engine(
-        FakeRunner(loaded, step_ms=step_ms),
+        FakeRunner(loaded, num_blocks=1024, block_size=16, step_ms=step_ms),
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
@@ -78,28 +79,23 @@ def test_missing_gguf_is_a_clear_load_error(tmp_path):
         load_fake_model(str(tmp_path / "missing.gguf"))
 
 
-def test_runner_cycles_the_passage_per_row(loaded, passage_ids):
-    runner = FakeRunner(loaded)
-    logits, prefilled = runner.prefill([[1, 2, 3], [4, 5]])
-    assert logits.shape == (2, len(loaded.tokenizer))
-    assert logits.argmax(-1).tolist() == [passage_ids[0]] * 2
-    # Prompt 0 has two choices (rows), prompt 1 one.
-    runner.admit(prefilled, [(0, ("a", 0)), (0, ("a", 1)), (1, ("b", 0))])
-    assert runner.row_keys == [("a", 0), ("a", 1), ("b", 0)] and runner.cache_tokens == 3 + 3 + 2
-    picks = []
-    for _ in range(len(passage_ids) + 2):  # past the end: the passage starts again
-        logits = runner.decode(dict.fromkeys(runner.row_keys, 0))
-        assert torch.softmax(logits, -1).max(-1).values.min() > 0.999  # all the mass on one token
-        picks.append(logits.argmax(-1).tolist())
-    expected = (passage_ids * 2)[1 : len(passage_ids) + 3]
-    assert [row[0] for row in picks] == expected and [row[2] for row in picks] == expected
-    assert runner.cache_tokens == 8 + 3 * len(picks) and runner.cache_bytes == 0
-    runner.release([("a", 1), ("unknown", 0)])
-    assert runner.row_keys == [("a", 0), ("b", 0)] and runner.live_rows == 2
-    with pytest.raises(RuntimeError, match="exactly one token for every row"):
-        runner.decode({("a", 0): 1})
-    runner.reset()
-    assert runner.row_keys == [] and runner.cache_tokens == 0
+def test_runner_picks_each_sequence_s_next_passage_token(loaded, passage_ids):
+    runner = FakeRunner(loaded, num_blocks=64, block_size=16)
+    # A prompt chunk that samples, one that does not, and decode rows at several points of the passage
+    # (past its end it starts again).
+    work = [
+        Work([1, 2, 3], 0, [0], True, generated=0),
+        Work([4, 5], 0, [1], False, generated=0),
+        Work([9], 20, [2, 3], True, generated=5),
+        Work([9], 40, [4, 5, 6], True, generated=len(passage_ids) + 1),
+    ]
+    logits = runner.execute(work)
+    assert logits.shape == (3, len(loaded.tokenizer))
+    assert torch.softmax(logits, -1).max(-1).values.min() > 0.999  # all the mass on one token
+    assert logits.argmax(-1).tolist() == [passage_ids[0], passage_ids[5], passage_ids[1]]
+    assert runner.pool_bytes == 0
+    with pytest.raises(ValueError, match="at least one item"):
+        runner.execute([])
 
 
 def test_engine_streams_the_passage_greedy_or_sampled(loaded, passage_ids):
@@ -143,7 +139,7 @@ def test_step_pacing_sleeps_each_forward(loaded):
 
 def test_runner_rejects_negative_pacing(loaded):
     with pytest.raises(ValueError, match="step_ms"):
-        FakeRunner(loaded, step_ms=-1)
+        FakeRunner(loaded, num_blocks=16, block_size=16, step_ms=-1)
 
 
 def test_metrics_text_marks_the_worker_fake():

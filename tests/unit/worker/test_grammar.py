@@ -71,7 +71,7 @@ def compiler(loaded):
 @pytest.fixture
 def engine(loaded, compiler):
     eng = Engine(
-        ModelRunner(loaded),
+        ModelRunner(loaded, num_blocks=256, block_size=16),
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,

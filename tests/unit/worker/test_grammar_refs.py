@@ -271,7 +271,7 @@ def test_response_format_schemas_with_refs_compile_and_match(compiler, loaded) -
 
 def test_random_model_forced_to_call_a_pydantic_tool_writes_valid_arguments(loaded, compiler) -> None:
     engine = Engine(
-        ModelRunner(loaded),
+        ModelRunner(loaded, num_blocks=256, block_size=16),
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,

@@ -1,138 +1,165 @@
-from dataclasses import dataclass
+"""The scheduler alone (no model): admission, chunked prefill, preemption over a block pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import pytest
 
 from worker.errors import InvalidRequest, QueueFull
-from worker.scheduler import Scheduler
+from worker.kv_blocks import BlockManager
+from worker.scheduler import Scheduler, Sequence
 
 
-@dataclass
+@dataclass(eq=False)
 class Item:
     request_id: str
-    num_sequences: int = 1
-    prompt_length: int = 10
-    max_tokens: int = 10
+    sequences: list[Sequence] = field(default_factory=list)
+    needs_kv: bool = True
 
-    @property
-    def reserved_tokens(self) -> int:
-        return (self.prompt_length + self.max_tokens) * self.num_sequences
+
+def item(name: str, prompt: int, *, n: int = 1, max_tokens: int = 8) -> Item:
+    tokens = [hash((name, i)) % 1000 for i in range(prompt)]
+    return Item(
+        name,
+        [Sequence(list(tokens), prompt, prompt + max_tokens, awaits_prompt=i > 0) for i in range(n)],
+    )
+
+
+def scheduler(blocks: int = 64, size: int = 4, **options) -> Scheduler[Item]:
+    settings = {"max_running": 4, "max_queue": 10, "prefill_budget_tokens": 100, **options}
+    return Scheduler(BlockManager(blocks, size), **settings)
+
+
+def run_step(s: Scheduler[Item]):
+    """Plans a step and does what the engine does after a forward: commit, then one sample for each
+    sequence that reached its end."""
+    plan = s.schedule()
+    sampled = [w.seq for w in plan.work if w.samples]
+    for work in plan.work:
+        s.committed(work)
+    for seq in sampled:
+        seq.tokens.append(7)
+    return plan
 
 
 def test_admits_in_arrival_order_up_to_max_running():
-    sched: Scheduler[Item] = Scheduler(
-        max_running=2, max_queue=10, prefill_budget_tokens=1000, max_batch_tokens=10_000
-    )
+    s = scheduler(max_running=2)
     for name in "abc":
-        sched.add(Item(name))
-    plan = sched.schedule()
-    assert [i.request_id for i in plan.prefill] == ["a", "b"]
-    assert plan.decode == []
-    plan = sched.schedule()
-    assert plan.prefill == [] and [i.request_id for i in plan.decode] == ["a", "b"]
-    assert [i.request_id for i in sched.waiting] == ["c"]
+        s.add(item(name, 5))
+    plan = run_step(s)
+    assert [i.request_id for i in plan.admitted] == ["a", "b"] and [w.count for w in plan.work] == [5, 5]
+    assert [i.request_id for i in s.waiting] == ["c"]
+    plan = run_step(s)  # decode rows: one token each
+    assert [w.count for w in plan.work] == [1, 1] and not plan.admitted
 
 
-def test_finished_request_frees_its_slot_for_the_next_step():
-    sched: Scheduler[Item] = Scheduler(
-        max_running=1, max_queue=10, prefill_budget_tokens=1000, max_batch_tokens=10_000
-    )
-    sched.add(Item("a"))
-    sched.add(Item("b"))
-    sched.schedule()
-    assert sched.remove("a") is not None
-    plan = sched.schedule()
-    assert [i.request_id for i in plan.prefill] == ["b"]
+def test_a_finished_request_frees_its_slot_and_blocks():
+    s = scheduler(max_running=1)
+    first, second = item("a", 5), item("b", 5)
+    s.add(first)
+    s.add(second)
+    run_step(s)
+    used = s.blocks.used
+    assert used == 2  # 5 tokens + the first sample's slot ahead: 2 blocks of 4
+    s.finish(first.sequences[0])
+    assert s.remove("a") is first and s.blocks.used == 0
+    assert run_step(s).admitted == [second]
 
 
 def test_queue_bound_raises_queue_full_with_retry_hint():
-    sched: Scheduler[Item] = Scheduler(
-        max_running=1, max_queue=2, prefill_budget_tokens=1000, max_batch_tokens=10_000
-    )
-    sched.add(Item("a"))
-    sched.add(Item("b"))
-    with pytest.raises(QueueFull) as info:
-        sched.add(Item("c"))
-    assert info.value.retry_after_seconds and "queue is full" in info.value.message
+    s = scheduler(max_queue=2)
+    s.add(item("a", 3))
+    s.add(item("b", 3))
+    with pytest.raises(QueueFull) as caught:
+        s.add(item("c", 3))
+    assert caught.value.retry_after_seconds > 0
 
 
-def test_prefill_budget_limits_admissions_per_step_but_never_starves_a_long_prompt():
-    sched: Scheduler[Item] = Scheduler(
-        max_running=8, max_queue=10, prefill_budget_tokens=100, max_batch_tokens=10_000
-    )
-    sched.add(Item("long", prompt_length=500))
-    sched.add(Item("short", prompt_length=50))
-    plan = sched.schedule()
-    assert [i.request_id for i in plan.prefill] == ["long"]  # alone, though over budget
-    plan = sched.schedule()
-    assert [i.request_id for i in plan.prefill] == ["short"]
+def test_long_prompts_are_chunked_and_running_streams_decode_every_step():
+    s = scheduler(prefill_budget_tokens=10)
+    short = item("short", 3)
+    s.add(short)
+    run_step(s)
+    long = item("long", 25)
+    s.add(long)
+    counts = []
+    for _ in range(3):
+        plan = run_step(s)
+        counts.append({w.seq.prompt_length: w.count for w in plan.work})
+    # The running stream got a token in every step; the long prompt came in chunks of the budget.
+    assert counts == [{3: 1, 25: 10}, {3: 1, 25: 10}, {3: 1, 25: 5}]
+    assert long.sequences[0].generated == 1  # it sampled only when its last chunk ran
+    assert [w.count for w in run_step(s).work] == [1, 1]
 
 
-def test_n_sequences_count_against_max_running():
-    sched: Scheduler[Item] = Scheduler(
-        max_running=4, max_queue=10, prefill_budget_tokens=1000, max_batch_tokens=10_000
-    )
-    sched.add(Item("a", num_sequences=3))
-    sched.add(Item("b", num_sequences=2))
-    assert [i.request_id for i in sched.schedule().prefill] == ["a"]
-    assert sched.running_sequences == 3
+def test_the_first_admission_of_a_step_goes_through_even_when_the_budget_is_spent():
+    s = scheduler(prefill_budget_tokens=4)
+    s.add(item("a", 6))
+    s.add(item("b", 6))
+    plan = run_step(s)
+    assert [w.count for w in plan.work] == [4] and [i.request_id for i in plan.admitted] == ["a"]
+
+
+def test_cached_prefix_blocks_are_not_computed_again():
+    s = scheduler(size=4)
+    first = item("same", 13)
+    s.add(first)
+    run_step(s)
+    s.finish(first.sequences[0])
+    s.remove("same")
+    again = item("same", 13)
+    s.add(again)
+    plan = run_step(s)
+    seq = again.sequences[0]
+    assert seq.cached_tokens == 12 and [w.count for w in plan.work] == [1]
+
+
+def test_n_sequences_count_against_max_running_and_siblings_wait_for_the_prompt():
+    s = scheduler(max_running=3)
+    s.add(item("two", 5, n=2))
+    s.add(item("two-more", 5, n=2))
+    plan = run_step(s)
+    assert [i.request_id for i in plan.admitted] == ["two"]
+    assert len(plan.work) == 1  # the prompt once; the sibling waits for its first sample
+
+
+def test_when_blocks_run_out_the_newest_request_is_preempted_and_recomputed_later():
+    s = scheduler(blocks=6, size=4, max_running=4)
+    old, new = item("old", 8, max_tokens=12), item("new", 8, max_tokens=12)
+    s.add(old)
+    s.add(new)
+    run_step(s)  # both prompts: 2 blocks each, plus each sample's slot: 3 blocks each
+    preempted = []
+    for _ in range(10):
+        plan = run_step(s)
+        preempted += [i.request_id for i in plan.preempted]
+    assert preempted == ["new"]
+    assert old.sequences[0].generated == 11 and s.waiting[0] is new
+    assert new.sequences[0].computed == 0 and new.sequences[0].generated >= 1  # keeps its tokens
+    s.finish(old.sequences[0])
+    s.remove("old")
+    plan = run_step(s)
+    # Re-admitted: every known token computed again in one chunk (what the prefix cache kept aside),
+    # and the chunk's end sampled the next token.
+    seq = new.sequences[0]
+    assert plan.admitted == [new] and seq.computed == len(seq.tokens) - 1
+
+
+def test_a_request_that_could_never_fit_the_pool_is_refused_at_once():
+    s = scheduler(blocks=4, size=4)
+    with pytest.raises(InvalidRequest, match="more than this worker's 16"):
+        s.add(item("big", 10, max_tokens=10))
+    with pytest.raises(InvalidRequest):
+        s.add(item("two", 4, n=2, max_tokens=6))  # 2 x 10 tokens
+    s.add(item("fits", 4, max_tokens=12))
 
 
 def test_remove_finds_queued_and_running_and_ignores_unknown():
-    sched: Scheduler[Item] = Scheduler(
-        max_running=1, max_queue=10, prefill_budget_tokens=1000, max_batch_tokens=10_000
-    )
-    sched.add(Item("run"))
-    sched.add(Item("wait"))
-    sched.schedule()
-    assert sched.remove("wait").request_id == "wait"
-    assert sched.remove("run").request_id == "run"
-    assert sched.remove("ghost") is None
-    assert not sched.running and not sched.waiting
-
-
-def test_prefill_budget_counts_padding_to_the_longest_new_prompt():
-    sched: Scheduler[Item] = Scheduler(
-        max_running=8, max_queue=10, prefill_budget_tokens=100, max_batch_tokens=10_000
-    )
-    sched.add(Item("a", prompt_length=10))
-    sched.add(Item("b", prompt_length=45))  # 2 x 45 = 90 fits
-    sched.add(Item("c", prompt_length=5))  # 3 x 45 = 135 does not
-    assert [i.request_id for i in sched.schedule().prefill] == ["a", "b"]
-    assert [i.request_id for i in sched.schedule().prefill] == ["c"]
-
-
-def test_prefill_budget_uses_the_given_prefill_cost():
-    cached = {"a": 40, "b": 40, "c": 0}  # prompt tokens a prefix cache already holds
-    sched: Scheduler[Item] = Scheduler(
-        max_running=8,
-        max_queue=10,
-        prefill_budget_tokens=100,
-        max_batch_tokens=10_000,
-        prefill_cost=lambda item: item.prompt_length - cached[item.request_id],
-    )
-    for name in "abc":
-        sched.add(Item(name, prompt_length=45))
-    # a and b cost 5 each (2 x 5 = 10 fits); c costs 45, so 3 x 45 = 135 does not.
-    assert [i.request_id for i in sched.schedule().prefill] == ["a", "b"]
-    assert [i.request_id for i in sched.schedule().prefill] == ["c"]
-
-
-def test_token_reservations_bound_the_batch():
-    sched: Scheduler[Item] = Scheduler(
-        max_running=8, max_queue=10, prefill_budget_tokens=1000, max_batch_tokens=100
-    )
-    sched.add(Item("a", prompt_length=20, max_tokens=40))  # reserves 60
-    sched.add(Item("b", prompt_length=20, max_tokens=30))  # 50 more would exceed 100
-    assert [i.request_id for i in sched.schedule().prefill] == ["a"]
-    assert sched.schedule().prefill == []
-    sched.remove("a")
-    assert [i.request_id for i in sched.schedule().prefill] == ["b"]
-
-
-def test_a_request_that_can_never_fit_is_refused_at_once():
-    sched: Scheduler[Item] = Scheduler(
-        max_running=8, max_queue=10, prefill_budget_tokens=1000, max_batch_tokens=100
-    )
-    with pytest.raises(InvalidRequest) as info:
-        sched.add(Item("huge", prompt_length=50, max_tokens=30, num_sequences=2))
-    assert info.value.param == "max_tokens" and "160" in info.value.message
+    s = scheduler(max_running=1)
+    a, b = item("a", 3), item("b", 3)
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    assert s.remove("b") is b and s.remove("a") is a and s.remove("zzz") is None
+    assert not s.running and not s.waiting and s.blocks.used == 0

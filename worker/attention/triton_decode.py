@@ -1,0 +1,416 @@
+"""Decode attention over the paged KV pool: a Triton kernel and a torch reference.
+
+`paged_decode_attention` computes, for one layer and one new token per
+sequence, ``softmax(q k^T * scale) v`` over the sequence's context, reading
+keys and values straight from the layer's block pool through the block
+tables (no gather into a contiguous cache). `paged_decode_reference` is the
+same computation in plain torch (gather, then float32 matmuls), for tests and
+for checking the kernel on a new device.
+
+Layout (the lead's pool, one per layer): ``key_cache`` and ``value_cache`` are
+``[num_blocks, block_size, kv_heads, head_dim]``; row ``b`` of
+``block_tables`` lists sequence ``b``'s blocks in order; ``seq_lens[b]`` is
+its context length with the current token already written to the pool. A
+row with length 0 is padding (a CUDA-graph batch bucket): its output is zeros
+and nothing of the pool or of its block-table row is read.
+
+Why the kernel is shaped this way (reasoning for an H100; not yet measured,
+``bench/bench_attention.py`` measures it):
+
+- **Decode attention is bandwidth-bound.** Each key/value element read from
+  HBM feeds 2 * G multiply-adds (G = query heads per kv head: 1 for
+  SmolLM2-1.7B, 3 for SmolLM2-135M, 4 for Llama-3-8B), far below the ~300
+  flop per byte where an H100 becomes compute-bound. The target is streaming
+  the live KV once at HBM speed (~3.35 TB/s): 256 sequences of ~200 tokens of
+  the 1.7B shape are 420 MB per layer, ~125 us, ~3 ms for 24 layers.
+- **One program per (sequence, kv head) serves the whole GQA group**, so a
+  key/value tile is read from HBM once and used by all G query heads. The
+  scores are a ``tl.dot`` of the group's queries, padded to 16 rows, with the
+  tile's keys: 16 is the tensor cores' smallest M, so padding a group of 1-4
+  heads costs no extra memory traffic and no instructions that matter.
+- **Tiles of 32 tokens spanning blocks.** Each token's block comes from
+  ``block_tables[b, t // block_size]``, so a tile covers two 16-token blocks
+  (or part of a larger block). A token's row of one head is contiguous (128
+  bytes for 64 dims in bf16, one cache line), so loads stay coalesced.
+  Softmax is online over tiles (running max and sum in float32, base-2
+  exponentials with the scale folded in). The tile size is set by registers,
+  not bandwidth: the gathered tile's addresses are per element, and ptxas
+  (sm_90a, triton 3.9, bf16, 4 warps, 2 stages) reports 128-158 registers
+  at 32 tokens x 64 dims, 190 at x 128 dims, against 236-255 and spills at
+  64 tokens. At ~160 registers, three programs share an SM, each with two
+  tiles in flight (cp.async stages): about 50 KB of K/V requested per SM
+  at a time, the order of what HBM's latency times bandwidth asks
+  (~3.35 TB/s x ~1 us over 132 SMs, ~25 KB).
+- **Split-K (flash-decoding) for few programs.** The single-pass grid has
+  B * KVH programs: 32 for one 1.7B sequence, 3 for one 135M sequence, on 132
+  SMs; each streams its whole context serially, so at ~2,000 tokens one SM
+  does work that 132 could share. When B * KVH is below
+  ``_TARGET_PROGRAMS`` (256, about two programs per SM), the context is cut
+  into partitions of at least ``_MIN_PARTITION_TOKENS`` (256: eight tiles, so
+  the extra pass costs less than it saves) and enough of them to reach about
+  256 programs; each writes its normalized partial output and
+  log-sum-exp in float32, and a reduce kernel (one program per sequence and
+  query head) combines them. The partial results are tiny next to the KV
+  (one sequence of the 1.7B shape with 8 partitions: 64 KB against 16 MB of
+  KV at 2,000 tokens). From 16 sequences of the 1.7B shape (512 programs)
+  the single pass already fills the GPU.
+- **CUDA graphs.** The plan (single pass or split, partition size) follows
+  from shapes alone: batch size, kv heads, block-table width and block size,
+  so each captured batch bucket has one fixed plan and grid. Lengths stay in
+  device memory: a partition past its sequence's end returns at once and the
+  reduce reads only the partitions that hold context, so a replay with other
+  lengths needs no host work and stale scratch is never read. With
+  fixed-width block tables (the widest a sequence can be), the partition
+  count follows the table width; at short contexts most split programs exit
+  at their first instruction. Nothing is allocated when ``out`` and (for a
+  split plan) a ``workspace`` from `allocate_split_workspace` are given.
+- Head dims that are not powers of two (``tl.arange`` needs them) are padded
+  to the next one and masked.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from dataclasses import dataclass
+
+import torch
+
+# Tokens per inner-loop tile; a power of two >= 16 (tl.dot's smallest size).
+# Registers, not bandwidth, bound it (module docstring).
+_TILE_TOKENS = 32
+# About two programs per SM on an H100 (132 SMs): below this many
+# (sequence, kv head) programs the single pass leaves SMs idle.
+_TARGET_PROGRAMS = 256
+# The smallest partition worth a separate program (eight tiles).
+_MIN_PARTITION_TOKENS = 256
+_NUM_WARPS = 4
+_NUM_STAGES = 2
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def triton_available() -> bool:
+    """Whether triton is installed (it comes with CUDA builds of torch; CPU
+    installs may lack it). The kernel also needs CUDA tensors, or triton's
+    interpreter for CPU tensors. Importing this module does not import
+    triton: a CPU worker never pays for it."""
+    return importlib.util.find_spec("triton") is not None
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How a call is split: ``partitions == 1`` is the single pass.
+
+    ``partition_tokens`` is the context each split program covers;
+    ``tile_tokens`` the tokens per inner-loop step (a power of two >= 16).
+    """
+
+    partitions: int
+    partition_tokens: int
+    tile_tokens: int = _TILE_TOKENS
+
+    @property
+    def split(self) -> bool:
+        return self.partitions > 1
+
+
+@dataclass(frozen=True)
+class SplitWorkspace:
+    """Scratch for a split plan, reusable across calls (and graph replays).
+
+    ``partial_out``: float32 ``[B, H, partitions, head_dim]``;
+    ``partial_lse``: float32 ``[B, H, partitions]`` (base-2 log-sum-exp).
+    Larger first three dimensions are fine; the kernels never read entries
+    that the current call did not write.
+    """
+
+    partial_out: torch.Tensor
+    partial_lse: torch.Tensor
+
+
+def plan_decode(
+    batch: int,
+    kv_heads: int,
+    max_blocks: int,
+    block_size: int,
+    *,
+    split_k: bool | None = None,
+    partition_tokens: int | None = None,
+    tile_tokens: int = _TILE_TOKENS,
+) -> DecodePlan:
+    """The plan for these shapes (see the module docstring for the rule).
+
+    ``split_k``: None chooses by the rule; False forces the single pass; True
+    forces a split (into partitions of ``partition_tokens``, or by the rule's
+    sizing without its minimum partition size). Only shapes are read, so the
+    same shapes always give the same plan.
+    """
+    if tile_tokens < 16 or tile_tokens & (tile_tokens - 1):
+        raise ValueError(f"tile_tokens must be a power of two >= 16, got {tile_tokens}")
+    capacity = max(1, max_blocks * block_size)
+    single = DecodePlan(partitions=1, partition_tokens=capacity, tile_tokens=tile_tokens)
+    if split_k is False:
+        return single
+    if partition_tokens is not None:
+        if partition_tokens <= 0:
+            raise ValueError(f"partition_tokens must be positive, got {partition_tokens}")
+        return DecodePlan(math.ceil(capacity / partition_tokens), partition_tokens, tile_tokens)
+    programs = max(1, batch * kv_heads)
+    if split_k is None and programs >= _TARGET_PROGRAMS:
+        return single
+    wanted = max(2, math.ceil(_TARGET_PROGRAMS / programs))
+    size = math.ceil(math.ceil(capacity / wanted) / tile_tokens) * tile_tokens
+    if split_k is None:
+        size = max(size, _MIN_PARTITION_TOKENS)
+    partitions = math.ceil(capacity / size)
+    if split_k is None and partitions < 2:
+        return single
+    return DecodePlan(partitions=partitions, partition_tokens=size, tile_tokens=tile_tokens)
+
+
+def allocate_split_workspace(query: torch.Tensor, plan: DecodePlan) -> SplitWorkspace:
+    """Scratch for ``plan`` with ``query``'s batch, heads and head dim."""
+    batch, heads, head_dim = query.shape
+    return SplitWorkspace(
+        partial_out=torch.empty(
+            (batch, heads, plan.partitions, head_dim), dtype=torch.float32, device=query.device
+        ),
+        partial_lse=torch.empty((batch, heads, plan.partitions), dtype=torch.float32, device=query.device),
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+    *,
+    split_k: bool | None = None,
+    plan: DecodePlan | None = None,
+    workspace: SplitWorkspace | None = None,
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over the paged pool.
+
+    Shapes: ``query`` ``[B, H, D]``; ``key_cache``/``value_cache``
+    ``[num_blocks, block_size, KVH, D]``; ``block_tables`` int32
+    ``[B, max_blocks]`` (entries past a row's context are never read);
+    ``seq_lens`` int32 ``[B]`` with ``seq_lens[b] <= max_blocks * block_size``
+    (not checked: that would read the device). Query head ``h`` reads kv head
+    ``h // (H // KVH)``. Returns ``[B, H, D]`` in ``query``'s dtype, written
+    into ``out`` when given; rows of length 0 get zeros.
+
+    ``split_k`` / ``plan`` override the shape rule (`plan_decode`);
+    ``workspace`` is the split plan's scratch (allocated per call when absent).
+    No host synchronisation, so a call can be captured in a CUDA graph. Needs
+    CUDA tensors, or CPU tensors in a process that set ``TRITON_INTERPRET=1``
+    before importing triton (tests).
+    """
+    if not triton_available():
+        raise RuntimeError("paged_decode_attention needs triton, which is not installed")
+    batch, heads, head_dim, kv_heads, block_size = _check_inputs(
+        query, key_cache, value_cache, block_tables, seq_lens, out
+    )
+    import triton
+
+    from worker.attention import triton_decode_kernels as kernels
+
+    interpret = bool(triton.knobs.runtime.interpret)
+    if query.device.type != "cuda" and not interpret:
+        raise ValueError(
+            f"query is on {query.device}: the Triton kernel needs CUDA tensors "
+            "(or TRITON_INTERPRET=1 for CPU tensors)"
+        )
+    if out is None:
+        out = torch.empty_like(query)
+    if batch == 0:
+        return out
+    if plan is None:
+        plan = plan_decode(batch, kv_heads, block_tables.shape[1], block_size, split_k=split_k)
+    group = heads // kv_heads
+    group_pad = max(16, _next_power_of_two(group))
+    head_dim_pad = max(16, _next_power_of_two(head_dim))
+    scale_log2 = float(scale) * math.log2(math.e)
+    if plan.split:
+        if workspace is None:
+            workspace = allocate_split_workspace(query, plan)
+        _check_workspace(workspace, batch, heads, head_dim, plan)
+        partial_out, partial_lse = workspace.partial_out, workspace.partial_lse
+    else:
+        # Unused by the single pass; any tensor satisfies the signature.
+        partial_out = partial_lse = out
+
+    kernels.decode_partition_kernel[(batch, kv_heads, plan.partitions)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        out,
+        partial_out,
+        partial_lse,
+        scale_log2,
+        plan.partition_tokens,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        partial_out.stride(0),
+        partial_out.stride(1),
+        partial_out.stride(2) if plan.split else 0,
+        partial_lse.stride(0),
+        partial_lse.stride(1),
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=head_dim_pad,
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        BLOCK_SIZE=block_size,
+        TILE_TOKENS=plan.tile_tokens,
+        SPLIT=plan.split,
+        IEEE_DOT=query.dtype == torch.float32,
+        DOT_IN_FP32=interpret and query.dtype != torch.float32,
+        num_warps=_NUM_WARPS,
+        num_stages=_NUM_STAGES,
+    )
+    if plan.split:
+        kernels.decode_reduce_kernel[(batch, heads)](
+            seq_lens,
+            partial_out,
+            partial_lse,
+            out,
+            plan.partition_tokens,
+            partial_out.stride(0),
+            partial_out.stride(1),
+            partial_out.stride(2),
+            partial_lse.stride(0),
+            partial_lse.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=head_dim_pad,
+            num_warps=_NUM_WARPS,
+        )
+    return out
+
+
+def paged_decode_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The same result in plain torch: gather each row's blocks, then
+    ``softmax(q k^T * scale) v`` in float32. Reads lengths on the host (one
+    sync per row): for tests and checks, not for serving."""
+    batch, heads, head_dim = query.shape
+    _, block_size, kv_heads, _ = key_cache.shape
+    group = heads // kv_heads
+    out = torch.zeros(batch, heads, head_dim, dtype=torch.float32, device=query.device)
+    for row in range(batch):
+        length = int(seq_lens[row])
+        if length == 0:
+            continue
+        blocks = block_tables[row, : math.ceil(length / block_size)].long()
+        keys = key_cache[blocks].reshape(-1, kv_heads, head_dim)[:length].float()
+        values = value_cache[blocks].reshape(-1, kv_heads, head_dim)[:length].float()
+        keys = keys.repeat_interleave(group, dim=1)  # [length, H, D]
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", query[row].float(), keys) * scale
+        out[row] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), values)
+    return out.to(query.dtype)
+
+
+def _check_inputs(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    out: torch.Tensor | None,
+) -> tuple[int, int, int, int, int]:
+    """Shape, dtype and layout checks (host metadata only); returns
+    ``(B, H, D, KVH, block_size)``."""
+    if query.dim() != 3:
+        raise ValueError(f"query must be [B, H, D], got shape {tuple(query.shape)}")
+    batch, heads, head_dim = query.shape
+    if key_cache.dim() != 4 or key_cache.shape != value_cache.shape:
+        raise ValueError(
+            "key_cache and value_cache must both be [num_blocks, block_size, KVH, D], got "
+            f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+        )
+    _, block_size, kv_heads, cache_dim = key_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"key_cache head dim {cache_dim} differs from query's {head_dim}")
+    if kv_heads == 0 or heads % kv_heads:
+        raise ValueError(f"query heads ({heads}) must be a multiple of kv heads ({kv_heads})")
+    if block_size <= 0 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    if query.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"query dtype {query.dtype} is not float32, float16 or bfloat16")
+    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
+        raise ValueError(
+            f"key_cache/value_cache dtype ({key_cache.dtype}/{value_cache.dtype}) "
+            f"must match query's ({query.dtype})"
+        )
+    if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
+        raise ValueError("block_tables must be an int32 [B, max_blocks] tensor")
+    if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,):
+        raise ValueError(f"seq_lens must be an int32 [{batch}] tensor")
+    if block_tables.shape[0] != batch:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for a batch of {batch}")
+    tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
+    if out is not None:
+        if out.shape != query.shape or out.dtype != query.dtype:
+            raise ValueError("out must have query's shape and dtype")
+        tensors["out"] = out
+    for name, tensor in tensors.items():
+        if tensor.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (head) dimension")
+    if seq_lens.stride(0) != 1 or block_tables.stride(1) != 1:
+        raise ValueError("seq_lens and block_tables rows must be contiguous")
+    devices = {t.device for t in (*tensors.values(), block_tables, seq_lens)}
+    if len(devices) != 1:
+        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
+    return batch, heads, head_dim, kv_heads, block_size
+
+
+def _check_workspace(
+    workspace: SplitWorkspace, batch: int, heads: int, head_dim: int, plan: DecodePlan
+) -> None:
+    out_shape, lse_shape = workspace.partial_out.shape, workspace.partial_lse.shape
+    if (
+        workspace.partial_out.dtype != torch.float32
+        or workspace.partial_lse.dtype != torch.float32
+        or len(out_shape) != 4
+        or len(lse_shape) != 3
+        or out_shape[0] < batch
+        or out_shape[1] < heads
+        or out_shape[2] < plan.partitions
+        or out_shape[3] != head_dim
+        or lse_shape[0] < batch
+        or lse_shape[1] < heads
+        or lse_shape[2] < plan.partitions
+        or workspace.partial_out.stride(-1) != 1
+        or workspace.partial_lse.stride(-1) != 1
+    ):
+        raise ValueError(
+            "workspace is too small or not float32: need partial_out "
+            f"[>={batch}, >={heads}, >={plan.partitions}, {head_dim}] and partial_lse "
+            f"[>={batch}, >={heads}, >={plan.partitions}]"
+        )
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()

@@ -1,0 +1,225 @@
+"""The Triton kernels behind `worker.attention.triton_decode` (imports triton).
+
+Only `triton_decode.py` imports this module, and only when a kernel is about
+to run, so a worker without triton (a CPU install) never imports it.
+
+triton chooses between compiling a kernel for the GPU and running it in its
+CPU interpreter when the kernel is decorated, and its own library functions
+(``tl.zeros``, ``tl.sum``...) are decorated when triton is imported: the
+interpreter works only in a process that had ``TRITON_INTERPRET=1`` set
+before importing triton (the tests start one for it).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def decode_partition_kernel(
+    query_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    scale_log2,
+    partition_tokens,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kt,
+    stride_kh,
+    stride_vb,
+    stride_vt,
+    stride_vh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_pb,
+    stride_ph,
+    stride_pp,
+    stride_lb,
+    stride_lh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    TILE_TOKENS: tl.constexpr,
+    SPLIT: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+):
+    """One program: one sequence, one kv head, all query heads of its group,
+    one partition of the context (the whole context when not SPLIT).
+
+    DOT_IN_FP32 (interpreter only): the operands of the dots are rounded to
+    the cache dtype as on the GPU, then widened to float32, because triton's
+    interpreter multiplies bfloat16 operands wrongly (seen with triton 3.9).
+
+    Not SPLIT: writes the normalized output (zeros for an empty context).
+    SPLIT: writes the partition's normalized output and its log2-sum-exp in
+    float32 for the reduce kernel; a partition past the context writes nothing.
+    """
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    partition = tl.program_id(2)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = partition * partition_tokens
+    end = tl.minimum(seq_len, start + partition_tokens)
+    # Nested: `and` would mix a compile-time flag with a tensor.
+    if SPLIT:  # noqa: SIM102
+        if start >= seq_len:
+            return
+
+    group_idx = tl.arange(0, GROUP_PAD)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    head_mask = group_idx < GROUP
+    dim_mask = dims < HEAD_DIM
+    heads = kv_head * GROUP + group_idx
+
+    q = tl.load(
+        query_ptr + seq * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+        mask=head_mask[:, None] & dim_mask[None, :],
+        other=0.0,
+    )
+    if DOT_IN_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+
+    table_row = block_tables_ptr + seq * stride_bt
+    token_idx = tl.arange(0, TILE_TOKENS)
+    for tile_start in range(start, end, TILE_TOKENS):
+        tokens = tile_start + token_idx
+        token_mask = tokens < end
+        # Gather the pool blocks of this tile token by token, so a tile may
+        # span several blocks (or part of one) whatever the block size.
+        block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0)
+        block_ids = block_ids.to(tl.int64)
+        in_block = tokens % BLOCK_SIZE
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(
+            key_cache_ptr
+            + block_ids[:, None] * stride_kb
+            + in_block[:, None] * stride_kt
+            + kv_head * stride_kh
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            value_cache_ptr
+            + block_ids[:, None] * stride_vb
+            + in_block[:, None] * stride_vt
+            + kv_head * stride_vh
+            + dims[None, :],
+            mask=kv_mask,
+            other=0.0,
+        )
+        if DOT_IN_FP32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        if IEEE_DOT:  # noqa: SIM108 (triton's compiler takes plain if blocks)
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale_log2
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+        # The probabilities go into the second dot in the cache's dtype (as
+        # flash attention does): half the registers, the tensor cores' rate.
+        p_dot = p.to(value_cache_ptr.dtype.element_ty)
+        if DOT_IN_FP32:
+            p_dot = p_dot.to(tl.float32)
+        if IEEE_DOT:
+            acc += tl.dot(p_dot, v, input_precision="ieee")
+        else:
+            acc += tl.dot(p_dot, v)
+        m_i = m_new
+
+    safe_l = tl.where(l_i > 0.0, l_i, 1.0)
+    result = acc / safe_l[:, None]
+    store_mask = head_mask[:, None] & dim_mask[None, :]
+    if SPLIT:
+        tl.store(
+            partial_out_ptr
+            + seq * stride_pb
+            + heads[:, None] * stride_ph
+            + partition * stride_pp
+            + dims[None, :],
+            result,
+            mask=store_mask,
+        )
+        tl.store(
+            partial_lse_ptr + seq * stride_lb + heads * stride_lh + partition,
+            m_i + tl.log2(safe_l),
+            mask=head_mask,
+        )
+    else:
+        tl.store(
+            out_ptr + seq * stride_ob + heads[:, None] * stride_oh + dims[None, :],
+            result.to(out_ptr.dtype.element_ty),
+            mask=store_mask,
+        )
+
+
+@triton.jit
+def decode_reduce_kernel(
+    seq_lens_ptr,
+    partial_out_ptr,
+    partial_lse_ptr,
+    out_ptr,
+    partition_tokens,
+    stride_pb,
+    stride_ph,
+    stride_pp,
+    stride_lb,
+    stride_lh,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    """One program: one sequence, one query head. Combines the partitions
+    that hold context (their count follows from the sequence's length, so
+    stale scratch past them is never read); zeros for an empty context."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    used_partitions = tl.cdiv(seq_len, partition_tokens)
+
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
+    lse_row = partial_lse_ptr + seq * stride_lb + head * stride_lh
+    out_row = partial_out_ptr + seq * stride_pb + head * stride_ph
+    for partition in range(0, used_partitions):
+        lse = tl.load(lse_row + partition)
+        part = tl.load(out_row + partition * stride_pp + dims, mask=dim_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        total = total * alpha + weight
+        acc = acc * alpha + weight * part
+        m = m_new
+    safe_total = tl.where(total > 0.0, total, 1.0)
+    tl.store(
+        out_ptr + seq * stride_ob + head * stride_oh + dims,
+        (acc / safe_total).to(out_ptr.dtype.element_ty),
+        mask=dim_mask,
+    )

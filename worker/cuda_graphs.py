@@ -1,0 +1,166 @@
+"""Decode steps captured as CUDA graphs at padded batch-size buckets (CUDA only).
+
+A decode step is the same kernels every time once its shapes are fixed, and
+on a GPU host whose CPU dispatches eagerly (about 8 us per kernel launch,
+hundreds of launches per step) replaying a captured graph is what brings a
+step near the GPU's own time. So at start-up, before the worker reports
+SERVING, the runner captures one graph per bucket of rows (:data:`BUCKETS` up
+to ``max_running``), all over one set of static inputs: token ids ``[b, 1]``,
+positions ``[b, 1]``, pool slots ``[b]``, block tables ``[b, blocks per
+context]`` and context lengths ``[b]`` (int32, what the Triton decode kernel
+reads). A step of ``rows`` copies its inputs into the first rows, pads the
+bucket's other rows (length 0: the kernel reads nothing for them; their keys
+and values go to the runner's scratch block) and replays the smallest bucket
+that holds it. Attention in the graphs is the Triton kernel, which reads the
+pool through the block tables, so shapes do not depend on context lengths;
+without triton the worker runs decode eagerly (and says so at start).
+
+Prompt chunks (mixed steps) always run eagerly: their shapes vary with every
+prompt, and they are compute-bound, where launch overhead matters least.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from worker.attention import paged
+
+if TYPE_CHECKING:
+    from worker.model_runner import ModelRunner, Work
+
+log = logging.getLogger(__name__)
+
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+def decode_kernel(batch: int, kv_heads: int, max_blocks: int, block_size: int, query_like: torch.Tensor):
+    """The Triton decode attention for ``batch`` rows as a :class:`~worker.attention.paged.PagedStep`
+    ``decode_kernel`` (its split plan fixed by the shapes, its scratch allocated once)."""
+    from worker.attention.triton_decode import allocate_split_workspace, paged_decode_attention, plan_decode
+
+    plan = plan_decode(batch, kv_heads, max_blocks, block_size)
+    workspace = allocate_split_workspace(query_like, plan) if plan.split else None
+
+    def attend(query, pool_k, pool_v, tables, lengths, scale):  # type: ignore[no-untyped-def]
+        return paged_decode_attention(
+            query, pool_k, pool_v, tables, lengths, scale, plan=plan, workspace=workspace
+        )
+
+    return attend
+
+
+class DecodeGraphs:
+    """Captured decode steps; :meth:`run` replays the smallest bucket that holds a step."""
+
+    def __init__(self, runner: ModelRunner, max_rows: int, context_length: int):
+        self.runner = runner
+        device = runner.device
+        self.buckets = [b for b in BUCKETS if b < max_rows] + [max_rows]
+        self.max_rows = max_rows
+        size = runner.block_size
+        self.width = -(-context_length // size)
+        rows = max_rows
+        self.ids = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.positions = torch.zeros((rows, 1), dtype=torch.long, device=device)
+        self.slots = torch.zeros((rows,), dtype=torch.long, device=device)
+        self.tables = torch.zeros((rows, self.width), dtype=torch.int32, device=device)
+        self.lengths = torch.zeros((rows,), dtype=torch.int32, device=device)
+        self.scratch_slot = runner.scratch_block * size
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+
+    def fits(self, rows: int) -> bool:
+        return rows <= self.max_rows
+
+    def capture(self) -> None:
+        """Captures every bucket, the largest first (the rest reuse its memory pool)."""
+        started = time.monotonic()
+        pool = torch.cuda.graph_pool_handle()
+        model = self.runner.model
+        shape = self.runner.kv_shape
+        heads = shape.kv_heads * self.runner.group
+        self.slots.fill_(self.scratch_slot)
+        for rows in sorted(self.buckets, reverse=True):
+            query_like = torch.empty(
+                (rows, heads, shape.head_dim), dtype=shape.dtype, device=self.runner.device
+            )
+            step = paged.PagedStep(
+                pool=self.runner.pool,
+                slots=self.slots[:rows],
+                decode_tables=self.tables[:rows],
+                decode_lengths=self.lengths[:rows],
+                decode_kernel=decode_kernel(
+                    rows, shape.kv_heads, self.width, self.runner.block_size, query_like
+                ),
+            )
+            ids, positions = self.ids[:rows], self.positions[:rows]
+            with paged.paged_step(step), torch.inference_mode():
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):  # warm-up runs (autotuning, allocator) before capture
+                        model(input_ids=ids, position_ids=positions, use_cache=False)
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = (
+                        model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, -1].float()
+                    )
+            self._graphs[rows] = graph
+            self._logits[rows] = logits
+        torch.cuda.synchronize()
+        log.info(
+            "captured decode CUDA graphs for %d batch sizes (up to %d rows) in %.1fs",
+            len(self.buckets),
+            self.max_rows,
+            time.monotonic() - started,
+        )
+
+    def run(self, work: Sequence[Work]) -> torch.Tensor:
+        """The logits [rows, vocab] of a decode step of ``len(work)`` rows."""
+        rows = len(work)
+        bucket = next(b for b in self.buckets if b >= rows)
+        size = self.runner.block_size
+        ids, positions, slots, lengths = [], [], [], []
+        table = torch.zeros((bucket, self.width), dtype=torch.int32)
+        for row, item in enumerate(work):
+            position = item.start
+            ids.append(item.tokens[0])
+            positions.append(position)
+            slots.append(item.table[position // size] * size + position % size)
+            lengths.append(position + 1)
+            used = -(-(position + 1) // size)
+            table[row, :used] = torch.tensor(list(item.table[:used]), dtype=torch.int32)
+        padding = bucket - rows
+        device = self.runner.device
+        self.ids[:bucket, 0].copy_(torch.tensor(ids + [0] * padding), non_blocking=True)
+        self.positions[:bucket, 0].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
+        self.slots[:bucket].copy_(torch.tensor(slots + [self.scratch_slot] * padding), non_blocking=True)
+        self.lengths[:bucket].copy_(
+            torch.tensor(lengths + [0] * padding, dtype=torch.int32), non_blocking=True
+        )
+        self.tables[:bucket].copy_(table.to(device, non_blocking=True))
+        self._graphs[bucket].replay()
+        return self._logits[bucket][:rows]
+
+
+def capture_decode_graphs(runner: ModelRunner, max_rows: int, context_length: int) -> DecodeGraphs | None:
+    """Captured graphs for decode steps of up to ``max_rows`` rows, or None (eager decode, logged
+    with the reason) when triton is missing or capture fails."""
+    from worker.attention.triton_decode import triton_available
+
+    if not triton_available():
+        log.warning("triton is not installed: decode runs eagerly, without CUDA graphs")
+        return None
+    graphs = DecodeGraphs(runner, max_rows, context_length)
+    try:
+        graphs.capture()
+    except Exception:
+        log.exception("capturing decode CUDA graphs failed: decode runs eagerly")
+        return None
+    return graphs

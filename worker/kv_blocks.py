@@ -1,0 +1,228 @@
+"""Who holds which block of the paged KV cache, and which blocks hold reusable prefixes.
+
+Pure Python, no torch: the tensors live in :class:`worker.kv_pool.KVPool`;
+this module only hands out block numbers. A sequence's KV lives in
+fixed-size blocks listed, in order, by its block table
+(:class:`SequenceBlocks`); token ``t`` of a sequence sits in slot
+``t % block_size`` of block ``table[t // block_size]``.
+
+Blocks are reference-counted. A block whose tokens are all computed is
+*registered* under the exact prefix it ends (``(id of the previous block's
+entry, the block's token ids)``: a chain, so a key names the whole prefix
+with no hashing and no collisions), and a later sequence that starts with
+the same tokens takes the same blocks instead of computing them again
+(:meth:`BlockManager.attach_prefix`). When its last holder lets go, a
+registered block is not freed but kept, least recently used first in line,
+as reusable; allocation takes plain free blocks first and evicts reusable
+ones only when none is left. Evicting a block also forgets the entries
+chained below it (they could no longer be reached). Each sequence frees its
+blocks from the last to the first, so a shared prefix's first blocks are the
+last to go.
+
+Causal attention makes a prefix's KV independent of what follows it, and
+positions always start at 0, so reusing a block gives what computing it again
+would (up to float rounding of a different batch shape, as any batching does).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+_ROOT = 0  # the chain id of "no block before this one"
+
+
+class OutOfBlocks(Exception):
+    """Raised by :meth:`BlockManager.allocate` when neither a free nor a reusable block is left."""
+
+
+@dataclass
+class SequenceBlocks:
+    """One sequence's block table and how far its prefix registration got."""
+
+    table: list[int] = field(default_factory=list)
+    # The entry id of the prefix this sequence's registered blocks end (``_ROOT`` for none), and how
+    # many of its leading blocks have been through registration.
+    chain_id: int = _ROOT
+    registered: int = 0
+
+
+@dataclass
+class _Entry:
+    id: int
+    key: tuple[int, tuple[int, ...]]
+    block: int
+    children: set[int] = field(default_factory=set)
+
+
+class BlockManager:
+    """Allocation, reference counts and the prefix registry of ``num_blocks`` blocks of
+    ``block_size`` tokens. Not thread-safe: the engine's scheduler owns it."""
+
+    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"need at least one block of at least one token, got {num_blocks} x {block_size}"
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self._refs = [0] * num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._reusable: OrderedDict[int, None] = OrderedDict()  # registered, unreferenced; LRU first
+        self._by_key: dict[tuple[int, tuple[int, ...]], _Entry] = {}
+        self._by_id: dict[int, _Entry] = {}
+        self._by_block: dict[int, _Entry] = {}
+        self._ids = itertools.count(_ROOT + 1)
+
+    # ------------------------------------------------------------ counts
+
+    @property
+    def available(self) -> int:
+        """Blocks an allocation can get now: free ones plus reusable (evictable) ones."""
+        return len(self._free) + len(self._reusable)
+
+    @property
+    def used(self) -> int:
+        """Blocks held by sequences (reusable prefix blocks nobody holds are not counted)."""
+        return self.num_blocks - self.available
+
+    @property
+    def cached(self) -> int:
+        """Registered blocks, held or not: the prefix cache's size in blocks."""
+        return len(self._by_id)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    # -------------------------------------------------------- allocation
+
+    def allocate(self) -> int:
+        """One block with a reference count of 1; raises OutOfBlocks."""
+        if self._free:
+            block = self._free.popleft()
+        elif self._reusable:
+            block, _ = self._reusable.popitem(last=False)
+            self._forget(self._by_block[block])
+        else:
+            raise OutOfBlocks
+        self._refs[block] = 1
+        return block
+
+    def ensure(self, seq: SequenceBlocks, tokens: int) -> bool:
+        """Grows the table to cover ``tokens`` slots; False (and no change) when the blocks are not
+        available."""
+        missing = self.blocks_for(tokens) - len(seq.table)
+        if missing <= 0:
+            return True
+        if missing > self.available:
+            return False
+        seq.table += [self.allocate() for _ in range(missing)]
+        return True
+
+    def free(self, seq: SequenceBlocks) -> None:
+        """Lets go of every block of the sequence (last first, so shared first blocks stay longest)."""
+        for block in reversed(seq.table):
+            self._release(block)
+        seq.table = []
+        seq.chain_id = _ROOT
+        seq.registered = 0
+
+    def _release(self, block: int) -> None:
+        refs = self._refs[block] - 1
+        if refs < 0:
+            raise RuntimeError(f"block {block} released more often than it was taken")
+        self._refs[block] = refs
+        if refs:
+            return
+        if block in self._by_block:
+            self._reusable[block] = None
+        else:
+            self._free.append(block)
+
+    # ---------------------------------------------------- prefix registry
+
+    def _chain(self, tokens: Sequence[int], limit: int) -> list[_Entry]:
+        """Registered entries of the first whole blocks of ``tokens[:limit]``, in order."""
+        size = self.block_size
+        chain: list[_Entry] = []
+        parent = _ROOT
+        for start in range(0, limit - size + 1, size):
+            entry = self._by_key.get((parent, tuple(tokens[start : start + size])))
+            if entry is None:
+                break
+            chain.append(entry)
+            parent = entry.id
+        return chain
+
+    def cached_length(self, tokens: Sequence[int]) -> int:
+        """What :meth:`attach_prefix` would reuse of ``tokens`` (no state changes)."""
+        if not self.prefix_caching:
+            return 0
+        return len(self._chain(tokens, len(tokens) - 1)) * self.block_size
+
+    def attach_prefix(self, seq: SequenceBlocks, tokens: Sequence[int]) -> int:
+        """Starts an empty table with the registered blocks of ``tokens``' longest cached prefix that
+        leaves at least one token to compute (its logits are needed); returns the prefix's length."""
+        if seq.table:
+            raise RuntimeError("attach_prefix needs a sequence without blocks")
+        if not self.prefix_caching:
+            return 0
+        chain = self._chain(tokens, len(tokens) - 1)
+        for entry in chain:
+            if self._refs[entry.block] == 0:
+                self._reusable.pop(entry.block, None)
+            self._refs[entry.block] += 1
+        seq.table = [entry.block for entry in chain]
+        seq.chain_id = chain[-1].id if chain else _ROOT
+        seq.registered = len(chain)
+        return len(chain) * self.block_size
+
+    def commit(self, seq: SequenceBlocks, tokens: Sequence[int], computed: int) -> None:
+        """Registers the sequence's blocks that ``computed`` tokens (of ``tokens``) now fill."""
+        if not self.prefix_caching:
+            return
+        size = self.block_size
+        while seq.registered < min(computed // size, len(seq.table)):
+            if seq.chain_id != _ROOT and seq.chain_id not in self._by_id:
+                return  # the prefix before this block was evicted: nothing below it is reachable
+            index = seq.registered
+            key = (seq.chain_id, tuple(tokens[index * size : (index + 1) * size]))
+            entry = self._by_key.get(key)
+            if entry is None:
+                block = seq.table[index]
+                if block in self._by_block:  # registered already under another key: cannot happen
+                    return
+                entry = _Entry(next(self._ids), key, block)
+                self._by_key[key] = entry
+                self._by_id[entry.id] = entry
+                self._by_block[block] = entry
+                parent = self._by_id.get(seq.chain_id)
+                if parent is not None:
+                    parent.children.add(entry.id)
+            # else: the same prefix was computed by another sequence at the same time; this
+            # sequence's copy stays unregistered and is freed when it ends.
+            seq.chain_id = entry.id
+            seq.registered += 1
+
+    def _forget(self, entry: _Entry) -> None:
+        """Unregisters an entry and everything chained below it; unreferenced blocks become free."""
+        for child_id in list(entry.children):
+            child = self._by_id.get(child_id)
+            if child is not None:
+                self._forget(child)
+        self._by_key.pop(entry.key, None)
+        self._by_id.pop(entry.id, None)
+        self._by_block.pop(entry.block, None)
+        parent = self._by_id.get(entry.key[0])
+        if parent is not None:
+            parent.children.discard(entry.id)
+        if self._refs[entry.block] == 0 and self._reusable.pop(entry.block, 0) is None:
+            self._free.append(entry.block)
+
+    def clear_cache(self) -> None:
+        """Forgets every registered prefix (blocks in use stay in use)."""
+        for entry in [e for e in self._by_id.values() if e.key[0] == _ROOT]:
+            self._forget(entry)

@@ -1,0 +1,120 @@
+"""From a loaded model to a warm runner: the KV pool's size, the batch limits that follow from it,
+and the warm-up (CUDA graphs on CUDA) that runs before the worker reports SERVING.
+
+Order matters on CUDA: a cacheless forward of a full prefill budget first
+takes its activations' memory, the pool then takes ``--gpu-memory-fraction``
+of what is left, and the decode graphs are captured last (their memory pool
+is small: the activations of one decode step per batch-size bucket).
+
+Defaults, each overridden by its setting:
+
+- ``max_running``: 16 on the CPU (compute, not memory, bounds a CPU batch);
+  on CUDA the pool's tokens / :data:`TOKENS_PER_SEQUENCE`, between 16 and
+  :data:`MAX_RUNNING_CUDA` (preemption covers sequences that grow longer);
+- ``max_prefill_tokens`` (the step's prompt-token budget): 1024 on the CPU,
+  2048 on CUDA (about one decode step's time of prompt work on a GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from worker.config import WorkerConfig
+from worker.fake_runner import DEFAULT_TOKENS, FakeRunner
+from worker.kv_pool import kv_shape, pool_blocks
+from worker.model_loader import LoadedModel
+from worker.model_runner import ModelRunner, Work
+
+log = logging.getLogger(__name__)
+
+CPU_MAX_RUNNING = 16
+MAX_RUNNING_CUDA = 512
+TOKENS_PER_SEQUENCE = 256
+CPU_PREFILL_TOKENS = 1024
+CUDA_PREFILL_TOKENS = 2048
+
+
+@dataclass(frozen=True)
+class BatchLimits:
+    max_running: int
+    prefill_tokens: int
+
+
+def cpu_batch_hint(config: WorkerConfig) -> int:
+    """The batch size CPU-side weight layouts are prepared for (before the pool exists)."""
+    return config.max_running or CPU_MAX_RUNNING
+
+
+def prefill_tokens(config: WorkerConfig, device: torch.device) -> int:
+    if config.max_prefill_tokens is not None:
+        return config.max_prefill_tokens
+    return CUDA_PREFILL_TOKENS if device.type == "cuda" else CPU_PREFILL_TOKENS
+
+
+def batch_limits(config: WorkerConfig, device: torch.device, pool_tokens: int) -> BatchLimits:
+    """The running-sequence and prefill limits: the settings when given, else from the device and
+    the pool (see the module docstring)."""
+    running = config.max_running
+    if running is None:
+        if device.type == "cuda":
+            running = max(CPU_MAX_RUNNING, min(MAX_RUNNING_CUDA, pool_tokens // TOKENS_PER_SEQUENCE))
+        else:
+            running = CPU_MAX_RUNNING
+    return BatchLimits(running, prefill_tokens(config, device))
+
+
+def fake_runner(loaded: LoadedModel, config: WorkerConfig) -> FakeRunner:
+    tokens = config.max_batch_tokens or DEFAULT_TOKENS
+    size = config.kv_block_size
+    return FakeRunner(loaded, num_blocks=-(-tokens // size), block_size=size, step_ms=config.fake_step_ms)
+
+
+def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner, BatchLimits]:
+    """Sizes the pool, builds the runner and warms it up (captures CUDA graphs on CUDA)."""
+    device = loaded.device
+    budget = prefill_tokens(config, device)
+    if device.type == "cuda":
+        _take_activation_memory(loaded, budget)
+    shape = kv_shape(loaded.model.config, loaded.dtype)
+    blocks = pool_blocks(
+        shape,
+        config.kv_block_size,
+        device,
+        tokens=config.max_batch_tokens,
+        cpu_bytes=config.kv_cache_bytes,
+        gpu_memory_fraction=config.gpu_memory_fraction,
+    )
+    runner = ModelRunner(loaded, num_blocks=blocks, block_size=config.kv_block_size)
+    limits = batch_limits(config, device, blocks * config.kv_block_size)
+    warm_up(runner)
+    if device.type == "cuda" and config.cuda_graphs:
+        from worker.cuda_graphs import capture_decode_graphs
+
+        runner.graphs = capture_decode_graphs(runner, limits.max_running, loaded.context_length)
+    log.info(
+        "batch limits: %d running sequences, %d prompt tokens per step",
+        limits.max_running,
+        limits.prefill_tokens,
+    )
+    return runner, limits
+
+
+@torch.inference_mode()
+def _take_activation_memory(loaded: LoadedModel, tokens: int) -> None:
+    """One cacheless forward of a full prefill budget, so the pool is sized from what is left."""
+    ids = torch.zeros((1, min(tokens, loaded.context_length)), dtype=torch.long, device=loaded.device)
+    loaded.model(input_ids=ids, use_cache=False, logits_to_keep=1)
+    torch.cuda.synchronize(loaded.device)
+    torch.cuda.empty_cache()
+
+
+def warm_up(runner: ModelRunner) -> None:
+    """One prompt chunk and one decode step through the pool (the first request then meets warm
+    kernels and allocator). It writes block 0 only, which every sequence overwrites before it reads."""
+    prompt = max(1, runner.block_size - 1)  # fits block 0 with room for the decoded token
+    if prompt > 1:
+        runner.execute([Work([1] * prompt, 0, [0], True)])
+    runner.execute([Work([1], prompt if prompt > 1 else 0, [0], True)])
