@@ -46,7 +46,7 @@ warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker.model_loader import load_model  # noqa: E402
-from worker.model_runner import ModelRunner  # noqa: E402
+from worker.model_runner import ModelRunner, Work  # noqa: E402
 from worker.packed_linear import PackedLinear  # noqa: E402
 from worker.quant.layers import Int4Linear, Int8Linear  # noqa: E402
 
@@ -154,15 +154,17 @@ def step_part(rows_list: list[int], rounds: int, schemes: list[str], cache_dir: 
     text = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, tokenize=False)
     prompt = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     for rows in rows_list:
-        runners = {s: ModelRunner(m, prefix_cache_tokens=0) for s, m in models.items()}
+        size = 16
+        per_row = -(-(len(prompt) + rounds + 2) // size)
+        tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(rows)]
+        runners = {s: ModelRunner(m, num_blocks=rows * per_row, block_size=size) for s, m in models.items()}
         for runner in runners.values():
-            _, prefilled = runner.prefill([prompt] * rows)
-            runner.admit(prefilled, [(i, ("r", i)) for i in range(rows)])
+            runner.execute([Work(prompt, 0, table, True) for table in tables])
         times: dict[str, list[float]] = {s: [] for s in schemes}
         for round_ in range(rounds + 1):
             for scheme, runner in runners.items():
                 start = time.perf_counter()
-                runner.decode({("r", i): 42 for i in range(rows)})
+                runner.execute([Work([42], len(prompt) + round_, table, True) for table in tables])
                 if round_:
                     times[scheme].append((time.perf_counter() - start) * 1000)
         base = statistics.median(times["none"]) if "none" in times else None

@@ -151,6 +151,8 @@ def start_worker(cache_dir: str | None, extra: list[str]) -> tuple[subprocess.Po
 
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the worker exited with status {proc.returncode}")
         try:
             with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
                 reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
@@ -176,6 +178,12 @@ async def peer_stream(client: httpx.AsyncClient, url: str, model: str, i: int) -
         "messages": [{"role": "user", "content": prompt}],
         "stream_options": {"include_usage": True},
     }
+    return await read_sse_stream(client, url, body)
+
+
+async def read_sse_stream(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> StreamResult:
+    """One streamed OpenAI chat completion's time to first token, gaps and completion tokens
+    (the usage chunk's count, else the number of content chunks)."""
     result, start, last, chunks, usage = StreamResult(), time.perf_counter(), None, 0, None
     async with client.stream("POST", url, json=body) as response:
         response.raise_for_status()
@@ -203,12 +211,17 @@ async def peer_level(client: httpx.AsyncClient, url: str, model: str, c: int) ->
     return LevelResult(c, time.perf_counter() - start, list(results))
 
 
-def start_peer(model_dir: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_peer(
+    model_dir: str, device: str = "cpu", dtype: str = "auto"
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Starts ``transformers serve --continuous-batching`` pinned to ``model_dir``; returns it and its
+    base URL once /health answers."""
     port = free_port()
-    exe = Path(sys.executable).with_name("transformers")
+    # The CLI's module rather than its console script: a --target install has no script.
+    cli = [sys.executable, "-c", "from transformers.cli.transformers import main; main()"]
     proc = subprocess.Popen(
         [
-            str(exe),
+            *cli,
             "serve",
             "--continuous-batching",
             "--host",
@@ -216,7 +229,9 @@ def start_peer(model_dir: str) -> tuple[subprocess.Popen[bytes], str]:
             "--port",
             str(port),
             "--device",
-            "cpu",
+            device,
+            "--dtype",
+            dtype,
             model_dir,
         ],
         env={**os.environ, "HF_HUB_OFFLINE": "1"},

@@ -85,8 +85,13 @@ def main() -> None:
         process_times: list[float] = []
         for _ in range(args.rounds):
             steps: list[float] = []
+            # Older checkouts' FakeRunner takes no pool size (their KV cache was not paged).
+            try:
+                runner = FakeRunner(loaded, num_blocks=1 << 16, block_size=16)  # type: ignore[call-arg]
+            except TypeError:
+                runner = FakeRunner(loaded)  # type: ignore[call-arg]
             engine = Engine(
-                FakeRunner(loaded),
+                runner,
                 loaded.tokenizer,
                 eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
                 context_length=loaded.context_length,

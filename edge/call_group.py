@@ -75,8 +75,11 @@ class CallGroup:
         metadata: Sequence[tuple[str, str | bytes]] = (),
         *,
         migration: MigrationPolicy | None = None,
+        load_events: bool = False,
     ) -> CallGroup:
-        """Opens one call per request, concurrently, and waits for every first event.
+        """Opens one call per request, concurrently, and waits for every first event
+        (``load_events``: see :meth:`WorkerPool.generate`; with it a first event may be a
+        MODEL_LOAD progress event rather than ``started``).
 
         The first call to fail before its first event fails the whole group at
         once: the other calls are cancelled (opened or still opening) and that
@@ -89,7 +92,7 @@ class CallGroup:
         deadline = time.monotonic() + timeout_s
 
         async def open_one(request: worker_pb2.GenerateRequest) -> Call:
-            stream = await pool.generate(request, request_id, timeout_s, metadata)
+            stream = await pool.generate(request, request_id, timeout_s, metadata, load_events=load_events)
             if migration is None or not migration.enabled:
                 return stream
             return ResumableStream(
@@ -118,13 +121,14 @@ class CallGroup:
         return cls([task.result() for task in tasks])
 
     def started(self, call: int) -> worker_pb2.Started:
-        """The ``started`` event of call ``call`` (its first event)."""
+        """The ``started`` event of call ``call`` (its first event; empty when the first event
+        was a model-load progress event, see :meth:`open`)."""
         return self._streams[call].first.started
 
     @property
     def worker_ids(self) -> list[str]:
         """The distinct ids of the workers serving the calls, in call order."""
-        ids = (stream.first.started.worker_id for stream in self._streams)
+        ids = (stream.worker_id for stream in self._streams)
         return list(dict.fromkeys(i for i in ids if i))
 
     def cancel(self) -> None:

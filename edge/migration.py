@@ -114,6 +114,7 @@ class ResumableStream:
     ) -> None:
         self._pool = pool
         self._stream = stream
+        self._first_stream = stream
         self._request = request
         self._request_id = request_id
         self._deadline = deadline
@@ -123,13 +124,20 @@ class ResumableStream:
         self.migrations = 0
         self._choices: dict[int, _Choice] = {}
         self._cancelled = False
-        # Deltas are held for their ids only when the call can be resumed at all.
-        self._resumable = stream.first.started.resumable and resumable_request(request)
+        # Deltas are held for their ids only when the call can be resumed at all: known from the
+        # first call's `started` (its first event, or later when model-load progress came first).
+        self._resumable = False
 
     @property
     def worker_address(self) -> str:
         """The address of the worker serving the call now."""
         return self._stream.worker_address
+
+    @property
+    def worker_id(self) -> str:
+        """The id of the worker that accepted the call (what the response headers name), even after
+        the call moved."""
+        return self._first_stream.worker_id
 
     def cancel(self) -> None:
         """Cancels the current call (idempotent); a migration in progress stops too."""
@@ -172,6 +180,8 @@ class ResumableStream:
     def _track(self, event: worker_pb2.GenerateResponse, resumed: bool) -> list[worker_pb2.GenerateResponse]:
         """Records ``event``; returns the events the caller may have now (held ones included)."""
         kind = event.WhichOneof("event")
+        if kind == "started" and not resumed:
+            self._resumable = event.started.resumable and resumable_request(self._request)
         if not self._resumable:
             return [event]
         if kind in _DELTA_KINDS:
@@ -239,7 +249,11 @@ class ResumableStream:
                 refused.message,
             )
             return None
-        if self._cancelled or not stream.first.started.resumable:
+        if (
+            self._cancelled
+            or stream.first.WhichOneof("event") != "started"
+            or not stream.first.started.resumable
+        ):
             stream.cancel()  # the caller went away meanwhile, or the worker would restart from scratch
             self._count("failed")
             return None

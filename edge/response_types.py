@@ -217,8 +217,10 @@ class Health(_Out):
 
 class WorkerState(_Out):
     address: str
-    status: Literal["SERVING", "NOT_SERVING", "UNKNOWN", "UNREACHABLE", "SERVICE_UNKNOWN"]
+    status: Literal["SERVING", "NOT_SERVING", "LOADING", "UNKNOWN", "UNREACHABLE", "SERVICE_UNKNOWN"]
     outstanding: int
+    # While LOADING: how far the worker's model load has come (0 to 1), when it said.
+    load_fraction: float | None = None
 
 
 class Readiness(_Out):

@@ -104,6 +104,10 @@ class Settings:
     # How long a worker may take to accept a call (send `started`) before the
     # edge gives up on it and tries the next one.
     worker_connect_timeout_s: float = 10.0
+    # A request that arrives while no worker serves but one is still loading its model waits
+    # up to this long for the load (the native stream shows model_load.* events meanwhile);
+    # 0 = answer 503 at once.
+    wait_for_load_s: float = 60.0
     # Deadline of one health check or ListModels call.
     health_timeout_s: float = 2.0
     # Workers are health-checked this often; an ejected one sooner, with backoff.
@@ -173,7 +177,7 @@ class Settings:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
-        for name in ("drain_delay_s", "graceful_timeout_s"):
+        for name in ("drain_delay_s", "graceful_timeout_s", "wait_for_load_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}: must be >= 0 seconds, got {value}")
@@ -289,6 +293,13 @@ class Settings:
                 "worker_connect_timeout_s",
                 float,
                 "seconds a worker has to accept a call",
+            ),
+            (
+                "wait-for-load-seconds",
+                "wait_for_load_s",
+                float,
+                "seconds a request waits for a worker that is still loading its model when none "
+                "serves (0 = 503 at once)",
             ),
             (
                 "health-timeout",

@@ -3,9 +3,11 @@
 :class:`NativeTranslator` is fed every ``GenerateResponse`` of the one call and
 answers named events (each payload's ``type`` is its event name), in this order:
 
-1. ``chat.start`` (``model_instance_id``) and ``prompt_processing.start`` on ``started``;
-   ``model_load.progress`` for a worker's model-load progress (after a
-   ``model_load.start``; ``model_load.end`` follows at the first other event);
+1. while the worker is still loading its model (the call waits for it,
+   ``--wait-for-load-seconds``): ``model_load.start``, ``model_load.progress``
+   (``progress``: the worker's load fraction), and ``model_load.end`` at the
+   first other event; then ``chat.start`` (``model_instance_id``) and
+   ``prompt_processing.start`` on ``started``;
 2. ``prompt_processing.progress`` (the worker's fraction) while a long prompt
    is processed in chunks, then ``prompt_processing.end`` before the first output;
 3. one segment per run of same-kind output: ``reasoning.start`` /
@@ -125,8 +127,11 @@ class NativeTranslator:
             return self._progress(event.progress)
         events = self._end_load()
         if kind == "started":
+            # A stream that began with a model load had only the requested name, maybe none.
+            self.model_instance_id = self.model_instance_id or event.started.model
             self._prompt_open = True
             return [
+                *events,
                 {"type": "chat.start", "model_instance_id": self.model_instance_id},
                 {"type": "prompt_processing.start"},
             ]

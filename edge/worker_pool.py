@@ -63,6 +63,8 @@ _RETRY_BEFORE_FIRST_EVENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOUR
 EJECT_BACKOFF_INITIAL_S = 0.5
 _JITTER = 0.2
 NO_WORKER_MESSAGE = "No model worker is available; please retry later."
+# The worker's status-details reason for "still loading its model" (worker.errors.ModelLoading).
+MODEL_LOADING_REASON = "model_loading"
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 ClientFactory = Callable[[str], WorkerClient]
@@ -73,9 +75,18 @@ class WorkerStatus(enum.StrEnum):
 
     UNKNOWN = "UNKNOWN"
     SERVING = "SERVING"
-    NOT_SERVING = "NOT_SERVING"  # answered, but not serving (loading or draining)
+    NOT_SERVING = "NOT_SERVING"  # answered, but not serving (draining, or an older worker loading)
+    LOADING = "LOADING"  # answered: still loading its model (takes calls that may wait for it)
     UNREACHABLE = "UNREACHABLE"  # no answer: down, or the network
     REMOVED = "REMOVED"  # left the DNS answer; closed once its calls end
+
+
+def _is_model_load(event: worker_pb2.GenerateResponse | None) -> bool:
+    return (
+        event is not None
+        and event.WhichOneof("event") == "progress"
+        and event.progress.stage == worker_pb2.Progress.MODEL_LOAD
+    )
 
 
 def eject_backoff_s(failures: int, cap_s: float, jitter: float = 0.0) -> float:
@@ -122,6 +133,8 @@ class _Worker:
         self.next_check_at = 0.0  # monotonic; 0 = due now
         # The worker's own id (``started.worker_id``), learned from its answers.
         self.worker_id: str | None = None
+        # While LOADING: how far its model load has come (0 to 1), as it last said.
+        self.load_fraction: float | None = None
 
     @property
     def available(self) -> bool:
@@ -144,6 +157,7 @@ class WorkerHealth:
     address: str
     status: str
     outstanding: int
+    load_fraction: float | None = None  # while LOADING, when the worker said
 
     @property
     def serving(self) -> bool:
@@ -172,6 +186,11 @@ class GenerateStream:
     @property
     def worker_address(self) -> str:
         return self._worker.address
+
+    @property
+    def worker_id(self) -> str:
+        """The serving worker's id: from its ``started`` event, else as the pool knows it ("")."""
+        return self.first.started.worker_id or self._worker.worker_id or ""
 
     def __aiter__(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         return self._events()
@@ -256,7 +275,12 @@ class WorkerPool:
     def snapshot(self) -> list[WorkerHealth]:
         """Every worker's state as of the last check or call, without asking anyone."""
         return [
-            WorkerHealth(w.address, WorkerStatus.REMOVED if w.removed else w.status, w.outstanding)
+            WorkerHealth(
+                w.address,
+                WorkerStatus.REMOVED if w.removed else w.status,
+                w.outstanding,
+                w.load_fraction if w.status == WorkerStatus.LOADING else None,
+            )
             for w in self._workers.values()
         ]
 
@@ -267,8 +291,12 @@ class WorkerPool:
             self._poke()  # the loop closes its channel
 
     def note_call_failure(self, worker: _Worker, error: WorkerCallError) -> None:
-        """Ejects ``worker`` if ``error`` says it is down or draining (UNAVAILABLE)."""
+        """Ejects ``worker`` if ``error`` says it is down, draining or loading (UNAVAILABLE)."""
         if error.code() == grpc.StatusCode.UNAVAILABLE:
+            if error.reason == MODEL_LOADING_REASON:
+                worker.load_fraction = error.status.load_fraction
+                self._eject(worker, WorkerStatus.LOADING, error.message)
+                return
             draining = error.reason == "not_ready"
             self._eject(
                 worker, WorkerStatus.NOT_SERVING if draining else WorkerStatus.UNREACHABLE, error.message
@@ -292,6 +320,7 @@ class WorkerPool:
             again = "" if worker.status == WorkerStatus.UNKNOWN else " again (taken back)"
             log.info("worker %s is serving%s", worker.address, again)
         worker.status = WorkerStatus.SERVING
+        worker.load_fraction = None
         worker.failures = 0
         worker.next_check_at = time.monotonic() + self._health_interval_s
 
@@ -303,6 +332,11 @@ class WorkerPool:
         start = next(self._rotation)
         order = {id(w): (i - start) % len(workers) for i, w in enumerate(workers)}
         return sorted(workers, key=lambda w: (w.outstanding, order[id(w)]))
+
+    def _loading_candidates(self) -> list[_Worker]:
+        """The workers still loading their model: furthest along first, then fewest calls."""
+        loading = [w for w in self._workers.values() if not w.removed and w.status == WorkerStatus.LOADING]
+        return sorted(loading, key=lambda w: (-(w.load_fraction or 0.0), w.outstanding))
 
     def _none_available(self) -> ServiceUnavailableError:
         """503 for 'every worker is known down'; Retry-After is the next re-check (1 s at least)."""
@@ -402,8 +436,21 @@ class WorkerPool:
             return
         if status == ServingStatus.SERVING:
             self._restore(worker)
-        else:
+        elif not await self._learn_loading(worker):
             self._eject(worker, WorkerStatus.NOT_SERVING, f"health check answered {status}")
+
+    async def _learn_loading(self, worker: _Worker) -> bool:
+        """After a NOT_SERVING answer: asks ``worker`` (ListModels) whether it is loading its
+        model; if so, marks it LOADING with its load fraction and returns True. Health checking
+        has one NOT_SERVING for "loading" and "draining"; only a loading worker is worth a
+        request that can wait."""
+        try:
+            await worker.client.list_models(timeout=self._health_timeout_s)
+        except WorkerCallError as error:
+            if error.reason == MODEL_LOADING_REASON:
+                self.note_call_failure(worker, error)
+                return True
+        return False
 
     async def _fresh_channel_if_backing_off(self, worker: _Worker) -> None:
         """Drops ``worker``'s channel when it is waiting out gRPC's reconnect backoff, so the
@@ -467,8 +514,17 @@ class WorkerPool:
         request_id: str,
         timeout_s: float,
         metadata: Sequence[tuple[str, str | bytes]] = (),
+        *,
+        load_events: bool = False,
     ) -> GenerateStream:
         """Opens ``Generate`` on the best worker and waits for its first event.
+
+        When no worker serves and ``request.model_load_wait_seconds`` is positive, the
+        workers still loading their model (LOADING) are tried instead: such a worker holds
+        the call until its model is loaded (at most that long), sending MODEL_LOAD progress
+        events. With ``load_events`` the first of those is the stream's first event (the
+        caller shows the load); without, they are read here and the stream starts at
+        ``started``, so a load that does not end in time is still an error before the stream.
 
         ``timeout_s`` is the call's total deadline in seconds, shared by all
         attempts. Raises :class:`EdgeError` when the call fails before its
@@ -486,27 +542,40 @@ class WorkerPool:
         # The request id travels in the request's own field (GenerateRequest.request_id), once.
         call_metadata = tuple(metadata)
         candidates = self._candidates()
+        if not candidates and request.model_load_wait_seconds > 0:
+            candidates = self._loading_candidates()
         if not candidates:
             raise self._none_available()
         last_error: EdgeError | None = None
         busy_error: EdgeError | None = None
         busy_worker: _Worker | None = None
+        loop = asyncio.get_running_loop()
         for worker in candidates:
-            if not worker.available:
+            if not (worker.available or worker.status == WorkerStatus.LOADING) or worker.removed:
                 continue  # ejected meanwhile (another request saw it fail)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
             worker.outstanding += 1
             call = worker.client.generate(request, timeout=remaining, metadata=call_metadata)
+            waited_for_load = False
             try:
-                async with asyncio.timeout(min(self._connect_timeout_s, remaining)):
+                async with asyncio.timeout(min(self._connect_timeout_s, remaining)) as first_event:
                     first = await call.read()
+                    while not load_events and _is_model_load(first):
+                        # The worker took the call and holds it until its model is loaded;
+                        # it bounds that wait itself, the request's deadline bounds ours.
+                        waited_for_load = True
+                        first_event.reschedule(loop.time() + max(0.0, deadline - time.monotonic()))
+                        first = await call.read()
             except WorkerCallError as error:
                 call.cancel()
                 self.release(worker)
                 mapped = from_grpc(error)
-                if error.code() not in _RETRY_BEFORE_FIRST_EVENT:
+                if error.code() not in _RETRY_BEFORE_FIRST_EVENT or waited_for_load:
+                    # After a wait for a model load, the wait is over: no second wait elsewhere.
+                    if waited_for_load:
+                        self.note_call_failure(worker, error)
                     mapped.worker_id = await self._learn_worker_id(worker)
                     raise mapped from None
                 if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -543,8 +612,11 @@ class WorkerPool:
                 # The worker closed the call OK without a single event: a contract breach.
                 self.release(worker)
                 raise ServiceUnavailableError("The model worker ended the request without an answer.")
-            if first.WhichOneof("event") == "started" and first.started.worker_id:
-                worker.worker_id = first.started.worker_id
+            if first.WhichOneof("event") == "started":
+                if first.started.worker_id:
+                    worker.worker_id = first.started.worker_id
+                if worker.status == WorkerStatus.LOADING:
+                    self._restore(worker)  # it answered a call: its model is loaded
             return GenerateStream(call, worker, first, self)
         if busy_error is not None and busy_worker is not None:
             busy_error.worker_id = await self._learn_worker_id(busy_worker)

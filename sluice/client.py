@@ -126,8 +126,9 @@ class WorkerCallError(grpc.RpcError):
 
     @property
     def reason(self) -> str:
-        """The worker's machine code (``invalid_parameter``, ``queue_full``, ``not_ready``...);
-        empty when the failure did not come from a Sluice worker (e.g. a transport error)."""
+        """The worker's machine code (``invalid_parameter``, ``queue_full``, ``model_loading``,
+        ``not_ready``...); empty when the failure did not come from a Sluice worker (e.g. a
+        transport error)."""
         return self.status.reason
 
     @property

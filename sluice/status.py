@@ -35,6 +35,7 @@ class ErrorDetails:
     reason: str = ""
     param: str | None = None
     retry_after_seconds: float | None = None
+    load_fraction: float | None = None
 
 
 def build_status(details: ErrorDetails) -> grpc.Status:
@@ -44,6 +45,8 @@ def build_status(details: ErrorDetails) -> grpc.Status:
         metadata["param"] = details.param
     if details.retry_after_seconds is not None:
         metadata["retry_after_seconds"] = f"{details.retry_after_seconds:g}"
+    if details.load_fraction is not None:
+        metadata["load_fraction"] = f"{details.load_fraction:.4g}"
     info = any_pb2.Any()
     info.Pack(error_details_pb2.ErrorInfo(reason=details.reason or "error", domain=DOMAIN, metadata=metadata))
     packed = [info]
@@ -71,7 +74,7 @@ def read_details(error: grpc.RpcError) -> ErrorDetails:
         proto.ParseFromString(raw)
     except Exception:  # a peer that is not Sluice; keep code and message
         return result
-    reason, param, retry = "", None, None
+    reason, param, retry, fraction = "", None, None, None
     for item in proto.details:
         if item.Is(error_details_pb2.ErrorInfo.DESCRIPTOR):
             info = error_details_pb2.ErrorInfo()
@@ -83,7 +86,12 @@ def read_details(error: grpc.RpcError) -> ErrorDetails:
                     retry = float(info.metadata["retry_after_seconds"])
                 except ValueError:
                     retry = None
-    return ErrorDetails(result.code, result.message, reason, param, retry)
+            if "load_fraction" in info.metadata:
+                try:
+                    fraction = float(info.metadata["load_fraction"])
+                except ValueError:
+                    fraction = None
+    return ErrorDetails(result.code, result.message, reason, param, retry, fraction)
 
 
 def _details_bytes(error: grpc.RpcError) -> bytes | None:

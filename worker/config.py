@@ -300,6 +300,12 @@ class WorkerConfig:
     fake_step_ms: float = setting(
         0.0, _milliseconds, "with --fake-tokens: milliseconds each fake forward takes (0 = full speed)"
     )
+    fake_load_seconds: float = setting(
+        0.0,
+        _seconds,
+        "with --fake-tokens: seconds the fake model load takes, reported as load progress "
+        "(tests of what callers see while a worker starts)",
+    )
 
     @property
     def resolved_worker_id(self) -> str:
@@ -315,6 +321,8 @@ class WorkerConfig:
         found = []
         if self.fake_step_ms and not self.fake_tokens:
             found.append("--fake-step-ms only applies with --fake-tokens")
+        if self.fake_load_seconds and not self.fake_tokens:
+            found.append("--fake-load-seconds only applies with --fake-tokens")
         if self.metrics_port is None and self.resolved_metrics_port > 65535:
             found.append(
                 f"--metrics-port: the default (--port + {METRICS_PORT_OFFSET}) is "

@@ -12,8 +12,11 @@ reads). A step of ``rows`` copies its inputs into the first rows, pads the
 bucket's other rows (length 0: the kernel reads nothing for them; their keys
 and values go to the runner's scratch block) and replays the smallest bucket
 that holds it. Attention in the graphs is the Triton kernel, which reads the
-pool through the block tables, so shapes do not depend on context lengths;
-without triton the worker runs decode eagerly (and says so at start).
+pool through the block tables, so shapes do not depend on context lengths.
+Both are checked at start-up: the kernel against the torch reference on this
+model's shapes (:func:`kernel_works`), and one replayed graph against the same
+step run eagerly; without triton, or when a check fails, the worker runs
+decode eagerly and says why in its log.
 
 Prompt chunks (mixed steps) always run eagerly: their shapes vary with every
 prompt, and they are compute-bound, where launch overhead matters least.
@@ -29,9 +32,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.attention import paged
+from worker.model_runner import Work
 
 if TYPE_CHECKING:
-    from worker.model_runner import ModelRunner, Work
+    from worker.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -160,7 +164,43 @@ def capture_decode_graphs(runner: ModelRunner, max_rows: int, context_length: in
     graphs = DecodeGraphs(runner, max_rows, context_length)
     try:
         graphs.capture()
+        # One replay against the same step run eagerly (both write only the scratch block).
+        work = [Work([1], 0, [runner.scratch_block], True)]
+        replayed = graphs.run(work).clone()
+        eager = runner.execute(work)
     except Exception:
         log.exception("capturing decode CUDA graphs failed: decode runs eagerly")
         return None
+    if not torch.allclose(replayed, eager, rtol=1e-2, atol=1e-2 * float(eager.abs().max()) + 1e-3):
+        log.error("a replayed decode graph disagrees with the eager step: decode runs eagerly")
+        return None
     return graphs
+
+
+def kernel_works(runner: ModelRunner) -> bool:
+    """Whether the Triton decode kernel runs here and agrees with the torch reference on a small
+    case of this model's shapes (checked once at start-up; on failure the gather path is used)."""
+    from worker.attention.triton_decode import paged_decode_attention, paged_decode_reference
+
+    shape = runner.kv_shape
+    device = runner.device
+    try:
+        generator = torch.Generator(device=device).manual_seed(0)
+        heads = shape.kv_heads * runner.group
+        size = runner.block_size
+        pool_k = torch.randn((8, size, shape.kv_heads, shape.head_dim), generator=generator, device=device)
+        pool_v = torch.randn(pool_k.shape, generator=generator, device=device)
+        query = torch.randn((3, heads, shape.head_dim), generator=generator, device=device)
+        pool_k, pool_v, query = (t.to(shape.dtype) for t in (pool_k, pool_v, query))
+        tables = torch.tensor([[3, 1, 0], [7, 0, 0], [2, 5, 6]], dtype=torch.int32, device=device)
+        lengths = torch.tensor([2 * size + 1, 1, 3 * size], dtype=torch.int32, device=device)
+        scale = shape.head_dim**-0.5
+        got = paged_decode_attention(query, pool_k, pool_v, tables, lengths, scale).float()
+        want = paged_decode_reference(query, pool_k, pool_v, tables, lengths, scale).float()
+    except Exception:
+        log.exception("the Triton decode kernel failed its start-up check: decode attention gathers instead")
+        return False
+    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+        log.error("the Triton decode kernel disagrees with the reference: decode attention gathers instead")
+        return False
+    return True

@@ -45,6 +45,27 @@ class NotReady(WorkerError):
     reason = "not_ready"
 
 
+class ModelLoading(NotReady):
+    """The model is still loading; ``load_fraction`` (0 to 1) says how far it has come."""
+
+    reason = "model_loading"
+
+    def __init__(self, message: str, *, load_fraction: float, retry_after_seconds: float | None = None):
+        super().__init__(message, retry_after_seconds=retry_after_seconds)
+        self.load_fraction = load_fraction
+
+    def to_status(self) -> grpc.Status:
+        return build_status(
+            ErrorDetails(
+                self.code,
+                self.message,
+                self.reason,
+                retry_after_seconds=self.retry_after_seconds,
+                load_fraction=self.load_fraction,
+            )
+        )
+
+
 class GenerationFailed(WorkerError):
     code = grpc.StatusCode.INTERNAL
     reason = "generation_failed"

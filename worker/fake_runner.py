@@ -52,6 +52,7 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from worker.config import DEFAULT_CACHE_DIR
+from worker.load_progress import LoadProgress
 from worker.model_loader import (
     DEFAULT_MODEL_ID,
     LoadedModel,
@@ -217,3 +218,17 @@ def _folder_config(folder: Path) -> Any:
 
     limit = values.get("max_position_embeddings", 0) if isinstance(values, dict) else 0
     return SimpleNamespace(max_position_embeddings=limit)
+
+
+FAKE_LOAD_STEPS = 20
+
+
+def fake_slow_load(seconds: float, progress: LoadProgress) -> None:
+    """Spends ``seconds`` (``--fake-load-seconds``) "loading", raising ``progress`` evenly to 0.95,
+    so that what callers see during a slow model load can be tested without a large model."""
+    if seconds <= 0:
+        return
+    log.warning("FAKE TOKENS: the model load takes %g s (--fake-load-seconds)", seconds)
+    for step in range(1, FAKE_LOAD_STEPS + 1):
+        time.sleep(seconds / FAKE_LOAD_STEPS)
+        progress.advance(0.95 * step / FAKE_LOAD_STEPS)

@@ -30,6 +30,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -104,8 +105,13 @@ def load_model(
     cpu_linear: str = "onednn",
     batch_hint: int = 16,
     quantization: str = "none",
+    on_progress: Callable[[float], None] | None = None,
 ) -> LoadedModel:
     """Loads the model named by ``model`` (see the module docstring) onto the chosen device.
+
+    ``on_progress`` is called with a rising fraction at the load's stages (a first-start
+    conversion of a GGUF file and reading the weights are the long ones): 0.05 once the source
+    is resolved, 0.7 once the weights are read, 0.85 on the device, 0.95 once packed.
 
     On the CPU with ``cpu_linear="onednn"``, float linear weights are packed for oneDNN
     (worker/packed_linear.py); ``batch_hint`` is the usual decode batch. ``quantization`` is one
@@ -133,6 +139,8 @@ def load_model(
         model_id = model
     source = str(gguf or folder or model)
     scheme = choose_quantization(quantization, torch_device, model_is_default=model is None)
+    report = on_progress or (lambda _fraction: None)
+    report(0.05)
     started = time.monotonic()
     if scheme == "none":
         if gguf is not None:
@@ -140,10 +148,13 @@ def load_model(
         hf_model, tokenizer = _load_float(folder, model, torch_dtype)
     else:
         hf_model, tokenizer = _load_quantized(gguf, folder, model, cache, scheme, torch_device, torch_dtype)
+    report(0.7)
     hf_model = hf_model.to(torch_device).eval()  # type: ignore[arg-type]
+    report(0.85)
     packed = 0
     if torch_device.type == "cpu" and cpu_linear == "onednn":
         packed = pack_linears(hf_model, batch_hint=batch_hint)  # float layers only; quantized ones stay
+    report(0.95)
     if scheme != "none":
         kernels = f"{scheme} weight-only linear layers"
     elif packed:

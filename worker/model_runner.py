@@ -63,8 +63,18 @@ class ModelRunner:
         self.pool = KVPool(self.kv_shape, num_blocks + 1, block_size, self.device)
         self.scratch_block = num_blocks
         self.graphs: DecodeGraphs | None = None  # set once captured (CUDA)
-        # On CUDA with triton, decode rows use the Triton kernel (no gather), graphs or not.
-        self._use_kernel = self.device.type == "cuda" and triton_available()
+        # On CUDA with triton, decode rows use the Triton kernel (no gather), graphs or not, once it
+        # passed its start-up check (worker.cuda_graphs.kernel_works).
+        self._use_kernel = False
+        if self.device.type == "cuda" and triton_available():
+            from worker.cuda_graphs import kernel_works
+
+            self._use_kernel = kernel_works(self)
+
+    @property
+    def decode_kernel_enabled(self) -> bool:
+        """Decode attention runs the Triton kernel (CUDA, triton installed, start-up check passed)."""
+        return self._use_kernel
 
     @property
     def pool_bytes(self) -> int:

@@ -90,7 +90,7 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
     runner = ModelRunner(loaded, num_blocks=blocks, block_size=config.kv_block_size)
     limits = batch_limits(config, device, blocks * config.kv_block_size)
     warm_up(runner)
-    if device.type == "cuda" and config.cuda_graphs:
+    if device.type == "cuda" and config.cuda_graphs and runner.decode_kernel_enabled:
         from worker.cuda_graphs import capture_decode_graphs
 
         runner.graphs = capture_decode_graphs(runner, limits.max_running, loaded.context_length)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import socket
@@ -39,9 +40,10 @@ from worker import metrics
 from worker.config import WorkerConfig
 from worker.drain import DrainingWorker
 from worker.engine import Engine
-from worker.fake_runner import load_fake_model
+from worker.fake_runner import fake_slow_load, load_fake_model
 from worker.fake_runner import metrics_text as fake_metrics_text
 from worker.grammar import GrammarCompiler
+from worker.load_progress import LoadProgress
 from worker.model_loader import ModelLoadError, load_model
 from worker.model_runner import ModelRunner
 from worker.prompt import PromptRenderer
@@ -100,8 +102,10 @@ def eos_token_ids(loaded_model: object, tokenizer: object) -> set[int]:
     return ids
 
 
-def build_serving(config: WorkerConfig) -> ServingModel:
-    """Loads the model and starts the engine (blocking; run in a thread)."""
+def build_serving(config: WorkerConfig, progress: LoadProgress | None = None) -> ServingModel:
+    """Loads the model and starts the engine (blocking; run in a thread), raising ``progress``
+    at the load's stages (1.0 once the engine runs)."""
+    progress = progress or LoadProgress()
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     runner: ModelRunner
@@ -112,6 +116,7 @@ def build_serving(config: WorkerConfig) -> ServingModel:
         loaded = load_fake_model(
             config.model, served_model_name=config.served_model_name, cache_dir=config.cache_dir
         )
+        fake_slow_load(config.fake_load_seconds, progress)
         runner = fake_runner(loaded, config)
         limits = batch_limits(config, loaded.device, runner.num_blocks * runner.block_size)
     else:
@@ -124,6 +129,7 @@ def build_serving(config: WorkerConfig) -> ServingModel:
             cpu_linear=config.cpu_linear,
             quantization=config.quantization,
             batch_hint=cpu_batch_hint(config),
+            on_progress=progress.advance,
         )
         runner, limits = model_runner(loaded, config)
     eos = eos_token_ids(loaded.model, loaded.tokenizer)
@@ -142,6 +148,7 @@ def build_serving(config: WorkerConfig) -> ServingModel:
         grammars=grammars,
     )
     engine.start()
+    progress.advance(1.0)
     return ServingModel(
         loaded,
         engine,
@@ -155,7 +162,8 @@ def build_serving(config: WorkerConfig) -> ServingModel:
 async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit status (2: a port is taken, 1: the model
     did not load). ``metrics_socket``: the claimed /metrics socket (None: metrics off)."""
-    service = WorkerService(config.resolved_worker_id)
+    load_progress = LoadProgress()
+    service = WorkerService(config.resolved_worker_id, load_progress)
     served = DrainingWorker(service)
     health_service = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -203,7 +211,9 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
 
-    loading = asyncio.ensure_future(in_own_thread(build_serving, config))
+    loading = asyncio.ensure_future(
+        in_own_thread(functools.partial(build_serving, progress=load_progress), config)
+    )
     stopper = asyncio.ensure_future(stop.wait())
     try:
         await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)

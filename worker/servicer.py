@@ -14,6 +14,7 @@ import asyncio
 import contextvars
 import functools
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,8 +35,9 @@ from worker.convert import (
     sampling_options,
 )
 from worker.engine import Engine, Prepared
-from worker.errors import GenerationFailed, NotReady, WorkerError
+from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, WorkerError
 from worker.grammar import GrammarCompiler
+from worker.load_progress import LoadProgress, wait_for_load
 from worker.model_loader import LoadedModel
 from worker.prompt import PromptRenderer
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
@@ -60,17 +62,44 @@ class ServingModel:
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    """Generate and ListModels. ``serving`` is None until the model is loaded (calls get UNAVAILABLE)."""
+    """Generate and ListModels. ``serving`` is None until the model is loaded; meanwhile calls get
+    UNAVAILABLE ``model_loading`` with ``load_progress``'s fraction, or, when a Generate request
+    asks to wait (``model_load_wait_seconds``), MODEL_LOAD progress events until it is loaded."""
 
-    def __init__(self, worker_id: str):
+    def __init__(self, worker_id: str, load_progress: LoadProgress | None = None):
         self.worker_id = worker_id
         self.serving: ServingModel | None = None
+        self.load_progress = load_progress or LoadProgress()
         self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="sluice-prepare")
 
     def _require_serving(self) -> ServingModel:
         if self.serving is None:
-            raise NotReady("the worker is still loading its model; retry shortly", retry_after_seconds=5.0)
+            raise ModelLoading(
+                "the worker is still loading its model; retry shortly",
+                load_fraction=self.load_progress.fraction,
+                retry_after_seconds=5.0,
+            )
         return self.serving
+
+    async def _wait_for_load(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """While the model loads and the request asks to wait: its MODEL_LOAD progress events
+        (when it asked for progress), up to ``model_load_wait_seconds``; returns at once when
+        the model is loaded or the request does not wait. Raises :class:`InvalidRequest` for a
+        negative or non-finite wait."""
+        wait_s = request.model_load_wait_seconds
+        if not math.isfinite(wait_s) or wait_s < 0:
+            raise InvalidRequest(
+                f"model_load_wait_seconds must be a finite number >= 0, got {wait_s}",
+                param="model_load_wait_seconds",
+            )
+        if self.serving is not None or wait_s == 0:
+            return
+        log.info("request %s waits up to %g s for the model load", request_id_var.get(), wait_s)
+        async for fraction in wait_for_load(self.load_progress, lambda: self.serving is not None, wait_s):
+            if request.stream_progress:
+                yield pb.GenerateResponse(
+                    progress=pb.Progress(stage=pb.Progress.MODEL_LOAD, fraction=fraction)
+                )
 
     async def ListModels(
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
@@ -97,6 +126,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         # grpc.aio runs each call in its own task, so this binds the id for this call only.
         request_id_var.set(request_id)
         try:
+            loading = self.serving is None
+            async for load_event in self._wait_for_load(request):
+                yield load_event
+            if loading and self.serving is not None:
+                arrival = time.monotonic()  # queue time starts once the model is there
             serving = self._require_serving()
             parsed = parse_request(request, serving.loaded.model_id)
             # In the caller's context, so the prepare thread's log lines carry the request id.

@@ -64,10 +64,18 @@ GRPC_DEADLINE_MARGIN_S = 1.0
 
 
 async def open_calls(
-    requests: Sequence[worker_pb2.GenerateRequest], metadata: Sequence[tuple[str, str | bytes]] = ()
+    requests: Sequence[worker_pb2.GenerateRequest],
+    metadata: Sequence[tuple[str, str | bytes]] = (),
+    *,
+    load_events: bool = False,
 ) -> CallGroup:
     """Opens one worker call per request with the request's total deadline; raises
     :class:`~edge.errors.EdgeError` (a 503 while the edge drains, a 400 for a bad timeout header).
+
+    While no worker serves but one is loading its model, each call waits for the load up to
+    ``--wait-for-load-seconds`` (``model_load_wait_seconds``): silently, so a load that does not
+    end in time is the same 503 as before; with ``load_events`` the first event may instead be a
+    MODEL_LOAD progress event, which commits the response so that the caller can show the load.
 
     The calls ask for ``progress`` events, so a request waiting in a worker's
     queue or in a long prefill still resets the idle timeout. The request id
@@ -90,6 +98,7 @@ async def open_calls(
     )
     for worker_request in requests:
         worker_request.stream_progress = True
+        worker_request.model_load_wait_seconds = state.settings.wait_for_load_s
         if migration.enabled and resumable_request(worker_request):
             # What a call that moves to another worker resumes from (edge.migration).
             worker_request.return_token_ids = True
@@ -105,6 +114,7 @@ async def open_calls(
                 limits.total_s + GRPC_DEADLINE_MARGIN_S,
                 metadata,
                 migration=migration,
+                load_events=load_events,
             )
     except TimeoutError:
         if timer.expired():

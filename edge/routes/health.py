@@ -8,6 +8,7 @@ from quart.wrappers import Response
 from edge.errors import ServiceUnavailableError
 from edge.routes.common import json_response
 from edge.state import current_state
+from edge.worker_pool import WorkerHealth
 
 blueprint = Blueprint("health", __name__)
 
@@ -16,6 +17,19 @@ blueprint = Blueprint("health", __name__)
 async def health() -> Response:
     """Always 200 while the process serves: liveness must not depend on workers."""
     return json_response({"status": "ok"})
+
+
+def worker_state(check: WorkerHealth) -> dict[str, object]:
+    """One worker in ``/ready``: address, status, calls in flight, and while it is LOADING how far
+    its model load has come (``load_fraction``, 0 to 1) when it said."""
+    state: dict[str, object] = {
+        "address": check.address,
+        "status": check.status,
+        "outstanding": check.outstanding,
+    }
+    if check.load_fraction is not None:
+        state["load_fraction"] = check.load_fraction
+    return state
 
 
 @blueprint.get("/ready")
@@ -30,7 +44,7 @@ async def ready() -> Response:
         draining = ServiceUnavailableError("The edge is shutting down.", code="server_shutting_down")
         return json_response({**draining.payload(), "status": "draining"}, status=503)
     checks = await state.pool.health()
-    workers = [{"address": c.address, "status": c.status, "outstanding": c.outstanding} for c in checks]
+    workers = [worker_state(c) for c in checks]
     if any(c.serving for c in checks):
         return json_response({"status": "ready", "workers": workers})
     error = ServiceUnavailableError("No model worker is serving.", code="no_worker_serving")

@@ -33,7 +33,10 @@ async def chat() -> Response:
     parsed = parse_native_request(await read_json_body())
     worker_request = translate.to_generate_request(parsed.chat, request_id)
     parsed.apply_sampling(worker_request)
-    group = await open_calls([worker_request], translate.call_metadata(parsed.chat, request_id))
+    # A streamed answer shows a model load as model_load.* events; a JSON one waits silently.
+    group = await open_calls(
+        [worker_request], translate.call_metadata(parsed.chat, request_id), load_events=parsed.stream
+    )
     try:
         translator = NativeTranslator(
             response_id=new_id("resp"),

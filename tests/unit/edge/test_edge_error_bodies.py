@@ -62,6 +62,7 @@ class _BrokenStream:
     def __init__(self) -> None:
         self.first = worker_pb2.GenerateResponse(started=worker_pb2.Started(model="m", worker_id="w", n=1))
         self.worker_address = ADDRESS
+        self.worker_id = "w"
 
     def __aiter__(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         return self._events()

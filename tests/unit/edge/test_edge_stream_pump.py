@@ -33,6 +33,7 @@ class FakeStream:
         self.cancelled = False
         self.reads = 0
         self.worker_address = "fake"
+        self.worker_id = self.first.started.worker_id
 
     def __aiter__(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
         return self._events()

@@ -164,6 +164,33 @@ def test_model_load_progress_is_framed() -> None:
     ]
 
 
+def test_a_model_load_before_the_start_is_exact() -> None:
+    # A request that arrived while the worker was still loading: the load, then the chat,
+    # whose model id is the worker's (the request named none).
+    t = NativeTranslator("resp_1", "", {})
+    events = play(
+        t,
+        [
+            progress(0.05, worker_pb2.Progress.MODEL_LOAD),
+            progress(0.7, worker_pb2.Progress.MODEL_LOAD),
+            started(model="m"),
+            content("x"),
+        ],
+    )
+    assert events == [
+        {"type": "model_load.start", "model_instance_id": ""},
+        {"type": "model_load.progress", "model_instance_id": "", "progress": 0.05},
+        {"type": "model_load.progress", "model_instance_id": "", "progress": 0.7},
+        {"type": "model_load.end", "model_instance_id": ""},
+        {"type": "chat.start", "model_instance_id": "m"},
+        {"type": "prompt_processing.start"},
+        {"type": "prompt_processing.end"},
+        {"type": "message.start"},
+        {"type": "message.delta", "content": "x"},
+    ]
+    assert t.finish()[-1]["result"]["model_instance_id"] == "m"
+
+
 def test_error_then_chat_end_with_partial_result() -> None:
     t = translator()
     events = play(t, [started(), content("Hel")])

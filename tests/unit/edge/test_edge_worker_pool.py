@@ -70,6 +70,8 @@ class FakeClient:
     # Whether the channel is waiting out a reconnect backoff; closing makes a fresh one.
     channel_backing_off: bool = False
     channels_dropped: int = 0
+    # What ListModels fails with (e.g. UNAVAILABLE model_loading), or None to answer.
+    list_error: WorkerCallError | None = None
 
     def connect(self) -> None:
         pass
@@ -98,6 +100,8 @@ class FakeClient:
         *,
         timeout: float | None = None,  # noqa: ASYNC109 (WorkerClient's signature)
     ) -> worker_pb2.ListModelsResponse:
+        if self.list_error is not None:
+            raise self.list_error
         return worker_pb2.ListModelsResponse(
             models=[worker_pb2.ModelInfo(id="m")], worker_id=f"id-{self.address}"
         )
@@ -521,3 +525,88 @@ def test_pool_settings_from_flags_and_env(capsys: pytest.CaptureFixture[str]) ->
         with pytest.raises(SystemExit):
             Settings.from_args(argv, env={})
         assert named in capsys.readouterr().err
+
+
+def loading(fraction: float) -> WorkerCallError:
+    return WorkerCallError(
+        ErrorDetails(grpc.StatusCode.UNAVAILABLE, "still loading", "model_loading", load_fraction=fraction)
+    )
+
+
+def load_progress(fraction: float) -> worker_pb2.GenerateResponse:
+    return worker_pb2.GenerateResponse(
+        progress=worker_pb2.Progress(stage=worker_pb2.Progress.MODEL_LOAD, fraction=fraction)
+    )
+
+
+def waiting(seconds: float) -> worker_pb2.GenerateRequest:
+    return worker_pb2.GenerateRequest(model_load_wait_seconds=seconds)
+
+
+def test_a_loading_worker_is_told_apart_from_draining_and_waited_for() -> None:
+    fakes = Fakes()
+
+    async def body() -> None:
+        pool = make_pool(["a:1", "b:2"], fakes, health_interval_s=60.0)
+        fakes.clients["a:1"].health_status = ServingStatus.NOT_SERVING
+        fakes.clients["a:1"].list_error = loading(0.4)
+        fakes.clients["b:2"].health_status = ServingStatus.NOT_SERVING  # draining: ListModels answers
+        fakes.clients["a:1"].script = lambda: [load_progress(0.5), load_progress(1.0), started(), finished()]
+        try:
+            states = {h.address: (h.status, h.load_fraction) for h in await pool.health()}
+            assert states == {"a:1": ("LOADING", 0.4), "b:2": ("NOT_SERVING", None)}
+            # A request that may not wait gets today's 503 at once, with nothing tried.
+            with pytest.raises(ServiceUnavailableError):
+                await pool.generate(waiting(0), "r", 5.0)
+            assert not fakes.clients["a:1"].calls and not fakes.clients["b:2"].calls
+            # One that may wait goes to the loading worker; the load events are read here.
+            stream = await pool.generate(waiting(30), "r", 5.0)
+            assert stream.worker_address == "a:1" and stream.first.WhichOneof("event") == "started"
+            assert [e.WhichOneof("event") async for e in stream] == ["started", "finished"]
+            assert pool._workers["a:1"].status == WorkerStatus.SERVING  # it answered: loaded
+            assert not fakes.clients["b:2"].calls  # never tried: draining is not loading
+        finally:
+            await pool.close()
+
+    run(body())
+
+
+def test_load_events_can_start_the_stream() -> None:
+    fakes = Fakes()
+
+    async def body() -> None:
+        pool = make_pool(["a:1"], fakes, health_interval_s=60.0)
+        fakes.clients["a:1"].health_status = ServingStatus.NOT_SERVING
+        fakes.clients["a:1"].list_error = loading(0.1)
+        fakes.clients["a:1"].script = lambda: [load_progress(0.5), started(), finished()]
+        try:
+            await pool.health()
+            stream = await pool.generate(waiting(30), "r", 5.0, load_events=True)
+            assert stream.first.WhichOneof("event") == "progress"
+            assert [e.WhichOneof("event") async for e in stream] == ["progress", "started", "finished"]
+        finally:
+            await pool.close()
+
+    run(body())
+
+
+def test_a_load_that_outlasts_the_wait_is_503_and_not_waited_for_twice() -> None:
+    fakes = Fakes()
+
+    async def body() -> None:
+        pool = make_pool(["a:1", "b:2"], fakes, health_interval_s=60.0)
+        for fake in fakes.clients.values():
+            fake.health_status = ServingStatus.NOT_SERVING
+            fake.list_error = loading(0.2)
+            fake.script = lambda: [load_progress(0.2), load_progress(0.3), loading(0.3)]
+        try:
+            await pool.health()
+            with pytest.raises(ServiceUnavailableError):
+                await pool.generate(waiting(30), "r", 5.0)
+            assert sum(len(f.calls) for f in fakes.clients.values()) == 1
+            assert {h.status for h in pool.snapshot()} == {"LOADING"}
+            assert pool.outstanding() == {"a:1": 0, "b:2": 0}
+        finally:
+            await pool.close()
+
+    run(body())

@@ -1,0 +1,45 @@
+"""The CUDA-only paths' fallbacks, checked where there is no GPU: they say no, they do not crash."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import torch
+
+from worker import cuda_graphs
+from worker.attention import triton_decode
+from worker.kv_pool import KVShape
+
+
+def cpu_runner() -> SimpleNamespace:
+    return SimpleNamespace(
+        kv_shape=KVShape(num_layers=2, kv_heads=3, head_dim=64, dtype=torch.float32),
+        device=torch.device("cpu"),
+        group=3,
+        block_size=16,
+    )
+
+
+def test_the_kernel_check_fails_closed_when_the_kernel_cannot_run(caplog):
+    # CPU tensors without triton's interpreter: the kernel cannot launch, so the gather path is kept.
+    with caplog.at_level(logging.ERROR):
+        assert cuda_graphs.kernel_works(cpu_runner()) is False  # type: ignore[arg-type]
+    assert "decode attention gathers instead" in caplog.text
+
+
+def test_no_graphs_without_triton(monkeypatch, caplog):
+    monkeypatch.setattr(triton_decode, "triton_available", lambda: False)
+    with caplog.at_level(logging.WARNING):
+        assert cuda_graphs.capture_decode_graphs(cpu_runner(), 8, 512) is None  # type: ignore[arg-type]
+    assert "decode runs eagerly" in caplog.text
+
+
+def test_buckets_cover_every_batch_size_up_to_max_running():
+    runner = SimpleNamespace(
+        device=torch.device("cpu"), block_size=16, scratch_block=9, kv_shape=None, group=1
+    )
+    graphs = cuda_graphs.DecodeGraphs(runner, 100, 4096)  # type: ignore[arg-type]
+    assert graphs.buckets[-1] == 100 and graphs.buckets == sorted(graphs.buckets)
+    assert all(graphs.fits(rows) for rows in range(1, 101)) and not graphs.fits(101)
+    assert graphs.tables.shape == (100, 256) and graphs.tables.dtype == torch.int32
