@@ -6,9 +6,11 @@ import time
 from typing import Any, cast
 
 import grpc
+import pytest
 
 from edge.errors import EdgeError, InternalError, ServiceUnavailableError
 from edge.migration import MigrationPolicy, ResumableStream
+from edge.settings import Settings
 from edge.worker_pool import WorkerPool
 from sluice.client import WorkerClient
 from sluice.v1 import worker_pb2
@@ -179,3 +181,13 @@ def test_a_call_that_only_lost_its_usage_ends_normally() -> None:
     events, error, _metrics = read_all(pool, request())
     assert error is None and texts(events) == "a" and events[-1].WhichOneof("event") == "finished"
     assert clients["b:1"].requests == []
+
+
+def test_settings_turn_migration_off_and_bound_it() -> None:
+    default = Settings.from_args(["--workers", "a:1"], env={})
+    assert default.migrate_streams and default.max_stream_migrations == 2
+    off = Settings.from_args(["--workers", "a:1"], env={"SLUICE_EDGE_MIGRATE_STREAMS": "false"})
+    assert not off.migrate_streams
+    for bad in (["--migrate-streams", "maybe"], ["--max-stream-migrations", "17"]):
+        with pytest.raises(SystemExit):
+            Settings.from_args(["--workers", "a:1", *bad], env={})
