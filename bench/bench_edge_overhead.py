@@ -23,17 +23,20 @@ measures both paths, alternating which goes first:
 A measurement is a window of ``--seconds``, opened one second after the C
 tasks began streaming requests back to back. Both paths count the bytes of
 content text that arrive inside it; tokens are those bytes divided by the
-bytes per token the direct path saw (one gRPC content event is one token), so
-merged deltas (the edge coalesces a stream's pending deltas into one chunk
-when its client or the edge itself falls behind) count for every token they
-carry. At its end the requests in flight are cancelled (the client goes
+content bytes per token of the fake passage (measured once, before the
+windows, from direct calls that return their token ids), so merged deltas
+(the worker merges the steps a lagging caller has not read into one gRPC
+message, the edge merges what waits in a stream into one chunk) count for
+every token they carry. At its end the requests in flight are cancelled (the client goes
 away, as a real one may), so no request's tail stretches it.
 
 Printed per level: median tokens/s of each path, their ratio (edge / direct),
 the edge's CPU time (utime + stime of every edge process, from
 ``/proc/<pid>/stat``) per 1000 tokens delivered and per 1000 SSE chunks the
-client received, and the CPU share each process used, which says who was
-short of CPU. Everything runs on this machine, so at full speed the
+client received, the tokens per content chunk (SSE) and per content message
+(gRPC), and the CPU share each process used, which says who was short of CPU.
+``--edge-args`` passes more flags to the edge (e.g. ``'--stream-write-interval
+0'`` to compare with the write interval off). Everything runs on this machine, so at full speed the
 processes compete for the cores.
 """
 
@@ -45,11 +48,12 @@ import contextlib
 import json
 import os
 import re
+import shlex
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -106,7 +110,7 @@ class Counts:
     """What the client received during one measurement window."""
 
     content_bytes: int = 0  # UTF-8 bytes of content text (JSON escapes counted as one byte)
-    deltas: int = 0  # SSE chunks with content (edge) or gRPC content events (direct; one per token)
+    deltas: int = 0  # SSE chunks with content (edge) or gRPC content events (direct)
     chunks: int = 0  # SSE data frames (edge) or gRPC events (direct)
     errors: int = 0  # HTTP errors, error events, failed calls
 
@@ -278,13 +282,31 @@ def direct_request(index: int, max_tokens: int) -> pb.GenerateRequest:
     )
 
 
+async def content_bytes_per_token(clients: list[WorkerClient], max_tokens: int) -> float:
+    """Bytes of content text per generated token, from a few whole direct calls that ask for the
+    token ids (outside any window: a worker may put several tokens in one message, and the edge
+    several in one chunk, so neither path's message count is a token count)."""
+    text_bytes = tokens = 0
+    for index, client in enumerate(clients * 2):
+        request = direct_request(index, max_tokens)
+        request.return_token_ids = True
+        async with client.generate(request, timeout=REQUEST_TIMEOUT_S) as call:
+            async for event in call:
+                if event.HasField("content"):
+                    text_bytes += len(event.content.text.encode())
+                    tokens += len(event.content.token_ids)
+    return text_bytes / max(1, tokens)
+
+
 @contextlib.contextmanager
 def local_stack(
-    step_ms: float, edge_processes: int, cache_dir: Path, log_dir: Path
+    step_ms: float, edge_processes: int, cache_dir: Path, log_dir: Path, edge_args: Sequence[str] = ()
 ) -> Iterator[tuple[EdgeProcess, list[WorkerProcess]]]:
-    """Two fake-token workers and one edge (``edge_processes`` processes) in front of them."""
+    """Two fake-token workers and one edge (``edge_processes`` processes, plus ``edge_args``) in
+    front of them."""
     extra = ["--max-running", "128", "--max-queue", "1024", "--fake-tokens", "--fake-step-ms", str(step_ms)]
     edge_extra = ["--processes", str(edge_processes)] if edge_processes != 1 else []
+    edge_extra += edge_args
     with contextlib.ExitStack() as stack:
         workers = []
         for i in range(2):
@@ -301,10 +323,12 @@ def local_stack(
 
 async def run_setting(
     step_ms: float, args: argparse.Namespace, log_dir: Path
-) -> list[tuple[int, str, list[Measurement]]]:
+) -> tuple[list[tuple[int, str, list[Measurement]]], float]:
+    """Every level's measurements of both paths, and the content bytes per token."""
     print(f"\n== fake workers at {'full speed' if not step_ms else f'{step_ms:g} ms/step'} ==", flush=True)
     rows: list[tuple[int, str, list[Measurement]]] = []
-    with local_stack(step_ms, args.edge_processes, args.cache_dir, log_dir) as (edge, workers):
+    stack = local_stack(step_ms, args.edge_processes, args.cache_dir, log_dir, shlex.split(args.edge_args))
+    with stack as (edge, workers):
         pids = {"edge": pid_of(edge), "client": os.getpid()}
         pids.update({f"worker{i}": pid_of(w) for i, w in enumerate(workers)})
         clients = [WorkerClient(w.address) for w in workers]
@@ -331,6 +355,7 @@ async def run_setting(
         # Warm both paths (connections, first-call costs) before measuring.
         await measure("edge", via_edge, 4, 0.5, pids, workers)
         await measure("direct", direct, 4, 0.5, pids, workers)
+        bytes_per_token = await content_bytes_per_token(clients, args.max_tokens)
         for concurrency in args.concurrency:
             by_path: dict[str, list[Measurement]] = {"edge": [], "direct": []}
             for round_ in range(args.rounds):
@@ -353,24 +378,21 @@ async def run_setting(
             await client.close()
         for reader in readers.values():
             await reader.close()
-    return rows
+    return rows, bytes_per_token
 
 
 def median_of(ms: list[Measurement], value: Callable[[Measurement], float]) -> float:
     return statistics.median(value(m) for m in ms)
 
 
-def summary(step_ms: float, rows: list[tuple[int, str, list[Measurement]]]) -> str:
+def summary(step_ms: float, rows: list[tuple[int, str, list[Measurement]]], bytes_per_token: float) -> str:
     table = {(c, path): ms for c, path, ms in rows}
     levels = sorted({c for c, _, _ in rows})
-    directs = [m for _, path, ms in rows if path == "direct" for m in ms]
-    # Bytes of content per token, from the direct path (one content event is one token).
-    bytes_per_token = sum(m.content_bytes for m in directs) / max(1, sum(m.deltas for m in directs))
     lines = [
         f"\nfake workers at {'full speed' if not step_ms else f'{step_ms:g} ms/step'} (medians; "
         f"{bytes_per_token:.2f} content bytes per token):",
         "| streams | edge tok/s | direct tok/s | edge / direct | edge CPU ms / 1000 tokens "
-        "| edge CPU ms / 1000 SSE chunks | tokens per SSE content chunk "
+        "| edge CPU ms / 1000 SSE chunks | tokens per content chunk: SSE (edge) / gRPC (direct) "
         "| worker steps/s, edge / direct runs "
         "| CPU share in edge runs: edge, workers, client | in direct runs: workers, client |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -387,7 +409,8 @@ def summary(step_ms: float, rows: list[tuple[int, str, list[Measurement]]]) -> s
             f"| {c} | {edge_tps:.0f} | {direct_tps:.0f} | {edge_tps / direct_tps:.2f} "
             f"| {median_of(edge, lambda m: m.edge_cpu_ms_per_1000_tokens(bytes_per_token)):.0f} "
             f"| {median_of(edge, lambda m: m.edge_cpu_ms_per_1000_chunks):.0f} "
-            f"| {median_of(edge, lambda m: m.tokens(bytes_per_token) / max(1, m.deltas)):.2f} "
+            f"| {median_of(edge, lambda m: m.tokens(bytes_per_token) / max(1, m.deltas)):.2f} / "
+            f"{median_of(direct, lambda m: m.tokens(bytes_per_token) / max(1, m.deltas)):.2f} "
             f"| {median_of(edge, lambda m: m.worker_steps):.1f} / "
             f"{median_of(direct, lambda m: m.worker_steps):.1f} "
             f"| {median_of(edge, lambda m: m.cpu_share('edge')):.2f}, {median_of(edge, workers):.2f}, "
@@ -412,6 +435,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=4.0, help="length of one measurement window")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    parser.add_argument(
+        "--edge-args", default="", help="more edge flags, e.g. '--stream-write-interval 0' (shell words)"
+    )
     args = parser.parse_args(argv)
     try:
         args.concurrency = [int(c) for c in parse_list(int, args.concurrency)]
@@ -435,8 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sluice-edge-bench-") as logs:
         for i, step_ms in enumerate(steps):
             folder = Path(logs) / f"setting{i}"
-            rows = asyncio.run(run_setting(step_ms, args, folder))
-            summaries.append(summary(step_ms, rows))
+            rows, bytes_per_token = asyncio.run(run_setting(step_ms, args, folder))
+            summaries.append(summary(step_ms, rows, bytes_per_token))
             print(summaries[-1], flush=True)
     print("\n".join(["\n=== summary ===", *summaries]))
     return 0

@@ -64,6 +64,7 @@ def create_app(settings: Settings) -> EdgeApp:
         health_interval_s=settings.health_interval_s,
         dns_name=settings.worker_dns,
         dns_refresh_interval_s=settings.dns_refresh_interval_s,
+        routing=settings.routing,
     )
     metrics = EdgeMetrics()
     limiter = ConcurrencyLimiter(settings.max_concurrent_per_key)

@@ -192,6 +192,10 @@ class EdgeMetrics:
         for surface in SURFACES:  # every surface's series exists from the start, at 0
             self._in_flight.labels(surface)
             self._disconnects.labels(surface)
+        # The per-write histograms' children, looked up once per surface on first use:
+        # ``labels()`` costs several µs, and a busy edge observes these on every output write.
+        self._ttft_by_surface: dict[str, Histogram] = {}
+        self._gap_by_surface: dict[str, Histogram] = {}
         for outcome in MIGRATION_OUTCOMES:
             self._migrations.labels(outcome)
 
@@ -217,11 +221,17 @@ class EdgeMetrics:
 
     def first_output(self, surface: str, seconds: float) -> None:
         """A stream's first write carrying output, ``seconds`` after its request arrived."""
-        self._time_to_first_token.labels(surface).observe(seconds)
+        child = self._ttft_by_surface.get(surface)
+        if child is None:
+            child = self._ttft_by_surface[surface] = self._time_to_first_token.labels(surface)
+        child.observe(seconds)
 
     def output_gap(self, surface: str, seconds: float) -> None:
         """``seconds`` between two writes of one stream that carried output."""
-        self._chunk_gap.labels(surface).observe(seconds)
+        child = self._gap_by_surface.get(surface)
+        if child is None:
+            child = self._gap_by_surface[surface] = self._chunk_gap.labels(surface)
+        child.observe(seconds)
 
     def stream_error(self, surface: str, kind: str, code: str) -> None:
         """A stream ended with an error event of this type and code."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.openai_types import RequestLimits
+from edge.routing import RoutingPolicy
 from sluice.logs import LOG_FORMATS
 
 ENV_PREFIX = "SLUICE_EDGE_"
@@ -37,6 +38,14 @@ def parse_worker_address(text: str) -> str:
 def parse_worker_list(text: str) -> tuple[str, ...]:
     """Parses ``host:port[,host:port...]``; blanks between commas are ignored."""
     return tuple(parse_worker_address(part) for part in text.split(",") if part.strip())
+
+
+def parse_routing(text: str) -> RoutingPolicy:
+    """A ``--routing`` value (:class:`edge.routing.RoutingPolicy`)."""
+    try:
+        return RoutingPolicy(text.strip())
+    except ValueError:
+        raise ValueError(f"must be one of {', '.join(RoutingPolicy)}") from None
 
 
 def parse_api_keys(text: str) -> tuple[str, ...]:
@@ -101,6 +110,9 @@ class Settings:
     max_idle_timeout_s: float = 600.0
     # A client that accepted no bytes of its response for this long is disconnected.
     write_timeout_s: float = 30.0
+    # Shortest time between two writes of one stream that carry model output: deltas that
+    # arrive sooner wait and go out merged in one chunk (edge/stream_pump.py). 0 = no wait.
+    stream_write_interval_s: float = 0.02
     # How long a worker may take to accept a call (send `started`) before the
     # edge gives up on it and tries the next one.
     worker_connect_timeout_s: float = 10.0
@@ -140,6 +152,8 @@ class Settings:
     # Edge processes serving the port (SO_REUSEPORT), each with its own pool and state;
     # 0 = one per CPU core. See docs/running.md.
     processes: int = 1
+    # How the pool picks a worker per request (edge/routing.py): least-outstanding or prefix-affinity.
+    routing: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING
     # A stream whose worker dies mid-stream continues on another worker (edge/migration.py), at
     # most max_stream_migrations times per call.
     migrate_streams: bool = True
@@ -177,7 +191,7 @@ class Settings:
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
                 raise ValueError(f"{name}: must be a positive number of seconds, got {value}")
-        for name in ("drain_delay_s", "graceful_timeout_s", "wait_for_load_s"):
+        for name in ("drain_delay_s", "graceful_timeout_s", "wait_for_load_s", "stream_write_interval_s"):
             value = getattr(self, name)
             if not math.isfinite(value) or value < 0:
                 raise ValueError(f"{name}: must be >= 0 seconds, got {value}")
@@ -199,6 +213,9 @@ class Settings:
             raise ValueError(f"api_keys: {error}") from None
         if self.log_format not in LOG_FORMATS:
             raise ValueError(f"log_format: must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}")
+        if self.routing not in tuple(RoutingPolicy):
+            choices = ", ".join(RoutingPolicy)
+            raise ValueError(f"routing: must be one of {choices}, got {self.routing!r}")
         if self.processes < 0:
             raise ValueError(f"processes: must be >= 0 (0 = one per CPU core), got {self.processes}")
         if self.process_count > 1 and self.port == 0:
@@ -287,6 +304,13 @@ class Settings:
                 "write_timeout_s",
                 float,
                 "seconds a client may accept no response bytes before it is disconnected",
+            ),
+            (
+                "stream-write-interval",
+                "stream_write_interval_s",
+                float,
+                "shortest gap, seconds, between two output writes of one stream; deltas arriving "
+                "sooner are merged into the next chunk (0 = write each at once)",
             ),
             (
                 "worker-connect-timeout",
@@ -380,6 +404,14 @@ class Settings:
                 int,
                 "edge processes sharing the port (SO_REUSEPORT), each with its own state; "
                 "0 = one per CPU core (default 1)",
+            ),
+            (
+                "routing",
+                "routing",
+                parse_routing,
+                "how a worker is chosen per request: least-outstanding (default: fewest calls in "
+                "flight) or prefix-affinity (the worker that served the longest shared prompt prefix, "
+                "unless the load is unbalanced; docs/operations.md)",
             ),
             (
                 "migrate-streams",

@@ -116,13 +116,15 @@ class StopRegistry(Protocol):
 
 @dataclass(frozen=True)
 class PumpClock:
-    """A stream's time settings: limits, heartbeat interval, write timeout (seconds; loop clock
-    for ``deadline``)."""
+    """A stream's time settings: limits, heartbeat interval, write timeout, write interval
+    (seconds; loop clock for ``deadline``)."""
 
     limits: TimeLimits
     deadline: float
     heartbeat_s: float
     write_timeout_s: float
+    # Shortest gap between two writes that carry output (see :class:`StreamPump`); 0: none.
+    write_interval_s: float = 0.0
 
 
 class StreamPump:
@@ -171,6 +173,7 @@ class StreamPump:
         self._writer: asyncio.Task[Any] | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
+        self._hold: asyncio.TimerHandle | None = None  # ends a wait for the write interval
         self._last_output: float | None = None
         self._chunks = 0
         self._ended = False  # the last frame was handed out
@@ -192,7 +195,7 @@ class StreamPump:
         while True:
             if self._ended or self._closed:
                 raise StopAsyncIteration
-            out = self._take()
+            out = b"" if self._held(loop) else self._take()
             if out:
                 now = loop.time()
                 self._writing_since = self._last_write = now
@@ -279,7 +282,8 @@ class StreamPump:
             if last_index == index and merge_into(last, event):
                 return  # the writer was woken by the first one
         pending.append((index, event))
-        self._wake()
+        if self._hold is None:  # a writer waiting for the write interval takes it then
+            self._wake()
 
     async def _wait_for_space(self, loop: asyncio.AbstractEventLoop) -> None:
         """Waits until the writer took the pending events; the wait is not worker idle time."""
@@ -348,6 +352,30 @@ class StreamPump:
             return self._framing.heartbeat
         return b""
 
+    def _held(self, loop: asyncio.AbstractEventLoop) -> bool:
+        """Whether the pending events wait for the write interval: the last write that carried
+        output was less than ``write_interval_s`` ago, so what arrives until then goes out with
+        them, merged. The first output, the end of the stream and errors never wait."""
+        urgent = self._readers_left == 0 or self._failure is not None or self._stop_error is not None
+        if self._hold is not None:
+            if not urgent:
+                return True
+            self._hold.cancel()
+            self._hold = None
+            return False
+        interval = self._clock.write_interval_s
+        if urgent or not interval or self._last_output is None or not self._pending:
+            return False
+        due = self._last_output + interval
+        if loop.time() >= due:
+            return False
+        self._hold = loop.call_at(due, self._end_hold)
+        return True
+
+    def _end_hold(self) -> None:
+        self._hold = None
+        self._wake()
+
     def _count_output(self) -> None:
         assert self._loop is not None
         now = self._loop.time()
@@ -379,6 +407,9 @@ class StreamPump:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._hold is not None:
+            self._hold.cancel()
+            self._hold = None
         self._cancel_calls()
         self._drain.discard(self)
 

@@ -19,10 +19,16 @@ channel when the old one is waiting out gRPC's reconnect backoff, so a worker
 restarted after a long outage is taken back at the first re-check after it
 answers (within ``health_interval_s`` plus jitter), not after the channel's
 backoff. A worker not checked yet is tried (start-up must not refuse requests
-while the first checks run).
+while the first checks run). Only failures that are the worker's count
+(:mod:`edge.call_failures`): UNAVAILABLE ejects at once; INTERNAL, UNKNOWN
+and DATA_LOSS eject after a few in a row; client errors and
+RESOURCE_EXHAUSTED (back-pressure) never do, so a storm of bad requests
+cannot eject the fleet.
 
-Choice: the available worker with the fewest outstanding calls, ties broken
-round-robin. A request may move to another worker only before its first
+Choice (``routing``, :mod:`edge.routing`): the available worker with the
+fewest outstanding calls, ties broken round-robin; with ``prefix-affinity``
+the worker that served the request's longest known prompt prefix goes
+first, unless the load is unbalanced. A request may move to another worker only before its first
 event: a call that fails with UNAVAILABLE (worker down, starting or
 draining) or RESOURCE_EXHAUSTED (queue full), or that does not send its first
 event within ``connect_timeout_s``, is retried on the next worker. Once an
@@ -52,7 +58,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from edge.call_failures import WORKER_FAULTS_TO_EJECT, CallFailure, classify
 from edge.errors import EdgeError, ServiceUnavailableError, from_grpc
+from edge.routing import PrefixAffinity, RoutingPolicy, prefix_blocks
 from sluice.client import WORKER_SERVICE, GenerateCall, ServingStatus, WorkerCallError, WorkerClient
 from sluice.v1 import worker_pb2
 
@@ -130,6 +138,8 @@ class _Worker:
         self.removed = False
         # Consecutive failures (checks or calls) since the last SERVING answer.
         self.failures = 0
+        # INTERNAL/UNKNOWN/DATA_LOSS answers since the last call that completed (edge.call_failures).
+        self.worker_faults = 0
         self.next_check_at = 0.0  # monotonic; 0 = due now
         # The worker's own id (``started.worker_id``), learned from its answers.
         self.worker_id: str | None = None
@@ -200,6 +210,7 @@ class GenerateStream:
             yield self.first
             while (event := await self._call.read()) is not None:
                 yield event
+            self._pool.note_call_success(self._worker)
         except WorkerCallError as error:
             # A worker that dies mid-stream is ejected now, not at its next health check.
             self._pool.note_call_failure(self._worker, error)
@@ -227,7 +238,8 @@ class WorkerPool:
 
     ``addresses``: static ``host:port`` workers. ``dns_name``: a ``host:port``
     re-resolved every ``dns_refresh_interval_s``. At least one of the two is
-    required. ``client_factory`` and ``resolver`` exist for tests.
+    required. ``routing``: how a worker is chosen (:mod:`edge.routing`).
+    ``client_factory`` and ``resolver`` exist for tests.
     """
 
     def __init__(
@@ -241,6 +253,7 @@ class WorkerPool:
         dns_refresh_interval_s: float = 10.0,
         client_factory: ClientFactory = WorkerClient,
         resolver: Resolver = resolve,
+        routing: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING,
     ) -> None:
         if not addresses and not dns_name:
             raise ValueError("a worker pool needs at least one address or a DNS name")
@@ -252,6 +265,7 @@ class WorkerPool:
         for address in dict.fromkeys(addresses):
             self._workers[address] = _Worker(address, client_factory(address), static=True)
         self._rotation = itertools.count()
+        self._affinity = PrefixAffinity() if routing == RoutingPolicy.PREFIX_AFFINITY else None
         self._connect_timeout_s = connect_timeout_s
         self._health_timeout_s = health_timeout_s
         self._health_interval_s = health_interval_s
@@ -291,8 +305,13 @@ class WorkerPool:
             self._poke()  # the loop closes its channel
 
     def note_call_failure(self, worker: _Worker, error: WorkerCallError) -> None:
-        """Ejects ``worker`` if ``error`` says it is down, draining or loading (UNAVAILABLE)."""
-        if error.code() == grpc.StatusCode.UNAVAILABLE:
+        """Counts a failed call against ``worker`` as :func:`edge.call_failures.classify` says:
+        UNAVAILABLE (down, draining or loading) ejects it now; INTERNAL, UNKNOWN or DATA_LOSS
+        eject it at the :data:`~edge.call_failures.WORKER_FAULTS_TO_EJECT`-th in a row; any
+        other status (client errors, RESOURCE_EXHAUSTED, CANCELLED, a request's own deadline)
+        is not the worker's fault and changes nothing."""
+        failure = classify(error.code())
+        if failure == CallFailure.DOWN:
             if error.reason == MODEL_LOADING_REASON:
                 worker.load_fraction = error.status.load_fraction
                 self._eject(worker, WorkerStatus.LOADING, error.message)
@@ -301,6 +320,16 @@ class WorkerPool:
             self._eject(
                 worker, WorkerStatus.NOT_SERVING if draining else WorkerStatus.UNREACHABLE, error.message
             )
+        elif failure == CallFailure.WORKER_FAULT:
+            worker.worker_faults += 1
+            if worker.worker_faults >= WORKER_FAULTS_TO_EJECT:
+                worker.worker_faults = 0
+                why = f"{WORKER_FAULTS_TO_EJECT} failed calls in a row, the last {error.code().name}"
+                self._eject(worker, WorkerStatus.UNREACHABLE, why)
+
+    def note_call_success(self, worker: _Worker) -> None:
+        """A call on ``worker`` completed: its run of worker faults is over."""
+        worker.worker_faults = 0
 
     def _eject(self, worker: _Worker, status: WorkerStatus, why: str) -> None:
         now = time.monotonic()
@@ -324,14 +353,18 @@ class WorkerPool:
         worker.failures = 0
         worker.next_check_at = time.monotonic() + self._health_interval_s
 
-    def _candidates(self) -> list[_Worker]:
-        """The available workers, best first: fewest outstanding calls, then round-robin."""
+    def _candidates(self, preferred: str | None = None) -> list[_Worker]:
+        """The available workers, best first: ``preferred`` (the routing policy's pick), then
+        fewest outstanding calls, then round-robin."""
         workers = [w for w in self._workers.values() if w.available]
         if not workers:
             return []
-        start = next(self._rotation)
+        # The round-robin turns only for requests that the load decides: were it to turn for
+        # every request, requests placed by affinity would skew which worker the next new
+        # conversation gets (four turns per conversation on two workers: always the same one).
+        start = next(self._rotation) if preferred is None else 0
         order = {id(w): (i - start) % len(workers) for i, w in enumerate(workers)}
-        return sorted(workers, key=lambda w: (w.outstanding, order[id(w)]))
+        return sorted(workers, key=lambda w: (w.address != preferred, w.outstanding, order[id(w)]))
 
     def _loading_candidates(self) -> list[_Worker]:
         """The workers still loading their model: furthest along first, then fewest calls."""
@@ -541,7 +574,12 @@ class WorkerPool:
         deadline = time.monotonic() + timeout_s
         # The request id travels in the request's own field (GenerateRequest.request_id), once.
         call_metadata = tuple(metadata)
-        candidates = self._candidates()
+        blocks = prefix_blocks(request) if self._affinity is not None else []
+        preferred = None
+        if self._affinity is not None:
+            load = {w.address: w.outstanding for w in self._workers.values() if w.available}
+            preferred = self._affinity.choose(blocks, load)
+        candidates = self._candidates(preferred)
         if not candidates and request.model_load_wait_seconds > 0:
             candidates = self._loading_candidates()
         if not candidates:
@@ -574,8 +612,8 @@ class WorkerPool:
                 mapped = from_grpc(error)
                 if error.code() not in _RETRY_BEFORE_FIRST_EVENT or waited_for_load:
                     # After a wait for a model load, the wait is over: no second wait elsewhere.
-                    if waited_for_load:
-                        self.note_call_failure(worker, error)
+                    # Only the worker's own faults count against it (edge.call_failures).
+                    self.note_call_failure(worker, error)
                     mapped.worker_id = await self._learn_worker_id(worker)
                     raise mapped from None
                 if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -617,6 +655,8 @@ class WorkerPool:
                     worker.worker_id = first.started.worker_id
                 if worker.status == WorkerStatus.LOADING:
                     self._restore(worker)  # it answered a call: its model is loaded
+            if self._affinity is not None:
+                self._affinity.record(blocks, worker.address)
             return GenerateStream(call, worker, first, self)
         if busy_error is not None and busy_worker is not None:
             busy_error.worker_id = await self._learn_worker_id(busy_worker)

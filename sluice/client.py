@@ -68,10 +68,21 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # - a channel of its own (local subchannel pool): by default gRPC shares one
 #   connection, and its backoff state, between channels with the same address
 #   and settings, so a fresh channel would inherit the old one's backoff;
-# - message sizes: see MAX_MESSAGE_BYTES.
+# - message sizes: see MAX_MESSAGE_BYTES;
+# - a small receive window per call (STREAM_WINDOW_BYTES, and no BDP probing,
+#   which would grow it): a caller that reads slower than the worker
+#   generates stops the worker's sends after that many unread bytes, and the
+#   worker then merges the tokens of the steps it could not send into one
+#   message (worker/engine.py). gRPC's default window (64 KiB, grown by the
+#   probe) holds a whole stream of small token messages (about 15 bytes each),
+#   so without this a lagging caller read one message per token out of its
+#   own buffers. A message larger than the window still arrives whole: gRPC
+#   opens the window as far as the message being read needs.
 # Connection age is a server setting (worker/server.py): workers close each
 # connection after a few minutes, so clients that resolve a DNS name
 # re-resolve and spread over new replicas.
+# Unread bytes of one call the worker may send ahead of the caller (see above).
+STREAM_WINDOW_BYTES = 256
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
@@ -82,6 +93,8 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.bdp_probe", 0),
+    ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
 )
 
 Metadata = Sequence[tuple[str, str | bytes]]

@@ -281,6 +281,13 @@ class WorkerConfig:
         "so workers that differ only in --port never collide",
         shown_default=f"--port + {METRICS_PORT_OFFSET} (51051)",
     )
+    metrics_names: str = setting(
+        "sluice",
+        _choice("sluice", "vllm", "both"),
+        "names on /metrics: sluice (sluice_worker_*), vllm (the names the Gateway API Inference "
+        "Extension's endpoint picker reads by default: vllm:num_requests_waiting, "
+        "vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:cache_config_info) or both",
+    )
     grace_period: float = setting(30.0, _seconds, "seconds in-flight calls get to finish on SIGTERM")
     log_level: str = setting(
         "INFO", _choice("DEBUG", "INFO", "WARNING", "ERROR"), "DEBUG, INFO, WARNING or ERROR"

@@ -35,7 +35,7 @@ converted-model cache when it is there (well under a second), else from the
 model's GGUF file or folder. The worker says it is fake everywhere it can: a
 warning at start, ``ModelInfo.source`` in ``ListModels`` (prefixed
 ``fake-tokens:``), and the ``sluice_worker_fake_tokens`` gauge on
-``/metrics`` (:func:`metrics_text`).
+``/metrics`` (:func:`worker.metrics.render` with ``fake_tokens``).
 """
 
 from __future__ import annotations
@@ -133,16 +133,6 @@ class FakeRunner(ModelRunner):
         if tokens:
             logits[torch.arange(len(tokens)), torch.tensor(tokens)] = _SPIKE
         return logits
-
-
-def metrics_text(model_id: str) -> str:
-    """The Prometheus lines a fake worker adds to ``/metrics``."""
-    name = "sluice_worker_fake_tokens"
-    return (
-        f"# HELP {name} 1: this worker runs no model (--fake-tokens); its tokens are not generated\n"
-        f"# TYPE {name} gauge\n"
-        f'{name}{{model="{model_id}"}} 1\n'
-    )
 
 
 def load_fake_model(

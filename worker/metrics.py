@@ -1,80 +1,202 @@
-"""Prometheus text exposition of the engine's state, on a small HTTP endpoint.
+"""The worker's Prometheus metrics: one engine snapshot per scrape, on a small HTTP endpoint.
 
-``GET /metrics`` answers with the current gauges and counters (503 while the
-model loads); anything else is 404. It uses asyncio streams only, so the worker
-needs no web framework. The endpoint serves on a socket the worker claimed at
-start (:func:`sluice.ports.claim_port`), before the model loads.
+``GET /metrics`` answers with the engine's gauges, counters and histogram
+(503 while the model loads); anything else is 404. The exposition is made by
+the ``prometheus_client`` library: :class:`EngineCollector` turns one
+:class:`~worker.engine.EngineStats` snapshot into metric families, and
+:func:`render` runs it through a registry of its own (no global state, so
+several workers in one test process never share values). The HTTP side uses
+asyncio streams only, so the worker needs no web framework; it serves on a
+socket the worker claimed at start (:func:`sluice.ports.claim_port`), before
+the model loads.
+
+Names (``--metrics-names``): ``sluice`` gives Sluice's own names
+(``sluice_worker_*``, every sample labelled ``model``); ``vllm`` gives the
+four series the Gateway API Inference Extension's endpoint picker reads by
+default from a pod with no engine-type label, under vLLM's names (labelled
+``model_name``, as vLLM labels them); ``both`` gives both. The vLLM-named
+series, from the extension's model server protocol
+(docs/proposals/003-model-server-protocol) and vLLM's own metrics:
+
+- ``vllm:num_requests_waiting`` (gauge): requests queued, not yet running;
+- ``vllm:num_requests_running`` (gauge): requests in the running batch;
+- ``vllm:kv_cache_usage_perc`` (gauge): the KV cache's used fraction, 0..1
+  (vLLM's help text: "1 means 100 percent usage", despite the name);
+- ``vllm:cache_config_info`` (gauge, value 1): the cache's shape in the
+  labels ``block_size`` (tokens per block) and ``num_gpu_blocks`` (blocks in
+  the pool), read by the picker's prefix-cache scorer.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-from sluice import prometheus
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sluice.prometheus import CONTENT_TYPE
 from worker.engine import EngineStats
 
 log = logging.getLogger(__name__)
 
 
-def render(stats: EngineStats, model_id: str) -> str:
-    """The exposition text for one engine snapshot; every sample carries ``model``."""
-    c = stats.counters
-    label = {"model": model_id}
-    rows = [
-        ("sluice_worker_queue_depth", "gauge", "requests waiting for a batch slot", stats.waiting_requests),
-        ("sluice_worker_running_requests", "gauge", "requests in the running batch", stats.running_requests),
-        (
-            "sluice_worker_running_sequences",
-            "gauge",
-            "sequences in the running batch",
-            stats.running_sequences,
-        ),
-        ("sluice_worker_live_caches", "gauge", "sequences holding a KV cache", stats.live_caches),
-        ("sluice_worker_kv_cache_tokens", "gauge", "tokens held in the KV cache", stats.cache_tokens),
-        ("sluice_worker_kv_cache_bytes", "gauge", "bytes allocated for the KV cache", stats.cache_bytes),
-        (
+class MetricNames(enum.StrEnum):
+    """Which names the worker's metrics carry (``--metrics-names``)."""
+
+    SLUICE = "sluice"  # sluice_worker_* only
+    VLLM = "vllm"  # the endpoint picker's default (vLLM) names only
+    BOTH = "both"
+
+    @property
+    def sluice(self) -> bool:
+        return self in (MetricNames.SLUICE, MetricNames.BOTH)
+
+    @property
+    def vllm(self) -> bool:
+        return self in (MetricNames.VLLM, MetricNames.BOTH)
+
+
+# (name without the counter's "_total", help, EngineCounters attribute)
+_COUNTERS = (
+    ("sluice_worker_requests_submitted", "requests admitted", "requests_submitted"),
+    ("sluice_worker_requests_finished", "requests finished", "requests_finished"),
+    ("sluice_worker_requests_cancelled", "requests cancelled by callers", "requests_cancelled"),
+    ("sluice_worker_requests_failed", "requests failed by the model", "requests_failed"),
+    ("sluice_worker_generated_tokens", "completion tokens generated", "generated_tokens"),
+    ("sluice_worker_prompt_tokens", "prompt tokens admitted", "prompt_tokens"),
+    (
+        "sluice_worker_prefix_cache_hit_tokens",
+        "prompt tokens whose KV came from the prefix cache",
+        "prefix_cache_hit_tokens",
+    ),
+    ("sluice_worker_steps", "engine steps run", "steps"),
+)
+
+
+class EngineCollector(Collector):
+    """The metric families of one engine snapshot (``stats``), under the names ``names`` asks for.
+
+    Built per scrape with that scrape's snapshot, so every series of one
+    exposition describes the same instant.
+    """
+
+    def __init__(
+        self,
+        stats: EngineStats,
+        model_id: str,
+        names: MetricNames = MetricNames.SLUICE,
+        *,
+        fake_tokens: bool = False,
+    ) -> None:
+        self._stats = stats
+        self._model_id = model_id
+        self._names = names
+        self._fake_tokens = fake_tokens
+
+    def collect(self) -> Iterator[Metric]:
+        if self._names.sluice:
+            yield from self._sluice_families()
+        if self._names.vllm:
+            yield from self._vllm_families()
+        if self._fake_tokens:
+            yield self._gauge(
+                "sluice_worker_fake_tokens",
+                "1: this worker runs no model (--fake-tokens); its tokens are not generated",
+                1,
+            )
+
+    def _gauge(self, name: str, help_text: str, value: float, label: str = "model") -> GaugeMetricFamily:
+        family = GaugeMetricFamily(name, help_text, labels=[label])
+        family.add_metric([self._model_id], value)
+        return family
+
+    def _sluice_families(self) -> Iterator[Metric]:
+        s = self._stats
+        yield self._gauge(
+            "sluice_worker_queue_depth", "requests waiting for a batch slot", s.waiting_requests
+        )
+        yield self._gauge(
+            "sluice_worker_running_requests", "requests in the running batch", s.running_requests
+        )
+        yield self._gauge(
+            "sluice_worker_running_sequences", "sequences in the running batch", s.running_sequences
+        )
+        yield self._gauge("sluice_worker_live_caches", "sequences holding a KV cache", s.live_caches)
+        yield self._gauge("sluice_worker_kv_cache_tokens", "tokens held in the KV cache", s.cache_tokens)
+        yield self._gauge("sluice_worker_kv_cache_bytes", "bytes allocated for the KV cache", s.cache_bytes)
+        yield self._gauge(
             "sluice_worker_reserved_tokens",
-            "gauge",
             "prompt + max_tokens reserved by running sequences",
-            stats.reserved_tokens,
-        ),
-        ("sluice_worker_requests_submitted_total", "counter", "requests admitted", c.requests_submitted),
-        ("sluice_worker_requests_finished_total", "counter", "requests finished", c.requests_finished),
-        (
-            "sluice_worker_requests_cancelled_total",
-            "counter",
-            "requests cancelled by callers",
-            c.requests_cancelled,
-        ),
-        ("sluice_worker_requests_failed_total", "counter", "requests failed by the model", c.requests_failed),
-        (
-            "sluice_worker_generated_tokens_total",
-            "counter",
-            "completion tokens generated",
-            c.generated_tokens,
-        ),
-        ("sluice_worker_prompt_tokens_total", "counter", "prompt tokens admitted", c.prompt_tokens),
-        (
-            "sluice_worker_prefix_cache_hit_tokens_total",
-            "counter",
-            "prompt tokens whose KV came from the prefix cache",
-            c.prefix_cache_hit_tokens,
-        ),
-        ("sluice_worker_steps_total", "counter", "engine steps run", c.steps),
-    ]
-    lines: list[str] = []
-    for name, kind, help_text, value in rows:
-        lines += prometheus.simple_family(name, kind, help_text, [(label, value)])
-    lines += prometheus.histogram_family(
-        "sluice_worker_time_to_first_token_seconds",
-        "seconds from arrival to a choice's first token",
-        c.time_to_first_token,
-        label,
-    )
-    return prometheus.render(lines)
+            s.reserved_tokens,
+        )
+        yield self._gauge(
+            "sluice_worker_kv_cache_usage_ratio",
+            "fraction of the KV cache's blocks in use, 0..1",
+            s.kv_cache_usage,
+        )
+        yield self._gauge("sluice_worker_kv_cache_blocks", "blocks in the KV cache", s.kv_blocks_total)
+        yield self._gauge(
+            "sluice_worker_kv_cache_blocks_used",
+            "KV cache blocks held by sequences (cached prefix blocks nobody holds are free)",
+            s.kv_blocks_used,
+        )
+        info = GaugeMetricFamily(
+            "sluice_worker_kv_cache_config_info",
+            "1; the KV cache's shape in the labels: block_size (tokens per block), num_blocks",
+            labels=["model", "block_size", "num_blocks"],
+        )
+        info.add_metric([self._model_id, str(s.kv_block_size), str(s.kv_blocks_total)], 1)
+        yield info
+        c = s.counters
+        for name, help_text, attribute in _COUNTERS:
+            counter = CounterMetricFamily(name, help_text, labels=["model"])
+            counter.add_metric([self._model_id], getattr(c, attribute))
+            yield counter
+        ttft = c.time_to_first_token
+        histogram = HistogramMetricFamily(
+            "sluice_worker_time_to_first_token_seconds",
+            "seconds from arrival to a choice's first token",
+            labels=["model"],
+        )
+        histogram.add_metric([self._model_id], buckets=ttft.cumulative(), sum_value=ttft.total)
+        yield histogram
+
+    def _vllm_families(self) -> Iterator[Metric]:
+        s = self._stats
+        yield self._gauge(
+            "vllm:num_requests_waiting", "Requests waiting to be processed.", s.waiting_requests, "model_name"
+        )
+        yield self._gauge(
+            "vllm:num_requests_running", "Requests in the running batch.", s.running_requests, "model_name"
+        )
+        yield self._gauge(
+            "vllm:kv_cache_usage_perc",
+            "KV-cache usage. 1 means 100 percent usage.",
+            s.kv_cache_usage,
+            "model_name",
+        )
+        info = GaugeMetricFamily(
+            "vllm:cache_config_info",
+            "Information of the KV cache config (value 1; block_size, num_gpu_blocks in the labels).",
+            labels=["block_size", "num_gpu_blocks"],
+        )
+        info.add_metric([str(s.kv_block_size), str(s.kv_blocks_total)], 1)
+        yield info
+
+
+def render(
+    stats: EngineStats, model_id: str, names: MetricNames = MetricNames.SLUICE, *, fake_tokens: bool = False
+) -> str:
+    """The exposition text (format 0.0.4) for one engine snapshot; ``fake_tokens`` adds
+    ``sluice_worker_fake_tokens 1`` (a worker started with ``--fake-tokens``, whatever the names)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(EngineCollector(stats, model_id, names, fake_tokens=fake_tokens))
+    return generate_latest(registry).decode()
 
 
 async def serve_metrics(sock: socket.socket, text: Callable[[], str | None]) -> asyncio.Server:
@@ -91,7 +213,7 @@ async def serve_metrics(sock: socket.socket, text: Callable[[], str | None]) -> 
             elif (exposition := text()) is None:
                 status, body, ctype = "503 Service Unavailable", b"the model is loading\n", "text/plain"
             else:
-                status, body, ctype = "200 OK", exposition.encode(), prometheus.CONTENT_TYPE
+                status, body, ctype = "200 OK", exposition.encode(), CONTENT_TYPE
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                 "Connection: close\r\n\r\n".encode()

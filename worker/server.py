@@ -41,7 +41,6 @@ from worker.config import WorkerConfig
 from worker.drain import DrainingWorker
 from worker.engine import Engine
 from worker.fake_runner import fake_slow_load, load_fake_model
-from worker.fake_runner import metrics_text as fake_metrics_text
 from worker.grammar import GrammarCompiler
 from worker.load_progress import LoadProgress
 from worker.model_loader import ModelLoadError, load_model
@@ -194,8 +193,12 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
     def metrics_text() -> str | None:
         if serving is None:
             return None  # 503 while the model loads
-        text = metrics.render(serving.engine.stats(), serving.loaded.model_id)
-        return text + (fake_metrics_text(serving.loaded.model_id) if config.fake_tokens else "")
+        return metrics.render(
+            serving.engine.stats(),
+            serving.loaded.model_id,
+            metrics.MetricNames(config.metrics_names),
+            fake_tokens=config.fake_tokens,
+        )
 
     metrics_server = (
         None if metrics_socket is None else await metrics.serve_metrics(metrics_socket, metrics_text)

@@ -169,6 +169,7 @@ def sse_response(
         deadline=group.deadline if group.deadline is not None else time.monotonic() + limits.total_s,
         heartbeat_s=settings.heartbeat_interval_s,
         write_timeout_s=settings.write_timeout_s,
+        write_interval_s=settings.stream_write_interval_s,
     )
     pump = StreamPump(
         group,

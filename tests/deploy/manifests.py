@@ -25,6 +25,9 @@ KUSTOMIZATIONS = {
     "base": DEPLOY / "k8s" / "base",
     "example": DEPLOY / "k8s" / "overlays" / "example",
 }
+# Each worker pod runs its own edge (an InferencePool endpoint): checked by test_kubernetes_sidecar.py,
+# not by the checks of the two-fleet kustomizations above.
+SIDECAR_KUSTOMIZATION = DEPLOY / "k8s" / "overlays" / "sidecar"
 COMPOSE_FILES = (DEPLOY / "compose.yaml", DEPLOY / "compose.gpu.yaml")
 SERVICES = ("worker", "edge")
 
@@ -71,7 +74,12 @@ def _render(directory: Path) -> tuple[dict[str, Any], ...]:
 
 def render(name: str) -> list[dict[str, Any]]:
     """The objects ``kubectl kustomize`` renders for one kustomization (deep copies)."""
-    return json.loads(json.dumps(_render(KUSTOMIZATIONS[name])))
+    return render_directory(KUSTOMIZATIONS[name])
+
+
+def render_directory(directory: Path) -> list[dict[str, Any]]:
+    """The objects ``kubectl kustomize`` renders for the kustomization in ``directory`` (deep copies)."""
+    return json.loads(json.dumps(_render(directory)))
 
 
 def find(objects: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:

@@ -10,6 +10,7 @@ import grpc
 import httpx
 import pytest
 
+from sluice.client import WorkerClient
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.processes import EdgeProcess, WorkerProcess
@@ -86,6 +87,43 @@ def test_many_concurrent_streams_all_finish(fake_worker):
     print(f"48 fake streams x 64 tokens in {elapsed:.2f}s ({48 * 64 / elapsed:.0f} tokens/s)")
     assert counts == [64] * 48
     assert elapsed < 30  # a functional bound: no stream hangs
+
+
+def test_a_caller_that_stops_reading_gets_the_waiting_steps_merged(fake_worker, stub):
+    """The shared client's small receive window (``sluice.client.STREAM_WINDOW_BYTES``) stops the
+    worker's sends once a caller stops reading; every step generated meanwhile then arrives merged:
+    a few messages of many tokens, the same text and token ids as one message per token."""
+    max_tokens = 400
+    request = chat(max_tokens, temperature=0)
+    request.return_token_ids = True
+
+    def generated() -> float:
+        return fake_worker.metrics()["sluice_worker_generated_tokens_total"]
+
+    async def body() -> list[pb.GenerateResponse]:
+        client = WorkerClient(fake_worker.address)
+        before = generated()
+        try:
+            async with client.generate(request, timeout=120) as call:
+                events = aiter(call)
+                first = await anext(events)
+                for _ in range(2400):  # read nothing more until the whole answer was generated
+                    if generated() >= before + max_tokens:
+                        break
+                    await asyncio.sleep(0.05)
+                return [first] + [event async for event in events]
+        finally:
+            await client.close()
+
+    events = asyncio.run(body())
+    contents = [e.content for e in events if e.HasField("content")]
+    assert sum(len(c.token_ids) for c in contents) == max_tokens
+    assert events[-2].finished.reason == pb.LENGTH
+    read_at_once = [e.content for e in stub.Generate(request) if e.HasField("content")]
+    assert "".join(c.text for c in contents) == "".join(c.text for c in read_at_once)
+    assert [t for c in contents for t in c.token_ids] == [t for c in read_at_once for t in c.token_ids]
+    # One message per token (or per two, at full speed) without the window; a few dozen with it.
+    assert len(contents) < max_tokens // 4
 
 
 def test_metrics_mark_the_worker_fake_and_count_tokens(fake_worker, stub):

@@ -102,6 +102,7 @@ def make_pump(
     framing: StreamFraming = OPENAI_FRAMING,
     metrics: FakeMetrics | None = None,
     drain: FakeDrain | None = None,
+    write_interval_s: float = 0.0,
 ) -> tuple[StreamPump, ChunkBuilder]:
     builder = ChunkBuilder("chatcmpl-1", 1, "m", include_usage=True)
     loop = asyncio.get_running_loop()
@@ -110,6 +111,7 @@ def make_pump(
         deadline=loop.time() + total_s,
         heartbeat_s=heartbeat_s,
         write_timeout_s=30.0,
+        write_interval_s=write_interval_s,
     )
     pump = StreamPump(
         CallGroup(streams),  # type: ignore[arg-type]
@@ -190,6 +192,49 @@ def test_a_slow_writer_bounds_what_the_reader_takes() -> None:
         assert stream.reads == 2 * MAX_PENDING_EVENTS
         await pump.aclose()
         assert stream.cancelled
+
+    run(body())
+
+
+# Long enough that a held write is only ever released by the stream's end or a failure here.
+HOLD_S = 3600.0
+
+
+def test_output_within_the_write_interval_waits_and_goes_out_merged() -> None:
+    async def body() -> None:
+        stream = FakeStream()
+        metrics = FakeMetrics()
+        pump, _ = make_pump([stream], metrics=metrics, write_interval_s=HOLD_S)
+        assert deltas(await anext(pump)) == [{"role": "assistant", "content": ""}]
+        stream.put(content("a"))
+        assert deltas(await anext(pump)) == [{"content": "a"}]  # the first output never waits
+        next_write = asyncio.ensure_future(anext(pump))
+        for text in ("b", "c", "d"):  # one at a time, each read before the next arrives
+            stream.put(content(text))
+            await asyncio.sleep(0.01)
+        assert stream.reads == 4 and not next_write.done()  # read, held for the interval
+        stream.put(finished(), usage(), END)  # the end is never held
+        last = await next_write
+        assert deltas(last) == [{"content": "bcd"}, {}]
+        assert frames(last)[-1] == "data: [DONE]"
+        await pump.aclose()
+        assert metrics.names() == ["opened", "first_output", "gap", "closed"]
+
+    run(body())
+
+
+def test_a_failure_ends_the_wait_for_the_write_interval() -> None:
+    async def body() -> None:
+        stream = FakeStream()
+        pump, _ = make_pump([stream], write_interval_s=HOLD_S)
+        await anext(pump)
+        stream.put(content("a"))
+        await anext(pump)
+        stream.put(content("b"), ServiceUnavailableError("worker gone"))
+        last = await anext(pump)
+        assert deltas(last) == [{"content": "b"}]  # what was read, then the error
+        assert "event: error" in last.decode() and frames(last)[-1] == "data: [DONE]"
+        await pump.aclose()
 
     run(body())
 

@@ -13,7 +13,7 @@ import torch
 from worker.config import parse_config
 from worker.engine import Engine
 from worker.errors import InvalidRequest
-from worker.fake_runner import PASSAGE, SOURCE_PREFIX, FakeRunner, load_fake_model, metrics_text
+from worker.fake_runner import PASSAGE, SOURCE_PREFIX, FakeRunner, load_fake_model
 from worker.model_loader import DEFAULT_MODEL_ID, ModelLoadError
 from worker.model_runner import Work
 from worker.server import eos_token_ids
@@ -140,12 +140,6 @@ def test_step_pacing_sleeps_each_forward(loaded):
 def test_runner_rejects_negative_pacing(loaded):
     with pytest.raises(ValueError, match="step_ms"):
         FakeRunner(loaded, num_blocks=16, block_size=16, step_ms=-1)
-
-
-def test_metrics_text_marks_the_worker_fake():
-    text = metrics_text("m")
-    assert 'sluice_worker_fake_tokens{model="m"} 1' in text.splitlines()
-    assert "# TYPE sluice_worker_fake_tokens gauge" in text
 
 
 def test_flags_and_environment():

@@ -1,0 +1,95 @@
+"""worker/metrics.py: one engine snapshot rendered by prometheus_client, under Sluice's names,
+the endpoint picker's default (vLLM) names, or both; parsed back with the library's own parser."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from sluice.prometheus import Histogram
+from worker.engine import EngineCounters, EngineStats
+from worker.metrics import MetricNames, render
+
+PICKER_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
+
+
+def _stats() -> EngineStats:
+    ttft = Histogram()
+    ttft.observe(0.03)
+    ttft.observe(7.0)
+    counters = EngineCounters(requests_submitted=5, generated_tokens=40, steps=12, time_to_first_token=ttft)
+    return EngineStats(
+        waiting_requests=3,
+        running_requests=2,
+        running_sequences=4,
+        live_caches=4,
+        cache_tokens=100,
+        cache_bytes=4096,
+        reserved_tokens=300,
+        counters=counters,
+        kv_block_size=16,
+        kv_blocks_total=200,
+        kv_blocks_used=50,
+    )
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_sluice_names_keep_their_names_labels_and_kinds():
+    text = render(_stats(), "m")
+    samples = _samples(text)
+    model = (("model", "m"),)
+    assert samples[("sluice_worker_queue_depth", model)] == 3
+    assert samples[("sluice_worker_running_requests", model)] == 2
+    assert samples[("sluice_worker_reserved_tokens", model)] == 300
+    assert samples[("sluice_worker_requests_submitted_total", model)] == 5
+    assert samples[("sluice_worker_steps_total", model)] == 12
+    assert samples[("sluice_worker_kv_cache_usage_ratio", model)] == 0.25
+    assert samples[("sluice_worker_kv_cache_blocks", model)] == 200
+    assert samples[("sluice_worker_kv_cache_blocks_used", model)] == 50
+    info = (("block_size", "16"), ("model", "m"), ("num_blocks", "200"))
+    assert samples[("sluice_worker_kv_cache_config_info", info)] == 1
+    assert samples[("sluice_worker_time_to_first_token_seconds_bucket", (("le", "0.05"), *model))] == 1
+    assert samples[("sluice_worker_time_to_first_token_seconds_bucket", (("le", "+Inf"), *model))] == 2
+    assert samples[("sluice_worker_time_to_first_token_seconds_count", model)] == 2
+    assert "# TYPE sluice_worker_requests_submitted_total counter" in text
+    assert "# TYPE sluice_worker_queue_depth gauge" in text
+    assert not any(name.startswith("vllm:") for name, _ in samples)
+    assert "sluice_worker_fake_tokens" not in text
+
+
+def test_vllm_names_are_what_the_endpoint_picker_reads():
+    samples = _samples(render(_stats(), "m", MetricNames.VLLM))
+    model = (("model_name", "m"),)
+    assert samples[("vllm:num_requests_waiting", model)] == 3
+    assert samples[("vllm:num_requests_running", model)] == 2
+    assert samples[("vllm:kv_cache_usage_perc", model)] == 0.25  # a fraction, as vLLM's is
+    assert samples[("vllm:cache_config_info", (("block_size", "16"), ("num_gpu_blocks", "200")))] == 1
+    assert not any(name.startswith("sluice_") for name, _ in samples)
+
+
+def test_both_gives_both_and_fake_workers_say_so():
+    text = render(_stats(), "m", MetricNames.BOTH, fake_tokens=True)
+    names = {name for name, _ in _samples(text)}
+    assert {*PICKER_GAUGES, "vllm:cache_config_info", "sluice_worker_queue_depth"} <= names
+    assert 'sluice_worker_fake_tokens{model="m"} 1.0' in text.splitlines()
+
+
+def test_an_empty_cache_reports_zero_usage_and_label_values_are_escaped():
+    stats = EngineStats(0, 0, 0, 0, 0, 0, 0, EngineCounters())
+    samples = _samples(render(stats, 'a"b\\c', MetricNames.BOTH))
+    assert samples[("vllm:kv_cache_usage_perc", (("model_name", 'a"b\\c'),))] == 0.0
+    assert samples[("sluice_worker_kv_cache_usage_ratio", (("model", 'a"b\\c'),))] == 0.0
+
+
+@pytest.mark.parametrize("value", ["sluice", "vllm", "both"])
+def test_every_setting_value_is_a_metric_names_choice(value):
+    from worker.config import parse_config
+
+    assert MetricNames(parse_config(["--metrics-names", value], environ={}).metrics_names) == value
