@@ -16,17 +16,21 @@ call before it returns, so a client that goes away frees every worker slot.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 
 from edge.deadlines import TimeLimits
 from edge.errors import EdgeError
+from edge.migration import MigrationPolicy, ResumableStream
 from edge.worker_pool import GenerateStream, WorkerPool
 from sluice.v1 import worker_pb2
 
 Event = tuple[int, worker_pb2.GenerateResponse]
+# One open call: a plain stream, or one that moves to another worker if its worker dies.
+Call = GenerateStream | ResumableStream
 
 
-def _abandon(tasks: Sequence[asyncio.Future[GenerateStream]]) -> None:
+def _abandon(tasks: Sequence[asyncio.Future[Call]]) -> None:
     """Stops the attempts still running and closes every call already opened (a task that
     is still settling closes its call as soon as it does)."""
     for task in tasks:
@@ -34,7 +38,7 @@ def _abandon(tasks: Sequence[asyncio.Future[GenerateStream]]) -> None:
         task.add_done_callback(_cancel_opened)
 
 
-def _cancel_opened(task: asyncio.Future[GenerateStream]) -> None:
+def _cancel_opened(task: asyncio.Future[Call]) -> None:
     """Cancels the call a settled ``pool.generate`` task opened, if it opened one."""
     if not task.cancelled() and task.exception() is None:
         task.result().cancel()
@@ -43,7 +47,7 @@ def _cancel_opened(task: asyncio.Future[GenerateStream]) -> None:
 class CallGroup:
     """Open calls whose first events have arrived; build one with :meth:`open`."""
 
-    def __init__(self, streams: Sequence[GenerateStream]) -> None:
+    def __init__(self, streams: Sequence[Call]) -> None:
         self._streams = list(streams)
         # The request's time limits and total deadline (event loop clock), set by whoever
         # opened the group for a request (edge.routes.generation.open_calls).
@@ -51,7 +55,7 @@ class CallGroup:
         self.deadline: float | None = None
 
     @property
-    def streams(self) -> list[GenerateStream]:
+    def streams(self) -> list[Call]:
         """The calls, in request order (each yields its first event again when iterated)."""
         return self._streams
 
@@ -70,6 +74,7 @@ class CallGroup:
         timeout_s: float,
         metadata: Sequence[tuple[str, str | bytes]] = (),
         *,
+        migration: MigrationPolicy | None = None,
         load_events: bool = False,
     ) -> CallGroup:
         """Opens one call per request, concurrently, and waits for every first event
@@ -79,16 +84,30 @@ class CallGroup:
         The first call to fail before its first event fails the whole group at
         once: the other calls are cancelled (opened or still opening) and that
         failure is raised (an :class:`EdgeError`; among failures seen together,
-        the lowest-numbered call's).
+        the lowest-numbered call's). With an enabled ``migration`` policy, each
+        call that can be resumed (:mod:`edge.migration`) moves to another worker
+        if its worker dies mid-stream, within ``timeout_s``; such requests
+        should ask for ``return_token_ids``.
         """
-        if len(requests) == 1:
-            return cls(
-                [await pool.generate(requests[0], request_id, timeout_s, metadata, load_events=load_events)]
+        deadline = time.monotonic() + timeout_s
+
+        async def open_one(request: worker_pb2.GenerateRequest) -> Call:
+            stream = await pool.generate(request, request_id, timeout_s, metadata, load_events=load_events)
+            if migration is None or not migration.enabled:
+                return stream
+            return ResumableStream(
+                pool,
+                stream,
+                request,
+                request_id=request_id,
+                deadline=deadline,
+                metadata=metadata,
+                policy=migration,
             )
-        tasks = [
-            asyncio.ensure_future(pool.generate(r, request_id, timeout_s, metadata, load_events=load_events))
-            for r in requests
-        ]
+
+        if len(requests) == 1:
+            return cls([await open_one(requests[0])])
+        tasks = [asyncio.ensure_future(open_one(r)) for r in requests]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except BaseException:
@@ -137,7 +156,7 @@ class CallGroup:
     async def _merged(self) -> AsyncIterator[Event]:
         queue: asyncio.Queue[Event | tuple[int, None] | BaseException] = asyncio.Queue()
 
-        async def pump(index: int, stream: GenerateStream) -> None:
+        async def pump(index: int, stream: Call) -> None:
             try:
                 async for event in stream:
                     queue.put_nowait((index, event))

@@ -17,7 +17,7 @@ waiting event ``a`` of the same call:
   and the token ids and per-token logprobs are concatenated in order;
 - ``tool_call`` after ``tool_call``, same choice and ``tool_index``, and ``b``
   carries no ``id`` and no ``name`` (an arguments fragment): the arguments
-  are appended. A delta that starts a call (it carries the id and name) is
+  are appended and the token ids concatenated. A delta that starts a call (it carries the id and name) is
   never merged into an earlier one, so the first delta of every call still
   carries them;
 - anything else (``started``, ``progress``, ``finished``, ``usage``, other
@@ -62,5 +62,6 @@ def merge_into(waiting: worker_pb2.GenerateResponse, event: worker_pb2.GenerateR
         ):
             return False
         call.arguments += more_call.arguments
+        call.token_ids.extend(more_call.token_ids)
         return True
     return False

@@ -11,6 +11,8 @@ Sources, none of which changes what a caller receives:
   carries model output (time to first token, from the request's start), every
   later one (the gap since the previous), and the error it sent by type and
   code;
+- each request's worker calls (:mod:`edge.migration`): a call that moved to
+  another worker when its worker died mid-stream, or could not;
 - live values (worker health as this process's pool sees it, concurrency
   slots in use), read at each scrape and every few seconds
   (:meth:`EdgeMetrics.refresh`).
@@ -42,6 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from quart import request
 from quart.wrappers import Response
 
+from edge.migration import OUTCOMES as MIGRATION_OUTCOMES
 from sluice.prometheus import GAP_BUCKETS, LATENCY_BUCKETS
 
 log = logging.getLogger("sluice.edge.stream")
@@ -176,6 +179,14 @@ class EdgeMetrics:
             "generation requests refused (429) by the per-key concurrency limit",
             registry=own,
         )
+        self._migrations = Counter(
+            "sluice_edge_stream_migrations",
+            "worker calls that failed mid-stream with their worker (UNAVAILABLE), by outcome: resumed "
+            "(moved to another worker), failed (no worker took the rest), limit_reached, not_resumable "
+            "(n > 1, or a worker without resume)",
+            ["outcome"],
+            registry=own,
+        )
         self._rejections_seen = 0
         self._addresses: set[str] = set()
         for surface in SURFACES:  # every surface's series exists from the start, at 0
@@ -185,6 +196,8 @@ class EdgeMetrics:
         # ``labels()`` costs several µs, and a busy edge observes these on every output write.
         self._ttft_by_surface: dict[str, Histogram] = {}
         self._gap_by_surface: dict[str, Histogram] = {}
+        for outcome in MIGRATION_OUTCOMES:
+            self._migrations.labels(outcome)
 
     # ---------------------------------------------------------------- hooks
 
@@ -223,6 +236,11 @@ class EdgeMetrics:
     def stream_error(self, surface: str, kind: str, code: str) -> None:
         """A stream ended with an error event of this type and code."""
         self._stream_errors.labels(surface, kind, code).inc()
+
+    def stream_migration(self, outcome: str) -> None:
+        """A call's worker died mid-stream; ``outcome`` is one of :data:`MIGRATION_OUTCOMES`. Counted
+        for streamed and non-streamed requests alike (the calls do not know their surface)."""
+        self._migrations.labels(outcome).inc()
 
     # ------------------------------------------------------------ live values
 

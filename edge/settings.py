@@ -71,6 +71,16 @@ def _check_keys(candidates: Any) -> tuple[str, ...]:
     return keys
 
 
+def parse_bool(value: str) -> bool:
+    """``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``, any case)."""
+    lowered = value.strip().lower()
+    if lowered in {"true", "1", "yes", "on"}:
+        return True
+    if lowered in {"false", "0", "no", "off"}:
+        return False
+    raise ValueError("expected true or false")
+
+
 # Options whose values are secrets: never echoed in an error message.
 _SECRET_FLAGS = frozenset({"api-keys"})
 
@@ -144,6 +154,10 @@ class Settings:
     processes: int = 1
     # How the pool picks a worker per request (edge/routing.py): least-outstanding or prefix-affinity.
     routing: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING
+    # A stream whose worker dies mid-stream continues on another worker (edge/migration.py), at
+    # most max_stream_migrations times per call.
+    migrate_streams: bool = True
+    max_stream_migrations: int = 2
 
     def __post_init__(self) -> None:
         if not self.workers and not self.worker_dns:
@@ -206,6 +220,8 @@ class Settings:
             raise ValueError(f"processes: must be >= 0 (0 = one per CPU core), got {self.processes}")
         if self.process_count > 1 and self.port == 0:
             raise ValueError("processes: several processes need a fixed port (port 0 picks one per process)")
+        if not 0 <= self.max_stream_migrations <= 16:
+            raise ValueError(f"max_stream_migrations: must be in 0..16, got {self.max_stream_migrations}")
         if self.max_concurrent_per_key < 0:
             raise ValueError(
                 f"max_concurrent_per_key: must be >= 0 (0 = off), got {self.max_concurrent_per_key}"
@@ -396,6 +412,19 @@ class Settings:
                 "how a worker is chosen per request: least-outstanding (default: fewest calls in "
                 "flight) or prefix-affinity (the worker that served the longest shared prompt prefix, "
                 "unless the load is unbalanced; docs/operations.md)",
+            ),
+            (
+                "migrate-streams",
+                "migrate_streams",
+                parse_bool,
+                "true (default) or false: continue a stream on another worker when its worker dies "
+                "mid-stream (same text for greedy and seeded requests)",
+            ),
+            (
+                "max-stream-migrations",
+                "max_stream_migrations",
+                int,
+                "most times one call may move to another worker mid-stream (default 2; 0 = never)",
             ),
         ]
 

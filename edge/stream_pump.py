@@ -42,11 +42,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from edge import sse
-from edge.call_group import CallGroup
+from edge.call_group import Call, CallGroup
 from edge.coalesce import merge_into
 from edge.deadlines import TimeLimits, deadline_error, idle_timeout_error
 from edge.errors import GENERIC_INTERNAL_MESSAGE, EdgeError, InternalError
-from edge.worker_pool import GenerateStream
 from sluice.v1 import worker_pb2
 
 log = logging.getLogger("sluice.edge")
@@ -244,7 +243,7 @@ class StreamPump:
         now = loop.time()
         self._last_event = self._last_write = now
         self._writer = asyncio.current_task()
-        streams: Sequence[GenerateStream] = self._group.streams
+        streams: Sequence[Call] = self._group.streams
         self._readers_left = len(streams)
         self._readers = [loop.create_task(self._read(i, s)) for i, s in enumerate(streams)]
         self._metrics.stream_opened(self._framing.surface)
@@ -252,7 +251,7 @@ class StreamPump:
         self._arm(now)
         return loop
 
-    async def _read(self, index: int, stream: GenerateStream) -> None:
+    async def _read(self, index: int, stream: Call) -> None:
         """One call's reader: events into the pending list until the call ends."""
         loop = self._loop
         assert loop is not None

@@ -53,6 +53,8 @@ class ParsedRequest:
     grammar: GrammarSpec | None = None
     parse_tool_calls: bool = False
     enable_thinking: bool | None = None
+    # ``resume``: the tokens an earlier call delivered, for choice 0 (n == 1 only); () = a new request.
+    resumed_token_ids: tuple[int, ...] = ()
 
 
 def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedRequest:
@@ -82,16 +84,43 @@ def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedReque
             prompt = RawPrompt(text=request.prompt.text)
     else:
         raise InvalidRequest("the request has no input: set `chat` (messages) or `prompt`", param="messages")
+    resumed = _resumed_token_ids(request)
     return ParsedRequest(
         request_id=request.request_id,
         prompt=prompt,
         sampling=request.sampling,
-        return_token_ids=request.return_token_ids,
+        # Resuming implies ids: the caller tracks them to be able to resume again.
+        return_token_ids=request.return_token_ids or request.HasField("resume"),
+        resumed_token_ids=resumed,
         echo_prompt=request.echo_prompt,
         grammar=grammar,
         parse_tool_calls=parse_tools,
         enable_thinking=thinking,
     )
+
+
+def _resumed_token_ids(request: pb.GenerateRequest) -> tuple[int, ...]:
+    """The ``resume`` field's tokens (checked against the vocabulary later, with the tokenizer)."""
+    if not request.HasField("resume"):
+        return ()
+    choices = request.resume.choices
+    n = request.sampling.n if request.sampling.HasField("n") else 1
+    if n != 1 or len(choices) != 1:
+        raise InvalidRequest(
+            f"resume supports n = 1 only, with exactly one entry in resume.choices (got n = {n}, "
+            f"{len(choices)} entries)",
+            param="resume",
+        )
+    return tuple(choices[0].ids)
+
+
+def check_resumed_tokens(token_ids: tuple[int, ...], vocab_size: int) -> None:
+    """Every resumed token is in the vocabulary, else InvalidRequest naming ``resume``."""
+    bad = next((t for t in token_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(
+            f"resume: token id {bad} is outside the vocabulary (0..{vocab_size - 1})", param="resume"
+        )
 
 
 def _json_object(text: str, param: str) -> dict[str, Any]:
@@ -414,6 +443,7 @@ def event_to_proto(event: Event) -> pb.GenerateResponse:
                     id=event.call_id,
                     name=event.name,
                     arguments=event.arguments,
+                    token_ids=event.token_ids,
                 )
             )
         case Progress():

@@ -174,10 +174,14 @@ class _Control(enum.Enum):
 
 @dataclass(frozen=True)
 class Prepared:
-    """A request with its per-choice sampling state built (grammars compiled): :meth:`Engine.prepare`."""
+    """A request with its per-choice sampling state built (grammars compiled): :meth:`Engine.prepare`.
+
+    ``ended``: a resumed request whose resumed tokens already ended it at the token level (they
+    reach max_tokens or the context, or complete the grammar): nothing is generated."""
 
     request: GenerationRequest
     samplings: list[SequenceSampling]
+    ended: FinishReason | None = None
 
 
 class RequestStream:
@@ -318,19 +322,50 @@ class Engine:
                 param="prompt_logprobs",
             )
         blocked = blocked_ids(self._eos, opts)
-        return Prepared(
-            request,
-            [
-                SequenceSampling(
-                    opts,
-                    request.prompt_token_ids,
-                    blocked,
-                    seed_offset=i,
-                    constraint=self._constraint(request),
+        samplings = [
+            SequenceSampling(
+                opts,
+                request.prompt_token_ids,
+                blocked,
+                seed_offset=i,
+                constraint=self._constraint(request),
+            )
+            for i in range(opts.n)
+        ]
+        ended = self._resume(request, samplings) if request.resumed_token_ids else None
+        return Prepared(request, samplings, ended)
+
+    def _resume(self, request: GenerationRequest, samplings: list[SequenceSampling]) -> FinishReason | None:
+        """Records a resumed request's tokens as generated (penalties, the seeded draw's step, the
+        grammar, max_tokens all continue from them); returns how they already ended it, if they did.
+        Raises InvalidRequest (param ``resume``) for tokens this request cannot continue from."""
+        resumed, opts = request.resumed_token_ids, request.sampling
+        if opts.n != 1 or len(samplings) != 1:
+            raise InvalidRequest("resuming a generation supports n = 1 only", param="resume")
+        if opts.prompt_logprobs is not None:
+            raise InvalidRequest("a resumed generation cannot score its prompt again", param="resume")
+        if len(resumed) > opts.max_tokens:
+            raise InvalidRequest(
+                f"{len(resumed)} resumed tokens exceed max_tokens ({opts.max_tokens})", param="resume"
+            )
+        if len(request.prompt_token_ids) + len(resumed) > self._context_length:
+            raise InvalidRequest(
+                "the prompt and the resumed tokens exceed the context length", param="resume"
+            )
+        sampling = samplings[0]
+        for token in resumed:
+            sampling.record(token)
+            if sampling.constraint is not None and (error := sampling.constraint.error) is not None:
+                raise InvalidRequest(
+                    f"the resumed tokens do not follow the request's grammar: {error}", param="resume"
                 )
-                for i in range(opts.n)
-            ],
-        )
+        # The same token-level ends, in the same order, as the last resumed token would have met in
+        # _advance (a stop token is never among them: it is never delivered).
+        if sampling.constraint is not None and sampling.constraint.finished:
+            return FinishReason.STOP
+        if sampling.generated >= opts.max_tokens or len(request.prefill_token_ids) >= self._context_length:
+            return FinishReason.LENGTH
+        return None
 
     def submit(self, request: GenerationRequest | Prepared) -> RequestStream:
         """Queues a request (preparing it here if it was not); raises QueueFull at once when the queue is
@@ -339,13 +374,28 @@ class Engine:
         req = prepared.request
         loop = asyncio.get_running_loop()
         key = f"{req.request_id}#{next(self._ids)}"
-        stream = RequestStream(
-            self, key, loop, RequestOutputProcessor(req, self._tokenizer, self._token_texts, self._rules)
-        )
+        processor = RequestOutputProcessor(req, self._tokenizer, self._token_texts, self._rules)
+        stream = RequestStream(self, key, loop, processor)
+        if prepared.ended is not None or processor.ended_while_priming:
+            # A resumed request that its resumed tokens already ended: finish it without the core
+            # (the processor ignores the end of a choice its priming already ended).
+            ended = prepared.ended or FinishReason.STOP
+            stream.put([Admitted(time.monotonic(), 0), ChoiceEnded(0, ended)])
+            with self._cv:
+                self.counters.requests_submitted += 1
+                self.counters.requests_finished += 1
+            return stream
         prompt = list(req.prompt_token_ids)
         longest = min(len(prompt) + req.sampling.max_tokens, self._context_length)
+        # A resumed request's sequence starts with its resumed tokens as generated ones: the first
+        # forward computes prompt plus those, and samples the next token.
         choices = [
-            _Choice((key, i), i, sampling, Sequence(list(prompt), len(prompt), longest, awaits_prompt=i > 0))
+            _Choice(
+                (key, i),
+                i,
+                sampling,
+                Sequence(list(req.prefill_token_ids), len(prompt), longest, awaits_prompt=i > 0),
+            )
             for i, sampling in enumerate(prepared.samplings)
         ]
         state = _RequestState(key, req, choices, stream)

@@ -173,6 +173,11 @@ class TokenConstraint:
         self._matcher.consume_token(token_id)
 
     @property
+    def error(self) -> str | None:
+        """Why the matcher failed (e.g. it was given a token the grammar does not allow), or None."""
+        return str(self._matcher.get_error()) if self._matcher.is_error() else None
+
+    @property
     def finished(self) -> bool:
         """The grammar is complete and allows nothing more (the choice should end)."""
         return bool(self._matcher.is_stopped())

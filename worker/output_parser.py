@@ -3,12 +3,15 @@
 Text goes through the reasoning parser first (thinking becomes reasoning
 deltas), then the answer goes through the tool-call parser (calls become
 tool-call deltas, everything else content). Both are optional per request.
-Token ids and logprobs travel with the first content or reasoning delta of a
-step; tokens that only produced tool-call text carry none (OpenAI reports no
-logprobs for tool calls).
+Logprobs travel with the first content or reasoning delta of a step; tokens
+that only produced tool-call text carry none (OpenAI reports no logprobs for
+tool calls). Token ids (when asked) travel with the last delta of a step,
+whatever its kind, so a caller can tell which deltas its ids cover.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from worker.reasoning import ReasoningParser
 from worker.tool_calls import CallPiece, Piece, ToolCallParser
@@ -32,6 +35,11 @@ class ChoiceOutput:
     @property
     def tool_calls(self) -> int:
         return self._tools.calls if self._tools is not None else 0
+
+    @property
+    def holds_token_ids(self) -> bool:
+        """Tokens were added whose ids no delta carried yet (their text is held back)."""
+        return bool(self._ids)
 
     @property
     def thinking(self) -> bool:
@@ -80,20 +88,31 @@ class ChoiceOutput:
         return ContentDelta(self.index, piece.text)
 
     def _attach(self, events: list[OutputEvent], final: bool) -> list[OutputEvent]:
-        """Puts the pending tokens on the first content or reasoning delta; keeps them while the parsers
-        hold text back; drops them for tokens that only made tool calls."""
+        """Puts the pending tokens' logprobs on the first content or reasoning delta (dropped for tokens
+        that only made tool calls) and their ids on the LAST delta (content, reasoning or tool call);
+        keeps both while the parsers hold text back. Ids go last so that a caller who received a delta
+        with ids has received every delta those tokens produced: what a migrated stream resumes from
+        (see ``Resume`` in the proto)."""
         if not self._ids and not self._logprobs:
             return events
         ids, logprobs = tuple(self._ids), tuple(self._logprobs)
-        for position, event in enumerate(events):
-            if isinstance(event, ContentDelta | ReasoningDelta):
-                events[position] = type(event)(event.choice_index, event.text, ids, logprobs)
+        if not events:
+            if final:
+                # Tokens that produced no text at the end (a special token, an unfinished character).
                 self._ids, self._logprobs = [], []
-                return events
-        if any(isinstance(e, ToolCallDelta) for e in events):
-            self._ids, self._logprobs = [], []
-        elif final:
-            # Tokens that produced no text at the end (a special token, an unfinished character).
-            events.append(ContentDelta(self.index, "", ids, logprobs))
-            self._ids, self._logprobs = [], []
+                return [ContentDelta(self.index, "", ids, logprobs)]
+            return events
+        if logprobs:
+            first_text = next(
+                (i for i, e in enumerate(events) if isinstance(e, ContentDelta | ReasoningDelta)), None
+            )
+            if first_text is not None:
+                event = events[first_text]
+                assert isinstance(event, ContentDelta | ReasoningDelta)
+                events[first_text] = type(event)(event.choice_index, event.text, event.token_ids, logprobs)
+            self._logprobs = []
+        if ids:
+            last = len(events) - 1
+            events[last] = replace(events[last], token_ids=ids)
+            self._ids = []
         return events

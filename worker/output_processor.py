@@ -67,6 +67,11 @@ class _ChoiceText:
     generated: int = 0
     reasoning_tokens: int = 0
     finished: bool = False
+    # Resumed after the earlier call already sent this choice's finish tail (see _prime): the
+    # choice ends at its next end (or token) without sending a tail again; ``tail_stop`` is the stop
+    # string that tail matched, if any.
+    tail_sent: bool = False
+    tail_stop: str | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
 
@@ -100,21 +105,69 @@ class RequestOutputProcessor:
         self._admitted_time: float | None = None
         self._cached_tokens = 0
         self._done = False
+        # A resumed request's events that the earlier call never delivered (see ``_prime``); sent
+        # with the first batch of core outputs.
+        self._resumed_events: list[Event] = []
+        if request.resumed_token_ids:
+            self._prime(request.resumed_token_ids)
+
+    @property
+    def ended_while_priming(self) -> bool:
+        """Every choice already ended within the resumed tokens (a stop string or blocked phrase in
+        them): the core has nothing to generate."""
+        return bool(self._request.resumed_token_ids) and all(c.finished for c in self._choices)
+
+    def _prime(self, token_ids: tuple[int, ...]) -> None:
+        """Feeds a resumed request's already-delivered tokens through choice 0's text pipeline
+        (detokenizer, stop strings, parsers, counts) without sending what they produced again.
+
+        The earlier call delivered every event up to and including the last delta that carried ids
+        (ids travel on the last delta of their tokens); the same tokens produce the same events here,
+        so those are dropped and only what would have followed that delta (a refusal, a finish tail,
+        ``finished``) is kept for sending. Times are left unset: the first token drawn here starts
+        this call's timings."""
+        out = ProcessorOutput()
+        for token_id in token_ids:
+            self._token(NewToken(0, token_id, self._request.arrival_time), out)
+            if self._choices[0].finished:
+                break
+        choice = self._choices[0]
+        choice.first_token_time = choice.last_token_time = None
+        if not choice.finished and choice.output.holds_token_ids:
+            # The last delivered delta was the one a finish puts the held-back tokens on: the earlier
+            # call had ended this choice and sent its tail (only ``finished`` was lost). Rebuild that
+            # tail to know its stop string; it was delivered, so it is not sent again.
+            tail, choice.tail_stop = choice.stops.push(choice.detokenizer.flush())
+            if choice.tail_stop is None:
+                tail += choice.stops.flush()
+            out.events += choice.output.finish(tail)
+            choice.tail_sent = True
+        last_with_ids = max((i for i, e in enumerate(out.events) if getattr(e, "token_ids", ())), default=-1)
+        # Non-empty only when the choice ended within these tokens (Engine.submit then runs nothing).
+        self._resumed_events = out.events[last_with_ids + 1 :]
 
     @property
     def done(self) -> bool:
         return self._done
 
     def usage(self) -> Usage:
+        prompt_tokens = len(self._request.prompt_token_ids)
         return Usage(
-            len(self._request.prompt_token_ids),
+            prompt_tokens,
             sum(c.generated for c in self._choices),
-            cached_tokens=self._cached_tokens,
+            # A resumed request's cache hit may reach into its resumed tokens; usage counts the prompt.
+            cached_tokens=min(self._cached_tokens, prompt_tokens),
             reasoning_tokens=sum(c.reasoning_tokens for c in self._choices),
         )
 
     def process(self, outputs: Iterable[CoreOutput]) -> ProcessorOutput:
         out = ProcessorOutput()
+        if self._resumed_events:
+            out.events += self._resumed_events
+            self._resumed_events = []
+            if all(c.finished for c in self._choices):
+                out.events.append(self.usage())
+                self._done = out.done = True
         for item in outputs:
             if self._done:
                 break
@@ -156,9 +209,15 @@ class RequestOutputProcessor:
         if item.stop_token is not None:
             self._finish(choice, FinishReason.STOP, out, stop_token=item.stop_token)
             return
+        if choice.tail_sent:
+            # The earlier call ended here with a stop token; a sampled request drew another token
+            # this time: the choice still ends, as it did for the caller.
+            self._finish(choice, FinishReason.STOP, out)
+            out.stopped.append(choice.index)
+            return
         if choice.output.thinking:
             choice.reasoning_tokens += 1
-        ids = item.token_id if self._request.return_token_ids else None
+        ids = item.token_id if self._request.return_token_ids or self._request.resumed_token_ids else None
         choice.output.add_token(ids, self._logprob(item.logprobs))
         text, matched = choice.stops.push(choice.detokenizer.push(item.token_id))
         out.events += choice.output.push(text)
@@ -191,16 +250,20 @@ class RequestOutputProcessor:
         stop_string: str = "",
         stop_token: int | None = None,
     ) -> None:
-        tail = ""
-        if not stop_string:
-            # Release what the detokenizer and the stop matcher still hold; the tail itself may
-            # complete a stop string.
-            tail, matched = choice.stops.push(choice.detokenizer.flush())
-            if matched is not None:
-                reason, stop_string, stop_token = FinishReason.STOP, matched, None
-            else:
-                tail += choice.stops.flush()
-        out.events += choice.output.finish(tail)
+        if choice.tail_sent:  # resumed after the earlier call sent the tail: only `finished` is left
+            if choice.tail_stop is not None:
+                reason, stop_string, stop_token = FinishReason.STOP, choice.tail_stop, None
+        else:
+            tail = ""
+            if not stop_string:
+                # Release what the detokenizer and the stop matcher still hold; the tail itself may
+                # complete a stop string.
+                tail, matched = choice.stops.push(choice.detokenizer.flush())
+                if matched is not None:
+                    reason, stop_string, stop_token = FinishReason.STOP, matched, None
+                else:
+                    tail += choice.stops.flush()
+            out.events += choice.output.finish(tail)
         if reason is FinishReason.STOP and choice.output.tool_calls:
             reason = FinishReason.TOOL_CALLS
         if reason is FinishReason.CONTENT_FILTER:

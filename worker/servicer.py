@@ -26,7 +26,14 @@ import grpc
 from sluice.logs import request_id_var
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from worker.convert import MAX_N, ParsedRequest, event_to_proto, parse_request, sampling_options
+from worker.convert import (
+    MAX_N,
+    ParsedRequest,
+    check_resumed_tokens,
+    event_to_proto,
+    parse_request,
+    sampling_options,
+)
 from worker.engine import Engine, Prepared
 from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, WorkerError
 from worker.grammar import GrammarCompiler
@@ -142,11 +149,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             prepared.work.request.sampling,
         )
         log.info(
-            "request %s accepted: %d prompt tokens, n=%d, max_tokens=%d",
+            "request %s accepted: %d prompt tokens, n=%d, max_tokens=%d%s",
             request_id,
             len(prompt_ids),
             options.n,
             options.max_tokens,
+            f", resuming after {len(parsed.resumed_token_ids)} tokens" if parsed.resumed_token_ids else "",
         )
         reasons: list[str] = []
         completion_tokens = 0
@@ -160,6 +168,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                     worker_id=self.worker_id,
                     prompt_text=prompt_text if parsed.echo_prompt else "",
                     n=options.n,
+                    resumable=True,
                 )
             )
             async for event in stream:
@@ -225,6 +234,7 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         max_n=min(MAX_N, serving.max_running),
         default_max_tokens=serving.default_max_tokens,
     )
+    check_resumed_tokens(parsed.resumed_token_ids, serving.renderer.vocab_size)
     grammar = serving.grammars.validate(parsed.grammar) if parsed.grammar is not None else None
     output = OutputOptions(
         tool_calls=parsed.parse_tool_calls,
@@ -240,6 +250,7 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         return_token_ids=parsed.return_token_ids,
         output=output,
         grammar=grammar,
+        resumed_token_ids=parsed.resumed_token_ids,
     )
     return _PreparedCall(serving.engine.prepare(request), prompt_ids, prompt_text)
 

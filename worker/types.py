@@ -63,6 +63,19 @@ class GenerationRequest:
     return_token_ids: bool = False
     output: OutputOptions = OutputOptions()
     grammar: str | None = None  # an llguidance grammar (worker.grammar); None = unconstrained
+    # Stream migration (``Resume`` on the wire; n == 1 only): the tokens an earlier call already
+    # generated and delivered. They are prefilled after the prompt and count as generated: in
+    # max_tokens, the context length, penalties, seeded draws, the grammar and usage.
+    resumed_token_ids: tuple[int, ...] = ()
+
+    @property
+    def prefill_token_ids(self) -> tuple[int, ...]:
+        """What the first forward pass computes: the prompt, then any resumed tokens."""
+        return (
+            self.prompt_token_ids + self.resumed_token_ids
+            if self.resumed_token_ids
+            else self.prompt_token_ids
+        )
 
 
 class FinishReason(enum.Enum):
@@ -129,6 +142,7 @@ class ToolCallDelta:
     arguments: str
     call_id: str = ""
     name: str = ""
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ Call order, and why:
 3. after ``started``: :func:`sse_response` sends the headers at once and then
    the stream, pumped by a :class:`~edge.stream_pump.StreamPump`;
    :func:`collect` feeds every event to an accumulator for a non-streaming
-   answer.
+   answer. Either way, a call whose worker dies mid-stream moves to another
+   worker and goes on (:mod:`edge.migration`, ``--migrate-streams``).
 
 A route plugs its own API surface into step 3 with a translator (``on_event``
 turns one worker event into the surface's chunks, ``finish`` gives the
@@ -49,6 +50,7 @@ from edge.call_group import CallGroup
 from edge.client_connections import scope_transport
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER, EventGuard, request_limits
 from edge.drain import shutting_down_error
+from edge.migration import MigrationPolicy, resumable_request
 from edge.routes.common import current_request_id, worker_header
 from edge.state import current_request, current_state
 from edge.stream_pump import OPENAI_FRAMING, Finish, OnEvent, PumpClock, StreamFraming, StreamPump
@@ -91,9 +93,15 @@ async def open_calls(
     )
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limits.total_s
+    migration = MigrationPolicy(
+        state.settings.max_stream_migrations if state.settings.migrate_streams else 0, state.metrics
+    )
     for worker_request in requests:
         worker_request.stream_progress = True
         worker_request.model_load_wait_seconds = state.settings.wait_for_load_s
+        if migration.enabled and resumable_request(worker_request):
+            # What a call that moves to another worker resumes from (edge.migration).
+            worker_request.return_token_ids = True
     # The edge's own timer is authoritative (one clear error, from one clock); the gRPC
     # deadline, a little later, is the backstop that also tells the worker when to give up.
     guard = EventGuard(limits, loop)
@@ -105,6 +113,7 @@ async def open_calls(
                 current_request_id(),
                 limits.total_s + GRPC_DEADLINE_MARGIN_S,
                 metadata,
+                migration=migration,
                 load_events=load_events,
             )
     except TimeoutError:
