@@ -145,6 +145,10 @@ class SamplingRequest(_Model):
         },
     )
     user: str | None = None
+    # Extensions with vLLM's names and meanings (the SDKs send them through ``extra_body``): run past
+    # the model's end-of-sequence token, and generate at least this many tokens.
+    ignore_eos: StrictBool | None = None
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
     @field_validator("stop", mode="before", json_schema_input_type=str | list[str] | None)
     @classmethod

@@ -172,6 +172,10 @@ def sampling_params(request: SamplingRequest, *, max_tokens: int | None) -> work
         sampling.frequency_penalty = request.frequency_penalty
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
+    if request.ignore_eos is not None:
+        sampling.ignore_eos = request.ignore_eos
+    if request.min_tokens is not None:
+        sampling.min_tokens = request.min_tokens
     for token, bias in (request.logit_bias or {}).items():
         sampling.logit_bias[int(token)] = bias
     return sampling

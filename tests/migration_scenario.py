@@ -58,6 +58,7 @@ async def read_stream(
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},  # every stream runs to max_tokens
     )
     async for chunk in stream:
         if chunk.usage is not None:

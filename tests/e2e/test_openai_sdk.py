@@ -342,3 +342,24 @@ def test_worker_refusals_reach_the_client_with_their_param(client):
         with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(**SHORT, n=17, stream=stream)
         assert caught.value.param == "n" and caught.value.code == "invalid_parameter"
+
+
+def test_vllm_extensions_ignore_eos_and_min_tokens(client):
+    say = [{"role": "user", "content": "Reply with the single word: hi"}]
+    short = client.chat.completions.create(model=MODEL, messages=say, max_tokens=40, temperature=0)
+    assert short.usage.completion_tokens < 40  # the model ends on its own
+    forced = client.chat.completions.create(
+        model=MODEL, messages=say, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert forced.usage.completion_tokens == 40 and forced.choices[0].finish_reason == "length"
+    longer = client.chat.completions.create(
+        model=MODEL,
+        messages=say,
+        max_tokens=40,
+        temperature=0,
+        extra_body={"min_tokens": short.usage.completion_tokens + 5},
+    )
+    assert longer.usage.completion_tokens >= short.usage.completion_tokens + 5
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=MODEL, messages=say, max_tokens=4, extra_body={"min_tokens": 9})
+    assert "min_tokens" in str(caught.value)
