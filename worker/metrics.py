@@ -74,6 +74,11 @@ _COUNTERS = (
         "prompt tokens whose KV came from the prefix cache",
         "prefix_cache_hit_tokens",
     ),
+    (
+        "sluice_worker_preemptions",
+        "requests sent back to the queue for KV blocks (recomputed later)",
+        "preemptions",
+    ),
     ("sluice_worker_steps", "engine steps run", "steps"),
 )
 
