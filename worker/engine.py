@@ -597,12 +597,13 @@ class Engine:
                 for state in {id(s): s for s in (owners[id(w.seq)][0] for w in work)}.values():
                     self._fail(state, f"generation failed: {type(again).__name__}", outputs)
                 return
-        sampling = [w for w in work if w.samples]  # before the commit moves ``computed``
+        # Both read ``computed``, which the commit moves. A prompt computed in chunks reports how far
+        # it got after each chunk that did not finish it.
+        sampling = [w for w in work if w.samples]
+        chunked = [owners[id(w.seq)] + (w.seq,) for w in work if not w.samples and w.seq.generated == 0]
         with self._cv:
             for item in work:
                 self._scheduler.committed(item)
-        # A prompt computed in chunks reports how far it got after each chunk that did not finish it.
-        chunked = [owners[id(w.seq)] + (w.seq,) for w in work if not w.samples and w.seq.generated == 0]
         if chunked:
             _deliver(
                 (state.stream, [Progress("prompt_processing", seq.computed / max(1, seq.prompt_length))])
