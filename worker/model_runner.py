@@ -25,7 +25,7 @@ import torch
 from worker.attention import paged
 from worker.attention.triton_decode import triton_available
 from worker.kv_pool import KVPool, KVShape, kv_shape
-from worker.model_loader import LoadedModel
+from worker.model_loader import LoadedModel, ModelLoadError
 from worker.types import SampledLogprobs
 
 if TYPE_CHECKING:
@@ -51,6 +51,15 @@ class ModelRunner:
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
+        text = self.model.config.get_text_config()
+        layer_types = getattr(text, "layer_types", None)
+        windowed = (
+            "sliding_attention" in layer_types if layer_types else bool(getattr(text, "sliding_window", None))
+        )
+        if windowed:
+            raise ModelLoadError(
+                "this model uses sliding-window attention, which the paged KV cache does not support yet"
+            )
         paged.register()
         self.model.set_attn_implementation(paged.NAME)
         self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype)
