@@ -50,7 +50,9 @@ def main() -> int:
         for worker in workers:
             worker.wait_ready()
         with EdgeProcess([a.address, b.address], log_dir=logs, extra=EDGE_FLAGS) as edge:
-            result = asyncio.run(kill_under_streams(edge, a, b, args.streams, args.max_tokens))
+            result = asyncio.run(
+                kill_under_streams(edge, a, b, args.streams, args.max_tokens, ignore_eos=True)
+            )
     finally:
         for worker in workers:
             worker.stop()

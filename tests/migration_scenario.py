@@ -48,7 +48,7 @@ class StreamResult:
 
 
 async def read_stream(
-    client: AsyncOpenAI, prompt: str, max_tokens: int, result: StreamResult
+    client: AsyncOpenAI, prompt: str, max_tokens: int, result: StreamResult, *, ignore_eos: bool = False
 ) -> StreamResult:
     """One greedy streamed chat completion with usage; raises if the stream carries an error."""
     stream = await client.chat.completions.create(
@@ -58,7 +58,8 @@ async def read_stream(
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},  # every stream runs to max_tokens
+        # ignore_eos: every stream runs to max_tokens (past the model's end, where near-ties are many).
+        extra_body={"ignore_eos": ignore_eos},
     )
     async for chunk in stream:
         if chunk.usage is not None:
@@ -115,14 +116,21 @@ def migration_counts(edge: EdgeProcess) -> dict[str, float]:
 
 
 async def kill_under_streams(
-    edge: EdgeProcess, victim: WorkerProcess, survivor: WorkerProcess, streams: int, max_tokens: int
+    edge: EdgeProcess,
+    victim: WorkerProcess,
+    survivor: WorkerProcess,
+    streams: int,
+    max_tokens: int,
+    *,
+    ignore_eos: bool = False,
 ) -> ScenarioResult:
-    """Runs the scenario in the module docstring; returns what every client read."""
+    """Runs the scenario in the module docstring; returns what every client read. ``ignore_eos``:
+    every stream runs to ``max_tokens`` (the bench's bar)."""
     prompts = [counting_prompt(1 + 37 * i) for i in range(streams)]
     client = AsyncOpenAI(base_url=f"{edge.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
     try:
         undisturbed = await asyncio.gather(
-            *(read_stream(client, p, max_tokens, StreamResult()) for p in prompts)
+            *(read_stream(client, p, max_tokens, StreamResult(), ignore_eos=ignore_eos) for p in prompts)
         )
 
         survivor.signal(signal.SIGSTOP)  # the edge ejects it: every new stream goes to the victim
@@ -130,7 +138,7 @@ async def kill_under_streams(
             await wait_worker_status(edge, survivor.address, serving=False)
             results = [StreamResult() for _ in prompts]
             tasks = [
-                asyncio.create_task(read_stream(client, p, max_tokens, r))
+                asyncio.create_task(read_stream(client, p, max_tokens, r, ignore_eos=ignore_eos))
                 for p, r in zip(prompts, results, strict=True)
             ]
             await asyncio.wait_for(asyncio.gather(*(r.flowing.wait() for r in results)), 300)

@@ -147,7 +147,10 @@ class Scheduler(Generic[T]):
                 f"this worker's {self.capacity_tokens}; lower max_tokens or n",
                 param="max_tokens",
             )
-        if len(self.waiting) >= self.max_queue:
+        # Requests the next step will admit into free slots are not waiting for a slot: only the rest
+        # count against the queue's bound (so the bound does not depend on when the step runs).
+        free_slots = max(0, self.max_running - self.running_sequences)
+        if len(self.waiting) >= self.max_queue + free_slots:
             raise QueueFull(
                 f"the worker's queue is full ({self.max_queue} requests waiting); retry later",
                 retry_after_seconds=1.0,

@@ -68,12 +68,15 @@ def test_a_finished_request_frees_its_slot_and_blocks():
 
 
 def test_queue_bound_raises_queue_full_with_retry_hint():
-    s = scheduler(max_queue=2)
-    s.add(item("a", 3))
-    s.add(item("b", 3))
+    s = scheduler(max_queue=2, max_running=1)
+    for name in "abc":  # one for the free slot (the next step admits it), two waiting
+        s.add(item(name, 3))
     with pytest.raises(QueueFull) as caught:
-        s.add(item("c", 3))
+        s.add(item("d", 3))
     assert caught.value.retry_after_seconds > 0
+    run_step(s)  # "a" runs: the slot is taken, two wait
+    with pytest.raises(QueueFull):
+        s.add(item("e", 3))
 
 
 def test_long_prompts_are_chunked_and_running_streams_decode_every_step():
