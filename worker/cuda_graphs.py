@@ -32,7 +32,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from worker.attention import paged
-from worker.model_runner import Work
+from worker.model_runner import Work, decode_tables
+from worker.model_runner import slots as token_slots
 
 if TYPE_CHECKING:
     from worker.model_runner import ModelRunner
@@ -130,16 +131,11 @@ class DecodeGraphs:
         rows = len(work)
         bucket = next(b for b in self.buckets if b >= rows)
         size = self.runner.block_size
-        ids, positions, slots, lengths = [], [], [], []
-        table = torch.zeros((bucket, self.width), dtype=torch.int32)
-        for row, item in enumerate(work):
-            position = item.start
-            ids.append(item.tokens[0])
-            positions.append(position)
-            slots.append(item.table[position // size] * size + position % size)
-            lengths.append(position + 1)
-            used = -(-(position + 1) // size)
-            table[row, :used] = torch.tensor(list(item.table[:used]), dtype=torch.int32)
+        ids = [item.tokens[0] for item in work]
+        positions = [item.start for item in work]
+        slots = [slot for item in work for slot in token_slots(item, size)]
+        lengths = [item.start + 1 for item in work]
+        table = decode_tables(work, size, bucket, self.width, torch.int32)
         padding = bucket - rows
         device = self.runner.device
         self.ids[:bucket, 0].copy_(torch.tensor(ids + [0] * padding), non_blocking=True)

@@ -44,6 +44,24 @@ class Work:
     generated: int = 0  # tokens the sequence has generated so far (a fake runner picks from it)
 
 
+def slots(item: Work, block_size: int) -> list[int]:
+    """The pool slot (block * block_size + offset) of each of ``item``'s tokens."""
+    table, size = item.table, block_size
+    return [table[p // size] * size + p % size for p in range(item.start, item.start + len(item.tokens))]
+
+
+def decode_tables(
+    work: Sequence[Work], block_size: int, rows: int, width: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Block tables ``[rows, width]`` (on the CPU) of decode items: row ``i`` lists the blocks that hold
+    item ``i``'s context, the current token included; other entries (and rows past ``work``) are 0."""
+    tables = torch.zeros((rows, width), dtype=dtype)
+    for row, item in enumerate(work):
+        used = -(-(item.start + 1) // block_size)
+        tables[row, :used] = torch.tensor(list(item.table[:used]), dtype=dtype)
+    return tables
+
+
 class ModelRunner:
     scores_prompts = True  # ``score`` works (a runner without a model says False)
 
@@ -103,12 +121,6 @@ class ModelRunner:
             return logits[torch.tensor(wanted, device=logits.device)]
         return self._mixed(work)
 
-    def _slots(self, item: Work) -> list[int]:
-        size = self.block_size
-        return [
-            item.table[p // size] * size + p % size for p in range(item.start, item.start + len(item.tokens))
-        ]
-
     def _decode_rows(self, step: paged.PagedStep, work: Sequence[Work]) -> None:
         """Fills ``step``'s decode rows (one query token each) for these items: block tables and
         lengths, and the gather's mask or, on CUDA with triton, the decode kernel."""
@@ -117,11 +129,7 @@ class ModelRunner:
         width = -(-max(lengths) // self.block_size)
         kernel = self._use_kernel
         index_type = torch.int32 if kernel else torch.long
-        tables = torch.zeros((rows, width), dtype=index_type)
-        for row, item in enumerate(work):
-            used = -(-lengths[row] // self.block_size)
-            tables[row, :used] = torch.tensor(list(item.table[:used]), dtype=index_type)
-        step.decode_tables = tables.to(self.device)
+        step.decode_tables = decode_tables(work, self.block_size, rows, width, index_type).to(self.device)
         step.decode_lengths = torch.tensor(lengths, dtype=index_type, device=self.device)
         if kernel:
             from worker.cuda_graphs import decode_kernel
@@ -137,8 +145,10 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.fits(len(work)):
             return self.graphs.run(work)
         device = self.device
-        slots = [s for item in work for s in self._slots(item)]
-        step = paged.PagedStep(pool=self.pool, slots=torch.tensor(slots, dtype=torch.long, device=device))
+        flat_slots = [s for item in work for s in slots(item, self.block_size)]
+        step = paged.PagedStep(
+            pool=self.pool, slots=torch.tensor(flat_slots, dtype=torch.long, device=device)
+        )
         self._decode_rows(step, work)
         ids = torch.tensor([[item.tokens[0]] for item in work], dtype=torch.long, device=device)
         positions = torch.tensor([[item.start] for item in work], dtype=torch.long, device=device)
@@ -150,7 +160,7 @@ class ModelRunner:
         device = self.device
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
+        token_slots: list[int] = []
         decode_tokens: list[int] = []
         decode_work: list[Work] = []
         chunks: list[paged.Chunk] = []
@@ -160,7 +170,7 @@ class ModelRunner:
             count = len(item.tokens)
             ids += item.tokens
             positions += range(item.start, item.start + count)
-            slots += self._slots(item)
+            token_slots += slots(item, self.block_size)
             if item.sample:
                 keep.append(start + count - 1)
             if count == 1:
@@ -179,7 +189,7 @@ class ModelRunner:
                 )
             )
         step = paged.PagedStep(
-            pool=self.pool, slots=torch.tensor(slots, dtype=torch.long, device=device), chunks=chunks
+            pool=self.pool, slots=torch.tensor(token_slots, dtype=torch.long, device=device), chunks=chunks
         )
         if decode_work:
             step.decode_tokens = torch.tensor(decode_tokens, dtype=torch.long, device=device)
