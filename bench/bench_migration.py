@@ -36,12 +36,14 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR))
+    parser.add_argument("--worker-args", default="", help="more worker flags, e.g. '--quantization none'")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="sluice-migration-"))
     workers = []
     for worker_id in ("A", "B"):
         (logs / worker_id).mkdir()
         extra = ["--worker-id", worker_id, "--max-running", str(max(8, args.streams))]
+        extra += args.worker_args.split()
         workers.append(WorkerProcess(cache_dir=Path(args.cache_dir), log_dir=logs / worker_id, extra=extra))
     a, b = workers
     for worker in workers:
