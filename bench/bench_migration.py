@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
@@ -51,6 +52,13 @@ def main() -> int:
         help="the workers' --batch-invariant (on: the texts must match bit for bit; off: the default "
         "steps, where a near-tie after the move can pick another token)",
     )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) // 2),
+        help="each worker's --torch-threads (default: half the cores, as two workers share them; "
+        "more OpenMP threads than cores stall each other)",
+    )
     parser.add_argument("--worker-args", default="", help="more worker flags, e.g. '--quantization none'")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="sluice-migration-"))
@@ -58,7 +66,8 @@ def main() -> int:
     for worker_id in ("A", "B"):
         (logs / worker_id).mkdir()
         extra = ["--worker-id", worker_id, "--max-running", str(max(8, args.streams))]
-        extra += ["--batch-invariant", args.batch_invariant, *args.worker_args.split()]
+        extra += ["--batch-invariant", args.batch_invariant, "--torch-threads", str(args.torch_threads)]
+        extra += args.worker_args.split()
         workers.append(WorkerProcess(cache_dir=Path(args.cache_dir), log_dir=logs / worker_id, extra=extra))
     a, b = workers
     for worker in workers:

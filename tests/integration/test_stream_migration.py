@@ -26,7 +26,8 @@ from tests.processes import EdgeProcess, WorkerProcess
 pytestmark = pytest.mark.integration
 
 STREAMS = 6
-MAX_TOKENS = 24
+MAX_TOKENS = 40  # with ignore_eos: past the model's own end, where near-ties are many
+KILL_AFTER_CHUNKS = 12  # the move carries a dozen tokens or more of every stream
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,16 @@ def two_workers(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     workers = []
     for worker_id in ("A", "B"):
         (logs / worker_id).mkdir()
-        extra = ["--worker-id", worker_id, "--max-running", "8", "--batch-invariant", "on"]
+        extra = [
+            "--worker-id",
+            worker_id,
+            "--max-running",
+            "8",
+            "--batch-invariant",
+            "on",
+            "--torch-threads",
+            "1",
+        ]
         workers.append(WorkerProcess(cache_dir=model_cache, log_dir=logs / worker_id, extra=extra))
     try:
         for worker in workers:  # both load at once
@@ -51,7 +61,11 @@ def two_workers(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> 
 def test_streams_survive_their_worker_being_killed(two_workers, tmp_path: Path) -> None:
     a, b = two_workers
     with EdgeProcess([a.address, b.address], log_dir=tmp_path, extra=EDGE_FLAGS) as edge:
-        result = asyncio.run(kill_under_streams(edge, a, b, STREAMS, MAX_TOKENS))
+        result = asyncio.run(
+            kill_under_streams(
+                edge, a, b, STREAMS, MAX_TOKENS, ignore_eos=True, kill_after_chunks=KILL_AFTER_CHUNKS
+            )
+        )
     for before, after in zip(result.undisturbed, result.disturbed, strict=True):
         assert after.finish_reason in ("stop", "length") and after.completion_tokens is not None
         assert after.text == before.text
