@@ -11,6 +11,8 @@ the broken call, B prefilling prompt plus the tokens so far); then the edge's
 stream ended normally with its undisturbed text.
 
     python bench/bench_migration.py                 # the bar: 6 streams of 400 tokens
+    python bench/bench_migration.py --kill-after-chunks 150   # A dies with ~half of each stream sent
+    python bench/bench_migration.py --batch-invariant off     # the default steps, for comparison
     python bench/bench_migration.py --streams 2 --max-tokens 60
 """
 
@@ -36,12 +38,27 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=400)
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE_DIR))
+    parser.add_argument(
+        "--kill-after-chunks",
+        type=int,
+        default=0,
+        help="kill worker A only once every stream read this many content chunks (0: at once)",
+    )
+    parser.add_argument(
+        "--batch-invariant",
+        choices=("on", "off"),
+        default="on",
+        help="the workers' --batch-invariant (on: the texts must match bit for bit; off: the default "
+        "steps, where a near-tie after the move can pick another token)",
+    )
+    parser.add_argument("--worker-args", default="", help="more worker flags, e.g. '--quantization none'")
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="sluice-migration-"))
     workers = []
     for worker_id in ("A", "B"):
         (logs / worker_id).mkdir()
         extra = ["--worker-id", worker_id, "--max-running", str(max(8, args.streams))]
+        extra += ["--batch-invariant", args.batch_invariant, *args.worker_args.split()]
         workers.append(WorkerProcess(cache_dir=Path(args.cache_dir), log_dir=logs / worker_id, extra=extra))
     a, b = workers
     for worker in workers:
@@ -51,7 +68,15 @@ def main() -> int:
             worker.wait_ready()
         with EdgeProcess([a.address, b.address], log_dir=logs, extra=EDGE_FLAGS) as edge:
             result = asyncio.run(
-                kill_under_streams(edge, a, b, args.streams, args.max_tokens, ignore_eos=True)
+                kill_under_streams(
+                    edge,
+                    a,
+                    b,
+                    args.streams,
+                    args.max_tokens,
+                    ignore_eos=True,
+                    kill_after_chunks=args.kill_after_chunks,
+                )
             )
     finally:
         for worker in workers:

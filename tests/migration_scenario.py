@@ -123,9 +123,11 @@ async def kill_under_streams(
     max_tokens: int,
     *,
     ignore_eos: bool = False,
+    kill_after_chunks: int = 0,
 ) -> ScenarioResult:
     """Runs the scenario in the module docstring; returns what every client read. ``ignore_eos``:
-    every stream runs to ``max_tokens`` (the bench's bar)."""
+    every stream runs to ``max_tokens`` (the bench's bar); ``kill_after_chunks``: A is killed only
+    once every stream read that many content chunks (or ended), so the move carries that much."""
     prompts = [counting_prompt(1 + 37 * i) for i in range(streams)]
     client = AsyncOpenAI(base_url=f"{edge.base_url}/v1", api_key="unused", max_retries=0, timeout=600)
     try:
@@ -145,6 +147,9 @@ async def kill_under_streams(
         finally:
             survivor.signal(signal.SIGCONT)
         await wait_worker_status(edge, survivor.address, serving=True)
+        # A condition over every stream's counter: polled.
+        while not all(r.chunks >= kill_after_chunks or r.ended_at is not None for r in results):  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
         killed_at = time.monotonic()
         victim.kill()
         disturbed = await asyncio.wait_for(asyncio.gather(*tasks), 600)

@@ -258,6 +258,13 @@ class WorkerConfig:
         "reuse the KV blocks of prompt prefixes seen before (blocks nobody holds are kept until "
         "their memory is needed, least recently used first)",
     )
+    batch_invariant: bool = setting(
+        False,
+        _on_off,
+        "compute every token alike whatever else its step holds, so greedy and seeded outputs are "
+        "bit-for-bit reproducible, also across a stream moved to another worker (CPU, int4/int8 "
+        "--quantization; slower: docs/running.md)",
+    )
     default_max_tokens: int | None = setting(
         None,
         _int_at_least(1),

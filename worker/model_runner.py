@@ -12,6 +12,12 @@ so a long prompt never stalls the running streams for more than one chunk.
 A step of decode rows only runs as a ``[rows, 1]`` batch; on CUDA it replays
 a captured CUDA graph of the padded batch-size bucket (``cuda_graphs.py``).
 Anything else runs eagerly as one flat ``[1, tokens]`` sequence.
+
+With ``batch_invariant`` (CPU, every linear layer on torch's int4/int8 weight-only
+kernels, which compute each row alike whatever the batch), every step runs as one
+flat sequence whose attention treats each token alike
+(:class:`worker.attention.paged.InvariantRows`): a sequence's logits are then the
+same bits whatever else its steps held and however its prompt was chunked.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from worker.attention import paged
 from worker.attention.triton_decode import triton_available
 from worker.kv_pool import KVPool, KVShape, kv_shape
 from worker.model_loader import LoadedModel, ModelLoadError
+from worker.quant.layers import row_invariant_linears
 from worker.types import SampledLogprobs
 
 if TYPE_CHECKING:
@@ -62,10 +69,26 @@ def decode_tables(
     return tables
 
 
+def check_batch_invariant(loaded: LoadedModel) -> None:
+    """Raises :class:`ModelLoadError` unless ``loaded`` can run batch-invariant steps (the module
+    docstring), and drops the quantized layers' float copies for batches (their kernels are not)."""
+    if loaded.device.type != "cpu":
+        raise ModelLoadError("--batch-invariant runs on the CPU only for now", param="batch_invariant")
+    float_layers = row_invariant_linears(loaded.model)
+    if float_layers:
+        raise ModelLoadError(
+            "--batch-invariant needs every linear layer on the int4 or int8 weight-only kernels "
+            f"(--quantization int4 or int8); float layers: {', '.join(float_layers[:3])}",
+            param="batch_invariant",
+        )
+
+
 class ModelRunner:
     scores_prompts = True  # ``score`` works (a runner without a model says False)
 
-    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int):
+    def __init__(
+        self, loaded: LoadedModel, *, num_blocks: int, block_size: int, batch_invariant: bool = False
+    ):
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -90,6 +113,9 @@ class ModelRunner:
         self.pool = KVPool(self.kv_shape, num_blocks + 1, block_size, self.device)
         self.scratch_block = num_blocks
         self.graphs: DecodeGraphs | None = None  # set once captured (CUDA)
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            check_batch_invariant(loaded)
         # On CUDA with triton, decode rows use the Triton kernel (no gather), graphs or not, once it
         # passed its start-up check (worker.cuda_graphs.kernel_works).
         self._use_kernel = False
@@ -113,6 +139,8 @@ class ModelRunner:
         on the model's device (the sampler runs there)."""
         if not work:
             raise ValueError("execute needs at least one item")
+        if self.batch_invariant:
+            return self._invariant(work)
         if all(len(item.tokens) == 1 for item in work):
             logits = self._decode(work)
             wanted = [i for i, item in enumerate(work) if item.sample]
@@ -200,6 +228,43 @@ class ModelRunner:
             out = self.model(
                 input_ids=input_ids,
                 position_ids=position_ids,
+                use_cache=False,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+            )
+        return out.logits[0].float()
+
+    def _invariant(self, work: Sequence[Work]) -> torch.Tensor:
+        device, size = self.device, self.block_size
+        width = paged.invariant_blocks(max(item.start + len(item.tokens) for item in work), size)
+        ids: list[int] = []
+        positions: list[int] = []
+        token_slots: list[int] = []
+        tables: list[torch.Tensor] = []
+        keep: list[int] = []
+        for item in work:
+            count = len(item.tokens)
+            context = item.start + count
+            used = -(-context // size)
+            # Entries past the context name the scratch block (zeros), so masked keys are finite.
+            table = torch.full((width,), self.scratch_block, dtype=torch.long)
+            table[:used] = torch.tensor(list(item.table[:used]), dtype=torch.long)
+            tables.append(table.expand(count, width))
+            ids += item.tokens
+            positions += range(item.start, context)
+            token_slots += slots(item, size)
+            if item.sample:
+                keep.append(len(ids) - 1)
+        step = paged.PagedStep(
+            pool=self.pool,
+            slots=torch.tensor(token_slots, dtype=torch.long, device=device),
+            invariant=paged.InvariantRows(
+                torch.cat(tables).to(device), torch.tensor(positions, dtype=torch.long) + 1
+            ),
+        )
+        with paged.paged_step(step):
+            out = self.model(
+                input_ids=torch.tensor([ids], dtype=torch.long, device=device),
+                position_ids=torch.tensor([positions], dtype=torch.long, device=device),
                 use_cache=False,
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
             )

@@ -87,7 +87,9 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         cpu_bytes=config.kv_cache_bytes,
         gpu_memory_fraction=config.gpu_memory_fraction,
     )
-    runner = ModelRunner(loaded, num_blocks=blocks, block_size=config.kv_block_size)
+    runner = ModelRunner(
+        loaded, num_blocks=blocks, block_size=config.kv_block_size, batch_invariant=config.batch_invariant
+    )
     limits = batch_limits(config, device, blocks * config.kv_block_size)
     warm_up(runner)
     if device.type == "cuda" and config.cuda_graphs and runner.decode_kernel_enabled:

@@ -1,10 +1,13 @@
 """A worker SIGKILLed under streams: every stream moves to the other worker and reads as undisturbed.
 
-Real processes on 127.0.0.1: two workers serving the default model, one edge
-(stream migration on, its default). Six greedy streams run once undisturbed,
-then all on worker A, which is killed mid-stream (``tests/migration_scenario.py``).
-Every client (the official ``openai`` SDK) must get a complete stream (finish
-reason, usage, no error event) whose text equals the undisturbed run's. The
+Real processes on 127.0.0.1: two workers serving the default model with
+``--batch-invariant`` (so a sequence's numbers do not depend on what shares its
+steps, nor on whether its tokens were decoded or recomputed as a prompt on the
+other worker), one edge (stream migration on, its default). Six greedy streams
+run once undisturbed, then all on worker A, which is killed mid-stream
+(``tests/migration_scenario.py``). Every client (the official ``openai`` SDK)
+must get a complete stream (finish reason, usage, no error event) whose text
+equals the undisturbed run's, token for token. The
 streams are short here to keep the test quick on two cores;
 ``bench/bench_migration.py`` runs the full bar (6 streams of 400 tokens).
 """
@@ -32,7 +35,7 @@ def two_workers(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     workers = []
     for worker_id in ("A", "B"):
         (logs / worker_id).mkdir()
-        extra = ["--worker-id", worker_id, "--max-running", "8"]
+        extra = ["--worker-id", worker_id, "--max-running", "8", "--batch-invariant", "on"]
         workers.append(WorkerProcess(cache_dir=model_cache, log_dir=logs / worker_id, extra=extra))
     try:
         for worker in workers:  # both load at once

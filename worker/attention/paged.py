@@ -24,6 +24,21 @@ Query heads share key/value heads (GQA) by folding the group into the query
 length, so SDPA never copies keys per query head. Masks are built once per
 forward (:class:`PagedStep`), not per layer. With no step installed (the
 prompt scorer's cacheless forward) the function is transformers' own SDPA.
+
+**Batch-invariant steps** (``--batch-invariant``, :class:`InvariantRows`):
+SDPA's result for a query depends on how many queries and keys it was given
+(its kernels split and vectorize by shape), so a token attended to as a decode
+row and the same token attended to inside a prompt chunk differ in the last
+bits, and so does a row whose batch companions are longer. In this mode every
+query token is computed alike, whatever its step: its own block table and
+length, keys padded to a multiple of :data:`INVARIANT_PAD_TOKENS`, one small
+matrix per (token, kv head) in a ``bmm`` (whose per-matrix result depends only
+on that matrix), a -inf mask and a softmax over the padded row (padding adds
+exact zeros). So a sequence's keys, values and logits are bit-for-bit the same
+computed in a prompt, in a decode batch of any size, or recomputed on another
+worker, which is what makes a moved stream's greedy text equal its undisturbed
+run's. It costs memory traffic (each token gathers its own keys), so it is a
+setting, off by default.
 """
 
 from __future__ import annotations
@@ -71,6 +86,33 @@ class PagedStep:
     chunks: list[Chunk] = field(default_factory=list)
     # Set on CUDA when the Triton decode kernel serves the decode rows (no gather, no mask).
     decode_kernel: Any = None
+    # Set in batch-invariant mode: every token is computed by :func:`_invariant` (nothing else is set).
+    invariant: InvariantRows | None = None
+
+
+@dataclass
+class InvariantRows:
+    """Every query token of a batch-invariant step (see the module docstring): token ``t`` attends
+    to the first ``lengths[t]`` slots (its context up to itself) of the blocks in ``tables[t]``
+    (padded with a block of zeros)."""
+
+    tables: torch.Tensor  # long [T, width]
+    lengths: torch.Tensor  # long [T], on the CPU
+
+
+# Keys are padded to a multiple of this many tokens, so a softmax or a dot product over a row sees its
+# real entries in the same vector lanes and order whatever the step's longest row.
+INVARIANT_PAD_TOKENS = 64
+# Tokens gathered at once are bounded by this many bytes of gathered keys (and as many of values).
+INVARIANT_TILE_BYTES = 16 << 20
+
+
+def invariant_blocks(tokens: int, block_size: int) -> int:
+    """Blocks a batch-invariant gather takes for ``tokens`` keys: padded to whole multiples of
+    :data:`INVARIANT_PAD_TOKENS` tokens (or of one block, if blocks are larger)."""
+    pad = max(1, INVARIANT_PAD_TOKENS // block_size)
+    needed = (tokens + block_size - 1) // block_size
+    return (needed + pad - 1) // pad * pad
 
 
 _current: PagedStep | None = None
@@ -139,6 +181,9 @@ def paged_attention_forward(
     pool_v.view(-1, kv_heads, dim).index_copy_(0, step.slots, flat_v)
     flat_q = query.transpose(1, 2).reshape(tokens, heads, dim)
 
+    if step.invariant is not None:
+        out = _invariant(step.invariant, flat_q, pool_k, pool_v, scale)
+        return out.view(batch, length, heads, dim), None
     if not step.chunks and step.decode_tokens is None:  # a decode step: every token is a row
         out = _decode(step, flat_q, pool_k, pool_v, scale)
         return out.view(batch, length, heads, dim), None
@@ -192,3 +237,37 @@ def _chunk(
     else:
         out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=chunk.mask, scale=scale)
     return out.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, heads, dim)
+
+
+def _invariant(
+    rows: InvariantRows, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """query [T, heads, d] -> [T, heads, d], each token by the same arithmetic whatever its step."""
+    tokens, heads, dim = query.shape
+    block_size, kv_heads = pool_k.shape[1], pool_k.shape[2]
+    group = heads // kv_heads
+    per_token = rows.tables.shape[1] * block_size * kv_heads * dim * pool_k.element_size()
+    tile = max(1, INVARIANT_TILE_BYTES // per_token)
+    out = torch.empty_like(query)
+    for first in range(0, tokens, tile):
+        last = min(tokens, first + tile)
+        n = last - first
+        lengths = rows.lengths[first:last]
+        # This tile's keys: its longest context, padded (the padding only adds masked columns).
+        blocks = invariant_blocks(int(lengths.max()), block_size)
+        width = blocks * block_size
+        flat = rows.tables[first:last, :blocks].flatten()
+        # [n * kv_heads, width, d], contiguous: one matrix per (token, kv head).
+        keys = (
+            pool_k.index_select(0, flat).view(n, width, kv_heads, dim).transpose(1, 2).reshape(-1, width, dim)
+        )
+        values = (
+            pool_v.index_select(0, flat).view(n, width, kv_heads, dim).transpose(1, 2).reshape(-1, width, dim)
+        )
+        grouped = query[first:last].reshape(n * kv_heads, group, dim)
+        scores = torch.bmm(grouped, keys.transpose(1, 2)).mul_(scale).view(n, kv_heads, group, width)
+        masked = (torch.arange(width)[None, :] >= lengths[:, None]).to(scores.device)
+        scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(n * kv_heads, group, width)
+        out[first:last] = torch.bmm(probs, values).view(n, heads, dim)
+    return out

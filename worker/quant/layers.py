@@ -376,6 +376,26 @@ def quantize_linears(model: torch.nn.Module, scheme: str, *, skip: tuple[str, ..
     return done
 
 
+def row_invariant_linears(model: torch.nn.Module) -> list[str]:
+    """Sets every int4/int8 layer of ``model`` to compute on torch's weight-only CPU kernels at
+    every batch size (dropping the float copies for batches: their kernels, like float ``F.linear``,
+    round a row differently depending on how many rows come with it, while the int4/int8 kernels
+    compute each row alike); returns the names of the linear layers left that are not on those
+    kernels (empty: the model's linear layers are batch-invariant)."""
+    others: list[str] = []
+    for name, module in model.named_modules():
+        if isinstance(module, (Int4Linear, Int8Linear)) and _uses_cpu_kernels(
+            module.packed if isinstance(module, Int4Linear) else module.qweight
+        ):
+            module.batch_copy = None
+        elif (
+            isinstance(module, (Int4Linear, Int8Linear, Fp8Linear, torch.nn.Linear))
+            or "Linear" in type(module).__name__
+        ):
+            others.append(name)
+    return others
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes held by the model's parameters and buffers (each storage counted once)."""
     seen: set[int] = set()

@@ -1,0 +1,114 @@
+"""Batch-invariant steps (``--batch-invariant``): a sequence's logits are the same bits whatever
+its steps held (tiny random Llama with int4/int8 weight-only layers, on the CPU kernels)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from worker.attention import paged
+from worker.model_loader import ModelLoadError
+from worker.model_runner import ModelRunner, Work
+from worker.quant.layers import cpu_kernels_available, quantize_linears
+
+pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no int4/int8 CPU kernels in this torch")
+
+BLOCK = 4
+PROMPT = list(range(5, 75))  # 70 tokens: with what it generates, past the 64-token key padding
+COMPANIONS = [list(range(100 + 40 * j, 100 + 40 * j + 90 + 11 * j)) for j in range(3)]  # longer contexts
+STEPS = 30
+
+
+def tiny_int4_model() -> SimpleNamespace:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA: 2 query heads per key/value head
+        max_position_embeddings=512,
+    )
+    model = LlamaForCausalLM(config).eval()
+    quantize_linears(model, "int4")
+    return SimpleNamespace(model=model, device=torch.device("cpu"), dtype=torch.float32)
+
+
+def table(seq: int) -> list[int]:
+    return list(range(seq * 50, seq * 50 + 50))  # 200 tokens of blocks per sequence
+
+
+def alone(runner: ModelRunner) -> tuple[list[int], list[torch.Tensor]]:
+    """The prompt in one step, then greedy decode steps with nothing else in them."""
+    logits = [runner.execute([Work(PROMPT, 0, table(0), True)])[0]]
+    generated: list[int] = []
+    for i in range(STEPS):
+        generated.append(int(logits[-1].argmax()))
+        logits.append(runner.execute([Work([generated[-1]], len(PROMPT) + i, table(0), True)])[0])
+    return generated, logits
+
+
+def crowded(runner: ModelRunner, generated: list[int]) -> list[torch.Tensor]:
+    """The same sequence (fed the same tokens), its prompt in three chunks beside other sequences'
+    decode rows, then decoded beside 0 to 3 rows with longer contexts."""
+    lengths = []
+    for j, tokens in enumerate(COMPANIONS):
+        runner.execute([Work(tokens, 0, table(j + 1), True)])
+        lengths.append(len(tokens))
+
+    def companions(count: int) -> list[Work]:
+        rows = [Work([7 + j], lengths[j], table(j + 1), True) for j in range(count)]
+        for j in range(count):
+            lengths[j] += 1
+        return rows
+
+    runner.execute([Work(PROMPT[:9], 0, table(4), False), *companions(3)])
+    runner.execute([*companions(2), Work(PROMPT[9:40], 9, table(4), False)])
+    logits = [runner.execute([Work(PROMPT[40:], 40, table(4), True), *companions(1)])[0]]
+    for i, token in enumerate(generated):
+        out = runner.execute([*companions(i % 4), Work([token], len(PROMPT) + i, table(4), True)])
+        logits.append(out[-1])
+    return logits
+
+
+def resumed(runner: ModelRunner, generated: list[int], k: int) -> torch.Tensor:
+    """Prompt plus the first ``k`` generated tokens as one new prompt (a moved stream's resume)."""
+    return runner.execute([Work(PROMPT + generated[:k], 0, table(5), True)])[0]
+
+
+def test_a_sequence_computes_the_same_bits_alone_crowded_chunked_and_resumed(monkeypatch):
+    monkeypatch.setattr(paged, "INVARIANT_TILE_BYTES", 64 << 10)  # several gather tiles per step
+    runner = ModelRunner(tiny_int4_model(), num_blocks=300, block_size=BLOCK, batch_invariant=True)
+    generated, reference = alone(runner)
+    for step, (got, want) in enumerate(zip(crowded(runner, generated), reference, strict=True)):
+        assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
+    for k in (0, 1, 13, STEPS):
+        assert torch.equal(resumed(runner, generated, k), reference[k]), f"resumed after {k} tokens"
+
+
+def test_the_same_scenario_differs_without_the_setting():
+    """The scenario above is sensitive: the default steps (SDPA by shape, float copies of the
+    weights for batches) round the same sequence differently."""
+    runner = ModelRunner(tiny_int4_model(), num_blocks=300, block_size=BLOCK)
+    generated, reference = alone(runner)
+    got = crowded(runner, generated) + [resumed(runner, generated, k) for k in (13, STEPS)]
+    want = [*reference, reference[13], reference[STEPS]]
+    assert not all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_float_linear_layers_are_refused_with_the_setting_named():
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
+    )
+    float_model = SimpleNamespace(
+        model=LlamaForCausalLM(config).eval(), device=torch.device("cpu"), dtype=torch.float32
+    )
+    with pytest.raises(
+        ModelLoadError, match=r"--batch-invariant needs .*--quantization int4 or int8.*q_proj"
+    ):
+        ModelRunner(float_model, num_blocks=8, block_size=BLOCK, batch_invariant=True)
