@@ -4,6 +4,7 @@ Usage::
 
     python bench/bench_stream_plumbing.py                  # 64 streams of 256 tokens
     PYTHONPATH=/path/to/older/checkout python bench/bench_stream_plumbing.py   # the same, older edge
+    python bench/bench_stream_plumbing.py --event-loop asyncio   # on asyncio's loop (default: uvloop)
 
 No gRPC and no HTTP: each stream is a fake call that yields a ``started``
 event, ``--tokens`` content events (one per event-loop iteration, as gRPC
@@ -124,5 +125,13 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--streams", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=256)
+    parser.add_argument(
+        "--event-loop", default="auto", help="auto (uvloop where installed), uvloop or asyncio, as the edge's"
+    )
     args = parser.parse_args()
-    asyncio.run(main(args.streams, args.tokens))
+    try:
+        from edge import event_loop
+    except ImportError:  # an older checkout: asyncio's loop only
+        asyncio.run(main(args.streams, args.tokens))
+    else:
+        event_loop.run(main(args.streams, args.tokens), args.event_loop)

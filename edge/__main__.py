@@ -43,6 +43,7 @@ from typing import Any
 from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
+from edge import event_loop
 from edge.app import create_app
 from edge.client_connections import ClientConnections
 from edge.drain import Drain
@@ -96,7 +97,12 @@ async def serve_edge(
     """
     app = create_app(settings)
     state = app.sluice
-    log.info("sluice-edge serving %s/v1 (workers: %s)", settings.base_url, ", ".join(settings.workers))
+    log.info(
+        "sluice-edge serving %s/v1 (workers: %s; event loop: %s)",
+        settings.base_url,
+        ", ".join(settings.workers),
+        event_loop.running_kind(),
+    )
     close_listener = asyncio.Event()
     shutdown = asyncio.create_task(
         _shutdown_sequence(
@@ -217,7 +223,7 @@ def _serve_one(settings: Settings) -> None:
     """One edge process of :func:`supervise` (a forked child)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)  # asyncio installs its own in _run
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    asyncio.run(_run(settings, None))  # binds the port itself, with SO_REUSEPORT
+    event_loop.run(_run(settings, None), settings.event_loop)  # binds the port itself (SO_REUSEPORT)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -236,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if count > 1:
         sys.exit(supervise(settings, count))
     # hypercorn owns the descriptor from here on (it closes it at shutdown).
-    asyncio.run(_run(settings, sock.detach()))
+    event_loop.run(_run(settings, sock.detach()), settings.event_loop)
 
 
 if __name__ == "__main__":

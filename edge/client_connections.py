@@ -38,7 +38,7 @@ import asyncio
 import logging
 import weakref
 from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent, Scope
 
@@ -53,7 +53,18 @@ _PUMP_TIMES_WRITES_KEY = "sluice.pump_times_writes"
 _MAX_HOPS = 6
 
 
-def transport_of(send: Callable[..., Any]) -> asyncio.WriteTransport | None:
+@runtime_checkable
+class ClientTransport(Protocol):
+    """What the edge uses of a client connection's transport. asyncio's own transports derive
+    from :class:`asyncio.WriteTransport`; uvloop's (:mod:`edge.event_loop`) have the same methods
+    without deriving from it, so the edge checks for the methods, not the class."""
+
+    def abort(self) -> None: ...
+
+    def is_closing(self) -> bool: ...
+
+
+def transport_of(send: Callable[..., Any]) -> ClientTransport | None:
     """The transport behind hypercorn's ASGI ``send`` callable, or ``None`` if not found.
 
     hypercorn (0.14 to at least 0.18) hands the app ``HTTPStream.app_send``,
@@ -69,7 +80,7 @@ def transport_of(send: Callable[..., Any]) -> asyncio.WriteTransport | None:
         if owner is None:
             return None
         writer = getattr(owner, "writer", None)
-        if isinstance(writer, asyncio.StreamWriter) and isinstance(writer.transport, asyncio.WriteTransport):
+        if isinstance(writer, asyncio.StreamWriter) and isinstance(writer.transport, ClientTransport):
             return writer.transport
         current = getattr(owner, "send", None)
     return None
@@ -90,7 +101,7 @@ class ClientConnections:
     def __init__(self, app: ASGIApp, write_timeout_s: float) -> None:
         self.app = app
         self.write_timeout_s = write_timeout_s
-        self._transports: weakref.WeakSet[asyncio.WriteTransport] = weakref.WeakSet()
+        self._transports: weakref.WeakSet[ClientTransport] = weakref.WeakSet()
 
     def abort_all(self) -> int:
         """Aborts every known connection still open (the last step of a shutdown, after the
@@ -138,13 +149,13 @@ class ClientConnections:
         await self.app(scope, receive, timed_send)
 
 
-def scope_transport(scope: Any) -> asyncio.WriteTransport | None:
+def scope_transport(scope: Any) -> ClientTransport | None:
     """The transport of the connection behind ``scope`` (None when not found), and from now on
     the body writes of that request are left to the caller to time (its stream pump)."""
     extra = _extra(scope)
     extra[_PUMP_TIMES_WRITES_KEY] = True
     transport = extra.get(_TRANSPORT_KEY)
-    return transport if isinstance(transport, asyncio.WriteTransport) else None
+    return transport if isinstance(transport, ClientTransport) else None
 
 
 def _extra(scope: Any) -> MutableMapping[str, Any]:

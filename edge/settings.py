@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from edge.event_loop import EVENT_LOOPS, uvloop_available
 from edge.openai_types import RequestLimits
 from edge.routing import RoutingPolicy
 from sluice.logs import LOG_FORMATS
@@ -158,6 +159,9 @@ class Settings:
     # most max_stream_migrations times per call.
     migrate_streams: bool = True
     max_stream_migrations: int = 2
+    # The event loop each edge process runs on (edge/event_loop.py): auto (uvloop where it is
+    # installed, else asyncio's own), uvloop, or asyncio.
+    event_loop: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.workers and not self.worker_dns:
@@ -220,6 +224,10 @@ class Settings:
             raise ValueError(f"processes: must be >= 0 (0 = one per CPU core), got {self.processes}")
         if self.process_count > 1 and self.port == 0:
             raise ValueError("processes: several processes need a fixed port (port 0 picks one per process)")
+        if self.event_loop not in EVENT_LOOPS:
+            raise ValueError(f"event_loop: must be one of {', '.join(EVENT_LOOPS)}, got {self.event_loop!r}")
+        if self.event_loop == "uvloop" and not uvloop_available():
+            raise ValueError("event_loop: uvloop is not installed (install it, or use auto or asyncio)")
         if not 0 <= self.max_stream_migrations <= 16:
             raise ValueError(f"max_stream_migrations: must be in 0..16, got {self.max_stream_migrations}")
         if self.max_concurrent_per_key < 0:
@@ -425,6 +433,13 @@ class Settings:
                 "max_stream_migrations",
                 int,
                 "most times one call may move to another worker mid-stream (default 2; 0 = never)",
+            ),
+            (
+                "event-loop",
+                "event_loop",
+                str,
+                "the event loop of each edge process: auto (default: uvloop where installed, else "
+                "asyncio), uvloop or asyncio",
             ),
         ]
 

@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 from edge import sse
 from edge.call_group import Call, CallGroup
+from edge.client_connections import ClientTransport
 from edge.coalesce import merge_into
 from edge.deadlines import TimeLimits, deadline_error, idle_timeout_error
 from edge.errors import GENERIC_INTERNAL_MESSAGE, EdgeError, InternalError
@@ -143,7 +144,7 @@ class StreamPump:
         drain: StopRegistry,
         request_id: str,
         started_at: float,
-        transport: asyncio.WriteTransport | None = None,
+        transport: ClientTransport | None = None,
     ) -> None:
         self._group = group
         self._on_event = on_event
@@ -380,7 +381,8 @@ class StreamPump:
         assert self._loop is not None
         now = self._loop.time()
         if self._last_output is None:
-            # The request's start is on time.monotonic(), the loop's clock on the same source.
+            # The request's start is on time.monotonic(); the loop's clock reads the same clock
+            # (asyncio's exactly, uvloop's to the millisecond, hence the max).
             self._metrics.first_output(self._framing.surface, max(0.0, now - self._started_at))
         else:
             self._metrics.output_gap(self._framing.surface, now - self._last_output)

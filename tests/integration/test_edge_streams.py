@@ -346,3 +346,8 @@ def test_disconnect_before_the_first_token_frees_the_queue_slot(
 
 async def queued(worker: WorkerProcess, count: int) -> bool:
     return (await metrics(worker))["sluice_worker_queue_depth"] == count
+
+
+def test_the_edge_process_runs_on_uvloop_by_default(edge: EdgeProcess) -> None:
+    # Every stream test above ran through this edge: the default loop is uvloop where installed.
+    assert "event loop: uvloop" in edge.log_path.read_text()

@@ -1,7 +1,8 @@
 """Fakes for the edge tests: a scripted grpc.aio Worker servicer and a served edge.
 
-No pytest-asyncio: each async test body runs under ``asyncio.run`` (see
-``run``), so the suite needs nothing beyond pytest.
+No pytest-asyncio: each async test body runs in a loop of its own (see
+``run``: asyncio's by default, uvloop where a test asks), so the suite needs
+nothing beyond pytest.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from edge import event_loop
 from edge.__main__ import serve_edge
 from edge.settings import Settings
 from sluice.status import ErrorDetails, build_status
@@ -25,13 +27,14 @@ from sluice.v1 import worker_pb2, worker_pb2_grpc
 T = TypeVar("T")
 
 
-def run(coro: Coroutine[Any, Any, T], timeout: float = 20.0) -> T:
-    """Runs one async test body in a fresh loop, with an overall timeout."""
+def run(coro: Coroutine[Any, Any, T], timeout: float = 20.0, *, loop: str = "asyncio") -> T:
+    """Runs one async test body in a fresh loop (``loop``: an ``--event-loop`` value), with an
+    overall timeout."""
 
     async def bounded() -> T:
         return await asyncio.wait_for(coro, timeout)
 
-    return asyncio.run(bounded())
+    return event_loop.run(bounded(), loop)
 
 
 @dataclass

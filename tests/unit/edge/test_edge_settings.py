@@ -41,6 +41,8 @@ def test_env_vars_and_flag_precedence() -> None:
         (["--workers", "h:1"], {"SLUICE_EDGE_PORT": "x"}, "SLUICE_EDGE_PORT"),
         (["--workers", "h:1", "--heartbeat-interval", "0"], {}, "--heartbeat-interval"),
         (["--workers", "h:1", "--max-body-bytes", "0"], {}, "--max-body-bytes"),
+        (["--workers", "h:1", "--event-loop", "trio"], {}, "--event-loop"),
+        (["--workers", "h:1"], {"SLUICE_EDGE_EVENT_LOOP": "libev"}, "--event-loop"),
     ],
 )
 def test_bad_values_exit_with_a_message_naming_the_setting(
@@ -67,3 +69,15 @@ def test_processes_setting() -> None:
         Settings(workers=("w:1",), processes=-1)
     with pytest.raises(ValueError, match="fixed port"):
         Settings(workers=("w:1",), processes=2, port=0)
+
+
+def test_event_loop_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert Settings.from_args(["--workers", "w:1"], env={}).event_loop == "auto"
+    assert Settings.from_args(["--workers", "w:1", "--event-loop", "asyncio"], env={}).event_loop == "asyncio"
+    env = {"SLUICE_EDGE_EVENT_LOOP": "uvloop"}
+    assert Settings.from_args(["--workers", "w:1"], env=env).event_loop == "uvloop"
+    # Asking for uvloop where it is not installed is a setting error, not a crash at start.
+    monkeypatch.setattr("edge.settings.uvloop_available", lambda: False)
+    with pytest.raises(ValueError, match="event_loop: uvloop is not installed"):
+        Settings(workers=("w:1",), event_loop="uvloop")
+    assert Settings(workers=("w:1",), event_loop="auto").event_loop == "auto"
