@@ -54,7 +54,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -113,6 +113,12 @@ class Counts:
     deltas: int = 0  # SSE chunks with content (edge) or gRPC content events (direct)
     chunks: int = 0  # SSE data frames (edge) or gRPC events (direct)
     errors: int = 0  # HTTP errors, error events, failed calls
+    samples: list[str] = field(default_factory=list)  # what the first few errors said
+
+    def error(self, what: object) -> None:
+        self.errors += 1
+        if len(self.samples) < 3:
+            self.samples.append(repr(what)[:300])
 
 
 # The content of a chat chunk's delta; the role chunk ({"role":...) does not match.
@@ -151,7 +157,7 @@ class SseReader:
         try:
             status = await reader.readuntil(b"\r\n\r\n")
             if not status.startswith(b"HTTP/1.1 200"):
-                counts.errors += 1
+                counts.error(status.split(b"\r\n", 1)[0])
                 await self.close()
                 return
             while True:
@@ -166,9 +172,9 @@ class SseReader:
                     counts.content_bytes += len(text) - text.count(b"\\")
                     counts.deltas += 1
                 if b"event: error" in data:
-                    counts.errors += 1
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError):
-            counts.errors += 1
+                    counts.error(data[data.index(b"event: error") :])
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError, ValueError) as exc:
+            counts.error(exc)
             await self.close()
         except BaseException:
             await self.close()  # cancelled mid-response: the connection cannot be reused
@@ -186,6 +192,7 @@ class Measurement:
     cpu: dict[str, float]  # process name -> CPU seconds used during the window
     worker_steps: float  # engine steps per second, averaged over the workers
     worker_tokens: float  # tokens the workers generated (their counters) per second, all workers
+    error_samples: tuple[str, ...] = ()  # the first few errors of the measurement, as received
 
     def tokens_per_s(self, bytes_per_token: float) -> float:
         return self.tokens(bytes_per_token) / self.wall
@@ -262,6 +269,7 @@ async def measure(
         cpu,
         (steps_after - steps_before) / wall / len(workers),
         (tokens_after - tokens_before) / wall,
+        tuple(counts.samples),
     )
     for task in tasks:
         task.cancel()
@@ -349,8 +357,8 @@ async def run_setting(
                         if event.HasField("content") and event.content.text:
                             counts.deltas += 1
                             counts.content_bytes += len(event.content.text.encode())
-            except WorkerCallError:
-                counts.errors += 1
+            except WorkerCallError as exc:
+                counts.error(exc)
 
         # Warm both paths (connections, first-call costs) before measuring.
         await measure("edge", via_edge, 4, 0.5, pids, workers)
@@ -373,6 +381,8 @@ async def run_setting(
                         f"edge CPU {m.cpu_share('edge'):.2f}",
                         flush=True,
                     )
+                    for sample in m.error_samples if m.errors else ():
+                        print(f"      error: {sample}", flush=True)
             rows += [(concurrency, path, ms) for path, ms in by_path.items()]
         for client in clients:
             await client.close()
