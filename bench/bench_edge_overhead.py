@@ -145,6 +145,10 @@ class SseReader:
         self._reader = self._writer = None
 
     async def stream(self, path: str, body: dict[str, object], counts: Counts) -> None:
+        if self._reader is not None and self._reader.at_eof():
+            # The server closed this connection while it sat idle (hypercorn's keep-alive timeout,
+            # 5 s): open a new one, as HTTP clients do, instead of counting the stale reuse as an error.
+            await self.close()
         if self._reader is None or self._writer is None:
             self._reader, self._writer = await asyncio.open_connection(self.host, self.port)
         reader, writer = self._reader, self._writer
