@@ -69,6 +69,33 @@ def decode_tables(
     return tables
 
 
+@dataclass
+class _Flat:
+    """A step's items as one flat token sequence: ids, positions and pool slots per token, where
+    each item starts, and which tokens' logits are kept (each sampling item's last)."""
+
+    ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    starts: list[int]
+    keep: list[int]
+
+    @classmethod
+    def of(cls, work: Sequence[Work], block_size: int) -> _Flat:
+        flat = cls([], [], [], [], [])
+        for item in work:
+            flat.starts.append(len(flat.ids))
+            flat.ids += item.tokens
+            flat.positions += range(item.start, item.start + len(item.tokens))
+            flat.slots += slots(item, block_size)
+            if item.sample:
+                flat.keep.append(len(flat.ids) - 1)
+        return flat
+
+    def slot_tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor(self.slots, dtype=torch.long, device=device)
+
+
 def check_batch_invariant(loaded: LoadedModel) -> None:
     """Raises :class:`ModelLoadError` unless ``loaded`` can run batch-invariant steps (the module
     docstring), and drops the quantized layers' float copies for batches (their kernels are not)."""
@@ -186,21 +213,12 @@ class ModelRunner:
 
     def _mixed(self, work: Sequence[Work]) -> torch.Tensor:
         device = self.device
-        ids: list[int] = []
-        positions: list[int] = []
-        token_slots: list[int] = []
+        flat = _Flat.of(work, self.block_size)
         decode_tokens: list[int] = []
         decode_work: list[Work] = []
         chunks: list[paged.Chunk] = []
-        keep: list[int] = []
-        for item in work:
-            start = len(ids)
+        for item, start in zip(work, flat.starts, strict=True):
             count = len(item.tokens)
-            ids += item.tokens
-            positions += range(item.start, item.start + count)
-            token_slots += slots(item, self.block_size)
-            if item.sample:
-                keep.append(start + count - 1)
             if count == 1:
                 decode_tokens.append(start)
                 decode_work.append(item)
@@ -216,57 +234,44 @@ class ModelRunner:
                     paged.chunk_mask(count, context, self.group, device),
                 )
             )
-        step = paged.PagedStep(
-            pool=self.pool, slots=torch.tensor(token_slots, dtype=torch.long, device=device), chunks=chunks
-        )
+        step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(device), chunks=chunks)
         if decode_work:
             step.decode_tokens = torch.tensor(decode_tokens, dtype=torch.long, device=device)
             self._decode_rows(step, decode_work)
-        input_ids = torch.tensor([ids], dtype=torch.long, device=device)
-        position_ids = torch.tensor([positions], dtype=torch.long, device=device)
-        with paged.paged_step(step):
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                use_cache=False,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
-            )
-        return out.logits[0].float()
+        return self._forward_flat(step, flat)
 
     def _invariant(self, work: Sequence[Work]) -> torch.Tensor:
-        device, size = self.device, self.block_size
+        size = self.block_size
+        flat = _Flat.of(work, size)
         width = paged.invariant_blocks(max(item.start + len(item.tokens) for item in work), size)
-        ids: list[int] = []
-        positions: list[int] = []
-        token_slots: list[int] = []
-        tables: list[torch.Tensor] = []
-        keep: list[int] = []
+        tables = []
         for item in work:
-            count = len(item.tokens)
-            context = item.start + count
-            used = -(-context // size)
+            used = -(-(item.start + len(item.tokens)) // size)
             # Entries past the context name the scratch block (zeros), so masked keys are finite.
             table = torch.full((width,), self.scratch_block, dtype=torch.long)
             table[:used] = torch.tensor(list(item.table[:used]), dtype=torch.long)
-            tables.append(table.expand(count, width))
-            ids += item.tokens
-            positions += range(item.start, context)
-            token_slots += slots(item, size)
-            if item.sample:
-                keep.append(len(ids) - 1)
-        step = paged.PagedStep(
-            pool=self.pool,
-            slots=torch.tensor(token_slots, dtype=torch.long, device=device),
-            invariant=paged.InvariantRows(
-                torch.cat(tables).to(device), torch.tensor(positions, dtype=torch.long) + 1
-            ),
+            tables.append(table.expand(len(item.tokens), width))
+        shape = self.kv_shape
+        rows = paged.invariant_rows(
+            torch.cat(tables),
+            torch.tensor(flat.positions, dtype=torch.long) + 1,
+            size,
+            shape.kv_heads * shape.head_dim * self.pool.keys[0].element_size(),
+            self.device,
         )
+        step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(self.device), invariant=rows)
+        return self._forward_flat(step, flat)
+
+    def _forward_flat(self, step: paged.PagedStep, flat: _Flat) -> torch.Tensor:
+        """One forward of ``flat``'s tokens as a ``[1, T]`` sequence under ``step``; the logits of
+        its sampling tokens."""
+        device = self.device
         with paged.paged_step(step):
             out = self.model(
-                input_ids=torch.tensor([ids], dtype=torch.long, device=device),
-                position_ids=torch.tensor([positions], dtype=torch.long, device=device),
+                input_ids=torch.tensor([flat.ids], dtype=torch.long, device=device),
+                position_ids=torch.tensor([flat.positions], dtype=torch.long, device=device),
                 use_cache=False,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                logits_to_keep=torch.tensor(flat.keep, dtype=torch.long, device=device),
             )
         return out.logits[0].float()
 

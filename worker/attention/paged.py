@@ -91,13 +91,24 @@ class PagedStep:
 
 
 @dataclass
-class InvariantRows:
-    """Every query token of a batch-invariant step (see the module docstring): token ``t`` attends
-    to the first ``lengths[t]`` slots (its context up to itself) of the blocks in ``tables[t]``
-    (padded with a block of zeros)."""
+class InvariantTile:
+    """Tokens ``[first, last)`` of a batch-invariant step, gathered together: each reads ``width``
+    key slots (its context up to itself, padded) from the flat ``blocks``; ``masked`` marks the
+    slots past a token's own context."""
 
-    tables: torch.Tensor  # long [T, width]
-    lengths: torch.Tensor  # long [T], on the CPU
+    first: int
+    last: int
+    width: int
+    blocks: torch.Tensor  # long [(last - first) * width / block_size]
+    masked: torch.Tensor  # bool [last - first, 1, 1, width]
+
+
+@dataclass
+class InvariantRows:
+    """Every query token of a batch-invariant step (see the module docstring), as gather tiles
+    planned once per step by :func:`invariant_rows` (every layer reads the same plan)."""
+
+    tiles: list[InvariantTile]
 
 
 # Keys are padded to a multiple of this many tokens, so a softmax or a dot product over a row sees its
@@ -113,6 +124,35 @@ def invariant_blocks(tokens: int, block_size: int) -> int:
     pad = max(1, INVARIANT_PAD_TOKENS // block_size)
     needed = (tokens + block_size - 1) // block_size
     return (needed + pad - 1) // pad * pad
+
+
+def invariant_rows(
+    tables: torch.Tensor, lengths: torch.Tensor, block_size: int, key_bytes: int, device: torch.device
+) -> InvariantRows:
+    """The gather plan of a batch-invariant step: token ``t`` attends to the first ``lengths[t]``
+    slots (its context up to itself) of the blocks in ``tables[t]`` (on the CPU, padded with a block
+    of zeros); ``key_bytes`` is one token's key size in one layer. Tiles hold at most about
+    :data:`INVARIANT_TILE_BYTES` of gathered keys; each reads only as far as its longest context,
+    padded (the padding only adds masked columns, which change no bit of the result)."""
+    tokens = int(lengths.shape[0])
+    tile = max(1, INVARIANT_TILE_BYTES // (tables.shape[1] * block_size * key_bytes))
+    tiles = []
+    for first in range(0, tokens, tile):
+        last = min(tokens, first + tile)
+        span = lengths[first:last]
+        blocks = invariant_blocks(int(span.max()), block_size)
+        width = blocks * block_size
+        masked = torch.arange(width)[None, :] >= span[:, None]
+        tiles.append(
+            InvariantTile(
+                first,
+                last,
+                width,
+                tables[first:last, :blocks].flatten().to(device),
+                masked[:, None, None, :].to(device),
+            )
+        )
+    return InvariantRows(tiles)
 
 
 _current: PagedStep | None = None
@@ -243,31 +283,18 @@ def _invariant(
     rows: InvariantRows, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """query [T, heads, d] -> [T, heads, d], each token by the same arithmetic whatever its step."""
-    tokens, heads, dim = query.shape
-    block_size, kv_heads = pool_k.shape[1], pool_k.shape[2]
+    heads, dim = query.shape[1], query.shape[2]
+    kv_heads = pool_k.shape[2]
     group = heads // kv_heads
-    per_token = rows.tables.shape[1] * block_size * kv_heads * dim * pool_k.element_size()
-    tile = max(1, INVARIANT_TILE_BYTES // per_token)
     out = torch.empty_like(query)
-    for first in range(0, tokens, tile):
-        last = min(tokens, first + tile)
-        n = last - first
-        lengths = rows.lengths[first:last]
-        # This tile's keys: its longest context, padded (the padding only adds masked columns).
-        blocks = invariant_blocks(int(lengths.max()), block_size)
-        width = blocks * block_size
-        flat = rows.tables[first:last, :blocks].flatten()
+    for tile in rows.tiles:
+        n, width = tile.last - tile.first, tile.width
         # [n * kv_heads, width, d], contiguous: one matrix per (token, kv head).
-        keys = (
-            pool_k.index_select(0, flat).view(n, width, kv_heads, dim).transpose(1, 2).reshape(-1, width, dim)
-        )
-        values = (
-            pool_v.index_select(0, flat).view(n, width, kv_heads, dim).transpose(1, 2).reshape(-1, width, dim)
-        )
-        grouped = query[first:last].reshape(n * kv_heads, group, dim)
-        scores = torch.bmm(grouped, keys.transpose(1, 2)).mul_(scale).view(n, kv_heads, group, width)
-        masked = (torch.arange(width)[None, :] >= lengths[:, None]).to(scores.device)
-        scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+        keys = pool_k.index_select(0, tile.blocks).view(n, width, kv_heads, dim).transpose(1, 2)
+        values = pool_v.index_select(0, tile.blocks).view(n, width, kv_heads, dim).transpose(1, 2)
+        grouped = query[tile.first : tile.last].reshape(n * kv_heads, group, dim)
+        scores = torch.bmm(grouped, keys.reshape(-1, width, dim).transpose(1, 2))
+        scores = scores.mul_(scale).view(n, kv_heads, group, width).masked_fill_(tile.masked, float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(n * kv_heads, group, width)
-        out[first:last] = torch.bmm(probs, values).view(n, heads, dim)
+        out[tile.first : tile.last] = torch.bmm(probs, values.reshape(-1, width, dim)).view(n, heads, dim)
     return out

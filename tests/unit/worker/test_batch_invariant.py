@@ -22,6 +22,11 @@ COMPANIONS = [list(range(100 + 40 * j, 100 + 40 * j + 90 + 11 * j)) for j in ran
 STEPS = 30
 
 
+def on_cpu(model: LlamaForCausalLM) -> SimpleNamespace:
+    """What the runner reads of a loaded model."""
+    return SimpleNamespace(model=model, device=torch.device("cpu"), dtype=torch.float32)
+
+
 def tiny_int4_model() -> SimpleNamespace:
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -35,7 +40,7 @@ def tiny_int4_model() -> SimpleNamespace:
     )
     model = LlamaForCausalLM(config).eval()
     quantize_linears(model, "int4")
-    return SimpleNamespace(model=model, device=torch.device("cpu"), dtype=torch.float32)
+    return on_cpu(model)
 
 
 def table(seq: int) -> list[int]:
@@ -105,9 +110,7 @@ def test_float_linear_layers_are_refused_with_the_setting_named():
     config = LlamaConfig(
         vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
     )
-    float_model = SimpleNamespace(
-        model=LlamaForCausalLM(config).eval(), device=torch.device("cpu"), dtype=torch.float32
-    )
+    float_model = on_cpu(LlamaForCausalLM(config).eval())
     with pytest.raises(
         ModelLoadError, match=r"--batch-invariant needs .*--quantization int4 or int8.*q_proj"
     ):
