@@ -30,6 +30,16 @@ So :class:`ClientConnections`:
 - remembers the transport of every connection that made a request (weakly),
   so :meth:`ClientConnections.abort_all` can cut what is left at the very end
   of a shutdown.
+
+A streamed response over HTTP/1.1 may also skip the ASGI send path for its
+body (:class:`ChunkedBody`, found with :func:`scope_chunked_body`): each body
+send costs a pass through Quart, this middleware, hypercorn's stream and
+protocol objects and h11 (about a tenth of the edge's CPU per chunk at full
+speed, `docs/benchmarks.md`), for bytes that are only framed as one chunk of
+the chunked transfer coding. The pump frames its chunks itself and writes them
+to the connection's ``StreamWriter``, with the same ``drain`` backpressure;
+the end of the body (the empty last chunk) still goes through h11, whose chunked
+writer keeps no count of the bytes, so its state stays right.
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ import weakref
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any, Protocol, cast, runtime_checkable
 
+import h11
+from h11._writers import ChunkedWriter
 from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, ASGISendEvent, Scope
 
 log = logging.getLogger("sluice.edge")
@@ -49,6 +61,7 @@ ASGIApp = Callable[[Scope, ASGIReceiveCallable, ASGISendCallable], Awaitable[Non
 # the flag a streamed response sets when its pump times its body writes itself.
 _TRANSPORT_KEY = "sluice.transport"
 _PUMP_TIMES_WRITES_KEY = "sluice.pump_times_writes"
+_CHUNKED_BODY_KEY = "sluice.chunked_body"
 # How deep to look through hypercorn's bound ``send`` methods for the connection.
 _MAX_HOPS = 6
 
@@ -65,25 +78,73 @@ class ClientTransport(Protocol):
 
 
 def transport_of(send: Callable[..., Any]) -> ClientTransport | None:
-    """The transport behind hypercorn's ASGI ``send`` callable, or ``None`` if not found.
+    """The transport behind hypercorn's ASGI ``send`` callable, or ``None`` if not found."""
+    writer, _ = _connection_of(send)
+    return writer.transport if writer is not None else None
+
+
+def _connection_of(send: Callable[..., Any]) -> tuple[asyncio.StreamWriter | None, h11.Connection | None]:
+    """The connection's ``StreamWriter`` behind hypercorn's ASGI ``send`` callable, and its h11
+    connection where it speaks HTTP/1.1 (``None`` for what is not found).
 
     hypercorn (0.14 to at least 0.18) hands the app ``HTTPStream.app_send``,
-    whose stream sends through the protocol's ``send`` (``H11Protocol`` /
-    ``H2Protocol``), whose ``send`` is ``TCPServer.protocol_send``, which owns
-    the connection's ``writer``. These are private attributes, so this follows
-    them defensively (bound method → owner → its ``send``) and returns
-    ``None`` for any other shape; the tests prove the path.
+    whose stream sends through the protocol's ``send`` (``H11Protocol``, which
+    owns the h11 ``connection``, or ``H2Protocol``), whose ``send`` is
+    ``TCPServer.protocol_send``, which owns the connection's ``writer``. These
+    are private attributes, so this follows them defensively (bound method →
+    owner → its ``send``) and returns ``None`` for any other shape; the tests
+    prove the path.
     """
     current: Any = send
+    connection: h11.Connection | None = None
     for _ in range(_MAX_HOPS):
         owner = getattr(current, "__self__", None)
         if owner is None:
-            return None
+            break
+        candidate = getattr(owner, "connection", None)
+        if isinstance(candidate, h11.Connection):
+            connection = candidate
         writer = getattr(owner, "writer", None)
         if isinstance(writer, asyncio.StreamWriter) and isinstance(writer.transport, ClientTransport):
-            return writer.transport
+            return writer, connection
         current = getattr(owner, "send", None)
-    return None
+    return None, None
+
+
+class ChunkedBody:
+    """The body of one HTTP/1.1 response written straight to its connection, one chunk of the
+    chunked transfer coding per :meth:`write` (see the module docstring)."""
+
+    def __init__(self, writer: asyncio.StreamWriter, connection: h11.Connection) -> None:
+        self._writer = writer
+        self._connection = connection
+
+    def usable(self) -> bool:
+        """Whether the response's head went out with the chunked coding and its body is open
+        (checked once the head was sent: h11 picks the coding from the response's headers)."""
+        connection = self._connection
+        return (
+            connection.our_state is h11.SEND_BODY
+            and isinstance(getattr(connection, "_writer", None), ChunkedWriter)
+            and not self._writer.transport.is_closing()
+        )
+
+    def closing(self) -> bool:
+        """Whether the connection is closed or closing (the client went away, or was cut)."""
+        return self._writer.transport.is_closing()
+
+    def write(self, data: bytes) -> None:
+        """Queues ``data`` (not empty) as one chunk; never blocks."""
+        self._writer.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def needs_drain(self) -> bool:
+        """Whether bytes wait in the connection's buffer (the client has not taken them yet)."""
+        return self._writer.transport.get_write_buffer_size() > 0
+
+    async def drain(self) -> None:
+        """Returns once the connection's buffer is below its high-water mark (at once when it
+        is); raises ``ConnectionError`` when the connection was lost."""
+        await self._writer.drain()
 
 
 class ClientConnections:
@@ -115,11 +176,14 @@ class ClientConnections:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        transport = transport_of(send)
+        writer, connection = _connection_of(send)
+        transport = writer.transport if writer is not None else None
         extra = _extra(scope)
-        if transport is not None:
+        if writer is not None and transport is not None:
             self._transports.add(transport)
             extra[_TRANSPORT_KEY] = transport
+            if connection is not None:
+                extra[_CHUNKED_BODY_KEY] = ChunkedBody(writer, connection)
         loop = asyncio.get_running_loop()
         timeout_s = self.write_timeout_s
 
@@ -156,6 +220,14 @@ def scope_transport(scope: Any) -> ClientTransport | None:
     extra[_PUMP_TIMES_WRITES_KEY] = True
     transport = extra.get(_TRANSPORT_KEY)
     return transport if isinstance(transport, ClientTransport) else None
+
+
+def scope_chunked_body(scope: Any) -> ChunkedBody | None:
+    """How to write the body of the request behind ``scope`` straight to its HTTP/1.1
+    connection, or None (HTTP/2, another server); the caller checks :meth:`ChunkedBody.usable`
+    once the response's head is out."""
+    body = _extra(scope).get(_CHUNKED_BODY_KEY)
+    return body if isinstance(body, ChunkedBody) else None
 
 
 def _extra(scope: Any) -> MutableMapping[str, Any]:

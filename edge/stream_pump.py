@@ -15,7 +15,10 @@ response body and sends whatever each step returns. Inside:
   :class:`StreamFraming`) and returns it as one write; after the last event
   it adds ``finish()``'s chunks and the end frame, after a failure the error
   frame(s). Events that arrive while a write is in progress go out together
-  in the next one.
+  in the next one. Over HTTP/1.1 the writes after the first skip Quart and
+  hypercorn: the pump writes each one as a chunk straight to the connection
+  (:class:`~edge.client_connections.ChunkedBody`, with the same ``drain``
+  backpressure) and hands Quart only the end of the body.
 - **One timer** per stream, re-armed only when it fires (never per event or
   per write): the total deadline, the idle timeout (no event for ``idle_s``
   while a reader waits for the worker), heartbeats (nothing written for
@@ -43,7 +46,7 @@ from typing import Any, Protocol
 
 from edge import sse
 from edge.call_group import Call, CallGroup
-from edge.client_connections import ClientTransport
+from edge.client_connections import ChunkedBody, ClientTransport
 from edge.coalesce import merge_into
 from edge.deadlines import TimeLimits, deadline_error, idle_timeout_error
 from edge.errors import GENERIC_INTERNAL_MESSAGE, EdgeError, InternalError
@@ -145,6 +148,7 @@ class StreamPump:
         request_id: str,
         started_at: float,
         transport: ClientTransport | None = None,
+        body: ChunkedBody | None = None,
     ) -> None:
         self._group = group
         self._on_event = on_event
@@ -156,6 +160,7 @@ class StreamPump:
         self._request_id = request_id
         self._started_at = started_at
         self._transport = transport
+        self._body = body  # set once the first write went out, if usable
         self._loop: asyncio.AbstractEventLoop | None = None
         # Read, not yet written: (call index, event), merged where the rules allow.
         self._pending: list[tuple[int, worker_pb2.GenerateResponse]] = []
@@ -172,6 +177,7 @@ class StreamPump:
         self._last_write = 0.0
         self._writing_since: float | None = None
         self._writer: asyncio.Task[Any] | None = None
+        self._direct: bool | None = None  # writing straight to the connection; None: not yet known
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = 0.0
         self._hold: asyncio.TimerHandle | None = None  # ends a wait for the write interval
@@ -199,15 +205,46 @@ class StreamPump:
             out = b"" if self._held(loop) else self._take()
             if out:
                 now = loop.time()
-                self._writing_since = self._last_write = now
-                if now + self._clock.write_timeout_s < self._timer_at:
-                    self._arm(now)
-                return out
+                self._last_write = now
+                if self._direct is None:
+                    self._direct = self._body is not None and self._body.usable()
+                if not self._direct:
+                    self._writing_since = now
+                    if now + self._clock.write_timeout_s < self._timer_at:
+                        self._arm(now)
+                    return out
+                if not await self._write_direct(out, now, loop):
+                    raise StopAsyncIteration  # the client went away
+                continue
             waiter = self._waiter = loop.create_future()
             try:
                 await waiter
             finally:
                 self._waiter = None
+
+    async def _write_direct(self, out: bytes, now: float, loop: asyncio.AbstractEventLoop) -> bool:
+        """Writes ``out`` as one chunk straight to the connection and waits while the client
+        lets the buffer fill (timed like any write); False when the connection is gone."""
+        body = self._body
+        assert body is not None
+        if body.closing():
+            self._cancel_calls()
+            return False
+        body.write(out)
+        if not body.needs_drain():
+            return True
+        self._writing_since = now
+        if now + self._clock.write_timeout_s < self._timer_at:
+            self._arm(now)
+        try:
+            await body.drain()
+        except (ConnectionError, RuntimeError):
+            self._cancel_calls()
+            return False
+        finally:
+            self._writing_since = None
+        self._last_write = loop.time()
+        return True
 
     async def aclose(self) -> None:
         """Ends the stream: cancels every worker call (a no-op once they ended), stops the timer

@@ -47,7 +47,7 @@ from quart import request
 from quart.wrappers import Response
 
 from edge.call_group import CallGroup
-from edge.client_connections import scope_transport
+from edge.client_connections import scope_chunked_body, scope_transport
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER, EventGuard, request_limits
 from edge.drain import shutting_down_error
 from edge.migration import MigrationPolicy, resumable_request
@@ -182,6 +182,7 @@ def sse_response(
         request_id=current_request_id(),
         started_at=request_state.started_at if request_state is not None else time.monotonic(),
         transport=scope_transport(request.scope),
+        body=scope_chunked_body(request.scope),
     )
     headers = {
         **headers,
