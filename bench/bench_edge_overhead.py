@@ -440,19 +440,19 @@ def parse_list(kind: Callable[[str], float], text: str) -> list:
     return [kind(part) for part in text.split(",") if part.strip()]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", default="64,128,256", help="comma-separated stream counts")
-    parser.add_argument("--step-ms", default="0", help="comma-separated fake pacings (0 = full speed)")
-    parser.add_argument("--edge-processes", type=int, default=1, help="the edge's --processes")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per level (each path once per round)")
+def add_window_args(parser: argparse.ArgumentParser, *, concurrency: str, step_ms: str, rounds: int) -> None:
+    """The options of the stack and its measurement windows (shared with bench_relay_floor.py)."""
+    parser.add_argument("--concurrency", default=concurrency, help="comma-separated stream counts")
+    parser.add_argument("--step-ms", default=step_ms, help="comma-separated fake pacings (0 = full speed)")
+    parser.add_argument("--rounds", type=int, default=rounds, help="rounds per level, each path once a round")
     parser.add_argument("--seconds", type=float, default=4.0, help="length of one measurement window")
     parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request")
     parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
-    parser.add_argument(
-        "--edge-args", default="", help="more edge flags, e.g. '--stream-write-interval 0' (shell words)"
-    )
-    args = parser.parse_args(argv)
+
+
+def window_settings(parser: argparse.ArgumentParser, args: argparse.Namespace) -> list[float]:
+    """Checks :func:`add_window_args`'s options (``parser.error`` on a bad one), turns
+    ``args.concurrency`` into counts, sets ``args.max_users``; returns the pacings."""
     try:
         args.concurrency = [int(c) for c in parse_list(int, args.concurrency)]
         steps = [float(s) for s in parse_list(float, args.step_ms)]
@@ -460,9 +460,23 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--concurrency and --step-ms take comma-separated numbers: {exc}")
     if not args.concurrency or min(args.concurrency) < 1 or not steps or min(steps) < 0:
         parser.error("--concurrency needs counts >= 1 and --step-ms values >= 0")
+    if args.rounds < 1 or args.seconds <= 0 or args.max_tokens < 1:
+        parser.error("--rounds and --max-tokens must be at least 1, --seconds positive")
     args.max_users = max(args.concurrency)
-    if args.rounds < 1 or args.seconds <= 0 or args.max_tokens < 1 or args.edge_processes < 1:
-        parser.error("--rounds, --max-tokens and --edge-processes must be at least 1, --seconds positive")
+    return steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_window_args(parser, concurrency="64,128,256", step_ms="0", rounds=3)
+    parser.add_argument("--edge-processes", type=int, default=1, help="the edge's --processes")
+    parser.add_argument(
+        "--edge-args", default="", help="more edge flags, e.g. '--stream-write-interval 0' (shell words)"
+    )
+    args = parser.parse_args(argv)
+    steps = window_settings(parser, args)
+    if args.edge_processes < 1:
+        parser.error("--edge-processes must be at least 1")
     with open("/proc/loadavg") as loadavg:
         load = loadavg.read().split()[0]
     print(

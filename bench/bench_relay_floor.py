@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -37,23 +36,18 @@ from bench_edge_overhead import (  # noqa: E402
     Counts,
     Measurement,
     SseReader,
+    add_window_args,
     content_bytes_per_token,
     local_stack,
     measure,
     median_of,
-    parse_list,
     pid_of,
+    window_settings,
 )
 from load_edge import chat_body  # noqa: E402
 
 from sluice.client import WorkerClient  # noqa: E402
-from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from tests.processes import free_port  # noqa: E402
 
 
 async def wait_listening(port: int, within_s: float = 30.0) -> None:
@@ -166,23 +160,9 @@ async def run_setting(step_ms: float, args: argparse.Namespace, log_dir: Path) -
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", default="128", help="comma-separated stream counts")
-    parser.add_argument("--step-ms", default="30", help="comma-separated fake pacings (0 = full speed)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds per level (each path once per round)")
-    parser.add_argument("--seconds", type=float, default=4.0, help="length of one measurement window")
-    parser.add_argument("--max-tokens", type=int, default=256, help="max_tokens of each request")
-    parser.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE_DIR)
+    add_window_args(parser, concurrency="128", step_ms="30", rounds=2)
     args = parser.parse_args(argv)
-    try:
-        args.concurrency = [int(c) for c in parse_list(int, args.concurrency)]
-        steps = [float(s) for s in parse_list(float, args.step_ms)]
-    except ValueError as exc:
-        parser.error(f"--concurrency and --step-ms take comma-separated numbers: {exc}")
-    if not args.concurrency or min(args.concurrency) < 1 or not steps or min(steps) < 0:
-        parser.error("--concurrency needs counts >= 1 and --step-ms values >= 0")
-    if args.rounds < 1 or args.seconds <= 0 or args.max_tokens < 1:
-        parser.error("--rounds and --max-tokens must be at least 1, --seconds positive")
-    args.max_users = max(args.concurrency)
+    steps = window_settings(parser, args)
     summaries: list[str] = []
     with tempfile.TemporaryDirectory(prefix="sluice-relay-bench-") as logs:
         for i, step_ms in enumerate(steps):

@@ -15,8 +15,8 @@ response body and sends whatever each step returns. Inside:
   :class:`StreamFraming`) and returns it as one write; after the last event
   it adds ``finish()``'s chunks and the end frame, after a failure the error
   frame(s). Events that arrive while a write is in progress go out together
-  in the next one. Over HTTP/1.1 the writes after the first skip Quart and
-  hypercorn: the pump writes each one as a chunk straight to the connection
+  in the next one. Over HTTP/1.1 the writes skip Quart and hypercorn: the
+  pump writes each one as a chunk straight to the connection
   (:class:`~edge.client_connections.ChunkedBody`, with the same ``drain``
   backpressure) and hands Quart only the end of the body.
 - **One timer** per stream, re-armed only when it fires (never per event or
@@ -160,7 +160,7 @@ class StreamPump:
         self._request_id = request_id
         self._started_at = started_at
         self._transport = transport
-        self._body = body  # set once the first write went out, if usable
+        self._body = body  # used from the first write on, if the response's head allows it
         self._loop: asyncio.AbstractEventLoop | None = None
         # Read, not yet written: (call index, event), merged where the rules allow.
         self._pending: list[tuple[int, worker_pb2.GenerateResponse]] = []
@@ -209,9 +209,7 @@ class StreamPump:
                 if self._direct is None:
                     self._direct = self._body is not None and self._body.usable()
                 if not self._direct:
-                    self._writing_since = now
-                    if now + self._clock.write_timeout_s < self._timer_at:
-                        self._arm(now)
+                    self._time_write(now)
                     return out
                 if not await self._write_direct(out, now, loop):
                     raise StopAsyncIteration  # the client went away
@@ -233,9 +231,7 @@ class StreamPump:
         body.write(out)
         if not body.needs_drain():
             return True
-        self._writing_since = now
-        if now + self._clock.write_timeout_s < self._timer_at:
-            self._arm(now)
+        self._time_write(now)
         try:
             await body.drain()
         except (ConnectionError, RuntimeError):
@@ -245,6 +241,12 @@ class StreamPump:
             self._writing_since = None
         self._last_write = loop.time()
         return True
+
+    def _time_write(self, now: float) -> None:
+        """A write is in progress from ``now``: the timer fires at the write timeout at the latest."""
+        self._writing_since = now
+        if now + self._clock.write_timeout_s < self._timer_at:
+            self._arm(now)
 
     async def aclose(self) -> None:
         """Ends the stream: cancels every worker call (a no-op once they ended), stops the timer

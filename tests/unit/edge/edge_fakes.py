@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field, replace
@@ -153,6 +154,17 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def raw_request(body: dict[str, Any], version: str = "1.1") -> bytes:
+    """The bytes of ``POST /v1/chat/completions`` with a JSON ``body``, for tests that talk to the
+    edge over a plain socket."""
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/{version}\r\nHost: edge\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\n\r\n"
+    )
+    return head.encode() + payload
 
 
 def dead_address() -> str:

@@ -5,8 +5,9 @@ socket, so the chunked coding itself is checked, not a client's view of it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from typing import Any
+from collections.abc import AsyncIterator
 
 import pytest
 from edge_fakes import (
@@ -15,6 +16,7 @@ from edge_fakes import (
     Step,
     content,
     finished,
+    raw_request,
     run,
     running_edge,
     running_worker,
@@ -29,13 +31,15 @@ HAPPY: list[Step] = [started(), content("Hel"), content("lo"), finished(), usage
 BOTH_LOOPS = pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 
 
-def request_bytes(body: dict[str, Any], version: str = "1.1") -> bytes:
-    payload = json.dumps(body).encode()
-    head = (
-        f"POST /v1/chat/completions HTTP/{version}\r\nHost: edge\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n"
-    )
-    return head.encode() + payload
+@contextlib.asynccontextmanager
+async def edge_connection() -> AsyncIterator[tuple[asyncio.StreamReader, asyncio.StreamWriter]]:
+    """A plain socket connection to an edge in front of a worker that streams "Hello"."""
+    async with running_worker(FakeWorker(script=HAPPY)) as address, running_edge([address]) as base:
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(base.rsplit(":", 1)[1]))
+        try:
+            yield reader, writer
+        finally:
+            writer.close()
 
 
 async def read_head(reader: asyncio.StreamReader) -> dict[str, str]:
@@ -92,21 +96,16 @@ def test_a_stream_over_http11_goes_straight_to_the_connection_and_the_connection
     direct_writes: list[bytes], loop: str
 ) -> None:
     async def body() -> None:
-        async with running_worker(FakeWorker(script=HAPPY)) as address, running_edge([address]) as base:
-            port = int(base.rsplit(":", 1)[1])
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            try:
-                for _ in range(2):  # the same keep-alive connection twice: h11's state stayed right
-                    writer.write(request_bytes(STREAM_BODY))
-                    headers = await asyncio.wait_for(read_head(reader), 10)
-                    assert headers["transfer-encoding"] == "chunked"
-                    assert headers["content-type"].startswith("text/event-stream")
-                    frames = frames_of(b"".join(await asyncio.wait_for(read_chunked(reader), 10)))
-                    assert content_of(frames) == "Hello"
-                    assert json.loads(frames[0][6:])["choices"][0]["delta"]["role"] == "assistant"
-                    assert frames[-1] == "data: [DONE]"
-            finally:
-                writer.close()
+        async with edge_connection() as (reader, writer):
+            for _ in range(2):  # the same keep-alive connection twice: h11's state stayed right
+                writer.write(raw_request(STREAM_BODY))
+                headers = await asyncio.wait_for(read_head(reader), 10)
+                assert headers["transfer-encoding"] == "chunked"
+                assert headers["content-type"].startswith("text/event-stream")
+                frames = frames_of(b"".join(await asyncio.wait_for(read_chunked(reader), 10)))
+                assert content_of(frames) == "Hello"
+                assert json.loads(frames[0][6:])["choices"][0]["delta"]["role"] == "assistant"
+                assert frames[-1] == "data: [DONE]"
 
     run(body(), loop=loop)
     # Every frame of both responses went out as direct chunks; Quart and hypercorn sent only the
@@ -120,16 +119,11 @@ def test_an_http10_client_gets_the_stream_through_hypercorn_without_the_chunked_
     direct_writes: list[bytes],
 ) -> None:
     async def body() -> None:
-        async with running_worker(FakeWorker(script=HAPPY)) as address, running_edge([address]) as base:
-            port = int(base.rsplit(":", 1)[1])
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            try:
-                writer.write(request_bytes(STREAM_BODY, version="1.0"))
-                headers = await asyncio.wait_for(read_head(reader), 10)
-                assert "transfer-encoding" not in headers
-                rest = await asyncio.wait_for(reader.read(), 10)  # the body ends with the connection
-            finally:
-                writer.close()
+        async with edge_connection() as (reader, writer):
+            writer.write(raw_request(STREAM_BODY, version="1.0"))
+            headers = await asyncio.wait_for(read_head(reader), 10)
+            assert "transfer-encoding" not in headers
+            rest = await asyncio.wait_for(reader.read(), 10)  # the body ends with the connection
             frames = frames_of(rest)
             assert content_of(frames) == "Hello" and frames[-1] == "data: [DONE]"
 

@@ -27,6 +27,7 @@ from edge_fakes import (
     content,
     finished,
     free_port,
+    raw_request,
     run,
     running_edge,
     running_worker,
@@ -66,15 +67,6 @@ def by_user(scripts: dict[str, list[Step]]) -> CountingWorker:
 async def no_call_outstanding(client: httpx.AsyncClient, base: str) -> bool:
     ready = (await client.get(f"{base}/ready")).json()
     return all(worker["outstanding"] == 0 for worker in ready["workers"])
-
-
-def raw_request(body: dict[str, Any]) -> bytes:
-    payload = json.dumps(body).encode()
-    head = (
-        "POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n"
-    )
-    return head.encode() + payload
 
 
 def test_transport_of_finds_nothing_in_a_plain_callable() -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.unit.worker.test_paged_runner import loaded
 from worker.attention import paged
 from worker.model_loader import ModelLoadError
 from worker.model_runner import ModelRunner, Work
@@ -20,11 +21,6 @@ BLOCK = 4
 PROMPT = list(range(5, 75))  # 70 tokens: with what it generates, past the 64-token key padding
 COMPANIONS = [list(range(100 + 40 * j, 100 + 40 * j + 90 + 11 * j)) for j in range(3)]  # longer contexts
 STEPS = 30
-
-
-def on_cpu(model: LlamaForCausalLM) -> SimpleNamespace:
-    """What the runner reads of a loaded model."""
-    return SimpleNamespace(model=model, device=torch.device("cpu"), dtype=torch.float32)
 
 
 def tiny_int4_model() -> SimpleNamespace:
@@ -40,7 +36,7 @@ def tiny_int4_model() -> SimpleNamespace:
     )
     model = LlamaForCausalLM(config).eval()
     quantize_linears(model, "int4")
-    return on_cpu(model)
+    return loaded(model)
 
 
 def table(seq: int) -> list[int]:
@@ -110,7 +106,7 @@ def test_float_linear_layers_are_refused_with_the_setting_named():
     config = LlamaConfig(
         vocab_size=100, hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4
     )
-    float_model = on_cpu(LlamaForCausalLM(config).eval())
+    float_model = loaded(LlamaForCausalLM(config).eval())
     with pytest.raises(
         ModelLoadError, match=r"--batch-invariant needs .*--quantization int4 or int8.*q_proj"
     ):
