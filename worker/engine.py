@@ -508,8 +508,9 @@ class Engine:
         """Applies aborts and text-level stops (under the lock)."""
         control, self._control = self._control, []
         for key, kind, choices in control:
-            if kind is _Control.STOP:
-                state = next((s for s in self._scheduler.running if s.key == key), None)
+            if kind is _Control.STOP:  # running or waiting (a preempted request hears its stop too)
+                queues = (self._scheduler.running, self._scheduler.waiting)
+                state = next((s for q in queues for s in q if s.key == key), None)
                 if state is None:
                     continue
                 for choice in state.choices:
@@ -517,6 +518,7 @@ class Engine:
                         self._scheduler.finish(choice.seq)
                 if state.done:
                     self._scheduler.remove(key)
+                    self._progress_due.pop(key, None)
                     self.counters.requests_finished += 1
                 continue
             removed = self._scheduler.remove(key)
@@ -534,7 +536,8 @@ class Engine:
         self.counters.steps += 1
         outputs: dict[str, list[CoreOutput]] = {}
         if plan.preempted:
-            self._preempted(plan.preempted)
+            readmitted = {id(s) for s in plan.admitted}  # preempted and admitted again in this plan
+            self._preempted([s for s in plan.preempted if id(s) not in readmitted])
         owners = {id(c.seq): (s, c) for s in [*self._scheduler.running] for c in s.choices}
         fresh = [s for s in plan.admitted if not s.started]
         if fresh:
@@ -562,12 +565,15 @@ class Engine:
         now = time.monotonic()
         for state in states:
             state.started = True
+            # The prompt's share the prefix cache supplied: what this admission attached, or (a
+            # scoring-only request attaches nothing) what the cache holds of the prompt.
+            seq = state.choices[0].seq
+            cached = seq.cached_tokens if state.needs_kv else self.blocks.cached_length(seq.tokens)
+            self.counters.prefix_cache_hit_tokens += cached
             if state.request.sampling.prompt_logprobs is not None:
-                self._score(state, now, outputs)
+                self._score(state, now, cached, outputs)
             elif state.needs_kv:
-                cached = state.choices[0].seq.cached_tokens
                 outputs.setdefault(state.key, []).append(Admitted(now, cached))
-                self.counters.prefix_cache_hit_tokens += cached
 
     def _run(
         self,
@@ -628,7 +634,9 @@ class Engine:
             logits = logits[torch.tensor(indexes, device=logits.device)]
         self._sample(rows, logits, outputs)
 
-    def _score(self, state: _RequestState, now: float, outputs: dict[str, list[CoreOutput]]) -> None:
+    def _score(
+        self, state: _RequestState, now: float, cached: int, outputs: dict[str, list[CoreOutput]]
+    ) -> None:
         """The prompt's logprobs; a scoring-only request (max_tokens 0) ends here."""
         top_n = state.request.sampling.prompt_logprobs or 0
         try:
@@ -638,7 +646,7 @@ class Engine:
             self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
             return
         out = outputs.setdefault(state.key, [])
-        out += [Admitted(now, 0), PromptScored(tuple(entries))]
+        out += [Admitted(now, cached), PromptScored(tuple(entries))]
         if state.request.sampling.max_tokens == 0:
             with self._cv:
                 for choice in state.choices:
@@ -716,6 +724,7 @@ class Engine:
         if finished:
             with self._cv:
                 for state in finished:
+                    self._progress_due.pop(state.key, None)
                     if self._scheduler.remove(state.key) is not None:
                         self.counters.requests_finished += 1
         _deliver((s.stream, outputs[s.key]) for s in {id(s): s for s in states}.values() if s.key in outputs)

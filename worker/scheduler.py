@@ -53,6 +53,7 @@ class Sequence:
     finished: bool = False
     awaits_prompt: bool = False  # an n > 1 sibling before the first sequence's prompt is done
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its first admission
+    admitted: bool = False  # admitted at least once (a preempted sequence is admitted again)
 
     @property
     def pending(self) -> int:
@@ -139,6 +140,12 @@ class Scheduler(Generic[T]):
         Raises InvalidRequest when the request could never fit the pool on its
         own, and QueueFull (with a retry hint) when the queue is at its bound.
         """
+        if len(item.sequences) > self.max_running:  # it could never be admitted: nothing behind it would be
+            raise InvalidRequest(
+                f"the request asks for {len(item.sequences)} choices; this worker runs at most "
+                f"{self.max_running} sequences at once; lower n",
+                param="n",
+            )
         need = sum(self.blocks.blocks_for(seq.max_length) for seq in item.sequences) if item.needs_kv else 0
         if need > self.blocks.num_blocks:
             tokens = sum(seq.max_length for seq in item.sequences)
@@ -247,21 +254,27 @@ class Scheduler(Generic[T]):
         Only free blocks count: admission never preempts."""
         if not item.needs_kv:
             return budget, True
+        others = bool(plan.work)  # work planned for other requests before this one
+        own = False
         for seq in _live(item):
             if seq.awaits_prompt:
                 continue
             cached = self.blocks.attach_prefix(seq.blocks, seq.tokens)
             seq.computed = cached
-            if seq.generated == 0:
-                seq.cached_tokens = cached
+            if not seq.admitted:
+                seq.admitted = True
+                seq.cached_tokens = min(cached, seq.prompt_length)
             count = 1 if seq.pending == 1 else min(seq.pending, max(budget, 0))
             if count <= 0:
-                if plan.work:  # no budget left this step: try again next step
+                if own:  # its own sequences took the budget: this one waits as a running sequence
+                    continue
+                if others:  # other requests took the budget: try again next step
                     return budget, False
                 count = min(seq.pending, self.prefill_budget_tokens)
             if not self.blocks.ensure(seq.blocks, seq.computed + count):
                 return budget, False
             plan.work.append(Work(seq, count))
+            own = True
             if seq.pending > 1:
                 budget -= count
         return budget, True

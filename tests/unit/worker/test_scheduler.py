@@ -166,3 +166,62 @@ def test_remove_finds_queued_and_running_and_ignores_unknown():
     run_step(s)
     assert s.remove("b") is b and s.remove("a") is a and s.remove("zzz") is None
     assert not s.running and not s.waiting and s.blocks.used == 0
+
+
+def started(name: str, prompt: int, generated: int, *, n: int, max_tokens: int = 40) -> Item:
+    """An ``n``-choice request as a preemption leaves it: every choice has generated tokens, none has
+    KV in the pool."""
+    request = item(name, prompt, n=n, max_tokens=max_tokens)
+    for index, seq in enumerate(request.sequences):
+        seq.awaits_prompt = False
+        seq.tokens += [900 + index] * generated
+    return request
+
+
+def test_a_preempted_n_request_whose_choices_exceed_the_budget_is_admitted_and_finishes():
+    # Each choice has 12 tokens to compute again, the step's budget is 8: its first choice takes the
+    # whole budget, so the second waits inside the batch instead of refusing the request every step.
+    s = scheduler(blocks=64, size=4, max_running=8, prefill_budget_tokens=8)
+    head, behind = started("head", 10, 2, n=3), item("behind", 5)
+    s.add(head)
+    s.add(behind)
+    plan = run_step(s)
+    assert plan.admitted == [head] and [w.count for w in plan.work] == [8]
+    for _ in range(60):
+        plan = run_step(s)
+        if not s.waiting and all(seq.pending == 1 for seq in head.sequences):
+            break
+        assert plan.work, "work is waiting but the step planned nothing"
+    assert behind in s.running and all(seq.pending == 1 for seq in head.sequences)
+
+
+def test_a_waiting_request_is_refused_for_the_budget_only_when_other_requests_took_it():
+    s = scheduler(blocks=64, size=4, max_running=8, prefill_budget_tokens=8)
+    s.add(item("long", 20))
+    s.add(started("n3", 10, 2, n=3))
+    plan = run_step(s)  # "long" takes the whole budget: "n3" waits in the queue
+    assert [i.request_id for i in plan.admitted] == ["long"] and len(s.waiting) == 1
+    run_step(s)
+    plan = run_step(s)  # the last 4 tokens of "long", then 4 of "n3"'s first choice
+    assert [i.request_id for i in plan.admitted] == ["n3"] and [w.count for w in plan.work] == [4, 4]
+
+
+def test_cached_tokens_are_counted_at_the_first_admission_even_with_generated_tokens():
+    s = scheduler(blocks=64, size=4)
+    first = item("first", 9)
+    s.add(first)
+    run_step(s)
+    s.finish(first.sequences[0])
+    s.remove("first")
+    resumed = item("first", 9)  # the same prompt plus tokens generated elsewhere (a moved stream)
+    resumed.sequences[0].tokens += [7, 8, 9]
+    s.add(resumed)
+    run_step(s)
+    assert resumed.sequences[0].cached_tokens == 8  # the prompt's two whole blocks, never more
+
+
+def test_a_request_with_more_choices_than_slots_is_refused_at_once():
+    s = scheduler(max_running=2)
+    with pytest.raises(InvalidRequest, match="at most 2 sequences") as caught:
+        s.add(item("wide", 3, n=3))
+    assert caught.value.param == "n"
