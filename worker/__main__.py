@@ -15,8 +15,14 @@ import sys
 from collections.abc import Sequence
 
 from sluice.logs import configure_logging
-from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free, claim_port
-from worker.config import METRICS_PORT_OFFSET, WorkerConfig, parse_config
+from sluice.ports import (
+    EXIT_PORT_TAKEN,
+    METRICS_PORT_OFFSET,
+    PortUnavailableError,
+    check_port_free,
+    claim_port,
+)
+from worker.config import WorkerConfig, parse_config
 
 log = logging.getLogger("sluice.worker")
 

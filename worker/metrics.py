@@ -3,7 +3,7 @@
 ``GET /metrics`` answers with the engine's gauges, counters and histogram
 (503 while the model loads); anything else is 404. The exposition is made by
 the ``prometheus_client`` library: :class:`EngineCollector` turns one
-:class:`~worker.engine.EngineStats` snapshot into metric families, and
+:class:`~worker.engine.core.EngineStats` snapshot into metric families, and
 :func:`render` runs it through a registry of its own (no global state, so
 several workers in one test process never share values). The HTTP side uses
 asyncio streams only, so the worker needs no web framework; it serves on a
@@ -40,7 +40,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from sluice.prometheus import CONTENT_TYPE
-from worker.engine import EngineStats
+from worker.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 

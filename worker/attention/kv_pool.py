@@ -3,7 +3,7 @@
 Each layer holds keys and values as ``[num_blocks, block_size, kv_heads,
 head_dim]`` tensors, allocated once at start-up (zeros: padding slots that a
 mask hides must not hold NaNs, and on the CPU zeroed pages cost nothing until
-written). :class:`worker.kv_blocks.BlockManager` decides which blocks a
+written). :class:`worker.engine.kv_blocks.BlockManager` decides which blocks a
 sequence uses; the attention function (``worker/attention/paged.py``) writes
 each step's new keys and values into their slots and reads a sequence's
 context through its block table.

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from worker.kv_pool import KVPool
+from worker.attention.kv_pool import KVPool
 
 NAME = "sluice_paged"
 

@@ -1,6 +1,6 @@
 """Who holds which block of the paged KV cache, and which blocks hold reusable prefixes.
 
-Pure Python, no torch: the tensors live in :class:`worker.kv_pool.KVPool`;
+Pure Python, no torch: the tensors live in :class:`worker.attention.kv_pool.KVPool`;
 this module only hands out block numbers. A sequence's KV lives in
 fixed-size blocks listed, in order, by its block table
 (:class:`SequenceBlocks`); token ``t`` of a sequence sits in slot

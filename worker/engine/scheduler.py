@@ -2,7 +2,7 @@
 
 The scheduler owns ``waiting`` (a bounded FIFO of requests) and ``running``
 (requests whose sequences are in the batch), and the
-:class:`~worker.kv_blocks.BlockManager` that hands out KV blocks. A sequence
+:class:`~worker.engine.kv_blocks.BlockManager` that hands out KV blocks. A sequence
 is its known tokens (the prompt, then every generated token) and how many of
 them have their KV in the pool (``computed``); each step it computes the
 rest, or as much of it as the step's budget allows:
@@ -37,8 +37,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from worker.engine.kv_blocks import BlockManager, SequenceBlocks
 from worker.errors import InvalidRequest, QueueFull
-from worker.kv_blocks import BlockManager, SequenceBlocks
 
 
 @dataclass(eq=False)

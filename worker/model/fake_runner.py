@@ -1,6 +1,6 @@
 """A model runner that runs no model: tokens from a fixed passage, for benchmarking the edge.
 
-``--fake-tokens`` swaps :class:`~worker.model_runner.ModelRunner` for
+``--fake-tokens`` swaps :class:`~worker.model.runner.ModelRunner` for
 :class:`FakeRunner`; everything else a request goes through is the normal
 path (servicer, prompt rendering with the real tokenizer and chat template,
 scheduler, engine step loop, sampler, detokenizer, stop strings, output
@@ -8,7 +8,7 @@ parser, proto conversion). So a fake worker costs what a real one costs
 minus the forward passes, and an edge in front of it is measured against a
 stream it did not have to wait for.
 
-Contract (the one :class:`~worker.engine.Engine` relies on, see
+Contract (the one :class:`~worker.engine.core.Engine` relies on, see
 ``model_runner.py``): ``execute`` runs a step's work and returns logits
 ``[sampling items, vocab]`` (float32) that put all the mass on one token: the
 next token of :data:`PASSAGE` for that sequence (each sequence starts at the
@@ -52,8 +52,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from worker.config import DEFAULT_CACHE_DIR
-from worker.load_progress import LoadProgress
-from worker.model_loader import (
+from worker.model.load_progress import LoadProgress
+from worker.model.loader import (
     DEFAULT_MODEL_ID,
     LoadedModel,
     ModelLoadError,
@@ -61,7 +61,8 @@ from worker.model_loader import (
     default_gguf_path,
     gguf_cache_folder,
 )
-from worker.model_runner import ModelRunner, Work
+from worker.model.runner import ModelRunner
+from worker.model.step_inputs import Work
 from worker.types import SampledLogprobs
 
 log = logging.getLogger(__name__)
@@ -140,7 +141,7 @@ def load_fake_model(
 ) -> LoadedModel:
     """The tokenizer (and context length) of ``model`` as a :class:`LoadedModel` with no model.
 
-    ``model`` is resolved as :func:`~worker.model_loader.load_model` resolves it
+    ``model`` is resolved as :func:`~worker.model.loader.load_model` resolves it
     (None = the default model), and the model id is the same, so callers that
     name the model work unchanged. ``source`` starts with :data:`SOURCE_PREFIX`.
     """

@@ -2,7 +2,7 @@
 
 The worker's gRPC server answers while the model loads (health NOT_SERVING).
 During that time :class:`LoadProgress` holds a fraction in [0, 1] that the
-loader raises at its stages (:func:`worker.model_loader.load_model`'s
+loader raises at its stages (:func:`worker.model.loader.load_model`'s
 ``on_progress``; the fake load of ``--fake-load-seconds`` raises it evenly).
 The service reads it to answer a call that arrives during the load: at once
 with UNAVAILABLE ``model_loading`` (``load_fraction`` in the status details),

@@ -40,7 +40,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from worker.config import DEFAULT_CACHE_DIR
 from worker.errors import WorkerError
-from worker.packed_linear import pack_linears
+from worker.model.packed_linear import pack_linears
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
 
@@ -114,7 +114,7 @@ def load_model(
     is resolved, 0.7 once the weights are read, 0.85 on the device, 0.95 once packed.
 
     On the CPU with ``cpu_linear="onednn"``, float linear weights are packed for oneDNN
-    (worker/packed_linear.py); ``batch_hint`` is the usual decode batch. ``quantization`` is one
+    (worker/model/packed_linear.py); ``batch_hint`` is the usual decode batch. ``quantization`` is one
     of :data:`worker.quant.layers.CHOICES`; a choice the device cannot serve raises
     :class:`ModelLoadError` naming ``--quantization``.
     """

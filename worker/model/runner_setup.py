@@ -22,11 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.attention.kv_pool import kv_shape, pool_blocks
 from worker.config import WorkerConfig
-from worker.fake_runner import DEFAULT_TOKENS, FakeRunner
-from worker.kv_pool import kv_shape, pool_blocks
-from worker.model_loader import LoadedModel
-from worker.model_runner import ModelRunner, Work
+from worker.model.cuda_graphs import capture_decode_graphs
+from worker.model.fake_runner import DEFAULT_TOKENS, FakeRunner
+from worker.model.loader import LoadedModel
+from worker.model.runner import ModelRunner
+from worker.model.step_inputs import Work
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +95,6 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
     limits = batch_limits(config, device, blocks * config.kv_block_size)
     warm_up(runner)
     if device.type == "cuda" and config.cuda_graphs and runner.decode_kernel_enabled:
-        from worker.cuda_graphs import capture_decode_graphs
-
         runner.graphs = capture_decode_graphs(runner, limits.max_running, loaded.context_length)
     log.info(
         "batch limits: %d running sequences, %d prompt tokens per step",

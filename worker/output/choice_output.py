@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from worker.reasoning import ReasoningParser
-from worker.tool_calls import CallPiece, Piece, ToolCallParser
+from worker.output.reasoning import ReasoningParser
+from worker.output.tool_calls import CallPiece, Piece, ToolCallParser
 from worker.types import ContentDelta, OutputOptions, ReasoningDelta, TokenLogprob, ToolCallDelta
 
 OutputEvent = ContentDelta | ReasoningDelta | ToolCallDelta

@@ -12,7 +12,7 @@ after it is ever emitted, later tokens of that choice are ignored, and the
 processor reports the choice in ``ProcessorOutput.stopped`` so the core drops
 its sequence before its next step.
 
-A processor is owned by one :class:`~worker.engine.RequestStream`; an
+A processor is owned by one :class:`~worker.engine.core.RequestStream`; an
 exception raised here fails that request only (the stream turns it into a
 ``Failed`` event with the partial usage).
 """
@@ -22,9 +22,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from worker.detokenizer import Decoder, IncrementalDetokenizer, TokenTexts
-from worker.output_parser import ChoiceOutput
-from worker.stop_strings import StopStringMatcher
+from worker.output.choice_output import ChoiceOutput
+from worker.output.detokenizer import Decoder, IncrementalDetokenizer, TokenTexts
+from worker.output.stop_strings import StopStringMatcher
 from worker.types import (
     Admitted,
     ChoiceEnded,

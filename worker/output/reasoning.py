@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 
-from worker.markers import split_at_marker
+from worker.output.markers import split_at_marker
 
 OPEN = "<think>"
 CLOSE = "</think>"

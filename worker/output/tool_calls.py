@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sluice.ids import new_tool_call_id
-from worker.markers import split_at_marker
+from worker.output.markers import split_at_marker
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

@@ -9,7 +9,7 @@ one float32 tensor (the largest, the 49152 x 576 embedding, is 113 MB).
 :class:`DirectLoadUnsupported` says a checkpoint cannot be loaded this way (an
 architecture whose GGUF tensor names are not mapped here, a folder without
 safetensors, a tensor that does not belong to the model); the caller then loads
-the float model and quantizes it in place (worker/model_loader.py).
+the float model and quantizes it in place (worker/model/loader.py).
 """
 
 from __future__ import annotations

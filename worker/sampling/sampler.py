@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.grammar import TokenConstraint
+from worker.sampling.grammar import TokenConstraint
 from worker.types import SampledLogprobs, SamplingOptions
 
 _MASK64 = (1 << 64) - 1

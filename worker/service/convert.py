@@ -15,8 +15,8 @@ from typing import Any
 
 from sluice.v1 import worker_pb2 as pb
 from worker.errors import InvalidRequest, ModelNotFound
-from worker.grammar import GrammarSpec
-from worker.prompt import CHAT_ROLES, ChatMessage, ChatPrompt, RawPrompt
+from worker.sampling.grammar import GrammarSpec
+from worker.service.prompt import CHAT_ROLES, ChatMessage, ChatPrompt, RawPrompt
 from worker.types import (
     ContentDelta,
     Event,

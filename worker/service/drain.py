@@ -1,6 +1,6 @@
 """Worker drain: refuse new ``Generate`` calls, let in-flight ones finish, then end them clearly.
 
-:class:`DrainingWorker` wraps the :class:`~worker.servicer.WorkerService`
+:class:`DrainingWorker` wraps the :class:`~worker.service.servicer.WorkerService`
 (the servicer stays unaware of shutdown) and keeps the set of in-flight
 ``Generate`` calls. Call order at shutdown (``worker/server.py``):
 
@@ -33,7 +33,7 @@ import grpc
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from worker.errors import NotReady
-from worker.servicer import WorkerService
+from worker.service.servicer import WorkerService
 
 log = logging.getLogger(__name__)
 

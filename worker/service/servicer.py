@@ -26,7 +26,13 @@ import grpc
 from sluice.logs import request_id_var
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from worker.convert import (
+from worker.engine.core import Engine
+from worker.engine.prepare import Prepared
+from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, WorkerError
+from worker.model.load_progress import LoadProgress, wait_for_load
+from worker.model.loader import LoadedModel
+from worker.sampling.grammar import GrammarCompiler
+from worker.service.convert import (
     MAX_N,
     ParsedRequest,
     check_resumed_tokens,
@@ -34,12 +40,7 @@ from worker.convert import (
     parse_request,
     sampling_options,
 )
-from worker.engine import Engine, Prepared
-from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, WorkerError
-from worker.grammar import GrammarCompiler
-from worker.load_progress import LoadProgress, wait_for_load
-from worker.model_loader import LoadedModel
-from worker.prompt import PromptRenderer
+from worker.service.prompt import PromptRenderer
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
 
 # Template rendering, tokenization and grammar compilation of a large request take long enough to
