@@ -3,7 +3,7 @@
 Usage::
 
     python bench/load_edge.py                          # 200 streams, real default-model workers
-    python bench/load_edge.py --fake-tokens            # workers that run no model (worker/model/fake_runner.py)
+    python bench/load_edge.py --fake-tokens            # workers that run no model (model/fake_runner.py)
     python bench/load_edge.py --fake-tokens --fake-step-ms 20 --requests 1000 --duration 30
     python bench/load_edge.py --edge http://127.0.0.1:8080   # an edge that is already running
 

@@ -1,9 +1,6 @@
 """``python -m worker`` / ``sluice-worker``: serve one model over gRPC.
 
-Order: parse the settings, claim the ports (see :mod:`sluice.ports`), and only
-then import the serving code (torch, transformers: seconds) and load the model.
-A taken port therefore ends the process within a fraction of a second with one
-line naming the setting and exit status 2.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

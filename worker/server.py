@@ -1,19 +1,6 @@
 """Starts the gRPC server, loads the model, and drains on SIGTERM/SIGINT.
 
-Order at start: every port is claimed first (``python -m worker`` claims the
-metrics port and checks the gRPC port before this module is even imported; a
-taken port is one line naming the setting and exit status 2). The gRPC server
-listens with health NOT_SERVING (so probes and callers get a clear UNAVAILABLE
-while the model loads) and /metrics answers 503; then the model loads in a
-thread, then the engine starts and health flips to SERVING.
-On SIGTERM/SIGINT (see :mod:`worker.service.drain`): health flips to NOT_SERVING
-first (so health-checking callers stop sending), then new ``Generate`` calls
-are refused with UNAVAILABLE (so the edge moves them to another worker),
-in-flight calls get ``grace_period`` seconds to finish, the ones still running
-are ended with UNAVAILABLE "worker is shutting down", the server stops, then
-the engine, and the process exits.
-
-Channel settings (:data:`SERVER_OPTIONS`) are documented in docs/grpc.md.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Internal request and event types of the worker: no torch, no protobuf.
 
-``convert.py`` turns wire messages into these and back; the engine and the
+``service/convert.py`` turns wire messages into these and back; the engine and the
 scheduler only ever see these. Events form a closed union (``Event``).
 """
 

@@ -1,38 +1,7 @@
-"""The engine core (the step loop that owns the model) and the async facade the service uses.
+"""The engine: the step loop thread that owns the model, and its thread-safe API (``prepare``,
+``submit``, ``abort``, ``stop_choices``, ``stats``).
 
-One daemon thread runs steps forever: apply control messages (aborts, choices
-stopped by text) → schedule → forward → sample → token-level stops. It hands
-each request typed :data:`~worker.types.CoreOutput` messages (new token ids
-with their logprobs, token-level finishes, progress) and never touches text.
-Everything text-level runs in the request's :class:`RequestOutputProcessor`
-on the request's event loop, while this thread runs the next forward
-(``output_processor.py``). A stop string found there comes back as
-:meth:`Engine.stop_choices`, and the core drops the sequence before its next
-step.
-
-Failure isolation: a failure while planning, sampling or stopping one request
-fails that request alone (a ``CoreFailure`` message, then its stream's
-``Failed`` event with its partial usage); a failure in one request's output
-processing fails it in its stream. Only a failed forward pass fails more than
-one request, and then only its own rows: when a step that prefilled prompt
-chunks fails, the requests of those chunks fail and the step's decode rows
-run again on their own (their keys and values are rewritten in place); a
-failed decode-only step fails the requests it decoded. Keys and values are
-only ever written into slots past a sequence's computed tokens, so the prefix
-cache (the registered, fully computed blocks) is never damaged or dropped.
-
-The gRPC layer never blocks this thread: each request gets a
-:class:`RequestStream` with an asyncio queue; once per step the thread hands
-every request's outputs over with a single ``call_soon_threadsafe`` per event
-loop. A stream whose consumer fell behind processes every step waiting in its
-queue at once and merges their content into one delta (:func:`coalesce`).
-
-Before its first token a request hears ``Progress`` events: ``queued`` when it
-is submitted and again every :data:`QUEUED_PROGRESS_INTERVAL_S` while it waits
-for a slot, ``prompt_processing`` when its prefill starts and, for a prompt
-computed in chunks, after each chunk with the fraction computed so far. They tell a caller
-with an idle timeout that the request is alive (the service forwards them
-only to calls that set ``stream_progress``).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -415,7 +384,7 @@ class Engine:
         owners: dict[int, tuple[_RequestState, _Choice]],
         outputs: dict[str, list[CoreOutput]],
     ) -> None:
-        """The step's forward (see the module docstring for what a failure fails), then sampling."""
+        """The step's forward (see docs/worker.md for what a failure fails), then sampling."""
         try:
             logits = self._runner.execute([_runner_work(w) for w in work])
         except Exception as exc:

@@ -1,25 +1,6 @@
 """Decode steps captured as CUDA graphs at padded batch-size buckets (CUDA only).
 
-A decode step is the same kernels every time once its shapes are fixed, and
-on a GPU host whose CPU dispatches eagerly (about 8 us per kernel launch,
-hundreds of launches per step) replaying a captured graph is what brings a
-step near the GPU's own time. So at start-up, before the worker reports
-SERVING, the runner captures one graph per bucket of rows (:data:`BUCKETS` up
-to ``max_running``), all over one set of static inputs: token ids ``[b, 1]``,
-positions ``[b, 1]``, pool slots ``[b]``, block tables ``[b, blocks per
-context]`` and context lengths ``[b]`` (int32, what the Triton decode kernel
-reads). A step of ``rows`` copies its inputs into the first rows, pads the
-bucket's other rows (length 0: the kernel reads nothing for them; their keys
-and values go to the runner's scratch block) and replays the smallest bucket
-that holds it. Attention in the graphs is the Triton kernel, which reads the
-pool through the block tables, so shapes do not depend on context lengths.
-Both are checked at start-up: the kernel against the torch reference on this
-model's shapes (``attention/decode_kernel.py``), and one replayed graph against the same
-step run eagerly; without triton, or when a check fails, the worker runs
-decode eagerly and says why in its log.
-
-Prompt chunks (mixed steps) always run eagerly: their shapes vary with every
-prompt, and they are compute-bound, where launch overhead matters least.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

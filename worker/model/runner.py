@@ -1,23 +1,6 @@
 """Executes the model over the paged KV cache: the only module that runs torch forward passes.
 
-The runner is stateless about sequences: the scheduler decides each step's
-:class:`Work` (which tokens of which sequence, and its block table, from
-:class:`worker.engine.kv_blocks.BlockManager`), and :meth:`ModelRunner.execute`
-runs them all in one forward, writing their keys and values into the pool
-(:class:`worker.attention.kv_pool.KVPool`) and returning the logits of the sequences
-that sample. A step mixes decode rows (one token each) with chunks of
-prompts (several tokens of one sequence, up to the step's prefill budget),
-so a long prompt never stalls the running streams for more than one chunk.
-
-A step of decode rows only runs as a ``[rows, 1]`` batch; on CUDA it replays
-a captured CUDA graph of the padded batch-size bucket (``cuda_graphs.py``).
-Anything else runs eagerly as one flat ``[1, tokens]`` sequence.
-
-With ``batch_invariant`` (CPU, every linear layer on torch's int4/int8 weight-only
-kernels, which compute each row alike whatever the batch), every step runs as one
-flat sequence whose attention treats each token alike
-(:class:`worker.attention.paged.InvariantRows`): a sequence's logits are then the
-same bits whatever else its steps held and however its prompt was chunked.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,7 @@
 """From a loaded model to a warm runner: the KV pool's size, the batch limits that follow from it,
 and the warm-up (CUDA graphs on CUDA) that runs before the worker reports SERVING.
 
-Order matters on CUDA: a cacheless forward of a full prefill budget first
-takes its activations' memory, the pool then takes ``--gpu-memory-fraction``
-of what is left, and the decode graphs are captured last (their memory pool
-is small: the activations of one decode step per batch-size bucket).
-
-Defaults, each overridden by its setting:
-
-- ``max_running``: 16 on the CPU (compute, not memory, bounds a CPU batch);
-  on CUDA the pool's tokens / :data:`TOKENS_PER_SEQUENCE`, between 16 and
-  :data:`MAX_RUNNING_CUDA` (preemption covers sequences that grow longer);
-- ``max_prefill_tokens`` (the step's prompt-token budget): 1024 on the CPU,
-  2048 on CUDA (about one decode step's time of prompt work on a GPU).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -58,7 +47,7 @@ def prefill_tokens(config: WorkerConfig, device: torch.device) -> int:
 
 def batch_limits(config: WorkerConfig, device: torch.device, pool_tokens: int) -> BatchLimits:
     """The running-sequence and prefill limits: the settings when given, else from the device and
-    the pool (see the module docstring)."""
+    the pool (see docs/worker.md)."""
     running = config.max_running
     if running is None:
         if device.type == "cuda":

@@ -1,12 +1,6 @@
 """A choice's generated text → content, reasoning and tool-call events.
 
-Text goes through the reasoning parser first (thinking becomes reasoning
-deltas), then the answer goes through the tool-call parser (calls become
-tool-call deltas, everything else content). Both are optional per request.
-Logprobs travel with the first content or reasoning delta of a step; tokens
-that only produced tool-call text carry none (OpenAI reports no logprobs for
-tool calls). Token ids (when asked) travel with the last delta of a step,
-whatever its kind, so a caller can tell which deltas its ids cover.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

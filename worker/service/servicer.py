@@ -1,11 +1,6 @@
 """The sluice.v1.Worker gRPC service: thin translation between the wire and the engine.
 
-Logging: each ``Generate`` call binds its request id (the request's own
-``request_id``, else the edge's ``x-request-id`` metadata, else a new one) to
-:data:`sluice.logs.request_id_var`, so every line it logs carries it in the
-JSON format, and logs one line when the request is accepted (prompt tokens,
-``n``, ``max_tokens``) and one when it ends: completed (each choice's finish
-reason, completion tokens), failed, or cancelled by the caller.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
