@@ -24,8 +24,9 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from worker.model_loader import load_model  # noqa: E402
-from worker.model_runner import ModelRunner, Work  # noqa: E402
+from worker.model.loader import load_model  # noqa: E402
+from worker.model.runner import ModelRunner  # noqa: E402
+from worker.model.step_inputs import Work  # noqa: E402
 
 BLOCK = 16
 

@@ -157,7 +157,7 @@ def build_model(shape: str, folder: Path, tokenizer_dir: Path, device: str, dtyp
 
 def default_tokenizer_dir(cache_dir: Path) -> Path:
     """The default model's converted folder (tokenizer and chat template), converting it once."""
-    from worker.model_loader import converted_gguf_folder, default_gguf_path
+    from worker.model.loader import converted_gguf_folder, default_gguf_path
 
     return converted_gguf_folder(default_gguf_path(), cache_dir)
 

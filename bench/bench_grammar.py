@@ -770,7 +770,7 @@ def print_report(results: list[LibraryResult], ids: dict[str, list[int]], repeat
 def load_tokenizer(cache_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
-    from worker.model_loader import converted_gguf_folder, default_gguf_path
+    from worker.model.loader import converted_gguf_folder, default_gguf_path
 
     folder = converted_gguf_folder(default_gguf_path(), cache_dir)
     return AutoTokenizer.from_pretrained(folder)

@@ -8,7 +8,7 @@ Usage::
 Runs every linear layer of the default model (SmolLM2-135M-Instruct, float32,
 211 layers, 538 MB of weights), in model order, on a batch of R rows: once
 with ``torch.nn.functional.linear`` on the plain weights and once with the
-packed layers the worker uses (``worker/packed_linear.py``), alternating, and
+packed layers the worker uses (``worker/model/packed_linear.py``), alternating, and
 prints each kernel's median milliseconds per pass and their ratio. That is the
 matrix-product part of one decode step of R sequences; the weights are read
 from memory each pass, as in a real step.
@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.model_loader import load_model
-from worker.packed_linear import PackedLinear, packing_supported
+from worker.model.loader import load_model
+from worker.model.packed_linear import PackedLinear, packing_supported
 
 
 def one_pass(layers: list, inputs: dict[int, torch.Tensor]) -> float:

@@ -12,7 +12,7 @@ for each layer shape and for the whole pass, and each candidate's ratio to
 float32. Candidates (each built from the same float32 weights the worker serves
 today, dequantized from the GGUF file):
 
-- ``float32-onednn``: the worker's packed float32 layers (worker/packed_linear.py);
+- ``float32-onednn``: the worker's packed float32 layers (worker/model/packed_linear.py);
 - ``int8-aten``: ``aten._weight_int8pack_mm`` (int8, one scale per row, bfloat16 activations);
 - ``int4-aten``: ``aten._weight_int4pack_mm_for_cpu`` (4-bit groups of 32, bfloat16 activations);
 - ``int4-worker``: the worker's int4 layer: ``int4-aten`` below ``BATCH_ROWS`` (4) rows, its
@@ -45,9 +45,10 @@ warnings.filterwarnings("ignore", message=".*quantize_per_channel.*")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from worker.model_loader import load_model  # noqa: E402
-from worker.model_runner import ModelRunner, Work  # noqa: E402
-from worker.packed_linear import PackedLinear  # noqa: E402
+from worker.model.loader import load_model  # noqa: E402
+from worker.model.packed_linear import PackedLinear  # noqa: E402
+from worker.model.runner import ModelRunner  # noqa: E402
+from worker.model.step_inputs import Work  # noqa: E402
 from worker.quant.layers import Int4Linear, Int8Linear  # noqa: E402
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from worker.model_loader import LoadedModel, load_model
+from worker.model.loader import LoadedModel, load_model
 
 PROMPTS = [
     "What is the capital of France?",

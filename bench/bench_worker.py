@@ -255,7 +255,7 @@ def start_peer(
 
 def default_model_dir(cache_dir: str | None) -> str:
     from worker.config import DEFAULT_CACHE_DIR
-    from worker.model_loader import converted_gguf_folder, default_gguf_path
+    from worker.model.loader import converted_gguf_folder, default_gguf_path
 
     return str(
         converted_gguf_folder(default_gguf_path(), Path(cache_dir) if cache_dir else DEFAULT_CACHE_DIR)

@@ -3,7 +3,7 @@
 Usage::
 
     python bench/load_edge.py                          # 200 streams, real default-model workers
-    python bench/load_edge.py --fake-tokens            # workers that run no model (worker/fake_runner.py)
+    python bench/load_edge.py --fake-tokens            # workers that run no model (model/fake_runner.py)
     python bench/load_edge.py --fake-tokens --fake-step-ms 20 --requests 1000 --duration 30
     python bench/load_edge.py --edge http://127.0.0.1:8080   # an edge that is already running
 
@@ -232,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--timeout", type=float, default=120.0, help="seconds one request may take")
     add("--max-tokens", type=int, default=32, help="max_tokens of each request")
     add("--temperature", type=float, default=0.0)
-    add("--fake-tokens", action="store_true", help="workers that run no model (worker/fake_runner.py)")
+    add("--fake-tokens", action="store_true", help="workers that run no model (worker/model/fake_runner.py)")
     add("--fake-step-ms", type=float, default=0.0, help="with --fake-tokens: ms per fake forward")
     add("--max-running", type=int, default=None, help="workers' --max-running (default 32; 128 fake)")
     add(

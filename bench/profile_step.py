@@ -5,7 +5,7 @@ Usage::
     python bench/profile_step.py --rows 1,16 --tokens 256
     PYTHONPATH=/path/to/older/checkout python bench/profile_step.py   # the same on older code
 
-Runs the engine in this process on ``--fake-tokens``' runner (worker/fake_runner.py: logits
+Runs the engine in this process on ``--fake-tokens``' runner (worker/model/fake_runner.py: logits
 without a model, so a step's time is all host work: scheduling, sampling, token-level stops
 and, in engines before the output processor existed, detokenizing, stop strings, parsing and
 event building). For each row count R, R greedy requests of ``--tokens`` tokens run at once.
@@ -31,9 +31,9 @@ if str(REPO) not in sys.path:
 import torch  # noqa: E402
 
 from worker import config as worker_config  # noqa: E402
-from worker import engine as engine_module  # noqa: E402
-from worker.engine import Engine  # noqa: E402
-from worker.fake_runner import FakeRunner, load_fake_model  # noqa: E402
+from worker.engine import core as engine_module  # noqa: E402
+from worker.engine.core import Engine  # noqa: E402
+from worker.model.fake_runner import FakeRunner, load_fake_model  # noqa: E402
 from worker.server import eos_token_ids  # noqa: E402
 from worker.types import GenerationRequest, SamplingOptions  # noqa: E402
 

@@ -499,7 +499,7 @@ class Settings:
 def describe_settings() -> list[tuple[str, str, object, str]]:
     """Every edge setting as ``(flag, env var, default, help)``, in ``--help`` order.
 
-    Read by ``python -m sluice.config_docs`` (docs/configuration.md) and the
+    Read by ``python -m tools.config_docs`` (docs/configuration.md) and the
     deploy checks. The default is the :class:`Settings` field's default,
     ``dataclasses.MISSING`` for a required setting, None for one with no field.
     """

@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 
-from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free
+from sluice.ports import EXIT_PORT_TAKEN, METRICS_PORT_OFFSET, PortUnavailableError, check_port_free
 
 READY_TIMEOUT_S = 600.0  # a first start converts the default model (about 20 s on two cores)
 STOP_TIMEOUT_S = 15.0
@@ -98,8 +98,6 @@ def edge_command(workers: Sequence[str], port: int, *extra: str, host: str = "12
 
 def _check_ports(args: argparse.Namespace) -> str | None:
     """None when every port ``serve`` needs is free, else the one line saying which is not."""
-    from worker.config import METRICS_PORT_OFFSET  # light: no torch
-
     metrics_port = args.worker_port + METRICS_PORT_OFFSET if args.metrics_port is None else args.metrics_port
     wanted = [(args.host, args.port, "--port"), ("127.0.0.1", args.worker_port, "--worker-port")]
     if metrics_port:

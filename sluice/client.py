@@ -73,7 +73,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 #   which would grow it): a caller that reads slower than the worker
 #   generates stops the worker's sends after that many unread bytes, and the
 #   worker then merges the tokens of the steps it could not send into one
-#   message (worker/engine.py). gRPC's default window (64 KiB, grown by the
+#   message (worker/engine/core.py). gRPC's default window (64 KiB, grown by the
 #   probe) holds a whole stream of small token messages (about 15 bytes each),
 #   so without this a lagging caller read one message per token out of its
 #   own buffers. A message larger than the window still arrives whole: gRPC

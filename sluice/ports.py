@@ -19,6 +19,11 @@ import socket
 
 # The exit status of a service that cannot listen: the same as a bad setting (argparse's 2).
 EXIT_PORT_TAKEN = 2
+# Unless --metrics-port is set, a worker's /metrics listens on its gRPC port plus this: workers that
+# differ only in --port (one per GPU on one host) get distinct metrics ports with no other
+# setting, and the pair is easy to tell apart (50051 -> 51051, 50052 -> 51052). Here, not in
+# worker/config.py, because ``sluice serve`` checks that port before it starts the worker.
+METRICS_PORT_OFFSET = 1000
 
 
 class PortUnavailableError(Exception):

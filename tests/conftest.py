@@ -13,7 +13,7 @@ from tests.processes import EdgeProcess, WorkerProcess, build_tiny_model
 @pytest.fixture(scope="session")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A cache dir holding the default model converted from its GGUF file (done once per session)."""
-    from worker.model_loader import converted_gguf_folder, default_gguf_path
+    from worker.model.loader import converted_gguf_folder, default_gguf_path
 
     cache = tmp_path_factory.mktemp("sluice-cache")
     converted_gguf_folder(default_gguf_path(), cache)

@@ -16,7 +16,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.cli import edge_command, worker_command
-from worker.config import METRICS_PORT_OFFSET
+from sluice.ports import METRICS_PORT_OFFSET
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180.0

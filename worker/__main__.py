@@ -1,9 +1,6 @@
 """``python -m worker`` / ``sluice-worker``: serve one model over gRPC.
 
-Order: parse the settings, claim the ports (see :mod:`sluice.ports`), and only
-then import the serving code (torch, transformers: seconds) and load the model.
-A taken port therefore ends the process within a fraction of a second with one
-line naming the setting and exit status 2.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -15,8 +12,14 @@ import sys
 from collections.abc import Sequence
 
 from sluice.logs import configure_logging
-from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free, claim_port
-from worker.config import METRICS_PORT_OFFSET, WorkerConfig, parse_config
+from sluice.ports import (
+    EXIT_PORT_TAKEN,
+    METRICS_PORT_OFFSET,
+    PortUnavailableError,
+    check_port_free,
+    claim_port,
+)
+from worker.config import WorkerConfig, parse_config
 
 log = logging.getLogger("sluice.worker")
 

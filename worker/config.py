@@ -24,14 +24,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sluice.ports import METRICS_PORT_OFFSET
+
 ENV_PREFIX = "SLUICE_WORKER_"
 # Where converted models (the default GGUF model dequantized once) are kept unless
 # --cache-dir says otherwise; the loaders and the benchmarks use this one constant.
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "sluice"
-# Unless --metrics-port is set, /metrics listens on the gRPC port plus this: workers that
-# differ only in --port (one per GPU on one host) get distinct metrics ports with no other
-# setting, and the pair is easy to tell apart (50051 -> 51051, 50052 -> 51052).
-METRICS_PORT_OFFSET = 1000
 
 _SETTING = "sluice_setting"
 
@@ -425,7 +423,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
 def describe_settings() -> list[tuple[str, str, object, str]]:
     """Every worker setting as ``(flag, env var, default, help)``, in ``--help`` order.
 
-    Read by ``python -m sluice.config_docs`` (docs/configuration.md) and the deploy checks.
+    Read by ``python -m tools.config_docs`` (docs/configuration.md) and the deploy checks.
     A default computed from other settings is its description (a string).
     """
     return [

@@ -1,30 +1,6 @@
 """The worker's Prometheus metrics: one engine snapshot per scrape, on a small HTTP endpoint.
 
-``GET /metrics`` answers with the engine's gauges, counters and histogram
-(503 while the model loads); anything else is 404. The exposition is made by
-the ``prometheus_client`` library: :class:`EngineCollector` turns one
-:class:`~worker.engine.EngineStats` snapshot into metric families, and
-:func:`render` runs it through a registry of its own (no global state, so
-several workers in one test process never share values). The HTTP side uses
-asyncio streams only, so the worker needs no web framework; it serves on a
-socket the worker claimed at start (:func:`sluice.ports.claim_port`), before
-the model loads.
-
-Names (``--metrics-names``): ``sluice`` gives Sluice's own names
-(``sluice_worker_*``, every sample labelled ``model``); ``vllm`` gives the
-four series the Gateway API Inference Extension's endpoint picker reads by
-default from a pod with no engine-type label, under vLLM's names (labelled
-``model_name``, as vLLM labels them); ``both`` gives both. The vLLM-named
-series, from the extension's model server protocol
-(docs/proposals/003-model-server-protocol) and vLLM's own metrics:
-
-- ``vllm:num_requests_waiting`` (gauge): requests queued, not yet running;
-- ``vllm:num_requests_running`` (gauge): requests in the running batch;
-- ``vllm:kv_cache_usage_perc`` (gauge): the KV cache's used fraction, 0..1
-  (vLLM's help text: "1 means 100 percent usage", despite the name);
-- ``vllm:cache_config_info`` (gauge, value 1): the cache's shape in the
-  labels ``block_size`` (tokens per block) and ``num_gpu_blocks`` (blocks in
-  the pool), read by the picker's prefix-cache scorer.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -40,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from sluice.prometheus import CONTENT_TYPE
-from worker.engine import EngineStats
+from worker.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
 

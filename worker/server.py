@@ -1,19 +1,6 @@
 """Starts the gRPC server, loads the model, and drains on SIGTERM/SIGINT.
 
-Order at start: every port is claimed first (``python -m worker`` claims the
-metrics port and checks the gRPC port before this module is even imported; a
-taken port is one line naming the setting and exit status 2). The gRPC server
-listens with health NOT_SERVING (so probes and callers get a clear UNAVAILABLE
-while the model loads) and /metrics answers 503; then the model loads in a
-thread, then the engine starts and health flips to SERVING.
-On SIGTERM/SIGINT (see :mod:`worker.drain`): health flips to NOT_SERVING
-first (so health-checking callers stop sending), then new ``Generate`` calls
-are refused with UNAVAILABLE (so the edge moves them to another worker),
-in-flight calls get ``grace_period`` seconds to finish, the ones still running
-are ended with UNAVAILABLE "worker is shutting down", the server stops, then
-the engine, and the process exits.
-
-Channel settings (:data:`SERVER_OPTIONS`) are documented in docs/grpc.md.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -38,17 +25,17 @@ from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free
 from sluice.v1 import worker_pb2
 from worker import metrics
 from worker.config import WorkerConfig
-from worker.drain import DrainingWorker
-from worker.engine import Engine
-from worker.fake_runner import fake_slow_load, load_fake_model
-from worker.grammar import GrammarCompiler
-from worker.load_progress import LoadProgress
-from worker.model_loader import ModelLoadError, load_model
-from worker.model_runner import ModelRunner
-from worker.prompt import PromptRenderer
-from worker.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner
-from worker.servicer import ServingModel, WorkerService
-from worker.wire_decoding import add_worker_service
+from worker.engine.core import Engine
+from worker.model.fake_runner import fake_slow_load, load_fake_model
+from worker.model.load_progress import LoadProgress
+from worker.model.loader import ModelLoadError, load_model
+from worker.model.runner import ModelRunner
+from worker.model.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner
+from worker.sampling.grammar import GrammarCompiler
+from worker.service.drain import DrainingWorker
+from worker.service.prompt import PromptRenderer
+from worker.service.servicer import ServingModel, WorkerService
+from worker.service.wire_decoding import add_worker_service
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +95,7 @@ def build_serving(config: WorkerConfig, progress: LoadProgress | None = None) ->
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     runner: ModelRunner
-    if config.fake_tokens:  # benchmarks only: no model (worker/fake_runner.py)
+    if config.fake_tokens:  # benchmarks only: no model (worker/model/fake_runner.py)
         if not config.torch_threads:
             # Only small tensor ops are left; extra OpenMP threads would spin against the edge.
             torch.set_num_threads(1)

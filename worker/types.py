@@ -1,6 +1,6 @@
 """Internal request and event types of the worker: no torch, no protobuf.
 
-``convert.py`` turns wire messages into these and back; the engine and the
+``service/convert.py`` turns wire messages into these and back; the engine and the
 scheduler only ever see these. Events form a closed union (``Event``).
 """
 
@@ -62,7 +62,7 @@ class GenerationRequest:
     arrival_time: float
     return_token_ids: bool = False
     output: OutputOptions = OutputOptions()
-    grammar: str | None = None  # an llguidance grammar (worker.grammar); None = unconstrained
+    grammar: str | None = None  # an llguidance grammar (worker.sampling.grammar); None = unconstrained
     # Stream migration (``Resume`` on the wire; n == 1 only): the tokens an earlier call already
     # generated and delivered. They are prefilled after the prompt and count as generated: in
     # max_tokens, the context length, penalties, seeded draws, the grammar and usage.

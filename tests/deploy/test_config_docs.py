@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from sluice import config_docs
 from tests.deploy.manifests import REPO, SERVICES, parse_service, settings_of
+from tools import config_docs
 
 PREFIX = {"worker": "SLUICE_WORKER_", "edge": "SLUICE_EDGE_"}
 # A valid configuration to test one bad value against (the edge needs its workers).
@@ -51,7 +51,7 @@ FREE_TEXT = {
 def test_configuration_doc_is_generated_from_the_parsers():
     current = config_docs.DOC_PATH.read_text(encoding="utf-8")
     assert current == config_docs.render(), (
-        "docs/configuration.md is stale: run `python -m sluice.config_docs` and commit the result"
+        "docs/configuration.md is stale: run `python -m tools.config_docs` and commit the result"
     )
 
 

@@ -14,7 +14,7 @@ from sluice.client import WorkerClient
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.processes import EdgeProcess, WorkerProcess
-from worker.fake_runner import PASSAGE, SOURCE_PREFIX
+from worker.model.fake_runner import PASSAGE, SOURCE_PREFIX
 
 pytestmark = pytest.mark.integration
 

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from sluice.cli import edge_command, worker_command
+from sluice.ports import METRICS_PORT_OFFSET
 from tests.processes import REPO_ROOT, EdgeProcess, WorkerProcess, free_port, free_port_pair
-from worker.config import METRICS_PORT_OFFSET
 
 pytestmark = pytest.mark.integration
 

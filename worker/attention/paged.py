@@ -1,44 +1,7 @@
 """The attention function transformers calls for every layer: new keys and values into the pool,
 attention over each sequence's blocks.
 
-The worker loads models with ``attn_implementation="sluice_paged"``
-(:func:`register`), so any transformers model whose attention goes through
-the attention interface (Llama, Qwen, Mistral, Gemma, Phi, ...) runs over the
-paged pool with no model code of ours. The runner describes one forward with
-a :class:`PagedStep` and installs it with :func:`paged_step` around the call;
-the function finds its layer's pool by ``module.layer_idx``.
-
-A forward's tokens are a flat list (``[1, T]``, or ``[B, 1]`` for a decode
-step): token ``t`` belongs to one sequence, and its key and value go to pool
-slot ``slots[t]``. Then two kinds of work:
-
-- **decode rows**, one query token each: gather the rows' blocks into one
-  padded ``[rows, kv_heads, L, head_dim]`` batch and run one SDPA with a
-  length mask (on CUDA, the Triton kernel in ``triton_decode.py`` reads the
-  pool through the block tables instead, with no gather);
-- **chunks** of several tokens of one sequence (a prompt, or part of one):
-  gather that sequence's context and run SDPA with a causal mask offset by
-  the tokens before the chunk.
-
-Query heads share key/value heads (GQA) by folding the group into the query
-length, so SDPA never copies keys per query head. Masks are built once per
-forward (:class:`PagedStep`), not per layer. With no step installed (the
-prompt scorer's cacheless forward) the function is transformers' own SDPA.
-
-**Batch-invariant steps** (``--batch-invariant``, :class:`InvariantRows`):
-SDPA's result for a query depends on how many queries and keys it was given
-(its kernels split and vectorize by shape), so a token attended to as a decode
-row and the same token attended to inside a prompt chunk differ in the last
-bits, and so does a row whose batch companions are longer. In this mode every
-query token is computed alike, whatever its step: its own block table and
-length, keys padded to a multiple of :data:`INVARIANT_PAD_TOKENS`, one small
-matrix per (token, kv head) in a ``bmm`` (whose per-matrix result depends only
-on that matrix), a -inf mask and a softmax over the padded row (padding adds
-exact zeros). So a sequence's keys, values and logits are bit-for-bit the same
-computed in a prompt, in a decode batch of any size, or recomputed on another
-worker, which is what makes a moved stream's greedy text equal its undisturbed
-run's. It costs memory traffic (each token gathers its own keys), so it is a
-setting, off by default.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -53,7 +16,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from worker.kv_pool import KVPool
+from worker.attention.kv_pool import KVPool
 
 NAME = "sluice_paged"
 
@@ -105,7 +68,7 @@ class InvariantTile:
 
 @dataclass
 class InvariantRows:
-    """Every query token of a batch-invariant step (see the module docstring), as gather tiles
+    """Every query token of a batch-invariant step (see docs/worker.md), as gather tiles
     planned once per step by :func:`invariant_rows` (every layer reads the same plan)."""
 
     tiles: list[InvariantTile]

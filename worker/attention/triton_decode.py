@@ -1,71 +1,6 @@
 """Decode attention over the paged KV pool: a Triton kernel and a torch reference.
 
-`paged_decode_attention` computes, for one layer and one new token per
-sequence, ``softmax(q k^T * scale) v`` over the sequence's context, reading
-keys and values straight from the layer's block pool through the block
-tables (no gather into a contiguous cache). `paged_decode_reference` is the
-same computation in plain torch (gather, then float32 matmuls), for tests and
-for checking the kernel on a new device.
-
-Layout (the lead's pool, one per layer): ``key_cache`` and ``value_cache`` are
-``[num_blocks, block_size, kv_heads, head_dim]``; row ``b`` of
-``block_tables`` lists sequence ``b``'s blocks in order; ``seq_lens[b]`` is
-its context length with the current token already written to the pool. A
-row with length 0 is padding (a CUDA-graph batch bucket): its output is zeros
-and nothing of the pool or of its block-table row is read.
-
-Why the kernel is shaped this way (reasoning for an H100; not yet measured,
-``bench/bench_attention.py`` measures it):
-
-- **Decode attention is bandwidth-bound.** Each key/value element read from
-  HBM feeds 2 * G multiply-adds (G = query heads per kv head: 1 for
-  SmolLM2-1.7B, 3 for SmolLM2-135M, 4 for Llama-3-8B), far below the ~300
-  flop per byte where an H100 becomes compute-bound. The target is streaming
-  the live KV once at HBM speed (~3.35 TB/s): 256 sequences of ~200 tokens of
-  the 1.7B shape are 420 MB per layer, ~125 us, ~3 ms for 24 layers.
-- **One program per (sequence, kv head) serves the whole GQA group**, so a
-  key/value tile is read from HBM once and used by all G query heads. The
-  scores are a ``tl.dot`` of the group's queries, padded to 16 rows, with the
-  tile's keys: 16 is the tensor cores' smallest M, so padding a group of 1-4
-  heads costs no extra memory traffic and no instructions that matter.
-- **Tiles of 32 tokens spanning blocks.** Each token's block comes from
-  ``block_tables[b, t // block_size]``, so a tile covers two 16-token blocks
-  (or part of a larger block). A token's row of one head is contiguous (128
-  bytes for 64 dims in bf16, one cache line), so loads stay coalesced.
-  Softmax is online over tiles (running max and sum in float32, base-2
-  exponentials with the scale folded in). The tile size is set by registers,
-  not bandwidth: the gathered tile's addresses are per element, and ptxas
-  (sm_90a, triton 3.9, bf16, 4 warps, 2 stages) reports 128-158 registers
-  at 32 tokens x 64 dims, 190 at x 128 dims, against 236-255 and spills at
-  64 tokens. At ~160 registers, three programs share an SM, each with two
-  tiles in flight (cp.async stages): about 50 KB of K/V requested per SM
-  at a time, the order of what HBM's latency times bandwidth asks
-  (~3.35 TB/s x ~1 us over 132 SMs, ~25 KB).
-- **Split-K (flash-decoding) for few programs.** The single-pass grid has
-  B * KVH programs: 32 for one 1.7B sequence, 3 for one 135M sequence, on 132
-  SMs; each streams its whole context serially, so at ~2,000 tokens one SM
-  does work that 132 could share. When B * KVH is below
-  ``_TARGET_PROGRAMS`` (256, about two programs per SM), the context is cut
-  into partitions of at least ``_MIN_PARTITION_TOKENS`` (256: eight tiles, so
-  the extra pass costs less than it saves) and enough of them to reach about
-  256 programs; each writes its normalized partial output and
-  log-sum-exp in float32, and a reduce kernel (one program per sequence and
-  query head) combines them. The partial results are tiny next to the KV
-  (one sequence of the 1.7B shape with 8 partitions: 64 KB against 16 MB of
-  KV at 2,000 tokens). From 16 sequences of the 1.7B shape (512 programs)
-  the single pass already fills the GPU.
-- **CUDA graphs.** The plan (single pass or split, partition size) follows
-  from shapes alone: batch size, kv heads, block-table width and block size,
-  so each captured batch bucket has one fixed plan and grid. Lengths stay in
-  device memory: a partition past its sequence's end returns at once and the
-  reduce reads only the partitions that hold context, so a replay with other
-  lengths needs no host work and stale scratch is never read. With
-  fixed-width block tables (the widest a sequence can be), the partition
-  count follows the table width; at short contexts most split programs exit
-  at their first instruction. Nothing is allocated when ``out`` and (for a
-  split plan) a ``workspace`` from `allocate_split_workspace` are given.
-- Head dims that are not powers of two (``tl.arange`` needs them) are padded
-  to the next one and masked.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -77,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 # Tokens per inner-loop tile; a power of two >= 16 (tl.dot's smallest size).
-# Registers, not bandwidth, bound it (module docstring).
+# Registers, not bandwidth, bound it (docs/worker.md).
 _TILE_TOKENS = 32
 # About two programs per SM on an H100 (132 SMs): below this many
 # (sequence, kv head) programs the single pass leaves SMs idle.
@@ -139,7 +74,7 @@ def plan_decode(
     partition_tokens: int | None = None,
     tile_tokens: int = _TILE_TOKENS,
 ) -> DecodePlan:
-    """The plan for these shapes (see the module docstring for the rule).
+    """The plan for these shapes (see docs/worker.md for the rule).
 
     ``split_k``: None chooses by the rule; False forces the single pass; True
     forces a split (into partitions of ``partition_tokens``, or by the rule's

@@ -1,13 +1,6 @@
 """The Triton kernels behind `worker.attention.triton_decode` (imports triton).
 
-Only `triton_decode.py` imports this module, and only when a kernel is about
-to run, so a worker without triton (a CPU install) never imports it.
-
-triton chooses between compiling a kernel for the GPU and running it in its
-CPU interpreter when the kernel is decorated, and its own library functions
-(``tl.zeros``, ``tl.sum``...) are decorated when triton is imported: the
-interpreter works only in a process that had ``TRITON_INTERPRET=1`` set
-before importing triton (the tests start one for it).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
 """GGUF quantized blocks read as they are and repacked into the quantized layers.
 
-Block layouts (ggml, 32 weights per block along the input dimension):
-
-- Q8_0, 34 bytes: float16 ``d``, 32 int8 ``q``; ``w = d * q``.
-- Q4_0, 18 bytes: float16 ``d``, 16 bytes of 4-bit ``q`` (byte j holds weight j in
-  its low nibble and weight j + 16 in its high one); ``w = d * (q - 8)``.
-- Q4_1, 20 bytes: float16 ``d``, float16 ``m``, 16 bytes of ``q`` as in Q4_0;
-  ``w = d * q + m``.
-
-Q4_0 and Q4_1 map exactly onto :class:`~worker.quant.layers.Int4Linear`
-(``scale = d``, ``zero = 0`` or ``m + 8 d``, group 32); the only rounding is of
-``scale`` and ``zero`` to bfloat16, which the CPU kernel takes. Q8_0 has a
-scale per 32 weights and the CPU int8 kernel one per row, so a Q8_0 tensor is
-requantized: its rows are dequantized (one tensor at a time) and quantized again
-per row (:meth:`Int8Linear.from_float`); docs/quantization.md measures both errors.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """A GGUF file's tensor directory, read without parsing its metadata values into Python objects.
 
-``gguf.GGUFReader`` turns every metadata value into numpy views, including
-the tokenizer's ~100,000 vocabulary and merge strings, which took 13-15 s on
-this project's 2-core machines before a single weight was read. Loading the
-quantized weights needs only the tensor directory (name, shape, type, offset)
-and the architecture name, so this reads the header, skips the metadata values
-by their lengths, and memory-maps the tensor data. Layout (GGUF v2/v3, little
-endian): magic ``GGUF``, version u32, tensor count u64, metadata count u64,
-the metadata (key string, value type u32, value), the tensor infos (name
-string, dimension count u32, dimensions u64 each, type u32, offset u64), then
-the data at the next multiple of ``general.alignment`` (32 by default).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """Weight-only quantized linear layers (int8, int4, fp8) and the ``--quantization`` choice.
 
-The layers are ``nn.Module`` drop-ins for ``nn.Linear`` (inference only):
-
-- :class:`Int8Linear`: one int8 per weight and one scale per output row,
-  ``W[n, k] = q[n, k] * scale[n]``.
-- :class:`Int4Linear`: 4 bits per weight in groups of :data:`INT4_GROUP` input
-  columns, each group with a scale and an offset,
-  ``W[n, k] = (q[n, k] - 8) * scale[g, n] + zero[g, n]`` with ``q`` in 0..15 and
-  ``g = k // INT4_GROUP``: the layout of GGUF's Q4_0 (``zero = 0``) and Q4_1
-  (``zero = min + 8 * scale``), so those files repack into it exactly.
-- :class:`Fp8Linear`: float8 (e4m3) weights with one scale per output row (CUDA only).
-
-On the CPU the int8 and int4 layers multiply with torch's own weight-only
-kernels (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``),
-which take bfloat16 activations; the input is rounded to bfloat16 and the
-output returned in the input's dtype. Every other device takes one generic
-path (:func:`_uses_cpu_kernels` is the one switch): the weight is dequantized
-for each call and multiplied with ``F.linear``. That is correct but not fast;
-GPU kernels and figures are still to be measured (docs/quantization.md).
-
-The comparison of candidate kernels that led here is ``bench/bench_quant.py``
-and docs/quantization.md.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

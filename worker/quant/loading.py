@@ -1,15 +1,6 @@
 """Building a quantized model one tensor at a time, from a GGUF file or a safetensors folder.
 
-The model is created on the ``meta`` device (no memory), then each tensor of the
-checkpoint is read, turned into its final form (a quantized layer, or a float
-parameter for norms) and put in place before the next is read, so the float32
-model never exists in memory as a whole: the peak is the quantized model plus
-one float32 tensor (the largest, the 49152 x 576 embedding, is 113 MB).
-
-:class:`DirectLoadUnsupported` says a checkpoint cannot be loaded this way (an
-architecture whose GGUF tensor names are not mapped here, a folder without
-safetensors, a tensor that does not belong to the model); the caller then loads
-the float model and quantizes it in place (worker/model_loader.py).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

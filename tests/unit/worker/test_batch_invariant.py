@@ -11,8 +11,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.unit.worker.test_paged_runner import loaded
 from worker.attention import paged
-from worker.model_loader import ModelLoadError
-from worker.model_runner import ModelRunner, Work
+from worker.model.loader import ModelLoadError
+from worker.model.runner import ModelRunner
+from worker.model.step_inputs import Work
 from worker.quant.layers import cpu_kernels_available, quantize_linears
 
 pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no int4/int8 CPU kernels in this torch")

@@ -3,8 +3,8 @@ import pytest
 
 from sluice.status import read_details
 from sluice.v1 import worker_pb2 as pb
-from worker.convert import event_to_proto, parse_request, sampling_options
 from worker.errors import InvalidRequest, ModelNotFound, WorkerError
+from worker.service.convert import event_to_proto, parse_request, sampling_options
 from worker.types import ContentDelta, Finished, FinishReason, TokenLogprob, TopLogprob, Usage
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -163,7 +163,7 @@ def test_json_nested_up_to_the_bound_is_accepted():
 
 
 def test_undecodable_bytes_become_an_invalid_argument_naming_the_request():
-    from worker.wire_decoding import UndecodableRequest, lenient_decoder
+    from worker.service.wire_decoding import UndecodableRequest, lenient_decoder
 
     decode = lenient_decoder(pb.GenerateRequest)
     good = pb.GenerateRequest(model="m").SerializeToString()

@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import torch
 
-from worker import cuda_graphs
 from worker.attention import triton_decode
-from worker.kv_pool import KVShape
+from worker.attention.decode_kernel import kernel_works
+from worker.attention.kv_pool import KVShape
+from worker.model import cuda_graphs
 
 
 def cpu_runner() -> SimpleNamespace:
@@ -24,7 +25,8 @@ def cpu_runner() -> SimpleNamespace:
 def test_the_kernel_check_fails_closed_when_the_kernel_cannot_run(caplog):
     # CPU tensors without triton's interpreter: the kernel cannot launch, so the gather path is kept.
     with caplog.at_level(logging.ERROR):
-        assert cuda_graphs.kernel_works(cpu_runner()) is False  # type: ignore[arg-type]
+        runner = cpu_runner()
+        assert kernel_works(runner.kv_shape, runner.group, runner.block_size, runner.device) is False
     assert "decode attention gathers instead" in caplog.text
 
 

@@ -3,7 +3,7 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from worker.detokenizer import IncrementalDetokenizer, TokenTexts
+from worker.output.detokenizer import IncrementalDetokenizer, TokenTexts
 
 SAMPLES = [
     "Hello, world! How are you today?",

@@ -8,7 +8,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from worker.detokenizer import IncrementalDetokenizer, TokenTexts
+from worker.output.detokenizer import IncrementalDetokenizer, TokenTexts
 
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",

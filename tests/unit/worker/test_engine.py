@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 
-from worker.engine import Engine
-from worker.model_loader import load_model
-from worker.model_runner import ModelRunner
+from worker.engine.core import Engine
+from worker.model.loader import load_model
+from worker.model.runner import ModelRunner
 from worker.server import eos_token_ids
 from worker.types import (
     ContentDelta,

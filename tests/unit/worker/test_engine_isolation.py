@@ -9,9 +9,9 @@ import time
 import pytest
 
 from tests.unit.worker.test_engine import greedy, make_engine
-from worker import engine as engine_module
-from worker.model_loader import load_model
-from worker.output_processor import RequestOutputProcessor
+from worker.engine import core as engine_module
+from worker.model.loader import load_model
+from worker.output.processor import RequestOutputProcessor
 from worker.types import ContentDelta, Failed, Finished, GenerationRequest, SamplingOptions, Usage
 
 STEPS = 10

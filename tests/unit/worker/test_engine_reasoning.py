@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.types import (
     ContentDelta,
     Failed,

@@ -19,13 +19,13 @@ from dataclasses import replace
 
 import pytest
 
-from worker.detokenizer import TokenTexts
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.errors import InvalidRequest
-from worker.grammar import GrammarCompiler, GrammarSpec
-from worker.model_loader import load_model
-from worker.model_runner import ModelRunner
-from worker.output_processor import RequestOutputProcessor, TextRules
+from worker.model.loader import load_model
+from worker.model.runner import ModelRunner
+from worker.output.detokenizer import TokenTexts
+from worker.output.processor import RequestOutputProcessor, TextRules
+from worker.sampling.grammar import GrammarCompiler, GrammarSpec
 from worker.server import eos_token_ids
 from worker.types import (
     Admitted,

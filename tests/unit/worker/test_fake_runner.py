@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from worker.config import parse_config
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.errors import InvalidRequest
-from worker.fake_runner import PASSAGE, SOURCE_PREFIX, FakeRunner, load_fake_model
-from worker.model_loader import DEFAULT_MODEL_ID, ModelLoadError
-from worker.model_runner import Work
+from worker.model.fake_runner import PASSAGE, SOURCE_PREFIX, FakeRunner, load_fake_model
+from worker.model.loader import DEFAULT_MODEL_ID, ModelLoadError
+from worker.model.step_inputs import Work
 from worker.server import eos_token_ids
 from worker.types import ContentDelta, Finished, FinishReason, GenerationRequest, SamplingOptions, Usage
 

@@ -11,13 +11,13 @@ import jsonschema
 import pytest
 
 from sluice.v1 import worker_pb2 as pb
-from worker.convert import parse_request
-from worker.engine import Engine
+from worker.engine.core import Engine
 from worker.errors import InvalidRequest
-from worker.grammar import GrammarCompiler, GrammarSpec
-from worker.model_loader import load_model
-from worker.model_runner import ModelRunner
+from worker.model.loader import load_model
+from worker.model.runner import ModelRunner
+from worker.sampling.grammar import GrammarCompiler, GrammarSpec
 from worker.server import eos_token_ids
+from worker.service.convert import parse_request
 from worker.types import (
     ContentDelta,
     Finished,

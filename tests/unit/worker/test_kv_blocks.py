@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from worker.kv_blocks import BlockManager, OutOfBlocks, SequenceBlocks
+from worker.engine.kv_blocks import BlockManager, OutOfBlocks, SequenceBlocks
 
 
 def computed(blocks: BlockManager, tokens: list[int]) -> SequenceBlocks:

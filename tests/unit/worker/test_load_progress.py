@@ -8,7 +8,7 @@ import grpc
 
 from sluice.status import ErrorDetails, build_status, read_details
 from worker.errors import ModelLoading
-from worker.load_progress import LoadProgress, wait_for_load
+from worker.model.load_progress import LoadProgress, wait_for_load
 
 
 def test_the_fraction_only_rises_and_stays_in_range() -> None:

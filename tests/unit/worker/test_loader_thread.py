@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from worker.model_loader import ModelLoadError
+from worker.model.loader import ModelLoadError
 from worker.server import in_own_thread
 
 

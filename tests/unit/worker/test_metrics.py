@@ -7,7 +7,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.prometheus import Histogram
-from worker.engine import EngineCounters, EngineStats
+from worker.engine.stats import EngineCounters, EngineStats
 from worker.metrics import MetricNames, render
 
 PICKER_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")

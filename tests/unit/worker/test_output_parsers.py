@@ -9,10 +9,10 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from worker.detokenizer import IncrementalDetokenizer
-from worker.output_parser import ChoiceOutput
-from worker.reasoning import ReasoningParser
-from worker.tool_calls import CallPiece, ContentPiece, ToolCallParser
+from worker.output.choice_output import ChoiceOutput
+from worker.output.detokenizer import IncrementalDetokenizer
+from worker.output.reasoning import ReasoningParser
+from worker.output.tool_calls import CallPiece, ContentPiece, ToolCallParser
 from worker.types import ContentDelta, OutputOptions, ReasoningDelta, ToolCallDelta
 
 TOOL_TEXTS = [

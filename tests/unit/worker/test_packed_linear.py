@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from worker.config import parse_config
-from worker.model_loader import load_model
-from worker.packed_linear import PackedLinear, pack_linears, packing_supported
+from worker.model.loader import load_model
+from worker.model.packed_linear import PackedLinear, pack_linears, packing_supported
 
 pytestmark = pytest.mark.skipif(
     not packing_supported(torch.float32), reason="this torch build cannot pack weights for oneDNN"

@@ -8,8 +8,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
-from worker.model_loader import ModelLoadError
-from worker.model_runner import ModelRunner, Work
+from worker.model.loader import ModelLoadError
+from worker.model.runner import ModelRunner
+from worker.model.step_inputs import Work
 
 
 def loaded(model) -> SimpleNamespace:  # type: ignore[no-untyped-def]

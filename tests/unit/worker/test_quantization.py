@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 
 from worker.config import parse_config
-from worker.model_loader import (
+from worker.model.loader import (
     AUTO_DEFAULT_MODEL_CPU,
     ModelLoadError,
     choose_quantization,

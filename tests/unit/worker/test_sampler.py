@@ -1,11 +1,18 @@
-"""The batched sampler (worker/sampler.py): each transform, logprobs, seeds, batch independence."""
+"""The batched sampler (worker/sampling/sampler.py): each transform, logprobs, seeds, batch independence."""
 
 import math
 
 import pytest
 import torch
 
-from worker.sampler import GrammarFailure, Sample, SequenceSampling, blocked_ids, sample_batch, uniform
+from worker.sampling.sampler import (
+    GrammarFailure,
+    Sample,
+    SequenceSampling,
+    blocked_ids,
+    sample_batch,
+    uniform,
+)
 from worker.types import SamplingOptions
 
 VOCAB = 50

@@ -6,9 +6,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from worker.engine.kv_blocks import BlockManager
+from worker.engine.scheduler import Scheduler, Sequence
 from worker.errors import InvalidRequest, QueueFull
-from worker.kv_blocks import BlockManager
-from worker.scheduler import Scheduler, Sequence
 
 
 @dataclass(eq=False)

@@ -2,7 +2,7 @@ import random
 
 import pytest
 
-from worker.stop_strings import StopStringMatcher
+from worker.output.stop_strings import StopStringMatcher
 
 
 def run(matcher: StopStringMatcher, pieces: list[str]) -> tuple[str, str | None]:

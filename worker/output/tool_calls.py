@@ -1,18 +1,6 @@
 """Streams tool calls out of generated text as typed deltas.
 
-Two formats are recognised:
-
-- ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (the
-  Hermes / Qwen family; also what Sluice's built-in tool prompt asks for),
-  any number in a row, with content allowed before them;
-- a bare JSON call ``{"name": ..., "arguments": {...}}`` (or several) when the
-  answer starts with ``{``.
-
-For each call the parser emits the name first (with a fresh id) and then the
-arguments' JSON text in fragments as it arrives; ``"parameters"`` is read as
-``"arguments"``; a call without arguments gets ``{}``. A block whose JSON has no
-name is given back as content. The JSON is scanned one character at a time, so
-the reassembled result never depends on how the text was split.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -23,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from sluice.ids import new_tool_call_id
-from worker.markers import split_at_marker
+from worker.output.markers import split_at_marker
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"

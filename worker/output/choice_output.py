@@ -1,20 +1,14 @@
 """A choice's generated text → content, reasoning and tool-call events.
 
-Text goes through the reasoning parser first (thinking becomes reasoning
-deltas), then the answer goes through the tool-call parser (calls become
-tool-call deltas, everything else content). Both are optional per request.
-Logprobs travel with the first content or reasoning delta of a step; tokens
-that only produced tool-call text carry none (OpenAI reports no logprobs for
-tool calls). Token ids (when asked) travel with the last delta of a step,
-whatever its kind, so a caller can tell which deltas its ids cover.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-from worker.reasoning import ReasoningParser
-from worker.tool_calls import CallPiece, Piece, ToolCallParser
+from worker.output.reasoning import ReasoningParser
+from worker.output.tool_calls import CallPiece, Piece, ToolCallParser
 from worker.types import ContentDelta, OutputOptions, ReasoningDelta, TokenLogprob, ToolCallDelta
 
 OutputEvent = ContentDelta | ReasoningDelta | ToolCallDelta

@@ -1,27 +1,6 @@
 """Who holds which block of the paged KV cache, and which blocks hold reusable prefixes.
 
-Pure Python, no torch: the tensors live in :class:`worker.kv_pool.KVPool`;
-this module only hands out block numbers. A sequence's KV lives in
-fixed-size blocks listed, in order, by its block table
-(:class:`SequenceBlocks`); token ``t`` of a sequence sits in slot
-``t % block_size`` of block ``table[t // block_size]``.
-
-Blocks are reference-counted. A block whose tokens are all computed is
-*registered* under the exact prefix it ends (``(id of the previous block's
-entry, the block's token ids)``: a chain, so a key names the whole prefix
-with no hashing and no collisions), and a later sequence that starts with
-the same tokens takes the same blocks instead of computing them again
-(:meth:`BlockManager.attach_prefix`). When its last holder lets go, a
-registered block is not freed but kept, least recently used first in line,
-as reusable; allocation takes plain free blocks first and evicts reusable
-ones only when none is left. Evicting a block also forgets the entries
-chained below it (they could no longer be reached). Each sequence frees its
-blocks from the last to the first, so a shared prefix's first blocks are the
-last to go.
-
-Causal attention makes a prefix's KV independent of what follows it, and
-positions always start at 0, so reusing a block gives what computing it again
-would (up to float rounding of a different batch shape, as any batching does).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

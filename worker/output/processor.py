@@ -1,20 +1,6 @@
 """Text-level output of one request: the engine core's tokens → the events callers see.
 
-The core (``engine.py``) draws tokens and decides the token-level ends (EOS,
-stop token ids, max_tokens, context end, a complete grammar). Everything about
-text happens here, on the request's own event loop, while the core runs the
-next forward: incremental detokenization, stop strings, blocked phrases,
-reasoning and tool-call parsing, logprob texts, finish reasons, timings and
-usage.
-
-A stop string or blocked phrase found here ends the choice at once: nothing
-after it is ever emitted, later tokens of that choice are ignored, and the
-processor reports the choice in ``ProcessorOutput.stopped`` so the core drops
-its sequence before its next step.
-
-A processor is owned by one :class:`~worker.engine.RequestStream`; an
-exception raised here fails that request only (the stream turns it into a
-``Failed`` event with the partial usage).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -22,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from worker.detokenizer import Decoder, IncrementalDetokenizer, TokenTexts
-from worker.output_parser import ChoiceOutput
-from worker.stop_strings import StopStringMatcher
+from worker.output.choice_output import ChoiceOutput
+from worker.output.detokenizer import Decoder, IncrementalDetokenizer, TokenTexts
+from worker.output.stop_strings import StopStringMatcher
 from worker.types import (
     Admitted,
     ChoiceEnded,

@@ -1,41 +1,6 @@
 """A model runner that runs no model: tokens from a fixed passage, for benchmarking the edge.
 
-``--fake-tokens`` swaps :class:`~worker.model_runner.ModelRunner` for
-:class:`FakeRunner`; everything else a request goes through is the normal
-path (servicer, prompt rendering with the real tokenizer and chat template,
-scheduler, engine step loop, sampler, detokenizer, stop strings, output
-parser, proto conversion). So a fake worker costs what a real one costs
-minus the forward passes, and an edge in front of it is measured against a
-stream it did not have to wait for.
-
-Contract (the one :class:`~worker.engine.Engine` relies on, see
-``model_runner.py``): ``execute`` runs a step's work and returns logits
-``[sampling items, vocab]`` (float32) that put all the mass on one token: the
-next token of :data:`PASSAGE` for that sequence (each sequence starts at the
-passage's beginning and cycles through it, by its count of generated tokens,
-so a preempted and recomputed sequence goes on where it was). The engine's
-block manager, scheduler, chunked prefill and preemption run as with a model
-(over ``--max-batch-tokens`` of notional KV, default :data:`DEFAULT_TOKENS`). Greedy and sampled requests
-therefore get the same text; logit_bias, penalties, ``min_tokens`` masks or a
-grammar may move the pick elsewhere, as they would with a model. The passage
-never contains EOS, so a request runs to ``max_tokens``, a stop string, or
-the context length.
-
-Pacing: with ``step_ms > 0`` every forward (prefill or decode) sleeps that
-long, releasing the GIL as a real forward does, so a stream gets at most
-``1000 / step_ms`` tokens/s; with 0 the step loop runs as fast as the CPU
-lets it. A fake worker runs torch with one intra-op thread unless
-``--torch-threads`` says otherwise (``worker/server.py``): only small tensor
-ops are left, and more OpenMP threads would spin-wait against the edge on a
-small machine (on two cores, 16 streams from one fake worker went from about 330
-to 3000 tokens/s with one thread).
-
-Only the tokenizer of the model is loaded (:func:`load_fake_model`), from the
-converted-model cache when it is there (well under a second), else from the
-model's GGUF file or folder. The worker says it is fake everywhere it can: a
-warning at start, ``ModelInfo.source`` in ``ListModels`` (prefixed
-``fake-tokens:``), and the ``sluice_worker_fake_tokens`` gauge on
-``/metrics`` (:func:`worker.metrics.render` with ``fake_tokens``).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -52,8 +17,8 @@ import torch
 from transformers import AutoConfig, AutoTokenizer
 
 from worker.config import DEFAULT_CACHE_DIR
-from worker.load_progress import LoadProgress
-from worker.model_loader import (
+from worker.model.load_progress import LoadProgress
+from worker.model.loader import (
     DEFAULT_MODEL_ID,
     LoadedModel,
     ModelLoadError,
@@ -61,7 +26,8 @@ from worker.model_loader import (
     default_gguf_path,
     gguf_cache_folder,
 )
-from worker.model_runner import ModelRunner, Work
+from worker.model.runner import ModelRunner
+from worker.model.step_inputs import Work
 from worker.types import SampledLogprobs
 
 log = logging.getLogger(__name__)
@@ -92,7 +58,7 @@ def passage_token_ids(tokenizer: Any) -> list[int]:
 
 
 class FakeRunner(ModelRunner):
-    """Produces logits without a model; see the module docstring.
+    """Produces logits without a model; see docs/worker.md.
 
     It subclasses :class:`ModelRunner` so the engine's type holds; it overrides
     every method that would touch a model, and holds no KV cache.
@@ -140,7 +106,7 @@ def load_fake_model(
 ) -> LoadedModel:
     """The tokenizer (and context length) of ``model`` as a :class:`LoadedModel` with no model.
 
-    ``model`` is resolved as :func:`~worker.model_loader.load_model` resolves it
+    ``model`` is resolved as :func:`~worker.model.loader.load_model` resolves it
     (None = the default model), and the model id is the same, so callers that
     name the model work unchanged. ``source`` starts with :data:`SOURCE_PREFIX`.
     """

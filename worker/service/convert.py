@@ -1,9 +1,6 @@
 """All conversion between the wire (sluice.v1 protobuf) and the worker's own types.
 
-Incoming: :func:`parse_request` validates every field that can be checked
-without the tokenizer and names the offending field in the error;
-:func:`sampling_options` finishes the job once the prompt length is known.
-Outgoing: :func:`event_to_proto` and :func:`started_to_proto`.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -15,8 +12,8 @@ from typing import Any
 
 from sluice.v1 import worker_pb2 as pb
 from worker.errors import InvalidRequest, ModelNotFound
-from worker.grammar import GrammarSpec
-from worker.prompt import CHAT_ROLES, ChatMessage, ChatPrompt, RawPrompt
+from worker.sampling.grammar import GrammarSpec
+from worker.service.prompt import CHAT_ROLES, ChatMessage, ChatPrompt, RawPrompt
 from worker.types import (
     ContentDelta,
     Event,

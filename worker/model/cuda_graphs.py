@@ -1,25 +1,6 @@
 """Decode steps captured as CUDA graphs at padded batch-size buckets (CUDA only).
 
-A decode step is the same kernels every time once its shapes are fixed, and
-on a GPU host whose CPU dispatches eagerly (about 8 us per kernel launch,
-hundreds of launches per step) replaying a captured graph is what brings a
-step near the GPU's own time. So at start-up, before the worker reports
-SERVING, the runner captures one graph per bucket of rows (:data:`BUCKETS` up
-to ``max_running``), all over one set of static inputs: token ids ``[b, 1]``,
-positions ``[b, 1]``, pool slots ``[b]``, block tables ``[b, blocks per
-context]`` and context lengths ``[b]`` (int32, what the Triton decode kernel
-reads). A step of ``rows`` copies its inputs into the first rows, pads the
-bucket's other rows (length 0: the kernel reads nothing for them; their keys
-and values go to the runner's scratch block) and replays the smallest bucket
-that holds it. Attention in the graphs is the Triton kernel, which reads the
-pool through the block tables, so shapes do not depend on context lengths.
-Both are checked at start-up: the kernel against the torch reference on this
-model's shapes (:func:`kernel_works`), and one replayed graph against the same
-step run eagerly; without triton, or when a check fails, the worker runs
-decode eagerly and says why in its log.
-
-Prompt chunks (mixed steps) always run eagerly: their shapes vary with every
-prompt, and they are compute-bound, where launch overhead matters least.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -27,42 +8,41 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from worker.attention import paged
-from worker.model_runner import Work, decode_tables
-from worker.model_runner import slots as token_slots
-
-if TYPE_CHECKING:
-    from worker.model_runner import ModelRunner
+from worker.attention import paged, triton_decode
+from worker.attention.decode_kernel import decode_kernel
+from worker.attention.kv_pool import KVPool, KVShape
+from worker.model.step_inputs import Work, decode_tables
+from worker.model.step_inputs import slots as token_slots
 
 log = logging.getLogger(__name__)
 
+
+class GraphedRunner(Protocol):
+    """What capturing and replaying decode steps reads of the runner
+    (:class:`worker.model.runner.ModelRunner`)."""
+
+    model: Any
+    device: torch.device
+    block_size: int
+    scratch_block: int
+    kv_shape: KVShape
+    group: int
+    pool: KVPool
+
+    def execute(self, work: Sequence[Work]) -> torch.Tensor: ...
+
+
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
-
-
-def decode_kernel(batch: int, kv_heads: int, max_blocks: int, block_size: int, query_like: torch.Tensor):
-    """The Triton decode attention for ``batch`` rows as a :class:`~worker.attention.paged.PagedStep`
-    ``decode_kernel`` (its split plan fixed by the shapes, its scratch allocated once)."""
-    from worker.attention.triton_decode import allocate_split_workspace, paged_decode_attention, plan_decode
-
-    plan = plan_decode(batch, kv_heads, max_blocks, block_size)
-    workspace = allocate_split_workspace(query_like, plan) if plan.split else None
-
-    def attend(query, pool_k, pool_v, tables, lengths, scale):  # type: ignore[no-untyped-def]
-        return paged_decode_attention(
-            query, pool_k, pool_v, tables, lengths, scale, plan=plan, workspace=workspace
-        )
-
-    return attend
 
 
 class DecodeGraphs:
     """Captured decode steps; :meth:`run` replays the smallest bucket that holds a step."""
 
-    def __init__(self, runner: ModelRunner, max_rows: int, context_length: int):
+    def __init__(self, runner: GraphedRunner, max_rows: int, context_length: int):
         self.runner = runner
         device = runner.device
         self.buckets = [b for b in BUCKETS if b < max_rows] + [max_rows]
@@ -149,12 +129,10 @@ class DecodeGraphs:
         return self._logits[bucket][:rows]
 
 
-def capture_decode_graphs(runner: ModelRunner, max_rows: int, context_length: int) -> DecodeGraphs | None:
+def capture_decode_graphs(runner: GraphedRunner, max_rows: int, context_length: int) -> DecodeGraphs | None:
     """Captured graphs for decode steps of up to ``max_rows`` rows, or None (eager decode, logged
     with the reason) when triton is missing or capture fails."""
-    from worker.attention.triton_decode import triton_available
-
-    if not triton_available():
+    if not triton_decode.triton_available():
         log.warning("triton is not installed: decode runs eagerly, without CUDA graphs")
         return None
     graphs = DecodeGraphs(runner, max_rows, context_length)
@@ -171,32 +149,3 @@ def capture_decode_graphs(runner: ModelRunner, max_rows: int, context_length: in
         log.error("a replayed decode graph disagrees with the eager step: decode runs eagerly")
         return None
     return graphs
-
-
-def kernel_works(runner: ModelRunner) -> bool:
-    """Whether the Triton decode kernel runs here and agrees with the torch reference on a small
-    case of this model's shapes (checked once at start-up; on failure the gather path is used)."""
-    from worker.attention.triton_decode import paged_decode_attention, paged_decode_reference
-
-    shape = runner.kv_shape
-    device = runner.device
-    try:
-        generator = torch.Generator(device=device).manual_seed(0)
-        heads = shape.kv_heads * runner.group
-        size = runner.block_size
-        pool_k = torch.randn((8, size, shape.kv_heads, shape.head_dim), generator=generator, device=device)
-        pool_v = torch.randn(pool_k.shape, generator=generator, device=device)
-        query = torch.randn((3, heads, shape.head_dim), generator=generator, device=device)
-        pool_k, pool_v, query = (t.to(shape.dtype) for t in (pool_k, pool_v, query))
-        tables = torch.tensor([[3, 1, 0], [7, 0, 0], [2, 5, 6]], dtype=torch.int32, device=device)
-        lengths = torch.tensor([2 * size + 1, 1, 3 * size], dtype=torch.int32, device=device)
-        scale = shape.head_dim**-0.5
-        got = paged_decode_attention(query, pool_k, pool_v, tables, lengths, scale).float()
-        want = paged_decode_reference(query, pool_k, pool_v, tables, lengths, scale).float()
-    except Exception:
-        log.exception("the Triton decode kernel failed its start-up check: decode attention gathers instead")
-        return False
-    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
-        log.error("the Triton decode kernel disagrees with the reference: decode attention gathers instead")
-        return False
-    return True

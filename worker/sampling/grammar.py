@@ -1,32 +1,6 @@
 """Grammar-constrained decoding with llguidance (see docs/constrained-decoding.md for the choice).
 
-:class:`GrammarCompiler` (one per worker) turns a request's constraint into an
-llguidance grammar and makes one :class:`TokenConstraint` per choice. Each
-step the sampler masks the logits with :meth:`TokenConstraint.allowed` before
-drawing, and the engine feeds the drawn token to :meth:`TokenConstraint.advance`.
-
-Constraints:
-
-- ``json_object``: any JSON object;
-- ``json_schema``: JSON that validates against the schema;
-- ``tool_call``: one (or, with parallel calls, one or more)
-  ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` blocks whose
-  name is one of the allowed functions and whose arguments validate against
-  that function's parameter schema. This is the format the tool-call parser
-  reads, so forced calls stream like any other.
-
-JSON is generated compactly (no free white space): small models otherwise
-tend to emit white space forever.
-
-Embedding: a tool's parameter schema becomes a subschema of the call schema,
-so its own ``#/...`` references (``#/$defs/Options``, what pydantic writes for
-nested models, ``#/definitions/...``, or ``#`` itself for recursion) would
-point at the wrong document root. :func:`embed_schema` keeps their meaning:
-each tool's ``$defs``/``definitions`` move to the combined root under names
-unique to that tool, and every local ``$ref`` is rewritten to match (a ref
-into the rest of the tool's schema points into a copy of that schema kept
-among the root's ``$defs``). A ``response_format`` schema is the root of its
-grammar, so its references resolve as written.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

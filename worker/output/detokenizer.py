@@ -1,11 +1,6 @@
 """Incremental detokenization that never splits a character.
 
-Decoding token by token is wrong twice over: byte-level BPE tokens can hold
-part of a UTF-8 character, and SentencePiece tokenizers decide on a leading
-space from the token before. So each step decodes a short window twice: the
-tokens already emitted (``prefix``) and the same window plus the new tokens;
-the new text is the difference. When the difference ends in U+FFFD (an
-incomplete character) nothing is emitted until a later token completes it.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

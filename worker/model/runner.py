@@ -1,99 +1,23 @@
 """Executes the model over the paged KV cache: the only module that runs torch forward passes.
 
-The runner is stateless about sequences: the scheduler decides each step's
-:class:`Work` (which tokens of which sequence, and its block table, from
-:class:`worker.kv_blocks.BlockManager`), and :meth:`ModelRunner.execute`
-runs them all in one forward, writing their keys and values into the pool
-(:class:`worker.kv_pool.KVPool`) and returning the logits of the sequences
-that sample. A step mixes decode rows (one token each) with chunks of
-prompts (several tokens of one sequence, up to the step's prefill budget),
-so a long prompt never stalls the running streams for more than one chunk.
-
-A step of decode rows only runs as a ``[rows, 1]`` batch; on CUDA it replays
-a captured CUDA graph of the padded batch-size bucket (``cuda_graphs.py``).
-Anything else runs eagerly as one flat ``[1, tokens]`` sequence.
-
-With ``batch_invariant`` (CPU, every linear layer on torch's int4/int8 weight-only
-kernels, which compute each row alike whatever the batch), every step runs as one
-flat sequence whose attention treats each token alike
-(:class:`worker.attention.paged.InvariantRows`): a sequence's logits are then the
-same bits whatever else its steps held and however its prompt was chunked.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from worker.attention import paged
+from worker.attention.decode_kernel import decode_kernel, kernel_works
+from worker.attention.kv_pool import KVPool, KVShape, kv_shape
 from worker.attention.triton_decode import triton_available
-from worker.kv_pool import KVPool, KVShape, kv_shape
-from worker.model_loader import LoadedModel, ModelLoadError
+from worker.model.cuda_graphs import DecodeGraphs
+from worker.model.loader import LoadedModel, ModelLoadError
+from worker.model.step_inputs import FlatTokens, Work, decode_tables, slots
 from worker.quant.layers import row_invariant_linears
 from worker.types import SampledLogprobs
-
-if TYPE_CHECKING:
-    from worker.cuda_graphs import DecodeGraphs
-
-
-@dataclass(frozen=True)
-class Work:
-    """One sequence's part of a step: compute ``tokens`` at positions ``start..``, whose slots the
-    block table covers; ``sample``: the last token's logits are wanted (it ends the known tokens)."""
-
-    tokens: Sequence[int]
-    start: int
-    table: Sequence[int]
-    sample: bool
-    generated: int = 0  # tokens the sequence has generated so far (a fake runner picks from it)
-
-
-def slots(item: Work, block_size: int) -> list[int]:
-    """The pool slot (block * block_size + offset) of each of ``item``'s tokens."""
-    table, size = item.table, block_size
-    return [table[p // size] * size + p % size for p in range(item.start, item.start + len(item.tokens))]
-
-
-def decode_tables(
-    work: Sequence[Work], block_size: int, rows: int, width: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Block tables ``[rows, width]`` (on the CPU) of decode items: row ``i`` lists the blocks that hold
-    item ``i``'s context, the current token included; other entries (and rows past ``work``) are 0."""
-    tables = torch.zeros((rows, width), dtype=dtype)
-    for row, item in enumerate(work):
-        used = -(-(item.start + 1) // block_size)
-        tables[row, :used] = torch.tensor(list(item.table[:used]), dtype=dtype)
-    return tables
-
-
-@dataclass
-class _Flat:
-    """A step's items as one flat token sequence: ids, positions and pool slots per token, where
-    each item starts, and which tokens' logits are kept (each sampling item's last)."""
-
-    ids: list[int]
-    positions: list[int]
-    slots: list[int]
-    starts: list[int]
-    keep: list[int]
-
-    @classmethod
-    def of(cls, work: Sequence[Work], block_size: int) -> _Flat:
-        flat = cls([], [], [], [], [])
-        for item in work:
-            flat.starts.append(len(flat.ids))
-            flat.ids += item.tokens
-            flat.positions += range(item.start, item.start + len(item.tokens))
-            flat.slots += slots(item, block_size)
-            if item.sample:
-                flat.keep.append(len(flat.ids) - 1)
-        return flat
-
-    def slot_tensor(self, device: torch.device) -> torch.Tensor:
-        return torch.tensor(self.slots, dtype=torch.long, device=device)
 
 
 def check_batch_invariant(loaded: LoadedModel) -> None:
@@ -144,12 +68,10 @@ class ModelRunner:
         if batch_invariant:
             check_batch_invariant(loaded)
         # On CUDA with triton, decode rows use the Triton kernel (no gather), graphs or not, once it
-        # passed its start-up check (worker.cuda_graphs.kernel_works).
+        # passed its start-up check (worker.attention.decode_kernel.kernel_works).
         self._use_kernel = False
         if self.device.type == "cuda" and triton_available():
-            from worker.cuda_graphs import kernel_works
-
-            self._use_kernel = kernel_works(self)
+            self._use_kernel = kernel_works(self.kv_shape, self.group, self.block_size, self.device)
 
     @property
     def decode_kernel_enabled(self) -> bool:
@@ -187,8 +109,6 @@ class ModelRunner:
         step.decode_tables = decode_tables(work, self.block_size, rows, width, index_type).to(self.device)
         step.decode_lengths = torch.tensor(lengths, dtype=index_type, device=self.device)
         if kernel:
-            from worker.cuda_graphs import decode_kernel
-
             shape = self.kv_shape
             heads = shape.kv_heads * self.group
             like = torch.empty((rows, heads, shape.head_dim), dtype=shape.dtype, device=self.device)
@@ -213,7 +133,7 @@ class ModelRunner:
 
     def _mixed(self, work: Sequence[Work]) -> torch.Tensor:
         device = self.device
-        flat = _Flat.of(work, self.block_size)
+        flat = FlatTokens.of(work, self.block_size)
         decode_tokens: list[int] = []
         decode_work: list[Work] = []
         chunks: list[paged.Chunk] = []
@@ -242,7 +162,7 @@ class ModelRunner:
 
     def _invariant(self, work: Sequence[Work]) -> torch.Tensor:
         size = self.block_size
-        flat = _Flat.of(work, size)
+        flat = FlatTokens.of(work, size)
         width = paged.invariant_blocks(max(item.start + len(item.tokens) for item in work), size)
         tables = []
         for item in work:
@@ -262,7 +182,7 @@ class ModelRunner:
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(self.device), invariant=rows)
         return self._forward_flat(step, flat)
 
-    def _forward_flat(self, step: paged.PagedStep, flat: _Flat) -> torch.Tensor:
+    def _forward_flat(self, step: paged.PagedStep, flat: FlatTokens) -> torch.Tensor:
         """One forward of ``flat``'s tokens as a ``[1, T]`` sequence under ``step``; the logits of
         its sampling tokens."""
         device = self.device

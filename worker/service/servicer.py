@@ -1,11 +1,6 @@
 """The sluice.v1.Worker gRPC service: thin translation between the wire and the engine.
 
-Logging: each ``Generate`` call binds its request id (the request's own
-``request_id``, else the edge's ``x-request-id`` metadata, else a new one) to
-:data:`sluice.logs.request_id_var`, so every line it logs carries it in the
-JSON format, and logs one line when the request is accepted (prompt tokens,
-``n``, ``max_tokens``) and one when it ends: completed (each choice's finish
-reason, completion tokens), failed, or cancelled by the caller.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -26,7 +21,13 @@ import grpc
 from sluice.logs import request_id_var
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from worker.convert import (
+from worker.engine.core import Engine
+from worker.engine.prepare import Prepared
+from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, WorkerError
+from worker.model.load_progress import LoadProgress, wait_for_load
+from worker.model.loader import LoadedModel
+from worker.sampling.grammar import GrammarCompiler
+from worker.service.convert import (
     MAX_N,
     ParsedRequest,
     check_resumed_tokens,
@@ -34,12 +35,7 @@ from worker.convert import (
     parse_request,
     sampling_options,
 )
-from worker.engine import Engine, Prepared
-from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, WorkerError
-from worker.grammar import GrammarCompiler
-from worker.load_progress import LoadProgress, wait_for_load
-from worker.model_loader import LoadedModel
-from worker.prompt import PromptRenderer
+from worker.service.prompt import PromptRenderer
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
 
 # Template rendering, tokenization and grammar compilation of a large request take long enough to

@@ -1,20 +1,6 @@
 """Linear layers with their weights packed once for oneDNN, for CPU inference.
 
-``torch.nn.Linear`` on the CPU multiplies through the BLAS torch was built
-with (MKL), which packs the weight again on every call. Nearly all of a decode
-step is these matrix multiplications: a 16-row step of SmolLM2-135M spent
-about 70 of its 100 ms in them on this project's 2-core AMD EPYC machines.
-oneDNN can keep a weight in its own blocked layout, and its kernels were 1.5
-to 3x faster there (bench/bench_linear.py), so :func:`pack_linears` replaces
-every ``nn.Linear`` of a loaded model with a :class:`PackedLinear` that does
-exactly that: the same float32 matrix product (only the summation order
-differs, as between any two BLAS kernels), about 1.5x faster per decode step
-here (docs/benchmarks.md).
-
-This relies on two operators that torch's own compiler (Inductor) uses for the
-same purpose, ``mkldnn._reorder_linear_weight`` and ``mkldnn._linear_pointwise``.
-A torch build without them, or a first packed layer whose output disagrees with
-``nn.Linear``, leaves the model as it was (and says so in the log).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,6 @@
 """How far the model load has come: written by the loader thread, read by the gRPC service.
 
-The worker's gRPC server answers while the model loads (health NOT_SERVING).
-During that time :class:`LoadProgress` holds a fraction in [0, 1] that the
-loader raises at its stages (:func:`worker.model_loader.load_model`'s
-``on_progress``; the fake load of ``--fake-load-seconds`` raises it evenly).
-The service reads it to answer a call that arrives during the load: at once
-with UNAVAILABLE ``model_loading`` (``load_fraction`` in the status details),
-or, when the request asks to wait (``model_load_wait_seconds``), with
-``progress`` MODEL_LOAD events until the model is ready (:func:`wait_for_load`).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,6 @@
 """Admission, chunked prefill and preemption over the paged KV cache: pure Python, no torch.
 
-The scheduler owns ``waiting`` (a bounded FIFO of requests) and ``running``
-(requests whose sequences are in the batch), and the
-:class:`~worker.kv_blocks.BlockManager` that hands out KV blocks. A sequence
-is its known tokens (the prompt, then every generated token) and how many of
-them have their KV in the pool (``computed``); each step it computes the
-rest, or as much of it as the step's budget allows:
-
-- a sequence with one token left (the last sampled one) **decodes**: one
-  token, every step, never held back by the budget;
-- a sequence with more left **prefills a chunk**: prompts share the step's
-  ``prefill_budget_tokens``, oldest first, so a long prompt is computed over
-  several steps and the running streams advance in every one of them. A
-  sequence samples only when its chunk reaches its last known token.
-
-A waiting request joins when a slot is free for each of its sequences
-(``max_running``), the budget has room, and its first chunk's blocks are
-available (after the blocks its prompt's cached prefix supplies). When a
-running sequence needs a block and none is left, the newest running request
-is **preempted**: its blocks are freed and it goes back to the front of the
-queue with its tokens, to be recomputed (mostly from the prefix cache) when
-blocks free up. Nothing fails for lack of memory: a request that could not
-fit the whole pool on its own is refused when it is added.
-
-Admission is first come, first served: a request that does not fit blocks the
-ones behind it, so a large request is never starved by small ones.
-
-An ``n > 1`` request computes its prompt once (its first sequence); the
-others wait for that sequence's first sample (``awaits_prompt``), then start
-from the prompt's blocks in the prefix cache plus their own first token.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -37,8 +9,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from worker.engine.kv_blocks import BlockManager, SequenceBlocks
 from worker.errors import InvalidRequest, QueueFull
-from worker.kv_blocks import BlockManager, SequenceBlocks
 
 
 @dataclass(eq=False)

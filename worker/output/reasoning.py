@@ -1,17 +1,13 @@
 """Separates a reasoning model's thinking (between ``<think>`` and ``</think>``) from its answer.
 
-:class:`ReasoningParser` takes the generated text in deltas of any size and
-returns (kind, text) pieces, kind "reasoning" or "content"; the markers never
-reach either. Only a block at the very start of the answer (after optional
-white space) counts as thinking; white space between ``</think>`` and the
-answer is dropped. The result does not depend on how the text was split.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
 
 import enum
 
-from worker.markers import split_at_marker
+from worker.output.markers import split_at_marker
 
 OPEN = "<think>"
 CLOSE = "</think>"

@@ -1,26 +1,6 @@
 """Sampling for a whole batch at once, on the logits' own device.
 
-Order of operations for every row (OpenAI's and vLLM's documented behaviour):
-
-1. logprobs, when asked, are the model's log-softmax of the raw logits, before
-   any sampling transform (so they do not depend on temperature or top_p);
-2. logit_bias is added; repetition, presence and frequency penalties apply;
-   stop tokens are masked while fewer than ``min_tokens`` were generated;
-   a grammar constraint, if any, masks every token it does not allow (last, so
-   the grammar wins);
-3. temperature 0 takes the argmax; otherwise temperature, top_k, top_p and
-   min_p filter, and one token is drawn by inverse CDF.
-
-Each transform is one batched tensor operation over the rows that need it:
-the Python work per row is gathering a few scalars and index lists into one
-tensor per field, never a tensor operation per row. Only the chosen ids and the
-asked-for logprobs cross to the host.
-
-Seeds: a row's uniform number for step ``t`` is a pure function of its seed
-and ``t`` (:func:`uniform`, SplitMix64), not of a generator shared with other
-rows, so a seeded request draws the same tokens whatever shares its batch.
-Rows are grouped by whether they need sorting (top_k or top_p), a property of
-the row itself, for the same reason.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -31,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker.grammar import TokenConstraint
+from worker.sampling.grammar import TokenConstraint
 from worker.types import SampledLogprobs, SamplingOptions
 
 _MASK64 = (1 << 64) - 1

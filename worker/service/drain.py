@@ -1,23 +1,6 @@
 """Worker drain: refuse new ``Generate`` calls, let in-flight ones finish, then end them clearly.
 
-:class:`DrainingWorker` wraps the :class:`~worker.servicer.WorkerService`
-(the servicer stays unaware of shutdown) and keeps the set of in-flight
-``Generate`` calls. Call order at shutdown (``worker/server.py``):
-
-1. :meth:`DrainingWorker.start_drain`: new ``Generate`` calls are refused
-   with ``UNAVAILABLE`` (reason ``not_ready``, "worker is shutting down"), so
-   the edge moves them to another worker before their first event;
-2. :meth:`DrainingWorker.wait_idle` with the grace period;
-3. :meth:`DrainingWorker.cut` for the calls still running: each ends with
-   ``UNAVAILABLE`` "worker is shutting down" (not a bare ``CANCELLED``, which
-   a caller would read as its own cancellation), and its sequence leaves the
-   engine like any cancelled request.
-
-How a call is cut: its handler task is cancelled only while it waits for the
-engine's next event (inside the servicer's generator, whose ``finally``
-aborts the sequence); a handler that is busy writing an event to the wire
-just sees the flag before its next read. Either way the handler itself ends
-the call with the status, which is the only way grpc-aio sends one.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -33,7 +16,7 @@ import grpc
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from worker.errors import NotReady
-from worker.servicer import WorkerService
+from worker.service.servicer import WorkerService
 
 log = logging.getLogger(__name__)
 

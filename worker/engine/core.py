@@ -1,38 +1,7 @@
-"""The engine core (the step loop that owns the model) and the async facade the service uses.
+"""The engine: the step loop thread that owns the model, and its thread-safe API (``prepare``,
+``submit``, ``abort``, ``stop_choices``, ``stats``).
 
-One daemon thread runs steps forever: apply control messages (aborts, choices
-stopped by text) → schedule → forward → sample → token-level stops. It hands
-each request typed :data:`~worker.types.CoreOutput` messages (new token ids
-with their logprobs, token-level finishes, progress) and never touches text.
-Everything text-level runs in the request's :class:`RequestOutputProcessor`
-on the request's event loop, while this thread runs the next forward
-(``output_processor.py``). A stop string found there comes back as
-:meth:`Engine.stop_choices`, and the core drops the sequence before its next
-step.
-
-Failure isolation: a failure while planning, sampling or stopping one request
-fails that request alone (a ``CoreFailure`` message, then its stream's
-``Failed`` event with its partial usage); a failure in one request's output
-processing fails it in its stream. Only a failed forward pass fails more than
-one request, and then only its own rows: when a step that prefilled prompt
-chunks fails, the requests of those chunks fail and the step's decode rows
-run again on their own (their keys and values are rewritten in place); a
-failed decode-only step fails the requests it decoded. Keys and values are
-only ever written into slots past a sequence's computed tokens, so the prefix
-cache (the registered, fully computed blocks) is never damaged or dropped.
-
-The gRPC layer never blocks this thread: each request gets a
-:class:`RequestStream` with an asyncio queue; once per step the thread hands
-every request's outputs over with a single ``call_soon_threadsafe`` per event
-loop. A stream whose consumer fell behind processes every step waiting in its
-queue at once and merges their content into one delta (:func:`coalesce`).
-
-Before its first token a request hears ``Progress`` events: ``queued`` when it
-is submitted and again every :data:`QUEUED_PROGRESS_INTERVAL_S` while it waits
-for a slot, ``prompt_processing`` when its prefill starts and, for a prompt
-computed in chunks, after each chunk with the fraction computed so far. They tell a caller
-with an idle timeout that the request is alive (the service forwards them
-only to calls that set ``stream_progress``).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -44,29 +13,28 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from sluice.prometheus import Histogram
-from worker.detokenizer import TokenTexts
-from worker.errors import InvalidRequest
-from worker.grammar import GrammarCompiler, TokenConstraint
-from worker.kv_blocks import BlockManager
-from worker.model_runner import ModelRunner
-from worker.model_runner import Work as RunnerWork
-from worker.output_processor import RequestOutputProcessor, TextRules, coalesce
-from worker.sampler import GrammarFailure, Sample, SequenceSampling, blocked_ids, sample_batch
-from worker.scheduler import Scheduler, Sequence, StepPlan, Work
+from worker.engine.kv_blocks import BlockManager
+from worker.engine.prepare import Prepared, RequestPreparer
+from worker.engine.request_stream import RequestStream
+from worker.engine.scheduler import Scheduler, Sequence, StepPlan, Work
+from worker.engine.stats import EngineCounters, EngineStats
+from worker.model.runner import ModelRunner
+from worker.model.step_inputs import Work as RunnerWork
+from worker.output.detokenizer import TokenTexts
+from worker.output.processor import RequestOutputProcessor, TextRules
+from worker.sampling.grammar import GrammarCompiler
+from worker.sampling.sampler import GrammarFailure, Sample, SequenceSampling, sample_batch
 from worker.types import (
     Admitted,
     ChoiceEnded,
     CoreFailure,
     CoreOutput,
-    Event,
-    Failed,
     FinishReason,
     GenerationRequest,
     NewToken,
@@ -79,44 +47,6 @@ log = logging.getLogger(__name__)
 # A request still waiting for a slot hears ``queued`` again this often, so a caller's idle
 # timer (the edge's --idle-timeout) does not mistake a long queue for a dead worker.
 QUEUED_PROGRESS_INTERVAL_S = 2.0
-
-
-@dataclass
-class EngineCounters:
-    """Monotonic counters, read by metrics and by tests through the metrics endpoint."""
-
-    requests_submitted: int = 0
-    requests_finished: int = 0
-    requests_cancelled: int = 0
-    requests_failed: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    preemptions: int = 0  # requests sent back to the queue for blocks (recomputed later)
-    steps: int = 0
-    time_to_first_token: Histogram = field(default_factory=Histogram)
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    waiting_requests: int
-    running_requests: int
-    running_sequences: int
-    live_caches: int
-    cache_tokens: int
-    cache_bytes: int
-    reserved_tokens: int
-    counters: EngineCounters
-    # The KV cache as blocks (what an inference gateway's endpoint picker scores): the pool's block
-    # size in tokens, its block count, and the blocks held now (by running sequences or kept for reuse).
-    kv_block_size: int = 1
-    kv_blocks_total: int = 0
-    kv_blocks_used: int = 0
-
-    @property
-    def kv_cache_usage(self) -> float:
-        """The fraction of the KV cache's blocks in use, 0..1 (0 when it has none)."""
-        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
 
 
 # A batch row belongs to one choice of one request: (engine request key, choice index).
@@ -172,74 +102,6 @@ class _Control(enum.Enum):
     STOP = "stop"  # choices ended by a stop string or blocked phrase
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """A request with its per-choice sampling state built (grammars compiled): :meth:`Engine.prepare`.
-
-    ``ended``: a resumed request whose resumed tokens already ended it at the token level (they
-    reach max_tokens or the context, or complete the grammar): nothing is generated."""
-
-    request: GenerationRequest
-    samplings: list[SequenceSampling]
-    ended: FinishReason | None = None
-
-
-class RequestStream:
-    """The events of one submitted request, as an async iterator.
-
-    Iterate it once. Stopping early (``cancel()``, a cancelled task, or closing
-    the iterator) aborts the request in the engine.
-    """
-
-    def __init__(
-        self, engine: Engine, key: str, loop: asyncio.AbstractEventLoop, processor: RequestOutputProcessor
-    ):
-        self._engine = engine
-        self.key = key
-        self._loop = loop
-        self._processor = processor
-        self._queue: asyncio.Queue[list[CoreOutput]] = asyncio.Queue()
-        self._finished = False
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        return self._loop
-
-    def put(self, outputs: list[CoreOutput]) -> None:
-        """Runs on the stream's event loop (see :func:`_deliver`)."""
-        self._queue.put_nowait(outputs)
-
-    def cancel(self) -> None:
-        if not self._finished:
-            self._finished = True
-            self._engine.abort(self.key)
-
-    async def __aiter__(self) -> AsyncIterator[Event]:
-        try:
-            while not self._finished:
-                outputs = await self._queue.get()
-                while not self._queue.empty():  # the consumer fell behind: take every waiting step
-                    outputs += self._queue.get_nowait()
-                for event in self._process(outputs):
-                    yield event
-        finally:
-            self.cancel()
-
-    def _process(self, outputs: list[CoreOutput]) -> list[Event]:
-        try:
-            result = self._processor.process(outputs)
-        except Exception as exc:  # this request's output failed: it alone ends
-            log.exception("output processing failed for %s", self.key)
-            self._finished = True
-            self._engine.abort(self.key, failed=True)
-            return [Failed(f"output processing failed: {type(exc).__name__}", self._processor.usage())]
-        if result.stopped:
-            self._engine.stop_choices(self.key, result.stopped)
-        if result.done:
-            self._finished = True  # the core has ended (or is told to end) every choice
-        return coalesce(result.events)
-
-
 def _deliver(batches: Iterable[tuple[RequestStream, list[CoreOutput]]]) -> None:
     """Hands a step's outputs to their streams, waking each event loop once per step (not once per
     request). Called from the engine thread."""
@@ -282,7 +144,12 @@ class Engine:
         self._eos = frozenset(eos_token_ids)
         self._context_length = context_length
         self._rules = TextRules(tuple(blocked_phrases), refusal_message)
-        self._grammars = grammars
+        self._preparer = RequestPreparer(
+            eos_token_ids=self._eos,
+            context_length=context_length,
+            scores_prompts=runner.scores_prompts,
+            grammars=grammars,
+        )
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=prefix_caching)
         self._scheduler: Scheduler[_RequestState] = Scheduler(
             self.blocks,
@@ -311,61 +178,10 @@ class Engine:
             self._thread.join(timeout)
 
     def prepare(self, request: GenerationRequest) -> Prepared:
-        """Builds the request's per-choice sampling state, compiling its grammar (blocking: the
+        """Builds the request's per-choice sampling state (:meth:`RequestPreparer.prepare`: blocking, the
         service calls it in a thread pool, off the event loop). Raises InvalidRequest for what this
         engine cannot do."""
-        opts = request.sampling
-        if opts.prompt_logprobs is not None and not self._runner.scores_prompts:
-            raise InvalidRequest(
-                "this worker runs no model (--fake-tokens), so it cannot score a prompt; "
-                "leave prompt_logprobs unset (completions: echo with logprobs, or max_tokens 0)",
-                param="prompt_logprobs",
-            )
-        blocked = blocked_ids(self._eos, opts)
-        samplings = [
-            SequenceSampling(
-                opts,
-                request.prompt_token_ids,
-                blocked,
-                seed_offset=i,
-                constraint=self._constraint(request),
-            )
-            for i in range(opts.n)
-        ]
-        ended = self._resume(request, samplings) if request.resumed_token_ids else None
-        return Prepared(request, samplings, ended)
-
-    def _resume(self, request: GenerationRequest, samplings: list[SequenceSampling]) -> FinishReason | None:
-        """Records a resumed request's tokens as generated (penalties, the seeded draw's step, the
-        grammar, max_tokens all continue from them); returns how they already ended it, if they did.
-        Raises InvalidRequest (param ``resume``) for tokens this request cannot continue from."""
-        resumed, opts = request.resumed_token_ids, request.sampling
-        if opts.n != 1 or len(samplings) != 1:
-            raise InvalidRequest("resuming a generation supports n = 1 only", param="resume")
-        if opts.prompt_logprobs is not None:
-            raise InvalidRequest("a resumed generation cannot score its prompt again", param="resume")
-        if len(resumed) > opts.max_tokens:
-            raise InvalidRequest(
-                f"{len(resumed)} resumed tokens exceed max_tokens ({opts.max_tokens})", param="resume"
-            )
-        if len(request.prompt_token_ids) + len(resumed) > self._context_length:
-            raise InvalidRequest(
-                "the prompt and the resumed tokens exceed the context length", param="resume"
-            )
-        sampling = samplings[0]
-        for token in resumed:
-            sampling.record(token)
-            if sampling.constraint is not None and (error := sampling.constraint.error) is not None:
-                raise InvalidRequest(
-                    f"the resumed tokens do not follow the request's grammar: {error}", param="resume"
-                )
-        # The same token-level ends, in the same order, as the last resumed token would have met in
-        # _advance (a stop token is never among them: it is never delivered).
-        if sampling.constraint is not None and sampling.constraint.finished:
-            return FinishReason.STOP
-        if sampling.generated >= opts.max_tokens or len(request.prefill_token_ids) >= self._context_length:
-            return FinishReason.LENGTH
-        return None
+        return self._preparer.prepare(request)
 
     def submit(self, request: GenerationRequest | Prepared) -> RequestStream:
         """Queues a request (preparing it here if it was not); raises QueueFull at once when the queue is
@@ -439,13 +255,6 @@ class Engine:
                 kv_blocks_used=blocks.used,
                 counters=replace(self.counters, time_to_first_token=self.counters.time_to_first_token.copy()),
             )
-
-    def _constraint(self, request: GenerationRequest) -> TokenConstraint | None:
-        if request.grammar is None:
-            return None
-        if self._grammars is None:
-            raise RuntimeError("a grammar-constrained request reached an engine without a grammar compiler")
-        return self._grammars.constraint(request.grammar)
 
     # --------------------------------------------------------------- loop
 
@@ -581,7 +390,7 @@ class Engine:
         owners: dict[int, tuple[_RequestState, _Choice]],
         outputs: dict[str, list[CoreOutput]],
     ) -> None:
-        """The step's forward (see the module docstring for what a failure fails), then sampling."""
+        """The step's forward (see docs/worker.md for what a failure fails), then sampling."""
         try:
             logits = self._runner.execute([_runner_work(w) for w in work])
         except Exception as exc:

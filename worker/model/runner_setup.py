@@ -1,18 +1,7 @@
 """From a loaded model to a warm runner: the KV pool's size, the batch limits that follow from it,
 and the warm-up (CUDA graphs on CUDA) that runs before the worker reports SERVING.
 
-Order matters on CUDA: a cacheless forward of a full prefill budget first
-takes its activations' memory, the pool then takes ``--gpu-memory-fraction``
-of what is left, and the decode graphs are captured last (their memory pool
-is small: the activations of one decode step per batch-size bucket).
-
-Defaults, each overridden by its setting:
-
-- ``max_running``: 16 on the CPU (compute, not memory, bounds a CPU batch);
-  on CUDA the pool's tokens / :data:`TOKENS_PER_SEQUENCE`, between 16 and
-  :data:`MAX_RUNNING_CUDA` (preemption covers sequences that grow longer);
-- ``max_prefill_tokens`` (the step's prompt-token budget): 1024 on the CPU,
-  2048 on CUDA (about one decode step's time of prompt work on a GPU).
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations
@@ -22,11 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
+from worker.attention.kv_pool import kv_shape, pool_blocks
 from worker.config import WorkerConfig
-from worker.fake_runner import DEFAULT_TOKENS, FakeRunner
-from worker.kv_pool import kv_shape, pool_blocks
-from worker.model_loader import LoadedModel
-from worker.model_runner import ModelRunner, Work
+from worker.model.cuda_graphs import capture_decode_graphs
+from worker.model.fake_runner import DEFAULT_TOKENS, FakeRunner
+from worker.model.loader import LoadedModel
+from worker.model.runner import ModelRunner
+from worker.model.step_inputs import Work
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +47,7 @@ def prefill_tokens(config: WorkerConfig, device: torch.device) -> int:
 
 def batch_limits(config: WorkerConfig, device: torch.device, pool_tokens: int) -> BatchLimits:
     """The running-sequence and prefill limits: the settings when given, else from the device and
-    the pool (see the module docstring)."""
+    the pool (see docs/worker.md)."""
     running = config.max_running
     if running is None:
         if device.type == "cuda":
@@ -93,8 +84,6 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
     limits = batch_limits(config, device, blocks * config.kv_block_size)
     warm_up(runner)
     if device.type == "cuda" and config.cuda_graphs and runner.decode_kernel_enabled:
-        from worker.cuda_graphs import capture_decode_graphs
-
         runner.graphs = capture_decode_graphs(runner, limits.max_running, loaded.context_length)
     log.info(
         "batch limits: %d running sequences, %d prompt tokens per step",

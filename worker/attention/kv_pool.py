@@ -1,16 +1,6 @@
 """The paged KV cache's memory: one preallocated pool of blocks per layer, and how big it is.
 
-Each layer holds keys and values as ``[num_blocks, block_size, kv_heads,
-head_dim]`` tensors, allocated once at start-up (zeros: padding slots that a
-mask hides must not hold NaNs, and on the CPU zeroed pages cost nothing until
-written). :class:`worker.kv_blocks.BlockManager` decides which blocks a
-sequence uses; the attention function (``worker/attention/paged.py``) writes
-each step's new keys and values into their slots and reads a sequence's
-context through its block table.
-
-Sizing (:func:`pool_blocks`): an explicit token count wins; otherwise on
-CUDA a fraction of the memory left free after the model loaded (and after a
-warm-up forward took its activations), and on the CPU a byte budget.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
 """Registers the ``sluice.v1.Worker`` service so that undecodable request bytes are the caller's error.
 
-gRPC decodes a request before the service sees it; with the generated
-registration a request that is not valid protobuf (a string field holding
-invalid UTF-8, a truncated message) ends the call with ``UNKNOWN`` ("Exception
-deserializing request!"), the status of a server bug. :func:`add_worker_service`
-registers the same methods with a decoder that turns such bytes into an
-:class:`UndecodableRequest`, and the call ends with ``INVALID_ARGUMENT`` (a
-``BadRequest`` naming ``request``) before the service is called.
+Design notes: docs/worker.md.
 """
 
 from __future__ import annotations

@@ -1,0 +1,197 @@
+"""The import graph, read from the source (every import: top-level, in functions, under TYPE_CHECKING):
+no circle among the worker's modules, its layers import downward only, and ``sluice/`` (the shared
+floor) imports neither service. docs/architecture.md draws the layers."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# The worker's layers, top first. A module may import its own unit and any unit of a lower layer,
+# never a unit of its own layer or of a higher one. A unit is a package or a set of modules.
+WORKER_LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
+    (("worker.__main__", "worker.server", "worker.metrics"),),  # the composition root
+    (("worker.service",),),
+    (("worker.engine",),),
+    (("worker.output",), ("worker.sampling",), ("worker.model",)),
+    (("worker.attention",), ("worker.quant",)),
+    (("worker.config", "worker.errors", "worker.types"),),  # settings and the shared vocabulary
+)
+# Function-level imports of worker modules that are there for start-up time or an optional
+# dependency, never to dodge a circle.
+LAZY_IMPORTS = {
+    ("worker.__main__", "worker.server"),  # torch loads only once the ports are claimed
+    ("worker.attention.triton_decode", "worker.attention.triton_decode_kernels"),  # needs triton
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def modules(package: str) -> dict[str, Path]:
+    """Every module of a top-level package, by dotted name (generated stubs left out)."""
+    return {
+        module_name(path): path
+        for path in sorted((REPO / package).rglob("*.py"))
+        if "v1" not in path.relative_to(REPO).parts
+    }
+
+
+def imports(path: Path, name: str) -> Iterator[tuple[str, bool]]:
+    """``(imported module or name, inside a function)`` for each import in the file, relative ones
+    resolved; ``from a import b`` yields both ``a`` and ``a.b`` (b may be a module)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def visit(node: ast.AST, in_function: bool) -> Iterator[tuple[str, bool]]:
+        for child in ast.iter_child_nodes(node):
+            nested = in_function or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef)
+            if isinstance(child, ast.Import):
+                yield from ((alias.name, in_function) for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (child.level - 1)]
+                    base = ".".join([*anchor, *([base] if base else [])])
+                yield base, in_function
+                yield from ((f"{base}.{alias.name}", in_function) for alias in child.names)
+            yield from visit(child, nested)
+
+    yield from visit(ast.parse(path.read_text(encoding="utf-8")), False)
+
+
+def worker_graph() -> dict[str, set[str]]:
+    """Module -> the worker modules it imports (package ``__init__`` files included as modules)."""
+    known = modules("worker")
+    return {
+        name: {target for target, _ in imports(path, name) if target in known and target != name}
+        for name, path in known.items()
+    }
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as a path ``[a, b, ..., a]``, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == 1:
+                return [*path[path.index(target) :], target]
+            if target not in state and (found := visit(target)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)) is not None:
+            return found
+    return None
+
+
+def unit_of(module: str) -> tuple[int, int] | None:
+    """``(layer, unit)`` indexes of a worker module, None for the ``worker`` package itself."""
+    for layer, units in enumerate(WORKER_LAYERS):
+        for index, unit in enumerate(units):
+            if any(module == prefix or module.startswith(prefix + ".") for prefix in unit):
+                return layer, index
+    return None
+
+
+def test_the_cycle_finder_finds_a_cycle() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_circle_among_worker_modules() -> None:
+    cycle = find_cycle(worker_graph())
+    assert cycle is None, "import circle: " + " -> ".join(cycle or [])
+
+
+def test_every_worker_module_has_a_layer() -> None:
+    missing = [name for name in modules("worker") if name != "worker" and unit_of(name) is None]
+    assert not missing, f"add these to WORKER_LAYERS (and docs/architecture.md): {missing}"
+
+
+def test_worker_layers_import_downward_only() -> None:
+    wrong = []
+    for source, targets in worker_graph().items():
+        here = unit_of(source)
+        for target in targets:
+            there = unit_of(target)
+            if here is None or there is None or here == there:
+                continue
+            if there[0] <= here[0]:
+                wrong.append(f"{source} -> {target}")
+    assert not wrong, "imports against the layer order: " + ", ".join(sorted(wrong))
+
+
+def test_worker_packages_import_nothing() -> None:
+    # An ``__init__.py`` holds a docstring only: importing a submodule never drags in its siblings.
+    for name, path in modules("worker").items():
+        if path.name == "__init__.py":
+            assert not list(imports(path, name)), f"{path.relative_to(REPO)} should only describe its package"
+
+
+def test_worker_imports_in_functions_are_only_the_known_lazy_ones() -> None:
+    known = modules("worker")
+    lazy = {
+        (name, target)
+        for name, path in known.items()
+        for target, in_function in imports(path, name)
+        if in_function and target in known and known[target].name != "__init__.py"
+    }
+    assert lazy <= LAZY_IMPORTS, f"import these at the top of the module: {sorted(lazy - LAZY_IMPORTS)}"
+
+
+@pytest.mark.parametrize("service", ["worker", "edge"])
+def test_sluice_imports_no_service(service: str) -> None:
+    upward = sorted(
+        f"{name} -> {target}"
+        for name, path in modules("sluice").items()
+        for target, _ in imports(path, name)
+        if target == service or target.startswith(service + ".")
+    )
+    assert not upward, f"sluice/ is shared by both services and must not import {service}: {upward}"
+
+
+# worker/config.py's notes go with the settings system's rework (issue 28, part 3).
+LONG_DOCSTRINGS_ALLOWED = {"worker.config"}
+
+
+def test_worker_module_docstrings_are_short() -> None:
+    # A docstring says what the module is; design notes live in docs/worker.md.
+    long = []
+    for name, path in modules("worker").items():
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False) or ""
+        if len(doc.strip().splitlines()) > 5 and name not in LONG_DOCSTRINGS_ALLOWED:
+            long.append(name)
+    assert not long, f"move the design notes of these modules to docs/worker.md: {long}"
+
+
+def test_architecture_doc_names_every_worker_module() -> None:
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text[text.index("## Worker") : text.index("## Edge")]
+    rows = {line.split("|")[1].strip() for line in section.splitlines() if line.startswith("| `")}
+    named = {part.strip().strip("`") for row in rows for part in row.split(",")}
+    missing = []
+    for path in modules("worker").values():
+        relative = path.relative_to(REPO / "worker").as_posix()
+        package = relative.split("/")[0] + "/"
+        if path.name == "__init__.py" or relative in named or package in named:
+            continue
+        if path.parent.name != "worker" and path.name in named:  # "a.py, b.py" rows name siblings bare
+            continue
+        missing.append(relative)
+    assert not missing, f"docs/architecture.md's worker table should name: {missing}"

@@ -1,0 +1,82 @@
+"""The async facade of one submitted request: its events, processed from the core's outputs on the
+request's own event loop; stopping early aborts the request in the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+from typing import Protocol
+
+from worker.output.processor import RequestOutputProcessor, coalesce
+from worker.types import CoreOutput, Event, Failed
+
+log = logging.getLogger(__name__)
+
+
+class StreamOwner(Protocol):
+    """What a stream tells its engine (:class:`worker.engine.core.Engine`)."""
+
+    def abort(self, key: str, *, failed: bool = False) -> None: ...
+
+    def stop_choices(self, key: str, choices: Iterable[int]) -> None: ...
+
+
+class RequestStream:
+    """The events of one submitted request, as an async iterator.
+
+    Iterate it once. Stopping early (``cancel()``, a cancelled task, or closing
+    the iterator) aborts the request in the engine.
+    """
+
+    def __init__(
+        self,
+        engine: StreamOwner,
+        key: str,
+        loop: asyncio.AbstractEventLoop,
+        processor: RequestOutputProcessor,
+    ):
+        self._engine = engine
+        self.key = key
+        self._loop = loop
+        self._processor = processor
+        self._queue: asyncio.Queue[list[CoreOutput]] = asyncio.Queue()
+        self._finished = False
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._loop
+
+    def put(self, outputs: list[CoreOutput]) -> None:
+        """Runs on the stream's event loop (the engine thread calls it with ``call_soon_threadsafe``)."""
+        self._queue.put_nowait(outputs)
+
+    def cancel(self) -> None:
+        if not self._finished:
+            self._finished = True
+            self._engine.abort(self.key)
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        try:
+            while not self._finished:
+                outputs = await self._queue.get()
+                while not self._queue.empty():  # the consumer fell behind: take every waiting step
+                    outputs += self._queue.get_nowait()
+                for event in self._process(outputs):
+                    yield event
+        finally:
+            self.cancel()
+
+    def _process(self, outputs: list[CoreOutput]) -> list[Event]:
+        try:
+            result = self._processor.process(outputs)
+        except Exception as exc:  # this request's output failed: it alone ends
+            log.exception("output processing failed for %s", self.key)
+            self._finished = True
+            self._engine.abort(self.key, failed=True)
+            return [Failed(f"output processing failed: {type(exc).__name__}", self._processor.usage())]
+        if result.stopped:
+            self._engine.stop_choices(self.key, result.stopped)
+        if result.done:
+            self._finished = True  # the core has ended (or is told to end) every choice
+        return coalesce(result.events)

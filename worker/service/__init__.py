@@ -1,0 +1,1 @@
+"""The gRPC face of the worker: the servicer, protobuf <-> worker types, prompt rendering, drain."""
