@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from worker.engine.kv_blocks import BlockManager
+from worker.engine.scheduler import Scheduler, Sequence, StepPlan
 from worker.errors import InvalidRequest, QueueFull
-from worker.kv_blocks import BlockManager
-from worker.scheduler import Scheduler, Sequence, StepPlan
 
 SEEDS = range(int(20 * float(os.environ.get("SLUICE_FUZZ_SCALE", "1"))))
 STEPS = 400

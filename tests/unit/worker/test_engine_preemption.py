@@ -11,10 +11,10 @@ from dataclasses import replace
 
 import pytest
 
-from worker.engine import Engine
-from worker.fake_runner import FakeRunner, load_fake_model
-from worker.model_loader import load_model
-from worker.model_runner import ModelRunner
+from worker.engine.core import Engine
+from worker.model.fake_runner import FakeRunner, load_fake_model
+from worker.model.loader import load_model
+from worker.model.runner import ModelRunner
 from worker.server import eos_token_ids
 from worker.types import GenerationRequest, SamplingOptions, Usage
 
