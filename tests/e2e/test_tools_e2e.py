@@ -11,6 +11,7 @@ import openai
 import pytest
 from pydantic import BaseModel
 
+from tests.json_prefix import is_json_prefix
 from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.e2e
@@ -159,8 +160,12 @@ def test_json_object_response_is_a_json_object(client):
         response_format={"type": "json_object"},
         messages=[{"role": "user", "content": "Describe a cat as JSON."}],
     )
-    assert reply.choices[0].finish_reason == "stop"
-    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    # The grammar guarantees a JSON object, not that the model closes it within max_tokens.
+    content, finish = reply.choices[0].message.content, reply.choices[0].finish_reason
+    assert finish in ("stop", "length") and content.lstrip().startswith("{")
+    assert is_json_prefix(content)
+    if finish == "stop":
+        assert isinstance(json.loads(content), dict)
 
 
 def test_langchain_merges_streamed_tool_call_chunks(default_edge):

@@ -189,21 +189,22 @@ def test_a_queued_stream_outlives_its_idle_timeout_on_progress_events(
                     async with sse_lines(client, url, short, {"X-Sluice-Idle-Timeout": idle}) as lines:
                         return [line async for line in lines]
 
-                patient = asyncio.create_task(queued_stream("3"))
+                # The worker repeats "queued" every 2 s; 5 s leaves 3 s for a loaded machine's delays.
+                patient = asyncio.create_task(queued_stream("5"))
                 # The control: an idle timeout below the worker's 2 s "queued" interval is cut.
                 impatient = await queued_stream("1")
                 assert error_of(impatient)["type"] == "stream_idle_timeout"
                 await until(lambda: queued(worker, 1), within_s=5)  # its call left the queue
-                await asyncio.sleep(7.5 - (time.monotonic() - began))  # 2.5 idle timeouts in the queue
+                await asyncio.sleep(11 - (time.monotonic() - began))  # over 2 idle timeouts in the queue
                 assert not patient.done()
             # Both long streams disconnected: the queued request gets a slot and finishes.
             lines = await asyncio.wait_for(patient, 30)
             waited = time.monotonic() - began
-            print(f"the queued stream finished after {waited:.1f} s, with a 3 s idle timeout")
+            print(f"the queued stream finished after {waited:.1f} s, with a 5 s idle timeout")
             assert lines[-1] == "data: [DONE]" and "event: error" not in lines
             assert any('"finish_reason":"length"' in line for line in lines)
             assert lines.count(": heartbeat") >= 10  # heartbeats went out while it waited
-            assert waited > 7.5
+            assert waited > 11
         await settled(worker)
 
     asyncio.run(scenario())

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from sluice.settings import settings_of
 from worker.config import (
-    _SETTING,
     DEFAULT_CACHE_DIR,
     ENV_PREFIX,
     METRICS_PORT_OFFSET,
@@ -26,12 +26,13 @@ REPO = Path(__file__).resolve().parents[3]
 def test_every_field_is_a_flag_and_a_variable_with_its_default():
     described = {flag: (env, default) for flag, env, default, _help in describe_settings()}
     defaults = WorkerConfig()
+    computed = {s.name for s in settings_of(WorkerConfig, ENV_PREFIX) if s.spec.shown_default is not None}
     for field in dataclasses.fields(WorkerConfig):
         flag = "--" + field.name.replace("_", "-")
         assert flag in described, f"{field.name} is not a setting"
         env, shown = described[flag]
         assert env == ENV_PREFIX + field.name.upper()
-        if field.metadata[_SETTING].shown_default is None:  # a computed default is described in words
+        if field.name not in computed:  # a computed default is described in words
             assert shown == getattr(defaults, field.name) == field.default
     assert [f for f, *_ in describe_settings()] == [
         "--" + f.name.replace("_", "-") for f in dataclasses.fields(WorkerConfig)
@@ -58,6 +59,13 @@ def test_help_lists_every_setting():
         ([], {"SLUICE_WORKER_CACHE_DIR": "/tmp/x"}, "cache_dir", Path("/tmp/x")),
         (["--blocked-phrases", "a, b,,c"], {}, "blocked_phrases", ("a", "b", "c")),
         (["--fake-tokens"], {}, "fake_tokens", True),
+        (["--batch-invariant"], {}, "batch_invariant", True),
+        (["--batch-invariant", "on"], {}, "batch_invariant", True),
+        (["--no-prefix-caching"], {}, "prefix_caching", False),
+        (["--prefix-caching", "off"], {}, "prefix_caching", False),
+        (["--no-prefix-caching"], {"SLUICE_WORKER_PREFIX_CACHING": "on"}, "prefix_caching", False),
+        ([], {"SLUICE_WORKER_BATCH_INVARIANT": "true"}, "batch_invariant", True),
+        ([], {"SLUICE_WORKER_CUDA_GRAPHS": "0"}, "cuda_graphs", False),
         ([], {"SLUICE_WORKER_FAKE_TOKENS": "on"}, "fake_tokens", True),
         ([], {"SLUICE_WORKER_MAX_BATCH_TOKENS": "100"}, "max_batch_tokens", 100),
         (["--device", "cuda:1"], {}, "device", "cuda:1"),
@@ -82,10 +90,10 @@ def test_metrics_port_defaults_to_the_grpc_port_plus_1000():
     [
         (["--port", "65000"], "--metrics-port: the default (--port + 1000) is 66000, above 65535"),
         (["--port", "7000", "--metrics-port", "7000"], "--metrics-port 7000 is the gRPC --port"),
-        (["--port", "0"], "--port must be at least 1"),
-        (["--metrics-port", "-1"], "--metrics-port must be 0 (off) to 65535"),
-        (["--max-running", "x"], "--max-running must be an integer, got 'x'"),
-        (["--grace-period", "inf"], "--grace-period must be a finite number of seconds"),
+        (["--port", "0"], "--port: must be at least 1"),
+        (["--metrics-port", "-1"], "--metrics-port: must be 0 (off) to 65535"),
+        (["--max-running", "x"], "--max-running: must be an integer, got 'x'"),
+        (["--grace-period", "inf"], "--grace-period: must be a finite number of seconds"),
     ],
 )
 def test_bad_values_and_combinations_name_the_setting(argv, message, capsys):
@@ -98,7 +106,7 @@ def test_bad_values_and_combinations_name_the_setting(argv, message, capsys):
 def test_a_bad_variable_is_named(capsys):
     with pytest.raises(SystemExit):
         parse_config([], environ={"SLUICE_WORKER_MAX_QUEUE": "0"})
-    assert "SLUICE_WORKER_MAX_QUEUE must be at least 1, got 0" in capsys.readouterr().err
+    assert "SLUICE_WORKER_MAX_QUEUE: must be at least 1, got 0" in capsys.readouterr().err
 
 
 def test_the_cache_dir_default_is_written_once():

@@ -157,9 +157,9 @@ def test_flags_and_environment():
     ("argv", "environ", "message"),
     [
         (["--fake-step-ms", "20"], {}, "--fake-step-ms only applies with --fake-tokens"),
-        (["--fake-tokens", "--fake-step-ms", "-1"], {}, "--fake-step-ms must be 0 to 60000 ms"),
-        (["--fake-tokens", "--fake-step-ms", "fast"], {}, "--fake-step-ms must be a number of ms"),
-        ([], {"SLUICE_WORKER_FAKE_TOKENS": "maybe"}, "SLUICE_WORKER_FAKE_TOKENS must be 1/true"),
+        (["--fake-tokens", "--fake-step-ms", "-1"], {}, "--fake-step-ms: must be 0 to 60000 ms"),
+        (["--fake-tokens", "--fake-step-ms", "fast"], {}, "--fake-step-ms: must be a number of ms"),
+        ([], {"SLUICE_WORKER_FAKE_TOKENS": "maybe"}, "SLUICE_WORKER_FAKE_TOKENS: must be on/off"),
     ],
 )
 def test_bad_settings_name_the_setting(argv, environ, message, capsys):

@@ -100,4 +100,4 @@ def test_cpu_linear_setting():
 def test_bad_cpu_linear_names_the_flag(capsys):
     with pytest.raises(SystemExit):
         parse_config(["--cpu-linear", "mkl"], environ={})
-    assert "--cpu-linear must be one of onednn, torch; got 'mkl'" in capsys.readouterr().err
+    assert "--cpu-linear: must be one of onednn, torch; got 'mkl'" in capsys.readouterr().err

@@ -165,7 +165,7 @@ def test_quantization_setting(capsys):
     assert parse_config([], environ={"SLUICE_WORKER_QUANTIZATION": "none"}).quantization == "none"
     with pytest.raises(SystemExit):
         parse_config(["--quantization", "int3"], environ={})
-    assert "--quantization must be one of" in capsys.readouterr().err
+    assert "--quantization: must be one of" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
