@@ -45,10 +45,10 @@ from hypercorn.config import Config
 
 from edge import event_loop
 from edge.app import create_app
-from edge.client_connections import ClientConnections
 from edge.drain import Drain
 from edge.metrics import forget_process, use_multiprocess_dir
 from edge.settings import Settings
+from edge.streaming.connections import ClientConnections
 from sluice.logs import configure_logging
 from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free, claim_port
 

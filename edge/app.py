@@ -29,7 +29,6 @@ from quart.wrappers import Response
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from edge.auth import ApiKeyCheck
-from edge.client_connections import ClientConnections
 from edge.concurrency import ConcurrencyLimiter, ReleaseSlots
 from edge.drain import Drain
 from edge.errors import (
@@ -41,13 +40,14 @@ from edge.errors import (
     NotFoundError,
     PayloadTooLargeError,
 )
+from edge.http import assign_request_id, current_request_id, error_response
 from edge.logs import bind_request_id, log_request
 from edge.metrics import EdgeMetrics
 from edge.routes import register_routes
-from edge.routes.common import assign_request_id, current_request_id, error_response
 from edge.settings import Settings
 from edge.state import EdgeApp, EdgeState
-from edge.worker_pool import WorkerPool
+from edge.streaming.connections import ClientConnections
+from edge.workers.pool import WorkerPool
 
 log = logging.getLogger("sluice.edge")
 

@@ -12,7 +12,7 @@ A value above the cap is clamped to it; anything else that is not a positive
 number is a 400 naming the header (:func:`request_limits`).
 
 A streamed response enforces its limits with its pump's own timer
-(:mod:`edge.stream_pump`); a non-streamed one, whose events are collected
+(:mod:`edge.streaming.pump`); a non-streamed one, whose events are collected
 into one answer, with :class:`EventGuard`, which wraps a request's worker events and ends them with an
 :class:`~edge.errors.EdgeError` when the total deadline passes
 (:class:`~edge.errors.DeadlineExceededError`, ``timeout_error``), when no

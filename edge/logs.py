@@ -7,7 +7,7 @@ runs in the same task) carries it in the JSON format. :func:`log_request`
 (an ``after_request`` hook) logs the method, path, status and time to the
 response headers: INFO for ``/v1/*``, DEBUG for probes and scrapes, which
 would otherwise drown the log. The end of a stream is logged by its pump
-(:mod:`edge.stream_pump`).
+(:mod:`edge.streaming.pump`).
 
 Nothing here logs a header, so API keys never reach the log.
 """
@@ -20,7 +20,7 @@ import time
 from quart import request
 from quart.wrappers import Response
 
-from edge.routes.common import current_request_id
+from edge.http import current_request_id
 from edge.state import current_request
 from sluice.logs import request_id_var
 

@@ -5,13 +5,13 @@ Sources, none of which changes what a caller receives:
 - an ``after_request`` hook (:meth:`EdgeMetrics.after_request`): one count
   per answered request by route and HTTP status (a stream counts as its 200
   when its headers go out; how it ended is in the stream metrics);
-- each stream's pump (:mod:`edge.stream_pump`), which reports what it
+- each stream's pump (:mod:`edge.streaming.pump`), which reports what it
   does as it does it: the stream opening and closing (the in-flight gauge; a
   close before the last frame is a client disconnect), the first write that
   carries model output (time to first token, from the request's start), every
   later one (the gap since the previous), and the error it sent by type and
   code;
-- each request's worker calls (:mod:`edge.migration`): a call that moved to
+- each request's worker calls (:mod:`edge.workers.migration`): a call that moved to
   another worker when its worker died mid-stream, or could not;
 - live values (worker health as this process's pool sees it, concurrency
   slots in use), read at each scrape and every few seconds
@@ -44,7 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from quart import request
 from quart.wrappers import Response
 
-from edge.migration import OUTCOMES as MIGRATION_OUTCOMES
+from edge.workers.migration import OUTCOMES as MIGRATION_OUTCOMES
 from sluice.prometheus import GAP_BUCKETS, LATENCY_BUCKETS
 
 log = logging.getLogger("sluice.edge.stream")

@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from edge.event_loop import EVENT_LOOPS, uvloop_available
-from edge.openai_types import RequestLimits
-from edge.routing import RoutingPolicy
+from edge.surfaces.shared.validation import RequestLimits
+from edge.workers.routing import RoutingPolicy
 from sluice.logs import LOG_FORMATS
 
 ENV_PREFIX = "SLUICE_EDGE_"
@@ -42,7 +42,7 @@ def parse_worker_list(text: str) -> tuple[str, ...]:
 
 
 def parse_routing(text: str) -> RoutingPolicy:
-    """A ``--routing`` value (:class:`edge.routing.RoutingPolicy`)."""
+    """A ``--routing`` value (:class:`edge.workers.routing.RoutingPolicy`)."""
     try:
         return RoutingPolicy(text.strip())
     except ValueError:
@@ -144,7 +144,7 @@ class Settings:
     # Generation requests one API key (or one client address when keys are off) may have in
     # flight; 0 = no limit. See edge/concurrency.py.
     max_concurrent_per_key: int = 0
-    # Per-request limits (edge.openai_types.RequestLimits); max_tokens_limit 0 = no edge cap.
+    # Per-request limits (edge.surfaces.shared.chat_request.RequestLimits); max_tokens_limit 0 = no edge cap.
     max_messages: int = 1024
     max_prompt_chars: int = 1_000_000
     max_n: int = 128

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 from quart import Quart, current_app, g
 
 if TYPE_CHECKING:
-    from edge.client_connections import ClientConnections
     from edge.concurrency import ConcurrencyLimiter
     from edge.drain import Drain
     from edge.metrics import EdgeMetrics
     from edge.settings import Settings
-    from edge.worker_pool import WorkerPool
+    from edge.streaming.connections import ClientConnections
+    from edge.workers.pool import WorkerPool
 
 _REQUEST_ATTR = "sluice_request"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edge.coalesce import merge_into
+from edge.streaming.coalesce import merge_into
 from sluice.v1 import worker_pb2 as pb
 
 

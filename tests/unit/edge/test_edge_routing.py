@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from edge.routing import (
+from edge.settings import Settings
+from edge.workers.routing import (
     BALANCE_ABS_THRESHOLD,
     PrefixAffinity,
     RoutingPolicy,
     load_unbalanced,
     prefix_blocks,
 )
-from edge.settings import Settings
 from sluice.v1 import worker_pb2
 from tests.unit.edge.edge_fakes import run
 from tests.unit.edge.test_edge_worker_pool import Fakes, make_pool

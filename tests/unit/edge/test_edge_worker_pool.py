@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from edge.errors import EdgeError, RateLimitError, ServiceUnavailableError
-from edge.worker_pool import (
+from edge.workers.pool import (
     EJECT_BACKOFF_INITIAL_S,
     WorkerPool,
     WorkerStatus,
@@ -496,7 +496,7 @@ def test_dns_only_pool_with_nothing_resolved_answers_503() -> None:
 
 
 def test_real_resolver_on_localhost() -> None:
-    from edge.worker_pool import resolve
+    from edge.workers.pool import resolve
 
     addresses = asyncio.run(resolve("localhost", 4321))
     assert "127.0.0.1:4321" in addresses

@@ -1,0 +1,105 @@
+"""What the Responses, Anthropic Messages and native request parsers share.
+
+Each of those surfaces is parsed in two steps:
+
+1. its own pydantic models (:mod:`edge.surfaces.responses.request`, :mod:`edge.surfaces.anthropic.request`,
+   :mod:`edge.surfaces.native.request`) check the wire shape, so an error names the field as
+   that API spells it (``input[2].call_id``, ``messages[0].content[1].tool_use_id``);
+2. the request is rewritten as an OpenAI chat body and goes through
+   :func:`~edge.surfaces.shared.chat_request.parse_chat_request`, so every surface obeys the same
+   rules and operator limits (:class:`~edge.surfaces.shared.chat_request.RequestLimits`) and reaches
+   the worker through the same :func:`~edge.surfaces.chat.translate.to_generate_request`. A
+   field name that step reports (``messages``, ``max_completion_tokens``) is
+   renamed to the surface's own (``input``, ``max_output_tokens``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, StrictBool
+
+from edge.errors import EdgeError, InvalidRequestError
+from edge.surfaces.shared.base import RequestModel
+from edge.surfaces.shared.chat_request import ChatCompletionRequest, parse_chat_request
+from edge.surfaces.shared.validation import invalid, validate_body
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def rebase(error: EdgeError, prefix: str) -> InvalidRequestError:
+    """``error`` (from validating a part of the body) with its ``param`` under ``prefix``."""
+    inner = error.param
+    param = prefix if not inner else f"{prefix}{inner}" if inner.startswith("[") else f"{prefix}.{inner}"
+    message = error.message.replace(f"'{inner}'", f"'{param}'", 1) if inner else error.message
+    return InvalidRequestError(message, param=param, code=error.code)
+
+
+def validate_at(model: type[ModelT], value: Any, where: str) -> ModelT:
+    """Validates one part of a body (an input item, a content block) found at ``where``;
+    errors name the full path (``input[2].call_id``)."""
+    if not isinstance(value, dict):
+        raise InvalidRequestError(
+            f"Invalid '{where}': must be a JSON object.", param=where, code="invalid_type"
+        )
+    try:
+        return validate_body(model, value)
+    except EdgeError as error:
+        raise rebase(error, where) from None
+
+
+def to_chat_request(chat_body: dict[str, Any], renames: Mapping[str, str]) -> ChatCompletionRequest:
+    """Parses the rewritten chat body with every chat rule and limit; a field the
+    error names is given its surface's name (``renames``: chat name → surface name,
+    matched on the first path segment)."""
+    try:
+        return parse_chat_request(chat_body)
+    except InvalidRequestError as error:
+        param = error.param or ""
+        head = param.split(".")[0].split("[")[0]
+        if head not in renames:
+            raise
+        surface = renames[head]
+        # An index into the rewritten messages does not name the caller's item: name the list.
+        renamed = surface if head == "messages" else surface + param[len(head) :]
+        raise InvalidRequestError(
+            error.message.replace(f"'{param}'", f"'{renamed}'"), param=renamed, code=error.code
+        ) from None
+
+
+def compact_json(obj: Any) -> str:
+    """JSON text without spaces (tool-call arguments, as the chat API carries them)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def unsupported(param: str, message: str) -> InvalidRequestError:
+    """A 400 ``unsupported_parameter`` naming ``param``."""
+    return InvalidRequestError(message, param=param, code="unsupported_parameter")
+
+
+def string_or_list(value: Any) -> Any:
+    """A "before" validator for ``str | list`` fields: one clear error instead of
+    pydantic's per-union-member errors (whose locations carry the member's name)."""
+    if not isinstance(value, str | list):
+        raise invalid("must be a string or an array")
+    return value
+
+
+def flat_tool_choice(value: Any) -> Any:
+    """A "before" validator for the flat ``tool_choice`` of the Responses and native APIs: a mode
+    string or ``{"type": "function", "name": ...}``."""
+    if isinstance(value, str) and value not in ("none", "auto", "required"):
+        raise invalid("must be 'none', 'auto', 'required' or {'type': 'function', 'name': ...}")
+    if value is not None and not isinstance(value, str | dict):
+        raise invalid("must be a string or an object")
+    return value
+
+
+class FunctionTool(RequestModel):
+    type: Literal["function"]
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
