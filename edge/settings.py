@@ -17,6 +17,7 @@ from typing import Any
 
 from edge.event_loop import EVENT_LOOPS, uvloop_available
 from edge.surfaces.shared.validation import RequestLimits
+from edge.workers.addresses import split_host_port
 from edge.workers.routing import RoutingPolicy
 from sluice.logs import LOG_FORMATS
 
@@ -26,13 +27,7 @@ ENV_PREFIX = "SLUICE_EDGE_"
 def parse_worker_address(text: str) -> str:
     """Checks one ``host:port`` (IPv6 as ``[::1]:port``) and returns it stripped."""
     address = text.strip()
-    host, sep, port = address.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"{text!r} is not host:port")
-    if host.startswith("[") != host.endswith("]"):
-        raise ValueError(f"{text!r} has an unbalanced IPv6 bracket")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{text!r} has an invalid port")
+    split_host_port(address)
     return address
 
 
@@ -153,8 +148,8 @@ class Settings:
     # Edge processes serving the port (SO_REUSEPORT), each with its own pool and state;
     # 0 = one per CPU core. See docs/running.md.
     processes: int = 1
-    # How the pool picks a worker per request (edge/routing.py): least-outstanding or prefix-affinity.
-    routing: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING
+    # How the pool picks a worker per request (edge/workers/routing.py): prefix-affinity or least-outstanding.
+    routing: RoutingPolicy = RoutingPolicy.PREFIX_AFFINITY
     # A stream whose worker dies mid-stream continues on another worker (edge/migration.py), at
     # most max_stream_migrations times per call.
     migrate_streams: bool = True
@@ -417,9 +412,9 @@ class Settings:
                 "routing",
                 "routing",
                 parse_routing,
-                "how a worker is chosen per request: least-outstanding (default: fewest calls in "
-                "flight) or prefix-affinity (the worker that served the longest shared prompt prefix, "
-                "unless the load is unbalanced; docs/operations.md)",
+                "how a worker is chosen per request: prefix-affinity (default: the worker that served "
+                "the longest shared prompt prefix, unless the load is unbalanced; docs/operations.md) "
+                "or least-outstanding (fewest calls in flight)",
             ),
             (
                 "migrate-streams",

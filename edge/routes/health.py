@@ -8,7 +8,7 @@ from quart.wrappers import Response
 from edge.errors import ServiceUnavailableError
 from edge.http import json_response
 from edge.state import current_state
-from edge.workers.pool import WorkerHealth
+from edge.workers.worker import WorkerHealth
 
 blueprint = Blueprint("health", __name__)
 

@@ -8,7 +8,7 @@ import pytest
 
 from edge.errors import EdgeError, RateLimitError
 from edge.workers.failures import WORKER_FAULTS_TO_EJECT, CallFailure, classify
-from edge.workers.pool import WorkerStatus
+from edge.workers.worker import WorkerStatus
 from tests.unit.edge.edge_fakes import content, finished, run, started, usage
 from tests.unit.edge.test_edge_worker_pool import REQUEST, Fakes, failure, make_pool
 
