@@ -6,6 +6,7 @@ the calls, answers one JSON body or a stream, and cancels the calls if anything 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -13,10 +14,14 @@ from typing import Any, Protocol
 from quart.wrappers import Response
 
 from edge.errors import EdgeError
-from edge.http import json_response
+from edge.http import current_request_id, json_response
 from edge.streaming import sse
 from edge.streaming.pump import StreamFraming
 from edge.surfaces.generation import collect, open_calls, response_headers, sse_response
+from edge.surfaces.shared.ids import new_id
+from edge.surfaces.shared.rewrite import ParsedRequest
+from edge.surfaces.shared.sampling import SamplingRequest
+from edge.surfaces.shared.worker_request import call_metadata, to_generate_request
 from edge.workers.call_group import CallGroup
 from sluice.v1 import worker_pb2
 
@@ -108,3 +113,51 @@ async def generate(
     except BaseException:
         group.cancel()
         raise
+
+
+async def generate_openai(
+    requests: Sequence[worker_pb2.GenerateRequest],
+    request: SamplingRequest,
+    translator: Callable[..., Translator],
+    id_prefix: str,
+    **options: Any,
+) -> Response:
+    """:func:`generate` for chat and completions: the translator gets a ``<id_prefix>-…`` id, the
+    creation time, the model, the request's usage options and ``options``."""
+    return await generate(
+        requests,
+        lambda model: translator(
+            new_id(id_prefix, "-"),
+            int(time.time()),
+            model,
+            include_usage=request.include_usage,
+            continuous_usage=request.continuous_usage,
+            **options,
+        ),
+        model=request.model,
+        stream=request.stream,
+        framing=OPENAI,
+    )
+
+
+async def generate_rewritten(
+    parsed: ParsedRequest[Any],
+    translator: Callable[[str], Translator],
+    framing: Framing,
+    *,
+    load_events: bool = False,
+) -> Response:
+    """:func:`generate` for a surface rewritten as a chat request (Responses, Anthropic, native):
+    one worker call, with the request id in its metadata."""
+    request_id = current_request_id()
+    worker_request = to_generate_request(parsed.chat, request_id)
+    parsed.apply_sampling(worker_request)
+    return await generate(
+        [worker_request],
+        translator,
+        model=parsed.chat.model,
+        stream=parsed.stream,
+        framing=framing,
+        metadata=call_metadata(parsed.chat, request_id),
+        load_events=load_events,
+    )

@@ -19,14 +19,16 @@ Images, documents and server tools are refused with a 400 naming the field.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Literal
 
 from pydantic import Field, StrictBool, field_validator
 
 from edge.errors import InvalidRequestError
 from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.chat_request import ChatCompletionRequest, FunctionDefinition
+from edge.surfaces.shared.chat_request import FunctionDefinition
 from edge.surfaces.shared.rewrite import (
+    ParsedRequest,
     compact_json,
     string_or_list,
     to_chat_request,
@@ -34,6 +36,7 @@ from edge.surfaces.shared.rewrite import (
     validate_at,
 )
 from edge.surfaces.shared.validation import invalid, validate_body
+from sluice.v1 import worker_pb2
 
 MAX_TOP_K = 2**31 - 1
 
@@ -118,17 +121,13 @@ class MessagesRequest(RequestModel):
         return value
 
 
-class ParsedMessagesRequest:
-    """The validated request and its chat equivalent; ``top_k`` is set on the worker request
-    by the route (chat has no such field)."""
+class ParsedMessagesRequest(ParsedRequest[MessagesRequest]):
+    """The validated request and its chat equivalent."""
 
-    def __init__(self, request: MessagesRequest, chat: ChatCompletionRequest) -> None:
-        self.request = request
-        self.chat = chat
-
-    @property
-    def stream(self) -> bool:
-        return self.request.stream
+    def apply_sampling(self, proto: worker_pb2.GenerateRequest) -> None:
+        """``top_k``, which chat has no field for."""
+        if self.request.top_k is not None:
+            proto.sampling.top_k = self.request.top_k
 
 
 def parse_messages_request(body: Any) -> ParsedMessagesRequest:
@@ -216,14 +215,27 @@ def _block_type(block: Any, where: str) -> str:
     return str(block.get("type"))
 
 
+def _typed_blocks(blocks: list[dict[str, Any]], where: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Each content block with its place (``messages[0].content[1]``) and its checked type."""
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        yield at, _block_type(block, at), block
+
+
+def _text(block: dict[str, Any], at: str) -> str:
+    return validate_at(TextBlock, block, at).text
+
+
+def _unsupported_block(at: str, kind: str, place: str) -> InvalidRequestError:
+    return unsupported(f"{at}.type", f"Content block type {kind!r} is not supported in {place}.")
+
+
 def _user_blocks(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     texts: list[str] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _typed_blocks(blocks, where):
         if kind == "text":
-            texts.append(validate_at(TextBlock, block, at).text)
+            texts.append(_text(block, at))
         elif kind == "tool_result":
             result = validate_at(ToolResultBlock, block, at)
             out.append(
@@ -234,9 +246,7 @@ def _user_blocks(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any
                 }
             )
         else:
-            raise unsupported(
-                f"{at}.type", f"Content block type {kind!r} is not supported in a user message."
-            )
+            raise _unsupported_block(at, kind, "a user message")
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -251,7 +261,7 @@ def _result_text(result: ToolResultBlock, where: str) -> str:
             at = f"{where}[{k}]"
             if _block_type(block, at) != "text":
                 raise unsupported(f"{at}.type", "Only text blocks are supported in a tool_result.")
-            parts.append(validate_at(TextBlock, block, at).text)
+            parts.append(_text(block, at))
         text = "\n".join(parts)
     return f"Error: {text}" if result.is_error else text
 
@@ -260,11 +270,9 @@ def _assistant_blocks(blocks: list[dict[str, Any]], where: str) -> dict[str, Any
     texts: list[str] = []
     reasoning: list[str] = []
     calls: list[dict[str, Any]] = []
-    for j, block in enumerate(blocks):
-        at = f"{where}[{j}]"
-        kind = _block_type(block, at)
+    for at, kind, block in _typed_blocks(blocks, where):
         if kind == "text":
-            texts.append(validate_at(TextBlock, block, at).text)
+            texts.append(_text(block, at))
         elif kind == "tool_use":
             use = validate_at(ToolUseBlock, block, at)
             calls.append(
@@ -279,9 +287,7 @@ def _assistant_blocks(blocks: list[dict[str, Any]], where: str) -> dict[str, Any
         elif kind == "redacted_thinking":
             continue
         else:
-            raise unsupported(
-                f"{at}.type", f"Content block type {kind!r} is not supported in an assistant message."
-            )
+            raise _unsupported_block(at, kind, "an assistant message")
     message: dict[str, Any] = {
         "role": "assistant",
         "content": "\n".join(texts) if texts or not calls else None,

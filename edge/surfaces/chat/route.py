@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import time
-
 from quart import Blueprint
 from quart.wrappers import Response
 
 from edge.http import current_request_id, current_settings, read_json_body
-from edge.surfaces.answer import OPENAI, generate
+from edge.surfaces.answer import generate_openai
 from edge.surfaces.chat.translate import ChatTranslator
 from edge.surfaces.shared.chat_request import parse_chat_request
-from edge.surfaces.shared.ids import new_id
 from edge.surfaces.shared.worker_request import to_generate_request
 
 blueprint = Blueprint("chat", __name__)
@@ -20,17 +17,5 @@ blueprint = Blueprint("chat", __name__)
 @blueprint.post("/v1/chat/completions")
 async def chat_completions() -> Response:
     chat = parse_chat_request(await read_json_body(), current_settings().limits)
-    return await generate(
-        [to_generate_request(chat, current_request_id())],
-        lambda model: ChatTranslator(
-            new_id("chatcmpl", "-"),
-            int(time.time()),
-            model,
-            include_usage=chat.include_usage,
-            continuous_usage=chat.continuous_usage,
-            logprobs=bool(chat.logprobs),
-        ),
-        model=chat.model,
-        stream=chat.stream,
-        framing=OPENAI,
-    )
+    requests = [to_generate_request(chat, current_request_id())]
+    return await generate_openai(requests, chat, ChatTranslator, "chatcmpl", logprobs=bool(chat.logprobs))

@@ -8,9 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge.errors import EdgeError
+from edge.surfaces.shared.chunks import ChunkStream
 from edge.surfaces.shared.finish import finish_reason_name
-from edge.surfaces.shared.usage import StreamEnvelope, UsageTracker
 from sluice.ids import new_tool_call_id
 from sluice.v1 import worker_pb2
 
@@ -43,36 +42,20 @@ class _ChoiceState:
 
 
 @dataclass
-class ChatTranslator:
+class ChatTranslator(ChunkStream):
     """Turns the events of one chat call into chunks (:meth:`on_event`, then :meth:`finish`) or
     into the ``chat.completion`` (:meth:`add`, then :meth:`result`); docs/http.md, "Chat streams",
     has the chunk rules. ``usage`` is always in the result; in the stream as the usage options ask.
     """
 
-    id: str
-    created: int
-    model: str
-    include_usage: bool = False
-    continuous_usage: bool = False
-    logprobs: bool = False
     system_fingerprint: str | None = None
-    usage: UsageTracker = field(default_factory=UsageTracker)
     _announced: set[int] = field(default_factory=set)
     _tool_calls_seen: set[tuple[int, int]] = field(default_factory=set)
     _choices: dict[int, _ChoiceState] = field(default_factory=dict)
-    _envelope: StreamEnvelope = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        self._envelope = StreamEnvelope(
-            object_name="chat.completion.chunk",
-            completion_id=self.id,
-            created=self.created,
-            model=self.model,
-            usage=self.usage,
-            include_usage=self.include_usage,
-            continuous_usage=self.continuous_usage,
-            system_fingerprint=self.system_fingerprint,
-            service_tier=None,
+        self._open_envelope(
+            "chat.completion.chunk", system_fingerprint=self.system_fingerprint, service_tier=None
         )
 
     # ------------------------------------------------------------ stream
@@ -115,18 +98,6 @@ class ChatTranslator:
             chunks.append(self._chunk([self._choice(index, {}, finish_reason_name(event.finished.reason))]))
             return chunks
         return []  # usage (see finish), progress (the heartbeat covers the silence), or a future event
-
-    def finish(self) -> list[dict[str, Any]]:
-        """The chunks after the last event: the usage chunk when ``include_usage``."""
-        if not self.include_usage:
-            return []
-        chunk = self._chunk([])
-        chunk["usage"] = self.usage.final()
-        return [chunk]
-
-    def on_error(self, error: EdgeError) -> list[dict[str, Any]]:
-        """A failure after the stream began: OpenAI's error payload (framed as ``event: error``)."""
-        return [error.payload()]
 
     def _tool_call(self, delta: worker_pb2.ToolCallDelta) -> dict[str, Any]:
         key = (delta.choice_index, delta.tool_index)
@@ -200,16 +171,10 @@ class ChatTranslator:
 
     def result(self) -> dict[str, Any]:
         """The ``chat.completion`` dict (choices ordered by index)."""
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.system_fingerprint,
-            "service_tier": None,
-            "choices": [self._render(i, s) for i, s in sorted(self._choices.items())],
-            "usage": self.usage.final(),
-        }
+        choices = [self._render(i, s) for i, s in sorted(self._choices.items())]
+        return self._body(
+            "chat.completion", choices, system_fingerprint=self.system_fingerprint, service_tier=None
+        )
 
     def _render(self, index: int, state: _ChoiceState) -> dict[str, Any]:
         text = "".join(state.content)

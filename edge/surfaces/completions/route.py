@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
-import time
-
 from quart import Blueprint
 from quart.wrappers import Response
 
 from edge.http import current_request_id, current_settings, read_json_body
-from edge.surfaces.answer import OPENAI, generate
+from edge.surfaces.answer import generate_openai
 from edge.surfaces.completions.request import parse_completion_request
 from edge.surfaces.completions.translate import CompletionsTranslator, to_generate_requests
-from edge.surfaces.shared.ids import new_id
 
 blueprint = Blueprint("completions", __name__)
 
@@ -20,19 +17,12 @@ blueprint = Blueprint("completions", __name__)
 @blueprint.post("/v1/completions")
 async def completions() -> Response:
     completion = parse_completion_request(await read_json_body(), current_settings().limits)
-    return await generate(
+    return await generate_openai(
         to_generate_requests(completion, current_request_id()),
-        lambda model: CompletionsTranslator(
-            new_id("cmpl", "-"),
-            int(time.time()),
-            model,
-            n=completion.choices_per_prompt,
-            echo=completion.echo,
-            logprobs=completion.logprobs is not None,
-            include_usage=completion.include_usage,
-            continuous_usage=completion.continuous_usage,
-        ),
-        model=completion.model,
-        stream=completion.stream,
-        framing=OPENAI,
+        completion,
+        CompletionsTranslator,
+        "cmpl",
+        n=completion.choices_per_prompt,
+        echo=completion.echo,
+        logprobs=completion.logprobs is not None,
     )

@@ -10,10 +10,9 @@ import codecs
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge.errors import EdgeError
 from edge.surfaces.completions.request import CompletionRequest
+from edge.surfaces.shared.chunks import ChunkStream
 from edge.surfaces.shared.finish import finish_reason_name
-from edge.surfaces.shared.usage import StreamEnvelope, UsageTracker
 from edge.surfaces.shared.worker_request import sampling_params
 from sluice.v1 import worker_pb2
 
@@ -155,38 +154,20 @@ class _TextChoice:
 
 
 @dataclass
-class CompletionsTranslator:
+class CompletionsTranslator(ChunkStream):
     """Turns the events of a completions request's calls (each with its call index) into
     ``text_completion`` chunks (:meth:`on_event`, then :meth:`finish`) or one body (:meth:`add`,
     then :meth:`result`). Usage keys follow the chat rules.
     """
 
-    id: str
-    created: int
-    model: str
     n: int = 1
     echo: bool = False
-    logprobs: bool = False
-    include_usage: bool = False
-    continuous_usage: bool = False
-    usage: UsageTracker = field(default_factory=UsageTracker)
     _choices: _Choices = field(init=False)
     _texts: dict[int, _TextChoice] = field(default_factory=dict)
-    _envelope: StreamEnvelope = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._choices = _Choices(self.n, self.logprobs, self.echo)
-        # The fields every chunk shares are read once, here (on_event runs once per token).
-        self._envelope = StreamEnvelope(
-            object_name="text_completion",
-            completion_id=self.id,
-            created=self.created,
-            model=self.model,
-            usage=self.usage,
-            include_usage=self.include_usage,
-            continuous_usage=self.continuous_usage,
-            system_fingerprint=None,
-        )
+        self._open_envelope("text_completion", system_fingerprint=None)
 
     # ------------------------------------------------------------ stream
 
@@ -215,18 +196,6 @@ class CompletionsTranslator:
             ]
         # Usage is summed in finish(); raw prompts produce no reasoning, refusal or tool calls.
         return []
-
-    def finish(self) -> list[dict[str, Any]]:
-        """The chunks after the last event of every call: the usage chunk when ``include_usage``."""
-        if not self.include_usage:
-            return []
-        chunk = self._envelope.chunk([])
-        chunk["usage"] = self.usage.final()
-        return [chunk]
-
-    def on_error(self, error: EdgeError) -> list[dict[str, Any]]:
-        """A failure after the stream began: OpenAI's error payload (framed as ``event: error``)."""
-        return [error.payload()]
 
     def _chunk(
         self, index: int, text: str, logprobs: dict[str, Any] | None = None, finish_reason: str | None = None
@@ -270,20 +239,13 @@ class CompletionsTranslator:
 
     def result(self) -> dict[str, Any]:
         """The ``text_completion`` dict (choices ordered by index)."""
-        return {
-            "id": self.id,
-            "object": "text_completion",
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": None,
-            "choices": [
-                {
-                    "text": "".join(state.text),
-                    "index": index,
-                    "logprobs": state.logprobs,
-                    "finish_reason": state.finish_reason or "stop",
-                }
-                for index, state in sorted(self._texts.items())
-            ],
-            "usage": self.usage.final(),
-        }
+        choices = [
+            {
+                "text": "".join(state.text),
+                "index": index,
+                "logprobs": state.logprobs,
+                "finish_reason": state.finish_reason or "stop",
+            }
+            for index, state in sorted(self._texts.items())
+        ]
+        return self._body("text_completion", choices, system_fingerprint=None)

@@ -24,10 +24,12 @@ from edge.surfaces.shared.base import RequestModel
 from edge.surfaces.shared.chat_request import ChatCompletionRequest
 from edge.surfaces.shared.rewrite import (
     FunctionTool,
+    ParsedRequest,
+    add_chat_tools,
     flat_tool_choice,
+    function_tools,
     string_or_list,
     to_chat_request,
-    unsupported,
     validate_at,
 )
 from edge.surfaces.shared.validation import bad, validate_body
@@ -70,17 +72,12 @@ class NativeChatRequest(RequestModel):
     _tool_choice = field_validator("tool_choice", mode="before")(flat_tool_choice)
 
 
-class ParsedNativeRequest:
+class ParsedNativeRequest(ParsedRequest[NativeChatRequest]):
     """The validated request, its chat equivalent, and the offered tools (for ``tool_call.failure``)."""
 
     def __init__(self, request: NativeChatRequest, chat: ChatCompletionRequest, tools: list[FunctionTool]):
-        self.request = request
-        self.chat = chat
+        super().__init__(request, chat)
         self.tools = tools
-
-    @property
-    def stream(self) -> bool:
-        return self.request.stream
 
     def apply_sampling(self, proto: worker_pb2.GenerateRequest) -> None:
         """The sampling options chat has no field for (``top_k``, ``min_p``, ``repeat_penalty``)."""
@@ -107,11 +104,7 @@ def parse_native_request(body: Any) -> ParsedNativeRequest:
         for i, item in enumerate(request.input):
             message = validate_at(NativeMessage, item, f"input[{i}]")
             messages.append({"role": message.role, "content": message.content})
-    tools = []
-    for i, raw in enumerate(request.tools or ()):
-        if not isinstance(raw, dict) or raw.get("type") != "function":
-            raise unsupported(f"tools[{i}].type", "Only tools of type 'function' are supported.")
-        tools.append(validate_at(FunctionTool, raw, f"tools[{i}]"))
+    tools = function_tools(request.tools)
     chat_body: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream}
     for name in ("temperature", "top_p", "seed", "stop"):
         value = getattr(request, name)
@@ -119,19 +112,7 @@ def parse_native_request(body: Any) -> ParsedNativeRequest:
             chat_body[name] = value
     if request.max_output_tokens is not None:
         chat_body["max_completion_tokens"] = request.max_output_tokens
-    if tools:
-        chat_body["tools"] = [
-            {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
-            for tool in tools
-        ]
-    choice = request.tool_choice
-    if isinstance(choice, dict):
-        chosen = choice.get("name")
-        if choice.get("type") != "function" or not isinstance(chosen, str) or not chosen:
-            raise bad("tool_choice", "a named choice is {'type': 'function', 'name': ...}")
-        chat_body["tool_choice"] = {"type": "function", "function": {"name": chosen}}
-    elif choice is not None:
-        chat_body["tool_choice"] = choice
+    add_chat_tools(chat_body, tools, request.tool_choice)
     if request.reasoning is not None:
         chat_body["chat_template_kwargs"] = {"enable_thinking": request.reasoning != "off"}
     chat = to_chat_request(

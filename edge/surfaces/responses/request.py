@@ -26,10 +26,13 @@ from pydantic import Field, StrictBool, field_validator
 
 from edge.errors import InvalidRequestError
 from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.chat_request import ChatCompletionRequest, FunctionDefinition, JsonSchemaFormat
+from edge.surfaces.shared.chat_request import ChatCompletionRequest, JsonSchemaFormat
 from edge.surfaces.shared.rewrite import (
     FunctionTool,
+    ParsedRequest,
+    add_chat_tools,
     flat_tool_choice,
+    function_tools,
     string_or_list,
     to_chat_request,
     unsupported,
@@ -118,17 +121,12 @@ class ResponsesRequest(RequestModel):
     _tool_choice = field_validator("tool_choice", mode="before")(flat_tool_choice)
 
 
-class ParsedResponsesRequest:
+class ParsedResponsesRequest(ParsedRequest[ResponsesRequest]):
     """The validated request: its own fields (echoed in the answer) and the equivalent chat request."""
 
     def __init__(self, request: ResponsesRequest, chat: ChatCompletionRequest, tools: list[FunctionTool]):
-        self.request = request
-        self.chat = chat
+        super().__init__(request, chat)
         self.tools = tools
-
-    @property
-    def stream(self) -> bool:
-        return self.request.stream
 
     def echo(self) -> dict[str, Any]:
         """The request fields a Response object repeats (``tools``, ``temperature``, ...)."""
@@ -159,19 +157,13 @@ def parse_responses_request(body: Any) -> ParsedResponsesRequest:
     """Validates a decoded ``/v1/responses`` body; raises :class:`InvalidRequestError` naming the field."""
     request = validate_body(ResponsesRequest, body)
     _refuse_state(request)
-    tools = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools or ())]
+    tools = function_tools(request.tools)
     chat_body: dict[str, Any] = {
         "model": request.model,
         "messages": _messages(request),
         "stream": request.stream,
     }
-    if tools:
-        chat_body["tools"] = [
-            {"type": "function", "function": tool.model_dump(exclude={"type"}, exclude_none=True)}
-            for tool in tools
-        ]
-    if request.tool_choice is not None:
-        chat_body["tool_choice"] = _tool_choice(request.tool_choice)
+    add_chat_tools(chat_body, tools, request.tool_choice)
     for name in ("parallel_tool_calls", "temperature", "top_p", "metadata", "user"):
         value = getattr(request, name)
         if value is not None:
@@ -207,25 +199,6 @@ def _refuse_state(request: ResponsesRequest) -> None:
         raise unsupported("store", "'store: true' is not supported: this server stores no responses.")
     if request.background:
         raise unsupported("background", "'background: true' is not supported.")
-
-
-def _tool(raw: dict[str, Any], where: str) -> FunctionTool:
-    kind = raw.get("type")
-    if kind != "function":
-        raise unsupported(f"{where}.type", f"Tool type {kind!r} is not supported; only 'function' tools are.")
-    tool = validate_at(FunctionTool, raw, where)
-    # The chat definition checks the name's shape; check it here so the error names this field.
-    validate_at(FunctionDefinition, {"name": tool.name}, where)
-    return tool
-
-
-def _tool_choice(choice: str | dict[str, Any]) -> Any:
-    if isinstance(choice, str):
-        return choice
-    name = choice.get("name")
-    if choice.get("type") != "function" or not isinstance(name, str) or not name:
-        raise bad("tool_choice", "a named tool choice must be {'type': 'function', 'name': ...}")
-    return {"type": "function", "function": {"name": name}}
 
 
 def _response_format(fmt: TextFormat) -> dict[str, Any]:

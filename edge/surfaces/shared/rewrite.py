@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, StrictBool
 
 from edge.errors import EdgeError, InvalidRequestError
 from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.chat_request import ChatCompletionRequest, parse_chat_request
-from edge.surfaces.shared.validation import invalid, validate_body
+from edge.surfaces.shared.chat_request import ChatCompletionRequest, FunctionDefinition, parse_chat_request
+from edge.surfaces.shared.validation import bad, invalid, validate_body
+from sluice.v1 import worker_pb2
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
+RequestT = TypeVar("RequestT", bound=RequestModel)
 
 
 def rebase(error: EdgeError, prefix: str) -> InvalidRequestError:
@@ -103,3 +105,58 @@ class FunctionTool(RequestModel):
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: StrictBool | None = None
+
+
+class ParsedRequest(Generic[RequestT]):
+    """A surface's validated request and the chat request it was rewritten into (which carries
+    the surface's own ``stream``)."""
+
+    def __init__(self, request: RequestT, chat: ChatCompletionRequest) -> None:
+        self.request = request
+        self.chat = chat
+
+    @property
+    def stream(self) -> bool:
+        return self.chat.stream
+
+    def apply_sampling(self, proto: worker_pb2.GenerateRequest) -> None:
+        """Sets the sampling options chat has no field for on the worker request (none here)."""
+
+
+def function_tools(raw_tools: list[Any] | None) -> list[FunctionTool]:
+    """The flat ``tools`` of the Responses and native APIs: function tools only, each name
+    checked here (as chat checks it) so that an error names ``tools[i]``."""
+    tools = []
+    for i, raw in enumerate(raw_tools or ()):
+        where = f"tools[{i}]"
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if kind != "function":
+            raise unsupported(
+                f"{where}.type", f"Tool type {kind!r} is not supported; only 'function' tools are."
+            )
+        tool = validate_at(FunctionTool, raw, where)
+        validate_at(FunctionDefinition, {"name": tool.name}, where)
+        tools.append(tool)
+    return tools
+
+
+def add_chat_tools(
+    chat_body: dict[str, Any], tools: list[FunctionTool], tool_choice: str | dict[str, Any] | None
+) -> None:
+    """Adds flat ``tools`` (from :func:`function_tools`) and ``tool_choice`` to ``chat_body`` in
+    chat's shape."""
+    if tools:
+        dumped = [tool.model_dump(exclude={"type"}, exclude_none=True) for tool in tools]
+        chat_body["tools"] = [{"type": "function", "function": tool} for tool in dumped]
+    if tool_choice is not None:
+        chat_body["tool_choice"] = chat_tool_choice(tool_choice)
+
+
+def chat_tool_choice(choice: str | dict[str, Any]) -> Any:
+    """A flat ``tool_choice`` (a mode, or ``{"type": "function", "name": ...}``) as chat's."""
+    if isinstance(choice, str):
+        return choice
+    name = choice.get("name")
+    if choice.get("type") != "function" or not isinstance(name, str) or not name:
+        raise bad("tool_choice", "a named tool choice must be {'type': 'function', 'name': ...}")
+    return {"type": "function", "function": {"name": name}}

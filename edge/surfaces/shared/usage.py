@@ -105,53 +105,6 @@ class UsageTracker:
         return usage_dict(prompt, completion, cached, reasoning)
 
 
-class StreamEnvelope:
-    """The envelope of every streamed chunk of one response, built once per response.
-
-    Every chunk is ``{id, object, created, model, <extra>, choices}`` plus
-    ``usage``: the running usage with ``continuous_usage_stats``, ``null``
-    with ``include_usage``, else absent. The shared fields are fixed at
-    construction and copied into each chunk (a dict copy keeps their order,
-    which is the wire order), so a chunk costs one small copy instead of
-    rebuilding them for every token.
-    """
-
-    __slots__ = ("_continuous_usage", "_head", "_include_usage", "_usage")
-
-    def __init__(
-        self,
-        *,
-        object_name: str,
-        completion_id: str,
-        created: int,
-        model: str,
-        usage: UsageTracker,
-        include_usage: bool,
-        continuous_usage: bool,
-        **extra: Any,
-    ) -> None:
-        self._head: dict[str, Any] = {
-            "id": completion_id,
-            "object": object_name,
-            "created": created,
-            "model": model,
-            **extra,
-        }
-        self._usage = usage
-        self._include_usage = include_usage
-        self._continuous_usage = continuous_usage
-
-    def chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        """One chunk holding ``choices`` (a new dict; the caller may add to it)."""
-        chunk = self._head.copy()
-        chunk["choices"] = choices
-        if self._continuous_usage:
-            chunk["usage"] = self._usage.running()
-        elif self._include_usage:
-            chunk["usage"] = None
-        return chunk
-
-
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int
 
