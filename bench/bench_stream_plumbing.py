@@ -13,7 +13,7 @@ consumed as Quart would (iterated, then closed) without sending anything.
 It prints the process CPU time per token for the edge's streaming body and,
 for reference, for the floor: the same fake calls, translation and framing
 with no plumbing at all. On a checkout from before the stream pump (no
-``edge/stream_pump.py``) it measures the older body (deadline guard,
+``edge/streaming/pump.py``) it measures the older body (deadline guard,
 heartbeat wrapper, metrics wrapper) instead.
 """
 

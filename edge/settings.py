@@ -107,7 +107,7 @@ class Settings:
     # A client that accepted no bytes of its response for this long is disconnected.
     write_timeout_s: float = 30.0
     # Shortest time between two writes of one stream that carry model output: deltas that
-    # arrive sooner wait and go out merged in one chunk (edge/stream_pump.py). 0 = no wait.
+    # arrive sooner wait and go out merged in one chunk (edge/streaming/pump.py). 0 = no wait.
     stream_write_interval_s: float = 0.02
     # How long a worker may take to accept a call (send `started`) before the
     # edge gives up on it and tries the next one.
@@ -150,7 +150,7 @@ class Settings:
     processes: int = 1
     # How the pool picks a worker per request (edge/workers/routing.py): prefix-affinity or least-outstanding.
     routing: RoutingPolicy = RoutingPolicy.PREFIX_AFFINITY
-    # A stream whose worker dies mid-stream continues on another worker (edge/migration.py), at
+    # A stream whose worker dies mid-stream continues on another worker (edge/workers/migration.py), at
     # most max_stream_migrations times per call.
     migrate_streams: bool = True
     max_stream_migrations: int = 2

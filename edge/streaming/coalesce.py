@@ -1,30 +1,6 @@
 """Merging a stream's pending worker events: several deltas of one choice become one.
 
-When a client reads slower than the model writes (or the edge is busy), a
-stream's events wait in its pump (:mod:`edge.streaming.pump`) until the next
-write. Consecutive waiting deltas of the same kind for the same choice are
-merged into the first one, so the translator makes one chunk of them instead
-of one per token. Merging happens on the worker's events, before any surface
-translates them, so every surface (OpenAI chat and completions, and any
-other) gets it for free and its own chunk rules hold for every chunk: a
-merged event is just a delta that carries more text.
-
-The rules (:func:`merge_into`), for an event ``b`` arriving right after a
-waiting event ``a`` of the same call:
-
-- ``content`` after ``content``, ``reasoning`` after ``reasoning``,
-  ``refusal`` after ``refusal``, same ``choice_index``: the text is appended,
-  and the token ids and per-token logprobs are concatenated in order;
-- ``tool_call`` after ``tool_call``, same choice and ``tool_index``, and ``b``
-  carries no ``id`` and no ``name`` (an arguments fragment): the arguments
-  are appended and the token ids concatenated. A delta that starts a call (it carries the id and name) is
-  never merged into an earlier one, so the first delta of every call still
-  carries them;
-- anything else (``started``, ``progress``, ``finished``, ``usage``, other
-  choices or kinds) is not merged: the order of kinds and choices is kept.
-
-Merging mutates ``a``; the events are the edge's own copies, read from the
-call and not shared.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

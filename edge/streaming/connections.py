@@ -1,45 +1,6 @@
 """Client connections: the write timeout for clients that stop reading, and the final abort at shutdown.
 
-How backpressure works under hypercorn (asyncio worker, HTTP/1.1 and h2):
-each ASGI ``send`` of a body chunk ends in ``TCPServer.protocol_send``, which
-writes the bytes to the connection's transport and awaits
-``StreamWriter.drain()`` (under a per-connection lock). ``drain`` returns only
-once the transport's buffer is below its high-water mark (64 KiB by default),
-i.e. once the client has accepted enough bytes. Quart asks the response body
-generator for its next frame only after ``send`` returned, so a client that
-stops reading stops the SSE generator, which stops reading the worker's gRPC
-stream; gRPC flow control then holds the rest in the worker. The edge keeps at
-most the transport buffer (~64 KiB plus one frame) and the channel's receive
-window per stalled stream, and no other connection waits on it: only this
-connection's task is suspended.
-
-What hypercorn does not do is give up. A client that keeps its connection
-open but never reads would hold the request (and its worker slot) forever,
-and closing such a connection waits for the unsent bytes to flush, which
-never happens; at shutdown that would stall hypercorn past its grace period.
-So :class:`ClientConnections`:
-
-- times every ``send`` (except the body writes of a streamed response, which
-  its pump times with its own clock, :mod:`edge.streaming.pump`; it finds the
-  transport with :func:`scope_transport`): when one has not completed after ``write_timeout_s``
-  (the client accepted too little for that long), the connection's transport
-  is aborted (unsent bytes dropped, socket closed). The blocked ``send`` then
-  returns, hypercorn reports the disconnect, Quart cancels the response, and
-  the response's own cleanup cancels the worker calls (the normal disconnect
-  path);
-- remembers the transport of every connection that made a request (weakly),
-  so :meth:`ClientConnections.abort_all` can cut what is left at the very end
-  of a shutdown.
-
-A streamed response over HTTP/1.1 may also skip the ASGI send path for its
-body (:class:`ChunkedBody`, found with :func:`scope_chunked_body`): each body
-send costs a pass through Quart, this middleware, hypercorn's stream and
-protocol objects and h11 (about a tenth of the edge's CPU per chunk at full
-speed, `docs/benchmarks.md`), for bytes that are only framed as one chunk of
-the chunked transfer coding. The pump frames its chunks itself and writes them
-to the connection's ``StreamWriter``, with the same ``drain`` backpressure;
-the end of the body (the empty last chunk) still goes through h11, whose chunked
-writer keeps no count of the bytes, so its state stays right.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,6 @@
 """One pump per streamed response: read the worker events, translate, frame, write; one clock.
 
-A streamed response is a :class:`StreamPump`: Quart iterates it as the
-response body and sends whatever each step returns. Inside:
-
-- **Readers.** One task per worker call (one for chat, ``k`` for ``k``
-  completion prompts) does nothing but read that call's events into the
-  pump's pending list, merging consecutive deltas of one choice
-  (:mod:`edge.streaming.coalesce`). The list is bounded (:data:`MAX_PENDING_EVENTS`
-  events read since the last write): a reader that finds it full waits, so a
-  slow client stops the gRPC reads and flow control holds the rest in the
-  worker.
-- **Writer.** Each step of the body takes *everything* pending, translates
-  it (the surface's ``on_event``), frames every chunk (the surface's
-  :class:`StreamFraming`) and returns it as one write; after the last event
-  it adds ``finish()``'s chunks and the end frame, after a failure the error
-  frame(s). Events that arrive while a write is in progress go out together
-  in the next one. Over HTTP/1.1 the writes skip Quart and hypercorn: the
-  pump writes each one as a chunk straight to the connection
-  (:class:`~edge.streaming.connections.ChunkedBody`, with the same ``drain``
-  backpressure) and hands Quart only the end of the body.
-- **One timer** per stream, re-armed only when it fires (never per event or
-  per write): the total deadline, the idle timeout (no event for ``idle_s``
-  while a reader waits for the worker), heartbeats (nothing written for
-  ``heartbeat_s``), and the slow-client write timeout (one write not taken
-  by the client for ``write_timeout_s``: the connection is aborted).
-  Draining (:meth:`stop`, from :class:`~edge.drain.Drain`) uses the same path
-  as the limits.
-- **Metrics** are counted where the facts are known: the time to the first
-  write that carries output, the gaps between such writes, the error sent,
-  and a disconnect (the body closed before its last frame).
-
-Cancellation is one rule: however the body ends early (the client went away:
-Quart cancels the step in progress and closes the body; a limit; a failure),
-every worker call is cancelled at once (:meth:`aclose`, :meth:`stop`). A body
-that Quart never started leaves its calls to the streams' own safety net.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations
@@ -90,7 +57,7 @@ def _openai_error(error: EdgeError) -> bytes:
     return sse.error_frame(error.payload()) + sse.DONE_FRAME
 
 
-#: OpenAI's chat and completions streams (DESIGN.md section 3).
+#: OpenAI's chat and completions streams: ``data:`` chunks, ``event: error``, then ``data: [DONE]``.
 OPENAI_FRAMING = StreamFraming(
     encode=sse.data_frame, heartbeat=sse.HEARTBEAT_FRAME, end=sse.DONE_FRAME, error=_openai_error
 )

@@ -1,10 +1,6 @@
 """Server-Sent Events framing (the heartbeats' timer is the stream pump's, :mod:`edge.streaming.pump`).
 
-Wire rules (DESIGN.md section 3): a normal chunk is exactly ``data: <json>\\n\\n``
-with compact JSON and no ``event:`` or ``id:`` line (openai-python breaks on
-both); the stream ends with ``data: [DONE]\\n\\n``; a mid-stream failure is
-``event: error\\ndata: <json>\\n\\n`` followed by ``[DONE]``; a heartbeat is the
-comment ``: heartbeat\\n\\n``, which every SSE client ignores.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Opening a response's worker calls, and the two ways of answering from them: :func:`collect`
 (one JSON body) and :func:`sse_response` (a stream, pumped by :class:`~edge.streaming.pump.StreamPump`).
 
-The call order, time limits and cancellation rules are in docs/streaming.md, "Call order".
+The call order, time limits and cancellation rules are in docs/edge-internals.md,
+"Call order of a generation request".
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """The worker calls behind one HTTP response, opened together and read as one stream.
 
-A chat request needs one ``Generate`` call; a completions request with ``k``
-prompts needs ``k``, which run concurrently (each on the pool's best worker
-at the moment it opens). :meth:`CallGroup.open` commits to a response only
-once every call has sent its first event, so any failure before that is
-still a plain JSON error; :meth:`CallGroup.events` then merges the calls'
-events, each tagged with its call index (the order within one call is kept;
-calls interleave as their events arrive).
-
-Cancellation: :meth:`CallGroup.cancel` cancels every call and is idempotent.
-Closing or cancelling the :meth:`~CallGroup.events` iterator cancels every
-call before it returns, so a client that goes away frees every worker slot.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

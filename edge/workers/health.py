@@ -1,6 +1,6 @@
 """Worker health: a background loop checks every worker (grpc.health.v1) when due and re-resolves
 DNS; a worker that fails a check or a call is ejected and re-checked after a backoff, and taken
-back at its first SERVING answer. docs/operations.md, "Worker health", has the rules.
+back at its first SERVING answer. docs/edge-internals.md, "The worker pool".
 """
 
 from __future__ import annotations

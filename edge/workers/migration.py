@@ -1,42 +1,6 @@
 """Stream migration: a worker call that dies after its first event goes on, on another worker.
 
-When the worker serving a call fails mid-stream (the process died, the
-connection broke, or it cut the call while draining: gRPC ``UNAVAILABLE``),
-:class:`ResumableStream` reopens the request on another worker with the
-prompt plus the tokens already delivered (the ``resume`` field), and the
-caller reads one continuous stream: the new call's ``started``, progress and
-prompt logprobs are dropped; its first delta continues the text where the
-last one ended. The worker continues the sampling state (penalties, seeded
-draws, grammar) and primes its output processing with the delivered tokens,
-so greedy and seeded requests read exactly as an undisturbed call would (see
-``Resume`` in ``protos/sluice/v1/worker.proto``). Usage needs nothing from the
-edge: the resumed call's ``finished`` and ``usage`` count the whole generation
-(the prompt once, every completion token once), and replace the failed call's.
-
-Which failures migrate, and why only these:
-
-- ``UNAVAILABLE`` after the first event: the worker or the path to it is
-  gone (a transport error, a dead process) or the worker is shutting down;
-  the request itself is fine and another worker can serve it.
-- Not ``INVALID_ARGUMENT``, ``RESOURCE_EXHAUSTED``, ``INTERNAL`` (a
-  request-level failure such as a model error: it would likely fail again),
-  ``DEADLINE_EXCEEDED`` or ``CANCELLED`` (the caller's own limits): those end
-  the stream with the error event as before.
-
-What is resent: per choice, the ids of the deltas received so far. A worker
-puts a step's token ids on the last delta that step produced for the choice,
-so deltas without ids are held here until the delta with ids (or the choice's
-``finished``) that closes their step arrives; on a failure the held deltas
-are dropped (the new worker sends them again). Holding spans one worker step,
-never more.
-
-Refused (the error event as today), each counted in
-``sluice_edge_stream_migrations{outcome}``: a worker that does not say
-``started.resumable`` (an older worker); ``n`` > 1; the limit of migrations
-per request (``--max-stream-migrations``); the request's deadline; no other
-worker, or a new worker that refuses the resume (e.g. its grammar cannot
-follow the tokens). A call whose every choice had finished and only lost its
-``usage`` ends normally (usage then falls back to the ``finished`` counts).
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

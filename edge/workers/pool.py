@@ -1,6 +1,6 @@
 """The edge's worker pool: a call goes to the best available worker (fewest outstanding calls,
 round-robin ties, or the routing policy's pick) and moves to the next one only before its
-first event; plus the fleet-wide queries (models, health). docs/operations.md has the rules.
+first event; plus the fleet-wide queries (models, health). docs/edge-internals.md, "The worker pool".
 """
 
 from __future__ import annotations

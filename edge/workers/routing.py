@@ -1,31 +1,6 @@
 """How the worker pool picks a worker for a request: the routing policies (``--routing``).
 
-``least-outstanding`` (the default): the available worker with the fewest
-calls in flight from this edge process, ties broken round-robin (the pool
-does this itself; this module is not consulted).
-
-``prefix-affinity``: requests that share a prompt prefix (a system prompt, a
-conversation so far) go to the worker that served that prefix last, where
-its KV cache most likely still holds it (the worker's prefix cache then
-skips recomputing those tokens, and says so in ``cached_tokens``). The edge
-does not tokenize: :func:`prefix_blocks` cuts the request into blocks it can
-hash (the chat header, then each message in order; a raw prompt in fixed
-slices) and chains the hashes, so block ``i``'s digest names the whole
-prefix up to and including block ``i``. A conversation's next turn repeats
-the earlier turns' messages, so its chain starts with the digests the
-earlier turns recorded. :class:`PrefixAffinity` remembers, for a bounded
-number of digests (least recently used forgotten first), which worker
-served them, and :meth:`PrefixAffinity.choose` picks:
-
-1. when the load is unbalanced (:func:`load_unbalanced`): nobody (the pool's
-   fewest-outstanding choice), so a hot prefix cannot pile every request
-   onto one worker while the others idle;
-2. else the worker holding the longest recorded prefix, if that prefix
-   covers at least :data:`MIN_MATCHED_FRACTION` of the request;
-3. else nobody (fewest outstanding).
-
-The pool records the blocks of every request under the worker that
-accepted it (:meth:`PrefixAffinity.record`).
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

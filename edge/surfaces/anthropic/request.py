@@ -1,20 +1,6 @@
 """The Anthropic Messages request (``POST /v1/messages``), validated and rewritten as chat.
 
-:func:`parse_messages_request` checks the wire shape (errors name the field as
-Anthropic spells it: ``messages[1].content[0].tool_use_id``) and builds the
-equivalent chat request (:mod:`edge.surfaces.shared.rewrite`), which carries every
-operator limit.
-
-Accepted: ``model``; ``max_tokens`` (required, as Anthropic requires it);
-``messages`` (``user`` and ``assistant``; content a string or blocks: ``text``,
-``tool_use``, ``tool_result``, ``thinking``; ``redacted_thinking`` is dropped);
-``system`` (a string or text blocks); ``stop_sequences``; ``tools`` (custom
-tools with ``input_schema``); ``tool_choice`` (``auto``, ``any``, ``tool``,
-``none``, ``disable_parallel_tool_use``); ``thinking`` (``disabled`` turns a
-reasoning model's thinking off); ``metadata.user_id``; ``stream``. The sampling
-options ``temperature``, ``top_p`` and ``top_k`` are honoured (recent Anthropic
-SDKs have no arguments for them; callers send them as extra body fields).
-Images, documents and server tools are refused with a 400 naming the field.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Worker events → Anthropic Messages: its stream events (``message_start``, one content block
 per run of same-kind deltas, ``message_delta``, ``message_stop``; an ``error`` event after a
-failure) or the message for ``stream: false``. docs/http.md, "Anthropic Messages", has the rules.
+failure) or the message for ``stream: false``. docs/edge-internals.md, "Anthropic translation".
 """
 
 from __future__ import annotations

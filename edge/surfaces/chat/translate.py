@@ -44,8 +44,8 @@ class _ChoiceState:
 @dataclass
 class ChatTranslator(ChunkStream):
     """Turns the events of one chat call into chunks (:meth:`on_event`, then :meth:`finish`) or
-    into the ``chat.completion`` (:meth:`add`, then :meth:`result`); docs/http.md, "Chat streams",
-    has the chunk rules. ``usage`` is always in the result; in the stream as the usage options ask.
+    into the ``chat.completion`` (:meth:`add`, then :meth:`result`). The chunk rules are in
+    docs/edge-internals.md, "Chat translation"; ``usage`` is always in the result.
     """
 
     system_fingerprint: str | None = None

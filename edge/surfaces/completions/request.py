@@ -1,21 +1,6 @@
 """The OpenAI (legacy) text completions request, validated.
 
-:func:`parse_completion_request` turns a decoded JSON body into a
-:class:`CompletionRequest` or raises the errors described in
-:mod:`edge.surfaces.shared.chat_request` (422 for a non-object body, 400 naming the field).
-
-``prompt`` is normalized to a list of prompts, each a string or a list of
-token ids: a string, a list of strings, a list of token ids (one prompt) and
-a list of lists of token ids are accepted; anything else (an empty list, a
-mix of strings and ids, a bool or negative id) is a 400 naming ``prompt``.
-
-Operator limits (:class:`~edge.surfaces.shared.chat_request.RequestLimits`) bound the
-prompts' total size (``prompt``), ``n``, ``max_tokens`` and ``logprobs``.
-
-Options the worker cannot honour are refused with a 400 naming them, never
-ignored: a non-empty ``suffix``; ``best_of`` other than ``n``. ``echo`` with
-``logprobs`` returns the prompt tokens' logprobs too (the first one ``null``),
-and ``max_tokens: 0`` with ``echo`` only scores the prompt.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

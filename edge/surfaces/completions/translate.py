@@ -1,7 +1,7 @@
 """``/v1/completions``: a request → one worker request per prompt, and the calls' events → one
 ``text_completion`` (chunks, or one body) whose ``k * n`` choices are ordered prompt by prompt.
 
-Legacy logprobs and ``echo`` follow OpenAI's rules (docs/http.md, "Completions").
+Legacy logprobs and ``echo`` follow OpenAI's rules (docs/edge-internals.md, "Completions translation").
 """
 
 from __future__ import annotations

@@ -1,17 +1,6 @@
 """The native chat request (``POST /api/v1/chat``), validated and rewritten as chat.
 
-Fields: ``model``; ``input``, a string (one user message) or a list of
-messages ``{"role", "content"}`` (roles ``system``, ``user``, ``assistant``;
-content a string); ``system_prompt``; the sampling options ``temperature``,
-``top_p``, ``top_k``, ``min_p``, ``repeat_penalty``, ``seed``, ``stop``;
-``max_output_tokens``; ``tools``, function definitions
-``{"type": "function", "name", "description", "parameters"}``; ``tool_choice``
-(``auto``, ``none``, ``required`` or ``{"type": "function", "name"}``);
-``reasoning`` (``"off"`` turns a reasoning model's thinking off, ``"on"`` turns
-it on); ``stream`` (default false).
-
-As for the other surfaces, the rewritten chat request carries every operator
-limit (:mod:`edge.surfaces.shared.rewrite`); errors name the field as spelled here.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

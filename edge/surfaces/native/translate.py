@@ -1,6 +1,6 @@
 """Worker events → the native API (``/api/v1/chat``): named events (model load, prompt
 processing, one segment per run of same-kind output, tool-call verdicts, ``chat.end``) or the
-result body for ``stream: false``. docs/http.md, "Native API", has the event order.
+result body for ``stream: false``. docs/edge-internals.md, "Native translation".
 """
 
 from __future__ import annotations

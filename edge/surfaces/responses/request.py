@@ -1,21 +1,6 @@
 """The OpenAI Responses API request (``POST /v1/responses``), validated and rewritten as chat.
 
-:func:`parse_responses_request` checks the wire shape (errors name the field as
-the Responses API spells it: ``input[1].call_id``, ``text.format.schema``),
-refuses what a stateless edge cannot honour, and builds the equivalent chat
-request (:mod:`edge.surfaces.shared.rewrite`), which carries every operator limit.
-
-What is accepted: ``model``; ``input`` as a string or a list of items (messages
-with text parts, ``function_call`` items and the caller's ``function_call_output``
-items; ``reasoning`` items are dropped, their text is not sent back to the
-model); ``instructions``; ``tools`` of type ``function``; ``tool_choice``;
-``parallel_tool_calls``; ``text.format`` (``text``, ``json_object``,
-``json_schema``); ``max_output_tokens``; ``temperature``; ``top_p``;
-``reasoning.effort`` (``none`` turns a reasoning model's thinking off);
-``metadata``; ``user``; ``stream``.
-
-Stateless: nothing is stored, so ``previous_response_id``, ``conversation``,
-``store: true`` and ``background: true`` are refused with a 400 naming the field.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Worker events → the OpenAI Responses API: its typed stream events (each with a
 ``sequence_number``; one output item per run of same-kind deltas) or the Response object for
-``stream: false``. docs/http.md, "Responses API", has the event order.
+``stream: false``. docs/edge-internals.md, "Responses translation".
 """
 
 from __future__ import annotations

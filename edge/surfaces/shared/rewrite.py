@@ -1,16 +1,6 @@
 """What the Responses, Anthropic Messages and native request parsers share.
 
-Each of those surfaces is parsed in two steps:
-
-1. its own pydantic models (:mod:`edge.surfaces.responses.request`, :mod:`edge.surfaces.anthropic.request`,
-   :mod:`edge.surfaces.native.request`) check the wire shape, so an error names the field as
-   that API spells it (``input[2].call_id``, ``messages[0].content[1].tool_use_id``);
-2. the request is rewritten as an OpenAI chat body and goes through
-   :func:`~edge.surfaces.shared.chat_request.parse_chat_request`, so every surface obeys the same
-   rules and operator limits (:class:`~edge.surfaces.shared.chat_request.RequestLimits`) and reaches
-   the worker through the same :func:`~edge.surfaces.chat.translate.to_generate_request`. A
-   field name that step reports (``messages``, ``max_completion_tokens``) is
-   renamed to the surface's own (``input``, ``max_output_tokens``).
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Circuit breaking: only the worker's own failures count against it (edge/call_failures.py),
+"""Circuit breaking: only the worker's own failures count against it (edge/workers/failures.py),
 seen through the worker pool with fake clients. Client errors and back-pressure never eject."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The merge rules for pending worker events (edge/coalesce.py)."""
+"""The merge rules for pending worker events (edge/streaming/coalesce.py)."""
 
 from __future__ import annotations
 

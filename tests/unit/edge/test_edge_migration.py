@@ -1,4 +1,4 @@
-"""Stream migration (edge/migration.py) with fake workers: what is resent, what the caller reads."""
+"""Stream migration (edge/workers/migration.py) with fake workers: what is resent, what the caller reads."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""edge/routing.py: chained prefix blocks, the bounded affinity map, the load-balance rule, and
+"""edge/workers/routing.py: chained prefix blocks, the bounded affinity map, the load-balance rule, and
 the prefix-affinity policy inside the worker pool (fake clients)."""
 
 from __future__ import annotations

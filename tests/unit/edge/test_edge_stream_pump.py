@@ -1,4 +1,4 @@
-"""The stream pump (edge/stream_pump.py) with fake calls: coalescing, the one clock, failures,
+"""The stream pump (edge/streaming/pump.py) with fake calls: coalescing, the one clock, failures,
 cancellation and the metrics it reports. No gRPC and no HTTP: the test plays Quart's part (it
 iterates the pump and closes it)."""
 
