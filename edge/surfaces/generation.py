@@ -20,7 +20,7 @@ from edge.drain import shutting_down_error
 from edge.http import current_request_id, worker_header
 from edge.state import current_request, current_state
 from edge.streaming.connections import scope_chunked_body, scope_transport
-from edge.streaming.pump import OPENAI_FRAMING, Finish, OnEvent, PumpClock, StreamFraming, StreamPump
+from edge.streaming.pump import Finish, OnEvent, PumpClock, StreamFraming, StreamPump
 from edge.workers.call_group import CallGroup
 from edge.workers.migration import MigrationPolicy, resumable_request
 from sluice.v1 import worker_pb2
@@ -118,7 +118,7 @@ def sse_response(
     finish: Finish,
     headers: dict[str, str],
     *,
-    framing: StreamFraming = OPENAI_FRAMING,
+    framing: StreamFraming,
     content_type: str = "text/event-stream",
 ) -> Response:
     """The 200 streamed response: ``on_event``'s chunks for every event, then ``finish()``'s, then
