@@ -10,9 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, StrictBool, field_validator
 
 from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.chat_request import ChatCompletionRequest
 from edge.surfaces.shared.rewrite import (
-    FunctionTool,
     ParsedRequest,
     add_chat_tools,
     flat_tool_choice,
@@ -63,10 +61,6 @@ class NativeChatRequest(RequestModel):
 
 class ParsedNativeRequest(ParsedRequest[NativeChatRequest]):
     """The validated request, its chat equivalent, and the offered tools (for ``tool_call.failure``)."""
-
-    def __init__(self, request: NativeChatRequest, chat: ChatCompletionRequest, tools: list[FunctionTool]):
-        super().__init__(request, chat)
-        self.tools = tools
 
     def apply_sampling(self, proto: worker_pb2.GenerateRequest) -> None:
         """The sampling options chat has no field for (``top_k``, ``min_p``, ``repeat_penalty``)."""

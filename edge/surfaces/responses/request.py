@@ -11,9 +11,8 @@ from pydantic import Field, StrictBool, field_validator
 
 from edge.errors import InvalidRequestError
 from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.chat_request import ChatCompletionRequest, JsonSchemaFormat
+from edge.surfaces.shared.chat_request import JsonSchemaFormat
 from edge.surfaces.shared.rewrite import (
-    FunctionTool,
     ParsedRequest,
     add_chat_tools,
     flat_tool_choice,
@@ -108,10 +107,6 @@ class ResponsesRequest(RequestModel):
 
 class ParsedResponsesRequest(ParsedRequest[ResponsesRequest]):
     """The validated request: its own fields (echoed in the answer) and the equivalent chat request."""
-
-    def __init__(self, request: ResponsesRequest, chat: ChatCompletionRequest, tools: list[FunctionTool]):
-        super().__init__(request, chat)
-        self.tools = tools
 
     def echo(self) -> dict[str, Any]:
         """The request fields a Response object repeats (``tools``, ``temperature``, ...)."""

@@ -6,7 +6,7 @@ Design notes: docs/edge-internals.md.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, StrictBool
@@ -97,22 +97,6 @@ class FunctionTool(RequestModel):
     strict: StrictBool | None = None
 
 
-class ParsedRequest(Generic[RequestT]):
-    """A surface's validated request and the chat request it was rewritten into (which carries
-    the surface's own ``stream``)."""
-
-    def __init__(self, request: RequestT, chat: ChatCompletionRequest) -> None:
-        self.request = request
-        self.chat = chat
-
-    @property
-    def stream(self) -> bool:
-        return self.chat.stream
-
-    def apply_sampling(self, proto: worker_pb2.GenerateRequest) -> None:
-        """Sets the sampling options chat has no field for on the worker request (none here)."""
-
-
 def function_tools(raw_tools: list[Any] | None) -> list[FunctionTool]:
     """The flat ``tools`` of the Responses and native APIs: function tools only, each name
     checked here (as chat checks it) so that an error names ``tools[i]``."""
@@ -150,3 +134,22 @@ def chat_tool_choice(choice: str | dict[str, Any]) -> Any:
     if choice.get("type") != "function" or not isinstance(name, str) or not name:
         raise bad("tool_choice", "a named tool choice must be {'type': 'function', 'name': ...}")
     return {"type": "function", "function": {"name": name}}
+
+
+class ParsedRequest(Generic[RequestT]):
+    """A surface's validated request, the chat request it was rewritten into (which carries the
+    surface's own ``stream``) and its flat function tools, if the surface has them."""
+
+    def __init__(
+        self, request: RequestT, chat: ChatCompletionRequest, tools: Sequence[FunctionTool] = ()
+    ) -> None:
+        self.request = request
+        self.chat = chat
+        self.tools = list(tools)
+
+    @property
+    def stream(self) -> bool:
+        return self.chat.stream
+
+    def apply_sampling(self, proto: worker_pb2.GenerateRequest) -> None:
+        """Sets the sampling options chat has no field for on the worker request (none here)."""
