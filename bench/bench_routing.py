@@ -37,7 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from edge.routing import RoutingPolicy  # noqa: E402
+from edge.workers.routing import RoutingPolicy  # noqa: E402
 from tests.conversations import Turn, cached_fraction, run_conversations  # noqa: E402
 from tests.processes import EdgeProcess, WorkerProcess  # noqa: E402
 from worker.config import DEFAULT_CACHE_DIR  # noqa: E402

@@ -13,7 +13,7 @@ consumed as Quart would (iterated, then closed) without sending anything.
 It prints the process CPU time per token for the edge's streaming body and,
 for reference, for the floor: the same fake calls, translation and framing
 with no plumbing at all. On a checkout from before the stream pump (no
-``edge/stream_pump.py``) it measures the older body (deadline guard,
+``edge/streaming/pump.py``) it measures the older body (deadline guard,
 heartbeat wrapper, metrics wrapper) instead.
 """
 
@@ -29,12 +29,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from edge import sse
-from edge.call_group import CallGroup
 from edge.deadlines import EventGuard, TimeLimits
 from edge.drain import Drain
 from edge.metrics import EdgeMetrics
-from edge.translate import ChunkBuilder
+from edge.streaming import sse
+from edge.surfaces.chat.translate import ChatTranslator
+from edge.workers.call_group import CallGroup
 from sluice.v1 import worker_pb2 as pb
 
 LIMITS = TimeLimits(total_s=600.0, idle_s=120.0)
@@ -63,22 +63,22 @@ class FakeCall:
 
 
 def streaming_body(tokens: int, metrics: EdgeMetrics, drain: Drain) -> AsyncIterable[bytes]:
-    builder = ChunkBuilder("chatcmpl-1", 1, "m", include_usage=True)
+    builder = ChatTranslator("chatcmpl-1", 1, "m", include_usage=True)
     group = CallGroup([FakeCall(tokens)])  # type: ignore[list-item]
     try:
-        from edge.stream_pump import OPENAI_FRAMING, PumpClock, StreamPump
+        from edge.streaming.pump import OPENAI_FRAMING, PumpClock, StreamPump
     except ImportError:  # a checkout from before the pump
-        from edge.routes.generation import _frames  # type: ignore[attr-defined]
+        from edge.surfaces.generation import _frames  # type: ignore[attr-defined]
 
         frames = _frames(
-            group, EventGuard(LIMITS), drain, lambda _c, e: builder.on_event(e), builder.finish, "r"
+            group, EventGuard(LIMITS), drain, lambda _c, e: builder.on_event(0, e), builder.finish, "r"
         )
         return metrics.watch(sse.with_heartbeats(frames, 15.0), time.monotonic(), "r")  # type: ignore[attr-defined]
     loop = asyncio.get_running_loop()
     clock = PumpClock(LIMITS, loop.time() + LIMITS.total_s, heartbeat_s=15.0, write_timeout_s=30.0)
     return StreamPump(
         group,
-        lambda _call, event: builder.on_event(event),
+        lambda _call, event: builder.on_event(0, event),
         builder.finish,
         OPENAI_FRAMING,
         clock,
@@ -100,9 +100,9 @@ async def consume(body: AsyncIterable[bytes]) -> int:
 
 
 async def floor(tokens: int) -> None:
-    builder = ChunkBuilder("chatcmpl-1", 1, "m", include_usage=True)
+    builder = ChatTranslator("chatcmpl-1", 1, "m", include_usage=True)
     async for event in FakeCall(tokens):
-        for chunk in builder.on_event(event):
+        for chunk in builder.on_event(0, event):
             sse.data_frame(chunk)
 
 

@@ -1,28 +1,6 @@
 """``python -m edge`` / ``sluice-edge``: serve the edge with hypercorn; drain gracefully on SIGTERM.
 
-Shutdown (see :mod:`edge.drain` for what each step means to a caller): the
-first SIGTERM/SIGINT starts draining (``/ready`` 503, new generations 503)
-while the listener stays open for ``--drain-delay`` seconds; then the
-listener closes and requests in flight get ``--graceful-timeout`` seconds;
-then the streams still open are ended with an ``event: error``
-(``server_shutting_down``) and ``data: [DONE]``; a moment later every client
-connection still open (a client that does not read its last frames) is
-aborted, hypercorn returns, and the process exits 0. A second signal skips
-what is left of the drain delay.
-
-Start: the listening port is claimed (:func:`sluice.ports.claim_port`) before
-the app is built and handed to hypercorn as an already bound socket; a taken
-port is one line naming ``--port`` and exit status 2, never a traceback.
-
-Several processes (``--processes N``, 0 = one per core): :func:`supervise`
-forks N edge processes that share nothing but the port (each binds it with
-``SO_REUSEPORT``, so the kernel spreads new connections over them, after the
-supervisor checked the port is free) and a folder for the Prometheus metrics
-(:mod:`edge.metrics`: a scrape of any process reports all of them). The
-supervisor passes SIGTERM/SIGINT on to every process (each drains as above)
-and exits once they all have, with the first non-zero exit status; if one
-process dies on its own, the others are stopped too, so the container's
-restart policy sees the failure.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations
@@ -45,10 +23,10 @@ from hypercorn.config import Config
 
 from edge import event_loop
 from edge.app import create_app
-from edge.client_connections import ClientConnections
 from edge.drain import Drain
 from edge.metrics import forget_process, use_multiprocess_dir
 from edge.settings import Settings
+from edge.streaming.connections import ClientConnections
 from sluice.logs import configure_logging
 from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free, claim_port
 

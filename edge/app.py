@@ -1,21 +1,6 @@
 """The Quart application: :func:`create_app` wires settings, worker pool, auth, routes and errors.
 
-Wiring: everything the handlers share (settings, worker pool, metrics, drain
-state, concurrency limiter, client connections) is one typed
-:class:`~edge.state.EdgeState` on the app (:mod:`edge.state`).
-
-Before each request, in this order: the request's state is started with its
-id (so every answer, errors included, carries ``X-Request-ID``) and its start
-time, and the id is bound to the log context (:mod:`edge.logs`); then the API key is checked for
-``/v1/*`` when keys are configured (:mod:`edge.auth`), then a generation
-request takes its caller's concurrency slot when that limit is on
-(:mod:`edge.concurrency`, released by an ASGI wrapper when the exchange
-ends). After each request it is counted and logged.
-
-Every error leaves as the OpenAI error JSON (``{"error": {...}}``), never as
-HTML or a traceback: edge errors with their own status, werkzeug HTTP errors
-(unknown route 404, wrong method 405, body too large 413) mapped to the same
-shape, and anything unexpected as a generic 500 (logged with its traceback).
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations
@@ -29,7 +14,6 @@ from quart.wrappers import Response
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from edge.auth import ApiKeyCheck
-from edge.client_connections import ClientConnections
 from edge.concurrency import ConcurrencyLimiter, ReleaseSlots
 from edge.drain import Drain
 from edge.errors import (
@@ -41,13 +25,14 @@ from edge.errors import (
     NotFoundError,
     PayloadTooLargeError,
 )
+from edge.http import assign_request_id, current_request_id, error_response
 from edge.logs import bind_request_id, log_request
 from edge.metrics import EdgeMetrics
 from edge.routes import register_routes
-from edge.routes.common import assign_request_id, current_request_id, error_response
 from edge.settings import Settings
 from edge.state import EdgeApp, EdgeState
-from edge.worker_pool import WorkerPool
+from edge.streaming.connections import ClientConnections
+from edge.workers.pool import WorkerPool
 
 log = logging.getLogger("sluice.edge")
 

@@ -1,18 +1,7 @@
 """Optional API keys: ``Authorization: Bearer <key>`` (or ``x-api-key: <key>``, as Anthropic's
 clients send it) on every ``/v1/*`` and ``/api/v1/*`` request.
 
-Off when the edge has no keys (``--api-keys`` / ``--api-keys-file`` unset).
-When on, a request under ``/v1/`` without a matching key is answered 401 with
-OpenAI's body (``type: invalid_request_error``, ``code: invalid_api_key``)
-before its body is read or a route runs, so an unauthenticated caller learns
-nothing (not even whether a route exists). ``/health``, ``/ready`` and
-``/openapi.json`` stay open for probes and tooling.
-
-Keys are compared in constant time against every configured key (no early
-exit), and are never logged or echoed. An accepted request is known by the
-position of its key (``key#3``, in :func:`caller_identity`), never by the
-key itself, so the per-key concurrency limit (:mod:`edge.concurrency`) and
-logs can name a caller without holding a secret.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """The per-caller concurrency limit on generation requests (``--max-concurrent-per-key``).
 
-A caller (its API key, or its client address when keys are off, see
-:func:`edge.auth.caller_identity`) may have at most ``limit`` generation
-requests (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
-``/v1/messages`` and ``/api/v1/chat``) in flight; one
-more is answered 429 (``rate_limit_error``, code
-``concurrency_limit_exceeded``, ``Retry-After: 1``) before its body is read.
-
-A slot is taken in a ``before_request`` hook (after the API key check) and
-given back when the whole HTTP exchange is over: a streamed response included,
-however it ends (done, failed, or the client gone). Quart cannot tell us when
-a streamed body ends (its request context closes before the body is sent), so
-the release sits one level lower, in :class:`ReleaseSlots`, an ASGI wrapper
-whose ``finally`` runs once Quart returns for that request; Quart returns only
-after the response was sent or its handler task was cancelled and awaited.
-The slot travels in the ASGI scope, which Quart's request shares.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
 """Per-request time limits: the total deadline and the idle timeout, and the guard that enforces them.
 
-A request's limits come from the edge's settings, optionally changed by the
-caller per request with two headers (seconds, a plain decimal number):
-
-- ``X-Sluice-Timeout``: total deadline, default ``--request-timeout``, capped
-  at ``--max-request-timeout``;
-- ``X-Sluice-Idle-Timeout``: longest silence of the workers, default
-  ``--idle-timeout``, capped at ``--max-idle-timeout``.
-
-A value above the cap is clamped to it; anything else that is not a positive
-number is a 400 naming the header (:func:`request_limits`).
-
-A streamed response enforces its limits with its pump's own timer
-(:mod:`edge.stream_pump`); a non-streamed one, whose events are collected
-into one answer, with :class:`EventGuard`, which wraps a request's worker events and ends them with an
-:class:`~edge.errors.EdgeError` when the total deadline passes
-(:class:`~edge.errors.DeadlineExceededError`, ``timeout_error``), when no
-event arrived for the idle timeout
-(:class:`~edge.errors.StreamIdleTimeoutError`, ``stream_idle_timeout``), or
-when someone calls :meth:`EventGuard.stop` (the edge shutting down). The read
-that was pending is cancelled, which cancels the worker calls behind it.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

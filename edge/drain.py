@@ -1,19 +1,6 @@
 """The edge's shutdown state: draining (refuse new work) and ending the streams still open.
 
-Order on SIGTERM (driven by :mod:`edge.__main__`):
-
-1. :meth:`Drain.begin`: ``/ready`` answers 503 and new generation requests get
-   503 ``server_shutting_down`` with ``Retry-After``; the listener stays open
-   for ``--drain-delay`` seconds so load balancers see readiness flip first;
-2. the listener closes; requests in flight go on for ``--graceful-timeout``;
-3. :meth:`Drain.end_streams`: every request still in flight ends with an
-   ``event: error`` (``server_shutting_down``) and ``data: [DONE]`` (a
-   non-streaming one with a 503), so no client sees a connection cut mid-JSON;
-4. hypercorn closes what is left and the process exits 0.
-
-Requests take part by registering something that can be stopped with an
-error: a stream's pump (:meth:`Drain.add`, :meth:`Drain.discard`) or a
-non-streamed request's :class:`~edge.deadlines.EventGuard` (:meth:`Drain.track`).
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

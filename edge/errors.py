@@ -1,10 +1,6 @@
 """The edge's one exception tree and its mapping to HTTP and SSE.
 
-Every failure the edge reports to a caller is an :class:`EdgeError`. It knows
-its HTTP status and renders the OpenAI error body
-``{"error": {"message", "type", "param", "code"}}``; the same payload is used
-for a mid-stream ``event: error`` frame. gRPC failures from workers become
-edge errors in exactly one place, :func:`from_grpc`.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,6 @@
 """Which event loop an edge process runs on: uvloop where it is installed, else asyncio's own.
 
-uvloop (libuv under asyncio's interface) makes the per-chunk work of a
-stream cheaper: the socket write of each SSE chunk, the transport and
-protocol callbacks hypercorn's send path goes through, and the loop's own
-scheduling of the tasks that read gRPC and write frames (figures in
-docs/benchmarks.md, "The edge on uvloop"). grpc.aio runs on any asyncio
-loop (its completion queue is polled from the loop through a file
-descriptor), so the worker calls need nothing of their own.
-
-``--event-loop``: ``auto`` (the default) picks uvloop when it can be
-imported, ``uvloop`` insists on it (a setting error when it is missing),
-``asyncio`` keeps the standard library's loop.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

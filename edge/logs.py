@@ -1,15 +1,6 @@
 """The edge's request logging: the request id in every log line, one line per answered request.
 
-:func:`bind_request_id` (a ``before_request`` hook, after the id is
-assigned) puts the request id into :data:`sluice.logs.request_id_var`, so
-every record logged while handling the request (its stream included: the body
-runs in the same task) carries it in the JSON format. :func:`log_request`
-(an ``after_request`` hook) logs the method, path, status and time to the
-response headers: INFO for ``/v1/*``, DEBUG for probes and scrapes, which
-would otherwise drown the log. The end of a stream is logged by its pump
-(:mod:`edge.stream_pump`).
-
-Nothing here logs a header, so API keys never reach the log.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations
@@ -20,7 +11,7 @@ import time
 from quart import request
 from quart.wrappers import Response
 
-from edge.routes.common import current_request_id
+from edge.http import current_request_id
 from edge.state import current_request
 from sluice.logs import request_id_var
 

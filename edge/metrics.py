@@ -1,35 +1,6 @@
 """The edge's Prometheus metrics: what callers experienced, counted where the facts are known.
 
-Sources, none of which changes what a caller receives:
-
-- an ``after_request`` hook (:meth:`EdgeMetrics.after_request`): one count
-  per answered request by route and HTTP status (a stream counts as its 200
-  when its headers go out; how it ended is in the stream metrics);
-- each stream's pump (:mod:`edge.stream_pump`), which reports what it
-  does as it does it: the stream opening and closing (the in-flight gauge; a
-  close before the last frame is a client disconnect), the first write that
-  carries model output (time to first token, from the request's start), every
-  later one (the gap since the previous), and the error it sent by type and
-  code;
-- each request's worker calls (:mod:`edge.migration`): a call that moved to
-  another worker when its worker died mid-stream, or could not;
-- live values (worker health as this process's pool sees it, concurrency
-  slots in use), read at each scrape and every few seconds
-  (:meth:`EdgeMetrics.refresh`).
-
-Role chunks are sent as soon as a worker accepts the call, before any token,
-so they are not "first tokens"; a write carrying content, reasoning, a
-refusal, a tool-call delta or a choice's finish chunk is. Events that are
-ready together go out in one write, which counts once.
-
-Several processes (``--processes``): the metrics live in the
-``prometheus_client`` library; when the edge runs several processes,
-:func:`use_multiprocess_dir` (called by the supervisor before it starts them)
-makes every process keep its values in its own files in one folder, and a
-scrape of any process adds up all of them (counters and histograms summed,
-in-flight and slot gauges summed over live processes, ``worker_up`` the
-highest any process sees). Within one process everything runs on the event
-loop.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations
@@ -44,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from quart import request
 from quart.wrappers import Response
 
-from edge.migration import OUTCOMES as MIGRATION_OUTCOMES
+from edge.workers.migration import OUTCOMES as MIGRATION_OUTCOMES
 from sluice.prometheus import GAP_BUCKETS, LATENCY_BUCKETS
 
 log = logging.getLogger("sluice.edge.stream")

@@ -1,14 +1,6 @@
-"""The edge's OpenAPI 3.1 document, served at ``GET /openapi.json``.
-
-Request schemas are generated from the pydantic request models
-(:mod:`edge.openai_types`, :mod:`edge.completion_types`) and response schemas
-from :mod:`edge.response_types`, all with ``models_json_schema`` into
-``components/schemas`` (OpenAPI 3.1 schemas are JSON Schema 2020-12, which is
-what pydantic writes). Request schemas are the validation-mode schemas, so
-union-shaped fields show the shapes callers send.
-
-Paths are listed here by hand, one entry per route; a test checks that every
-route the app serves is in the document and that the document validates.
+"""The edge's OpenAPI 3.1 document (``GET /openapi.json``): component schemas generated from the
+pydantic request and response models of every surface, paths listed here by hand (a test checks
+that every served route is documented and that the document validates).
 """
 
 from __future__ import annotations
@@ -19,14 +11,24 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
-from edge import response_types as out
-from edge import surface_response_types as sout
-from edge.anthropic_types import MessagesRequest
-from edge.completion_types import CompletionRequest
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER
-from edge.native_types import NativeChatRequest
-from edge.openai_types import ChatCompletionRequest
-from edge.responses_types import ResponsesRequest
+from edge.routes.bodies import Health, ModelList, ModelObject, Readiness
+from edge.surfaces.anthropic.request import MessagesRequest
+from edge.surfaces.anthropic.response import AnthropicErrorResponse, AnthropicMessage, AnthropicStreamEvent
+from edge.surfaces.chat.response import ChatCompletion, ChatCompletionChunk
+from edge.surfaces.completions.request import CompletionRequest
+from edge.surfaces.completions.response import TextCompletion, TextCompletionChunk
+from edge.surfaces.native.request import NativeChatRequest
+from edge.surfaces.native.response import (
+    NativeChatResult,
+    NativeErrorResponse,
+    NativeModelList,
+    NativeStreamEvent,
+)
+from edge.surfaces.responses.request import ResponsesRequest
+from edge.surfaces.responses.response import ResponseObject, ResponseStreamEvent
+from edge.surfaces.shared.chat_request import ChatCompletionRequest
+from edge.surfaces.shared.errors import ErrorResponse
 
 REF = "#/components/schemas/{model}"
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
@@ -37,24 +39,24 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     NativeChatRequest,
 )
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
-    out.ErrorResponse,
-    out.ChatCompletion,
-    out.ChatCompletionChunk,
-    out.TextCompletion,
-    out.TextCompletionChunk,
-    out.ModelObject,
-    out.ModelList,
-    out.Health,
-    out.Readiness,
-    sout.ResponseObject,
-    sout.ResponseStreamEvent,
-    sout.AnthropicMessage,
-    sout.AnthropicStreamEvent,
-    sout.AnthropicErrorResponse,
-    sout.NativeChatResult,
-    sout.NativeStreamEvent,
-    sout.NativeErrorResponse,
-    sout.NativeModelList,
+    ErrorResponse,
+    ChatCompletion,
+    ChatCompletionChunk,
+    TextCompletion,
+    TextCompletionChunk,
+    ModelObject,
+    ModelList,
+    Health,
+    Readiness,
+    ResponseObject,
+    ResponseStreamEvent,
+    AnthropicMessage,
+    AnthropicStreamEvent,
+    AnthropicErrorResponse,
+    NativeChatResult,
+    NativeStreamEvent,
+    NativeErrorResponse,
+    NativeModelList,
 )
 
 _ERRORS = {
@@ -125,7 +127,7 @@ def _headers(*names: str) -> dict[str, Any]:
     return {name: {"$ref": f"#/components/headers/{name}"} for name in names}
 
 
-def _error_responses(*statuses: str, model: type[BaseModel] = out.ErrorResponse) -> dict[str, Any]:
+def _error_responses(*statuses: str, model: type[BaseModel] = ErrorResponse) -> dict[str, Any]:
     responses = {}
     for status in statuses:
         headers = _headers("X-Request-ID", "X-Sluice-Worker-ID")
@@ -262,35 +264,35 @@ def openapi_document() -> dict[str, Any]:
         },
         "paths": {
             "/v1/chat/completions": _generation(
-                "Chat completion", ChatCompletionRequest, out.ChatCompletion, out.ChatCompletionChunk
+                "Chat completion", ChatCompletionRequest, ChatCompletion, ChatCompletionChunk
             ),
             "/v1/completions": _generation(
-                "Text completion (legacy)", CompletionRequest, out.TextCompletion, out.TextCompletionChunk
+                "Text completion (legacy)", CompletionRequest, TextCompletion, TextCompletionChunk
             ),
             "/v1/responses": _surface_generation(
                 "OpenAI Responses API (stateless)",
                 ResponsesRequest,
-                sout.ResponseObject,
-                sout.ResponseStreamEvent,
-                out.ErrorResponse,
+                ResponseObject,
+                ResponseStreamEvent,
+                ErrorResponse,
                 "responses",
                 [{"bearerAuth": []}],
             ),
             "/v1/messages": _surface_generation(
                 "Anthropic Messages",
                 MessagesRequest,
-                sout.AnthropicMessage,
-                sout.AnthropicStreamEvent,
-                sout.AnthropicErrorResponse,
+                AnthropicMessage,
+                AnthropicStreamEvent,
+                AnthropicErrorResponse,
                 "messages",
                 [{"bearerAuth": []}, {"apiKeyHeader": []}],
             ),
             "/api/v1/chat": _surface_generation(
                 "Native chat with a stream of named events",
                 NativeChatRequest,
-                sout.NativeChatResult,
-                sout.NativeStreamEvent,
-                sout.NativeErrorResponse,
+                NativeChatResult,
+                NativeStreamEvent,
+                NativeErrorResponse,
                 "native",
                 [{"bearerAuth": []}, {"apiKeyHeader": []}],
             ),
@@ -299,8 +301,8 @@ def openapi_document() -> dict[str, Any]:
                     "summary": "The loaded models, native shape",
                     "security": [{"bearerAuth": []}, {"apiKeyHeader": []}],
                     "responses": {
-                        "200": _json(sout.NativeModelList, "The model list.", "X-Sluice-Worker-ID"),
-                        **_error_responses("401", "503", model=sout.NativeErrorResponse),
+                        "200": _json(NativeModelList, "The model list.", "X-Sluice-Worker-ID"),
+                        **_error_responses("401", "503", model=NativeErrorResponse),
                     },
                 }
             },
@@ -309,7 +311,7 @@ def openapi_document() -> dict[str, Any]:
                     "summary": "The models the workers serve",
                     "security": [{"bearerAuth": []}],
                     "responses": {
-                        "200": _json(out.ModelList, "The model list.", "X-Sluice-Worker-ID"),
+                        "200": _json(ModelList, "The model list.", "X-Sluice-Worker-ID"),
                         **_error_responses("401", "503"),
                     },
                 }
@@ -328,7 +330,7 @@ def openapi_document() -> dict[str, Any]:
                         }
                     ],
                     "responses": {
-                        "200": _json(out.ModelObject, "The model.", "X-Sluice-Worker-ID"),
+                        "200": _json(ModelObject, "The model.", "X-Sluice-Worker-ID"),
                         **_error_responses("401", "404", "503"),
                     },
                 }
@@ -336,15 +338,15 @@ def openapi_document() -> dict[str, Any]:
             "/health": {
                 "get": {
                     "summary": "Liveness: 200 while the process serves",
-                    "responses": {"200": _json(out.Health, "Alive.")},
+                    "responses": {"200": _json(Health, "Alive.")},
                 }
             },
             "/ready": {
                 "get": {
                     "summary": "Readiness: 200 when a worker is SERVING",
                     "responses": {
-                        "200": _json(out.Readiness, "At least one worker is serving."),
-                        "503": _json(out.Readiness, "No worker is serving (the body has an `error`)."),
+                        "200": _json(Readiness, "At least one worker is serving."),
+                        "503": _json(Readiness, "No worker is serving (the body has an `error`)."),
                     },
                 }
             },

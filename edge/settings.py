@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from edge.event_loop import EVENT_LOOPS, uvloop_available
-from edge.openai_types import RequestLimits
-from edge.routing import RoutingPolicy
+from edge.surfaces.shared.validation import RequestLimits
+from edge.workers.addresses import split_host_port
+from edge.workers.routing import RoutingPolicy
 from sluice.logs import LOG_FORMATS
 
 ENV_PREFIX = "SLUICE_EDGE_"
@@ -26,13 +27,7 @@ ENV_PREFIX = "SLUICE_EDGE_"
 def parse_worker_address(text: str) -> str:
     """Checks one ``host:port`` (IPv6 as ``[::1]:port``) and returns it stripped."""
     address = text.strip()
-    host, sep, port = address.rpartition(":")
-    if not sep or not host:
-        raise ValueError(f"{text!r} is not host:port")
-    if host.startswith("[") != host.endswith("]"):
-        raise ValueError(f"{text!r} has an unbalanced IPv6 bracket")
-    if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{text!r} has an invalid port")
+    split_host_port(address)
     return address
 
 
@@ -42,7 +37,7 @@ def parse_worker_list(text: str) -> tuple[str, ...]:
 
 
 def parse_routing(text: str) -> RoutingPolicy:
-    """A ``--routing`` value (:class:`edge.routing.RoutingPolicy`)."""
+    """A ``--routing`` value (:class:`edge.workers.routing.RoutingPolicy`)."""
     try:
         return RoutingPolicy(text.strip())
     except ValueError:
@@ -112,7 +107,7 @@ class Settings:
     # A client that accepted no bytes of its response for this long is disconnected.
     write_timeout_s: float = 30.0
     # Shortest time between two writes of one stream that carry model output: deltas that
-    # arrive sooner wait and go out merged in one chunk (edge/stream_pump.py). 0 = no wait.
+    # arrive sooner wait and go out merged in one chunk (edge/streaming/pump.py). 0 = no wait.
     stream_write_interval_s: float = 0.02
     # How long a worker may take to accept a call (send `started`) before the
     # edge gives up on it and tries the next one.
@@ -144,7 +139,7 @@ class Settings:
     # Generation requests one API key (or one client address when keys are off) may have in
     # flight; 0 = no limit. See edge/concurrency.py.
     max_concurrent_per_key: int = 0
-    # Per-request limits (edge.openai_types.RequestLimits); max_tokens_limit 0 = no edge cap.
+    # Per-request limits (edge.surfaces.shared.chat_request.RequestLimits); max_tokens_limit 0 = no edge cap.
     max_messages: int = 1024
     max_prompt_chars: int = 1_000_000
     max_n: int = 128
@@ -153,9 +148,9 @@ class Settings:
     # Edge processes serving the port (SO_REUSEPORT), each with its own pool and state;
     # 0 = one per CPU core. See docs/running.md.
     processes: int = 1
-    # How the pool picks a worker per request (edge/routing.py): least-outstanding or prefix-affinity.
-    routing: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING
-    # A stream whose worker dies mid-stream continues on another worker (edge/migration.py), at
+    # How the pool picks a worker per request (edge/workers/routing.py): prefix-affinity or least-outstanding.
+    routing: RoutingPolicy = RoutingPolicy.PREFIX_AFFINITY
+    # A stream whose worker dies mid-stream continues on another worker (edge/workers/migration.py), at
     # most max_stream_migrations times per call.
     migrate_streams: bool = True
     max_stream_migrations: int = 2
@@ -417,9 +412,9 @@ class Settings:
                 "routing",
                 "routing",
                 parse_routing,
-                "how a worker is chosen per request: least-outstanding (default: fewest calls in "
-                "flight) or prefix-affinity (the worker that served the longest shared prompt prefix, "
-                "unless the load is unbalanced; docs/operations.md)",
+                "how a worker is chosen per request: prefix-affinity (default: the worker that served "
+                "the longest shared prompt prefix, unless the load is unbalanced; docs/operations.md) "
+                "or least-outstanding (fewest calls in flight)",
             ),
             (
                 "migrate-streams",

@@ -1,14 +1,6 @@
 """The edge's wiring in one place: the application state and the per-request state, both typed.
 
-:class:`EdgeState` holds everything a handler may need that lives as long as
-the process: settings, worker pool, metrics, drain state, concurrency limiter
-and client connection tracking. :func:`create_app <edge.app.create_app>`
-builds it once and keeps it on the app (:class:`EdgeApp`); handlers and hooks
-reach it with :func:`current_state` (inside a request) or :func:`app_state`.
-
-:class:`RequestState` is what one request carries from its first hook to its
-last frame: its id and its start time. It is made by the first
-``before_request`` hook and read with :func:`current_request`.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations
@@ -20,12 +12,12 @@ from typing import TYPE_CHECKING
 from quart import Quart, current_app, g
 
 if TYPE_CHECKING:
-    from edge.client_connections import ClientConnections
     from edge.concurrency import ConcurrencyLimiter
     from edge.drain import Drain
     from edge.metrics import EdgeMetrics
     from edge.settings import Settings
-    from edge.worker_pool import WorkerPool
+    from edge.streaming.connections import ClientConnections
+    from edge.workers.pool import WorkerPool
 
 _REQUEST_ATTR = "sluice_request"
 

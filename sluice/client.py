@@ -64,7 +64,7 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # - reconnect backoff capped at 5 s (gRPC's default grows to 120 s): a worker
 #   restarted on the same address is reconnected within seconds (the edge's
 #   pool goes further: it replaces a channel that is backing off at each
-#   re-check of an ejected worker, see edge/worker_pool.py);
+#   re-check of an ejected worker, see edge/workers/pool.py);
 # - a channel of its own (local subchannel pool): by default gRPC shares one
 #   connection, and its backoff state, between channels with the same address
 #   and settings, so a fresh channel would inherit the old one's backoff;

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 from quart import Quart
 
-from edge.routes.chat import blueprint as chat_blueprint
-from edge.routes.completions import blueprint as completions_blueprint
 from edge.routes.health import blueprint as health_blueprint
-from edge.routes.messages import blueprint as messages_blueprint
 from edge.routes.metrics import blueprint as metrics_blueprint
 from edge.routes.models import blueprint as models_blueprint
-from edge.routes.native import blueprint as native_blueprint
 from edge.routes.openapi import blueprint as openapi_blueprint
 from edge.routes.playground import blueprint as playground_blueprint
-from edge.routes.responses import blueprint as responses_blueprint
+from edge.surfaces.anthropic.route import blueprint as messages_blueprint
+from edge.surfaces.chat.route import blueprint as chat_blueprint
+from edge.surfaces.completions.route import blueprint as completions_blueprint
+from edge.surfaces.native.route import blueprint as native_blueprint
+from edge.surfaces.responses.route import blueprint as responses_blueprint
 
 
 def register_routes(app: Quart) -> None:

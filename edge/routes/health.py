@@ -6,9 +6,9 @@ from quart import Blueprint
 from quart.wrappers import Response
 
 from edge.errors import ServiceUnavailableError
-from edge.routes.common import json_response
+from edge.http import json_response
 from edge.state import current_state
-from edge.worker_pool import WorkerHealth
+from edge.workers.worker import WorkerHealth
 
 blueprint = Blueprint("health", __name__)
 

@@ -12,7 +12,7 @@ from quart import Blueprint
 from quart.wrappers import Response
 
 from edge.errors import NotFoundError
-from edge.routes.common import current_pool, json_response, worker_header
+from edge.http import current_pool, json_response, worker_header
 from sluice.v1 import worker_pb2
 
 blueprint = Blueprint("models", __name__)

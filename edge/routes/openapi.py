@@ -5,8 +5,8 @@ from __future__ import annotations
 from quart import Blueprint
 from quart.wrappers import Response
 
+from edge.http import json_response
 from edge.openapi import openapi_document
-from edge.routes.common import json_response
 
 blueprint = Blueprint("openapi", __name__)
 

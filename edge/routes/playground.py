@@ -1,14 +1,6 @@
 """``GET /`` and ``GET /playground``: the browser playground (docs/playground.md).
 
-The page is static: ``edge/static/playground.html`` plus its script and style
-sheet, which the app's static route serves under ``/static/``. The files ship
-inside the package (``[tool.setuptools.package-data]``), so an installed edge
-serves them with no build step and no network. Neither path is under ``/v1/``,
-so loading the page never needs an API key (:mod:`edge.auth`); the page asks
-for one when ``/v1/models`` answers 401 and keeps it in memory only.
-
-The Content-Security-Policy lets the page load and call nothing but its own
-origin: no external script, style, font or image can sneak in.
+Design notes: docs/edge-internals.md.
 """
 
 from __future__ import annotations

@@ -24,7 +24,18 @@ pytestmark = pytest.mark.integration
 WORKER_FLAGS = ["--torch-threads", "1", "--max-running", "8", "--served-model-name", "long-tiny"]
 # Without stream migration: a killed worker's streams end with the error event (with migration,
 # its default, they move to the other worker: tests/integration/test_stream_migration.py).
-EDGE_FLAGS = ["--health-interval", "0.5", "--health-timeout", "1", "--migrate-streams", "false"]
+# least-outstanding: these scenarios send the same prompt again and again and count on the load,
+# not on prefix affinity (the default), to spread it over both workers.
+EDGE_FLAGS = [
+    "--health-interval",
+    "0.5",
+    "--health-timeout",
+    "1",
+    "--migrate-streams",
+    "false",
+    "--routing",
+    "least-outstanding",
+]
 # Long enough that no stream can end before the kill (about 3 s alone on this kind of machine).
 LONG = 1000
 

@@ -73,7 +73,10 @@ def test_two_workers_differing_only_in_port_both_serve_with_metrics(
     differ = [i for i, (a, b) in enumerate(zip(first.args, second.args, strict=True)) if a != b]
     assert [first.args[i - 1] for i in differ] == ["--port"]
     assert "--metrics-port" not in first.args
-    with first, second, EdgeProcess([first.address, second.address], log_dir=tmp_path) as edge:
+    # least-outstanding: the same prompt four times must reach both workers (prefix affinity, the
+    # default, would keep it on the worker that has it cached).
+    routing = ["--routing", "least-outstanding"]
+    with first, second, EdgeProcess([first.address, second.address], log_dir=tmp_path, extra=routing) as edge:
         for worker in workers:
             assert worker.metrics_port == worker.port + METRICS_PORT_OFFSET
             metrics = worker.metrics()

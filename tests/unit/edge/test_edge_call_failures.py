@@ -1,4 +1,4 @@
-"""Circuit breaking: only the worker's own failures count against it (edge/call_failures.py),
+"""Circuit breaking: only the worker's own failures count against it (edge/workers/failures.py),
 seen through the worker pool with fake clients. Client errors and back-pressure never eject."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from edge.call_failures import WORKER_FAULTS_TO_EJECT, CallFailure, classify
 from edge.errors import EdgeError, RateLimitError
-from edge.worker_pool import WorkerStatus
+from edge.workers.failures import WORKER_FAULTS_TO_EJECT, CallFailure, classify
+from edge.workers.worker import WorkerStatus
 from tests.unit.edge.edge_fakes import content, finished, run, started, usage
 from tests.unit.edge.test_edge_worker_pool import REQUEST, Fakes, failure, make_pool
 

@@ -1,4 +1,4 @@
-"""A streamed body written straight to its HTTP/1.1 connection (edge.client_connections.ChunkedBody),
+"""A streamed body written straight to its HTTP/1.1 connection (edge.streaming.connections.ChunkedBody),
 with the edge served by hypercorn in-process against a fake worker; the bytes are read off a raw
 socket, so the chunked coding itself is checked, not a client's view of it."""
 
@@ -24,7 +24,7 @@ from edge_fakes import (
     usage,
 )
 
-from edge.client_connections import ChunkedBody
+from edge.streaming.connections import ChunkedBody
 
 STREAM_BODY = {**CHAT_BODY, "stream": True}
 HAPPY: list[Step] = [started(), content("Hel"), content("lo"), finished(), usage()]

@@ -1,8 +1,8 @@
-"""The merge rules for pending worker events (edge/coalesce.py)."""
+"""The merge rules for pending worker events (edge/streaming/coalesce.py)."""
 
 from __future__ import annotations
 
-from edge.coalesce import merge_into
+from edge.streaming.coalesce import merge_into
 from sluice.v1 import worker_pb2 as pb
 
 

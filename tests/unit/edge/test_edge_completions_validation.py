@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from edge.completion_types import MAX_PROMPTS, parse_completion_request
 from edge.errors import InvalidRequestError, UnprocessableEntityError
+from edge.surfaces.completions.request import MAX_PROMPTS, parse_completion_request
 
 OK: dict[str, Any] = {"model": "m", "prompt": "Once upon a time"}
 

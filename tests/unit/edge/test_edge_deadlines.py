@@ -344,8 +344,8 @@ def test_open_calls_honours_a_cancellation_swallowed_while_the_calls_opened(
     # result instead of raising when the task is cancelled just as that result arrives. Without
     # a check, a client gone at that moment would leave its calls running to their end.
     from edge.app import create_app
-    from edge.call_group import CallGroup
-    from edge.routes import generation
+    from edge.surfaces import generation
+    from edge.workers.call_group import CallGroup
 
     class OpenedGroup:
         cancelled = False

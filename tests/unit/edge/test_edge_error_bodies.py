@@ -27,10 +27,10 @@ from edge_fakes import (
     started,
 )
 
-from edge import translate
 from edge.app import create_app
 from edge.errors import GENERIC_INTERNAL_MESSAGE
 from edge.settings import Settings
+from edge.surfaces.chat import translate
 from sluice.status import ErrorDetails
 from sluice.v1 import worker_pb2
 
@@ -141,12 +141,14 @@ def test_a_stream_that_fails_mid_way_ends_with_a_generic_error_event() -> None:
 
 
 def test_a_bug_in_translation_mid_stream_is_reported_generically(monkeypatch: pytest.MonkeyPatch) -> None:
-    def explode(self: translate.ChunkBuilder, event: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
+    def explode(
+        self: translate.ChatTranslator, call: int, event: worker_pb2.GenerateResponse
+    ) -> list[dict[str, Any]]:
         if event.WhichOneof("event") == "content":
             raise KeyError(f"{SECRET} at {ADDRESS}")
         return []
 
-    monkeypatch.setattr(translate.ChunkBuilder, "on_event", explode)
+    monkeypatch.setattr(translate.ChatTranslator, "on_event", explode)
     fake = FakeWorker(script=[started(), content("x")])
 
     async def body() -> None:

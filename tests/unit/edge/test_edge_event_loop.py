@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from edge import event_loop
-from edge.client_connections import ClientTransport
+from edge.streaming.connections import ClientTransport
 
 
 def test_auto_picks_uvloop_where_it_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:

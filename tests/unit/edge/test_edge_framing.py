@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edge import sse
+from edge.streaming import sse
 
 
 def test_named_frame_takes_its_name_from_the_payload_type() -> None:

@@ -37,8 +37,8 @@ from edge_fakes import (
 )
 
 from edge.__main__ import serve_edge
-from edge.client_connections import transport_of
 from edge.settings import Settings
+from edge.streaming.connections import transport_of
 from sluice.v1 import worker_pb2
 
 STREAM_BODY = {**CHAT_BODY, "stream": True}

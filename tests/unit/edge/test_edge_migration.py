@@ -1,4 +1,4 @@
-"""Stream migration (edge/migration.py) with fake workers: what is resent, what the caller reads."""
+"""Stream migration (edge/workers/migration.py) with fake workers: what is resent, what the caller reads."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import grpc
 import pytest
 
 from edge.errors import EdgeError, InternalError, ServiceUnavailableError
-from edge.migration import MigrationPolicy, ResumableStream
 from edge.settings import Settings
-from edge.worker_pool import WorkerPool
+from edge.workers.migration import MigrationPolicy, ResumableStream
+from edge.workers.pool import WorkerPool
 from sluice.client import WorkerClient
 from sluice.v1 import worker_pb2
 from tests.unit.edge.edge_fakes import content, finished, run, usage

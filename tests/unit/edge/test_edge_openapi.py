@@ -15,8 +15,8 @@ from edge.app import create_app
 from edge.errors import InvalidRequestError
 from edge.openapi import REF, REQUEST_MODELS, RESPONSE_MODELS, openapi_document
 from edge.settings import Settings
-from edge.translate import ChunkBuilder, CompletionAccumulator
-from edge.translate_completions import TextChunkBuilder, TextCompletionAccumulator
+from edge.surfaces.chat.translate import ChatTranslator
+from edge.surfaces.completions.translate import CompletionsTranslator
 from sluice.v1 import worker_pb2
 
 DOC = openapi_document()
@@ -127,22 +127,22 @@ def test_real_answers_match_the_response_schemas() -> None:
         finished(index=1, reason=worker_pb2.LENGTH),
         usage(),
     ]
-    builder = ChunkBuilder("chatcmpl-1", 1, "m", include_usage=True, logprobs=True)
-    chunks = [c for e in events for c in builder.on_event(e)] + builder.finish()
-    continuous = ChunkBuilder("chatcmpl-1", 1, "m", continuous_usage=True)
-    chunks += [c for e in events for c in continuous.on_event(e)]
+    builder = ChatTranslator("chatcmpl-1", 1, "m", include_usage=True, logprobs=True)
+    chunks = [c for e in events for c in builder.on_event(0, e)] + builder.finish()
+    continuous = ChatTranslator("chatcmpl-1", 1, "m", continuous_usage=True)
+    chunks += [c for e in events for c in continuous.on_event(0, e)]
     for chunk in chunks:
         validator("ChatCompletionChunk").validate(chunk)
-    accumulator = CompletionAccumulator("chatcmpl-1", 1, "m", logprobs=True)
+    accumulator = ChatTranslator("chatcmpl-1", 1, "m", logprobs=True)
     for event in events:
-        accumulator.add(event)
+        accumulator.add(0, event)
     validator("ChatCompletion").validate(accumulator.result())
 
-    text_builder = TextChunkBuilder("cmpl-1", 1, "m", n=2, logprobs=True, include_usage=True)
+    text_builder = CompletionsTranslator("cmpl-1", 1, "m", n=2, logprobs=True, include_usage=True)
     text_chunks = [c for e in events for c in text_builder.on_event(0, e)] + text_builder.finish()
     for chunk in text_chunks:
         validator("TextCompletionChunk").validate(chunk)
-    text = TextCompletionAccumulator("cmpl-1", 1, "m", n=2, logprobs=True)
+    text = CompletionsTranslator("cmpl-1", 1, "m", n=2, logprobs=True)
     for event in events:
         text.add(0, event)
     validator("TextCompletion").validate(text.result())
@@ -151,8 +151,8 @@ def test_real_answers_match_the_response_schemas() -> None:
 
 @pytest.mark.parametrize("bad_key", ["surprise", "usage_so_far"])
 def test_schemas_reject_undocumented_keys(bad_key: str) -> None:
-    builder = ChunkBuilder("chatcmpl-1", 1, "m")
-    chunk: dict[str, Any] = builder.on_event(started())[0]
+    builder = ChatTranslator("chatcmpl-1", 1, "m")
+    chunk: dict[str, Any] = builder.on_event(0, started())[0]
     assert validator("ChatCompletionChunk").is_valid(chunk)
     assert not validator("ChatCompletionChunk").is_valid({**chunk, bad_key: 1})
 

@@ -1,4 +1,4 @@
-"""edge/routing.py: chained prefix blocks, the bounded affinity map, the load-balance rule, and
+"""edge/workers/routing.py: chained prefix blocks, the bounded affinity map, the load-balance rule, and
 the prefix-affinity policy inside the worker pool (fake clients)."""
 
 from __future__ import annotations
@@ -7,14 +7,14 @@ from typing import Any
 
 import pytest
 
-from edge.routing import (
+from edge.settings import Settings
+from edge.workers.routing import (
     BALANCE_ABS_THRESHOLD,
     PrefixAffinity,
     RoutingPolicy,
     load_unbalanced,
     prefix_blocks,
 )
-from edge.settings import Settings
 from sluice.v1 import worker_pb2
 from tests.unit.edge.edge_fakes import run
 from tests.unit.edge.test_edge_worker_pool import Fakes, make_pool
@@ -146,11 +146,11 @@ def test_the_pool_keeps_conversations_on_their_workers() -> None:
     run(body())
 
 
-def test_least_outstanding_stays_the_default_and_the_setting_parses() -> None:
-    assert Settings(workers=("a:1",)).routing == RoutingPolicy.LEAST_OUTSTANDING
-    chosen = Settings.from_args(["--workers", "a:1", "--routing", "prefix-affinity"], env={})
-    assert chosen.routing == RoutingPolicy.PREFIX_AFFINITY
-    from_env = Settings.from_args(["--workers", "a:1"], env={"SLUICE_EDGE_ROUTING": "prefix-affinity"})
-    assert from_env.routing == RoutingPolicy.PREFIX_AFFINITY
+def test_prefix_affinity_is_the_default_and_the_setting_parses() -> None:
+    assert Settings(workers=("a:1",)).routing == RoutingPolicy.PREFIX_AFFINITY
+    chosen = Settings.from_args(["--workers", "a:1", "--routing", "least-outstanding"], env={})
+    assert chosen.routing == RoutingPolicy.LEAST_OUTSTANDING
+    from_env = Settings.from_args(["--workers", "a:1"], env={"SLUICE_EDGE_ROUTING": "least-outstanding"})
+    assert from_env.routing == RoutingPolicy.LEAST_OUTSTANDING
     with pytest.raises(SystemExit):
         Settings.from_args(["--workers", "a:1", "--routing", "random"], env={})

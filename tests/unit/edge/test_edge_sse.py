@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from edge.sse import DONE_FRAME, HEARTBEAT_FRAME, data_frame, dumps, error_frame
+from edge.streaming.sse import DONE_FRAME, HEARTBEAT_FRAME, data_frame, dumps, error_frame
 
 
 def test_frames_are_exact() -> None:

@@ -1,4 +1,4 @@
-"""The stream pump (edge/stream_pump.py) with fake calls: coalescing, the one clock, failures,
+"""The stream pump (edge/streaming/pump.py) with fake calls: coalescing, the one clock, failures,
 cancellation and the metrics it reports. No gRPC and no HTTP: the test plays Quart's part (it
 iterates the pump and closes it)."""
 
@@ -12,12 +12,12 @@ from typing import Any
 import pytest
 from edge_fakes import content, finished, run, started, usage
 
-from edge import sse
-from edge.call_group import CallGroup
 from edge.deadlines import TimeLimits
 from edge.errors import EdgeError, ServerShuttingDownError, ServiceUnavailableError
-from edge.stream_pump import MAX_PENDING_EVENTS, OPENAI_FRAMING, PumpClock, StreamFraming, StreamPump
-from edge.translate import ChunkBuilder
+from edge.streaming import sse
+from edge.streaming.pump import MAX_PENDING_EVENTS, OPENAI_FRAMING, PumpClock, StreamFraming, StreamPump
+from edge.surfaces.chat.translate import ChatTranslator
+from edge.workers.call_group import CallGroup
 from sluice.v1 import worker_pb2
 
 END = object()
@@ -103,8 +103,8 @@ def make_pump(
     metrics: FakeMetrics | None = None,
     drain: FakeDrain | None = None,
     write_interval_s: float = 0.0,
-) -> tuple[StreamPump, ChunkBuilder]:
-    builder = ChunkBuilder("chatcmpl-1", 1, "m", include_usage=True)
+) -> tuple[StreamPump, ChatTranslator]:
+    builder = ChatTranslator("chatcmpl-1", 1, "m", include_usage=True)
     loop = asyncio.get_running_loop()
     clock = PumpClock(
         limits=TimeLimits(total_s=total_s, idle_s=idle_s),
@@ -115,7 +115,7 @@ def make_pump(
     )
     pump = StreamPump(
         CallGroup(streams),  # type: ignore[arg-type]
-        lambda _call, event: builder.on_event(event),
+        lambda _call, event: builder.on_event(0, event),
         builder.finish,
         framing,
         clock,

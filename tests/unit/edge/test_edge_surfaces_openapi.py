@@ -10,11 +10,11 @@ from surface_fakes import counter_ids, finished_with, progress, reasoning, refus
 
 from edge.errors import DeadlineExceededError, InvalidRequestError, NotFoundError
 from edge.openapi import REF, openapi_document
-from edge.responses_types import parse_responses_request
-from edge.surface_errors import anthropic_error, native_error_body
-from edge.translate_anthropic import MessagesTranslator
-from edge.translate_native import NativeTranslator
-from edge.translate_responses import ResponsesTranslator
+from edge.surfaces.anthropic.translate import MessagesTranslator
+from edge.surfaces.native.translate import NativeTranslator
+from edge.surfaces.responses.request import parse_responses_request
+from edge.surfaces.responses.translate import ResponsesTranslator
+from edge.surfaces.shared.errors import anthropic_error, native_error_body
 from sluice.v1 import worker_pb2
 
 DOC = openapi_document()
@@ -37,7 +37,7 @@ def validator(name: str) -> Draft202012Validator:
 
 
 def played(translator: Any) -> list[dict[str, Any]]:
-    return [out for event in EVENTS for out in translator.on_event(event)] + translator.finish()
+    return [out for event in EVENTS for out in translator.on_event(0, event)] + translator.finish()
 
 
 def test_responses_events_and_body_match() -> None:
@@ -53,8 +53,8 @@ def test_responses_events_and_body_match() -> None:
     events = played(translator)
     failing = ResponsesTranslator("resp_2", 1, "m", echo, new_id=counter_ids())
     events += (
-        failing.on_event(started())
-        + failing.on_event(content("x"))
+        failing.on_event(0, started())
+        + failing.on_event(0, content("x"))
         + failing.on_error(DeadlineExceededError("t"))
     )
     for event in events:

@@ -15,9 +15,9 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from surface_fakes import counter_ids, finished_with, reasoning, tool_call, usage_with
 
-from edge.responses_types import parse_responses_request
-from edge.translate_anthropic import MessagesTranslator
-from edge.translate_responses import ResponsesTranslator
+from edge.surfaces.anthropic.translate import MessagesTranslator
+from edge.surfaces.responses.request import parse_responses_request
+from edge.surfaces.responses.translate import ResponsesTranslator
 from sluice.v1 import worker_pb2
 
 EVENTS = [
@@ -40,7 +40,7 @@ def test_openai_stream_helper_assembles_the_non_streamed_response() -> None:
     state: ResponseStreamState[Any] = ResponseStreamState(input_tools=omit, text_format=omit)
     seen = []
     for event in EVENTS:
-        for raw in streamed.on_event(event):
+        for raw in streamed.on_event(0, event):
             seen += state.handle_event(construct_type(type_=ResponseStreamEvent, value=raw))  # type: ignore[arg-type]
     for raw in streamed.finish():
         seen += state.handle_event(construct_type(type_=ResponseStreamEvent, value=raw))  # type: ignore[arg-type]
@@ -49,7 +49,7 @@ def test_openai_stream_helper_assembles_the_non_streamed_response() -> None:
 
     whole = ResponsesTranslator("resp_1", 1, "m", echo, new_id=counter_ids())
     for event in EVENTS:
-        whole.add(event)
+        whole.add(0, event)
     expected = construct_type(type_=Response, value=whole.result())
     assert final.model_dump(exclude_none=True) == expected.model_dump(exclude_none=True)  # type: ignore[union-attr]
     assert final.output_text == "Let me check."
@@ -63,7 +63,7 @@ def test_anthropic_accumulator_assembles_the_non_streamed_message() -> None:
     streamed = MessagesTranslator("msg_1", "m", new_id=counter_ids())
     snapshot = None
     buffers: dict[int, bytes] = {}
-    raw_events = [raw for event in EVENTS for raw in streamed.on_event(event)] + streamed.finish()
+    raw_events = [raw for event in EVENTS for raw in streamed.on_event(0, event)] + streamed.finish()
     for raw in raw_events:
         event = construct_type(type_=RawMessageStreamEvent, value=raw)  # type: ignore[arg-type]
         snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=buffers)  # type: ignore[arg-type]
@@ -71,7 +71,7 @@ def test_anthropic_accumulator_assembles_the_non_streamed_message() -> None:
 
     whole = MessagesTranslator("msg_1", "m", new_id=counter_ids())
     for event in EVENTS:
-        whole.add(event)
+        whole.add(0, event)
     expected = Message.model_validate(whole.result())
     assert snapshot.model_dump(exclude_none=True) == expected.model_dump(exclude_none=True)
     assert [block.type for block in snapshot.content] == ["thinking", "text", "tool_use"]

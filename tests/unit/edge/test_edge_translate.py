@@ -1,4 +1,4 @@
-"""Golden tests of edge.translate: request → proto, events → exact chunk dicts."""
+"""Golden tests of edge.surfaces.chat.translate: request → proto, events → exact chunk dicts."""
 
 from __future__ import annotations
 
@@ -7,8 +7,9 @@ from typing import Any
 
 from edge_fakes import content, finished, started, usage
 
-from edge.openai_types import parse_chat_request
-from edge.translate import ChunkBuilder, CompletionAccumulator, call_metadata, to_generate_request
+from edge.surfaces.chat.translate import ChatTranslator
+from edge.surfaces.shared.chat_request import parse_chat_request
+from edge.surfaces.shared.worker_request import call_metadata, to_generate_request
 from sluice.v1 import worker_pb2
 
 USER = [{"role": "user", "content": "Hi"}]
@@ -167,13 +168,13 @@ def choice(
 ROLE = {"role": "assistant", "content": ""}
 
 
-def play(builder: ChunkBuilder, events: list[worker_pb2.GenerateResponse]) -> list[dict[str, Any]]:
+def play(builder: ChatTranslator, events: list[worker_pb2.GenerateResponse]) -> list[dict[str, Any]]:
     """Every chunk of a call that ended OK: each event's, then ``finish()``'s."""
-    return [c for e in events for c in builder.on_event(e)] + builder.finish()
+    return [c for e in events for c in builder.on_event(0, e)] + builder.finish()
 
 
 def test_single_choice_stream_without_usage_has_no_usage_key() -> None:
-    builder = ChunkBuilder("chatcmpl-x", 123, "M")
+    builder = ChatTranslator("chatcmpl-x", 123, "M")
     events = [started(), content("Hel"), content("lo"), finished(), usage()]
     assert play(builder, events) == [
         chunk([choice(0, ROLE)]),
@@ -184,7 +185,7 @@ def test_single_choice_stream_without_usage_has_no_usage_key() -> None:
 
 
 def test_n2_role_chunks_first_in_index_order_then_usage_chunk() -> None:
-    builder = ChunkBuilder("chatcmpl-x", 123, "M", include_usage=True)
+    builder = ChatTranslator("chatcmpl-x", 123, "M", include_usage=True)
     events = [
         started(n=2),
         content("b", index=1),
@@ -218,7 +219,7 @@ def test_n2_role_chunks_first_in_index_order_then_usage_chunk() -> None:
 
 
 def test_tool_call_deltas_carry_id_type_name_only_first() -> None:
-    builder = ChunkBuilder("chatcmpl-x", 123, "M")
+    builder = ChatTranslator("chatcmpl-x", 123, "M")
     events = [
         started(),
         worker_pb2.GenerateResponse(
@@ -254,7 +255,7 @@ def test_tool_call_deltas_carry_id_type_name_only_first() -> None:
 
 
 def test_reasoning_refusal_and_progress() -> None:
-    builder = ChunkBuilder("chatcmpl-x", 123, "M")
+    builder = ChatTranslator("chatcmpl-x", 123, "M")
     events = [
         started(),
         worker_pb2.GenerateResponse(progress=worker_pb2.Progress(stage=worker_pb2.Progress.QUEUED)),
@@ -298,16 +299,16 @@ LOGPROB_ENTRY = {
 
 
 def test_logprobs_in_chunks_when_asked_else_null() -> None:
-    asked = ChunkBuilder("chatcmpl-x", 123, "M", logprobs=True)
+    asked = ChatTranslator("chatcmpl-x", 123, "M", logprobs=True)
     assert play(asked, [started(), LOGPROB_EVENT])[1] == chunk(
         [choice(0, {"content": "Hi"}, logprobs={"content": [LOGPROB_ENTRY], "refusal": None})]
     )
-    not_asked = ChunkBuilder("chatcmpl-x", 123, "M")
+    not_asked = ChatTranslator("chatcmpl-x", 123, "M")
     assert play(not_asked, [started(), LOGPROB_EVENT])[1] == chunk([choice(0, {"content": "Hi"})])
 
 
 def test_delta_before_started_still_gets_its_role_chunk_first() -> None:
-    builder = ChunkBuilder("chatcmpl-x", 123, "M")
+    builder = ChatTranslator("chatcmpl-x", 123, "M")
     assert play(builder, [content("x")]) == [chunk([choice(0, ROLE)]), chunk([choice(0, {"content": "x"})])]
 
 
@@ -315,7 +316,7 @@ def test_delta_before_started_still_gets_its_role_chunk_first() -> None:
 
 
 def test_accumulator_builds_chat_completion() -> None:
-    acc = CompletionAccumulator("chatcmpl-x", 123, "M", logprobs=True)
+    acc = ChatTranslator("chatcmpl-x", 123, "M", logprobs=True)
     for event in [
         started(n=2),
         worker_pb2.GenerateResponse(reasoning=worker_pb2.ReasoningDelta(text="hmm")),
@@ -332,7 +333,7 @@ def test_accumulator_builds_chat_completion() -> None:
         finished(index=1, reason=worker_pb2.TOOL_CALLS),
         usage(5, 3),
     ]:
-        acc.add(event)
+        acc.add(0, event)
     assert acc.result() == {
         "id": "chatcmpl-x",
         "object": "chat.completion",
@@ -377,9 +378,9 @@ def test_accumulator_builds_chat_completion() -> None:
 
 
 def test_accumulator_usage_falls_back_to_started_and_finished() -> None:
-    acc = CompletionAccumulator("chatcmpl-x", 123, "M")
+    acc = ChatTranslator("chatcmpl-x", 123, "M")
     for event in [started(prompt_tokens=4), content("a"), finished(tokens=6)]:
-        acc.add(event)
+        acc.add(0, event)
     result = acc.result()
     assert result["usage"]["prompt_tokens"] == 4
     assert result["usage"]["completion_tokens"] == 6
@@ -407,7 +408,7 @@ def running(prompt: int, completion: int) -> dict[str, Any]:
 
 
 def test_continuous_usage_on_every_chunk_and_the_total_last() -> None:
-    builder = ChunkBuilder("chatcmpl-x", 123, "M", include_usage=True, continuous_usage=True)
+    builder = ChatTranslator("chatcmpl-x", 123, "M", include_usage=True, continuous_usage=True)
     events = [
         started(n=2, prompt_tokens=5),
         content("Hel", index=0, token_ids=(1, 2)),
@@ -430,7 +431,7 @@ def test_continuous_usage_on_every_chunk_and_the_total_last() -> None:
 
 
 def test_continuous_usage_without_include_usage_has_no_final_chunk() -> None:
-    builder = ChunkBuilder("chatcmpl-x", 123, "M", continuous_usage=True)
+    builder = ChatTranslator("chatcmpl-x", 123, "M", continuous_usage=True)
     chunks = play(
         builder, [started(prompt_tokens=2), content("a", token_ids=(9,)), finished(tokens=1), usage()]
     )

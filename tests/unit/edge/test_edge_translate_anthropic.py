@@ -8,10 +8,10 @@ import pytest
 from edge_fakes import content, started
 from surface_fakes import counter_ids, finished_with, reasoning, tool_call, usage_with
 
-from edge.anthropic_types import parse_messages_request
 from edge.errors import InvalidRequestError, RateLimitError, StreamIdleTimeoutError
-from edge.openai_types import RequestLimits, request_limits
-from edge.translate_anthropic import MessagesTranslator
+from edge.surfaces.anthropic.request import parse_messages_request
+from edge.surfaces.anthropic.translate import MessagesTranslator
+from edge.surfaces.shared.validation import RequestLimits, request_limits
 from sluice.v1 import worker_pb2
 
 
@@ -22,7 +22,7 @@ def translator() -> MessagesTranslator:
 def play(t: MessagesTranslator, events: list[worker_pb2.GenerateResponse]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for event in events:
-        out += t.on_event(event)
+        out += t.on_event(0, event)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Golden tests of edge.translate_completions: prompts → protos, events → text_completion dicts."""
+"""Golden tests of edge.surfaces.completions.translate: prompts → protos, events → text_completion dicts."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ from typing import Any
 
 from edge_fakes import content, finished, started, usage
 
-from edge.completion_types import parse_completion_request
-from edge.translate_completions import (
+from edge.surfaces.completions.request import parse_completion_request
+from edge.surfaces.completions.translate import (
+    CompletionsTranslator,
     LegacyLogprobs,
-    TextChunkBuilder,
-    TextCompletionAccumulator,
     to_generate_requests,
 )
 from sluice.v1 import worker_pb2
@@ -100,7 +99,7 @@ def text_choice(index: int, text: str, finish: str | None = None, logprobs: Any 
 
 
 def test_two_prompts_two_choices_map_to_four_indexes_with_echo_and_usage() -> None:
-    builder = TextChunkBuilder("cmpl-x", 9, "M", n=2, echo=True, include_usage=True)
+    builder = CompletionsTranslator("cmpl-x", 9, "M", n=2, echo=True, include_usage=True)
 
     def prompt_started(text: str, tokens: int) -> worker_pb2.GenerateResponse:
         return worker_pb2.GenerateResponse(
@@ -145,7 +144,7 @@ def test_two_prompts_two_choices_map_to_four_indexes_with_echo_and_usage() -> No
 
 
 def test_stream_without_usage_options_has_no_usage_key_and_carries_legacy_logprobs() -> None:
-    builder = TextChunkBuilder("cmpl-x", 9, "M", logprobs=True)
+    builder = CompletionsTranslator("cmpl-x", 9, "M", logprobs=True)
     delta = worker_pb2.GenerateResponse(
         content=worker_pb2.ContentDelta(text="Hi", logprobs=[token("Hi", -0.5, b"Hi", [("Hi", -0.5)])])
     )
@@ -170,7 +169,7 @@ def test_stream_without_usage_options_has_no_usage_key_and_carries_legacy_logpro
 
 
 def test_accumulator_joins_echo_text_and_logprobs_per_choice() -> None:
-    acc = TextCompletionAccumulator("cmpl-x", 9, "M", n=1, logprobs=True)
+    acc = CompletionsTranslator("cmpl-x", 9, "M", n=1, logprobs=True)
     for call, event in [
         (0, started(prompt_tokens=2)),
         (1, started(prompt_tokens=3)),
@@ -213,7 +212,7 @@ def test_accumulator_joins_echo_text_and_logprobs_per_choice() -> None:
 
 
 def test_accumulator_echo_prepends_the_rendered_prompt() -> None:
-    acc = TextCompletionAccumulator("cmpl-x", 9, "M", n=2, echo=True)
+    acc = CompletionsTranslator("cmpl-x", 9, "M", n=2, echo=True)
     acc.add(0, worker_pb2.GenerateResponse(started=worker_pb2.Started(n=2, prompt_text="Say: ")))
     acc.add(0, content("hi", index=1))
     acc.add(0, finished(index=0))
@@ -231,7 +230,7 @@ def test_echo_with_logprobs_lists_the_prompt_tokens_first_with_a_null_first_logp
             logprobs=[token(":", -0.25, b":"), token(" ", -1.5, b" ")],
         )
     )
-    acc = TextCompletionAccumulator("cmpl-x", 9, "M", n=1, echo=True, logprobs=True)
+    acc = CompletionsTranslator("cmpl-x", 9, "M", n=1, echo=True, logprobs=True)
     acc.add(0, worker_pb2.GenerateResponse(started=worker_pb2.Started(n=1, prompt_text="Say: ")))
     acc.add(0, scored)
     acc.add(
@@ -249,7 +248,7 @@ def test_echo_with_logprobs_lists_the_prompt_tokens_first_with_a_null_first_logp
         "top_logprobs": [None, {":": -0.25}, {" ": -1.5}, {"hi": -2}],
         "text_offset": [0, 3, 4, 5],
     }
-    builder = TextChunkBuilder("cmpl-x", 9, "M", n=1, echo=True, logprobs=True)
+    builder = CompletionsTranslator("cmpl-x", 9, "M", n=1, echo=True, logprobs=True)
     builder.on_event(0, worker_pb2.GenerateResponse(started=worker_pb2.Started(n=1, prompt_text="Say: ")))
     (chunk_,) = builder.on_event(0, scored)
     assert chunk_["choices"][0]["text"] == "" and chunk_["choices"][0]["logprobs"]["token_logprobs"] == [

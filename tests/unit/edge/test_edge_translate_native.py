@@ -9,8 +9,8 @@ from edge_fakes import content, started
 from surface_fakes import finished_with, progress, reasoning, tool_call, usage_with
 
 from edge.errors import InternalError, InvalidRequestError
-from edge.native_types import parse_native_request
-from edge.translate_native import NativeTranslator, schema_errors
+from edge.surfaces.native.request import parse_native_request
+from edge.surfaces.native.translate import NativeTranslator, schema_errors
 from sluice.v1 import worker_pb2
 
 WEATHER = {
@@ -28,7 +28,7 @@ def translator() -> NativeTranslator:
 def play(t: NativeTranslator, events: list[worker_pb2.GenerateResponse]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for event in events:
-        out += t.on_event(event)
+        out += t.on_event(0, event)
     return out
 
 

@@ -9,9 +9,9 @@ from edge_fakes import content, started
 from surface_fakes import counter_ids, finished_with, reasoning, refusal, tool_call, usage_with
 
 from edge.errors import DeadlineExceededError, InvalidRequestError
-from edge.openai_types import RequestLimits, request_limits
-from edge.responses_types import parse_responses_request
-from edge.translate_responses import ResponsesTranslator
+from edge.surfaces.responses.request import parse_responses_request
+from edge.surfaces.responses.translate import ResponsesTranslator
+from edge.surfaces.shared.validation import RequestLimits, request_limits
 from sluice.v1 import worker_pb2
 
 ECHO = {"instructions": None, "tools": []}
@@ -24,7 +24,7 @@ def translator() -> ResponsesTranslator:
 def play(t: ResponsesTranslator, events: list[worker_pb2.GenerateResponse]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for event in events:
-        out += t.on_event(event)
+        out += t.on_event(0, event)
     return out
 
 

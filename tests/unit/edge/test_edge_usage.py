@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edge_fakes import content, finished, started, usage
 
-from edge.usage import UsageTracker, usage_dict
+from edge.surfaces.shared.usage import UsageTracker, usage_dict
 from sluice.v1 import worker_pb2
 
 

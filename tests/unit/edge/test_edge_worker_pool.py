@@ -11,14 +11,9 @@ import grpc
 import pytest
 
 from edge.errors import EdgeError, RateLimitError, ServiceUnavailableError
-from edge.worker_pool import (
-    EJECT_BACKOFF_INITIAL_S,
-    WorkerPool,
-    WorkerStatus,
-    eject_backoff_s,
-    format_address,
-    split_host_port,
-)
+from edge.workers.addresses import format_address, split_host_port
+from edge.workers.pool import WorkerPool
+from edge.workers.worker import EJECT_BACKOFF_INITIAL_S, WorkerStatus, eject_backoff_s
 from sluice.client import ServingStatus, WorkerCallError, WorkerClient
 from sluice.status import ErrorDetails
 from sluice.v1 import worker_pb2
@@ -496,7 +491,7 @@ def test_dns_only_pool_with_nothing_resolved_answers_503() -> None:
 
 
 def test_real_resolver_on_localhost() -> None:
-    from edge.worker_pool import resolve
+    from edge.workers.addresses import resolve
 
     addresses = asyncio.run(resolve("localhost", 4321))
     assert "127.0.0.1:4321" in addresses

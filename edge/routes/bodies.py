@@ -1,0 +1,40 @@
+"""The bodies of the non-surface routes (models, health, readiness), for the OpenAPI document."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from edge.surfaces.shared.base import ResponseModel
+from edge.surfaces.shared.errors import ErrorBody
+
+
+class ModelObject(ResponseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(ResponseModel):
+    object: Literal["list"]
+    data: list[ModelObject]
+
+
+class Health(ResponseModel):
+    status: Literal["ok"]
+
+
+class WorkerState(ResponseModel):
+    address: str
+    status: Literal["SERVING", "NOT_SERVING", "LOADING", "UNKNOWN", "UNREACHABLE", "SERVICE_UNKNOWN"]
+    outstanding: int
+    # While LOADING: how far the worker's model load has come (0 to 1), when it said.
+    load_fraction: float | None = None
+
+
+class Readiness(ResponseModel):
+    """``/ready``: 200 with ``status: ready``, or 503 with ``status: not_ready`` and an ``error``."""
+
+    status: Literal["ready", "not_ready"]
+    workers: list[WorkerState]
+    error: ErrorBody | None = None

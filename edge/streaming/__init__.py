@@ -1,0 +1,1 @@
+"""The streaming plumbing: the stream pump, delta coalescing, SSE framing, client connections."""

@@ -1,0 +1,163 @@
+"""The one translator protocol every surface implements, and the one answer path on it.
+
+A route parses its body, builds its worker requests and calls :func:`generate`, which opens
+the calls, answers one JSON body or a stream, and cancels the calls if anything fails first.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from quart.wrappers import Response
+
+from edge.errors import EdgeError
+from edge.http import current_request_id, json_response
+from edge.streaming import sse
+from edge.streaming.pump import StreamFraming
+from edge.surfaces.generation import collect, open_calls, response_headers, sse_response
+from edge.surfaces.shared.ids import new_id
+from edge.surfaces.shared.rewrite import ParsedRequest
+from edge.surfaces.shared.sampling import SamplingRequest
+from edge.surfaces.shared.worker_request import call_metadata, to_generate_request
+from edge.workers.call_group import CallGroup
+from sluice.v1 import worker_pb2
+
+
+class Translator(Protocol):
+    """One response's worker events → one surface's answer (events tagged with their call's index).
+
+    Streamed: :meth:`on_event` for every event, then :meth:`finish`, or :meth:`on_error` after a
+    failure. Not streamed: :meth:`add` for every event, then :meth:`result`.
+    """
+
+    def on_event(self, call: int, event: worker_pb2.GenerateResponse) -> list[dict[str, Any]]: ...
+
+    def finish(self) -> list[dict[str, Any]]: ...
+
+    def on_error(self, error: EdgeError) -> list[dict[str, Any]]: ...
+
+    def add(self, call: int, event: worker_pb2.GenerateResponse) -> None: ...
+
+    def result(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Framing:
+    """How a surface's stream looks on the wire: ``encode`` frames an event, ``error_encode`` an
+    error event; ``end`` follows a good stream, ``error_end`` a failed one; ``heartbeat`` fills
+    a silence; ``surface`` labels the stream metrics."""
+
+    surface: str
+    encode: Callable[[Any], bytes]
+    error_encode: Callable[[Any], bytes]
+    end: bytes
+    error_end: bytes
+    heartbeat: bytes = sse.HEARTBEAT_FRAME
+
+    def for_stream(self, translator: Translator) -> StreamFraming:
+        """The pump's framing for one stream, whose error frames are ``translator``'s."""
+
+        def error_frames(error: EdgeError) -> bytes:
+            return b"".join(self.error_encode(event) for event in translator.on_error(error)) + self.error_end
+
+        return StreamFraming(
+            encode=self.encode,
+            heartbeat=self.heartbeat,
+            end=self.end,
+            error=error_frames,
+            surface=self.surface,
+        )
+
+
+#: OpenAI's chat and completions streams: ``data:`` chunks, ``event: error``, ``data: [DONE]``.
+OPENAI = Framing("openai", sse.data_frame, sse.error_frame, sse.DONE_FRAME, sse.DONE_FRAME)
+
+
+def named_events(surface: str, heartbeat: bytes = sse.HEARTBEAT_FRAME) -> Framing:
+    """Named events (``event: <type>``) and no ``[DONE]``: Responses, Anthropic, native."""
+    return Framing(surface, sse.named_frame, sse.named_frame, b"", b"", heartbeat)
+
+
+async def answer(
+    group: CallGroup, translator: Translator, headers: dict[str, str], *, stream: bool, framing: Framing
+) -> Response:
+    """The answer of an opened ``group``: one JSON body (:meth:`Translator.result`) or the stream."""
+    if not stream:
+        await collect(group, translator.add)
+        return json_response(translator.result(), headers=headers)
+    return sse_response(
+        group, translator.on_event, translator.finish, headers, framing=framing.for_stream(translator)
+    )
+
+
+async def generate(
+    requests: Sequence[worker_pb2.GenerateRequest],
+    translator: Callable[[str], Translator],
+    *,
+    model: str,
+    stream: bool,
+    framing: Framing,
+    metadata: Sequence[tuple[str, str | bytes]] = (),
+    load_events: bool = False,
+) -> Response:
+    """Opens the calls (:func:`~edge.surfaces.generation.open_calls`), builds the translator for
+    the model that answers (the worker's name for it, else ``model``) and answers; a failure or
+    cancellation before the answer is committed cancels every call."""
+    group = await open_calls(requests, metadata, load_events=load_events)
+    try:
+        built = translator(group.started(0).model or model)
+        return await answer(group, built, response_headers(group), stream=stream, framing=framing)
+    except BaseException:
+        group.cancel()
+        raise
+
+
+async def generate_openai(
+    requests: Sequence[worker_pb2.GenerateRequest],
+    request: SamplingRequest,
+    translator: Callable[..., Translator],
+    id_prefix: str,
+    **options: Any,
+) -> Response:
+    """:func:`generate` for chat and completions: the translator gets a ``<id_prefix>-…`` id, the
+    creation time, the model, the request's usage options and ``options``."""
+    return await generate(
+        requests,
+        lambda model: translator(
+            new_id(id_prefix, "-"),
+            int(time.time()),
+            model,
+            include_usage=request.include_usage,
+            continuous_usage=request.continuous_usage,
+            **options,
+        ),
+        model=request.model,
+        stream=request.stream,
+        framing=OPENAI,
+    )
+
+
+async def generate_rewritten(
+    parsed: ParsedRequest[Any],
+    translator: Callable[[str], Translator],
+    framing: Framing,
+    *,
+    load_events: bool = False,
+) -> Response:
+    """:func:`generate` for a surface rewritten as a chat request (Responses, Anthropic, native):
+    one worker call, with the request id in its metadata."""
+    request_id = current_request_id()
+    worker_request = to_generate_request(parsed.chat, request_id)
+    parsed.apply_sampling(worker_request)
+    return await generate(
+        [worker_request],
+        translator,
+        model=parsed.chat.model,
+        stream=parsed.stream,
+        framing=framing,
+        metadata=call_metadata(parsed.chat, request_id),
+        load_events=load_events,
+    )

@@ -1,0 +1,1 @@
+"""Anthropic Messages: ``POST /v1/messages``."""

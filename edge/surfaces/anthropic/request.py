@@ -1,0 +1,285 @@
+"""The Anthropic Messages request (``POST /v1/messages``), validated and rewritten as chat.
+
+Design notes: docs/edge-internals.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from pydantic import Field, StrictBool, field_validator
+
+from edge.errors import InvalidRequestError
+from edge.surfaces.shared.base import RequestModel
+from edge.surfaces.shared.chat_request import FunctionDefinition
+from edge.surfaces.shared.rewrite import (
+    ParsedRequest,
+    compact_json,
+    string_or_list,
+    to_chat_request,
+    unsupported,
+    validate_at,
+)
+from edge.surfaces.shared.validation import invalid, validate_body
+from sluice.v1 import worker_pb2
+
+MAX_TOP_K = 2**31 - 1
+
+
+class TextBlock(RequestModel):
+    type: Literal["text"]
+    text: str
+
+
+class ToolUseBlock(RequestModel):
+    type: Literal["tool_use"]
+    id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    input: dict[str, Any]
+
+
+class ToolResultBlock(RequestModel):
+    type: Literal["tool_result"]
+    tool_use_id: str = Field(min_length=1)
+    content: str | list[Any] = ""
+    is_error: StrictBool | None = None
+
+    _content = field_validator("content", mode="before")(string_or_list)
+
+
+class ThinkingBlock(RequestModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class InputMessage(RequestModel):
+    role: Literal["user", "assistant"]
+    content: str | list[Any]
+
+    _content = field_validator("content", mode="before")(string_or_list)
+
+
+class CustomTool(RequestModel):
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any]
+
+
+class ToolChoice(RequestModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: StrictBool | None = None
+
+
+class Thinking(RequestModel):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(default=None, ge=0)
+
+
+class Metadata(RequestModel):
+    user_id: str | None = None
+
+
+class MessagesRequest(RequestModel):
+    """A ``POST /v1/messages`` body, shape-checked (see the module docstring)."""
+
+    model: str
+    max_tokens: int = Field(ge=1)
+    messages: list[InputMessage] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    stop_sequences: list[str] | None = None
+    temperature: float | None = Field(default=None, ge=0, le=1)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=1, le=MAX_TOP_K)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+    metadata: Metadata | None = None
+    stream: StrictBool = False
+
+    @field_validator("system", mode="before")
+    @classmethod
+    def _system_shape(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, str | list):
+            raise invalid("must be a string or an array of text blocks")
+        return value
+
+
+class ParsedMessagesRequest(ParsedRequest[MessagesRequest]):
+    """The validated request and its chat equivalent."""
+
+    def apply_sampling(self, proto: worker_pb2.GenerateRequest) -> None:
+        """``top_k``, which chat has no field for."""
+        if self.request.top_k is not None:
+            proto.sampling.top_k = self.request.top_k
+
+
+def parse_messages_request(body: Any) -> ParsedMessagesRequest:
+    """Validates a decoded ``/v1/messages`` body; raises a 400 naming the field."""
+    request = validate_body(MessagesRequest, body)
+    chat_body: dict[str, Any] = {
+        "model": request.model,
+        "messages": _messages(request),
+        "max_completion_tokens": request.max_tokens,
+        "stream": request.stream,
+    }
+    if request.stop_sequences:
+        chat_body["stop"] = request.stop_sequences
+    for name in ("temperature", "top_p"):
+        value = getattr(request, name)
+        if value is not None:
+            chat_body[name] = value
+    tools = [_tool(tool, f"tools[{i}]") for i, tool in enumerate(request.tools or ())]
+    if tools:
+        chat_body["tools"] = tools
+    choice = request.tool_choice
+    if choice is not None:
+        if choice.type == "tool" and not choice.name:
+            raise unsupported("tool_choice.name", "tool_choice of type 'tool' needs the tool's 'name'.")
+        chat_body["tool_choice"] = (
+            {"type": "function", "function": {"name": choice.name}}
+            if choice.type == "tool"
+            else {"auto": "auto", "any": "required", "none": "none"}[choice.type]
+        )
+        if choice.disable_parallel_tool_use:
+            chat_body["parallel_tool_calls"] = False
+    if request.thinking is not None and request.thinking.type == "disabled":
+        chat_body["reasoning_effort"] = "none"
+    if request.metadata is not None and request.metadata.user_id:
+        chat_body["user"] = request.metadata.user_id
+    chat = to_chat_request(
+        chat_body, {"messages": "messages", "max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+    )
+    return ParsedMessagesRequest(request, chat)
+
+
+def _tool(raw: dict[str, Any], where: str) -> dict[str, Any]:
+    if raw.get("type") not in (None, "custom"):
+        raise unsupported(
+            f"{where}.type", f"Tool type {raw.get('type')!r} is not supported; only custom tools are."
+        )
+    tool = validate_at(CustomTool, raw, where)
+    validate_at(FunctionDefinition, {"name": tool.name}, where)
+    function: dict[str, Any] = {"name": tool.name, "parameters": tool.input_schema}
+    if tool.description is not None:
+        function["description"] = tool.description
+    return {"type": "function", "function": function}
+
+
+def _messages(request: MessagesRequest) -> list[dict[str, Any]]:
+    """The conversation as chat messages: the system prompt, then each message's blocks.
+
+    A user message's ``tool_result`` blocks become ``tool`` messages (in block
+    order, before its text); an assistant message's ``tool_use`` blocks become
+    its ``tool_calls`` and its ``thinking`` its ``reasoning_content``.
+    """
+    messages: list[dict[str, Any]] = []
+    system = request.system
+    if isinstance(system, str):
+        messages.append({"role": "system", "content": system})
+    elif system:
+        messages.append({"role": "system", "content": "\n".join(block.text for block in system)})
+    for i, message in enumerate(request.messages):
+        where = f"messages[{i}].content"
+        if isinstance(message.content, str):
+            messages.append({"role": message.role, "content": message.content})
+            continue
+        if message.role == "user":
+            messages += _user_blocks(message.content, where)
+        else:
+            messages.append(_assistant_blocks(message.content, where))
+    return messages
+
+
+def _block_type(block: Any, where: str) -> str:
+    if not isinstance(block, dict):
+        raise InvalidRequestError(
+            f"Invalid '{where}': each content block must be an object.", param=where, code="invalid_type"
+        )
+    return str(block.get("type"))
+
+
+def _typed_blocks(blocks: list[dict[str, Any]], where: str) -> Iterator[tuple[str, str, dict[str, Any]]]:
+    """Each content block with its place (``messages[0].content[1]``) and its checked type."""
+    for j, block in enumerate(blocks):
+        at = f"{where}[{j}]"
+        yield at, _block_type(block, at), block
+
+
+def _text(block: dict[str, Any], at: str) -> str:
+    return validate_at(TextBlock, block, at).text
+
+
+def _unsupported_block(at: str, kind: str, place: str) -> InvalidRequestError:
+    return unsupported(f"{at}.type", f"Content block type {kind!r} is not supported in {place}.")
+
+
+def _user_blocks(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for at, kind, block in _typed_blocks(blocks, where):
+        if kind == "text":
+            texts.append(_text(block, at))
+        elif kind == "tool_result":
+            result = validate_at(ToolResultBlock, block, at)
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": result.tool_use_id,
+                    "content": _result_text(result, f"{at}.content"),
+                }
+            )
+        else:
+            raise _unsupported_block(at, kind, "a user message")
+    if texts or not out:
+        out.append({"role": "user", "content": "\n".join(texts)})
+    return out
+
+
+def _result_text(result: ToolResultBlock, where: str) -> str:
+    if isinstance(result.content, str):
+        text = result.content
+    else:
+        parts = []
+        for k, block in enumerate(result.content):
+            at = f"{where}[{k}]"
+            if _block_type(block, at) != "text":
+                raise unsupported(f"{at}.type", "Only text blocks are supported in a tool_result.")
+            parts.append(_text(block, at))
+        text = "\n".join(parts)
+    return f"Error: {text}" if result.is_error else text
+
+
+def _assistant_blocks(blocks: list[dict[str, Any]], where: str) -> dict[str, Any]:
+    texts: list[str] = []
+    reasoning: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for at, kind, block in _typed_blocks(blocks, where):
+        if kind == "text":
+            texts.append(_text(block, at))
+        elif kind == "tool_use":
+            use = validate_at(ToolUseBlock, block, at)
+            calls.append(
+                {
+                    "id": use.id,
+                    "type": "function",
+                    "function": {"name": use.name, "arguments": compact_json(use.input)},
+                }
+            )
+        elif kind == "thinking":
+            reasoning.append(validate_at(ThinkingBlock, block, at).thinking)
+        elif kind == "redacted_thinking":
+            continue
+        else:
+            raise _unsupported_block(at, kind, "an assistant message")
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": "\n".join(texts) if texts or not calls else None,
+    }
+    if calls:
+        message["tool_calls"] = calls
+    if reasoning:
+        message["reasoning_content"] = "\n".join(reasoning)
+    return message

@@ -1,0 +1,21 @@
+"""``POST /v1/chat/completions``: validate, then answer on :func:`edge.surfaces.answer.generate`."""
+
+from __future__ import annotations
+
+from quart import Blueprint
+from quart.wrappers import Response
+
+from edge.http import current_request_id, current_settings, read_json_body
+from edge.surfaces.answer import generate_openai
+from edge.surfaces.chat.translate import ChatTranslator
+from edge.surfaces.shared.chat_request import parse_chat_request
+from edge.surfaces.shared.worker_request import to_generate_request
+
+blueprint = Blueprint("chat", __name__)
+
+
+@blueprint.post("/v1/chat/completions")
+async def chat_completions() -> Response:
+    chat = parse_chat_request(await read_json_body(), current_settings().limits)
+    requests = [to_generate_request(chat, current_request_id())]
+    return await generate_openai(requests, chat, ChatTranslator, "chatcmpl", logprobs=bool(chat.logprobs))

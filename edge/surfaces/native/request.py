@@ -1,0 +1,104 @@
+"""The native chat request (``POST /api/v1/chat``), validated and rewritten as chat.
+
+Design notes: docs/edge-internals.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, StrictBool, field_validator
+
+from edge.surfaces.shared.base import RequestModel
+from edge.surfaces.shared.rewrite import (
+    ParsedRequest,
+    add_chat_tools,
+    flat_tool_choice,
+    function_tools,
+    string_or_list,
+    to_chat_request,
+    validate_at,
+)
+from edge.surfaces.shared.validation import bad, validate_body
+from sluice.v1 import worker_pb2
+
+_SEED_MAX = 2**64 - 1
+
+
+class NativeMessage(RequestModel):
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
+class NativeChatRequest(RequestModel):
+    """A ``POST /api/v1/chat`` body, shape-checked (see the module docstring)."""
+
+    model: str
+    input: str | list[Any]
+    system_prompt: str | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    top_k: int | None = Field(default=None, ge=1)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repeat_penalty: float | None = Field(default=None, gt=0, le=10)
+    seed: int | None = Field(default=None, ge=0, le=_SEED_MAX)
+    stop: list[str] | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    reasoning: Literal["on", "off", "low", "medium", "high"] | None = None
+    stream: StrictBool = False
+
+    _input = field_validator("input", mode="before")(string_or_list)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    _tool_choice = field_validator("tool_choice", mode="before")(flat_tool_choice)
+
+
+class ParsedNativeRequest(ParsedRequest[NativeChatRequest]):
+    """The validated request, its chat equivalent, and the offered tools (for ``tool_call.failure``)."""
+
+    def apply_sampling(self, proto: worker_pb2.GenerateRequest) -> None:
+        """The sampling options chat has no field for (``top_k``, ``min_p``, ``repeat_penalty``)."""
+        r = self.request
+        if r.top_k is not None:
+            proto.sampling.top_k = r.top_k
+        if r.min_p is not None:
+            proto.sampling.min_p = r.min_p
+        if r.repeat_penalty is not None:
+            proto.sampling.repetition_penalty = r.repeat_penalty
+
+
+def parse_native_request(body: Any) -> ParsedNativeRequest:
+    """Validates a decoded ``/api/v1/chat`` body; raises a 400 naming the field."""
+    request = validate_body(NativeChatRequest, body)
+    messages: list[dict[str, Any]] = []
+    if request.system_prompt is not None:
+        messages.append({"role": "system", "content": request.system_prompt})
+    if isinstance(request.input, str):
+        messages.append({"role": "user", "content": request.input})
+    else:
+        if not request.input:
+            raise bad("input", "must hold at least one message")
+        for i, item in enumerate(request.input):
+            message = validate_at(NativeMessage, item, f"input[{i}]")
+            messages.append({"role": message.role, "content": message.content})
+    tools = function_tools(request.tools)
+    chat_body: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream}
+    for name in ("temperature", "top_p", "seed", "stop"):
+        value = getattr(request, name)
+        if value is not None:
+            chat_body[name] = value
+    if request.max_output_tokens is not None:
+        chat_body["max_completion_tokens"] = request.max_output_tokens
+    add_chat_tools(chat_body, tools, request.tool_choice)
+    if request.reasoning is not None:
+        chat_body["chat_template_kwargs"] = {"enable_thinking": request.reasoning != "off"}
+    chat = to_chat_request(
+        chat_body, {"messages": "input", "max_completion_tokens": "max_output_tokens", "tools": "tools"}
+    )
+    return ParsedNativeRequest(request, chat, tools)

@@ -1,0 +1,261 @@
+"""The OpenAI Responses API request (``POST /v1/responses``), validated and rewritten as chat.
+
+Design notes: docs/edge-internals.md.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, StrictBool, field_validator
+
+from edge.errors import InvalidRequestError
+from edge.surfaces.shared.base import RequestModel
+from edge.surfaces.shared.chat_request import JsonSchemaFormat
+from edge.surfaces.shared.rewrite import (
+    ParsedRequest,
+    add_chat_tools,
+    flat_tool_choice,
+    function_tools,
+    string_or_list,
+    to_chat_request,
+    unsupported,
+    validate_at,
+)
+from edge.surfaces.shared.validation import bad, validate_body
+
+MAX_TEMPERATURE = 2.0
+
+
+class InputText(RequestModel):
+    """A text part of an input message (``input_text``, or ``output_text`` of an earlier answer)."""
+
+    type: Literal["input_text", "output_text"]
+    text: str
+
+
+class InputMessage(RequestModel):
+    type: Literal["message"] = "message"
+    role: Literal["user", "system", "developer", "assistant"]
+    content: str | list[Any]
+
+    _content = field_validator("content", mode="before")(string_or_list)
+
+
+class FunctionCallItem(RequestModel):
+    """A call the model made in an earlier turn, sent back by the caller."""
+
+    type: Literal["function_call"]
+    call_id: str = Field(min_length=1)
+    name: str = Field(min_length=1)
+    arguments: str
+
+
+class FunctionCallOutputItem(RequestModel):
+    """The caller's result of a function call."""
+
+    type: Literal["function_call_output"]
+    call_id: str = Field(min_length=1)
+    output: str | list[Any]
+
+    _output = field_validator("output", mode="before")(string_or_list)
+
+
+class TextFormat(RequestModel):
+    type: Literal["text", "json_object", "json_schema"]
+    name: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+    description: str | None = None
+
+
+class TextOptions(RequestModel):
+    format: TextFormat | None = None
+
+
+class ReasoningOptions(RequestModel):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: str | None = None
+
+
+class ResponsesRequest(RequestModel):
+    """A ``POST /v1/responses`` body, shape-checked (see the module docstring)."""
+
+    model: str
+    input: str | list[Any]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: TextOptions | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    reasoning: ReasoningOptions | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    stream: StrictBool = False
+    store: StrictBool | None = None
+    background: StrictBool | None = None
+    previous_response_id: str | None = None
+    conversation: Any = None
+
+    _input = field_validator("input", mode="before")(string_or_list)
+
+    _tool_choice = field_validator("tool_choice", mode="before")(flat_tool_choice)
+
+
+class ParsedResponsesRequest(ParsedRequest[ResponsesRequest]):
+    """The validated request: its own fields (echoed in the answer) and the equivalent chat request."""
+
+    def echo(self) -> dict[str, Any]:
+        """The request fields a Response object repeats (``tools``, ``temperature``, ...)."""
+        r = self.request
+        fmt = r.text.format if r.text is not None and r.text.format is not None else None
+        text_format: dict[str, Any] = {"type": "text"}
+        if fmt is not None:
+            text_format = fmt.model_dump(by_alias=True, exclude_none=True)
+        choice: Any = r.tool_choice if r.tool_choice is not None else "auto"
+        return {
+            "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens,
+            "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
+            "reasoning": {"effort": r.reasoning.effort if r.reasoning else None, "summary": None},
+            "temperature": r.temperature,
+            "text": {"format": text_format},
+            "tool_choice": choice,
+            "tools": [
+                tool.model_dump(exclude_none=True) | {"strict": bool(tool.strict)} for tool in self.tools
+            ],
+            "top_p": r.top_p,
+            "user": r.user,
+            "metadata": r.metadata or {},
+        }
+
+
+def parse_responses_request(body: Any) -> ParsedResponsesRequest:
+    """Validates a decoded ``/v1/responses`` body; raises :class:`InvalidRequestError` naming the field."""
+    request = validate_body(ResponsesRequest, body)
+    _refuse_state(request)
+    tools = function_tools(request.tools)
+    chat_body: dict[str, Any] = {
+        "model": request.model,
+        "messages": _messages(request),
+        "stream": request.stream,
+    }
+    add_chat_tools(chat_body, tools, request.tool_choice)
+    for name in ("parallel_tool_calls", "temperature", "top_p", "metadata", "user"):
+        value = getattr(request, name)
+        if value is not None:
+            chat_body[name] = value
+    if request.max_output_tokens is not None:
+        chat_body["max_completion_tokens"] = request.max_output_tokens
+    if request.reasoning is not None and request.reasoning.effort == "none":
+        chat_body["reasoning_effort"] = "none"
+    fmt = request.text.format if request.text is not None else None
+    if fmt is not None:
+        chat_body["response_format"] = _response_format(fmt)
+    chat = to_chat_request(
+        chat_body,
+        {
+            "messages": "input",
+            "max_completion_tokens": "max_output_tokens",
+            "response_format": "text.format",
+        },
+    )
+    return ParsedResponsesRequest(request, chat, tools)
+
+
+def _refuse_state(request: ResponsesRequest) -> None:
+    if request.previous_response_id is not None:
+        raise unsupported(
+            "previous_response_id",
+            "'previous_response_id' is not supported: this server stores no responses. "
+            "Send the whole conversation in 'input'.",
+        )
+    if request.conversation is not None:
+        raise unsupported("conversation", "'conversation' is not supported: this server stores nothing.")
+    if request.store:
+        raise unsupported("store", "'store: true' is not supported: this server stores no responses.")
+    if request.background:
+        raise unsupported("background", "'background: true' is not supported.")
+
+
+def _response_format(fmt: TextFormat) -> dict[str, Any]:
+    if fmt.type != "json_schema":
+        return {"type": fmt.type}
+    if fmt.schema_ is None:
+        raise InvalidRequestError(
+            "Missing required parameter: 'text.format.schema'.",
+            param="text.format.schema",
+            code="missing_required_parameter",
+        )
+    schema = JsonSchemaFormat.model_validate(
+        {"name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}
+    )
+    return {"type": "json_schema", "json_schema": schema.model_dump(by_alias=True, exclude_none=True)}
+
+
+def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """The conversation as chat messages: instructions first, then the input items in order;
+    consecutive ``function_call`` items become one assistant message with several calls."""
+    messages: list[dict[str, Any]] = []
+    if request.instructions is not None:
+        messages.append({"role": "system", "content": request.instructions})
+    if isinstance(request.input, str):
+        messages.append({"role": "user", "content": request.input})
+        return messages
+    if not request.input:
+        raise bad("input", "must hold at least one item")
+    for i, item in enumerate(request.input):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise InvalidRequestError(
+                f"Invalid '{where}': each input item must be an object.", param=where, code="invalid_type"
+            )
+        kind = item.get("type", "message")
+        if kind == "message":
+            message = validate_at(InputMessage, item, where)
+            messages.append({"role": message.role, "content": _text(message.content, f"{where}.content")})
+        elif kind == "function_call":
+            call = validate_at(FunctionCallItem, item, where)
+            tool_call = {
+                "id": call.call_id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": call.arguments},
+            }
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(tool_call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [tool_call]})
+        elif kind == "function_call_output":
+            output = validate_at(FunctionCallOutputItem, item, where)
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": output.call_id,
+                    "content": _text(output.output, f"{where}.output"),
+                }
+            )
+        elif kind == "reasoning":
+            continue  # the model's earlier reasoning is not sent back to it
+        else:
+            raise unsupported(f"{where}.type", f"Input item type {kind!r} is not supported.")
+    return messages
+
+
+def _text(content: str | list[Any], where: str) -> str:
+    """A string, or text parts joined with a newline (as chat joins its parts)."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("input_text", "output_text"):
+            raise unsupported(
+                f"{where}[{j}].type",
+                f"Content part type {kind!r} is not supported; only 'input_text' and 'output_text' are.",
+            )
+        texts.append(validate_at(InputText, part, f"{where}[{j}]").text)
+    return "\n".join(texts)

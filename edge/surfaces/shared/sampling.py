@@ -1,0 +1,102 @@
+"""The sampling fields chat and text completions requests share, and their limits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, StrictBool, field_validator
+
+from edge.surfaces.shared.base import RequestModel
+from edge.surfaces.shared.validation import (
+    INT32_MAX,
+    MAX_N,
+    RequestLimits,
+    bad,
+    invalid,
+)
+
+# Seeds: any int64 (OpenAI) or uint64 (the proto) value.
+_SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
+
+
+class StreamOptions(RequestModel):
+    """``stream_options``; only allowed with ``stream: true``."""
+
+    include_usage: StrictBool = Field(
+        default=False, description="End the stream with one chunk carrying the total usage (choices: [])."
+    )
+    continuous_usage_stats: StrictBool = Field(
+        default=False,
+        description="vLLM's extension: every chunk carries the usage so far (completion tokens counted "
+        "per choice and summed).",
+    )
+
+
+class SamplingRequest(RequestModel):
+    """Fields shared by chat and text completions requests."""
+
+    model: str
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, ge=0, le=1)
+    n: int | None = Field(default=None, ge=1, le=MAX_N)
+    stop: list[str] | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = Field(
+        default=None,
+        json_schema_extra={
+            "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+        },
+    )
+    user: str | None = None
+    # Extensions with vLLM's names and meanings (the SDKs send them through ``extra_body``): run past
+    # the model's end-of-sequence token, and generate at least this many tokens.
+    ignore_eos: StrictBool | None = None
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+
+    @field_validator("stop", mode="before", json_schema_input_type=str | list[str] | None)
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias_range(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not (key.isascii() and key.isdigit()) or not 0 <= int(key) <= INT32_MAX:
+                raise invalid(f"key {key!r} is not a token id")
+            if not -100 <= bias <= 100:
+                raise invalid(f"bias {bias} for token {key} is not in [-100, 100]")
+        return value
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return self.n if self.n is not None else 1
+
+
+def check_sampling_limits(request: SamplingRequest, limits: RequestLimits) -> None:
+    """The limits on fields both APIs share: ``n`` and ``max_tokens``."""
+    if request.n is not None and request.n > limits.max_n:
+        raise bad("n", f"must be at most {limits.max_n}, got {request.n}")
+    if request.max_tokens is not None and limits.max_tokens:
+        check_max_tokens("max_tokens", request.max_tokens, limits)
+
+
+def check_max_tokens(param: str, value: int, limits: RequestLimits) -> None:
+    if value > limits.max_tokens:
+        raise bad(param, f"must be at most {limits.max_tokens}, got {value}")

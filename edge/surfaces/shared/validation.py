@@ -1,0 +1,195 @@
+"""What every request body goes through: JSON-object check, Unicode check, the pydantic
+model, and one 400 naming the first bad field (``param``: ``messages[0].role``).
+
+Also the operator's per-request limits (:class:`RequestLimits`) shared by every surface.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticCustomError
+
+from edge.errors import InvalidRequestError, UnprocessableEntityError
+
+# The largest value of a proto ``int32`` field (max_tokens, token ids, logprobs ...): a larger
+# number cannot travel to the worker, so the schema refuses it with a 400 naming the field.
+INT32_MAX = 2**31 - 1
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+# Hard ceilings of the request schema; operator limits may only lower them.
+MAX_N = 128
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request bounds an operator tunes (``--max-messages`` and friends, see docs/http.md).
+
+    ``max_prompt_chars`` counts the characters of every message's text
+    (``content``, ``reasoning_content``, tool-call ``arguments``) of a chat
+    request, or of every prompt of a completions request (a token-id prompt
+    counts one per id). ``max_tokens`` bounds ``max_tokens`` and
+    ``max_completion_tokens`` when a request sets them; 0 means no bound at
+    the edge (the worker still bounds them by the context length). ``n`` is
+    per prompt. ``__post_init__`` raises ``ValueError`` naming a bad field.
+    """
+
+    max_messages: int = 1024
+    max_prompt_chars: int = 1_000_000
+    max_n: int = MAX_N
+    max_tokens: int = 0
+    max_top_logprobs: int = MAX_TOP_LOGPROBS
+
+    def __post_init__(self) -> None:
+        for name, low, high in (
+            ("max_messages", 1, None),
+            ("max_prompt_chars", 1, None),
+            ("max_n", 1, MAX_N),
+            ("max_tokens", 0, None),
+            ("max_top_logprobs", 0, MAX_TOP_LOGPROBS),
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
+            if high is not None and value > high:
+                raise ValueError(f"{name}: must be at most {high}, got {value}")
+
+
+DEFAULT_LIMITS = RequestLimits()
+# The limits of the request being parsed; the edge app sets it per request (None: the defaults).
+request_limits: ContextVar[RequestLimits | None] = ContextVar("sluice_request_limits", default=None)
+
+
+def active_limits() -> RequestLimits:
+    """The limits set for this context, else :data:`DEFAULT_LIMITS`."""
+    return request_limits.get() or DEFAULT_LIMITS
+
+
+def invalid(message: str) -> PydanticCustomError:
+    """A validation error reported with ``code: invalid_value`` and ``message``."""
+    return PydanticCustomError("invalid_value", message)
+
+
+def validate_body(model: type[ModelT], body: Any) -> ModelT:
+    """Validates a decoded JSON body against ``model`` and the rules every request shares.
+
+    Raises :class:`UnprocessableEntityError` when ``body`` is not a JSON object
+    and :class:`InvalidRequestError` naming the first bad field otherwise.
+    """
+    if not isinstance(body, dict):
+        raise UnprocessableEntityError(
+            f"The request body must be a JSON object, got {_json_type(body)}.", code="invalid_type"
+        )
+    check_unicode(body)
+    try:
+        request = model.model_validate(body)
+    except ValidationError as error:
+        raise _to_invalid_request(error) from None
+    if getattr(request, "stream_options", None) is not None and not getattr(request, "stream", False):
+        raise bad("stream_options", "stream_options is only allowed when stream is true")
+    return request
+
+
+def check_unicode(body: dict[str, Any]) -> None:
+    """Raises a 400 naming the first string (value or key) that is not valid Unicode.
+
+    JSON's ``\\ud800`` escapes decode to lone surrogates, which cannot be encoded
+    as UTF-8: they would fail later, in the protobuf message or the tokenizer.
+    The walk is iterative, so a body nested as deep as the JSON parser allows
+    cannot exhaust the stack here.
+    """
+    pending: list[tuple[str, Any]] = [("", body)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            if not _encodes(value):
+                raise _bad_unicode(path or "body")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                child = f"{path}.{key}" if path else key
+                if not _encodes(key):
+                    raise _bad_unicode(path or "body")
+                pending.append((child, item))
+        elif isinstance(value, list):
+            pending.extend((f"{path}[{i}]", item) for i, item in enumerate(value))
+
+
+def _encodes(text: str) -> bool:
+    if text.isascii():
+        return True
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _bad_unicode(param: str) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"Invalid '{param}': the string holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+        "escape), which is not valid Unicode.",
+        param=param,
+        code="invalid_value",
+    )
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    return "null" if value is None else type(value).__name__
+
+
+def _param_path(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path
+
+
+def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
+    """Reports the first validation error, OpenAI style."""
+    first = error.errors(include_url=False)[0]
+    param = _param_path(tuple(first["loc"])) or None
+    kind = first["type"]
+    if kind == "missing":
+        return InvalidRequestError(
+            f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"
+        )
+    if kind == "too_short" and first.get("input") == []:
+        # OpenAI's own wording and code for an empty array (``messages``, ``tools``).
+        return InvalidRequestError(
+            f"Invalid '{param}': empty array. Expected an array with minimum length 1, "
+            "but got an empty array instead.",
+            param=param,
+            code="empty_array",
+        )
+    code = (
+        "invalid_type"
+        if kind.endswith(("_type", "_parsing")) or kind == "int_from_float"
+        else "invalid_value"
+    )
+    return InvalidRequestError(f"Invalid '{param}': {first['msg']}.", param=param, code=code)
+
+
+def bad(param: str, message: str) -> InvalidRequestError:
+    """A 400 ``invalid_value`` naming ``param``."""
+    return InvalidRequestError(f"Invalid '{param}': {message}.", param=param, code="invalid_value")
+
+
+def missing(param: str, message: str) -> InvalidRequestError:
+    """A 400 ``missing_required_parameter`` naming ``param``."""
+    return InvalidRequestError(
+        f"Missing required parameter: '{param}' ({message}).", param=param, code="missing_required_parameter"
+    )

@@ -1,0 +1,1 @@
+"""The worker fleet: addresses, membership, health and ejection, dispatch, routing, call groups, migration."""

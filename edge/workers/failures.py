@@ -1,0 +1,36 @@
+"""Which failed worker calls count against the worker (circuit breaking), and which never do.
+
+Design notes: docs/edge-internals.md.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+# INTERNAL/UNKNOWN/DATA_LOSS answers in a row that eject a worker. More than one, so a single
+# request that trips a model failure does not take a healthy worker out; few enough that a
+# worker failing every call stops taking traffic within a handful of requests.
+WORKER_FAULTS_TO_EJECT = 3
+
+
+class CallFailure(enum.Enum):
+    """What a failed call says about the worker that answered it."""
+
+    DOWN = "down"  # eject now
+    WORKER_FAULT = "worker_fault"  # count; eject after WORKER_FAULTS_TO_EJECT in a row
+    NOT_COUNTED = "not_counted"  # the caller's doing, or back-pressure
+
+
+_DOWN = frozenset({grpc.StatusCode.UNAVAILABLE})
+_WORKER_FAULTS = frozenset({grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN, grpc.StatusCode.DATA_LOSS})
+
+
+def classify(code: grpc.StatusCode) -> CallFailure:
+    """How a call that ended with ``code`` counts against its worker (see the module doc)."""
+    if code in _DOWN:
+        return CallFailure.DOWN
+    if code in _WORKER_FAULTS:
+        return CallFailure.WORKER_FAULT
+    return CallFailure.NOT_COUNTED

@@ -1,0 +1,313 @@
+"""The edge's worker pool: a call goes to the best available worker (fewest outstanding calls,
+round-robin ties, or the routing policy's pick) and moves to the next one only before its
+first event; plus the fleet-wide queries (models, health). docs/edge-internals.md, "The worker pool".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Sequence
+
+import grpc
+
+from edge.errors import EdgeError, ServiceUnavailableError, from_grpc
+from edge.workers.addresses import resolve
+from edge.workers.health import NO_WORKER_MESSAGE, HealthChecks
+from edge.workers.membership import ClientFactory, Resolver
+from edge.workers.routing import PrefixAffinity, RoutingPolicy, prefix_blocks
+from edge.workers.worker import ModelListing, Worker, WorkerHealth, WorkerStatus, is_model_load
+from sluice.client import GenerateCall, WorkerCallError, WorkerClient
+from sluice.v1 import worker_pb2
+
+log = logging.getLogger("sluice.edge")
+
+_RETRY_BEFORE_FIRST_EVENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+class GenerateStream:
+    """An open ``Generate`` call on one worker whose first event has arrived.
+
+    Iterate it once: it yields every event, :attr:`first` included, ends when
+    the call ends OK and raises :class:`EdgeError` when the call fails. Call
+    :meth:`cancel` when done with it (a ``finally``): it cancels the call if
+    it is still running and releases the worker's outstanding slot; it is
+    idempotent and never raises.
+    """
+
+    def __init__(
+        self, call: GenerateCall, worker: Worker, first: worker_pb2.GenerateResponse, pool: WorkerPool
+    ) -> None:
+        self._call = call
+        self._worker = worker
+        self._pool = pool
+        self.first = first
+        self._released = False
+
+    @property
+    def worker_address(self) -> str:
+        return self._worker.address
+
+    @property
+    def worker_id(self) -> str:
+        """The serving worker's id: from its ``started`` event, else as the pool knows it ("")."""
+        return self.first.started.worker_id or self._worker.worker_id or ""
+
+    def __aiter__(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        return self._events()
+
+    async def _events(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        try:
+            yield self.first
+            while (event := await self._call.read()) is not None:
+                yield event
+            self._pool.note_call_success(self._worker)
+        except WorkerCallError as error:
+            # A worker that dies mid-stream is ejected now, not at its next health check.
+            self._pool.note_call_failure(self._worker, error)
+            raise from_grpc(error) from None
+        finally:
+            # Covers the caller being cancelled inside read(): the call must not outlive it.
+            self.cancel()
+
+    def cancel(self) -> None:
+        self._call.cancel()  # no-op once the call has ended
+        if not self._released:
+            self._released = True
+            self._pool.release(self._worker)
+
+    def __del__(self) -> None:
+        # Safety net: a response body that never started (client gone before the
+        # first byte) is dropped without running its generator's finally.
+        if not self._released:
+            with contextlib.suppress(Exception):  # e.g. the loop is already closed at exit
+                self.cancel()
+
+
+class WorkerPool(HealthChecks):
+    """The workers of one edge process. Use inside one event loop; ``close()`` at shutdown.
+
+    ``addresses``: static ``host:port`` workers. ``dns_name``: a ``host:port``
+    re-resolved every ``dns_refresh_interval_s``. At least one of the two is
+    required. ``routing``: how a worker is chosen (:mod:`edge.workers.routing`).
+    ``client_factory`` and ``resolver`` exist for tests.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str] = (),
+        *,
+        connect_timeout_s: float,
+        health_timeout_s: float,
+        health_interval_s: float = 5.0,
+        dns_name: str | None = None,
+        dns_refresh_interval_s: float = 10.0,
+        client_factory: ClientFactory = WorkerClient,
+        resolver: Resolver = resolve,
+        routing: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING,
+    ) -> None:
+        super().__init__(
+            addresses,
+            health_timeout_s=health_timeout_s,
+            health_interval_s=health_interval_s,
+            dns_name=dns_name,
+            dns_refresh_interval_s=dns_refresh_interval_s,
+            client_factory=client_factory,
+            resolver=resolver,
+        )
+        self._rotation = itertools.count()
+        self._affinity = PrefixAffinity() if routing == RoutingPolicy.PREFIX_AFFINITY else None
+        self._connect_timeout_s = connect_timeout_s
+
+    def _candidates(self, preferred: str | None = None) -> list[Worker]:
+        """The available workers, best first: ``preferred`` (the routing policy's pick), then
+        fewest outstanding calls, then round-robin."""
+        workers = [w for w in self._workers.values() if w.available]
+        if not workers:
+            return []
+        # The round-robin turns only for requests that the load decides: were it to turn for
+        # every request, requests placed by affinity would skew which worker the next new
+        # conversation gets (four turns per conversation on two workers: always the same one).
+        start = next(self._rotation) if preferred is None else 0
+        order = {id(w): (i - start) % len(workers) for i, w in enumerate(workers)}
+        return sorted(workers, key=lambda w: (w.address != preferred, w.outstanding, order[id(w)]))
+
+    def _loading_candidates(self) -> list[Worker]:
+        """The workers still loading their model: furthest along first, then fewest calls."""
+        loading = [w for w in self._workers.values() if not w.removed and w.status == WorkerStatus.LOADING]
+        return sorted(loading, key=lambda w: (-(w.load_fraction or 0.0), w.outstanding))
+
+    async def generate(
+        self,
+        request: worker_pb2.GenerateRequest,
+        request_id: str,
+        timeout_s: float,
+        metadata: Sequence[tuple[str, str | bytes]] = (),
+        *,
+        load_events: bool = False,
+    ) -> GenerateStream:
+        """Opens ``Generate`` on the best worker and waits for its first event.
+
+        When no worker serves and ``request.model_load_wait_seconds`` is positive, the
+        workers still loading their model (LOADING) are tried instead: such a worker holds
+        the call until its model is loaded (at most that long), sending MODEL_LOAD progress
+        events. With ``load_events`` the first of those is the stream's first event (the
+        caller shows the load); without, they are read here and the stream starts at
+        ``started``, so a load that does not end in time is still an error before the stream.
+
+        ``timeout_s`` is the call's total deadline in seconds, shared by all
+        attempts. Raises :class:`EdgeError` when the call fails before its
+        first event (after trying the other workers for UNAVAILABLE and
+        RESOURCE_EXHAUSTED), and :class:`ServiceUnavailableError` (503,
+        ``Retry-After``) at once when no worker is available. An error a
+        worker answered carries that worker's id (``EdgeError.worker_id``), so
+        the response can name it. If the caller is cancelled meanwhile, the
+        call is cancelled too.
+        """
+        self._ensure_started()
+        if self._dns is not None and not self._workers:
+            await self.wait_first_round()  # first requests after start-up, before DNS answered
+        deadline = time.monotonic() + timeout_s
+        # The request id travels in the request's own field (GenerateRequest.request_id), once.
+        call_metadata = tuple(metadata)
+        blocks = prefix_blocks(request) if self._affinity is not None else []
+        preferred = None
+        if self._affinity is not None:
+            load = {w.address: w.outstanding for w in self._workers.values() if w.available}
+            preferred = self._affinity.choose(blocks, load)
+        candidates = self._candidates(preferred)
+        if not candidates and request.model_load_wait_seconds > 0:
+            candidates = self._loading_candidates()
+        if not candidates:
+            raise self._none_available()
+        last_error: EdgeError | None = None
+        busy_error: EdgeError | None = None
+        busy_worker: Worker | None = None
+        loop = asyncio.get_running_loop()
+        for worker in candidates:
+            if not (worker.available or worker.status == WorkerStatus.LOADING) or worker.removed:
+                continue  # ejected meanwhile (another request saw it fail)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            worker.outstanding += 1
+            call = worker.client.generate(request, timeout=remaining, metadata=call_metadata)
+            waited_for_load = False
+            try:
+                async with asyncio.timeout(min(self._connect_timeout_s, remaining)) as first_event:
+                    first = await call.read()
+                    while not load_events and is_model_load(first):
+                        # The worker took the call and holds it until its model is loaded;
+                        # it bounds that wait itself, the request's deadline bounds ours.
+                        waited_for_load = True
+                        first_event.reschedule(loop.time() + max(0.0, deadline - time.monotonic()))
+                        first = await call.read()
+            except WorkerCallError as error:
+                call.cancel()
+                self.release(worker)
+                mapped = from_grpc(error)
+                if error.code() not in _RETRY_BEFORE_FIRST_EVENT or waited_for_load:
+                    # After a wait for a model load, the wait is over: no second wait elsewhere.
+                    # Only the worker's own faults count against it (edge.workers.failures).
+                    self.note_call_failure(worker, error)
+                    mapped.worker_id = await self._learn_worker_id(worker)
+                    raise mapped from None
+                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    busy_error, busy_worker = mapped, worker
+                self.note_call_failure(worker, error)
+                last_error = mapped
+                log.info(
+                    "request %s: worker %s refused (%s), trying the next",
+                    request_id,
+                    worker.address,
+                    error.code().name,
+                )
+                continue
+            except TimeoutError:
+                call.cancel()
+                self.release(worker)
+                if deadline - time.monotonic() <= 0:
+                    break  # the request's own deadline, not the worker's fault
+                self._eject(worker, WorkerStatus.UNREACHABLE, "did not accept a call in time")
+                log.warning(
+                    "request %s: worker %s did not accept the call in %.1f s",
+                    request_id,
+                    worker.address,
+                    self._connect_timeout_s,
+                )
+                last_error = ServiceUnavailableError(NO_WORKER_MESSAGE, retry_after=1.0)
+                continue
+            except BaseException:
+                # Cancelled by our caller (client gone) or a bug: never leak the call.
+                call.cancel()
+                self.release(worker)
+                raise
+            if first is None:
+                # The worker closed the call OK without a single event: a contract breach.
+                self.release(worker)
+                raise ServiceUnavailableError("The model worker ended the request without an answer.")
+            if first.WhichOneof("event") == "started":
+                if first.started.worker_id:
+                    worker.worker_id = first.started.worker_id
+                if worker.status == WorkerStatus.LOADING:
+                    self._restore(worker)  # it answered a call: its model is loaded
+            if self._affinity is not None:
+                self._affinity.record(blocks, worker.address)
+            return GenerateStream(call, worker, first, self)
+        if busy_error is not None and busy_worker is not None:
+            busy_error.worker_id = await self._learn_worker_id(busy_worker)
+            raise busy_error
+        if last_error is not None:
+            raise last_error
+        raise ServiceUnavailableError("The request timed out before a worker could take it.", retry_after=1.0)
+
+    async def _learn_worker_id(self, worker: Worker) -> str | None:
+        """The worker's id: known from an earlier answer, else asked with ListModels
+        (only on error paths; ``None`` when it does not answer in time)."""
+        if worker.worker_id is None:
+            try:
+                reply = await worker.client.list_models(timeout=self._health_timeout_s)
+            except WorkerCallError:
+                return None
+            worker.worker_id = reply.worker_id or None
+        return worker.worker_id
+
+    async def list_models(self) -> ModelListing:
+        """Every model any available worker serves, deduplicated by id, in worker order,
+        with the ids of the workers that answered.
+
+        Raises :class:`ServiceUnavailableError` when no worker answered.
+        """
+        self._ensure_started()
+        if self._dns is not None and not self._workers:
+            await self.wait_first_round()
+        workers = [w for w in self._workers.values() if w.available]
+        results = await asyncio.gather(
+            *(w.client.list_models(timeout=self._health_timeout_s) for w in workers),
+            return_exceptions=True,
+        )
+        models: dict[str, worker_pb2.ModelInfo] = {}
+        answered: list[str] = []
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, WorkerCallError):
+                    raise result
+                log.info("ListModels on %s failed: %s", worker.address, result.code().name)
+                self.note_call_failure(worker, result)
+                continue
+            worker.worker_id = result.worker_id or worker.worker_id
+            answered.append(worker.worker_id or "")
+            for model in result.models:
+                models.setdefault(model.id, model)
+        if not answered:
+            raise self._none_available()
+        return ModelListing(list(models.values()), [i for i in dict.fromkeys(answered) if i])
+
+    async def health(self) -> list[WorkerHealth]:
+        """Every worker's state from the pool's own checks (after the first round of
+        checks has run, bounded); never calls the workers itself."""
+        await self.wait_first_round()
+        return self.snapshot()
