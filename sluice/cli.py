@@ -1,12 +1,6 @@
 """``sluice serve``: one worker and one edge on this machine, for local use.
 
-Starts ``python -m worker`` and ``python -m edge`` as child processes, waits
-until the edge is ready, prints the base URL, and on Ctrl-C (or SIGTERM)
-stops both: SIGTERM first, SIGKILL after a timeout. If either child dies, the
-other is stopped too and the exit status is non-zero. Before starting anything
-it checks that the three ports are free: a taken one is one line naming the
-flag and exit status 2.
-"""
+Notes: docs/shared.md."""
 
 from __future__ import annotations
 

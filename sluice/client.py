@@ -1,33 +1,6 @@
 """A typed asyncio client for a Sluice worker's gRPC API (``sluice.v1.Worker`` and health).
 
-The one place that creates worker channels: internal services use it
-directly, and the edge's worker pool builds one :class:`WorkerClient` per
-worker address. Usage::
-
-    async with WorkerClient("127.0.0.1:50051") as client:
-        async with client.generate(request, timeout=60) as stream:
-            async for event in stream:
-                ...
-
-Contracts:
-
-- The channel is created lazily, inside the running event loop, on first
-  use (``grpc.aio`` binds a channel to the loop it is created in), so a
-  client may be constructed anywhere.
-- :meth:`WorkerClient.generate` starts the call at once and returns a
-  :class:`GenerateCall`, an async iterator of ``GenerateResponse`` events.
-  The call is cancelled on the worker (which frees the sequence before its
-  next step) when the caller stops: leaving an ``async with`` block,
-  :meth:`GenerateCall.aclose` / :meth:`GenerateCall.cancel`, the reading task
-  being cancelled, or the call object being garbage collected (so a plain
-  ``break`` out of ``async for client.generate(...)`` cancels it too).
-- ``timeout`` is the call's gRPC deadline in seconds: the worker sees it and
-  drops the request when it passes; the caller gets ``DEADLINE_EXCEEDED``.
-- Every failed call raises :class:`WorkerCallError`: the gRPC code, the
-  message and the structured details the worker attached (reason, param,
-  retry hint; see :mod:`sluice.status`). A failure may come after some
-  events (mid-stream); callers must handle both.
-"""
+Notes: docs/shared.md."""
 
 from __future__ import annotations
 

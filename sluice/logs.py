@@ -1,23 +1,6 @@
 """Logging set-up shared by the edge and the worker: plain text or JSON lines, with request ids.
 
-:func:`configure_logging` is called once by each service's ``main``. With
-``fmt="json"`` every record is one JSON object per line::
-
-    {"time": "2025-01-31T12:00:00.123Z", "level": "INFO", "logger": "sluice.edge",
-     "message": "...", "request_id": "req_...", "worker_id": "host:50051"}
-
-``request_id`` is the value of :data:`request_id_var` in the context that
-logged the record (the edge sets it in a ``before_request`` hook, the worker
-in its ``Generate`` handler from the ``x-request-id`` metadata), so every line
-a request causes carries its id without each call site passing it. Records
-from elsewhere (start-up, the worker's engine thread) have no ``request_id``
-key. ``worker_id`` is fixed per process (workers only). A record with an
-exception carries its traceback under ``exception``: logs are for operators,
-and a traceback never reaches a caller (error bodies are generic).
-
-The text format is unchanged from before (``time level logger: message``);
-messages about one request already name it.
-"""
+Notes: docs/shared.md."""
 
 from __future__ import annotations
 

@@ -1,16 +1,6 @@
 """Claiming listening ports at start, with one clear message when one is taken.
 
-Both services claim every port they need before doing anything slow (the
-worker before it loads its model), so a port conflict costs a fraction of a
-second and ends with one line naming the setting, e.g. ``--metrics-port 51051
-is in use on 0.0.0.0: ...``, and exit status 2 (:data:`EXIT_PORT_TAKEN`).
-
-:func:`claim_port` binds and listens on a plain TCP socket with
-``SO_REUSEADDR`` only, never ``SO_REUSEPORT``: with ``SO_REUSEPORT`` (gRPC's
-default on Linux) a second process binds a taken port without an error and the
-kernel splits the connections between the two. The caller keeps the socket (to
-serve on it) or closes it just before its server binds the same port.
-"""
+Notes: docs/shared.md."""
 
 from __future__ import annotations
 

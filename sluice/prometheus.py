@@ -1,12 +1,6 @@
 """Hand-written Prometheus text exposition (format 0.0.4), shared by the edge and the worker.
 
-Both services expose a handful of metrics, so a client library would add a
-dependency and a global registry for little gain. This module holds the two
-pieces they share: :class:`Histogram` (fixed buckets, not thread-safe: each
-owner guards its own) and the text helpers that render families, samples and
-escaped labels, so label values such as model ids or worker addresses can
-never break the format.
-"""
+Notes: docs/shared.md."""
 
 from __future__ import annotations
 

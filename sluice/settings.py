@@ -54,6 +54,7 @@ class Setting:
     default: Any
     spec: SettingSpec
     prefix: str
+    type_name: str = ""  # the field's annotation, as text
 
     @property
     def flag(self) -> str:
@@ -71,7 +72,7 @@ class Setting:
 def settings_of(cls: type, prefix: str) -> list[Setting]:
     """The settings of a dataclass, in field (``--help``) order."""
     return [
-        Setting(f.name, f.default, f.metadata[_SPEC], prefix)
+        Setting(f.name, f.default, f.metadata[_SPEC], prefix, str(f.type))
         for f in dataclasses.fields(cls)
         if _SPEC in f.metadata
     ]
@@ -108,7 +109,8 @@ def build_parser(cls: type, prefix: str, prog: str, description: str) -> argpars
                 help=argparse.SUPPRESS,
             )
         else:
-            metavar = item.flag[2:].rsplit("-", 1)[-1].upper()
+            last_word = item.flag[2:].rsplit("-", 1)[-1].upper()
+            metavar = "N" if item.type_name.startswith("int") and last_word != "PORT" else last_word
             parser.add_argument(item.flag, dest=item.dest, default=None, metavar=metavar, help=help_text)
     return parser
 
@@ -121,12 +123,13 @@ def parse_settings(
     *,
     prog: str,
     description: str,
-    combine: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    combine: Callable[[dict[str, Any], Mapping[str, str]], dict[str, Any]] | None = None,
 ) -> T:
     """Reads flags, falling back to variables (an empty one is unset), and builds ``cls``.
 
     Exits with status 2 and one line naming the flag or variable a bad value came from. ``combine``
-    may rework the parsed values first (raising ``ValueError`` with the whole message); the class
+    may rework the parsed values first, given where each came from (raising ``ValueError`` with the
+    whole message); the class
     may raise ``ValueError("field: reason")`` and offer ``problems()`` for combinations.
     """
     parser = build_parser(cls, prefix, prog, description)
@@ -147,7 +150,7 @@ def parse_settings(
             parser.error(f"{source}: {error}")
     try:
         if combine is not None:
-            values = combine(values)
+            values = combine(values, sources)
     except ValueError as error:
         parser.error(str(error))
     for item in settings_of(cls, prefix):

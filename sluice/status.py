@@ -1,17 +1,6 @@
 """Error details on the wire: the one encoding both services agree on.
 
-A failed ``Generate`` or ``ListModels`` call ends with a gRPC status code and a
-``google.rpc.Status`` in the ``grpc-status-details-bin`` trailer holding:
-
-- ``google.rpc.ErrorInfo``: ``reason`` is a stable machine code (for example
-  ``invalid_parameter``, ``model_not_found``, ``queue_full``), ``domain`` is
-  ``sluice.v1`` and ``metadata`` may carry ``param`` (the offending request
-  field) and ``retry_after_seconds``;
-- ``google.rpc.BadRequest`` with one field violation, when a field is named.
-
-The worker builds these with :func:`build_status`; callers read them back with
-:func:`read_details` on any ``grpc.aio.AioRpcError`` or ``grpc.RpcError``.
-"""
+Notes: docs/shared.md."""
 
 from __future__ import annotations
 

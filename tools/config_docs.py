@@ -29,8 +29,10 @@ edge (upper case, `-` becomes `_`). A flag given on the command line wins over
 the variable. Both services check every value at start and stop with exit
 status 2 and a message naming the bad setting (the flag, or the variable when
 the value came from the environment); an API key is never echoed. An on/off
-flag (no value on the command line) reads `1`, `true`, `yes` or `on` (and
-`0`, `false`, `no`, `off`) from its variable.
+setting is a switch: `--name` turns it on, `--no-name` off (`--name on|off`
+works too), and its variable reads `1`, `true`, `yes` or `on` (and `0`,
+`false`, `no`, `off`). Both services declare their settings the same way
+(`sluice/settings.py`), and this page is generated from those declarations.
 
 The edge needs to know its workers: `--workers` (a fixed list), `--worker-dns`
 (a name whose addresses are all workers, such as a Kubernetes headless

@@ -166,18 +166,80 @@ def test_sluice_imports_no_service(service: str) -> None:
     assert not upward, f"sluice/ is shared by both services and must not import {service}: {upward}"
 
 
-# worker/config.py's notes go with the settings system's rework (issue 28, part 3).
-LONG_DOCSTRINGS_ALLOWED = {"worker.config"}
+def graph_of(package: str) -> dict[str, set[str]]:
+    """Module -> the modules of the same top-level package it imports."""
+    known = modules(package)
+    return {
+        name: {target for target, _ in imports(path, name) if target in known and target != name}
+        for name, path in known.items()
+    }
 
 
-def test_worker_module_docstrings_are_short() -> None:
-    # A docstring says what the module is; design notes live in docs/worker.md.
+@pytest.mark.parametrize("package", ["edge", "sluice", "tools"])
+def test_no_import_circle_among_other_packages(package: str) -> None:
+    # A package's __init__ importing its own modules is not a circle of the code's own making.
+    graph = {
+        name: {t for t in targets if not (name == t.rpartition(".")[0] and (REPO / package).exists())}
+        for name, targets in graph_of(package).items()
+    }
+    assert find_cycle(graph) is None, f"import circle: {find_cycle(graph)}"
+
+
+def test_edge_surfaces_import_no_other_surface() -> None:
+    crossing = sorted(
+        f"{name} -> {target}"
+        for name, targets in graph_of("edge").items()
+        if name.startswith("edge.surfaces.") and name.split(".")[2] != "shared"
+        for target in targets
+        if target.startswith("edge.surfaces.")
+        and len(target.split(".")) > 2
+        and target.split(".")[2] not in (name.split(".")[2], "shared", "answer", "generation")
+    )
+    assert not crossing, f"what two surfaces share belongs in edge/surfaces/shared/: {crossing}"
+
+
+@pytest.mark.parametrize("package", ["worker", "edge", "sluice", "tools"])
+def test_module_docstrings_are_short(package: str) -> None:
+    # A docstring says what the module is; design notes live in docs/ (worker.md, edge-internals.md).
     long = []
-    for name, path in modules("worker").items():
+    for name, path in modules(package).items():
         doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False) or ""
-        if len(doc.strip().splitlines()) > 5 and name not in LONG_DOCSTRINGS_ALLOWED:
+        if len(doc.strip().splitlines()) > 5:
             long.append(name)
-    assert not long, f"move the design notes of these modules to docs/worker.md: {long}"
+    assert not long, f"move the design notes of these modules to docs/: {long}"
+
+
+def test_architecture_doc_names_only_paths_that_exist() -> None:
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    sections = {"## Worker": "worker", "## Edge": "edge"}
+    stale = []
+    for heading, root in sections.items():
+        start = text.index(heading)
+        end = min((text.index(h) for h in sections if text.index(h) > start), default=len(text))
+        for line in text[start:end].splitlines():
+            if not line.startswith("| `"):
+                continue
+            for part in line.split("|")[1].split(","):
+                named = part.strip().strip("`")
+                if named.endswith((".py", "/")) and not any(
+                    (REPO / root / named).exists() or p.name == named for p in (REPO / root).rglob(named)
+                ):
+                    stale.append(f"{root}/{named}")
+    assert not stale, f"docs/architecture.md names what is not in the tree: {stale}"
+
+
+def test_architecture_doc_names_every_edge_package() -> None:
+    text = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    section = text[text.index("## Edge") :]
+    packages = {
+        path.parent.relative_to(REPO / "edge").as_posix() + "/"
+        for path in (REPO / "edge").rglob("__init__.py")
+        if path.parent != REPO / "edge"
+    }
+    missing = sorted(
+        p for p in packages if f"`{p}`" not in section and f"`{p.split('/')[0]}/`" not in section
+    )
+    assert not missing, f"docs/architecture.md's edge table should name: {missing}"
 
 
 def test_architecture_doc_names_every_worker_module() -> None:

@@ -42,7 +42,9 @@ def test_env_vars_and_flag_precedence() -> None:
         (["--workers", "h:1", "--heartbeat-interval", "0"], {}, "--heartbeat-interval"),
         (["--workers", "h:1", "--max-body-bytes", "0"], {}, "--max-body-bytes"),
         (["--workers", "h:1", "--event-loop", "trio"], {}, "--event-loop"),
-        (["--workers", "h:1"], {"SLUICE_EDGE_EVENT_LOOP": "libev"}, "--event-loop"),
+        (["--workers", "h:1"], {"SLUICE_EDGE_EVENT_LOOP": "libev"}, "SLUICE_EDGE_EVENT_LOOP"),
+        (["--workers", "h:1", "--migrate-streams", "maybe"], {}, "--migrate-streams: must be on/off"),
+        (["--workers", "h:1", "--api-keys-file", "/nonexistent/keys"], {}, "--api-keys-file: cannot read"),
     ],
 )
 def test_bad_values_exit_with_a_message_naming_the_setting(
@@ -52,7 +54,7 @@ def test_bad_values_exit_with_a_message_naming_the_setting(
         Settings.from_args(argv, env=env)
     assert caught.value.code == 2
     err = capsys.readouterr().err
-    assert names in err and "Traceback" not in err
+    assert names in err.splitlines()[-1] and "Traceback" not in err  # the error line, not the usage
 
 
 def test_settings_are_frozen() -> None:
@@ -81,3 +83,27 @@ def test_event_loop_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="event_loop: uvloop is not installed"):
         Settings(workers=("w:1",), event_loop="uvloop")
     assert Settings(workers=("w:1",), event_loop="auto").event_loop == "auto"
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "migrate"),
+    [
+        ([], {}, True),
+        (["--no-migrate-streams"], {}, False),
+        (["--migrate-streams", "false"], {}, False),
+        (["--migrate-streams"], {"SLUICE_EDGE_MIGRATE_STREAMS": "off"}, True),
+        ([], {"SLUICE_EDGE_MIGRATE_STREAMS": "0"}, False),
+    ],
+)
+def test_switches_take_the_forms_people_type(argv: list[str], env: dict[str, str], migrate: bool) -> None:
+    assert Settings.from_args(["--workers", "h:1", *argv], env=env).migrate_streams is migrate
+
+
+def test_keys_from_the_file_join_the_flag_and_are_never_shown(tmp_path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("# team keys\nsk-file-one\n\nsk-both\n")
+    settings = Settings.from_args(
+        ["--workers", "h:1", "--api-keys", "sk-flag,sk-both", "--api-keys-file", str(keys)]
+    )
+    assert settings.api_keys == ("sk-flag", "sk-both", "sk-file-one")
+    assert "sk-" not in repr(settings)
