@@ -17,6 +17,7 @@ from worker.attention.triton_decode import (
     paged_decode_reference,
     plan_decode,
 )
+from worker.attention.variants import PLAIN, LayerVariant
 
 log = logging.getLogger(__name__)
 
@@ -31,17 +32,30 @@ def decode_kernel(
     plan = plan_decode(batch, kv_heads, max_blocks, block_size)
     workspace = allocate_split_workspace(query_like, plan) if plan.split else None
 
-    def attend(query, pool_k, pool_v, tables, lengths, scale):  # type: ignore[no-untyped-def]
+    def attend(query, pool_k, pool_v, tables, lengths, scale, variant=PLAIN):  # type: ignore[no-untyped-def]
         return paged_decode_attention(
-            query, pool_k, pool_v, tables, lengths, scale, plan=plan, workspace=workspace
+            query,
+            pool_k,
+            pool_v,
+            tables,
+            lengths,
+            scale,
+            plan=plan,
+            workspace=workspace,
+            window=variant.window,
+            softcap=variant.softcap,
+            sinks=variant.sinks,
         )
 
     return attend
 
 
-def kernel_works(shape: KVShape, group: int, block_size: int, device: torch.device) -> bool:
-    """Whether the Triton decode kernel runs here and agrees with the torch reference on a small
-    case of this model's shapes (checked once at start-up; on failure the gather path is used)."""
+def kernel_works(
+    shape: KVShape, group: int, block_size: int, device: torch.device, softcap: float | None = None
+) -> bool:
+    """Whether the Triton decode kernel runs here and agrees with the torch reference on small
+    cases of this model's shapes, plain and with a window, ``softcap`` and sinks (checked once at
+    start-up; on failure the gather path is used)."""
     try:
         generator = torch.Generator(device=device).manual_seed(0)
         heads = shape.kv_heads * group
@@ -53,12 +67,39 @@ def kernel_works(shape: KVShape, group: int, block_size: int, device: torch.devi
         tables = torch.tensor([[3, 1, 0], [7, 0, 0], [2, 5, 6]], dtype=torch.int32, device=device)
         lengths = torch.tensor([2 * size + 1, 1, 3 * size], dtype=torch.int32, device=device)
         scale = shape.head_dim**-0.5
-        got = paged_decode_attention(query, pool_k, pool_v, tables, lengths, scale).float()
-        want = paged_decode_reference(query, pool_k, pool_v, tables, lengths, scale).float()
+        sinks = torch.randn((heads,), generator=generator, device=device)
+        variants = [PLAIN, LayerVariant(size + 3, softcap, sinks)]
+        pairs = [
+            (
+                paged_decode_attention(
+                    query,
+                    pool_k,
+                    pool_v,
+                    tables,
+                    lengths,
+                    scale,
+                    window=v.window,
+                    softcap=v.softcap,
+                    sinks=v.sinks,
+                ).float(),
+                paged_decode_reference(
+                    query,
+                    pool_k,
+                    pool_v,
+                    tables,
+                    lengths,
+                    scale,
+                    window=v.window,
+                    softcap=v.softcap,
+                    sinks=v.sinks,
+                ).float(),
+            )
+            for v in variants
+        ]
     except Exception:
         log.exception("the Triton decode kernel failed its start-up check: decode attention gathers instead")
         return False
-    if not torch.allclose(got, want, rtol=2e-2, atol=2e-2):
+    if not all(torch.allclose(got, want, rtol=2e-2, atol=2e-2) for got, want in pairs):
         log.error("the Triton decode kernel disagrees with the reference: decode attention gathers instead")
         return False
     return True

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from worker.attention.kv_pool import KVPool
+from worker.attention.variants import PLAIN, LayerVariant, attend, layer_variant, window_mask
 
 NAME = "sluice_paged"
 
@@ -24,13 +24,21 @@ NAME = "sluice_paged"
 @dataclass
 class Chunk:
     """Several query tokens of one sequence: flat tokens ``[start, start + count)``, the last
-    ``count`` of the sequence's ``context`` tokens (whose KV is in ``blocks``)."""
+    ``count`` of the sequence's ``context`` tokens (whose KV is in ``blocks``), for ``group`` query
+    heads per kv head."""
 
     start: int
     count: int
     context: int
     blocks: torch.Tensor  # long [ceil(context / block_size)]
-    mask: torch.Tensor | None  # :func:`chunk_mask`
+    group: int
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """:func:`chunk_mask` for a layer with this window, built once per step."""
+        if window not in self._masks:
+            self._masks[window] = chunk_mask(self.count, self.context, self.group, self.blocks.device, window)
+        return self._masks[window]
 
 
 @dataclass
@@ -51,6 +59,17 @@ class PagedStep:
     decode_kernel: Any = None
     # Set in batch-invariant mode: every token is computed by :func:`_invariant` (nothing else is set).
     invariant: InvariantRows | None = None
+    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def decode_visible(self, window: int | None) -> torch.Tensor:
+        """The decode rows' gather mask for a layer with this window (built once per step)."""
+        assert self.decode_mask is not None and self.decode_lengths is not None
+        width = self.decode_mask.shape[-1]
+        if window is None or window >= width:
+            return self.decode_mask
+        if window not in self._window_masks:
+            self._window_masks[window] = decode_mask(self.decode_lengths, width, window)
+        return self._window_masks[window]
 
 
 @dataclass
@@ -64,6 +83,16 @@ class InvariantTile:
     width: int
     blocks: torch.Tensor  # long [(last - first) * width / block_size]
     masked: torch.Tensor  # bool [last - first, 1, 1, width]
+    lengths: torch.Tensor  # long [last - first]: each token's context, itself included
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def masked_for(self, window: int | None) -> torch.Tensor:
+        """``masked`` with, for a layer with this window, the keys before each token's window."""
+        if window is None or window >= self.width:
+            return self.masked
+        if window not in self._windowed:
+            self._windowed[window] = ~decode_mask(self.lengths, self.width, window)
+        return self._windowed[window]
 
 
 @dataclass
@@ -113,6 +142,7 @@ def invariant_rows(
                 width,
                 tables[first:last, :blocks].flatten().to(device),
                 masked[:, None, None, :].to(device),
+                span.to(device),
             )
         )
     return InvariantRows(tiles)
@@ -137,20 +167,24 @@ def register() -> None:
     AttentionInterface.register(NAME, paged_attention_forward)
 
 
-def decode_mask(lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Bool [rows, 1, 1, width]: which of a row's gathered slots hold its context."""
-    return (torch.arange(width, device=lengths.device)[None, :] < lengths[:, None])[:, None, None, :]
+def decode_mask(lengths: torch.Tensor, width: int, window: int | None = None) -> torch.Tensor:
+    """Bool [rows, 1, 1, width]: which of a row's gathered slots hold its context (within the
+    last ``window`` tokens, with a window)."""
+    return window_mask(lengths - 1, width, window, lengths.device)[:, None, None, :]
 
 
-def chunk_mask(count: int, context: int, group: int, device: torch.device) -> torch.Tensor | None:
+def chunk_mask(
+    count: int, context: int, group: int, device: torch.device, window: int | None = None
+) -> torch.Tensor | None:
     """Bool [group * count, context] for :class:`Chunk`: query ``i`` (position ``context - count +
-    i``) sees keys up to itself, repeated for the ``group`` query heads of a kv head; None for a
-    whole prompt with ``group`` 1 (SDPA's own causal mask)."""
-    if count == context and group == 1:
+    i``) sees keys up to itself (and within ``window``), repeated for the ``group`` query heads of a
+    kv head; None for a whole prompt with ``group`` 1 and no window (SDPA's own causal mask)."""
+    if window is not None and window >= context:
+        window = None
+    if count == context and group == 1 and window is None:
         return None
-    keys = torch.arange(context, device=device)
-    queries = torch.arange(count, device=device)
-    return (keys[None, :] <= (queries[:, None] + (context - count))).repeat(group, 1)
+    queries = torch.arange(count, device=device) + (context - count)
+    return window_mask(queries, context, window, device).repeat(group, 1)
 
 
 def paged_attention_forward(
@@ -166,16 +200,17 @@ def paged_attention_forward(
     """transformers' attention signature: query [b, heads, q, d], key/value [b, kv_heads, q, d]
     (the new tokens only); returns [b, q, heads, d]."""
     step = _current
+    variant = layer_variant(module, kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if step is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
-    if getattr(module, "sliding_window", None) or kwargs.get("sliding_window"):
-        raise NotImplementedError("sliding-window attention is not supported by the paged KV cache yet")
+        if variant is PLAIN:
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
+        return _dense(query, key, value, scale, variant), None
     layer = int(module.layer_idx)  # type: ignore[arg-type]
     batch, heads, length, dim = query.shape
     kv_heads = key.shape[1]
-    scale = scaling if scaling is not None else dim**-0.5
     pool_k, pool_v = step.pool.keys[layer], step.pool.values[layer]
     tokens = batch * length
     flat_k = key.transpose(1, 2).reshape(tokens, kv_heads, dim).to(pool_k.dtype)
@@ -185,29 +220,56 @@ def paged_attention_forward(
     flat_q = query.transpose(1, 2).reshape(tokens, heads, dim)
 
     if step.invariant is not None:
-        out = _invariant(step.invariant, flat_q, pool_k, pool_v, scale)
+        out = _invariant(step.invariant, flat_q, pool_k, pool_v, scale, variant)
         return out.view(batch, length, heads, dim), None
     if not step.chunks and step.decode_tokens is None:  # a decode step: every token is a row
-        out = _decode(step, flat_q, pool_k, pool_v, scale)
+        out = _decode(step, flat_q, pool_k, pool_v, scale, variant)
         return out.view(batch, length, heads, dim), None
     out = torch.empty_like(flat_q)
     if step.decode_tables is not None and step.decode_tokens is not None and step.decode_tokens.numel():
-        out[step.decode_tokens] = _decode(step, flat_q[step.decode_tokens], pool_k, pool_v, scale)
+        out[step.decode_tokens] = _decode(step, flat_q[step.decode_tokens], pool_k, pool_v, scale, variant)
     for chunk in step.chunks:
         out[chunk.start : chunk.start + chunk.count] = _chunk(
-            chunk, flat_q[chunk.start : chunk.start + chunk.count], pool_k, pool_v, scale
+            chunk, flat_q[chunk.start : chunk.start + chunk.count], pool_k, pool_v, scale, variant
         )
     return out.view(batch, length, heads, dim), None
 
 
+def _grouped_sinks(variant: LayerVariant, kv_heads: int, count: int) -> torch.Tensor | None:
+    """The sinks laid out as the rows of a grouped query ``[kv_heads, group * count]``: [kvh, group
+    * count, 1] (row g * count + i is query head kv * group + g)."""
+    if variant.sinks is None:
+        return None
+    return variant.sinks.view(kv_heads, -1, 1).repeat_interleave(count, dim=1)
+
+
+def _dense(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float, variant: LayerVariant
+) -> torch.Tensor:
+    """A cacheless forward's attention (the prompt scorer), for layers SDPA alone does not serve:
+    query [b, heads, q, d], key/value [b, kv_heads, q, d] -> [b, q, heads, d]."""
+    batch, heads, count, dim = query.shape
+    kv_heads = key.shape[1]
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * count, dim)
+    visible = chunk_mask(count, count, heads // kv_heads, query.device, variant.window)
+    out = attend(grouped, key, value, visible, scale, variant, _grouped_sinks(variant, kv_heads, count))
+    return out.view(batch, heads, count, dim).transpose(1, 2)
+
+
 def _decode(
-    step: PagedStep, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float
+    step: PagedStep,
+    query: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    scale: float,
+    variant: LayerVariant,
 ) -> torch.Tensor:
     """query [rows, heads, d] -> [rows, heads, d], one token per row."""
     assert step.decode_tables is not None and step.decode_lengths is not None
     if step.decode_kernel is not None:
-        return step.decode_kernel(query, pool_k, pool_v, step.decode_tables, step.decode_lengths, scale)
-    assert step.decode_mask is not None
+        return step.decode_kernel(
+            query, pool_k, pool_v, step.decode_tables, step.decode_lengths, scale, variant
+        )
     rows, heads, dim = query.shape
     kv_heads = pool_k.shape[2]
     # index_select over the flat table, not advanced indexing: about 4x faster on the CPU.
@@ -216,12 +278,18 @@ def _decode(
     values = pool_v.index_select(0, flat).view(rows, -1, kv_heads, dim).transpose(1, 2)
     # The query heads of one kv head become that head's query rows (GQA without copying keys).
     grouped = query.view(rows, kv_heads, heads // kv_heads, dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=step.decode_mask, scale=scale)
+    sinks = None if variant.sinks is None else variant.sinks.view(1, kv_heads, -1, 1)
+    out = attend(grouped, keys, values, step.decode_visible(variant.window), scale, variant, sinks)
     return out.reshape(rows, heads, dim)
 
 
 def _chunk(
-    chunk: Chunk, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float
+    chunk: Chunk,
+    query: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    scale: float,
+    variant: LayerVariant,
 ) -> torch.Tensor:
     """query [count, heads, d] -> [count, heads, d] over the sequence's ``context`` tokens."""
     count, heads, dim = query.shape
@@ -235,20 +303,24 @@ def _chunk(
     grouped = (
         query.view(count, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * count, dim)
     )
-    if chunk.mask is None:  # a whole prompt with one query head per kv head: plain causal
-        out = F.scaled_dot_product_attention(grouped, keys, values, is_causal=True, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=chunk.mask, scale=scale)
+    visible = chunk.mask(variant.window_within(chunk.context))
+    out = attend(grouped, keys, values, visible, scale, variant, _grouped_sinks(variant, kv_heads, count))
     return out.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, heads, dim)
 
 
 def _invariant(
-    rows: InvariantRows, query: torch.Tensor, pool_k: torch.Tensor, pool_v: torch.Tensor, scale: float
+    rows: InvariantRows,
+    query: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    scale: float,
+    variant: LayerVariant,
 ) -> torch.Tensor:
     """query [T, heads, d] -> [T, heads, d], each token by the same arithmetic whatever its step."""
     heads, dim = query.shape[1], query.shape[2]
     kv_heads = pool_k.shape[2]
     group = heads // kv_heads
+    sinks = None if variant.sinks is None else variant.sinks.view(1, kv_heads, group, 1)
     out = torch.empty_like(query)
     for tile in rows.tiles:
         n, width = tile.last - tile.first, tile.width
@@ -257,7 +329,13 @@ def _invariant(
         values = pool_v.index_select(0, tile.blocks).view(n, width, kv_heads, dim).transpose(1, 2)
         grouped = query[tile.first : tile.last].reshape(n * kv_heads, group, dim)
         scores = torch.bmm(grouped, keys.reshape(-1, width, dim).transpose(1, 2))
-        scores = scores.mul_(scale).view(n, kv_heads, group, width).masked_fill_(tile.masked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).view(n * kv_heads, group, width)
+        scores = scores.mul_(scale).view(n, kv_heads, group, width)
+        if variant.softcap is not None:
+            scores = torch.tanh(scores / variant.softcap).mul_(variant.softcap)
+        scores = scores.masked_fill_(tile.masked_for(variant.window), float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # see variants.softmax_attention
+            probs = probs * torch.sigmoid(torch.logsumexp(scores, dim=-1, keepdim=True) - sinks)
+        probs = probs.to(values.dtype).view(n * kv_heads, group, width)
         out[tile.first : tile.last] = torch.bmm(probs, values.reshape(-1, width, dim)).view(n, heads, dim)
     return out

@@ -127,6 +127,9 @@ def paged_decode_attention(
     split_k: bool | None = None,
     plan: DecodePlan | None = None,
     workspace: SplitWorkspace | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over the paged pool.
 
@@ -140,7 +143,10 @@ def paged_decode_attention(
 
     ``split_k`` / ``plan`` override the shape rule (`plan_decode`);
     ``workspace`` is the split plan's scratch (allocated per call when absent).
-    No host synchronisation, so a call can be captured in a CUDA graph. Needs
+    ``window``: only the last ``window`` tokens of a row are read; ``softcap``:
+    scores become ``softcap * tanh(score / softcap)``; ``sinks`` (``[H]``, on
+    ``query``'s device): a logit per query head added to the softmax's
+    denominator only (gpt-oss). No host synchronisation, so a call can be captured in a CUDA graph. Needs
     CUDA tensors, or CPU tensors in a process that set ``TRITON_INTERPRET=1``
     before importing triton (tests).
     """
@@ -169,6 +175,13 @@ def paged_decode_attention(
     group_pad = max(16, _next_power_of_two(group))
     head_dim_pad = max(16, _next_power_of_two(head_dim))
     scale_log2 = float(scale) * math.log2(math.e)
+    # With a softcap the kernel computes softcap_log2 * tanh(q.k * softcap_scale).
+    softcap_scale = float(scale) / softcap if softcap else 0.0
+    softcap_log2 = float(softcap) * math.log2(math.e) if softcap else 0.0
+    if sinks is not None and (sinks.shape != (heads,) or sinks.device != query.device):
+        raise ValueError(f"sinks must be a [{heads}] tensor on {query.device}")
+    sinks_arg = sinks.float().contiguous() if sinks is not None else query
+    window_arg = int(window) if window else 0
     if plan.split:
         if workspace is None:
             workspace = allocate_split_workspace(query, plan)
@@ -187,7 +200,11 @@ def paged_decode_attention(
         out,
         partial_out,
         partial_lse,
+        sinks_arg,
         scale_log2,
+        softcap_scale,
+        softcap_log2,
+        window_arg,
         plan.partition_tokens,
         query.stride(0),
         query.stride(1),
@@ -212,6 +229,9 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         TILE_TOKENS=plan.tile_tokens,
         SPLIT=plan.split,
+        HAS_WINDOW=window_arg > 0,
+        HAS_SOFTCAP=softcap_scale > 0,
+        HAS_SINKS=sinks is not None,
         IEEE_DOT=query.dtype == torch.float32,
         DOT_IN_FP32=interpret and query.dtype != torch.float32,
         num_warps=_NUM_WARPS,
@@ -223,6 +243,8 @@ def paged_decode_attention(
             partial_out,
             partial_lse,
             out,
+            sinks_arg,
+            window_arg,
             plan.partition_tokens,
             partial_out.stride(0),
             partial_out.stride(1),
@@ -233,6 +255,8 @@ def paged_decode_attention(
             out.stride(1),
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
+            HAS_WINDOW=window_arg > 0,
+            HAS_SINKS=sinks is not None,
             num_warps=_NUM_WARPS,
         )
     return out
@@ -245,10 +269,14 @@ def paged_decode_reference(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The same result in plain torch: gather each row's blocks, then
-    ``softmax(q k^T * scale) v`` in float32. Reads lengths on the host (one
-    sync per row): for tests and checks, not for serving."""
+    """The same result in plain torch: gather each row's blocks (its last
+    ``window`` tokens), then ``softmax(q k^T * scale) v`` in float32, the sink
+    logits as an extra column dropped after the softmax. Reads lengths on the
+    host (one sync per row): for tests and checks, not for serving."""
     batch, heads, head_dim = query.shape
     _, block_size, kv_heads, _ = key_cache.shape
     group = heads // kv_heads
@@ -258,12 +286,18 @@ def paged_decode_reference(
         if length == 0:
             continue
         blocks = block_tables[row, : math.ceil(length / block_size)].long()
-        keys = key_cache[blocks].reshape(-1, kv_heads, head_dim)[:length].float()
-        values = value_cache[blocks].reshape(-1, kv_heads, head_dim)[:length].float()
+        first = max(0, length - window) if window else 0
+        keys = key_cache[blocks].reshape(-1, kv_heads, head_dim)[first:length].float()
+        values = value_cache[blocks].reshape(-1, kv_heads, head_dim)[first:length].float()
         keys = keys.repeat_interleave(group, dim=1)  # [length, H, D]
         values = values.repeat_interleave(group, dim=1)
         scores = torch.einsum("hd,thd->ht", query[row].float(), keys) * scale
-        out[row] = torch.einsum("ht,thd->hd", scores.softmax(dim=-1), values)
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float()[:, None]], dim=-1)
+        probs = scores.softmax(dim=-1)[:, : keys.shape[0]]
+        out[row] = torch.einsum("ht,thd->hd", probs, values)
     return out.to(query.dtype)
 
 

@@ -19,7 +19,11 @@ def decode_partition_kernel(
     out_ptr,
     partial_out_ptr,
     partial_lse_ptr,
+    sinks_ptr,
     scale_log2,
+    softcap_scale,
+    softcap_log2,
+    window,
     partition_tokens,
     stride_qb,
     stride_qh,
@@ -44,6 +48,9 @@ def decode_partition_kernel(
     BLOCK_SIZE: tl.constexpr,
     TILE_TOKENS: tl.constexpr,
     SPLIT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
 ):
@@ -54,9 +61,15 @@ def decode_partition_kernel(
     the cache dtype as on the GPU, then widened to float32, because triton's
     interpreter multiplies bfloat16 operands wrongly (seen with triton 3.9).
 
+    HAS_WINDOW: only the last ``window`` tokens are read; HAS_SOFTCAP: scores
+    (log2 units) are ``softcap_log2 * tanh(q.k * softcap_scale)``; HAS_SINKS
+    (not SPLIT; the reduce adds them when SPLIT): each head's sink logit joins
+    the denominator.
+
     Not SPLIT: writes the normalized output (zeros for an empty context).
     SPLIT: writes the partition's normalized output and its log2-sum-exp in
-    float32 for the reduce kernel; a partition past the context writes nothing.
+    float32 for the reduce kernel; a partition outside the context (past its
+    end, or before its window) writes nothing.
     """
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -65,9 +78,12 @@ def decode_partition_kernel(
     seq_len = tl.load(seq_lens_ptr + seq)
     start = partition * partition_tokens
     end = tl.minimum(seq_len, start + partition_tokens)
+    first = start
+    if HAS_WINDOW:
+        first = tl.maximum(start, seq_len - window)
     # Nested: `and` would mix a compile-time flag with a tensor.
     if SPLIT:  # noqa: SIM102
-        if start >= seq_len:
+        if first >= end:
             return
 
     group_idx = tl.arange(0, GROUP_PAD)
@@ -90,7 +106,7 @@ def decode_partition_kernel(
 
     table_row = block_tables_ptr + seq * stride_bt
     token_idx = tl.arange(0, TILE_TOKENS)
-    for tile_start in range(start, end, TILE_TOKENS):
+    for tile_start in range(first, end, TILE_TOKENS):
         tokens = tile_start + token_idx
         token_mask = tokens < end
         # Gather the pool blocks of this tile token by token, so a tile may
@@ -124,7 +140,12 @@ def decode_partition_kernel(
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale_log2
+        if HAS_SOFTCAP:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at the limits (exp overflows to inf).
+            capped = scores * softcap_scale
+            scores = softcap_log2 * (1.0 - 2.0 / (tl.exp(2.0 * capped) + 1.0))
+        else:
+            scores = scores * scale_log2
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -143,6 +164,14 @@ def decode_partition_kernel(
             acc += tl.dot(p_dot, v)
         m_i = m_new
 
+    if not SPLIT:  # noqa: SIM102
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=head_mask, other=0.0) * 1.4426950408889634
+            m_new = tl.maximum(m_i, sink)
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.exp2(sink - m_new)
+            acc = acc * alpha[:, None]
+            m_i = m_new
     safe_l = tl.where(l_i > 0.0, l_i, 1.0)
     result = acc / safe_l[:, None]
     store_mask = head_mask[:, None] & dim_mask[None, :]
@@ -175,6 +204,8 @@ def decode_reduce_kernel(
     partial_out_ptr,
     partial_lse_ptr,
     out_ptr,
+    sinks_ptr,
+    window,
     partition_tokens,
     stride_pb,
     stride_ph,
@@ -185,23 +216,33 @@ def decode_reduce_kernel(
     stride_oh,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     """One program: one sequence, one query head. Combines the partitions
-    that hold context (their count follows from the sequence's length, so
-    stale scratch past them is never read); zeros for an empty context."""
+    that hold context (which follow from the sequence's length and window, so
+    stale scratch outside them is never read), with the head's sink logit as
+    one more term of the denominator; zeros for an empty context."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     used_partitions = tl.cdiv(seq_len, partition_tokens)
+    first_partition = 0
+    if HAS_WINDOW:
+        first_partition = tl.maximum(seq_len - window, 0) // partition_tokens
 
     dims = tl.arange(0, HEAD_DIM_PAD)
     dim_mask = dims < HEAD_DIM
     m = float("-inf")
     total = 0.0
+    if HAS_SINKS:
+        # The sink as a partition whose output is zero: weight exp2(sink - m) with m = sink.
+        m = tl.load(sinks_ptr + head) * 1.4426950408889634
+        total = 1.0
     acc = tl.zeros([HEAD_DIM_PAD], dtype=tl.float32)
     lse_row = partial_lse_ptr + seq * stride_lb + head * stride_lh
     out_row = partial_out_ptr + seq * stride_pb + head * stride_ph
-    for partition in range(0, used_partitions):
+    for partition in range(first_partition, used_partitions):
         lse = tl.load(lse_row + partition)
         part = tl.load(out_row + partition * stride_pp + dims, mask=dim_mask, other=0.0)
         m_new = tl.maximum(m, lse)

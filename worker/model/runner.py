@@ -13,6 +13,7 @@ from worker.attention import paged
 from worker.attention.decode_kernel import decode_kernel, kernel_works
 from worker.attention.kv_pool import KVPool, KVShape, kv_shape
 from worker.attention.triton_decode import triton_available
+from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError
 from worker.model.step_inputs import FlatTokens, Work, decode_tables, slots
@@ -38,20 +39,20 @@ class ModelRunner:
     scores_prompts = True  # ``score`` works (a runner without a model says False)
 
     def __init__(
-        self, loaded: LoadedModel, *, num_blocks: int, block_size: int, batch_invariant: bool = False
+        self,
+        loaded: LoadedModel,
+        *,
+        num_blocks: int,
+        block_size: int,
+        batch_invariant: bool = False,
+        triton_decode: bool | None = None,
     ):
+        """``triton_decode``: decode rows on the Triton kernel; None chooses (below), True forces it
+        (tests run it on the CPU through triton's interpreter)."""
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
-        text = self.model.config.get_text_config()
-        layer_types = getattr(text, "layer_types", None)
-        windowed = (
-            "sliding_attention" in layer_types if layer_types else bool(getattr(text, "sliding_window", None))
-        )
-        if windowed:
-            raise ModelLoadError(
-                "this model uses sliding-window attention, which the paged KV cache does not support yet"
-            )
+        self.attention = check_attention(self.model, getattr(loaded, "context_length", None))
         paged.register()
         self.model.set_attn_implementation(paged.NAME)
         self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype)
@@ -69,9 +70,11 @@ class ModelRunner:
             check_batch_invariant(loaded)
         # On CUDA with triton, decode rows use the Triton kernel (no gather), graphs or not, once it
         # passed its start-up check (worker.attention.decode_kernel.kernel_works).
-        self._use_kernel = False
-        if self.device.type == "cuda" and triton_available():
-            self._use_kernel = kernel_works(self.kv_shape, self.group, self.block_size, self.device)
+        self._use_kernel = bool(triton_decode)
+        if triton_decode is None and self.device.type == "cuda" and triton_available():
+            self._use_kernel = kernel_works(
+                self.kv_shape, self.group, self.block_size, self.device, self.attention.softcap
+            )
 
     @property
     def decode_kernel_enabled(self) -> bool:
@@ -151,7 +154,7 @@ class ModelRunner:
                     count,
                     context,
                     torch.tensor(list(blocks), dtype=torch.long, device=device),
-                    paged.chunk_mask(count, context, self.group, device),
+                    self.group,
                 )
             )
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(device), chunks=chunks)
