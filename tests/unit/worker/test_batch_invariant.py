@@ -9,6 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.tiny_families import eager_reference, tiny_config, tiny_model
+from tests.unit.worker.test_model_families import check_against_reference, run_scenario
 from tests.unit.worker.test_paged_runner import loaded
 from worker.attention import paged
 from worker.model.loader import ModelLoadError
@@ -112,3 +114,30 @@ def test_float_linear_layers_are_refused_with_the_setting_named():
         ModelLoadError, match=r"--batch-invariant needs .*--quantization int4 or int8.*q_proj"
     ):
         ModelRunner(float_model, num_blocks=8, block_size=BLOCK, batch_invariant=True)
+
+
+def tiny_family_int4(family: str) -> SimpleNamespace:
+    """A tiny model of ``family`` (tests/tiny_families.py) on int4 layers."""
+    model = tiny_model(tiny_config(family, vocab_size=300))
+    quantize_linears(model, "int4")
+    return loaded(model)
+
+
+@pytest.mark.parametrize("family", ["mistral_window", "gemma2", "gemma3_text", "gpt_oss"])
+def test_windows_softcap_and_sinks_in_batch_invariant_steps_equal_eager(family: str) -> None:
+    """The batch-invariant attention on float layers (which the setting refuses only because their
+    kernels round a row by its batch), so float32 tolerance holds."""
+    model = tiny_model(tiny_config(family))
+    reference = eager_reference(model)
+    runner = ModelRunner(loaded(model), num_blocks=100, block_size=BLOCK)
+    runner.batch_invariant = True
+    check_against_reference(reference, run_scenario(runner))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_windows_softcap_and_sinks_keep_steps_batch_invariant(family: str, monkeypatch) -> None:
+    monkeypatch.setattr(paged, "INVARIANT_TILE_BYTES", 64 << 10)
+    runner = ModelRunner(tiny_family_int4(family), num_blocks=300, block_size=BLOCK, batch_invariant=True)
+    generated, reference = alone(runner)
+    for step, (got, want) in enumerate(zip(crowded(runner, generated), reference, strict=True)):
+        assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"

@@ -143,6 +143,21 @@ def check_uneven_partitions_and_tiles() -> None:
     torch.testing.assert_close(result.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+def check_variant(split_k: bool, window: int | None, softcap: float | None, sinks: bool) -> None:
+    """A sliding window (rows shorter and longer than it; with a split, whole partitions before
+    it), a logit softcap and sink logits, against the reference."""
+    query, key_cache, value_cache, block_tables, seq_lens = random_pool(9, 3, 64, torch.float32)
+    plan = plan_decode(len(SEQ_LENS), 3, block_tables.shape[1], 16, split_k=split_k, partition_tokens=16)
+    head_sinks = torch.randn(9, generator=torch.Generator().manual_seed(1)) if sinks else None
+    variant = {"window": window, "softcap": softcap, "sinks": head_sinks}
+    result = paged_decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, 0.3, plan=plan, **variant
+    )
+    expected = paged_decode_reference(query, key_cache, value_cache, block_tables, seq_lens, 0.3, **variant)
+    torch.testing.assert_close(result, expected, atol=1e-5, rtol=1e-5)
+    assert torch.all(result[1] == 0)  # the padding row
+
+
 # name -> a check that raises when the kernel (interpreted) is wrong.
 INTERPRETER_CHECKS: dict[str, Callable[[], None]] = {
     # SmolLM2-135M's group of 3
@@ -160,6 +175,12 @@ INTERPRETER_CHECKS: dict[str, Callable[[], None]] = {
     "out-stale-workspace-single": partial(check_out_and_stale_workspace, False),
     "out-stale-workspace-split": partial(check_out_and_stale_workspace, True),
     "uneven-partitions": check_uneven_partitions_and_tiles,
+    "window-single": partial(check_variant, False, 20, None, False),
+    "window-split": partial(check_variant, True, 20, None, False),
+    "softcap-single": partial(check_variant, False, None, 2.0, False),
+    "sinks-single": partial(check_variant, False, None, None, True),
+    "sinks-split": partial(check_variant, True, None, None, True),
+    "window-softcap-sinks-split": partial(check_variant, True, 5, 2.0, True),
 }
 
 
@@ -323,10 +344,11 @@ def _ptxas_available() -> bool:
 
 @pytest.mark.skipif(not _ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
 @pytest.mark.parametrize("split", [False, True])
-def test_kernels_compile_for_h100(split: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("variants", [False, True], ids=["plain", "window-softcap-sinks"])
+def test_kernels_compile_for_h100(split: bool, variants: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiles (no launch) the kernels as a bf16 call of the 135M shape
-    would on an H100: catches what the interpreter accepts but the GPU
-    compiler rejects."""
+    would on an H100 (plain, or with a window, a softcap and sinks): catches
+    what the interpreter accepts but the GPU compiler rejects."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -343,7 +365,10 @@ def test_kernels_compile_for_h100(split: bool, monkeypatch: pytest.MonkeyPatch) 
         "out_ptr": "*bf16",
         "partial_out_ptr": "*fp32",
         "partial_lse_ptr": "*fp32",
+        "sinks_ptr": "*fp32",
         "scale_log2": "fp32",
+        "softcap_scale": "fp32",
+        "softcap_log2": "fp32",
     }
     partition_constants = {
         "HEAD_DIM": 64,
@@ -353,10 +378,13 @@ def test_kernels_compile_for_h100(split: bool, monkeypatch: pytest.MonkeyPatch) 
         "BLOCK_SIZE": 16,
         "TILE_TOKENS": 32,
         "SPLIT": split,
+        "HAS_WINDOW": variants,
+        "HAS_SOFTCAP": variants,
+        "HAS_SINKS": variants,
         "IEEE_DOT": False,
         "DOT_IN_FP32": False,
     }
-    reduce_constants = {"HEAD_DIM": 64, "HEAD_DIM_PAD": 64}
+    reduce_constants = {"HEAD_DIM": 64, "HEAD_DIM_PAD": 64, "HAS_WINDOW": variants, "HAS_SINKS": variants}
 
     def signature(kernel: object, constants: dict[str, object]) -> dict[str, str]:
         names = inspect.signature(kernel.fn).parameters  # type: ignore[attr-defined]

@@ -1,0 +1,109 @@
+"""Tiny random-weight models of the open-model families, from transformers' config classes (no
+downloads), each with an eager reference built from its own copy of the config."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, PretrainedConfig
+
+# Small enough for the CPU and triton's interpreter; weights large enough (initializer_range) that
+# attention is far from uniform, so a wrong window, softcap or sink changes the logits.
+COMMON: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.2,
+}
+WINDOW = 8  # tokens; the tests' prompts are 40+ tokens
+MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
+ALTERNATING = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+
+# family -> (config class, what differs from COMMON)
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"tie_word_embeddings": True}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),  # qk-norm
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    ),
+    "mistral": ("MistralConfig", {"sliding_window": None}),
+    "mistral_window": ("MistralConfig", {"sliding_window": WINDOW}),  # every layer windowed (v0.1)
+    "mixtral": ("MixtralConfig", {**MOE, "sliding_window": None}),
+    "ministral": ("MinistralConfig", ALTERNATING),  # interleaved local/global
+    "gemma2": ("Gemma2Config", {**ALTERNATING, "attn_logit_softcapping": 2.0, "query_pre_attn_scalar": 16}),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        {
+            "num_hidden_layers": 3,
+            "sliding_window": WINDOW,
+            "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+            "query_pre_attn_scalar": 16,
+        },
+    ),
+    "gpt_oss": ("GptOssConfig", {**MOE, **ALTERNATING}),  # sinks, alternating windows, MoE
+    # A window above the context (Phi-4-mini's 262144) is no window; partial rotary.
+    "phi3": ("Phi3Config", {"sliding_window": 4096, "partial_rotary_factor": 0.5, "pad_token_id": 0}),
+    "granite": (
+        "GraniteConfig",
+        {
+            "attention_multiplier": 0.2,
+            "embedding_multiplier": 4.0,
+            "residual_multiplier": 0.5,
+            "logits_scaling": 2.0,
+        },
+    ),
+    "granitemoe": (
+        "GraniteMoeConfig",
+        {**MOE, "attention_multiplier": 0.2, "embedding_multiplier": 4.0, "logits_scaling": 2.0},
+    ),
+    "glm4_moe": (
+        "Glm4MoeConfig",
+        {
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1,
+            "use_qk_norm": True,
+            "partial_rotary_factor": 0.5,
+        },
+    ),
+}
+
+
+def tiny_config(family: str, **changes: Any) -> PretrainedConfig:
+    """The tiny config of ``family`` (a key of :data:`FAMILIES`), with ``changes``."""
+    class_name, overrides = FAMILIES[family]
+    config_class = getattr(transformers, class_name)
+    config: PretrainedConfig = config_class(**{**COMMON, **overrides, **changes})
+    return config
+
+
+def tiny_model(config: PretrainedConfig, seed: int = 0) -> Any:
+    """A random-weight causal LM of ``config`` in float32, eval mode."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("sinks"):  # gpt-oss: sinks large enough to take a real share
+                parameter.copy_(torch.randn_like(parameter) * 2.0)
+    return model
+
+
+def eager_reference(model: Any) -> Any:
+    """The same weights in a model with eager attention, built from its own copy of the config
+    (sharing the config object would switch the reference to the runner's attention too)."""
+    config = copy.deepcopy(model.config)
+    config._attn_implementation = "eager"
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    reference.load_state_dict(model.state_dict())
+    return reference.eval()

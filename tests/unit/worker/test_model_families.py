@@ -1,0 +1,259 @@
+"""Every open-model family over the paged pool against transformers' eager forward: chunked
+prompts, decode rows and mixed steps of sequences at different lengths, prompts longer than the
+window (tiny random models, tests/tiny_families.py); on the CPU gather path here, through the
+Triton decode kernel in triton's interpreter (a child process, see test_triton_decode.py); and
+the architectures that are refused at load."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from tests.tiny_families import COMMON, FAMILIES, WINDOW, eager_reference, tiny_config, tiny_model
+from worker.attention.triton_decode import triton_available
+from worker.model.loader import ModelLoadError
+from worker.model.runner import ModelRunner
+from worker.model.step_inputs import Work
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+BLOCK = 4
+VOCAB = COMMON["vocab_size"]
+
+
+def loaded(model: Any, context_length: int = 256) -> SimpleNamespace:
+    return SimpleNamespace(
+        model=model, device=torch.device("cpu"), dtype=torch.float32, context_length=context_length
+    )
+
+
+@dataclass
+class Sequence:
+    """One sequence of the scenario: its known tokens, how many are computed, its blocks."""
+
+    tokens: list[int]
+    table: list[int]
+    computed: int = 0
+    checks: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (position, logits)
+
+    def work(self, count: int | None) -> Work:
+        """The next ``count`` known tokens (None: all the rest), or one new decode token."""
+        if self.computed == len(self.tokens):
+            self.tokens.append((len(self.tokens) * 37 + 11) % VOCAB)
+        end = len(self.tokens) if count is None else self.computed + count
+        item = Work(self.tokens[self.computed : end], self.computed, self.table, end == len(self.tokens))
+        self.computed = end
+        return item
+
+
+def run_scenario(runner: ModelRunner) -> list[Sequence]:
+    """Prompts of 45, 41 and 13 tokens in chunks beside each other, then decode steps of all three
+    (different lengths in one step), then a new prompt beside decode rows."""
+
+    def prompt(length: int, seed: int) -> list[int]:
+        return [(seed + 7 * i) % VOCAB for i in range(length)]
+
+    a, b = Sequence(prompt(45, 3), list(range(0, 40, 2))), Sequence(prompt(41, 5), list(range(1, 40, 2)))
+    c = Sequence(prompt(13, 9), [60, 41, 77, 50, 43])
+    d = Sequence(prompt(19, 1), [80, 81, 90, 82, 83, 84])
+    steps: list[list[tuple[Sequence, int | None]]] = [
+        [(a, 20), (b, None), (c, 5)],
+        [(a, None), (b, None), (c, None)],  # b: a decode row beside two chunks
+        [(a, None), (b, None), (c, None)],  # decode rows only
+        [(c, None), (a, None), (b, None)],
+        [(d, 9), (a, None), (c, None)],
+        [(b, None), (d, None), (c, None), (a, None)],
+    ]
+    for step in steps:
+        items = [sequence.work(count) for sequence, count in step]
+        logits = runner.execute(items)
+        sampled = [sequence for (sequence, _), item in zip(step, items, strict=True) if item.sample]
+        for sequence, row in zip(sampled, logits, strict=True):
+            sequence.checks.append((sequence.computed - 1, row.clone()))
+    return [a, b, c, d]
+
+
+def check_against_reference(reference: Any, sequences: list[Sequence]) -> None:
+    """Each checked row equals ``reference``'s logits of the sequence at that position."""
+    for index, sequence in enumerate(sequences):
+        with torch.inference_mode():
+            want = reference(input_ids=torch.tensor([sequence.tokens])).logits[0]
+        for position, got in sequence.checks:
+            torch.testing.assert_close(
+                got,
+                want[position],
+                atol=2e-4,
+                rtol=1e-4,
+                msg=f"sequence {index} at position {position}",
+            )
+
+
+def check_family(family: str, triton_decode: bool = False) -> None:
+    model = tiny_model(tiny_config(family))
+    reference = eager_reference(model)
+    runner = ModelRunner(loaded(model), num_blocks=100, block_size=BLOCK, triton_decode=triton_decode)
+    check_against_reference(reference, run_scenario(runner))
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_family_over_the_paged_pool_equals_eager(family: str) -> None:
+    check_family(family)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "ministral", "mistral_window"])
+def test_prompt_scoring_equals_eager(family: str) -> None:
+    """The cacheless forward (prompt logprobs) applies the same windows, softcap and sinks."""
+    model = tiny_model(tiny_config(family))
+    reference = eager_reference(model)
+    runner = ModelRunner(loaded(model), num_blocks=8, block_size=BLOCK)
+    prompt = [(5 + 7 * i) % VOCAB for i in range(40)]
+    scored = runner.score(prompt, 0)
+    with torch.inference_mode():
+        want = torch.log_softmax(reference(input_ids=torch.tensor([prompt])).logits[0, :-1], dim=-1)
+    expected = want.gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor([s.logprob for s in scored]), expected, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("family", "change"),
+    [
+        ("mistral_window", {"sliding_window": None}),
+        ("gemma2", {"attn_logit_softcapping": None}),
+        ("gpt_oss", {"sliding_window": 10_000}),
+    ],
+)
+def test_the_feature_matters_at_these_sizes(family: str, change: dict[str, Any]) -> None:
+    """The scenario's sizes make each feature change the logits (so the tests above would see it
+    ignored)."""
+    model = tiny_model(tiny_config(family))
+    other = tiny_model(tiny_config(family, **change))
+    other.load_state_dict(model.state_dict())
+    ids = torch.tensor([[(3 + 7 * i) % VOCAB for i in range(45)]])
+    with torch.inference_mode():
+        assert not torch.allclose(
+            model(input_ids=ids).logits[0, -1], other(input_ids=ids).logits[0, -1], atol=1e-2
+        )
+
+
+def test_gpt_oss_sinks_matter() -> None:
+    model = tiny_model(tiny_config("gpt_oss"))
+    ids = torch.tensor([[(3 + 7 * i) % VOCAB for i in range(45)]])
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits[0, -1]
+        for layer in model.model.layers:
+            layer.self_attn.sinks.fill_(-1e4)
+        assert not torch.allclose(before, model(input_ids=ids).logits[0, -1], atol=1e-2)
+
+
+def test_window_at_or_above_the_context_is_no_window() -> None:
+    model = tiny_model(tiny_config("mistral", sliding_window=4096))
+    runner = ModelRunner(loaded(model, context_length=256), num_blocks=8, block_size=BLOCK)
+    assert runner.attention.windows == (None, None)
+    windowed = ModelRunner(loaded(tiny_model(tiny_config("gemma3_text"))), num_blocks=8, block_size=BLOCK)
+    assert windowed.attention.windows == (WINDOW, WINDOW, None)
+
+
+def test_mla_is_refused_at_load_naming_the_architecture() -> None:
+    config = transformers.DeepseekV3Config(
+        **{**COMMON, "num_hidden_layers": 1},
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+    )
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    with pytest.raises(ModelLoadError, match=r"DeepseekV3ForCausalLM \(deepseek_v3\) uses multi-head latent"):
+        ModelRunner(loaded(tiny_model(config)), num_blocks=4, block_size=BLOCK)
+
+
+@pytest.mark.parametrize(
+    ("config_class", "changes", "named"),
+    [
+        ("Qwen3NextConfig", {"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+        ("JambaConfig", {"attn_layer_period": 2, "attn_layer_offset": 1}, "jamba"),
+    ],
+)
+def test_hybrids_are_refused_at_load_naming_the_architecture(
+    config_class: str, changes: dict[str, Any], named: str
+) -> None:
+    config = getattr(transformers, config_class)(**{**COMMON, **changes})
+    model = SimpleNamespace(config=config, modules=lambda: iter(()))
+    with pytest.raises(
+        ModelLoadError, match=rf"\({config.model_type}\) is a hybrid.*{named}|{named}.*hybrid"
+    ):
+        ModelRunner(loaded(model), num_blocks=4, block_size=BLOCK)
+
+
+# The families whose attention calls differ (plain GQA, qk-norm, every layer windowed, interleaved
+# windows, softcap, 5:1-style pattern, sinks, a window above the context); the others differ from
+# these only outside attention, so the kernel would see the same calls (the interpreter is slow).
+KERNEL_FAMILIES = [
+    "llama",
+    "qwen3",
+    "mistral_window",
+    "ministral",
+    "gemma2",
+    "gemma3_text",
+    "gpt_oss",
+    "phi3",
+]
+
+
+def run_interpreter_checks() -> dict[str, str | None]:
+    """Each of :data:`KERNEL_FAMILIES` with decode rows on the Triton kernel (call only with
+    TRITON_INTERPRET=1 set before triton was imported); family -> None, or the failure."""
+    results: dict[str, str | None] = {}
+    for family in KERNEL_FAMILIES:
+        try:
+            check_family(family, triton_decode=True)
+            results[family] = None
+        except Exception:
+            results[family] = traceback.format_exc()
+    return results
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, str | None]:
+    environment = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
+    completed = subprocess.run(
+        [sys.executable, "-m", "tests.unit.worker.test_model_families"],
+        cwd=REPO_ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    results: dict[str, str | None] = json.loads(completed.stdout.strip().splitlines()[-1])
+    return results
+
+
+@pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+@pytest.mark.parametrize("family", KERNEL_FAMILIES)
+def test_family_on_the_triton_decode_kernel_equals_eager(
+    family: str, interpreter_results: dict[str, str | None]
+) -> None:
+    failure = interpreter_results[family]
+    assert failure is None, failure
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_interpreter_checks()))
