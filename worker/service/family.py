@@ -34,6 +34,10 @@ PARSER_MARKERS: dict[str, tuple[str, ...]] = {
 }
 
 
+# Families whose template does not render earlier calls (so the probe cannot see the format).
+MODEL_TYPE_CALLS = {"granite": "granite"}
+
+
 @dataclass(frozen=True)
 class FamilyProfile:
     """How one model's prompts are rendered and its output parsed."""
@@ -200,7 +204,8 @@ def choose_profile(
         call = probe.render(_call_turn(PROBE_ID, True), tools=[_TOOL])
     sluice_ids_work = bool(probe.render(_call_turn("call_" + "0" * 24, as_text), tools=[_TOOL]))
     detected = _call_format(call) if PROBE_ARG in call else None
-    tool_parser = detected or "hermes"
+    # A template that renders no earlier call says nothing of the format: the model type may.
+    tool_parser = detected or MODEL_TYPE_CALLS.get(model_type.split("moe")[0], "hermes")
     if tool_call_parser not in ("auto", "none"):
         tool_parser = tool_call_parser
     reasoning = _reasoning(model_type, source, probe, tokenizer) if source or model_type else None
