@@ -181,6 +181,7 @@ def parse_generated(
 
 
 # Gemma 3 has no tool format; Granite 3.3's template does not render earlier calls.
+FORCED = ["qwen3", "gpt-oss", "llama3.1", "deepseek-v3.1"]
 ROUND_TRIPS = [c for c in CASES if c[0] not in ("gemma3", "granite-3.3")]
 
 
@@ -216,7 +217,8 @@ def _common_prefix(a: str, b: str) -> str:
         (BY_NAME["qwen3"], "<think>\nNeed the weather.\n</think>\n\nIt is sunny."),
         (
             BY_NAME["gpt-oss"],
-            "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>final<|message|>It is sunny.",
+            "<|channel|>analysis<|message|>Need the weather.<|end|>"
+            "<|start|>assistant<|channel|>final<|message|>It is sunny.",
         ),
     ],
     ids=["qwen3", "gpt-oss"],
@@ -251,9 +253,11 @@ def test_a_forced_call_takes_the_familys_own_markers(fixture_dir: Path, case: tu
     allowed = [t for t in range(len(tok)) if (int(row[t // 32]) >> (t % 32)) & 1]
     texts = {
         "hermes": '<tool_call>\n{"name":"get_weather","arguments":{"city":"Paris"}}\n</tool_call>',
-        "openai": '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Paris"}<|call|>',
+        "openai": "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+        '{"city":"Paris"}<|call|>',
         "llama3_json": '{"name":"get_weather","parameters":{"city":"Paris"}}',
-        "deepseek_v31": '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city":"Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
+        "deepseek_v31": "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>"
+        '{"city":"Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',
     }
     ids = tok(texts[profile.call_grammar], add_special_tokens=False)["input_ids"]
     assert ids[0] in allowed
