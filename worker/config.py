@@ -4,6 +4,7 @@ hence a flag and a ``SLUICE_WORKER_*`` variable, in ``--help`` and docs/configur
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -44,6 +45,40 @@ def _metrics_port(raw: str) -> int:
     if not 0 <= value <= 65535:
         raise ValueError(f"must be 0 (off) to 65535, got {raw!r}")
     return value
+
+
+# vLLM's parser names (worker/output/formats/registry.py implements each; a test keeps them equal).
+TOOL_CALL_PARSERS = (
+    "hermes",
+    "llama3_json",
+    "pythonic",
+    "mistral",
+    "deepseek_v3",
+    "deepseek_v31",
+    "openai",
+    "phi4_mini_json",
+    "granite",
+    "glm45",
+    "qwen3_coder",
+)
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45", "granite", "mistral", "openai_gptoss")
+
+
+def _template_file(raw: str) -> str:
+    """A chat template file's path ("" = the tokenizer's own template); it must be readable."""
+    if raw and not Path(raw).is_file():
+        raise ValueError(f"no such file: {raw!r}")
+    return raw
+
+
+def _json_object(raw: str) -> str:
+    try:
+        value = json.loads(raw or "{}")
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object, got {raw!r}")
+    return raw or "{}"
 
 
 def _milliseconds(raw: str) -> float:
@@ -206,6 +241,22 @@ class WorkerConfig:
         "text",
         choice("text", "json"),
         "text, or json: one JSON object per line with request_id and worker_id",
+    )
+    tool_call_parser: str = setting(
+        "auto",
+        choice("auto", "none", *TOOL_CALL_PARSERS),
+        "the tool-call format (vLLM's names); auto: chosen from the model type and the chat template",
+    )
+    reasoning_parser: str = setting(
+        "auto",
+        choice("auto", "none", *REASONING_PARSERS),
+        "the thinking format (vLLM's names); auto: chosen from the model type and the chat template",
+    )
+    chat_template: str = setting(
+        "", _template_file, "a Jinja chat template file used instead of the tokenizer's own"
+    )
+    default_chat_template_kwargs: str = setting(
+        "{}", _json_object, "JSON object of chat template variables; a request's own win"
     )
     fake_tokens: bool = setting(
         False,

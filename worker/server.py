@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import signal
 import socket
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 import grpc
@@ -33,6 +35,7 @@ from worker.model.runner import ModelRunner
 from worker.model.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.drain import DrainingWorker
+from worker.service.family import FamilyProfile, choose_profile
 from worker.service.prompt import PromptRenderer
 from worker.service.servicer import ServingModel, WorkerService
 from worker.service.wire_decoding import add_worker_service
@@ -88,6 +91,26 @@ def eos_token_ids(loaded_model: object, tokenizer: object) -> set[int]:
     return ids
 
 
+def family_profile(config: WorkerConfig, model: object, tokenizer: object) -> FamilyProfile:
+    """The model family's formats (worker.service.family), from the settings and the template."""
+    model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
+    template = Path(config.chat_template).read_text() if config.chat_template else None
+    return choose_profile(
+        model_type,
+        tokenizer,
+        tool_call_parser=config.tool_call_parser,
+        reasoning_parser=config.reasoning_parser,
+        template=template,
+        default_kwargs=json.loads(config.default_chat_template_kwargs),
+    )
+
+
+def stop_token_ids(profile: FamilyProfile, tokenizer: object) -> set[int]:
+    """The family's extra end-of-turn tokens (gpt-oss's ``<|call|>``) that the vocabulary has."""
+    vocab = tokenizer.get_vocab()  # type: ignore[attr-defined]
+    return {vocab[token] for token in profile.stop_tokens if token in vocab}
+
+
 def build_serving(config: WorkerConfig, progress: LoadProgress | None = None) -> ServingModel:
     """Loads the model and starts the engine (blocking; run in a thread), raising ``progress``
     at the load's stages (1.0 once the engine runs)."""
@@ -118,7 +141,8 @@ def build_serving(config: WorkerConfig, progress: LoadProgress | None = None) ->
             on_progress=progress.advance,
         )
         runner, limits = model_runner(loaded, config)
-    eos = eos_token_ids(loaded.model, loaded.tokenizer)
+    profile = family_profile(config, loaded.model, loaded.tokenizer)
+    eos = eos_token_ids(loaded.model, loaded.tokenizer) | stop_token_ids(profile, loaded.tokenizer)
     grammars = GrammarCompiler(loaded.tokenizer, eos)
     engine = Engine(
         runner,
@@ -138,7 +162,7 @@ def build_serving(config: WorkerConfig, progress: LoadProgress | None = None) ->
     return ServingModel(
         loaded,
         engine,
-        PromptRenderer(loaded.tokenizer),
+        PromptRenderer(loaded.tokenizer, profile),
         grammars,
         limits.max_running,
         config.default_max_tokens,

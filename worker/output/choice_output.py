@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from worker.output.reasoning import ReasoningParser
-from worker.output.tool_calls import CallPiece, Piece, ToolCallParser
+from worker.output.formats.registry import reasoning_stage, tool_call_stream
+from worker.output.tool_calls import CallPiece, Piece
 from worker.types import ContentDelta, OutputOptions, ReasoningDelta, TokenLogprob, ToolCallDelta
 
 OutputEvent = ContentDelta | ReasoningDelta | ToolCallDelta
@@ -21,8 +21,10 @@ class ChoiceOutput:
     def __init__(self, choice_index: int, options: OutputOptions):
         self.index = choice_index
         self.options = options
-        self._reasoning = ReasoningParser(options.starts_thinking) if options.reasoning else None
-        self._tools = ToolCallParser() if options.tool_calls else None
+        self._reasoning = (
+            reasoning_stage(options.reasoning_parser, options.starts_thinking) if options.reasoning else None
+        )
+        self._tools = tool_call_stream(options.tool_parser) if options.tool_calls else None
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
 

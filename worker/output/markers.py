@@ -18,3 +18,15 @@ def split_at_marker(buffer: str, marker: str) -> tuple[str, bool, str]:
         if buffer.endswith(marker[:size]):
             return buffer[:-size], False, buffer[-size:]
     return buffer, False, ""
+
+
+def split_at_first(buffer: str, markers: tuple[str, ...]) -> tuple[str, str | None, str]:
+    """Splits ``buffer`` at the earliest of ``markers``: (text before, the marker or None, rest).
+
+    With no marker found, "rest" is the longest tail that could start one (held back)."""
+    found = [(buffer.find(m), m) for m in markers if m in buffer]
+    if found:
+        at, marker = min(found)
+        return buffer[:at], marker, buffer[at + len(marker) :]
+    hold = max((len(split_at_marker(buffer, m)[2]) for m in markers), default=0)
+    return (buffer[:-hold], None, buffer[-hold:]) if hold else (buffer, None, "")

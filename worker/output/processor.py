@@ -82,7 +82,9 @@ class RequestOutputProcessor:
         self._choices = [
             _ChoiceText(
                 index=i,
-                detokenizer=IncrementalDetokenizer(tokenizer, request.prompt_token_ids),
+                detokenizer=IncrementalDetokenizer(
+                    tokenizer, request.prompt_token_ids, not request.output.keep_special_tokens
+                ),
                 stops=StopStringMatcher(stops),
                 output=ChoiceOutput(i, request.output),
             )

@@ -6,6 +6,7 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass
 
 from worker.output.markers import split_at_marker
 
@@ -20,12 +21,24 @@ class _State(enum.Enum):
     CONTENT = 3
 
 
+@dataclass(frozen=True)
+class ThinkMarkers:
+    """A format's thinking block; ``answer_open``/``answer_close`` wrap the answer (Granite's
+    ``<response>``) and are dropped from the content."""
+
+    open: str = OPEN
+    close: str = CLOSE
+    answer_open: str = ""
+    answer_close: str = ""
+
+
 class ReasoningParser:
     """One per choice; ``starts_thinking``: the prompt already opened the block."""
 
-    def __init__(self, starts_thinking: bool = False):
+    def __init__(self, starts_thinking: bool = False, markers: ThinkMarkers = ThinkMarkers()):
         self._state = _State.THINKING if starts_thinking else _State.START
         self._held = ""
+        self._m = markers
 
     @property
     def in_thinking(self) -> bool:
@@ -37,15 +50,15 @@ class ReasoningParser:
         while buffer:
             if self._state is _State.START:
                 stripped = buffer.lstrip()
-                if stripped.startswith(OPEN):
-                    self._state, buffer = _State.THINKING, stripped[len(OPEN) :]
-                elif not stripped or OPEN.startswith(stripped):
+                if stripped.startswith(self._m.open):
+                    self._state, buffer = _State.THINKING, stripped[len(self._m.open) :]
+                elif not stripped or self._m.open.startswith(stripped):
                     self._held = buffer  # white space or a partial "<thi": wait for more
                     break
                 else:
                     self._state = _State.CONTENT
             elif self._state is _State.THINKING:
-                before, found, rest = split_at_marker(buffer, CLOSE)
+                before, found, rest = split_at_marker(buffer, self._m.close)
                 out.append(("reasoning", before))
                 if not found:
                     self._held = rest
@@ -53,8 +66,22 @@ class ReasoningParser:
                 self._state, buffer = _State.AFTER_THINKING, rest
             elif self._state is _State.AFTER_THINKING:
                 buffer = buffer.lstrip()
+                tag = self._m.answer_open
+                if tag and buffer and tag.startswith(buffer) and len(buffer) < len(tag):
+                    self._held = buffer
+                    break
+                if tag and buffer.startswith(tag):
+                    buffer = buffer[len(tag) :]
+                    continue
                 if buffer:
                     self._state = _State.CONTENT
+            elif self._m.answer_close:
+                before, found, rest = split_at_marker(buffer, self._m.answer_close)
+                out.append(("content", before))
+                if not found:
+                    self._held = rest
+                    break
+                buffer = rest
             else:
                 out.append(("content", buffer))
                 break

@@ -215,7 +215,7 @@ class ToolCallParser:
                 self._state, buffer = _State.TEXT, rest
             else:
                 buffer = self._scan(buffer, out)
-        return _merge(out)
+        return merge_pieces(out)
 
     def finish(self) -> list[Piece]:
         out: list[Piece] = []
@@ -224,7 +224,7 @@ class ToolCallParser:
         elif self._held and self._state is _State.TEXT and (self._held.strip() or not self.calls):
             out.append(ContentPiece(self._held))
         self._held = ""
-        return _merge(out)
+        return merge_pieces(out)
 
     def _text(self, buffer: str, out: list[Piece]) -> str:
         if self._allow_bare and self._only_space_so_far:
@@ -314,7 +314,8 @@ class ToolCallParser:
         self._scanner = None
 
 
-def _merge(pieces: list[Piece]) -> list[Piece]:
+def merge_pieces(pieces: list[Piece]) -> list[Piece]:
+    """Joins neighbouring content pieces and drops empty ones."""
     merged: list[Piece] = []
     for piece in pieces:
         if isinstance(piece, ContentPiece):

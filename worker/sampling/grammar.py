@@ -1,3 +1,4 @@
+# ruff: noqa: RUF001 (DeepSeek's markers have full-width bars and U+2581)
 """Grammar-constrained decoding with llguidance (see docs/constrained-decoding.md for the choice).
 
 Design notes: docs/worker.md.
@@ -6,6 +7,7 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -25,6 +27,7 @@ class GrammarSpec:
     schema: dict[str, Any] | None = None  # json_schema: the schema
     functions: tuple[tuple[str, dict[str, Any]], ...] = ()  # tool_call: (name, parameters schema)
     parallel: bool = False  # tool_call: allow several calls
+    call_format: str = "hermes"  # tool_call: the family's call format (see CALL_FORMATS)
     param: str = "response_format"  # the request field to name in errors
 
 
@@ -85,38 +88,107 @@ def embed_schema(schema: dict[str, Any], prefix: str, root_defs: dict[str, Any])
     return embedded
 
 
-def _call_schema(name: str, parameters: dict[str, Any], prefix: str, root_defs: dict[str, Any]) -> dict:
+def _call_schema(
+    name: str, parameters: dict[str, Any], prefix: str, root_defs: dict[str, Any], key: str = "arguments"
+) -> dict:
     arguments = embed_schema(parameters, prefix, root_defs) if parameters else {"type": "object"}
     return {
         "type": "object",
-        "properties": {"name": {"const": name}, "arguments": arguments},
-        "required": ["name", "arguments"],
+        "properties": {"name": {"const": name}, key: arguments},
+        "required": ["name", key],
         "additionalProperties": False,
     }
 
 
-def tool_call_schema(functions: tuple[tuple[str, dict[str, Any]], ...]) -> dict[str, Any]:
+def tool_call_schema(
+    functions: tuple[tuple[str, dict[str, Any]], ...], key: str = "arguments"
+) -> dict[str, Any]:
     """The schema of one call to any of ``functions`` ((name, parameters schema) pairs), every
     parameter schema embedded with :func:`embed_schema` (prefix ``t<index>_``)."""
     root_defs: dict[str, Any] = {}
-    calls = [_call_schema(name, params, f"t{i}_", root_defs) for i, (name, params) in enumerate(functions)]
+    calls = [
+        _call_schema(name, params, f"t{i}_", root_defs, key) for i, (name, params) in enumerate(functions)
+    ]
     schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
     if root_defs:
         schema = {**schema, "$defs": root_defs}
     return schema
 
 
-def lark_source(spec: GrammarSpec) -> str:
-    """The llguidance Lark grammar for a spec."""
+# Each family's forced call: (before, after) the JSON of a call ("{name}" is the function's name;
+# without it the JSON is {"name", "arguments"}), markers in <...> are special tokens where the
+# vocabulary has them as one token. Formats that read arguments tag by tag are forced as hermes.
+CALL_FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "hermes": (("<tool_call>", "\n"), ("\n", "</tool_call>")),
+    "llama3_json": ((), ()),
+    "mistral": (("[TOOL_CALLS]", "["), ("]",)),
+    "mistral_v11": (("[TOOL_CALLS]", "{name}", "[ARGS]"), ()),
+    "openai": (
+        ("<|channel|>", "commentary to=functions.{name} ", "<|constrain|>", "json", "<|message|>"),
+        ("<|call|>",),
+    ),
+    "deepseek_v3": (
+        (
+            "<｜tool▁calls▁begin｜>",
+            "<｜tool▁call▁begin｜>",
+            "function",
+            "<｜tool▁sep｜>",
+            "{name}\n```json\n",
+        ),
+        ("\n```", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"),
+    ),
+    "deepseek_v31": (
+        ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "{name}", "<｜tool▁sep｜>"),
+        ("<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"),
+    ),
+    "phi4_mini_json": (("functools[",), ("]",)),
+    "granite": (("<|tool_call|>", "["), ("]",)),
+}
+
+
+def _pieces(parts: tuple[str, ...], name: str, specials: Mapping[str, int]) -> str:
+    """Lark for a marker sequence: a special token as ``<[id]>``, text as a quoted literal."""
+    out = []
+    for part in parts:
+        text = part.replace("{name}", name)
+        out.append(f"<[{specials[text]}]>" if text in specials else json.dumps(text))
+    return " ".join(out) if out else '""'
+
+
+def call_markers() -> set[str]:
+    """Every marker of every forced-call format (for looking up which are single tokens)."""
+    return {part for before, after in CALL_FORMATS.values() for part in before + after if "{" not in part}
+
+
+def _tool_call_lark(spec: GrammarSpec, specials: Mapping[str, int]) -> str:
+    before, after = CALL_FORMATS.get(spec.call_format, CALL_FORMATS["hermes"])
+    named = any("{name}" in part for part in before)
+    key = "parameters" if spec.call_format == "llama3_json" else "arguments"
+    rules = []
+    for i, (name, params) in enumerate(spec.functions):
+        if named:
+            root_defs: dict[str, Any] = {}
+            schema = embed_schema(params, f"t{i}_", root_defs) if params else {"type": "object"}
+            schema = {**schema, "$defs": root_defs} if root_defs else schema
+        else:
+            schema = tool_call_schema(((name, params),), key)
+        body = json.dumps({**schema, "x-guidance": COMPACT})
+        rules.append(f"call{i}: {_pieces(before, name, specials)} body{i} {_pieces(after, name, specials)}\n")
+        rules.append(f"body{i}: %json {body}\n")
+    call = " | ".join(f"call{i}" for i in range(len(spec.functions)))
+    separator = '"\\n"' if spec.call_format == "hermes" else '""'
+    start = f"call ({separator} call)*" if spec.parallel else "call"
+    return f"start: {start}\ncall: {call}\n" + "".join(rules)
+
+
+def lark_source(spec: GrammarSpec, specials: Mapping[str, int] | None = None) -> str:
+    """The llguidance Lark grammar for a spec; ``specials``: markers that are one special token."""
     if spec.kind == "json_object":
         schema: dict[str, Any] = {"type": "object"}
     elif spec.kind == "json_schema":
         schema = dict(spec.schema or {})
     elif spec.kind == "tool_call":
-        schema = tool_call_schema(spec.functions)
-        body = json.dumps({**schema, "x-guidance": COMPACT})
-        start = 'call ("\\n" call)*' if spec.parallel else "call"
-        return f'start: {start}\ncall: "<tool_call>\\n" body "\\n</tool_call>"\nbody: %json {body}\n'
+        return _tool_call_lark(spec, specials or {})
     else:
         raise ValueError(f"unknown grammar kind {spec.kind!r}")
     return f"start: body\nbody: %json {json.dumps({**schema, 'x-guidance': COMPACT})}\n"
@@ -164,6 +236,7 @@ class GrammarCompiler:
         self._hf_tokenizer = tokenizer
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer: Any = None
+        self._marker_ids: dict[str, int] | None = None
         self.vocab_size = len(tokenizer)
 
     def _tokenizer(self) -> Any:
@@ -175,11 +248,18 @@ class GrammarCompiler:
             )
         return self._ll_tokenizer
 
+    def _specials(self) -> dict[str, int]:
+        """The call markers that this vocabulary has as one added token (written ``<[id]>``)."""
+        if self._marker_ids is None:
+            added: dict[str, int] = getattr(self._hf_tokenizer, "get_added_vocab", dict)()
+            self._marker_ids = {m: added[m] for m in call_markers() if m in added}
+        return self._marker_ids
+
     def validate(self, spec: GrammarSpec) -> str:
         """Checks the spec compiles; returns the grammar source, or raises InvalidRequest naming the field."""
         import llguidance
 
-        source = lark_source(spec)
+        source = lark_source(spec, self._specials())
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, self._tokenizer())
         if is_error:
             raise InvalidRequest(

@@ -9,6 +9,7 @@ from typing import Any
 from jinja2 import TemplateError
 
 from worker.errors import InvalidRequest
+from worker.service.family import FamilyProfile, nine_char_id
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -52,16 +53,15 @@ class RawPrompt:
 class PromptRenderer:
     """Renders prompts for one tokenizer. ``render`` returns (token ids, prompt text)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, profile: FamilyProfile | None = None):
         self._tokenizer = tokenizer
-        template = getattr(tokenizer, "chat_template", None)
-        self.has_chat_template = bool(template)
-        # A template that reads a `tools` variable renders tools its own way; others get TOOL_PROMPT.
-        self.template_knows_tools = isinstance(template, str) and "tools" in template
-        # Reasoning models mark their thinking with <think> ... </think>.
-        self.thinks = (
-            isinstance(template, str) and "<think>" in template
-        ) or "<think>" in tokenizer.get_vocab()
+        self.profile = profile or FamilyProfile("unknown")
+        template = self.profile.template or getattr(tokenizer, "chat_template", None)
+        # mistral-common's tokenizer class renders with mistral-common itself and has no template text.
+        self.has_chat_template = bool(template) or type(tokenizer).__name__ == "MistralCommonBackend"
+        # A template that renders the probe's tools itself gets them; others get TOOL_PROMPT.
+        self.template_knows_tools = self.profile.template_tools
+        self.thinks = self.profile.reasoning_parser is not None
         self.vocab_size = len(tokenizer)
 
     def render(self, prompt: ChatPrompt | RawPrompt) -> tuple[tuple[int, ...], str]:
@@ -91,10 +91,19 @@ class PromptRenderer:
             raise InvalidRequest(
                 "this model has no chat template; send a raw prompt instead", param="messages"
             )
-        kwargs: dict[str, Any] = dict(prompt.template_kwargs)
+        kwargs: dict[str, Any] = {**self.profile.default_kwargs, **prompt.template_kwargs}
+        self._switch_thinking(kwargs)
+        if self.profile.template:
+            kwargs["chat_template"] = self.profile.template
         if prompt.tools and self.template_knows_tools:
-            kwargs["tools"] = [{"type": "function", "function": tool} for tool in prompt.tools]
+            tools = [{"type": "function", "function": tool} for tool in prompt.tools]
             messages = [self._message_dict(m) for m in prompt.messages]
+            if self.profile.tools_in_system:
+                if not messages or messages[0]["role"] != "system":
+                    messages.insert(0, {"role": "system", "content": ""})
+                messages[0]["tools"] = json.dumps(tools, ensure_ascii=False)
+            else:
+                kwargs["tools"] = tools
         elif prompt.tools or any(m.tool_calls or m.role == "tool" for m in prompt.messages):
             messages = builtin_tool_messages(prompt)
         else:
@@ -110,26 +119,42 @@ class PromptRenderer:
         ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
         return tuple(ids), text
 
-    @staticmethod
-    def _message_dict(message: ChatMessage) -> dict[str, Any]:
+    def _switch_thinking(self, kwargs: dict[str, Any]) -> None:
+        """A request's ``enable_thinking`` as the template's own switch (``thinking``, or gpt-oss's
+        ``reasoning_effort``, which cannot turn thinking off: off is "low")."""
+        switch = self.profile.thinking_switch
+        if "enable_thinking" not in kwargs or switch == "enable_thinking" or switch in kwargs:
+            return
+        on = bool(kwargs.pop("enable_thinking"))
+        kwargs[switch] = on if switch != "reasoning_effort" else ("medium" if on else "low")
+
+    def _call_id(self, call_id: str) -> str:
+        return nine_char_id(call_id) if self.profile.nine_char_ids else call_id
+
+    def _message_dict(self, message: ChatMessage) -> dict[str, Any]:
         # Most templates know no "developer" role; it means "system" (as OpenAI documents).
         role = "system" if message.role == "developer" else message.role
         result: dict[str, Any] = {"role": role, "content": message.content or ""}
         if message.name:
             result["name"] = message.name
         if message.tool_call_id:
-            result["tool_call_id"] = message.tool_call_id
+            result["tool_call_id"] = self._call_id(message.tool_call_id)
         if message.tool_calls:
             result["tool_calls"] = [
                 {
-                    "id": call["id"],
+                    "id": self._call_id(call["id"]),
                     "type": "function",
-                    "function": {"name": call["name"], "arguments": _arguments(call["arguments"])},
+                    "function": {
+                        "name": call["name"],
+                        "arguments": call["arguments"] or "{}"
+                        if self.profile.arguments_as_text
+                        else _arguments(call["arguments"]),
+                    },
                 }
                 for call in message.tool_calls
             ]
         if message.reasoning_content:
-            result["reasoning_content"] = message.reasoning_content
+            result[self.profile.reasoning_field] = message.reasoning_content
         return result
 
 

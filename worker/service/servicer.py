@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import logging
 import math
@@ -26,6 +27,7 @@ from worker.engine.prepare import Prepared
 from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, WorkerError
 from worker.model.load_progress import LoadProgress, wait_for_load
 from worker.model.loader import LoadedModel
+from worker.output.formats.registry import thinking_open_marker
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.convert import (
     MAX_N,
@@ -231,12 +233,21 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         default_max_tokens=serving.default_max_tokens,
     )
     check_resumed_tokens(parsed.resumed_token_ids, serving.renderer.vocab_size)
-    grammar = serving.grammars.validate(parsed.grammar) if parsed.grammar is not None else None
+    profile = serving.renderer.profile
+    spec = parsed.grammar
+    if spec is not None and spec.kind == "tool_call":
+        spec = dataclasses.replace(spec, call_format=profile.call_grammar)  # the family's own format
+    grammar = serving.grammars.validate(spec) if spec is not None else None
+    reasoning = profile.reasoning_parser or "qwen3"
+    opened = thinking_open_marker(reasoning)
     output = OutputOptions(
-        tool_calls=parsed.parse_tool_calls,
+        tool_calls=parsed.parse_tool_calls and profile.tool_parser != "none",
         reasoning=serving.renderer.thinks,
         keep_reasoning=parsed.enable_thinking is not False,
-        starts_thinking=prompt_text.rstrip().endswith("<think>"),
+        starts_thinking=bool(opened) and prompt_text.rstrip().endswith(opened),
+        tool_parser=profile.tool_parser,
+        reasoning_parser=reasoning,
+        keep_special_tokens=profile.keep_special_tokens,
     )
     request = GenerationRequest(
         request_id=request_id,

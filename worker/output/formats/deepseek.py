@@ -1,0 +1,46 @@
+# ruff: noqa: RUF001, RUF002 (DeepSeek's markers have full-width bars and U+2581)
+"""DeepSeek's calls between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``: V3/R1 write
+``function<｜tool▁sep｜>NAME`` and a json code block, V3.1 writes ``NAME<｜tool▁sep｜>{...}``."""
+
+from __future__ import annotations
+
+import json
+
+from worker.output.formats.base import CallSyntax, ParsedCall, arguments_json
+
+CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
+CALLS_END = "<｜tool▁calls▁end｜>"
+CALL_BEGIN = "<｜tool▁call▁begin｜>"
+CALL_END = "<｜tool▁call▁end｜>"
+SEP = "<｜tool▁sep｜>"
+
+
+def _one(text: str) -> ParsedCall | None:
+    head, found, tail = text.partition(SEP)
+    if not found:
+        return None
+    if head.strip() == "function":  # V3 / R1: NAME, then ```json ... ```
+        name, _, block = tail.partition("\n")
+        body = block.strip().removeprefix("```json").removeprefix("```").removesuffix("```")
+    else:  # V3.1
+        name, body = head, tail
+    arguments = arguments_json(json.loads(body)) if body.strip() else "{}"
+    name = name.strip()
+    return ParsedCall(name, arguments) if name and arguments is not None else None
+
+
+def parse_deepseek(text: str) -> list[ParsedCall] | None:
+    parts = [p for p in text.split(CALL_BEGIN) if p.strip()]
+    calls = []
+    for part in parts:
+        body, found, after = part.partition(CALL_END)
+        if not found or after.strip():
+            return None
+        call = _one(body)
+        if call is None:
+            return None
+        calls.append(call)
+    return calls or None
+
+
+DEEPSEEK = CallSyntax(start=CALLS_BEGIN, end=CALLS_END, parse=parse_deepseek)

@@ -1,0 +1,243 @@
+# ruff: noqa: RUF001 (DeepSeek's markers have full-width bars and U+2581)
+"""The model family's formats, chosen once at load from its ``model_type`` and what its chat template
+renders (probed with a sentinel tool and call, as llama.cpp does): parsers, the thinking switch,
+where earlier reasoning goes, the tool-call id rule, extra stop tokens, special-token decoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import string
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+PROBE_TOOL = "sluice_probe_tool"
+PROBE_DESCRIPTION = "sluice probe description"
+PROBE_ID = "sluiceab1"  # nine alphanumerics: what Mistral's templates require
+PROBE_ARG = "sluice_probe_value"
+PROBE_THOUGHT = "sluice probe thought"
+# Each parser's markers: when one is a special token, the text must keep special tokens.
+PARSER_MARKERS: dict[str, tuple[str, ...]] = {
+    "hermes": ("<tool_call>", "</tool_call>"),
+    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]"),
+    "deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"),
+    "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"),
+    "openai": ("<|channel|>", "<|message|>", "<|end|>", "<|start|>"),
+    "openai_gptoss": ("<|channel|>", "<|message|>"),
+    "granite": ("<|tool_call|>",),
+    "glm45": ("<tool_call>", "<arg_key>"),
+    "qwen3_coder": ("<tool_call>",),
+}
+
+
+# Families whose template does not render earlier calls (so the probe cannot see the format).
+MODEL_TYPE_CALLS = {"granite": "granite"}
+
+
+@dataclass(frozen=True)
+class FamilyProfile:
+    """How one model's prompts are rendered and its output parsed."""
+
+    family: str  # what was recognised ("unknown": today's behaviour)
+    tool_parser: str = "hermes"  # worker.output.formats.registry names ("hermes": also bare JSON)
+    call_grammar: str = "hermes"  # the forced-call format (worker.sampling.grammar)
+    reasoning_parser: str | None = None
+    thinking_switch: str = "enable_thinking"  # the template variable that turns thinking on/off
+    reasoning_field: str = "reasoning_content"  # where the template reads earlier reasoning
+    template_tools: bool = False  # the template renders tools itself (else the built-in prompt)
+    tools_in_system: bool = False  # the template reads tools from the system message
+    nine_char_ids: bool = False  # tool-call ids must be nine alphanumerics (Mistral)
+    arguments_as_text: bool = False  # the template wants a call's arguments as JSON text
+    stop_tokens: tuple[str, ...] = ()
+    keep_special_tokens: bool = False
+    template: str | None = None  # a --chat-template file's text
+    default_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        """The choice, as logged and shown in the model metadata."""
+        shown = asdict(self)
+        shown.pop("template")
+        shown["chat_template"] = "file" if self.template else "tokenizer"
+        return shown
+
+
+def nine_char_id(call_id: str) -> str:
+    """A client's tool-call id as nine alphanumerics (stable, so a call and its result match)."""
+    if len(call_id) == 9 and call_id.isalnum():
+        return call_id
+    digest = int(hashlib.sha256(call_id.encode()).hexdigest(), 16)
+    alphabet = string.ascii_letters + string.digits
+    out = ""
+    for _ in range(9):
+        digest, index = divmod(digest, len(alphabet))
+        out += alphabet[index]
+    return out
+
+
+class _Probe:
+    """Renders small conversations with the template; a template error counts as "not rendered"."""
+
+    def __init__(self, tokenizer: Any, template: str | None):
+        self._tokenizer = tokenizer
+        self._template = template
+
+    def render(self, messages: list[dict[str, Any]], **kwargs: Any) -> str:
+        if self._template is not None:
+            kwargs["chat_template"] = self._template
+        try:
+            return str(self._tokenizer.apply_chat_template(messages, tokenize=False, **kwargs))
+        except Exception:  # any template failure just means "not this way"
+            return ""
+
+
+_USER = {"role": "user", "content": "hi"}
+_TOOL = {
+    "type": "function",
+    "function": {
+        "name": PROBE_TOOL,
+        "description": PROBE_DESCRIPTION,
+        "parameters": {"type": "object", "properties": {"arg": {"type": "string"}}},
+    },
+}
+
+
+def _call_turn(call_id: str, arguments_as_text: bool = False) -> list[dict[str, Any]]:
+    arguments: Any = {"arg": PROBE_ARG}
+    if arguments_as_text:
+        arguments = json.dumps(arguments)
+    call = {"id": call_id, "type": "function", "function": {"name": PROBE_TOOL, "arguments": arguments}}
+    return [
+        _USER,
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "name": PROBE_TOOL, "content": "ok"},
+    ]
+
+
+def _call_format(rendered: str) -> str | None:
+    """The tool-call parser whose format a rendered assistant call is in."""
+    checks = [
+        ("to=functions.", "openai"),
+        ("<｜tool▁calls▁begin｜>", "deepseek_v3" if "function<｜tool▁sep｜>" in rendered else "deepseek_v31"),
+        ("[TOOL_CALLS]", "mistral"),
+        ("<function=", "qwen3_coder"),
+        ("<arg_key>", "glm45"),
+        ("<|tool_call|>", "granite"),
+        ("functools[", "phi4_mini_json"),
+        ("<tool_call>", "hermes"),
+        (f"{PROBE_TOOL}(", "pythonic"),
+        ('"parameters"', "llama3_json"),
+    ]
+    return next((parser for marker, parser in checks if marker in rendered), None)
+
+
+def _is_special(tokenizer: Any, marker: str) -> bool:
+    ids = tokenizer.convert_tokens_to_ids([marker])
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    token = decoder.get(ids[0]) if ids and isinstance(ids[0], int) else None
+    return bool(token is not None and getattr(token, "special", False) and token.content == marker)
+
+
+def _reasoning(model_type: str, template: str, probe: _Probe, tokenizer: Any) -> str | None:
+    vocab = tokenizer.get_vocab()
+    if "<|channel|>" in template and "<|channel|>" in vocab:
+        return "openai_gptoss"
+    if "[THINK]" in template:
+        return "mistral"
+    if "<think>" not in template and "<think>" not in vocab:
+        return None
+    if model_type.startswith("granite"):
+        return "granite"
+    if model_type.startswith("glm"):
+        return "glm45"
+    if model_type.startswith("deepseek") or "｜Assistant｜" in template:
+        return "deepseek_r1"
+    return "qwen3"
+
+
+def _thinking_switch(probe: _Probe) -> str:
+    for name, off, on in (
+        ("enable_thinking", False, True),
+        ("thinking", False, True),
+        ("reasoning_effort", "low", "high"),
+    ):
+        a = probe.render([_USER], add_generation_prompt=True, **{name: off})
+        if a and a != probe.render([_USER], add_generation_prompt=True, **{name: on}):
+            return name
+    return "enable_thinking"
+
+
+def _reasoning_field(probe: _Probe, arguments_as_text: bool) -> str:
+    """The message key the template shows earlier reasoning from (tried where templates keep it:
+    the last assistant turn, and a turn with a tool call)."""
+    for name in ("reasoning_content", "thinking", "reasoning"):
+        last = [_USER, {"role": "assistant", "content": "done", name: PROBE_THOUGHT}]
+        calling = _call_turn(PROBE_ID, arguments_as_text)
+        calling[1] = {**calling[1], name: PROBE_THOUGHT}
+        if any(PROBE_THOUGHT in probe.render(m, tools=[_TOOL]) for m in (last, calling)):
+            return name
+    return "reasoning_content"
+
+
+def choose_profile(
+    model_type: str,
+    tokenizer: Any,
+    *,
+    tool_call_parser: str = "auto",
+    reasoning_parser: str = "auto",
+    template: str | None = None,
+    default_kwargs: dict[str, Any] | None = None,
+) -> FamilyProfile:
+    """The profile for a loaded tokenizer; settings other than "auto" win over what is probed."""
+    source = template if template is not None else getattr(tokenizer, "chat_template", None)
+    source = source if isinstance(source, str) else ""
+    probe = _Probe(tokenizer, template)
+    with_tools = probe.render([_USER], tools=[_TOOL], add_generation_prompt=True)
+    in_system = [{"role": "system", "content": "s", "tools": json.dumps([_TOOL])}, _USER]
+    tools_in_system = PROBE_DESCRIPTION not in with_tools and PROBE_DESCRIPTION in probe.render(in_system)
+    call = probe.render(_call_turn(PROBE_ID), tools=[_TOOL])
+    as_text = PROBE_ARG not in call
+    if as_text:  # some templates (DeepSeek's) concatenate the arguments: they need JSON text
+        call = probe.render(_call_turn(PROBE_ID, True), tools=[_TOOL])
+    sluice_ids_work = bool(probe.render(_call_turn("call_" + "0" * 24, as_text), tools=[_TOOL]))
+    detected = _call_format(call) if PROBE_ARG in call else None
+    # A template that renders no earlier call says nothing of the format: the model type may.
+    tool_parser = detected or MODEL_TYPE_CALLS.get(model_type.split("moe")[0], "hermes")
+    if tool_call_parser not in ("auto", "none"):
+        tool_parser = tool_call_parser
+    reasoning = _reasoning(model_type, source, probe, tokenizer) if source or model_type else None
+    if reasoning_parser != "auto":
+        reasoning = None if reasoning_parser == "none" else reasoning_parser
+    grammar = tool_parser
+    if tool_parser == "mistral" and "[ARGS]" in (call or source):
+        grammar = "mistral_v11"
+    markers = PARSER_MARKERS.get(tool_parser, ()) + PARSER_MARKERS.get(reasoning or "", ())
+    stops = tuple(t for t in ("<|call|>",) if reasoning == "openai_gptoss" or tool_parser == "openai")
+    family = detected or reasoning or "unknown"
+    profile = FamilyProfile(
+        family=family,
+        tool_parser="none" if tool_call_parser == "none" else tool_parser,
+        call_grammar=grammar,
+        reasoning_parser=reasoning,
+        thinking_switch=_thinking_switch(probe),
+        reasoning_field=_reasoning_field(probe, as_text),
+        arguments_as_text=as_text and PROBE_ARG in call,
+        template_tools=PROBE_DESCRIPTION in with_tools or tools_in_system,
+        tools_in_system=tools_in_system,
+        nine_char_ids=bool(call) and not sluice_ids_work,
+        stop_tokens=stops,
+        keep_special_tokens=any(_is_special(tokenizer, m) for m in markers),
+        template=template,
+        default_kwargs=dict(default_kwargs or {}),
+    )
+    if family == "unknown":
+        log.info(
+            "model type %r: no known tool-call or reasoning format in its chat template; "
+            "using Sluice's built-in tool prompt and <tool_call> parser",
+            model_type,
+        )
+    log.info("chat formats for model type %r: %s", model_type, json.dumps(profile.summary()))
+    return profile
