@@ -227,19 +227,19 @@ def _chunk(
     count, heads, dim = query.shape
     kv_heads = pool_k.shape[2]
     group = heads // kv_heads
-    keys = (
-        pool_k.index_select(0, chunk.blocks).flatten(0, 1)[: chunk.context].transpose(0, 1)
-    )  # [kvh, ctx, d]
-    values = pool_v.index_select(0, chunk.blocks).flatten(0, 1)[: chunk.context].transpose(0, 1)
-    # [kv_heads, group * count, d]: row g * count + i is query head kv * group + g at chunk token i.
-    grouped = (
-        query.view(count, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * count, dim)
-    )
+    keys = pool_k.index_select(0, chunk.blocks).flatten(0, 1)[: chunk.context]  # [ctx, kvh, d]
+    values = pool_v.index_select(0, chunk.blocks).flatten(0, 1)[: chunk.context]
+    # 4-D [1, heads, tokens, d], as CUDA's flash and memory-efficient SDPA kernels take them (3-D
+    # inputs get the math kernel and its float32 scores); each kv head serves its query heads.
+    queries = query.transpose(0, 1)[None]
+    keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)[None]
+    values = values.transpose(0, 1).repeat_interleave(group, dim=0)[None]
     if chunk.mask is None:  # a whole prompt with one query head per kv head: plain causal
-        out = F.scaled_dot_product_attention(grouped, keys, values, is_causal=True, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=chunk.mask, scale=scale)
-    return out.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, heads, dim)
+        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+    else:  # chunk_mask's rows are [group, count]; every head of a group shares one causal mask
+        mask = chunk.mask[:count][None, None]
+        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    return out[0].transpose(0, 1).reshape(count, heads, dim)
 
 
 def _invariant(

@@ -143,6 +143,18 @@ def check_uneven_partitions_and_tiles() -> None:
     torch.testing.assert_close(result.float(), expected.float(), atol=2e-2, rtol=2e-2)
 
 
+def check_without_knobs() -> None:
+    """A Triton without ``triton.knobs`` (before 3.4): the interpreter is read from the environment."""
+    import triton
+
+    knobs = triton.__dict__.pop("knobs", None)
+    try:
+        check_against_reference(4, 4, 64, torch.float32, False, 16)
+    finally:
+        if knobs is not None:
+            triton.knobs = knobs
+
+
 # name -> a check that raises when the kernel (interpreted) is wrong.
 INTERPRETER_CHECKS: dict[str, Callable[[], None]] = {
     # SmolLM2-135M's group of 3
@@ -160,6 +172,7 @@ INTERPRETER_CHECKS: dict[str, Callable[[], None]] = {
     "out-stale-workspace-single": partial(check_out_and_stale_workspace, False),
     "out-stale-workspace-split": partial(check_out_and_stale_workspace, True),
     "uneven-partitions": check_uneven_partitions_and_tiles,
+    "no-triton-knobs": check_without_knobs,
 }
 
 
