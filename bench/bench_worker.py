@@ -32,6 +32,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -141,9 +142,26 @@ async def sluice_level(stub: pb_grpc.WorkerStub, c: int, constrained: bool = Fal
     return LevelResult(c, time.perf_counter() - start, list(results))
 
 
-def start_worker(cache_dir: str | None, extra: list[str]) -> tuple[subprocess.Popen[bytes], str]:
+# The benchmark's worker flags unless the caller's own say otherwise.
+WORKER_DEFAULTS = ("--max-running", "32", "--log-level", "WARNING")
+
+
+def merged_flags(defaults: Sequence[str], extra: Sequence[str]) -> list[str]:
+    """``defaults`` (``--flag value`` pairs) without the flags ``extra`` sets, then ``extra``: the
+    caller's flags win, and each flag appears once."""
+    given = {item.split("=", 1)[0] for item in extra if item.startswith("--")}
+    kept: list[str] = []
+    for flag, value in zip(defaults[::2], defaults[1::2], strict=True):
+        if flag not in given:
+            kept += [flag, value]
+    return kept + list(extra)
+
+
+def start_worker(
+    cache_dir: str | None, extra: list[str], defaults: Sequence[str] = WORKER_DEFAULTS
+) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    args = worker_command(port, 0, "--max-running", "32", "--log-level", "WARNING", *extra)
+    args = worker_command(port, 0, *merged_flags(defaults, extra))
     if cache_dir:
         args += ["--cache-dir", cache_dir]
     proc = subprocess.Popen(args, cwd=REPO)

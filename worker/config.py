@@ -192,6 +192,11 @@ class WorkerConfig:
         help="on CUDA: capture decode steps as CUDA graphs at start-up (padded batch-size buckets up to "
         "--max-running; needs triton)",
     )
+    require_cuda_graphs: bool = setting(
+        False,
+        help="refuse to start (exit status 1) unless the Triton decode kernel and the decode CUDA "
+        "graphs are both on, instead of serving on the slower fallback (CUDA only)",
+    )
     prefix_caching: bool = setting(
         True,
         help="reuse the KV blocks of prompt prefixes seen before (blocks nobody holds are kept until "

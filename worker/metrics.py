@@ -56,6 +56,11 @@ _COUNTERS = (
         "preemptions",
     ),
     ("sluice_worker_steps", "engine steps run", "steps"),
+    (
+        "sluice_worker_decode_only_steps",
+        "engine steps whose every row decoded one token (on CUDA each should replay a graph)",
+        "decode_only_steps",
+    ),
 )
 
 
@@ -146,6 +151,27 @@ class EngineCollector(Collector):
         )
         histogram.add_metric([self._model_id], buckets=ttft.cumulative(), sum_value=ttft.total)
         yield histogram
+        if s.fast_path is not None:
+            yield from self._fast_path_families()
+
+    def _fast_path_families(self) -> Iterator[Metric]:
+        """CUDA only: which parts of the decode fast path are on, and the graph replays."""
+        s = self._stats
+        assert s.fast_path is not None
+        fast = GaugeMetricFamily(
+            "sluice_worker_fast_path",
+            "1 when this part of the CUDA decode fast path is on (kernel: the Triton decode attention; "
+            "graphs: decode steps replayed from CUDA graphs); 0: a slower fallback serves",
+            labels=["model", "part"],
+        )
+        fast.add_metric([self._model_id, "kernel"], int(s.fast_path.kernel))
+        fast.add_metric([self._model_id, "graphs"], int(s.fast_path.graphs))
+        yield fast
+        replays = CounterMetricFamily(
+            "sluice_worker_decode_graph_replays", "decode steps replayed from a CUDA graph", labels=["model"]
+        )
+        replays.add_metric([self._model_id], s.graph_replays)
+        yield replays
 
     def _vllm_families(self) -> Iterator[Metric]:
         s = self._stats

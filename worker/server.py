@@ -28,6 +28,7 @@ from sluice.v1 import worker_pb2
 from worker import metrics
 from worker.config import WorkerConfig
 from worker.engine.core import Engine
+from worker.model.device import bind_device
 from worker.model.fake_runner import fake_slow_load, load_fake_model
 from worker.model.load_progress import LoadProgress
 from worker.model.loader import ModelLoadError, load_model
@@ -76,6 +77,8 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 # Calls cut at the end of the grace period get this long to send their status.
 _CUT_WAIT_S = 2.0
+# The exit status after the device failed: the orchestrator restarts the worker.
+EXIT_DEVICE_FAILED = 3
 
 
 def eos_token_ids(loaded_model: object, tokenizer: object) -> set[int]:
@@ -111,9 +114,13 @@ def stop_token_ids(profile: FamilyProfile, tokenizer: object) -> set[int]:
     return {vocab[token] for token in profile.stop_tokens if token in vocab}
 
 
-def build_serving(config: WorkerConfig, progress: LoadProgress | None = None) -> ServingModel:
+def build_serving(
+    config: WorkerConfig,
+    progress: LoadProgress | None = None,
+    on_device_failure: Callable[[BaseException], None] | None = None,
+) -> ServingModel:
     """Loads the model and starts the engine (blocking; run in a thread), raising ``progress``
-    at the load's stages (1.0 once the engine runs)."""
+    at the load's stages (1.0 once the engine runs); ``on_device_failure``: see :class:`Engine`."""
     progress = progress or LoadProgress()
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -140,6 +147,7 @@ def build_serving(config: WorkerConfig, progress: LoadProgress | None = None) ->
             batch_hint=cpu_batch_hint(config),
             on_progress=progress.advance,
         )
+        bind_device(loaded.device)  # this thread builds the pool, checks the kernel, captures graphs
         runner, limits = model_runner(loaded, config)
     profile = family_profile(config, loaded.model, loaded.tokenizer)
     eos = eos_token_ids(loaded.model, loaded.tokenizer) | stop_token_ids(profile, loaded.tokenizer)
@@ -156,6 +164,7 @@ def build_serving(config: WorkerConfig, progress: LoadProgress | None = None) ->
         blocked_phrases=config.blocked_phrases,
         refusal_message=config.refusal_message,
         grammars=grammars,
+        on_device_failure=on_device_failure,
     )
     engine.start()
     progress.advance(1.0)
@@ -171,7 +180,7 @@ def build_serving(config: WorkerConfig, progress: LoadProgress | None = None) ->
 
 async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit status (2: a port is taken, 1: the model
-    did not load). ``metrics_socket``: the claimed /metrics socket (None: metrics off)."""
+    did not load, 3: the device failed). ``metrics_socket``: the claimed /metrics socket (None: off)."""
     load_progress = LoadProgress()
     service = WorkerService(config.resolved_worker_id, load_progress)
     served = DrainingWorker(service)
@@ -225,8 +234,17 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
 
+    device_failed = asyncio.Event()
+
+    def on_device_failure(_: BaseException) -> None:  # the engine thread
+        with contextlib.suppress(RuntimeError):  # the loop is gone: the process is ending anyway
+            loop.call_soon_threadsafe(device_failed.set)
+
     loading = asyncio.ensure_future(
-        in_own_thread(functools.partial(build_serving, progress=load_progress), config)
+        in_own_thread(
+            functools.partial(build_serving, progress=load_progress, on_device_failure=on_device_failure),
+            config,
+        )
     )
     stopper = asyncio.ensure_future(stop.wait())
     try:
@@ -244,7 +262,16 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
         await _set_health(health_service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s (metrics on %s)", serving.loaded.model_id, address, metrics_where)
 
-        await stopper
+        failing = asyncio.ensure_future(device_failed.wait())
+        await asyncio.wait({stopper, failing}, return_when=asyncio.FIRST_COMPLETED)
+        if failing.done():
+            log.error(
+                "the device failed: NOT_SERVING, exiting with status %d to be restarted", EXIT_DEVICE_FAILED
+            )
+            await _drain(served, health_service, 0.0)
+            await server.stop(0)
+            return EXIT_DEVICE_FAILED
+        failing.cancel()
         await _drain(served, health_service, config.grace_period)
         await server.stop(0)
         serving.engine.stop()

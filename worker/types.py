@@ -81,6 +81,14 @@ class GenerationRequest:
         )
 
 
+@dataclass(frozen=True)
+class FastPath:
+    """Which parts of the CUDA decode fast path are on (a metric: off means a slower fallback)."""
+
+    kernel: bool  # the Triton decode attention kernel
+    graphs: bool  # decode steps replayed from CUDA graphs
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"

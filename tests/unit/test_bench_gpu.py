@@ -10,7 +10,16 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from bench_gpu import SHAPES, Table, format_table, parse_levels, parse_skip, resolved_dtype
+from bench_gpu import (
+    SHAPES,
+    Table,
+    format_table,
+    parse_levels,
+    parse_skip,
+    resolved_dtype,
+    sluice_worker_flags,
+)
+from bench_worker import WORKER_DEFAULTS, merged_flags
 
 
 def test_levels_parse_and_refuse_bad_values() -> None:
@@ -51,3 +60,27 @@ def test_table_has_one_row_per_level_with_ratios_and_gaps() -> None:
 def test_named_shapes_are_the_issue_models() -> None:
     assert SHAPES["1.7b"]["hidden_size"] == 2048 and SHAPES["1.7b"]["num_hidden_layers"] == 24
     assert SHAPES["8b"]["num_key_value_heads"] == 8 and SHAPES["8b"]["tie_word_embeddings"] is False
+
+
+def test_the_worker_gets_room_for_the_largest_level_and_info_logs() -> None:
+    flags = sluice_worker_flags(Path("/m"), "cuda", "bfloat16", [1, 16, 256], "")
+    assert flags[flags.index("--max-running") + 1] == "256" and flags.count("--max-running") == 1
+    assert flags[flags.index("--log-level") + 1] == "INFO"
+    chosen = sluice_worker_flags(Path("/m"), "cuda", "bfloat16", [1, 256], "--max-running 512", 300)
+    assert chosen.count("--max-running") == 1 and chosen[chosen.index("--max-running") + 1] == "512"
+
+
+def test_extra_worker_flags_win_over_the_benchmarks_defaults() -> None:
+    merged = merged_flags(WORKER_DEFAULTS, ["--max-running", "256", "--log-level=INFO", "--fake-tokens"])
+    assert merged == ["--max-running", "256", "--log-level=INFO", "--fake-tokens"]
+    assert merged_flags(WORKER_DEFAULTS, ["--dtype", "float32"])[:4] == list(WORKER_DEFAULTS)
+
+
+def test_a_given_tokenizer_needs_no_default_model_package(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import bench_gpu
+
+    def refuse(*_: object) -> Path:
+        raise AssertionError("the default model package was asked for")
+
+    monkeypatch.setattr(bench_gpu, "default_tokenizer_dir", refuse)
+    assert bench_gpu.tokenizer_dir(Path("/tok")) == Path("/tok")

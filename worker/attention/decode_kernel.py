@@ -6,12 +6,15 @@ Used by the runner for eager decode rows and by the CUDA graphs for captured one
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+from worker.attention import triton_decode
 from worker.attention.kv_pool import KVShape
 from worker.attention.triton_decode import (
+    DecodePlan,
+    SplitWorkspace,
     allocate_split_workspace,
     paged_decode_attention,
     paged_decode_reference,
@@ -21,7 +24,44 @@ from worker.attention.variants import PLAIN, LayerVariant
 
 log = logging.getLogger(__name__)
 
-DecodeKernel = Callable[..., torch.Tensor]
+# What the fallback costs, said in every line that reports one.
+FALLBACK_COST = (
+    "decode attention gathers instead (gather + SDPA: several times slower per decode step) "
+    "and decode runs without CUDA graphs"
+)
+
+
+@dataclass(frozen=True)
+class DecodeKernel:
+    """The Triton decode attention for a fixed number of rows: its split plan and the scratch it
+    writes (a captured graph keeps this object, so the scratch lives as long as the graph)."""
+
+    plan: DecodePlan
+    workspace: SplitWorkspace | None
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        pool_k: torch.Tensor,
+        pool_v: torch.Tensor,
+        tables: torch.Tensor,
+        lengths: torch.Tensor,
+        scale: float,
+        variant: LayerVariant = PLAIN,
+    ) -> torch.Tensor:
+        return paged_decode_attention(
+            query,
+            pool_k,
+            pool_v,
+            tables,
+            lengths,
+            scale,
+            plan=self.plan,
+            workspace=self.workspace,
+            window=variant.window,
+            softcap=variant.softcap,
+            sinks=variant.sinks,
+        )
 
 
 def decode_kernel(
@@ -31,31 +71,33 @@ def decode_kernel(
     ``decode_kernel`` (its split plan fixed by the shapes, its scratch allocated once)."""
     plan = plan_decode(batch, kv_heads, max_blocks, block_size)
     workspace = allocate_split_workspace(query_like, plan) if plan.split else None
+    return DecodeKernel(plan, workspace)
 
-    def attend(query, pool_k, pool_v, tables, lengths, scale, variant=PLAIN):  # type: ignore[no-untyped-def]
-        return paged_decode_attention(
-            query,
-            pool_k,
-            pool_v,
-            tables,
-            lengths,
-            scale,
-            plan=plan,
-            workspace=workspace,
-            window=variant.window,
-            softcap=variant.softcap,
-            sinks=variant.sinks,
-        )
 
-    return attend
+def kernel_problem(
+    shape: KVShape, group: int, block_size: int, device: torch.device, softcap: float | None = None
+) -> str | None:
+    """Why the Triton decode kernel cannot serve decode rows on ``device`` (logged at ERROR with
+    what it costs), or None when it runs and agrees with the torch reference on small cases of this
+    model's shapes, plain and with a window, ``softcap`` and sinks."""
+    problem: str | None = "triton is not installed"
+    if triton_decode.triton_available():
+        problem = _check(shape, group, block_size, device, softcap)
+    if problem is not None:
+        log.error("the Triton decode kernel is off (%s): %s", problem, FALLBACK_COST)
+    return problem
 
 
 def kernel_works(
     shape: KVShape, group: int, block_size: int, device: torch.device, softcap: float | None = None
 ) -> bool:
-    """Whether the Triton decode kernel runs here and agrees with the torch reference on small
-    cases of this model's shapes, plain and with a window, ``softcap`` and sinks (checked once at
-    start-up; on failure the gather path is used)."""
+    """Whether the Triton decode kernel runs here and agrees with the reference (:func:`kernel_problem`)."""
+    return kernel_problem(shape, group, block_size, device, softcap) is None
+
+
+def _check(
+    shape: KVShape, group: int, block_size: int, device: torch.device, softcap: float | None
+) -> str | None:
     try:
         generator = torch.Generator(device=device).manual_seed(0)
         heads = shape.kv_heads * group
@@ -68,38 +110,15 @@ def kernel_works(
         lengths = torch.tensor([2 * size + 1, 1, 3 * size], dtype=torch.int32, device=device)
         scale = shape.head_dim**-0.5
         sinks = torch.randn((heads,), generator=generator, device=device)
-        variants = [PLAIN, LayerVariant(size + 3, softcap, sinks)]
-        pairs = [
-            (
-                paged_decode_attention(
-                    query,
-                    pool_k,
-                    pool_v,
-                    tables,
-                    lengths,
-                    scale,
-                    window=v.window,
-                    softcap=v.softcap,
-                    sinks=v.sinks,
-                ).float(),
-                paged_decode_reference(
-                    query,
-                    pool_k,
-                    pool_v,
-                    tables,
-                    lengths,
-                    scale,
-                    window=v.window,
-                    softcap=v.softcap,
-                    sinks=v.sinks,
-                ).float(),
-            )
-            for v in variants
-        ]
-    except Exception:
-        log.exception("the Triton decode kernel failed its start-up check: decode attention gathers instead")
-        return False
+        pairs = []
+        for v in (PLAIN, LayerVariant(size + 3, softcap, sinks)):
+            args = (query, pool_k, pool_v, tables, lengths, scale)
+            got = paged_decode_attention(*args, window=v.window, softcap=v.softcap, sinks=v.sinks)
+            want = paged_decode_reference(*args, window=v.window, softcap=v.softcap, sinks=v.sinks)
+            pairs.append((got.float(), want.float()))
+    except Exception as error:
+        log.error("the Triton decode kernel's start-up check raised", exc_info=True)
+        return f"its start-up check raised {type(error).__name__}: {str(error)[:300]}"
     if not all(torch.allclose(got, want, rtol=2e-2, atol=2e-2) for got, want in pairs):
-        log.error("the Triton decode kernel disagrees with the reference: decode attention gathers instead")
-        return False
-    return True
+        return "it disagrees with the torch reference on this model's shapes"
+    return None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -299,11 +300,22 @@ def _chunk(
         pool_k.index_select(0, chunk.blocks).flatten(0, 1)[: chunk.context].transpose(0, 1)
     )  # [kvh, ctx, d]
     values = pool_v.index_select(0, chunk.blocks).flatten(0, 1)[: chunk.context].transpose(0, 1)
+    visible = chunk.mask(variant.window_within(chunk.context))  # [group * count, ctx] or None
+    if variant.plain_softmax:
+        # 4-D [1, heads, tokens, d], as CUDA's flash and memory-efficient SDPA kernels take them (3-D
+        # inputs get the math kernel and its float32 scores); each kv head serves its query heads.
+        queries = query.transpose(0, 1)[None]
+        keys, values = (t.repeat_interleave(group, dim=0)[None] for t in (keys, values))
+        if visible is None:  # a whole prompt, no window: plain causal
+            out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+        else:  # the mask's rows repeat per group: every head shares the first group's rows
+            mask = visible[:count][None, None]
+            out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+        return out[0].transpose(0, 1).reshape(count, heads, dim)
     # [kv_heads, group * count, d]: row g * count + i is query head kv * group + g at chunk token i.
     grouped = (
         query.view(count, kv_heads, group, dim).permute(1, 2, 0, 3).reshape(kv_heads, group * count, dim)
     )
-    visible = chunk.mask(variant.window_within(chunk.context))
     out = attend(grouped, keys, values, visible, scale, variant, _grouped_sinks(variant, kv_heads, count))
     return out.view(kv_heads, group, count, dim).permute(2, 0, 1, 3).reshape(count, heads, dim)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,16 @@ def plan_decode(
     return DecodePlan(partitions=partitions, partition_tokens=size, tile_tokens=tile_tokens)
 
 
+def interpreting(triton: object) -> bool:
+    """Whether Triton runs kernels in its interpreter: ``triton.knobs`` where it exists (3.4+),
+    else the ``TRITON_INTERPRET`` variable older releases read."""
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is not None and hasattr(runtime, "interpret"):
+        return bool(runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
 def allocate_split_workspace(query: torch.Tensor, plan: DecodePlan) -> SplitWorkspace:
     """Scratch for ``plan`` with ``query``'s batch, heads and head dim."""
     batch, heads, head_dim = query.shape
@@ -159,7 +170,7 @@ def paged_decode_attention(
 
     from worker.attention import triton_decode_kernels as kernels
 
-    interpret = bool(triton.knobs.runtime.interpret)
+    interpret = interpreting(triton)
     if query.device.type != "cuda" and not interpret:
         raise ValueError(
             f"query is on {query.device}: the Triton kernel needs CUDA tensors "

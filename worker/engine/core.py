@@ -13,7 +13,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,6 +24,7 @@ from worker.engine.prepare import Prepared, RequestPreparer
 from worker.engine.request_stream import RequestStream
 from worker.engine.scheduler import Scheduler, Sequence, StepPlan, Work
 from worker.engine.stats import EngineCounters, EngineStats
+from worker.model.device import bind_device, is_fatal_device_error
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import Work as RunnerWork
 from worker.output.detokenizer import TokenTexts
@@ -43,6 +44,12 @@ from worker.types import (
 )
 
 log = logging.getLogger(__name__)
+
+
+class DeviceFailure(Exception):
+    """The device failed during a step (:func:`worker.model.device.is_fatal_device_error`): every
+    later step would fail too, so the engine stops and its owner exits."""
+
 
 # A request still waiting for a slot hears ``queued`` again this often, so a caller's idle
 # timer (the edge's --idle-timeout) does not mistake a long queue for a dead worker.
@@ -136,8 +143,12 @@ class Engine:
         blocked_phrases: tuple[str, ...] = (),
         refusal_message: str = "I can't help with that.",
         grammars: GrammarCompiler | None = None,
+        on_device_failure: Callable[[BaseException], None] | None = None,
     ):
-        """The KV pool's size and block size are the runner's (``num_blocks``, ``block_size``)."""
+        """The KV pool's size and block size are the runner's (``num_blocks``, ``block_size``);
+        ``on_device_failure`` is called (on the engine thread) once the device failed."""
+        self._on_device_failure = on_device_failure
+        self.device_failure: BaseException | None = None
         self._runner = runner
         self._tokenizer = tokenizer
         self._token_texts = TokenTexts(tokenizer)
@@ -253,12 +264,15 @@ class Engine:
                 kv_block_size=blocks.block_size,
                 kv_blocks_total=blocks.num_blocks,
                 kv_blocks_used=blocks.used,
+                fast_path=getattr(self._runner, "fast_path", None),
+                graph_replays=getattr(getattr(self._runner, "graphs", None), "replays", 0),
                 counters=replace(self.counters, time_to_first_token=self.counters.time_to_first_token.copy()),
             )
 
     # --------------------------------------------------------------- loop
 
     def _loop(self) -> None:
+        bind_device(getattr(self._runner, "device", None))  # torch's current CUDA device is per thread
         while True:
             try:
                 scheduled = self._next_plan()
@@ -285,7 +299,25 @@ class Engine:
                     self._fail(state, f"generation failed: {type(error).__name__}", outputs)
                 self._publish([state for state, _ in plan.failed], outputs)
             if not plan.empty:
-                self._step(plan)
+                try:
+                    self._step(plan)
+                except DeviceFailure as failure:
+                    self._device_failed(failure)
+                    return
+
+    def _device_failed(self, failure: DeviceFailure) -> None:
+        """Fails every request and ends the loop; the owner reports NOT_SERVING and exits."""
+        log.critical("the device failed (%s): failing every request; the engine stops", failure)
+        with self._cv:
+            everyone = [*self._scheduler.waiting, *self._scheduler.running]
+            self.device_failure = failure
+            self._stopping = True
+        outputs: dict[str, list[CoreOutput]] = {}
+        for state in everyone:
+            self._fail(state, "generation failed: the worker's device failed", outputs)
+        self._publish(everyone, outputs)
+        if self._on_device_failure is not None:
+            self._on_device_failure(failure)
 
     def _next_plan(self) -> tuple[StepPlan[_RequestState], list[_RequestState]] | None:
         """Waits for work, applies control messages and plans the next step (None once stopping); also
@@ -390,10 +422,15 @@ class Engine:
         owners: dict[int, tuple[_RequestState, _Choice]],
         outputs: dict[str, list[CoreOutput]],
     ) -> None:
-        """The step's forward (see docs/worker.md for what a failure fails), then sampling."""
+        """The step's forward (see docs/worker.md for what a failure fails), then sampling; raises
+        :class:`DeviceFailure` when the device failed."""
+        if all(w.count == 1 for w in work):
+            self.counters.decode_only_steps += 1
         try:
             logits = self._runner.execute([_runner_work(w) for w in work])
         except Exception as exc:
+            if is_fatal_device_error(exc):
+                raise DeviceFailure(f"{type(exc).__name__}: {exc}") from exc
             log.exception("forward failed")
             chunks = [w for w in work if w.count > 1]
             decodes = [w for w in work if w.count == 1]
@@ -408,6 +445,8 @@ class Engine:
             try:
                 logits = self._runner.execute([_runner_work(w) for w in work])
             except Exception as again:
+                if is_fatal_device_error(again):
+                    raise DeviceFailure(f"{type(again).__name__}: {again}") from again
                 log.exception("decode forward failed")
                 for state in {id(s): s for s in (owners[id(w.seq)][0] for w in work)}.values():
                     self._fail(state, f"generation failed: {type(again).__name__}", outputs)
@@ -477,6 +516,8 @@ class Engine:
             for row in exc.rows:
                 failed[rows[row][0].key] = "generation failed: the grammar could not be applied"
         except Exception as exc:  # a sampling bug: these rows cannot go on, the cache is fine
+            if is_fatal_device_error(exc):
+                raise DeviceFailure(f"{type(exc).__name__}: {exc}") from exc
             log.exception("sampling failed")
             for state in {id(s): s for s, _ in rows}.values():
                 self._fail(state, f"generation failed: {type(exc).__name__}", outputs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from sluice.prometheus import Histogram
+from worker.types import FastPath
 
 
 @dataclass
@@ -20,6 +21,7 @@ class EngineCounters:
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     preemptions: int = 0  # requests sent back to the queue for blocks (recomputed later)
     steps: int = 0
+    decode_only_steps: int = 0  # steps whose every row decodes one token (CUDA: replayed from a graph)
     time_to_first_token: Histogram = field(default_factory=Histogram)
 
 
@@ -38,6 +40,8 @@ class EngineStats:
     kv_block_size: int = 1
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
+    fast_path: FastPath | None = None  # CUDA only: which parts of the decode fast path are on
+    graph_replays: int = 0  # decode steps replayed from a CUDA graph
 
     @property
     def kv_cache_usage(self) -> float:

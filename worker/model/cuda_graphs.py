@@ -8,17 +8,23 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from worker.attention import paged, triton_decode
-from worker.attention.decode_kernel import decode_kernel
+from worker.attention.decode_kernel import DecodeKernel, decode_kernel
 from worker.attention.kv_pool import KVPool, KVShape
 from worker.model.step_inputs import Work, decode_tables
 from worker.model.step_inputs import slots as token_slots
 
 log = logging.getLogger(__name__)
+
+EAGER_COST = (
+    "decode runs eagerly, without CUDA graphs (one kernel launch per operator: several times "
+    "slower per decode step at small batches)"
+)
 
 
 class GraphedRunner(Protocol):
@@ -34,6 +40,16 @@ class GraphedRunner(Protocol):
     pool: KVPool
 
     def execute(self, work: Sequence[Work]) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class CapturedStep:
+    """One bucket's graph with everything its replays write or read besides the shared inputs:
+    the logits it fills and the decode kernel (whose split-K scratch the graph writes)."""
+
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor
+    kernel: DecodeKernel
 
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
@@ -56,8 +72,8 @@ class DecodeGraphs:
         self.tables = torch.zeros((rows, self.width), dtype=torch.int32, device=device)
         self.lengths = torch.zeros((rows,), dtype=torch.int32, device=device)
         self.scratch_slot = runner.scratch_block * size
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self.captured: dict[int, CapturedStep] = {}
+        self.replays = 0  # decode steps served by a replay (a metric; the GPU check compares it)
 
     def fits(self, rows: int) -> bool:
         return rows <= self.max_rows
@@ -74,14 +90,13 @@ class DecodeGraphs:
             query_like = torch.empty(
                 (rows, heads, shape.head_dim), dtype=shape.dtype, device=self.runner.device
             )
+            kernel = decode_kernel(rows, shape.kv_heads, self.width, self.runner.block_size, query_like)
             step = paged.PagedStep(
                 pool=self.runner.pool,
                 slots=self.slots[:rows],
                 decode_tables=self.tables[:rows],
                 decode_lengths=self.lengths[:rows],
-                decode_kernel=decode_kernel(
-                    rows, shape.kv_heads, self.width, self.runner.block_size, query_like
-                ),
+                decode_kernel=kernel,
             )
             ids, positions = self.ids[:rows], self.positions[:rows]
             with paged.paged_step(step), torch.inference_mode():
@@ -96,8 +111,8 @@ class DecodeGraphs:
                     logits = (
                         model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, -1].float()
                     )
-            self._graphs[rows] = graph
-            self._logits[rows] = logits
+            # The graph writes the kernel's scratch on every replay: it lives as long as the graph.
+            self.captured[rows] = CapturedStep(graph, logits, kernel)
         torch.cuda.synchronize()
         log.info(
             "captured decode CUDA graphs for %d batch sizes (up to %d rows) in %.1fs",
@@ -125,15 +140,17 @@ class DecodeGraphs:
             torch.tensor(lengths + [0] * padding, dtype=torch.int32), non_blocking=True
         )
         self.tables[:bucket].copy_(table.to(device, non_blocking=True))
-        self._graphs[bucket].replay()
-        return self._logits[bucket][:rows]
+        captured = self.captured[bucket]
+        captured.graph.replay()
+        self.replays += 1
+        return captured.logits[:rows]
 
 
 def capture_decode_graphs(runner: GraphedRunner, max_rows: int, context_length: int) -> DecodeGraphs | None:
-    """Captured graphs for decode steps of up to ``max_rows`` rows, or None (eager decode, logged
-    with the reason) when triton is missing or capture fails."""
+    """Captured graphs for decode steps of up to ``max_rows`` rows, or None (eager decode, logged at
+    ERROR with the reason and its cost) when triton is missing or capture fails."""
     if not triton_decode.triton_available():
-        log.warning("triton is not installed: decode runs eagerly, without CUDA graphs")
+        log.error("triton is not installed: %s", EAGER_COST)
         return None
     graphs = DecodeGraphs(runner, max_rows, context_length)
     try:
@@ -143,9 +160,9 @@ def capture_decode_graphs(runner: GraphedRunner, max_rows: int, context_length: 
         replayed = graphs.run(work).clone()
         eager = runner.execute(work)
     except Exception:
-        log.exception("capturing decode CUDA graphs failed: decode runs eagerly")
+        log.exception("capturing decode CUDA graphs failed: %s", EAGER_COST)
         return None
     if not torch.allclose(replayed, eager, rtol=1e-2, atol=1e-2 * float(eager.abs().max()) + 1e-3):
-        log.error("a replayed decode graph disagrees with the eager step: decode runs eagerly")
+        log.error("a replayed decode graph disagrees with the eager step: %s", EAGER_COST)
         return None
     return graphs

@@ -10,15 +10,14 @@ from collections.abc import Sequence
 import torch
 
 from worker.attention import paged
-from worker.attention.decode_kernel import decode_kernel, kernel_works
+from worker.attention.decode_kernel import decode_kernel, kernel_problem
 from worker.attention.kv_pool import KVPool, KVShape, kv_shape
-from worker.attention.triton_decode import triton_available
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError
 from worker.model.step_inputs import FlatTokens, Work, decode_tables, slots
 from worker.quant.layers import row_invariant_linears
-from worker.types import SampledLogprobs
+from worker.types import FastPath, SampledLogprobs
 
 
 def check_batch_invariant(loaded: LoadedModel) -> None:
@@ -65,16 +64,23 @@ class ModelRunner:
         self.pool = KVPool(self.kv_shape, num_blocks + 1, block_size, self.device)
         self.scratch_block = num_blocks
         self.graphs: DecodeGraphs | None = None  # set once captured (CUDA)
+        self.fast_path: FastPath | None = None  # set at start-up on CUDA (a metric)
         self.batch_invariant = batch_invariant
         if batch_invariant:
             check_batch_invariant(loaded)
-        # On CUDA with triton, decode rows use the Triton kernel (no gather), graphs or not, once it
-        # passed its start-up check (worker.attention.decode_kernel.kernel_works).
-        self._use_kernel = bool(triton_decode)
-        if triton_decode is None and self.device.type == "cuda" and triton_available():
-            self._use_kernel = kernel_works(
-                self.kv_shape, self.group, self.block_size, self.device, self.attention.softcap
-            )
+        # On CUDA, decode rows use the Triton kernel (no gather), graphs or not, once it passed its
+        # start-up check (worker.attention.decode_kernel.kernel_problem: why not, logged at ERROR);
+        # ``triton_decode`` forces the choice (tests run the kernel through triton's interpreter).
+        self.kernel_problem: str | None = None
+        if triton_decode is None:
+            if self.device.type == "cuda":
+                softcap = self.attention.softcap
+                self.kernel_problem = kernel_problem(
+                    self.kv_shape, self.group, self.block_size, self.device, softcap
+                )
+            self._use_kernel = self.device.type == "cuda" and self.kernel_problem is None
+        else:
+            self._use_kernel = triton_decode
 
     @property
     def decode_kernel_enabled(self) -> bool:

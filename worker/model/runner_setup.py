@@ -11,13 +11,15 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.attention.kv_pool import kv_shape, pool_blocks
+from worker.attention import paged
+from worker.attention.kv_pool import KVPool, kv_shape, pool_blocks
 from worker.config import WorkerConfig
 from worker.model.cuda_graphs import capture_decode_graphs
 from worker.model.fake_runner import DEFAULT_TOKENS, FakeRunner
-from worker.model.loader import LoadedModel
+from worker.model.loader import LoadedModel, ModelLoadError
 from worker.model.runner import ModelRunner
-from worker.model.step_inputs import Work
+from worker.model.step_inputs import FlatTokens, Work
+from worker.types import FastPath
 
 log = logging.getLogger(__name__)
 
@@ -64,11 +66,17 @@ def fake_runner(loaded: LoadedModel, config: WorkerConfig) -> FakeRunner:
 
 
 def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner, BatchLimits]:
-    """Sizes the pool, builds the runner and warms it up (captures CUDA graphs on CUDA)."""
+    """Sizes the pool, builds the runner and warms it up (captures CUDA graphs on CUDA); with
+    ``--require-cuda-graphs``, raises :class:`ModelLoadError` rather than fall back to a slower path."""
     device = loaded.device
+    if config.require_cuda_graphs and (device.type != "cuda" or not config.cuda_graphs):
+        why = "--no-cuda-graphs was given" if device.type == "cuda" else f"the device is {device}"
+        raise ModelLoadError(
+            f"--require-cuda-graphs needs CUDA graphs, but {why}", param="require_cuda_graphs"
+        )
     budget = prefill_tokens(config, device)
     if device.type == "cuda":
-        _take_activation_memory(loaded, budget)
+        take_activation_memory(loaded, budget, config.kv_block_size)
     shape = kv_shape(loaded.model.config, loaded.dtype)
     blocks = pool_blocks(
         shape,
@@ -81,10 +89,22 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
     runner = ModelRunner(
         loaded, num_blocks=blocks, block_size=config.kv_block_size, batch_invariant=config.batch_invariant
     )
+    if config.require_cuda_graphs and not runner.decode_kernel_enabled:
+        raise ModelLoadError(
+            f"--require-cuda-graphs: the Triton decode kernel is off ({runner.kernel_problem})",
+            param="require_cuda_graphs",
+        )
     limits = batch_limits(config, device, blocks * config.kv_block_size)
     warm_up(runner)
-    if device.type == "cuda" and config.cuda_graphs and runner.decode_kernel_enabled:
-        runner.graphs = capture_decode_graphs(runner, limits.max_running, loaded.context_length)
+    if device.type == "cuda":
+        if config.cuda_graphs and runner.decode_kernel_enabled:
+            runner.graphs = capture_decode_graphs(runner, limits.max_running, loaded.context_length)
+        runner.fast_path = FastPath(kernel=runner.decode_kernel_enabled, graphs=runner.graphs is not None)
+        if config.require_cuda_graphs and runner.graphs is None:
+            raise ModelLoadError(
+                "--require-cuda-graphs: capturing the decode CUDA graphs failed (the error above)",
+                param="require_cuda_graphs",
+            )
     log.info(
         "batch limits: %d running sequences, %d prompt tokens per step",
         limits.max_running,
@@ -94,12 +114,40 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
 
 
 @torch.inference_mode()
-def _take_activation_memory(loaded: LoadedModel, tokens: int) -> None:
-    """One cacheless forward of a full prefill budget, so the pool is sized from what is left."""
-    ids = torch.zeros((1, min(tokens, loaded.context_length)), dtype=torch.long, device=loaded.device)
-    loaded.model(input_ids=ids, use_cache=False, logits_to_keep=1)
-    torch.cuda.synchronize(loaded.device)
-    torch.cuda.empty_cache()
+def take_activation_memory(loaded: LoadedModel, tokens: int, block_size: int) -> None:
+    """One forward of a full prefill budget as a prompt chunk continuing a cached prefix, through the
+    paged attention in a pool of its own (the path and SDPA kernels serving takes), so the pool is
+    sized from what is left."""
+    device = loaded.device
+    count = max(1, min(tokens, loaded.context_length - block_size))
+    context = min(loaded.context_length, count + max(block_size, count))
+    shape = kv_shape(loaded.model.config, loaded.dtype)
+    blocks = -(-context // block_size)
+    pool = KVPool(shape, blocks, block_size, device)
+    heads = int(loaded.model.config.get_text_config().num_attention_heads)
+    work = Work([0] * count, context - count, list(range(blocks)), True)
+    flat = FlatTokens.of([work], block_size)
+    chunk = paged.Chunk(
+        0,
+        count,
+        context,
+        torch.arange(blocks, dtype=torch.long, device=device),
+        heads // shape.kv_heads,
+    )
+    step = paged.PagedStep(pool=pool, slots=flat.slot_tensor(device), chunks=[chunk])
+    paged.register()
+    loaded.model.set_attn_implementation(paged.NAME)
+    with paged.paged_step(step):
+        loaded.model(
+            input_ids=torch.tensor([flat.ids], dtype=torch.long, device=device),
+            position_ids=torch.tensor([flat.positions], dtype=torch.long, device=device),
+            use_cache=False,
+            logits_to_keep=1,
+        )
+    del pool, step, chunk
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 def warm_up(runner: ModelRunner) -> None:

@@ -158,6 +158,18 @@ def check_variant(split_k: bool, window: int | None, softcap: float | None, sink
     assert torch.all(result[1] == 0)  # the padding row
 
 
+def check_without_knobs() -> None:
+    """A Triton without ``triton.knobs`` (before 3.4): the interpreter is read from the environment."""
+    import triton
+
+    knobs = triton.__dict__.pop("knobs", None)
+    try:
+        check_against_reference(4, 4, 64, torch.float32, False, 16)
+    finally:
+        if knobs is not None:
+            triton.knobs = knobs
+
+
 # name -> a check that raises when the kernel (interpreted) is wrong.
 INTERPRETER_CHECKS: dict[str, Callable[[], None]] = {
     # SmolLM2-135M's group of 3
@@ -181,6 +193,7 @@ INTERPRETER_CHECKS: dict[str, Callable[[], None]] = {
     "sinks-single": partial(check_variant, False, None, None, True),
     "sinks-split": partial(check_variant, True, None, None, True),
     "window-softcap-sinks-split": partial(check_variant, True, 5, 2.0, True),
+    "no-triton-knobs": check_without_knobs,
 }
 
 

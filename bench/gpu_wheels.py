@@ -1,0 +1,105 @@
+"""Puts what the GPU machine lacks into .gpu/ (ignored by git): wheels for its Python 3.12 and the
+default model's tokenizer files, so `make gpu-check` runs there from this checkout alone.
+
+Usage::
+
+    python bench/gpu_wheels.py            # make gpu-wheels
+
+The device image (read 2026-11-17) has torch 2.11, triton 3.6, transformers 5.17, grpcio,
+protobuf, prometheus-client, httpx, uvloop and pytest; the worker and the check also need the
+packages in MISSING, pinned to the versions installed here. Everything must fit in 64 MiB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LIMIT_BYTES = 64 << 20
+# What the device image lacks (with the dependencies those bring that it lacks too).
+MISSING = (
+    "gguf",
+    "llguidance",
+    "quart",
+    "hypercorn",
+    "pydantic",
+    "pydantic-core",
+    "annotated-types",
+    "typing-inspection",
+    "orjson",
+    "grpcio-health-checking",
+    "grpcio-reflection",
+    "pytest-asyncio",
+)
+PLATFORMS = (
+    "manylinux_2_34_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
+                   "generation_config.json")  # fmt: skip
+
+
+def pins(names: tuple[str, ...], version: object = importlib.metadata.version) -> list[str]:
+    """``name==version`` for each package, at the version installed here (so the device runs what
+    the tests here ran); a package not installed here is left unpinned."""
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name}=={version(name)}")  # type: ignore[operator]
+        except importlib.metadata.PackageNotFoundError:
+            found.append(name)
+    return found
+
+
+def download_command(requirements: list[str], folder: Path) -> list[str]:
+    """pip's command that downloads exactly ``requirements`` (no dependencies) as CPython 3.12 wheels."""
+    platforms = [arg for platform in (*PLATFORMS, "any") for arg in ("--platform", platform)]
+    return [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+            "--python-version", "3.12", "--implementation", "cp", *platforms, "-d", str(folder),
+            *requirements]  # fmt: skip
+
+
+def total_bytes(folder: Path) -> int:
+    return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=REPO / ".gpu")
+    args = parser.parse_args()
+    wheels, tokenizer = args.out / "wheels", args.out / "tok"
+    shutil.rmtree(wheels, ignore_errors=True)
+    wheels.mkdir(parents=True)
+    tokenizer.mkdir(parents=True, exist_ok=True)
+    for requirement in pins(MISSING):
+        if subprocess.run(download_command([requirement], wheels), check=False).returncode:
+            name = requirement.split("==")[0]  # no wheel of that version for the device: the newest
+            print(f"{requirement}: no CPython 3.12 wheel; taking the newest {name}", file=sys.stderr)
+            subprocess.run(download_command([name], wheels), check=True)
+    sys.path.insert(0, str(REPO))
+    from worker.config import DEFAULT_CACHE_DIR
+    from worker.model.loader import converted_gguf_folder, default_gguf_path
+
+    source = converted_gguf_folder(default_gguf_path(), DEFAULT_CACHE_DIR)
+    for name in TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy(source / name, tokenizer / name)
+    size = total_bytes(args.out)
+    print(f"{args.out}: {len(list(wheels.glob('*.whl')))} wheels and the tokenizer, {size / 2**20:.1f} MiB")
+    if size > LIMIT_BYTES:
+        print(f"over the {LIMIT_BYTES >> 20} MiB that may travel to the device", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""The GPU check's CPU-side parts: arguments, the metrics it reads, the greedy verdict, the summary,
+and the wheel list (no GPU, no network)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from gpu_check import Step, compare_greedy, fast_path_problems, parse_args, parse_metrics, summary
+from gpu_wheels import MISSING, download_command, pins
+
+METRICS = """# HELP sluice_worker_fast_path 1 when on
+sluice_worker_fast_path{model="m",part="kernel"} 1.0
+sluice_worker_fast_path{model="m",part="graphs"} 1.0
+sluice_worker_decode_only_steps_total{model="m"} 40.0
+sluice_worker_decode_graph_replays_total{model="m"} 40.0
+"""
+
+
+def test_metrics_are_read_and_a_healthy_fast_path_passes() -> None:
+    samples = parse_metrics(METRICS)
+    assert samples['sluice_worker_fast_path{part="kernel"}'] == 1.0
+    assert fast_path_problems(samples) == []
+
+
+def test_an_off_part_or_a_step_without_a_replay_fails() -> None:
+    text = METRICS.replace('part="graphs"} 1.0', 'part="graphs"} 0.0').replace(
+        'replays_total{model="m"} 40', 'replays_total{model="m"} 39'
+    )
+    assert fast_path_problems(parse_metrics(text)) == [
+        "graphs is off",
+        "39 graph replays for 40 decode-only steps",
+    ]
+    assert fast_path_problems({}) == ["kernel is off", "graphs is off", "no decode-only step ran"]
+
+
+def test_a_divergence_at_a_near_tie_is_not_a_failure() -> None:
+    assert compare_greedy([1, 2, 3], [1, 2, 3], [1.0, 1.0, 1.0]).ok
+    tie = compare_greedy([1, 2, 9], [1, 2, 3], [1.0, 1.0, 0.01])
+    assert tie.ok and "near-tie at token 2" in tie.detail
+    real = compare_greedy([1, 9, 3], [1, 2, 3], [1.0, 2.5, 1.0])
+    assert not real.ok and "diverged at token 1" in real.detail
+    assert not compare_greedy([1, 2], [1, 2, 3], [1.0] * 3).ok
+
+
+def test_the_summary_fails_when_any_step_failed() -> None:
+    table, status = summary([Step("versions", True), Step("CUDA tests", False, "exit 1")])
+    assert status == 1 and "| CUDA tests | FAILED | exit 1 |" in table
+    assert summary([Step("versions", True)])[1] == 0
+
+
+def test_arguments() -> None:
+    args = parse_args(["--skip-bench", "--tokens", "16"])
+    assert args.skip_bench and args.tokens == 16 and args.levels == "1,16,64,256"
+
+
+def test_the_wheels_are_exactly_what_the_device_lacks_for_python_3_12(tmp_path: Path) -> None:
+    for name in ("gguf", "llguidance", "quart", "hypercorn", "pydantic", "orjson", "grpcio-health-checking",
+                 "grpcio-reflection"):  # fmt: skip
+        assert name in MISSING
+    assert not {"torch", "triton", "transformers", "grpcio", "protobuf"} & set(MISSING)
+
+    def version(name: str) -> str:
+        if name != "gguf":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "1.0"
+
+    assert pins(("gguf", "nope"), version=version) == ["gguf==1.0", "nope"]
+    command = download_command(["gguf==1.0"], tmp_path)
+    assert command[command.index("--python-version") + 1] == "3.12" and "--no-deps" in command

@@ -1,0 +1,130 @@
+"""The CUDA path on a GPU (`make gpu-check` runs these; without CUDA they skip, saying why, and with
+SLUICE_REQUIRE_CUDA=1 that skip is a failure): graphs against eager, the sampler, sizing, cuda:N."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from worker.attention.triton_decode import triton_available
+from worker.model.runner import ModelRunner
+from worker.model.step_inputs import Work
+from worker.sampling.sampler import SequenceSampling, sample_batch
+from worker.types import SamplingOptions
+
+HAVE_CUDA = torch.cuda.is_available() and triton_available()
+if os.environ.get("SLUICE_REQUIRE_CUDA") == "1" and not HAVE_CUDA:
+    raise RuntimeError("SLUICE_REQUIRE_CUDA=1 but CUDA or triton is missing: the CUDA tests cannot run")
+pytestmark = pytest.mark.skipif(
+    not HAVE_CUDA, reason="needs a CUDA device and triton (make gpu-check runs these)"
+)
+ROWS = (1, 3, 16, 17, 100, 256)
+
+
+def cuda_runner(device: str = "cuda", max_rows: int = 256) -> ModelRunner:
+    from worker.model.cuda_graphs import capture_decode_graphs
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).to(device=device, dtype=torch.bfloat16).eval()
+    loaded = SimpleNamespace(
+        model=model, device=torch.device(device), dtype=torch.bfloat16, context_length=1024
+    )
+    runner = ModelRunner(loaded, num_blocks=max_rows * 4 + 8, block_size=16)  # type: ignore[arg-type]
+    assert runner.decode_kernel_enabled, runner.kernel_problem
+    runner.graphs = capture_decode_graphs(runner, max_rows, 1024)
+    assert runner.graphs is not None
+    return runner
+
+
+@pytest.fixture(scope="module")
+def runner() -> ModelRunner:
+    return cuda_runner()
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_a_replayed_step_equals_the_eager_step(runner: ModelRunner, rows: int) -> None:
+    work = []
+    for row in range(rows):  # contexts of 1..60 tokens over each row's own 4 blocks
+        table = [row * 4 + b for b in range(4)]
+        prompt = [(row * 7 + t) % 500 + 1 for t in range(row % 60 + 1)]
+        runner.execute([Work(prompt, 0, table, True)])
+        work.append(Work([5], len(prompt), table, True))
+    graphs = runner.graphs
+    assert graphs is not None
+    before = graphs.replays
+    replayed = runner.execute(work).clone()
+    assert graphs.replays == before + 1
+    runner.graphs = None
+    try:
+        eager = runner.execute(work)
+    finally:
+        runner.graphs = graphs
+    torch.testing.assert_close(replayed, eager, atol=5e-2 * float(eager.abs().max()), rtol=5e-2)
+
+
+OPTIONS = {
+    "greedy": SamplingOptions(temperature=0.0),
+    "temperature": SamplingOptions(temperature=0.7, seed=1),
+    "top_p": SamplingOptions(top_p=0.5, seed=1),
+    "top_k": SamplingOptions(top_k=5, seed=1),
+    "min_p": SamplingOptions(min_p=0.2, seed=1),
+    "penalties": SamplingOptions(presence_penalty=1.0, frequency_penalty=0.5, repetition_penalty=1.3, seed=1),
+    "logit_bias": SamplingOptions(logit_bias=((7, 100.0),), seed=1),
+    "logprobs": SamplingOptions(logprobs=3, seed=1),
+    "min_tokens": SamplingOptions(min_tokens=2, seed=1),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIONS))
+def test_the_sampler_on_cuda_draws_what_it_draws_on_the_cpu(name: str) -> None:
+    torch.manual_seed(3)
+    logits = torch.randn(4, 64)
+    rows = [SequenceSampling(OPTIONS[name], (1, 2, 3), frozenset({0})) for _ in range(4)]
+    for row in rows:
+        row.seed = 11
+    on_cpu = sample_batch(logits, rows)
+    on_gpu = sample_batch(logits.cuda(), rows)
+    assert [s.token_id for s in on_gpu] == [s.token_id for s in on_cpu]
+
+
+def test_the_pool_takes_the_set_fraction_of_free_memory() -> None:
+    from worker.attention.kv_pool import KVShape, pool_blocks
+
+    shape = KVShape(num_layers=24, kv_heads=32, head_dim=64, dtype=torch.bfloat16)
+    free, _ = torch.cuda.mem_get_info()
+    blocks = pool_blocks(
+        shape, 16, torch.device("cuda"), tokens=None, cpu_bytes=1 << 30, gpu_memory_fraction=0.5
+    )
+    per_block = 2 * shape.num_layers * 16 * shape.kv_heads * shape.head_dim * 2
+    assert 0.4 * free <= blocks * per_block <= 0.55 * free
+
+
+def test_an_explicit_device_index_serves_on_that_device() -> None:
+    index = torch.cuda.device_count() - 1  # cuda:1 where there are two devices
+    runner = cuda_runner(f"cuda:{index}", max_rows=4)
+    logits = runner.execute([Work([1, 2, 3], 0, [0], True)])
+    assert logits.device == torch.device(f"cuda:{index}")
+
+
+def test_host_syncs_and_cuda_calls_per_replayed_step(runner: ModelRunner) -> None:
+    """Printed for the report: CUDA API calls and synchronisations of one replayed 64-row step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    work = [Work([5], 3, [row * 4], True) for row in range(64)]
+    runner.execute(work)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        runner.execute(work)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.name.startswith("cuda")]
+    syncs = sum("Synchronize" in n for n in names) - 1  # the one above
+    print(f"\nper replayed 64-row step: {len(names)} CUDA API calls, {syncs} host syncs, "
+          f"{sum(n == 'cudaGraphLaunch' for n in names)} graph launches")  # fmt: skip
+    assert sum(n == "cudaGraphLaunch" for n in names) == 1
