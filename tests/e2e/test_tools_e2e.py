@@ -155,7 +155,7 @@ def test_json_schema_response_parses_into_a_model(client):
 def test_json_object_response_is_a_json_object(client):
     reply = client.chat.completions.create(
         model=MODEL,
-        max_tokens=200,
+        max_tokens=64,  # valid JSON or a valid JSON prefix either way (checked below)
         temperature=0,
         response_format={"type": "json_object"},
         messages=[{"role": "user", "content": "Describe a cat as JSON."}],
