@@ -11,7 +11,10 @@ and, in engines before the output processor existed, detokenizing, stop strings,
 event building). For each row count R, R greedy requests of ``--tokens`` tokens run at once.
 Printed per R: steps, engine-thread time per step inside ``Engine._step`` (mean and p95), and,
 where the engine has one, the output processing time per step spent on the event loop
-(``RequestStream._process``), which overlaps the next step.
+(``RequestStream._process``), which overlaps the next step. ``--part host`` times instead the host
+work of a sampled decode step without model or engine: decode inputs and sampling (temperature,
+top_p, repetition penalty, a grammar mask) over a ``--vocab`` of 32 tokens, so tensor math (device
+work on a GPU) is negligible and what is timed is the host's.
 """
 
 from __future__ import annotations
@@ -65,6 +68,54 @@ async def run(engine: Engine, rows: int, tokens: int) -> None:
     await asyncio.gather(*[one(i) for i in range(rows)])
 
 
+class _AllowAll:
+    """A grammar stand-in that allows every token (its mask is what the sampler applies)."""
+
+    def __init__(self, vocab: int):
+        self.mask_words = -(-vocab // 32)
+
+    def fill_mask(self, row: torch.Tensor) -> None:
+        row.fill_(-1)
+
+    def advance(self, token_id: int) -> None:
+        pass
+
+
+def host_step_times(rows: int, steps: int, vocab: int = 32, context: int = 512) -> list[float]:
+    """Seconds per step of a sampled decode step's host work at ``rows`` rows (no model)."""
+    from worker.model import step_inputs
+    from worker.sampling.sampler import SequenceSampling, sample_batch
+
+    block = 16
+    rng = torch.Generator().manual_seed(0)
+    tables = [torch.randperm(1 << 16, generator=rng)[:128].tolist() for _ in range(rows)]
+    options = SamplingOptions(temperature=0.8, top_p=0.9, repetition_penalty=1.1, seed=1)
+    prompt = tuple(torch.randint(0, vocab, (context,), generator=rng).tolist())
+    sampling = [SequenceSampling(options, prompt, frozenset(), seed_offset=i) for i in range(rows)]
+    for row in sampling:
+        row.constraint = _AllowAll(vocab)  # type: ignore[assignment]
+    logits = torch.randn((rows, vocab), generator=rng)
+    cpu = torch.device("cpu")
+    times = []
+    for step in range(steps):
+        start = time.perf_counter()
+        work = [step_inputs.Work((5,), context + step, tables[i], True, step) for i in range(rows)]
+        if hasattr(step_inputs, "decode_inputs"):
+            step_inputs.decode_inputs(work, block, cpu, torch.long)
+        else:  # the runner's code before decode_inputs existed
+            width = -(-max(w.start + 1 for w in work) // block)
+            step_inputs.decode_tables(work, block, rows, width, torch.long)
+            torch.tensor([w.start + 1 for w in work], dtype=torch.long, device=cpu)
+            flat = [s for w in work for s in step_inputs.slots(w, block)]
+            torch.tensor(flat, dtype=torch.long, device=cpu)
+            torch.tensor([[w.tokens[0]] for w in work], dtype=torch.long, device=cpu)
+            torch.tensor([[w.start] for w in work], dtype=torch.long, device=cpu)
+        for row, sample in zip(sampling, sample_batch(logits, sampling), strict=True):
+            row.record(sample.token_id)
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -72,12 +123,23 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--part", choices=("engine", "host"), default="engine")
+    parser.add_argument("--vocab", type=int, default=32, help="--part host: the logits' vocabulary")
     # An older checkout (PYTHONPATH) may not have DEFAULT_CACHE_DIR: then pass --cache-dir.
     parser.add_argument("--cache-dir", type=Path, default=getattr(worker_config, "DEFAULT_CACHE_DIR", None))
     args = parser.parse_args()
     if args.cache_dir is None:
         parser.error("this checkout has no DEFAULT_CACHE_DIR: pass --cache-dir")
     torch.set_num_threads(1)
+    if args.part == "host":
+        for rows in [int(r) for r in args.rows.split(",")]:
+            best = min(
+                (host_step_times(rows, args.tokens, args.vocab) for _ in range(args.rounds)),
+                key=statistics.mean,
+            )
+            p95_ms = sorted(best)[int(0.95 * (len(best) - 1))] * 1e3
+            print(f"rows {rows:3d}: host work {statistics.mean(best) * 1e3:.2f} ms/step (p95 {p95_ms:.2f})")
+        return
     loaded = load_fake_model(None, served_model_name=None, cache_dir=args.cache_dir)
     print(f"engine from {Path(engine_module.__file__).resolve().parent.parent}")
     for rows in [int(r) for r in args.rows.split(",")]:

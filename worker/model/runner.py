@@ -15,7 +15,7 @@ from worker.attention.kv_pool import KVPool, KVShape, kv_shape
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError
-from worker.model.step_inputs import FlatTokens, Work, decode_tables, slots
+from worker.model.step_inputs import DecodeInputs, FlatTokens, Work, decode_inputs
 from worker.quant.layers import row_invariant_linears
 from worker.types import FastPath, SampledLogprobs
 
@@ -107,16 +107,19 @@ class ModelRunner:
             return logits[torch.tensor(wanted, device=logits.device)]
         return self._mixed(work)
 
-    def _decode_rows(self, step: paged.PagedStep, work: Sequence[Work]) -> None:
+    def _decode_rows(
+        self, step: paged.PagedStep, work: Sequence[Work], inputs: DecodeInputs | None = None
+    ) -> None:
         """Fills ``step``'s decode rows (one query token each) for these items: block tables and
         lengths, and the gather's mask or, on CUDA with triton, the decode kernel."""
         rows = len(work)
-        lengths = [item.start + 1 for item in work]
-        width = -(-max(lengths) // self.block_size)
         kernel = self._use_kernel
         index_type = torch.int32 if kernel else torch.long
-        step.decode_tables = decode_tables(work, self.block_size, rows, width, index_type).to(self.device)
-        step.decode_lengths = torch.tensor(lengths, dtype=index_type, device=self.device)
+        if inputs is None:
+            inputs = decode_inputs(work, self.block_size, self.device, index_type)
+        width = inputs.tables.shape[1]
+        step.decode_tables = inputs.tables
+        step.decode_lengths = inputs.lengths
         if kernel:
             shape = self.kv_shape
             heads = shape.kv_heads * self.group
@@ -128,16 +131,12 @@ class ModelRunner:
     def _decode(self, work: Sequence[Work]) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(len(work)):
             return self.graphs.run(work)
-        device = self.device
-        flat_slots = [s for item in work for s in slots(item, self.block_size)]
-        step = paged.PagedStep(
-            pool=self.pool, slots=torch.tensor(flat_slots, dtype=torch.long, device=device)
-        )
-        self._decode_rows(step, work)
-        ids = torch.tensor([[item.tokens[0]] for item in work], dtype=torch.long, device=device)
-        positions = torch.tensor([[item.start] for item in work], dtype=torch.long, device=device)
+        index_type = torch.int32 if self._use_kernel else torch.long
+        inputs = decode_inputs(work, self.block_size, self.device, index_type)
+        step = paged.PagedStep(pool=self.pool, slots=inputs.slots)
+        self._decode_rows(step, work, inputs)
         with paged.paged_step(step):
-            out = self.model(input_ids=ids, position_ids=positions, use_cache=False)
+            out = self.model(input_ids=inputs.ids, position_ids=inputs.positions, use_cache=False)
         return out.logits[:, -1].float()
 
     def _mixed(self, work: Sequence[Work]) -> torch.Tensor:

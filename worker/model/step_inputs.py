@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,16 +31,62 @@ def slots(item: Work, block_size: int) -> list[int]:
     return [table[p // size] * size + p % size for p in range(item.start, item.start + len(item.tokens))]
 
 
+def staged(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` as a tensor on ``device``: built on the host (pinned where the device is CUDA) and
+    copied without blocking the host; on the CPU, the host tensor itself."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def _table_rows(work: Sequence[Work], block_size: int, width: int) -> list[list[int]]:
+    """Each decode item's used blocks (its context, the current token included), padded with 0."""
+    rows = []
+    for item in work:
+        used = list(item.table[: -(-(item.start + 1) // block_size)])
+        rows.append(used + [0] * (width - len(used)))
+    return rows
+
+
 def decode_tables(
     work: Sequence[Work], block_size: int, rows: int, width: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Block tables ``[rows, width]`` (on the CPU) of decode items: row ``i`` lists the blocks that hold
     item ``i``'s context, the current token included; other entries (and rows past ``work``) are 0."""
-    tables = torch.zeros((rows, width), dtype=dtype)
-    for row, item in enumerate(work):
-        used = -(-(item.start + 1) // block_size)
-        tables[row, :used] = torch.tensor(list(item.table[:used]), dtype=dtype)
-    return tables
+    table = _table_rows(work, block_size, width) + [[0] * width] * (rows - len(work))
+    return torch.tensor(table, dtype=dtype).reshape(rows, width)
+
+
+@dataclass(frozen=True)
+class DecodeInputs:
+    """A decode-only step's inputs on the device: ids and positions ``[rows, 1]``, pool slots and
+    context lengths ``[rows]``, block tables ``[rows, width]``."""
+
+    ids: torch.Tensor
+    positions: torch.Tensor
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    tables: torch.Tensor
+
+
+def decode_inputs(
+    work: Sequence[Work], block_size: int, device: torch.device, index_type: torch.dtype
+) -> DecodeInputs:
+    """Every decode input of ``work`` (one token per item) in one host tensor and one copy."""
+    width = -(-max(item.start + 1 for item in work) // block_size)
+    tables = _table_rows(work, block_size, width)
+    size = block_size
+    host = [
+        [item.tokens[0], item.start, row[item.start // size] * size + item.start % size, item.start + 1, *row]
+        for item, row in zip(work, tables, strict=True)
+    ]
+    packed = staged(host, torch.long, device)
+    return DecodeInputs(
+        ids=packed[:, 0:1].contiguous(),
+        positions=packed[:, 1:2].contiguous(),
+        slots=packed[:, 2].contiguous(),
+        lengths=packed[:, 3].to(index_type).contiguous(),
+        tables=packed[:, 4:].to(index_type).contiguous(),
+    )
 
 
 @dataclass

@@ -5,10 +5,13 @@ Design notes: docs/worker.md.
 
 from __future__ import annotations
 
+import operator
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from worker.sampling.grammar import TokenConstraint
@@ -76,6 +79,64 @@ class GrammarFailure(Exception):
         self.samples = samples
 
 
+@dataclass
+class _Batch:
+    """One batch composition's per-row parameters as device tensors (built once, reused while the
+    same rows sample again) and its penalty state, advanced on the device by each step's draw."""
+
+    rows: tuple[SequenceSampling, ...]
+    device: torch.device
+    vocab: int
+    seeds: np.ndarray
+    params: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    indexes: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
+    seen: torch.Tensor | None = None  # [repetition rows, vocab] bool: prompt or output ids
+    counts: torch.Tensor | None = None  # [penalised rows, vocab] float: output id counts
+    # The last draw: each row's expected (output length, [token]) once recorded, and the tokens.
+    drawn: tuple[list[tuple[int, list[int]]], torch.Tensor] | None = None
+
+    def index(self, rows: list[int]) -> torch.Tensor:
+        key = tuple(rows)
+        if key not in self.indexes:
+            self.indexes[key] = _staged(rows, torch.long, self.device)
+        return self.indexes[key]
+
+    def same(self, rows: Sequence[SequenceSampling], device: torch.device, vocab: int) -> bool:
+        return (
+            device == self.device
+            and vocab == self.vocab
+            and len(rows) == len(self.rows)
+            and all(map(operator.is_, rows, self.rows))
+        )
+
+
+_last: _Batch | None = None  # the engine thread's previous batch
+
+
+def _batch(rows: Sequence[SequenceSampling], device: torch.device, vocab: int) -> _Batch:
+    global _last
+    if _last is None or not _last.same(rows, device, vocab):
+        seeds = np.array([r.seed for r in rows], dtype=np.uint64)
+        _last = _Batch(tuple(rows), device, vocab, seeds)
+    return _last
+
+
+def _staged(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``values`` on ``device`` without blocking the host: built pinned where the device is CUDA and
+    copied ``non_blocking``; on the CPU, the host tensor itself."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
+def _uniforms(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
+    """:func:`uniform` of each (seed, step) pair at once, in wrapping uint64 arithmetic."""
+    x = seeds + (steps + np.uint64(1)) * np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return (x >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
 def sample_batch(logits: torch.Tensor, rows: Sequence[SequenceSampling]) -> list[Sample]:
     """Draws one token per row of ``logits`` [rows, vocab] (row ``i`` with ``rows[i]``).
 
@@ -83,25 +144,33 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SequenceSampling]) -> list
     """
     logits = logits.float()
     count = len(rows)
+    batch = _batch(rows, logits.device, logits.shape[-1])
     asked = [i for i, r in enumerate(rows) if r.options.logprobs is not None]
-    raw = torch.log_softmax(logits[asked], dim=-1) if asked else None
-    logits, grammar_failed = _processed(logits, rows)
-    chosen = torch.empty(count, dtype=torch.long, device=logits.device)
+    raw = torch.log_softmax(logits[batch.index(asked)], dim=-1) if asked else None
+    logits, grammar_failed = _processed(logits, rows, batch)
     greedy = [i for i, r in enumerate(rows) if r.options.greedy]
-    sorting = [i for i, r in enumerate(rows) if not r.options.greedy and _needs_sort(r.options)]
-    plain = [i for i, r in enumerate(rows) if not r.options.greedy and not _needs_sort(r.options)]
     if len(greedy) == count:
         chosen = logits.argmax(dim=-1)
-    elif greedy:
-        chosen[_index(greedy, logits)] = logits[_index(greedy, logits)].argmax(dim=-1)
-    for group, draw in ((sorting, _draw_sorted), (plain, _draw_plain)):
-        if group:
-            index = _index(group, logits)
-            chosen[index] = draw(logits[index], [rows[i] for i in group])
+    else:
+        chosen = torch.empty(count, dtype=torch.long, device=logits.device)
+        if greedy:
+            chosen[batch.index(greedy)] = logits[batch.index(greedy)].argmax(dim=-1)
+        steps = np.array([len(r.output_token_ids) for r in rows], dtype=np.uint64)
+        u = _uniforms(batch.seeds, steps)
+        sorting = [i for i, r in enumerate(rows) if not r.options.greedy and _needs_sort(r.options)]
+        plain = [i for i, r in enumerate(rows) if not r.options.greedy and not _needs_sort(r.options)]
+        for name, group, draw in (("sorted", sorting, _draw_sorted), ("plain", plain, _draw_plain)):
+            if group:
+                index = batch.index(group)
+                params = _group_params(batch, name, [rows[i] for i in group], logits.shape[-1])
+                uniforms = _staged(u[group].tolist(), torch.float64, logits.device)
+                chosen[index] = draw(logits[index], params, uniforms)
     tokens = [int(t) for t in chosen.tolist()]
+    recorded = [len(r.output_token_ids) + 1 for r in rows]
+    batch.drawn = ([(n, [t]) for n, t in zip(recorded, tokens, strict=True)], chosen)
     entries: list[SampledLogprobs | None] = [None] * count
     if raw is not None:
-        picked = [tokens[i] for i in asked]
+        picked = chosen[batch.index(asked)]
         for row, entry in zip(asked, _logprob_entries(raw, picked, rows, asked), strict=True):
             entries[row] = entry
     samples = [Sample(token, entry) for token, entry in zip(tokens, entries, strict=True)]
@@ -110,73 +179,122 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SequenceSampling]) -> list
     return samples
 
 
-def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(rows, dtype=torch.long, device=like.device)
+def _group_params(
+    batch: _Batch, name: str, rows: list[SequenceSampling], vocab: int
+) -> dict[str, torch.Tensor | None]:
+    """A draw group's temperatures, top_k, top_p and min_p tensors (cached with the batch)."""
+    key = f"{name}:temperature"
+    if key not in batch.params:
+        device = batch.device
+        batch.params[key] = _staged([r.options.temperature for r in rows], torch.float32, device)[:, None]
+        top_k = [r.options.top_k if 0 < r.options.top_k < vocab else vocab for r in rows]
+        batch.params[f"{name}:top_k"] = _staged(top_k, torch.long, device)
+        batch.params[f"{name}:top_p"] = _staged([r.options.top_p for r in rows], torch.float32, device)
+        min_p = [r.options.min_p for r in rows]
+        batch.params[f"{name}:min_p"] = (
+            _staged(min_p, torch.float32, device) if any(m > 0 for m in min_p) else None
+        )
+    keys = ("temperature", "top_k", "top_p", "min_p")
+    return {k: batch.params[f"{name}:{k}"] for k in keys}
 
 
 def _needs_sort(options: SamplingOptions) -> bool:
     return options.top_k > 0 or options.top_p < 1.0
 
 
-def _processed(logits: torch.Tensor, rows: Sequence[SequenceSampling]) -> tuple[torch.Tensor, list[int]]:
-    """Logit bias, penalties, the min_tokens mask and grammar masks, each batched over the rows that
-    need it. Returns the new logits and the rows whose grammar failed."""
-    device, vocab = logits.device, logits.shape[-1]
-    bias = [(i, r.options.logit_bias) for i, r in enumerate(rows) if r.options.logit_bias]
-    repetition = [i for i, r in enumerate(rows) if r.options.repetition_penalty != 1.0]
-    counted = [
-        i
-        for i, r in enumerate(rows)
-        if r.output_token_ids and (r.options.presence_penalty or r.options.frequency_penalty)
-    ]
-    masked = [i for i, r in enumerate(rows) if r.masks_stops]
-    grammar = [i for i, r in enumerate(rows) if r.constraint is not None]
-    if not (bias or repetition or counted or masked or grammar):
-        return logits, []
-    logits = logits.clone()
-    if bias:
-        row_ids = [i for i, pairs in bias for _ in pairs]
-        token_ids = [t for _, pairs in bias for t, _ in pairs]
-        values = [v for _, pairs in bias for _, v in pairs]
-        logits.index_put_(
-            (_tensor(row_ids, device), _tensor(token_ids, device)),
-            torch.tensor(values, dtype=logits.dtype, device=device),
-            accumulate=True,
-        )
+def _penalty_state(
+    batch: _Batch, rows: Sequence[SequenceSampling], repetition: list[int], counted: list[int]
+) -> None:
+    """Brings the batch's seen-token masks and output counts up to date: by the last draw, on the
+    device, when every row recorded exactly that token since; otherwise rebuilt from the rows."""
+    device, vocab = batch.device, batch.vocab
+    drawn, batch.drawn = batch.drawn, None
+    if drawn is not None and (batch.seen is not None or batch.counts is not None):
+        expected, chosen = drawn
+        if [(len(r.output_token_ids), r.output_token_ids[-1:]) for r in rows] == expected:
+            if repetition and batch.seen is not None:
+                batch.seen.scatter_(1, chosen[batch.index(repetition)][:, None], True)
+            if counted and batch.counts is not None:
+                picked = chosen[batch.index(counted)][:, None]
+                batch.counts.scatter_add_(1, picked, torch.ones_like(picked, dtype=batch.counts.dtype))
+            return
     if repetition:
         index = _padded(
             [list(rows[i].prompt_token_ids) + rows[i].output_token_ids for i in repetition], device
         )
-        sub = logits[_tensor(repetition, device)]
-        penalty = torch.tensor(
-            [rows[i].options.repetition_penalty for i in repetition], dtype=logits.dtype, device=device
-        )[:, None]
-        seen = sub.gather(1, index)
-        sub.scatter_(1, index, torch.where(seen > 0, seen / penalty, seen * penalty))
-        logits[_tensor(repetition, device)] = sub
+        batch.seen = torch.zeros((len(repetition), vocab), dtype=torch.bool, device=device)
+        batch.seen.scatter_(1, index, True)
     if counted:
-        index = _padded([rows[i].output_token_ids for i in counted], device, pad=vocab)
-        counts = torch.zeros((len(counted), vocab + 1), dtype=logits.dtype, device=device)
-        counts.scatter_add_(1, index, torch.ones_like(index, dtype=logits.dtype))
-        counts = counts[:, :vocab]
-        frequency = torch.tensor([rows[i].options.frequency_penalty for i in counted], device=device)
-        presence = torch.tensor([rows[i].options.presence_penalty for i in counted], device=device)
-        logits[_tensor(counted, device)] -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
+        index = _padded([rows[i].output_token_ids or [vocab] for i in counted], device, pad=vocab)
+        counts = torch.zeros((len(counted), vocab + 1), dtype=torch.float32, device=device)
+        counts.scatter_add_(1, index, torch.ones_like(index, dtype=torch.float32))
+        batch.counts = counts[:, :vocab].contiguous()
+
+
+def _processed(
+    logits: torch.Tensor, rows: Sequence[SequenceSampling], batch: _Batch
+) -> tuple[torch.Tensor, list[int]]:
+    """Logit bias, penalties, the min_tokens mask and grammar masks, each batched over the rows that
+    need it. Returns the new logits and the rows whose grammar failed."""
+    device = logits.device
+    bias = [(i, r.options.logit_bias) for i, r in enumerate(rows) if r.options.logit_bias]
+    repetition = [i for i, r in enumerate(rows) if r.options.repetition_penalty != 1.0]
+    counted = [i for i, r in enumerate(rows) if r.options.presence_penalty or r.options.frequency_penalty]
+    masked = [i for i, r in enumerate(rows) if r.masks_stops]
+    grammar = [i for i, r in enumerate(rows) if r.constraint is not None]
+    if repetition or counted:
+        _penalty_state(batch, rows, repetition, counted)
+    if not (bias or repetition or counted or masked or grammar):
+        return logits, []
+    logits = logits.clone()
+    params = batch.params
+    if bias:
+        if "bias:values" not in params:
+            params["bias:rows"] = _staged([i for i, pairs in bias for _ in pairs], torch.long, device)
+            params["bias:tokens"] = _staged([t for _, pairs in bias for t, _ in pairs], torch.long, device)
+            params["bias:values"] = _staged([v for _, pairs in bias for _, v in pairs], logits.dtype, device)
+        logits.index_put_(
+            (_cached(params, "bias:rows"), _cached(params, "bias:tokens")),
+            _cached(params, "bias:values"),
+            accumulate=True,
+        )
+    if repetition and batch.seen is not None:
+        if "repetition" not in params:
+            penalties = [rows[i].options.repetition_penalty for i in repetition]
+            params["repetition"] = _staged(penalties, logits.dtype, device)[:, None]
+        penalty = _cached(params, "repetition")
+        index = batch.index(repetition)
+        sub = logits[index]
+        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[index] = torch.where(batch.seen, penalised, sub)
+    if counted and batch.counts is not None:
+        if "frequency" not in params:
+            params["frequency"] = _staged(
+                [rows[i].options.frequency_penalty for i in counted], torch.float32, device
+            )
+            params["presence"] = _staged(
+                [rows[i].options.presence_penalty for i in counted], torch.float32, device
+            )
+        counts = batch.counts
+        frequency, presence = _cached(params, "frequency"), _cached(params, "presence")
+        logits[batch.index(counted)] -= frequency[:, None] * counts + presence[:, None] * (counts > 0)
     if masked:
         row_ids = [i for i in masked for _ in rows[i].blocked_before_min]
         token_ids = [t for i in masked for t in sorted(rows[i].blocked_before_min)]
-        logits[_tensor(row_ids, device), _tensor(token_ids, device)] = float("-inf")
+        logits[_staged(row_ids, torch.long, device), _staged(token_ids, torch.long, device)] = float("-inf")
     failed: list[int] = []
     if grammar:
-        allowed, failed = _grammar_masks([rows[i] for i in grammar], vocab)
+        bitmask, failed = _grammar_bitmask([rows[i] for i in grammar], device)
         failed = [grammar[j] for j in failed]
-        sub = logits[_tensor(grammar, device)]
-        logits[_tensor(grammar, device)] = sub.masked_fill(~allowed.to(device), float("-inf"))
+        index = batch.index(grammar)
+        logits[index] = _apply_bitmask(logits[index], bitmask)
     return logits, failed
 
 
-def _tensor(values: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
+def _cached(params: dict[str, torch.Tensor | None], key: str) -> torch.Tensor:
+    value = params[key]
+    assert value is not None
+    return value
 
 
 def _padded(lists: list[list[int]], device: torch.device, pad: int | None = None) -> torch.Tensor:
@@ -184,16 +302,15 @@ def _padded(lists: list[list[int]], device: torch.device, pad: int | None = None
     row's own first id, a harmless repeat for gather/scatter of the same value)."""
     width = max(len(ids) for ids in lists)
     padded = [ids + [ids[0] if pad is None else pad] * (width - len(ids)) for ids in lists]
-    return torch.tensor(padded, dtype=torch.long, device=device)
+    return _staged(padded, torch.long, device)
 
 
-def _grammar_masks(rows: list[SequenceSampling], vocab: int) -> tuple[torch.Tensor, list[int]]:
-    """Allowed-token masks [rows, vocab] from the rows' grammars (one packed bitmask, unpacked in one
-    operation); a row whose grammar raises allows everything and is listed as failed. Logit columns
-    past the grammar's vocabulary (embedding padding) are never allowed."""
+def _grammar_bitmask(rows: list[SequenceSampling], device: torch.device) -> tuple[torch.Tensor, list[int]]:
+    """The rows' packed allowed-token bitmasks [rows, words] (int32), filled on the host and copied
+    to ``device`` without blocking; a row whose grammar raises allows everything and is listed."""
     constraints = [row.constraint for row in rows if row.constraint is not None]
     words = constraints[0].mask_words
-    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
+    bitmask = torch.full((len(rows), words), -1, dtype=torch.int32, pin_memory=device.type == "cuda")
     failed = []
     for index, constraint in enumerate(constraints):
         try:
@@ -201,62 +318,69 @@ def _grammar_masks(rows: list[SequenceSampling], vocab: int) -> tuple[torch.Tens
         except Exception:
             failed.append(index)
             bitmask[index] = -1
-    bits = (bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.reshape(len(rows), words * 32).bool()
+    return bitmask.to(device, non_blocking=True), failed
+
+
+def _apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits`` with every token the packed ``bitmask`` does not allow set to -inf, unpacked on the
+    logits' device (as llguidance's ``apply_token_bitmask_inplace``); columns past the mask's
+    vocabulary (embedding padding) are never allowed."""
+    rows, words = bitmask.shape
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask[:, :, None] >> shifts) & 1).reshape(rows, words * 32).bool()
+    vocab = logits.shape[-1]
     if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab], failed
-    return torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False), failed
+        allowed = allowed[:, :vocab]
+    else:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
-def _draw_plain(logits: torch.Tensor, rows: list[SequenceSampling]) -> torch.Tensor:
+def _draw_plain(
+    logits: torch.Tensor, params: dict[str, torch.Tensor | None], u: torch.Tensor
+) -> torch.Tensor:
     """Rows with neither top_k nor top_p: temperature, min_p, inverse CDF over the vocabulary."""
-    probs = torch.softmax(logits / _temperatures(rows, logits), dim=-1)
-    probs = _min_p(probs, probs.max(dim=-1, keepdim=True).values, rows)
-    return _inverse_cdf(probs, rows)
+    probs = torch.softmax(logits / _cached(params, "temperature"), dim=-1)
+    probs = _min_p(probs, probs.max(dim=-1, keepdim=True).values, params["min_p"])
+    return _inverse_cdf(probs, u)
 
 
-def _draw_sorted(logits: torch.Tensor, rows: list[SequenceSampling]) -> torch.Tensor:
+def _draw_sorted(
+    logits: torch.Tensor, params: dict[str, torch.Tensor | None], u: torch.Tensor
+) -> torch.Tensor:
     """Rows with top_k or top_p: one descending sort, the filters on sorted positions, the draw in
     sorted order, mapped back to token ids."""
-    ordered, order = torch.sort(logits / _temperatures(rows, logits), dim=-1, descending=True)
+    ordered, order = torch.sort(logits / _cached(params, "temperature"), dim=-1, descending=True)
     vocab = ordered.shape[-1]
-    top_k = torch.tensor(
-        [r.options.top_k if 0 < r.options.top_k < vocab else vocab for r in rows], device=logits.device
-    )
     positions = torch.arange(vocab, device=logits.device)[None, :]
-    ordered = ordered.masked_fill(positions >= top_k[:, None], float("-inf"))
+    ordered = ordered.masked_fill(positions >= _cached(params, "top_k")[:, None], float("-inf"))
     probs = torch.softmax(ordered, dim=-1)
-    top_p = torch.tensor([r.options.top_p for r in rows], dtype=probs.dtype, device=logits.device)
+    top_p = _cached(params, "top_p")
     # Keep the smallest prefix whose mass reaches top_p (always at least the first token).
     probs = probs.masked_fill(torch.cumsum(probs, dim=-1) - probs >= top_p[:, None], 0.0)
-    probs = _min_p(probs, probs[:, :1], rows)
-    return order.gather(1, _inverse_cdf(probs, rows)[:, None])[:, 0]
+    probs = _min_p(probs, probs[:, :1], params["min_p"])
+    return order.gather(1, _inverse_cdf(probs, u)[:, None])[:, 0]
 
 
-def _temperatures(rows: list[SequenceSampling], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor([r.options.temperature for r in rows], dtype=like.dtype, device=like.device)[:, None]
-
-
-def _min_p(probs: torch.Tensor, best: torch.Tensor, rows: list[SequenceSampling]) -> torch.Tensor:
-    if not any(r.options.min_p > 0 for r in rows):
+def _min_p(probs: torch.Tensor, best: torch.Tensor, min_p: torch.Tensor | None) -> torch.Tensor:
+    if min_p is None:
         return probs
-    min_p = torch.tensor([r.options.min_p for r in rows], dtype=probs.dtype, device=probs.device)
     return probs.masked_fill(probs < min_p[:, None] * best, 0.0)
 
 
-def _inverse_cdf(probs: torch.Tensor, rows: list[SequenceSampling]) -> torch.Tensor:
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One draw per row from its (unnormalised) probabilities with the row's own uniform number."""
-    u = torch.tensor([uniform(r.seed, r.generated) for r in rows], dtype=torch.float64, device=probs.device)
     cdf = probs.double().cumsum(dim=-1)
     picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     return picks[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
 def _logprob_entries(
-    raw: torch.Tensor, chosen: list[int], rows: Sequence[SequenceSampling], asked: list[int]
+    raw: torch.Tensor, chosen_ids: torch.Tensor, rows: Sequence[SequenceSampling], asked: list[int]
 ) -> list[SampledLogprobs]:
     """The chosen tokens' raw logprobs and each row's top alternatives, moved to the host at once."""
-    picked = raw.gather(1, _index(chosen, raw)[:, None])[:, 0].tolist()
+    chosen = [int(t) for t in chosen_ids.tolist()]
+    picked = raw.gather(1, chosen_ids[:, None])[:, 0].tolist()
     widest = max(rows[i].options.logprobs or 0 for i in asked)
     top_values: list[list[float]] = [[] for _ in asked]
     top_ids: list[list[int]] = [[] for _ in asked]
