@@ -255,6 +255,12 @@ class GrammarCompiler:
             self._marker_ids = {m: added[m] for m in call_markers() if m in added}
         return self._marker_ids
 
+    def prepare(self) -> None:
+        """Builds the tokenizer table and the marker lookup now (at load): built on a request's path,
+        a large vocabulary's table (Gemma 3's 262k tokens) stalls the worker for many seconds."""
+        self._tokenizer()
+        self._specials()
+
     def validate(self, spec: GrammarSpec) -> str:
         """Checks the spec compiles; returns the grammar source, or raises InvalidRequest naming the field."""
         import llguidance
