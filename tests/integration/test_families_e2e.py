@@ -52,10 +52,18 @@ WEATHER = {
 }
 QUESTION = [{"role": "user", "content": "What is the weather in Paris? Answer briefly."}]
 GREEDY_TOKENS = 24
+# family -> (tool-call parser, reasoning parser) that /v1/models shows
+FORMATS = {
+    "qwen3": ("hermes", "qwen3"),
+    "llama3.1": ("llama3_json", None),
+    "gemma3": ("hermes", None),
+    "gpt-oss": ("openai", "openai_gptoss"),
+}
 
 
 @dataclass
 class Served:
+    family: str
     edge: EdgeProcess
     tokenizer: Any
     reference: Any
@@ -96,7 +104,14 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         EdgeProcess([worker.address], log_dir=logs) as edge,
     ):
         model = httpx.get(f"{edge.base_url}/v1/models").json()["data"][0]["id"]
-        yield Served(edge, tokenizer, reference, model)
+        yield Served(family, edge, tokenizer, reference, model)
+
+
+def test_models_list_shows_the_chosen_chat_formats(served: Served) -> None:
+    entry = httpx.get(f"{served.edge.base_url}/v1/models").json()["data"][0]
+    formats = entry["chat_formats"]
+    assert (formats["tool_call_parser"], formats["reasoning_parser"]) == FORMATS[served.family]
+    assert formats["thinking_switch"]
 
 
 def prompt_ids(served: Served) -> list[int]:
