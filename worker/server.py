@@ -152,6 +152,7 @@ def build_serving(
     profile = family_profile(config, loaded.model, loaded.tokenizer)
     eos = eos_token_ids(loaded.model, loaded.tokenizer) | stop_token_ids(profile, loaded.tokenizer)
     grammars = GrammarCompiler(loaded.tokenizer, eos)
+    grammars.prepare()
     engine = Engine(
         runner,
         loaded.tokenizer,

@@ -8,11 +8,21 @@ from edge.surfaces.shared.base import ResponseModel
 from edge.surfaces.shared.errors import ErrorBody
 
 
+class ChatFormats(ResponseModel):
+    """The model family's formats chosen by the worker at load."""
+
+    family: str
+    tool_call_parser: str
+    reasoning_parser: str | None
+    thinking_switch: str
+
+
 class ModelObject(ResponseModel):
     id: str
     object: Literal["model"]
     created: int
     owned_by: str
+    chat_formats: ChatFormats | None = None
 
 
 class ModelList(ResponseModel):

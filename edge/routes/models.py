@@ -19,13 +19,22 @@ blueprint = Blueprint("models", __name__)
 
 
 def model_object(model: worker_pb2.ModelInfo) -> dict[str, Any]:
-    """The OpenAI model object for one worker model."""
-    return {
+    """The OpenAI model object for one worker model, with the chat formats the worker chose."""
+    shown: dict[str, Any] = {
         "id": model.id,
         "object": "model",
         "created": model.created,
         "owned_by": model.owned_by or "sluice",
     }
+    if model.HasField("chat_formats"):
+        formats = model.chat_formats
+        shown["chat_formats"] = {
+            "family": formats.family,
+            "tool_call_parser": formats.tool_call_parser,
+            "reasoning_parser": formats.reasoning_parser or None,
+            "thinking_switch": formats.thinking_switch,
+        }
+    return shown
 
 
 @blueprint.get("/v1/models")

@@ -405,18 +405,32 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "created", "owned_by", "context_length", "source")
+    __slots__ = ("id", "created", "owned_by", "context_length", "source", "chat_formats")
     ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     OWNED_BY_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
+    CHAT_FORMATS_FIELD_NUMBER: _ClassVar[int]
     id: str
     created: int
     owned_by: str
     context_length: int
     source: str
-    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ..., context_length: _Optional[int] = ..., source: _Optional[str] = ...) -> None: ...
+    chat_formats: ChatFormats
+    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ..., context_length: _Optional[int] = ..., source: _Optional[str] = ..., chat_formats: _Optional[_Union[ChatFormats, _Mapping]] = ...) -> None: ...
+
+class ChatFormats(_message.Message):
+    __slots__ = ("family", "tool_call_parser", "reasoning_parser", "thinking_switch")
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_PARSER_FIELD_NUMBER: _ClassVar[int]
+    REASONING_PARSER_FIELD_NUMBER: _ClassVar[int]
+    THINKING_SWITCH_FIELD_NUMBER: _ClassVar[int]
+    family: str
+    tool_call_parser: str
+    reasoning_parser: str
+    thinking_switch: str
+    def __init__(self, family: _Optional[str] = ..., tool_call_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., thinking_switch: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
     __slots__ = ("models", "worker_id")

@@ -117,7 +117,7 @@ def tool_call_schema(
 
 # Each family's forced call: (before, after) the JSON of a call ("{name}" is the function's name;
 # without it the JSON is {"name", "arguments"}), markers in <...> are special tokens where the
-# vocabulary has them as one token. Formats that read arguments tag by tag are forced as hermes.
+# vocabulary has them as one token. Formats that tag arguments one by one: TAGGED_FORMATS.
 CALL_FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "hermes": (("<tool_call>", "\n"), ("\n", "</tool_call>")),
     "llama3_json": ((), ()),
@@ -146,6 +146,31 @@ CALL_FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 
+# Formats that tag arguments one by one: (call start, parameter start, between key and value, parameter
+# end, call end, separator between calls); "{name}"/"{key}" are filled in. A value is forced as the
+# JSON of its property's schema (each parser reads a value as JSON when it is JSON).
+TAGGED_FORMATS: dict[str, tuple[str, str, str, str, str, str]] = {
+    "qwen3_coder": (
+        "<tool_call>\n<function={name}>\n",
+        "<parameter={key}>\n",
+        "",
+        "\n</parameter>\n",
+        "</function>\n</tool_call>",
+        "\n",
+    ),
+    "glm45": (
+        "<tool_call>{name}\n",
+        "<arg_key>{key}</arg_key>\n<arg_value>",
+        "",
+        "</arg_value>\n",
+        "</tool_call>",
+        "\n",
+    ),
+    "pythonic": ("{name}(", "{key}=", "", "", ")", ", "),
+}
+TAGGED_MARKERS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
+
+
 def _pieces(parts: tuple[str, ...], name: str, specials: Mapping[str, int]) -> str:
     """Lark for a marker sequence: a special token as ``<[id]>``, text as a quoted literal."""
     out = []
@@ -157,10 +182,62 @@ def _pieces(parts: tuple[str, ...], name: str, specials: Mapping[str, int]) -> s
 
 def call_markers() -> set[str]:
     """Every marker of every forced-call format (for looking up which are single tokens)."""
-    return {part for before, after in CALL_FORMATS.values() for part in before + after if "{" not in part}
+    fixed = {part for before, after in CALL_FORMATS.values() for part in before + after if "{" not in part}
+    return fixed | set(TAGGED_MARKERS)
+
+
+def _text_lark(text: str, specials: Mapping[str, int]) -> str:
+    """Lark for literal text, with every marker that is one special token written ``<[id]>``."""
+    out, rest = [], text
+    while rest:
+        at, marker = min(((rest.find(m), m) for m in specials if m in rest), default=(-1, ""))
+        if at < 0:
+            out.append(json.dumps(rest))
+            break
+        if at:
+            out.append(json.dumps(rest[:at]))
+        out.append(f"<[{specials[marker]}]>")
+        rest = rest[at + len(marker) :]
+    return " ".join(out) if out else '""'
+
+
+def _tagged_lark(spec: GrammarSpec, specials: Mapping[str, int]) -> str:
+    """A forced call in a tagged format: the required parameters in order, then each optional one
+    or not (pythonic: all of them), every value the JSON of its property's schema."""
+    start, key_start, between, key_end, end, separator = TAGGED_FORMATS[spec.call_format]
+    comma = spec.call_format == "pythonic"
+    rules = []
+    for i, (name, params) in enumerate(spec.functions):
+        root_defs: dict[str, Any] = {}
+        embedded = embed_schema(params, f"t{i}_", root_defs) if params else {}
+        properties = embedded.get("properties") or {}
+        required = [k for k in embedded.get("required") or [] if k in properties]
+        if comma:  # Python's argument list: every parameter given (no dangling comma to manage)
+            required = list(properties)
+        order = required + [k for k in properties if k not in required]
+        parts = []
+        for j, key in enumerate(order):
+            schema = properties[key]
+            if root_defs:
+                schema = {**schema, "$defs": root_defs}
+            rules.append(f"v{i}_{j}: %json {json.dumps({**schema, 'x-guidance': COMPACT})}\n")
+            lead = ", " if comma and j else ""
+            piece = f"{_text_lark(lead + key_start.replace('{key}', key) + between, specials)} v{i}_{j}"
+            piece += f" {_text_lark(key_end, specials)}" if key_end else ""
+            parts.append(piece if key in required else f"({piece})?")
+        body = " ".join(parts) if parts else '""'
+        head = _text_lark(start.replace("{name}", name), specials)
+        rules.append(f"call{i}: {head} {body} {_text_lark(end, specials)}\n")
+    call = " | ".join(f"call{i}" for i in range(len(spec.functions)))
+    sep = _text_lark(separator, specials)
+    many = f"call ({sep} call)*" if spec.parallel else "call"
+    top = f'"[" {many} "]"' if spec.call_format == "pythonic" else many
+    return f"start: {top}\ncall: {call}\n" + "".join(rules)
 
 
 def _tool_call_lark(spec: GrammarSpec, specials: Mapping[str, int]) -> str:
+    if spec.call_format in TAGGED_FORMATS:
+        return _tagged_lark(spec, specials)
     before, after = CALL_FORMATS.get(spec.call_format, CALL_FORMATS["hermes"])
     named = any("{name}" in part for part in before)
     key = "parameters" if spec.call_format == "llama3_json" else "arguments"
@@ -254,6 +331,12 @@ class GrammarCompiler:
             added: dict[str, int] = getattr(self._hf_tokenizer, "get_added_vocab", dict)()
             self._marker_ids = {m: added[m] for m in call_markers() if m in added}
         return self._marker_ids
+
+    def prepare(self) -> None:
+        """Builds the tokenizer table and the marker lookup now (at load): built on a request's path,
+        a large vocabulary's table (Gemma 3's 262k tokens) stalls the worker for many seconds."""
+        self._tokenizer()
+        self._specials()
 
     def validate(self, spec: GrammarSpec) -> str:
         """Checks the spec compiles; returns the grammar source, or raises InvalidRequest naming the field."""

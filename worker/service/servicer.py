@@ -103,16 +103,24 @@ class WorkerService(pb_grpc.WorkerServicer):
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         try:
-            loaded = self._require_serving().loaded
+            serving = self._require_serving()
         except WorkerError as exc:
             await context.abort_with_status(exc.to_status())
             raise  # unreachable: abort_with_status raises
+        loaded, profile = serving.loaded, serving.renderer.profile
+        formats = pb.ChatFormats(
+            family=profile.family,
+            tool_call_parser=profile.tool_parser,
+            reasoning_parser=profile.reasoning_parser or "",
+            thinking_switch=profile.thinking_switch,
+        )
         info = pb.ModelInfo(
             id=loaded.model_id,
             created=int(loaded.loaded_at),
             owned_by="sluice",
             context_length=loaded.context_length,
             source=loaded.source,
+            chat_formats=formats,
         )
         return pb.ListModelsResponse(models=[info], worker_id=self.worker_id)
 

@@ -458,3 +458,20 @@ def test_continuous_usage_over_http() -> None:
         assert fake.requests[0].return_token_ids
 
     run(body())
+
+
+def test_a_model_object_shows_the_workers_chat_formats() -> None:
+    from edge.routes.models import model_object
+    from sluice.v1 import worker_pb2
+
+    formats = worker_pb2.ChatFormats(
+        family="openai", tool_call_parser="openai", reasoning_parser="", thinking_switch="reasoning_effort"
+    )
+    shown = model_object(worker_pb2.ModelInfo(id="m", created=1, chat_formats=formats))
+    assert shown["chat_formats"] == {
+        "family": "openai",
+        "tool_call_parser": "openai",
+        "reasoning_parser": None,
+        "thinking_switch": "reasoning_effort",
+    }
+    assert "chat_formats" not in model_object(worker_pb2.ModelInfo(id="m", created=1))

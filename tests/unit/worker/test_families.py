@@ -268,3 +268,57 @@ def test_a_forced_call_takes_the_familys_own_markers(fixture_dir: Path, case: tu
         assert (int(row[token // 32]) >> (token % 32)) & 1, tok.decode([token])
         constraint.advance(token)
     assert constraint.error is None
+
+
+def allowed_tokens(constraint: Any) -> list[int]:
+    import torch
+
+    row = torch.zeros(constraint.mask_words, dtype=torch.int32)
+    constraint.fill_mask(row)
+    bits = (row[:, None] >> torch.arange(32, dtype=torch.int32)) & 1
+    return [int(t) for t in bits.flatten().nonzero()[:, 0]]
+
+
+CHOICE = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Oslo"]},
+        "days": {"type": "integer", "enum": [1, 2, 3]},
+    },
+    "required": ["city"],
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "parser"),
+    [("qwen3-coder", "auto"), ("glm-4.6", "auto"), ("llama3.2", "pythonic")],
+    ids=["qwen3_coder", "glm45", "pythonic"],
+)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_tagged_forced_call_is_the_familys_format_and_parses(
+    fixture_dir: Path, name: str, parser: str, seed: int
+) -> None:
+    """Any token path the grammar allows (random among the allowed tokens) is a call in the
+    family's own format that its parser reads back; single-token markers are forced as that token."""
+    case = BY_NAME[name]
+    tok = tokenizer(fixture_dir, case[2])
+    template = (TEMPLATES / f"{case[3]}.jinja").read_text()
+    profile = choose_profile(case[1], tok, template=template, tool_call_parser=parser)
+    assert profile.call_grammar == (parser if parser != "auto" else case[4])
+    compiler = GrammarCompiler(tok, {tok.eos_token_id})
+    spec = GrammarSpec("tool_call", functions=(("get_weather", CHOICE),), call_format=profile.call_grammar)
+    constraint = compiler.constraint(compiler.validate(spec))
+    rng = random.Random(seed)
+    ids: list[int] = []
+    while not constraint.finished and len(ids) < 100:
+        allowed = allowed_tokens(constraint)
+        if not ids and "<tool_call>" in tok.get_added_vocab():
+            assert allowed == [tok.convert_tokens_to_ids("<tool_call>")]
+        ids.append(rng.choice(allowed))
+        constraint.advance(ids[-1])
+    assert constraint.finished and constraint.error is None
+    calls, _, content = parse_generated(tok, profile, tok.decode(ids), [], seed)
+    assert content == "" and len(calls) == 1
+    call_name, arguments = calls[0]
+    assert call_name == "get_weather" and arguments["city"] in ("Paris", "Oslo")
+    assert set(arguments) <= {"city", "days"} and arguments.get("days", 1) in (1, 2, 3)

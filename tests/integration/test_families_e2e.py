@@ -1,0 +1,198 @@
+"""Issue 24's bar per family (Qwen3, Llama 3.1, Gemma 3, gpt-oss), through a real worker and edge:
+a tiny random model saved with the family's real tokenizer and chat template scores its prompt and
+decodes greedily like transformers' eager float32 model, and a forced tool call parses (streamed
+and not) and the conversation goes on with the tool's result."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.processes import EdgeProcess, WorkerProcess
+from tests.tiny_families import eager_reference, tiny_config, tiny_model
+from tools.fixtures import DEFAULT_DIR, fetch_tokenizer
+
+pytestmark = pytest.mark.integration
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "templates"
+# family -> (tiny_families key, tokenizer fixture, vendored template or None for the tokenizer's own)
+FAMILIES = {
+    "qwen3": ("qwen3", "qwen3", None),
+    "llama3.1": ("llama", "llama3_1", "meta-llama-Llama-3.1-8B-Instruct"),
+    "gemma3": ("gemma3_text", "gemma3", None),
+    "gpt-oss": ("gpt_oss", "gptoss", "openai-gpt-oss-120b"),
+}
+# Tiny widths: the real vocabularies (128k-262k) make the embedding the model's bulk.
+TINY = {
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "tie_word_embeddings": True,
+    "max_position_embeddings": 1024,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+QUESTION = [{"role": "user", "content": "What is the weather in Paris? Answer briefly."}]
+GREEDY_TOKENS = 24
+# family -> (tool-call parser, reasoning parser) that /v1/models shows
+FORMATS = {
+    "qwen3": ("hermes", "qwen3"),
+    "llama3.1": ("llama3_json", None),
+    "gemma3": ("hermes", None),
+    "gpt-oss": ("openai", "openai_gptoss"),
+}
+
+
+@dataclass
+class Served:
+    family: str
+    edge: EdgeProcess
+    tokenizer: Any
+    reference: Any
+    model: str
+
+
+def build(folder: Path, family: str) -> tuple[Any, Any]:
+    """Saves the family's tiny model with its real tokenizer and template; returns the tokenizer and
+    transformers' eager float32 reference of the same weights."""
+    from transformers import AutoTokenizer
+
+    key, fixture, template = FAMILIES[family]
+    tokenizer = AutoTokenizer.from_pretrained(fetch_tokenizer(fixture, DEFAULT_DIR))
+    if template:
+        tokenizer.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    config = tiny_config(key, vocab_size=len(tokenizer), **TINY, **ids)
+    model = tiny_model(config)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return tokenizer, eager_reference(model)
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    family = request.param
+    folder = tmp_path_factory.mktemp(f"tiny-{family}")
+    tokenizer, reference = build(folder, family)
+    logs = tmp_path_factory.mktemp(f"logs-{family}")
+    extra = ["--quantization", "none", "--kv-cache-bytes", str(64 << 20)]
+    with (
+        WorkerProcess(cache_dir=folder / "cache", log_dir=logs, model=str(folder), extra=extra) as worker,
+        EdgeProcess([worker.address], log_dir=logs) as edge,
+    ):
+        model = httpx.get(f"{edge.base_url}/v1/models").json()["data"][0]["id"]
+        yield Served(family, edge, tokenizer, reference, model)
+
+
+def test_models_list_shows_the_chosen_chat_formats(served: Served) -> None:
+    entry = httpx.get(f"{served.edge.base_url}/v1/models").json()["data"][0]
+    formats = entry["chat_formats"]
+    assert (formats["tool_call_parser"], formats["reasoning_parser"]) == FORMATS[served.family]
+    assert formats["thinking_switch"]
+
+
+def prompt_ids(served: Served) -> list[int]:
+    rendered = served.tokenizer.apply_chat_template(
+        QUESTION, tools=[WEATHER], add_generation_prompt=True, return_dict=True
+    )
+    return list(rendered["input_ids"])
+
+
+def complete(served: Served, **body: Any) -> dict[str, Any]:
+    response = httpx.post(
+        f"{served.edge.base_url}/v1/completions", json={"model": served.model, **body}, timeout=120
+    )
+    assert response.status_code == 200, response.text
+    return dict(response.json())
+
+
+def test_prompt_logprobs_equal_transformers_eager(served: Served) -> None:
+    ids = prompt_ids(served)
+    answer = complete(served, prompt=ids, echo=True, logprobs=1, max_tokens=0)
+    got = answer["choices"][0]["logprobs"]["token_logprobs"]
+    with torch.no_grad():
+        logits = served.reference(torch.tensor([ids])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert got[0] is None and len(got) == len(ids)
+    assert torch.allclose(torch.tensor(got[1:]), expected, atol=5e-3, rtol=0)
+
+
+def test_greedy_tokens_equal_transformers_generate(served: Served) -> None:
+    ids = prompt_ids(served)
+    answer = complete(served, prompt=ids, max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
+    with torch.no_grad():
+        out = served.reference.generate(
+            torch.tensor([ids]),
+            max_new_tokens=GREEDY_TOKENS,
+            min_new_tokens=GREEDY_TOKENS,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    generated = out[0, len(ids) :].tolist()
+    assert len(generated) == GREEDY_TOKENS
+    assert answer["usage"]["completion_tokens"] == GREEDY_TOKENS
+    assert answer["choices"][0]["text"] == served.tokenizer.decode(generated, skip_special_tokens=True)
+
+
+def forced_call(served: Served, stream: bool) -> tuple[str, str, str]:
+    """(id, name, arguments) of the first call of a ``tool_choice: "required"`` answer."""
+    client = openai.OpenAI(base_url=f"{served.edge.base_url}/v1", api_key="unused", timeout=120)
+    kwargs: dict[str, Any] = {"model": served.model, "messages": QUESTION, "tools": [WEATHER]}
+    kwargs |= {"tool_choice": "required", "max_tokens": 96, "temperature": 0}
+    if not stream:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        assert message.tool_calls, message
+        call = message.tool_calls[0]
+        return call.id, call.function.name, call.function.arguments
+    parts: dict[str, str] = {"id": "", "name": "", "arguments": ""}
+    for chunk in client.chat.completions.create(**kwargs, stream=True):
+        for delta in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            if delta.index != 0:  # parallel calls are allowed: the first is checked
+                continue
+            parts["id"] += delta.id or ""
+            if delta.function is not None:
+                parts["name"] += delta.function.name or ""
+                parts["arguments"] += delta.function.arguments or ""
+    return parts["id"], parts["name"], parts["arguments"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_required_tool_choice_gives_a_parseable_call_and_the_conversation_goes_on(
+    served: Served, stream: bool
+) -> None:
+    call_id, name, arguments = forced_call(served, stream)
+    assert name == "get_weather" and call_id
+    assert json.loads(arguments)["city"] in ("Paris", "Oslo")
+    call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+    messages = [
+        *QUESTION,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": call_id, "content": '{"temperature_c": 18}'},
+    ]
+    body = {"model": served.model, "messages": messages, "tools": [WEATHER], "max_tokens": 4}
+    response = httpx.post(f"{served.edge.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["role"] == "assistant"
