@@ -80,12 +80,18 @@ def decode_inputs(
         for item, row in zip(work, tables, strict=True)
     ]
     packed = staged(host, torch.long, device)
+
+    def column(part: torch.Tensor, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        # Standard strides even for one row (``contiguous()`` keeps a size-1 dimension's stride,
+        # which the Triton kernel's checks read).
+        return part.to(dtype).clone(memory_format=torch.contiguous_format)
+
     return DecodeInputs(
-        ids=packed[:, 0:1].contiguous(),
-        positions=packed[:, 1:2].contiguous(),
-        slots=packed[:, 2].contiguous(),
-        lengths=packed[:, 3].to(index_type).contiguous(),
-        tables=packed[:, 4:].to(index_type).contiguous(),
+        ids=column(packed[:, 0:1]),
+        positions=column(packed[:, 1:2]),
+        slots=column(packed[:, 2]),
+        lengths=column(packed[:, 3], index_type),
+        tables=column(packed[:, 4:], index_type),
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,3 +51,16 @@ def test_chunks_and_decode_rows_in_one_forward_equal_the_model_alone():
     out = runner.execute([Work([100], 13, table_a, True), Work([101], 8, table_b, True)])
     assert torch.allclose(out[0], alone([*a, 100]), atol=1e-4)
     assert torch.allclose(out[1], alone([*b, 99, 101]), atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_decode_inputs_have_standard_strides_for_the_kernel(rows):
+    # The Triton kernel reads seq_lens' and block_tables' strides: a one-row batch must not carry
+    # the packed host tensor's row stride.
+    from worker.model.step_inputs import Work, decode_inputs
+
+    work = [Work([5], 3 + k, [k, k + 1], True) for k in range(rows)]
+    inputs = decode_inputs(work, 4, torch.device("cpu"), torch.int32)
+    assert inputs.lengths.stride() == (1,) and inputs.tables.stride(1) == 1
+    assert inputs.tables.stride(0) == inputs.tables.shape[1]
+    assert inputs.lengths.tolist() == [4 + k for k in range(rows)]
