@@ -15,6 +15,14 @@ from urllib.parse import unquote
 import torch
 
 from worker.errors import InvalidRequest
+from worker.sampling.grammar_forms import (
+    choice_grammar,
+    gbnf_grammar,
+    lark_grammar,
+    regex_grammar,
+    structural_tag_grammar,
+    text_lark,
+)
 
 COMPACT = {"whitespace_flexible": False}
 
@@ -23,8 +31,12 @@ COMPACT = {"whitespace_flexible": False}
 class GrammarSpec:
     """A request's constraint, before compilation."""
 
-    kind: str  # "json_object", "json_schema" or "tool_call"
+    # "json_object", "json_schema", "tool_call", or a caller-written form (grammar_forms):
+    # "choice", "regex", "lark", "gbnf", "structural_tag"
+    kind: str
     schema: dict[str, Any] | None = None  # json_schema: the schema
+    text: str = ""  # regex, lark, gbnf: the text; structural_tag: its JSON
+    choices: tuple[str, ...] = ()  # choice: the strings
     functions: tuple[tuple[str, dict[str, Any]], ...] = ()  # tool_call: (name, parameters schema)
     parallel: bool = False  # tool_call: allow several calls
     call_format: str = "hermes"  # tool_call: the family's call format (see CALL_FORMATS)
@@ -186,21 +198,6 @@ def call_markers() -> set[str]:
     return fixed | set(TAGGED_MARKERS)
 
 
-def _text_lark(text: str, specials: Mapping[str, int]) -> str:
-    """Lark for literal text, with every marker that is one special token written ``<[id]>``."""
-    out, rest = [], text
-    while rest:
-        at, marker = min(((rest.find(m), m) for m in specials if m in rest), default=(-1, ""))
-        if at < 0:
-            out.append(json.dumps(rest))
-            break
-        if at:
-            out.append(json.dumps(rest[:at]))
-        out.append(f"<[{specials[marker]}]>")
-        rest = rest[at + len(marker) :]
-    return " ".join(out) if out else '""'
-
-
 def _tagged_lark(spec: GrammarSpec, specials: Mapping[str, int]) -> str:
     """A forced call in a tagged format: the required parameters in order, then each optional one
     or not (pythonic: all of them), every value the JSON of its property's schema."""
@@ -222,14 +219,14 @@ def _tagged_lark(spec: GrammarSpec, specials: Mapping[str, int]) -> str:
                 schema = {**schema, "$defs": root_defs}
             rules.append(f"v{i}_{j}: %json {json.dumps({**schema, 'x-guidance': COMPACT})}\n")
             lead = ", " if comma and j else ""
-            piece = f"{_text_lark(lead + key_start.replace('{key}', key) + between, specials)} v{i}_{j}"
-            piece += f" {_text_lark(key_end, specials)}" if key_end else ""
+            piece = f"{text_lark(lead + key_start.replace('{key}', key) + between, specials)} v{i}_{j}"
+            piece += f" {text_lark(key_end, specials)}" if key_end else ""
             parts.append(piece if key in required else f"({piece})?")
         body = " ".join(parts) if parts else '""'
-        head = _text_lark(start.replace("{name}", name), specials)
-        rules.append(f"call{i}: {head} {body} {_text_lark(end, specials)}\n")
+        head = text_lark(start.replace("{name}", name), specials)
+        rules.append(f"call{i}: {head} {body} {text_lark(end, specials)}\n")
     call = " | ".join(f"call{i}" for i in range(len(spec.functions)))
-    sep = _text_lark(separator, specials)
+    sep = text_lark(separator, specials)
     many = f"call ({sep} call)*" if spec.parallel else "call"
     top = f'"[" {many} "]"' if spec.call_format == "pythonic" else many
     return f"start: {top}\ncall: {call}\n" + "".join(rules)
@@ -258,8 +255,29 @@ def _tool_call_lark(spec: GrammarSpec, specials: Mapping[str, int]) -> str:
     return f"start: {start}\ncall: {call}\n" + "".join(rules)
 
 
+# What each kind's compile error calls the caller's constraint.
+_WHAT = {
+    "choice": "the choices",
+    "regex": "the regular expression",
+    "lark": "the grammar",
+    "gbnf": "the grammar",
+    "structural_tag": "the structural tag",
+}
+
+
 def lark_source(spec: GrammarSpec, specials: Mapping[str, int] | None = None) -> str:
-    """The llguidance Lark grammar for a spec; ``specials``: markers that are one special token."""
+    """The llguidance grammar (Lark, or its JSON form) for a spec; ``specials``: markers that are
+    one special token. Raises InvalidRequest for caller-written text that is no grammar."""
+    if spec.kind == "choice":
+        return choice_grammar(spec.choices, spec.param)
+    if spec.kind == "regex":
+        return regex_grammar(spec.text, spec.param)
+    if spec.kind == "lark":
+        return lark_grammar(spec.text, spec.param)
+    if spec.kind == "gbnf":
+        return gbnf_grammar(spec.text, spec.param)
+    if spec.kind == "structural_tag":
+        return structural_tag_grammar(spec.text, spec.param, specials or {}, COMPACT)
     if spec.kind == "json_object":
         schema: dict[str, Any] = {"type": "object"}
     elif spec.kind == "json_schema":
@@ -314,6 +332,7 @@ class GrammarCompiler:
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer: Any = None
         self._marker_ids: dict[str, int] | None = None
+        self._added: dict[str, int] | None = None
         self.vocab_size = len(tokenizer)
 
     def _tokenizer(self) -> Any:
@@ -328,25 +347,34 @@ class GrammarCompiler:
     def _specials(self) -> dict[str, int]:
         """The call markers that this vocabulary has as one added token (written ``<[id]>``)."""
         if self._marker_ids is None:
-            added: dict[str, int] = getattr(self._hf_tokenizer, "get_added_vocab", dict)()
+            added = self._added_tokens()
             self._marker_ids = {m: added[m] for m in call_markers() if m in added}
         return self._marker_ids
+
+    def _added_tokens(self) -> dict[str, int]:
+        """Every added token of the vocabulary (a structural tag's markers may be any of them)."""
+        if self._added is None:
+            self._added = dict(getattr(self._hf_tokenizer, "get_added_vocab", dict)())
+        return self._added
 
     def prepare(self) -> None:
         """Builds the tokenizer table and the marker lookup now (at load): built on a request's path,
         a large vocabulary's table (Gemma 3's 262k tokens) stalls the worker for many seconds."""
         self._tokenizer()
         self._specials()
+        self._added_tokens()
 
     def validate(self, spec: GrammarSpec) -> str:
         """Checks the spec compiles; returns the grammar source, or raises InvalidRequest naming the field."""
         import llguidance
 
-        source = lark_source(spec, self._specials())
+        specials = self._added_tokens() if spec.kind == "structural_tag" else self._specials()
+        source = lark_source(spec, specials)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, self._tokenizer())
         if is_error:
+            what = _WHAT.get(spec.kind, "the schema")
             raise InvalidRequest(
-                f"the schema cannot be used for constrained decoding: {messages[0]}", param=spec.param
+                f"{what} cannot be used for constrained decoding: {messages[0]}", param=spec.param
             )
         return source
 

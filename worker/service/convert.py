@@ -68,7 +68,7 @@ def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedReque
         if tool_grammar is not None:
             if grammar is not None:
                 raise InvalidRequest(
-                    "a tool_choice that forces a call cannot be combined with a JSON response_format",
+                    "a tool_choice that forces a call cannot be combined with a response_format constraint",
                     param="response_format",
                 )
             grammar = tool_grammar
@@ -161,7 +161,16 @@ def _response_format(fmt: pb.ResponseFormat) -> GrammarSpec | None:
         return GrammarSpec(
             "json_schema", schema=_json_object(fmt.json_schema.schema_json, param), param=param
         )
+    if which == "choice":
+        return GrammarSpec("choice", choices=tuple(fmt.choice.choices), param="response_format.choice")
+    if which in _TEXT_FORMS:
+        kind = _TEXT_FORMS[which]
+        return GrammarSpec(kind, text=getattr(fmt, which), param=f"response_format.{which}")
     return None
+
+
+# ResponseFormat's text fields → their grammar kind (worker.sampling.grammar_forms).
+_TEXT_FORMS = {"regex": "regex", "lark": "lark", "gbnf": "gbnf", "structural_tag_json": "structural_tag"}
 
 
 def _tools(chat: pb.ChatInput) -> list[dict[str, Any]]:
