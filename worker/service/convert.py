@@ -164,8 +164,10 @@ def _response_format(fmt: pb.ResponseFormat) -> GrammarSpec | None:
     if which == "choice":
         return GrammarSpec("choice", choices=tuple(fmt.choice.choices), param="response_format.choice")
     if which in _TEXT_FORMS:
-        kind = _TEXT_FORMS[which]
-        return GrammarSpec(kind, text=getattr(fmt, which), param=f"response_format.{which}")
+        kind, param, text = _TEXT_FORMS[which], f"response_format.{which}", getattr(fmt, which)
+        if kind == "structural_tag":
+            _json_object(text, param)  # the depth bound every caller-given JSON gets
+        return GrammarSpec(kind, text=text, param=param)
     return None
 
 

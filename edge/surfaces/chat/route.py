@@ -9,6 +9,7 @@ from edge.http import current_request_id, current_settings, read_json_body
 from edge.surfaces.answer import generate_openai
 from edge.surfaces.chat.translate import ChatTranslator
 from edge.surfaces.shared.chat_request import parse_chat_request
+from edge.surfaces.shared.structured import naming_form
 from edge.surfaces.shared.worker_request import to_generate_request
 
 blueprint = Blueprint("chat", __name__)
@@ -18,4 +19,5 @@ blueprint = Blueprint("chat", __name__)
 async def chat_completions() -> Response:
     chat = parse_chat_request(await read_json_body(), current_settings().limits)
     requests = [to_generate_request(chat, current_request_id())]
-    return await generate_openai(requests, chat, ChatTranslator, "chatcmpl", logprobs=bool(chat.logprobs))
+    with naming_form(chat.structured()):
+        return await generate_openai(requests, chat, ChatTranslator, "chatcmpl", logprobs=bool(chat.logprobs))

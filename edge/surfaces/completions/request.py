@@ -11,6 +11,7 @@ from pydantic import Field, StrictBool, StrictInt, field_validator
 
 from edge.errors import InvalidRequestError
 from edge.surfaces.shared.sampling import SamplingRequest, check_sampling_limits
+from edge.surfaces.shared.structured import StructuredRequest
 from edge.surfaces.shared.validation import (
     INT32_MAX,
     MAX_N,
@@ -38,7 +39,7 @@ _PromptShapes = (
 )
 
 
-class CompletionRequest(SamplingRequest):
+class CompletionRequest(SamplingRequest, StructuredRequest):
     """A validated ``POST /v1/completions`` body (see the module docstring)."""
 
     prompt: list[Prompt]
@@ -109,6 +110,7 @@ def parse_completion_request(body: Any, limits: RequestLimits | None = None) -> 
         raise bad("best_of", reason)
     if request.max_tokens == 0 and not request.echo:
         raise bad("max_tokens", "must be at least 1, or 0 together with echo (to score the prompt only)")
+    request.structured_form()
     check_completion_limits(request, limits or active_limits())
     return request
 

@@ -24,6 +24,7 @@ def to_generate_requests(request: CompletionRequest, request_id: str) -> list[wo
     so worker logs tell the calls apart.
     """
     requests = []
+    structured = request.structured_form()
     for index, prompt in enumerate(request.prompt):
         sampling = sampling_params(request, max_tokens=request.max_tokens)
         if request.logprobs is not None:
@@ -39,6 +40,8 @@ def to_generate_requests(request: CompletionRequest, request_id: str) -> list[wo
             return_token_ids=request.stream and request.continuous_usage,
             user=request.user or "",
         )
+        if structured is not None:
+            proto.response_format.CopyFrom(structured.proto)
         if isinstance(prompt, str):
             proto.prompt.text = prompt
         else:

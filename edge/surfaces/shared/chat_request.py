@@ -14,6 +14,7 @@ from pydantic import ConfigDict, Field, StrictBool, field_validator
 from edge.errors import InvalidRequestError
 from edge.surfaces.shared.base import RequestModel
 from edge.surfaces.shared.sampling import SamplingRequest, check_max_tokens, check_sampling_limits
+from edge.surfaces.shared.structured import StructuredForm, StructuredRequest
 from edge.surfaces.shared.validation import (
     INT32_MAX,
     MAX_TOP_LOGPROBS,
@@ -210,7 +211,7 @@ def _document_chat_rules(schema: dict[str, Any]) -> None:
     ]
 
 
-class ChatCompletionRequest(SamplingRequest):
+class ChatCompletionRequest(SamplingRequest, StructuredRequest):
     """A validated ``POST /v1/chat/completions`` body (see the module docstring)."""
 
     model_config = ConfigDict(json_schema_extra=_document_chat_rules)
@@ -251,6 +252,11 @@ class ChatCompletionRequest(SamplingRequest):
             return {"mode": "function", "function_name": name}
         raise invalid("must be a string or an object")
 
+    def structured(self) -> StructuredForm | None:
+        """The structured-output form besides ``response_format`` (:mod:`edge.surfaces.shared.structured`)."""
+        fmt = self.response_format
+        return self.structured_form("response_format" if fmt is not None and fmt.type != "text" else None)
+
     @property
     def completion_token_limit(self) -> int | None:
         """``max_completion_tokens`` (the current name) wins over ``max_tokens``."""
@@ -280,6 +286,7 @@ def parse_chat_request(body: Any, limits: RequestLimits | None = None) -> ChatCo
             "'modalities': only 'text' output is supported.", param="modalities", code="unsupported_parameter"
         )
     _check_chat_semantics(request)
+    request.structured()
     check_chat_limits(request, limits or active_limits())
     return request
 

@@ -66,7 +66,10 @@ def to_generate_request(request: ChatCompletionRequest, request_id: str) -> work
         user=request.user or "",
         metadata=request.metadata or {},
     )
-    if request.response_format is not None:
+    structured = request.structured()
+    if structured is not None:
+        proto.response_format.CopyFrom(structured.proto)
+    elif request.response_format is not None:
         proto.response_format.CopyFrom(_response_format(request.response_format))
     return proto
 
