@@ -371,11 +371,17 @@ class GrammarCompiler:
         specials = self._added_tokens() if spec.kind == "structural_tag" else self._specials()
         source = lark_source(spec, specials)
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, self._tokenizer())
+        what = _WHAT.get(spec.kind, "the schema")
         if is_error:
-            what = _WHAT.get(spec.kind, "the schema")
             raise InvalidRequest(
                 f"{what} cannot be used for constrained decoding: {messages[0]}", param=spec.param
             )
+        if spec.kind in _WHAT:  # caller-written: one that allows no first token fails at admission
+            first = self.constraint(source)
+            try:
+                first.fill_mask(torch.zeros(first.mask_words, dtype=torch.int32))
+            except RuntimeError:
+                raise InvalidRequest(f"{what} allows no output at all", param=spec.param) from None
         return source
 
     def constraint(self, source: str) -> TokenConstraint:

@@ -186,6 +186,7 @@ def test_structural_tag_special_token_trigger(compiler, tokenizer):
         (GrammarSpec("choice", choices=(), param="p"), "choice list is empty"),
         (GrammarSpec("regex", text="[a-z+(", param="p"), "unclosed character class"),
         (GrammarSpec("regex", text="(?=a)b", param="p"), "look-around"),
+        (GrammarSpec("regex", text="[^\\x00-\\x{10FFFF}]", param="p"), "allows no output"),
         (GrammarSpec("lark", text="start: foo\n", param="p"), 'unknown name: "foo"'),
         (GrammarSpec("lark", text='start: "a" %json {"type": "nope"}\n', param="p"), "the grammar"),
         (GrammarSpec("gbnf", text='root ::= <[123]> "x"', param="p"), "token references"),
