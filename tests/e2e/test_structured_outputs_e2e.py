@@ -96,9 +96,7 @@ def test_regex_outputs_always_fullmatch(client):
 
 
 def test_lark_grammar_outputs_always_parse(client):
-    lark = (
-        'start: answer " because " reason "."\nanswer: "Yes" | "No"\nreason: /[a-z]{1,6}( [a-z]{1,6})?/\n'
-    )
+    lark = 'start: answer " because " reason "."\nanswer: "Yes" | "No"\nreason: /[a-z]{1,6}( [a-z]{1,6})?/\n'
     outputs = twenty(client, {"structured_outputs": {"grammar": lark}})
     assert len(outputs) == 20
     for text in outputs:
