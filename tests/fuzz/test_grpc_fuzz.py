@@ -86,6 +86,24 @@ SCHEMAS = [
     json.dumps({"anyOf": [{"type": "string"}] * 200}),
 ]
 schemas = st.sampled_from(SCHEMAS)
+# The caller-written grammar forms: valid, invalid, untranslatable, empty and deep (random text too).
+GRAMMARS = {
+    "regex": ["[a-z]{1,3}", "[a-z+(", "(?=a)b", "", "a{1000}{1000}", "[^\\x00-\\x{10FFFF}]", "(" * 300],
+    "lark": ['start: "a" | "b"', "start: nope", 'start: %json {"type": "integer"}', "", "root ::= [0-9]"],
+    "gbnf": ['root ::= "a" [0-9]', 'root ::= <[5]> "x"', "root ::= missing", "start ::= x", "", "root ::= ("],
+    "structural_tag_json": [
+        json.dumps(
+            {
+                "structures": [{"begin": "<f>", "schema": {"type": "object"}, "end": "</f>"}],
+                "triggers": ["<f>"],
+            }
+        ),
+        json.dumps({"structures": [], "triggers": []}),
+        '{"structures": [{"begin": "x"}], "triggers": ["y"]}',
+        '{"a": ' * 5000 + "1" + "}" * 5000,
+        "nope",
+    ],
+}
 TEMPLATE_KWARGS = [
     "",
     "{}",
@@ -208,13 +226,20 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
                 )
             )
         )
-    format_kind = draw(mostly(st.just("none"), st.sampled_from(["text", "json_object", "json_schema"])))
+    format_kind = draw(
+        mostly(st.just("none"), st.sampled_from(["text", "json_object", "json_schema", "choice", *GRAMMARS]))
+    )
     if format_kind == "text":
         request.response_format.text = True
     elif format_kind == "json_object":
         request.response_format.json_object = True
     elif format_kind == "json_schema":
         request.response_format.json_schema.schema_json = draw(schemas)
+    elif format_kind == "choice":
+        request.response_format.choice.choices.extend(draw(st.lists(st.text(max_size=8), max_size=3)))
+    elif format_kind in GRAMMARS:
+        text = draw(mostly(st.sampled_from(GRAMMARS[format_kind]), st.text(max_size=30)))
+        setattr(request.response_format, format_kind, text)
     return request
 
 
