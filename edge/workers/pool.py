@@ -183,6 +183,12 @@ class WorkerPool(HealthChecks):
             load = {w.address: w.outstanding for w in self._workers.values() if w.available}
             preferred = self._affinity.choose(blocks, load)
         candidates = self._candidates(preferred)
+        # Workers known (from their ListModels answers) to serve only embeddings or scores are
+        # left out; workers not asked yet stay in (their refusal names their task).
+        generating = [w for w in candidates if w.models is None or w.serves("", ("generate",))]
+        if candidates and not generating:
+            raise self._no_task("generate", request.model, ("generate",), candidates)
+        candidates = generating
         if not candidates and request.model_load_wait_seconds > 0:
             candidates = self._loading_candidates()
         if not candidates:
@@ -344,7 +350,7 @@ class WorkerPool(HealthChecks):
                 param="model",
                 code="model_not_found",
             )
-        what = {"embed": "embeddings", "score": "scores and reranking"}[call]
+        what = {"generate": "generation", "embed": "embeddings", "score": "scores and reranking"}[call]
         shown = ", ".join(f"'{name}' ({task})" for name, task in served.items()) or "none"
         return InvalidRequestError(
             f"No worker serves {f'the model {model!r}' if model else 'a model'} for {what}: that needs a "
