@@ -202,6 +202,10 @@ def test_generation_is_refused_by_embedding_workers(
             timeout=10,
         )
         assert len(reply.scores) == 1 and reply.scores[0] > 0.5
+    # The pooling engine's counters are the worker's metrics, as the generation engine's are.
+    metrics = embedder.metrics()
+    assert metrics["sluice_worker_requests_finished_total"] > 0
+    assert metrics["sluice_worker_prompt_tokens_total"] > 0
     # Once the edge knows the workers' tasks (ListModels), generation goes to none of them.
     assert {m.id for m in client.models.list().data} == {EMBEDDER, MODEL}
     with pytest.raises(openai.BadRequestError) as chat:

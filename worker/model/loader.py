@@ -113,7 +113,7 @@ def load_model(
 
     ``task`` (``--task``): ``generate`` loads the causal LM, ``embed`` the bare model (its final
     hidden states, pooled), ``score`` its sequence-classification head; ``auto`` picks from the folder
-    (:func:`worker.model.pooling.detect_task`). Pooling models load in float.
+    (:func:`worker.model.pooling.detect_task`). Pooling models load in float (float32 with ``auto``).
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -139,6 +139,8 @@ def load_model(
         task = detect_task(folder)
         log.info("--task auto: %s", task)
     if task != "generate":
+        if dtype == "auto":
+            torch_dtype = torch.float32  # as sentence-transformers loads them: vectors match its own
         if quantization not in ("auto", "none"):
             raise ModelLoadError(f"--task {task} serves float weights only", param="quantization")
         quantization = "none"

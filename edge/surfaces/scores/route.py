@@ -12,7 +12,8 @@ from edge.surfaces.scores.response import rerank_response, score_list
 from edge.surfaces.shared import pooled
 
 blueprint = Blueprint("scores", __name__)
-RERANK_PATHS = ("/rerank", "/v1/rerank", "/v2/rerank")
+# Path -> endpoint name (vLLM serves all three; Jina's client posts to /v1, Cohere's to /v2).
+RERANK_PATHS = {"/rerank": "rerank", "/v1/rerank": "rerank_v1", "/v2/rerank": "rerank_v2"}
 
 
 async def rerank() -> Response:
@@ -22,8 +23,8 @@ async def rerank() -> Response:
     return pooled.answer(rerank_response(reply, request), worker_id)
 
 
-for _path in RERANK_PATHS:
-    blueprint.add_url_rule(_path, f"rerank{_path.replace('/', '_')}", rerank, methods=["POST"])
+for _path, _endpoint in RERANK_PATHS.items():
+    blueprint.add_url_rule(_path, _endpoint, rerank, methods=["POST"])
 
 
 @blueprint.post("/v1/score")

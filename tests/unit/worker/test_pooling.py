@@ -4,6 +4,7 @@ engine's batching, the service's checks, and a tiny random cross-encoder scored 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -17,7 +18,7 @@ from worker.errors import InvalidRequest, ModelNotFound, QueueFull, WrongTask
 from worker.model.loader import LoadedModel, ModelLoadError, load_model
 from worker.model.pooling import PoolingSpec, detect_task, finish_vectors, pool, read_spec
 from worker.model.pooling_runner import PoolingInput, PoolingRunner
-from worker.service.pooling import check_task, prepare_embed, prepare_score, score_response
+from worker.service.pooling import check_task, embed_response, prepare_embed, prepare_score, score_response
 
 
 def test_pooling_modes_ignore_padding() -> None:
@@ -253,3 +254,71 @@ def test_embed_requests_are_checked(minilm_dir: Path) -> None:
         loaded, pb.EmbedRequest(inputs=[text, pb.EmbedInput(token_ids=pb.TokenIds(ids=[101, 7592, 102]))])
     )
     assert work.inputs[1].token_ids == (101, 7592, 102) and work.inputs[0].token_ids[0] == 101
+    # A model that declares Matryoshka sizes serves them: cut, then normalised again.
+    assert loaded.pooling is not None
+    matryoshka = dataclasses.replace(
+        loaded, pooling=dataclasses.replace(loaded.pooling, matryoshka_dimensions=(128, 64))
+    )
+    cut = prepare_embed(matryoshka, pb.EmbedRequest(inputs=[text], dimensions=128))
+    rows = torch.randn(1, 384)
+    reply = embed_response(matryoshka, cut, rows, "w")
+    vector = torch.tensor(reply.embeddings[0].values)
+    assert vector.shape == (128,) and torch.allclose(
+        vector, torch.nn.functional.normalize(rows[0, :128], dim=0)
+    )
+    with pytest.raises(InvalidRequest, match="it gives 128, 64, 384"):
+        prepare_embed(matryoshka, pb.EmbedRequest(inputs=[text], dimensions=100))
+
+
+# ------------------------------------------------------------------ the drain
+
+
+class _SlowPoolingService:
+    """Embed waits until released; Score answers at once."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+
+    async def Embed(self, request: pb.EmbedRequest, context: object) -> pb.EmbedResponse:
+        self.entered.set()
+        await asyncio.Event().wait()
+        return pb.EmbedResponse()
+
+    async def Score(self, request: pb.ScoreRequest, context: object) -> pb.ScoreResponse:
+        return pb.ScoreResponse(scores=[0.5])
+
+
+def test_drain_refuses_new_pooled_calls_and_cuts_running_ones() -> None:
+    import grpc
+
+    from sluice.client import WorkerCallError, WorkerClient
+    from worker.service.drain import DrainingWorker
+    from worker.service.wire_decoding import add_worker_service
+
+    async def main() -> None:
+        service = _SlowPoolingService()
+        served = DrainingWorker(service)  # type: ignore[arg-type]
+        server = grpc.aio.server()
+        add_worker_service(served, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            async with WorkerClient(f"127.0.0.1:{port}") as client:
+                assert list((await client.score(pb.ScoreRequest(), timeout=10)).scores) == [0.5]
+                running = asyncio.ensure_future(client.embed(pb.EmbedRequest(), timeout=10))
+                await asyncio.wait_for(service.entered.wait(), 10)
+                assert served.in_flight == 1
+                served.start_drain()
+                with pytest.raises(WorkerCallError) as refused:
+                    await client.score(pb.ScoreRequest(), timeout=10)
+                assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+                assert not await served.wait_idle(0.1)
+                assert served.cut() == 1
+                with pytest.raises(WorkerCallError) as cut:
+                    await running
+                assert cut.value.code() == grpc.StatusCode.UNAVAILABLE and "grace period" in cut.value.message
+                assert await served.wait_idle(5)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())
