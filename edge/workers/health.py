@@ -87,6 +87,7 @@ class HealthChecks(Membership):
         now = time.monotonic()
         was_available = worker.available
         worker.status = status
+        worker.models = None  # it may come back serving something else
         worker.failures += 1
         backoff = eject_backoff_s(worker.failures, self._health_interval_s, random.uniform(-_JITTER, _JITTER))
         worker.next_check_at = now + backoff

@@ -10,11 +10,12 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import grpc
 
-from edge.errors import EdgeError, ServiceUnavailableError, from_grpc
+from edge.errors import EdgeError, InvalidRequestError, NotFoundError, ServiceUnavailableError, from_grpc
 from edge.workers.addresses import resolve
 from edge.workers.health import NO_WORKER_MESSAGE, HealthChecks
 from edge.workers.membership import ClientFactory, Resolver
@@ -26,6 +27,9 @@ from sluice.v1 import worker_pb2
 log = logging.getLogger("sluice.edge")
 
 _RETRY_BEFORE_FIRST_EVENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+# The worker tasks (ModelInfo.task, the worker's --task) that serve each pooled call.
+POOLED_TASKS = {"embed": ("embed",), "score": ("embed", "score")}
+_Reply = TypeVar("_Reply")
 
 
 class GenerateStream:
@@ -179,6 +183,12 @@ class WorkerPool(HealthChecks):
             load = {w.address: w.outstanding for w in self._workers.values() if w.available}
             preferred = self._affinity.choose(blocks, load)
         candidates = self._candidates(preferred)
+        # Workers known (from their ListModels answers) to serve only embeddings or scores are
+        # left out; workers not asked yet stay in (their refusal names their task).
+        generating = [w for w in candidates if w.models is None or w.serves("", ("generate",))]
+        if candidates and not generating:
+            raise self._no_task("generate", request.model, ("generate",), candidates)
+        candidates = generating
         if not candidates and request.model_load_wait_seconds > 0:
             candidates = self._loading_candidates()
         if not candidates:
@@ -264,6 +274,91 @@ class WorkerPool(HealthChecks):
             raise last_error
         raise ServiceUnavailableError("The request timed out before a worker could take it.", retry_after=1.0)
 
+    async def pooled(
+        self,
+        call: str,
+        model: str,
+        send: Callable[[WorkerClient, float], Awaitable[_Reply]],
+        timeout_s: float,
+    ) -> tuple[_Reply, Worker]:
+        """A one-message call (``call``: "embed" or "score", see :data:`POOLED_TASKS`) on the best
+        worker that serves ``model`` for it: ``send(client, remaining seconds)`` makes the call. The
+        workers' tasks come from their ListModels answers (asked here for the ones not asked yet).
+
+        Raises 404 ``model_not_found`` when no worker serves ``model``, 400 naming ``model`` when
+        none serves it for ``call``, 503 when none is available, the worker's mapped error otherwise
+        (after trying the next worker for UNAVAILABLE and RESOURCE_EXHAUSTED).
+        """
+        self._ensure_started()
+        if self._dns is not None and not self._workers:
+            await self.wait_first_round()
+        deadline = time.monotonic() + timeout_s
+        candidates = self._candidates()
+        if not candidates:
+            raise self._none_available()
+        unknown = [w for w in candidates if w.models is None]
+        if unknown:
+            await self._learn_models(unknown)
+        tasks = POOLED_TASKS[call]
+        serving = [w for w in candidates if w.serves(model, tasks)]
+        if not serving:
+            raise self._no_task(call, model, tasks, candidates)
+        last_error: EdgeError | None = None
+        for worker in serving:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not worker.available:
+                continue
+            worker.outstanding += 1
+            try:
+                reply = await send(worker.client, remaining)
+            except WorkerCallError as error:
+                self.note_call_failure(worker, error)
+                last_error = from_grpc(error)
+                last_error.worker_id = worker.worker_id
+                if error.code() in _RETRY_BEFORE_FIRST_EVENT:
+                    continue
+                raise last_error from None
+            finally:
+                self.release(worker)
+            self.note_call_success(worker)
+            return reply, worker
+        raise last_error or ServiceUnavailableError(
+            "The request timed out before a worker could take it.", retry_after=1.0
+        )
+
+    async def _learn_models(self, workers: list[Worker]) -> None:
+        """Asks each of ``workers`` what it serves (ListModels), at once; a worker that does not
+        answer keeps ``models`` None and serves nothing here."""
+        results = await asyncio.gather(
+            *(w.client.list_models(timeout=self._health_timeout_s) for w in workers), return_exceptions=True
+        )
+        for worker, result in zip(workers, results, strict=True):
+            if isinstance(result, WorkerCallError):
+                self.note_call_failure(worker, result)
+            elif isinstance(result, BaseException):
+                raise result
+            else:
+                worker.worker_id = result.worker_id or worker.worker_id
+                worker.models = list(result.models)
+
+    @staticmethod
+    def _no_task(call: str, model: str, tasks: tuple[str, ...], workers: list[Worker]) -> EdgeError:
+        served = {m.id: m.task or "generate" for w in workers for m in w.models or ()}
+        if model and model not in served:
+            return NotFoundError(
+                f"The model '{model}' does not exist or you do not have access to it.",
+                param="model",
+                code="model_not_found",
+            )
+        what = {"generate": "generation", "embed": "embeddings", "score": "scores and reranking"}[call]
+        shown = ", ".join(f"'{name}' ({task})" for name, task in served.items()) or "none"
+        return InvalidRequestError(
+            f"No worker serves {f'the model {model!r}' if model else 'a model'} for {what}: that needs a "
+            f"worker started with --task {' or '.join(tasks)}. Served: {shown}.",
+            param="model",
+            code="model_not_supported",
+        )
+
     async def _learn_worker_id(self, worker: Worker) -> str | None:
         """The worker's id: known from an earlier answer, else asked with ListModels
         (only on error paths; ``None`` when it does not answer in time)."""
@@ -299,6 +394,7 @@ class WorkerPool(HealthChecks):
                 self.note_call_failure(worker, result)
                 continue
             worker.worker_id = result.worker_id or worker.worker_id
+            worker.models = list(result.models)
             answered.append(worker.worker_id or "")
             for model in result.models:
                 models.setdefault(model.id, model)

@@ -62,6 +62,13 @@ class Worker:
         self.worker_id: str | None = None
         # While LOADING: how far its model load has come (0 to 1), as it last said.
         self.load_fraction: float | None = None
+        # What it serves (its last ListModels answer; None: not asked since it last came back).
+        self.models: list[worker_pb2.ModelInfo] | None = None
+
+    def serves(self, model: str, tasks: tuple[str, ...]) -> bool:
+        """Whether its last listing has ``model`` (any, when empty) for one of ``tasks`` (a worker
+        older than ``ModelInfo.task`` generates)."""
+        return any((m.task or "generate") in tasks and model in ("", m.id) for m in self.models or ())
 
     @property
     def available(self) -> bool:

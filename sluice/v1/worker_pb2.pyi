@@ -416,25 +416,97 @@ class Usage(_message.Message):
     reasoning_tokens: int
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., total_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., reasoning_tokens: _Optional[int] = ...) -> None: ...
 
+class EmbedRequest(_message.Message):
+    __slots__ = ("request_id", "model", "inputs", "dimensions")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    INPUTS_FIELD_NUMBER: _ClassVar[int]
+    DIMENSIONS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    inputs: _containers.RepeatedCompositeFieldContainer[EmbedInput]
+    dimensions: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., inputs: _Optional[_Iterable[_Union[EmbedInput, _Mapping]]] = ..., dimensions: _Optional[int] = ...) -> None: ...
+
+class EmbedInput(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
+
+class EmbedResponse(_message.Message):
+    __slots__ = ("embeddings", "prompt_tokens", "model", "worker_id")
+    EMBEDDINGS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    embeddings: _containers.RepeatedCompositeFieldContainer[EmbedVector]
+    prompt_tokens: int
+    model: str
+    worker_id: str
+    def __init__(self, embeddings: _Optional[_Iterable[_Union[EmbedVector, _Mapping]]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class EmbedVector(_message.Message):
+    __slots__ = ("values", "prompt_tokens")
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    values: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    def __init__(self, values: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class ScoreRequest(_message.Message):
+    __slots__ = ("request_id", "model", "pairs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PAIRS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    model: str
+    pairs: _containers.RepeatedCompositeFieldContainer[ScorePair]
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., pairs: _Optional[_Iterable[_Union[ScorePair, _Mapping]]] = ...) -> None: ...
+
+class ScorePair(_message.Message):
+    __slots__ = ("text_1", "text_2")
+    TEXT_1_FIELD_NUMBER: _ClassVar[int]
+    TEXT_2_FIELD_NUMBER: _ClassVar[int]
+    text_1: str
+    text_2: str
+    def __init__(self, text_1: _Optional[str] = ..., text_2: _Optional[str] = ...) -> None: ...
+
+class ScoreResponse(_message.Message):
+    __slots__ = ("scores", "prompt_tokens", "model", "worker_id")
+    SCORES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    scores: _containers.RepeatedScalarFieldContainer[float]
+    prompt_tokens: int
+    model: str
+    worker_id: str
+    def __init__(self, scores: _Optional[_Iterable[float]] = ..., prompt_tokens: _Optional[int] = ..., model: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
 class ListModelsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "created", "owned_by", "context_length", "source", "chat_formats")
+    __slots__ = ("id", "created", "owned_by", "context_length", "source", "chat_formats", "task")
     ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     OWNED_BY_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     CHAT_FORMATS_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
     id: str
     created: int
     owned_by: str
     context_length: int
     source: str
     chat_formats: ChatFormats
-    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ..., context_length: _Optional[int] = ..., source: _Optional[str] = ..., chat_formats: _Optional[_Union[ChatFormats, _Mapping]] = ...) -> None: ...
+    task: str
+    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ..., context_length: _Optional[int] = ..., source: _Optional[str] = ..., chat_formats: _Optional[_Union[ChatFormats, _Mapping]] = ..., task: _Optional[str] = ...) -> None: ...
 
 class ChatFormats(_message.Message):
     __slots__ = ("family", "tool_call_parser", "reasoning_parser", "thinking_switch")

@@ -44,6 +44,16 @@ class WorkerStub:
                 request_serializer=sluice_dot_v1_dot_worker__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_worker__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/sluice.v1.Worker/Embed',
+                request_serializer=sluice_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
+                _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/sluice.v1.Worker/Score',
+                request_serializer=sluice_dot_v1_dot_worker__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_worker__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -63,6 +73,22 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One vector per input, from a worker whose task is "embed" (ModelInfo.task); another
+        task's worker answers FAILED_PRECONDITION naming its task.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Score(self, request, context):
+        """One relevance score per (text_1, text_2) pair, from a worker whose task is "score" (a
+        cross-encoder's classifier) or "embed" (the cosine of the two texts' vectors).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +101,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=sluice_dot_v1_dot_worker__pb2.ListModelsRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_worker__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=sluice_dot_v1_dot_worker__pb2.EmbedRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_worker__pb2.EmbedResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=sluice_dot_v1_dot_worker__pb2.ScoreRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_worker__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +167,60 @@ class Worker:
             '/sluice.v1.Worker/ListModels',
             sluice_dot_v1_dot_worker__pb2.ListModelsRequest.SerializeToString,
             sluice_dot_v1_dot_worker__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Worker/Embed',
+            sluice_dot_v1_dot_worker__pb2.EmbedRequest.SerializeToString,
+            sluice_dot_v1_dot_worker__pb2.EmbedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Worker/Score',
+            sluice_dot_v1_dot_worker__pb2.ScoreRequest.SerializeToString,
+            sluice_dot_v1_dot_worker__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -18,11 +18,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+)
 
 from worker.config import DEFAULT_CACHE_DIR
 from worker.errors import WorkerError
 from worker.model.packed_linear import pack_linears
+from worker.model.pooling import PoolingConfigError, PoolingSpec, detect_task, read_spec
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
 
@@ -48,6 +56,8 @@ class LoadedModel:
     dtype: torch.dtype
     loaded_at: float
     quantization: str = "none"  # none, int8, int4 or fp8: what the linear layers hold
+    task: str = "generate"  # generate, embed or score (--task)
+    pooling: PoolingSpec | None = None  # embed and score: how outputs are pooled
 
 
 def resolve_device(device: str) -> torch.device:
@@ -87,6 +97,7 @@ def load_model(
     cpu_linear: str = "onednn",
     batch_hint: int = 16,
     quantization: str = "none",
+    task: str = "generate",
     on_progress: Callable[[float], None] | None = None,
 ) -> LoadedModel:
     """Loads the model named by ``model`` (see docs/worker.md) onto the chosen device.
@@ -99,6 +110,10 @@ def load_model(
     (worker/model/packed_linear.py); ``batch_hint`` is the usual decode batch. ``quantization`` is one
     of :data:`worker.quant.layers.CHOICES`; a choice the device cannot serve raises
     :class:`ModelLoadError` naming ``--quantization``.
+
+    ``task`` (``--task``): ``generate`` loads the causal LM, ``embed`` the bare model (its final
+    hidden states, pooled), ``score`` its sequence-classification head; ``auto`` picks from the folder
+    (:func:`worker.model.pooling.detect_task`). Pooling models load in float (float32 with ``auto``).
     """
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
@@ -120,6 +135,15 @@ def load_model(
     else:
         model_id = model
     source = str(gguf or folder or model)
+    if task == "auto":
+        task = detect_task(folder)
+        log.info("--task auto: %s", task)
+    if task != "generate":
+        if dtype == "auto":
+            torch_dtype = torch.float32  # as sentence-transformers loads them: vectors match its own
+        if quantization not in ("auto", "none"):
+            raise ModelLoadError(f"--task {task} serves float weights only", param="quantization")
+        quantization = "none"
     scheme = choose_quantization(quantization, torch_device, model_is_default=model is None)
     report = on_progress or (lambda _fraction: None)
     report(0.05)
@@ -127,10 +151,16 @@ def load_model(
     if scheme == "none":
         if gguf is not None:
             folder = converted_gguf_folder(gguf, cache)
-        hf_model, tokenizer = _load_float(folder, model, torch_dtype)
+        hf_model, tokenizer = _load_float(folder, model, torch_dtype, task)
     else:
         hf_model, tokenizer = _load_quantized(gguf, folder, model, cache, scheme, torch_device, torch_dtype)
     report(0.7)
+    pooling = None
+    if task != "generate":
+        try:
+            pooling = read_spec(task, folder, hf_model.config)
+        except PoolingConfigError as exc:
+            raise ModelLoadError(f"--model {model}: {exc}", param="task") from exc
     hf_model = hf_model.to(torch_device).eval()  # type: ignore[arg-type]
     report(0.85)
     packed = 0
@@ -157,11 +187,15 @@ def load_model(
         tokenizer=tokenizer,
         model_id=served_model_name or model_id,
         source=source,
-        context_length=context_length(hf_model.config, tokenizer),
+        context_length=min(
+            context_length(hf_model.config, tokenizer), (pooling and pooling.max_length) or 1 << 30
+        ),
         device=torch_device,
         dtype=torch_dtype,
         loaded_at=time.time(),
         quantization=scheme,
+        task=task,
+        pooling=pooling,
     )
 
 
@@ -197,13 +231,21 @@ def choose_quantization(quantization: str, device: torch.device, *, model_is_def
 AUTO_DEFAULT_MODEL_CPU = "int4"
 
 
+# The transformers class each --task loads.
+_MODEL_CLASSES: dict[str, Any] = {
+    "generate": AutoModelForCausalLM,
+    "embed": AutoModel,
+    "score": AutoModelForSequenceClassification,
+}
+
+
 def _load_float(
-    folder: Path | None, model: str | None, dtype: torch.dtype
+    folder: Path | None, model: str | None, dtype: torch.dtype, task: str = "generate"
 ) -> tuple[Any, PreTrainedTokenizerBase]:
     target = str(folder) if folder is not None else str(model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(target)
-        hf_model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
+        hf_model = _MODEL_CLASSES[task].from_pretrained(target, dtype=dtype)
     except OSError as exc:
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
     return hf_model, tokenizer

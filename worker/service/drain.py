@@ -6,6 +6,7 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
@@ -79,6 +80,35 @@ class DrainingWorker(pb_grpc.WorkerServicer):
         self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
         return await self._service.ListModels(request, context)
+
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        async with self._unary(context):
+            return await self._service.Embed(request, context)
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        async with self._unary(context):
+            return await self._service.Score(request, context)
+
+    @contextlib.asynccontextmanager
+    async def _unary(self, context: grpc.aio.ServicerContext) -> AsyncIterator[None]:
+        """A one-message call (Embed, Score): refused while draining, counted in flight; a cut cancels
+        it (its answer is one step of the pooling engine away)."""
+        if self._draining:
+            refusal = NotReady(SHUTTING_DOWN_MESSAGE, retry_after_seconds=_RETRY_AFTER_S)
+            await context.abort_with_status(refusal.to_status())
+        call = _Call(asyncio.current_task(), reading=True)
+        self._calls.add(call)
+        try:
+            yield
+        except asyncio.CancelledError:
+            if not call.cut:
+                raise
+            if call.task is not None:
+                call.task.uncancel()
+            await context.abort_with_status(NotReady(CUT_MESSAGE).to_status())
+        finally:
+            self._calls.discard(call)
+            call.done.set()
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext

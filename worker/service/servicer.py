@@ -13,16 +13,19 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TypeVar
 
 import grpc
+import torch
 
 from sluice.logs import request_id_var
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from worker.engine.core import Engine
+from worker.engine.pooling import PoolingEngine
 from worker.engine.prepare import Prepared
 from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, WorkerError
 from worker.model.load_progress import LoadProgress, wait_for_load
@@ -37,6 +40,14 @@ from worker.service.convert import (
     parse_request,
     sampling_options,
 )
+from worker.service.pooling import (
+    PoolingWork,
+    check_task,
+    embed_response,
+    prepare_embed,
+    prepare_score,
+    score_response,
+)
 from worker.service.prompt import PromptRenderer
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
 
@@ -49,14 +60,31 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ServingModel:
-    """What the service needs once the model is loaded."""
+    """What the service needs once the model is loaded: a generation engine and grammars for
+    ``--task generate``, a pooling engine (and no grammars) for ``embed`` and ``score``."""
 
     loaded: LoadedModel
-    engine: Engine
+    engine: Engine | PoolingEngine
     renderer: PromptRenderer
-    grammars: GrammarCompiler
+    grammars: GrammarCompiler | None
     max_running: int
     default_max_tokens: int | None = None
+
+    @property
+    def generator(self) -> Engine:
+        """The generation engine; raises :class:`~worker.errors.WrongTask` on a pooling worker."""
+        check_task(self.loaded, "Generate", "")
+        assert isinstance(self.engine, Engine)
+        return self.engine
+
+    @property
+    def pooler(self) -> PoolingEngine:
+        assert isinstance(self.engine, PoolingEngine)  # check_task ran first
+        return self.engine
+
+
+_Request = TypeVar("_Request", pb.EmbedRequest, pb.ScoreRequest)
+_Reply = TypeVar("_Reply", pb.EmbedResponse, pb.ScoreResponse)
 
 
 class WorkerService(pb_grpc.WorkerServicer):
@@ -121,6 +149,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             context_length=loaded.context_length,
             source=loaded.source,
             chat_formats=formats,
+            task=loaded.task,
         )
         return pb.ListModelsResponse(models=[info], worker_id=self.worker_id)
 
@@ -139,12 +168,13 @@ class WorkerService(pb_grpc.WorkerServicer):
                 arrival = time.monotonic()  # queue time starts once the model is there
             serving = self._require_serving()
             parsed = parse_request(request, serving.loaded.model_id)
+            engine = serving.generator
             # In the caller's context, so the prepare thread's log lines carry the request id.
             prepare = functools.partial(
                 contextvars.copy_context().run, _prepare, serving, parsed, request_id, arrival
             )
             prepared = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare)
-            stream = serving.engine.submit(prepared.work)
+            stream = engine.submit(prepared.work)
         except WorkerError as exc:
             log.info("request %s rejected: %s (%s)", request_id, exc.message, exc.code.name)
             await context.abort_with_status(exc.to_status())
@@ -220,6 +250,48 @@ class WorkerService(pb_grpc.WorkerServicer):
                 time.monotonic() - arrival,
             )
 
+    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        return await self._pooled("Embed", request, context, prepare_embed, embed_response)
+
+    async def Score(self, request: pb.ScoreRequest, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        return await self._pooled("Score", request, context, prepare_score, score_response)
+
+    async def _pooled(
+        self,
+        call: str,
+        request: _Request,
+        context: grpc.aio.ServicerContext,
+        prepare: Callable[[LoadedModel, _Request], PoolingWork],
+        respond: Callable[[LoadedModel, PoolingWork, torch.Tensor, str], _Reply],
+    ) -> _Reply:
+        """One Embed or Score call: checked and tokenized in the prepare threads, batched by the
+        pooling engine with the other calls, answered in one message."""
+        arrival = time.monotonic()
+        request_id = request.request_id or _metadata_request_id(context) or uuid.uuid4().hex
+        request_id_var.set(request_id)
+        try:
+            serving = self._require_serving()
+            check_task(serving.loaded, call, request.model)
+            work = await asyncio.get_running_loop().run_in_executor(
+                self._prepare_pool,
+                functools.partial(contextvars.copy_context().run, prepare, serving.loaded, request),
+            )
+            rows = await serving.pooler.submit(request_id, work.inputs)
+            reply = respond(serving.loaded, work, rows, self.worker_id)
+        except WorkerError as exc:
+            log.info("%s %s rejected: %s (%s)", call, request_id, exc.message, exc.code.name)
+            await context.abort_with_status(exc.to_status())
+            raise  # unreachable: abort_with_status raises
+        log.info(
+            "%s %s completed: %d inputs, %d tokens, %.3f s",
+            call,
+            request_id,
+            len(work.inputs),
+            work.prompt_tokens,
+            time.monotonic() - arrival,
+        )
+        return reply
+
 
 @dataclass(frozen=True)
 class _PreparedCall:
@@ -245,7 +317,9 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
     spec = parsed.grammar
     if spec is not None and spec.kind == "tool_call":
         spec = dataclasses.replace(spec, call_format=profile.call_grammar)  # the family's own format
-    grammar = serving.grammars.validate(spec) if spec is not None else None
+    grammars = serving.grammars
+    assert grammars is not None  # a generation worker has its grammars
+    grammar = grammars.validate(spec) if spec is not None else None
     reasoning = profile.reasoning_parser or "qwen3"
     opened = thinking_open_marker(reasoning)
     output = OutputOptions(
@@ -267,7 +341,7 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         grammar=grammar,
         resumed_token_ids=parsed.resumed_token_ids,
     )
-    return _PreparedCall(serving.engine.prepare(request), prompt_ids, prompt_text)
+    return _PreparedCall(serving.generator.prepare(request), prompt_ids, prompt_text)
 
 
 def _metadata_request_id(context: grpc.aio.ServicerContext) -> str:

@@ -46,7 +46,7 @@ def lenient_decoder(message: type[Message]) -> Callable[[bytes], Any]:
 
 
 def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server) -> None:
-    """Registers ``servicer`` (Generate and ListModels) on ``server``, in place of the generated
+    """Registers ``servicer`` (Generate, ListModels, Embed, Score) on ``server``, in place of the generated
     ``add_WorkerServicer_to_server``."""
 
     async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
@@ -66,6 +66,18 @@ def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server
         reply: pb.ListModelsResponse = await servicer.ListModels(request, context)
         return reply
 
+    async def embed(request: Any, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+        if isinstance(request, UndecodableRequest):
+            await context.abort_with_status(request.error().to_status())
+        reply: pb.EmbedResponse = await servicer.Embed(request, context)
+        return reply
+
+    async def score(request: Any, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
+        if isinstance(request, UndecodableRequest):
+            await context.abort_with_status(request.error().to_status())
+        reply: pb.ScoreResponse = await servicer.Score(request, context)
+        return reply
+
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             generate,
@@ -76,6 +88,16 @@ def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server
             list_models,
             request_deserializer=lenient_decoder(pb.ListModelsRequest),
             response_serializer=pb.ListModelsResponse.SerializeToString,
+        ),
+        "Embed": grpc.unary_unary_rpc_method_handler(
+            embed,
+            request_deserializer=lenient_decoder(pb.EmbedRequest),
+            response_serializer=pb.EmbedResponse.SerializeToString,
+        ),
+        "Score": grpc.unary_unary_rpc_method_handler(
+            score,
+            request_deserializer=lenient_decoder(pb.ScoreRequest),
+            response_serializer=pb.ScoreResponse.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))

@@ -1,0 +1,34 @@
+"""``POST /rerank``, ``/v1/rerank``, ``/v2/rerank`` and ``/v1/score``: validate, one ``Score`` call on a
+worker serving the model with ``--task score`` or ``embed``, answer."""
+
+from __future__ import annotations
+
+from quart import Blueprint
+from quart.wrappers import Response
+
+from edge.http import current_request_id, read_json_body
+from edge.surfaces.scores.request import parse_rerank_request, parse_score_request, to_score_request
+from edge.surfaces.scores.response import rerank_response, score_list
+from edge.surfaces.shared import pooled
+
+blueprint = Blueprint("scores", __name__)
+# Path -> endpoint name (vLLM serves all three; Jina's client posts to /v1, Cohere's to /v2).
+RERANK_PATHS = {"/rerank": "rerank", "/v1/rerank": "rerank_v1", "/v2/rerank": "rerank_v2"}
+
+
+async def rerank() -> Response:
+    request = parse_rerank_request(await read_json_body())
+    pairs = [(request.query, text) for text in request.texts]
+    reply, worker_id = await pooled.score(to_score_request(request.model, pairs, current_request_id()))
+    return pooled.answer(rerank_response(reply, request), worker_id)
+
+
+for _path, _endpoint in RERANK_PATHS.items():
+    blueprint.add_url_rule(_path, _endpoint, rerank, methods=["POST"])
+
+
+@blueprint.post("/v1/score")
+async def score() -> Response:
+    request, pairs = parse_score_request(await read_json_body())
+    reply, worker_id = await pooled.score(to_score_request(request.model, pairs, current_request_id()))
+    return pooled.answer(score_list(reply), worker_id)
