@@ -14,6 +14,7 @@ from edge.surfaces.chat.route import blueprint as chat_blueprint
 from edge.surfaces.completions.route import blueprint as completions_blueprint
 from edge.surfaces.native.route import blueprint as native_blueprint
 from edge.surfaces.responses.route import blueprint as responses_blueprint
+from edge.surfaces.tokenize.route import blueprint as tokenize_blueprint
 
 
 def register_routes(app: Quart) -> None:
@@ -23,6 +24,7 @@ def register_routes(app: Quart) -> None:
     app.register_blueprint(responses_blueprint)
     app.register_blueprint(messages_blueprint)
     app.register_blueprint(native_blueprint)
+    app.register_blueprint(tokenize_blueprint)
     app.register_blueprint(models_blueprint)
     app.register_blueprint(health_blueprint)
     app.register_blueprint(metrics_blueprint)
