@@ -163,7 +163,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         return pb.DetokenizeResponse(text=text, model=serving.loaded.model_id, worker_id=self.worker_id)
 
     async def _in_thread(self, function: Callable[..., T], *args: Any) -> T:
-        """``function(*args)`` in a prepare thread, in the caller's context (its log lines)."""
+        """``function(*args)`` in a prepare thread, in the caller's context (so the thread's log
+        lines carry the request id)."""
         run = functools.partial(contextvars.copy_context().run, function, *args)
         return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, run)
 
@@ -182,11 +183,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                 arrival = time.monotonic()  # queue time starts once the model is there
             serving = self._require_serving()
             parsed = parse_request(request, serving.loaded.model_id)
-            # In the caller's context, so the prepare thread's log lines carry the request id.
-            prepare = functools.partial(
-                contextvars.copy_context().run, _prepare, serving, parsed, request_id, arrival
-            )
-            prepared = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare)
+            prepared = await self._in_thread(_prepare, serving, parsed, request_id, arrival)
             stream = serving.engine.submit(prepared.work)
         except WorkerError as exc:
             log.info("request %s rejected: %s (%s)", request_id, exc.message, exc.code.name)
