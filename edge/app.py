@@ -15,6 +15,7 @@ from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from edge.auth import ApiKeyCheck
 from edge.concurrency import ConcurrencyLimiter, ReleaseSlots
+from edge.cors import Cors
 from edge.drain import Drain
 from edge.errors import (
     GENERIC_INTERNAL_MESSAGE,
@@ -85,6 +86,11 @@ def create_app(settings: Settings) -> EdgeApp:
 
     app.before_request(assign_request_id)
     app.before_request(bind_request_id)
+    cors = Cors(settings.allowed_origins)
+    if cors.enabled:
+        # Before the API-key check: a browser's preflight never carries the key.
+        app.before_request(cors.preflight)
+        app.after_request(cors.mark)
     api_keys = ApiKeyCheck(settings.api_keys)
     if api_keys.enabled:
         app.before_request(api_keys.before_request)

@@ -13,7 +13,7 @@ from quart import g, request
 
 from edge.errors import AuthenticationError
 
-PROTECTED_PREFIXES = ("/v1/", "/api/v1/")
+PROTECTED_PREFIXES = ("/v1/", "/api/v1/", "/tokenize", "/detokenize", "/infill")
 _MISSING = (
     "You didn't provide an API key. You need to provide your API key in an Authorization header "
     "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or in an x-api-key header."

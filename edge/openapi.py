@@ -13,9 +13,15 @@ from pydantic.json_schema import models_json_schema
 
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER
 from edge.routes.bodies import Health, ModelList, ModelObject, Readiness
-from edge.surfaces.anthropic.request import MessagesRequest
-from edge.surfaces.anthropic.response import AnthropicErrorResponse, AnthropicMessage, AnthropicStreamEvent
+from edge.surfaces.anthropic.request import CountTokensRequest, MessagesRequest
+from edge.surfaces.anthropic.response import (
+    AnthropicErrorResponse,
+    AnthropicMessage,
+    AnthropicStreamEvent,
+    InputTokens,
+)
 from edge.surfaces.chat.response import ChatCompletion, ChatCompletionChunk
+from edge.surfaces.completions.infill import InfillRequest, InfillResult
 from edge.surfaces.completions.request import CompletionRequest
 from edge.surfaces.completions.response import TextCompletion, TextCompletionChunk
 from edge.surfaces.embeddings.request import EmbeddingRequest
@@ -33,6 +39,8 @@ from edge.surfaces.scores.request import RerankRequest, ScoreRequest
 from edge.surfaces.scores.response import RerankResponse, ScoreList
 from edge.surfaces.shared.chat_request import ChatCompletionRequest
 from edge.surfaces.shared.errors import ErrorResponse
+from edge.surfaces.tokenize.request import DetokenizeRequest, TokenizeRequest
+from edge.surfaces.tokenize.response import DetokenizeResult, TokenizeResult
 
 REF = "#/components/schemas/{model}"
 REQUEST_MODELS: tuple[type[BaseModel], ...] = (
@@ -44,6 +52,10 @@ REQUEST_MODELS: tuple[type[BaseModel], ...] = (
     EmbeddingRequest,
     RerankRequest,
     ScoreRequest,
+    CountTokensRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+    InfillRequest,
 )
 RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ErrorResponse,
@@ -67,6 +79,10 @@ RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     EmbeddingList,
     RerankResponse,
     ScoreList,
+    InputTokens,
+    TokenizeResult,
+    DetokenizeResult,
+    InfillResult,
 )
 
 _ERRORS = {
@@ -247,23 +263,56 @@ def _surface_generation(
     }
 
 
-def _pooled(summary: str, request: type[BaseModel], answer: type[BaseModel]) -> dict[str, Any]:
-    """A one-answer route served by the pooling workers (embeddings, rerank, score)."""
+def _unary(
+    summary: str,
+    request: type[BaseModel],
+    answer: type[BaseModel],
+    security: list[dict[str, list[str]]],
+    error: type[BaseModel] = ErrorResponse,
+    *,
+    pooled: bool = False,
+) -> dict[str, Any]:
+    """A route answered by one unary worker call (no stream): the tokenizer routes, and with
+    ``pooled`` the routes the pooling workers serve (embeddings, rerank, score: the timeout headers,
+    429 and 504 too)."""
+    statuses = ("400", "401", "404", "413", "422", "500", "503") + (("429", "504") if pooled else ())
     return {
         "post": {
             "summary": summary,
-            "security": [{"bearerAuth": []}],
-            "parameters": _REQUEST_HEADERS,
+            "security": security,
+            **({"parameters": _REQUEST_HEADERS} if pooled else {}),
             "requestBody": {
                 "required": True,
                 "content": {"application/json": {"schema": schema_ref(request)}},
             },
             "responses": {
                 "200": _json(answer, f"One `{answer.__name__}`.", "X-Sluice-Worker-ID"),
-                **_error_responses("400", "401", "404", "413", "422", "429", "500", "503", "504"),
+                **_error_responses(*statuses, model=error),
             },
         }
     }
+
+
+def _generation_llama_cpp() -> dict[str, Any]:
+    """``/infill``: llama.cpp's fill-in-the-middle body and answer."""
+    route = _unary("Fill-in-the-middle, llama.cpp's shape", InfillRequest, InfillResult, [{"bearerAuth": []}])
+    ok = route["post"]["responses"]["200"]
+    ok["description"] = (
+        "With `stream: false` (the default): one `InfillResult`. With `stream: true`: "
+        '`text/event-stream`, one `data: {"content": ..., "stop": false}` event per delta, then '
+        "`data: <InfillResult>` (`stop: true`, empty `content`); no `[DONE]`."
+    )
+    ok["content"]["text/event-stream"] = {
+        "schema": {"type": "string", "description": "Server-Sent Events; see the response description."},
+        "x-sse-data-schema": schema_ref(InfillResult),
+    }
+    route["post"]["responses"].update(_error_responses("429", "504"))
+    return route
+
+
+def _pooled(summary: str, request: type[BaseModel], answer: type[BaseModel]) -> dict[str, Any]:
+    """A one-answer route served by the pooling workers (embeddings, rerank, score)."""
+    return _unary(summary, request, answer, [{"bearerAuth": []}], pooled=True)
 
 
 _RERANK = (
@@ -335,6 +384,26 @@ def openapi_document() -> dict[str, Any]:
                 "messages",
                 [{"bearerAuth": []}, {"apiKeyHeader": []}],
             ),
+            "/v1/messages/count_tokens": _unary(
+                "Anthropic token counting: the prompt tokens of a Messages body",
+                CountTokensRequest,
+                InputTokens,
+                [{"bearerAuth": []}, {"apiKeyHeader": []}],
+                AnthropicErrorResponse,
+            ),
+            "/tokenize": _unary(
+                "Token ids of a prompt or a chat (vLLM's shape)",
+                TokenizeRequest,
+                TokenizeResult,
+                [{"bearerAuth": []}],
+            ),
+            "/detokenize": _unary(
+                "The text of token ids (vLLM's shape)",
+                DetokenizeRequest,
+                DetokenizeResult,
+                [{"bearerAuth": []}],
+            ),
+            "/infill": _generation_llama_cpp(),
             "/api/v1/chat": _surface_generation(
                 "Native chat with a stream of named events",
                 NativeChatRequest,

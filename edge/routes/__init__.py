@@ -16,6 +16,7 @@ from edge.surfaces.embeddings.route import blueprint as embeddings_blueprint
 from edge.surfaces.native.route import blueprint as native_blueprint
 from edge.surfaces.responses.route import blueprint as responses_blueprint
 from edge.surfaces.scores.route import blueprint as scores_blueprint
+from edge.surfaces.tokenize.route import blueprint as tokenize_blueprint
 
 
 def register_routes(app: Quart) -> None:
@@ -27,6 +28,7 @@ def register_routes(app: Quart) -> None:
     app.register_blueprint(native_blueprint)
     app.register_blueprint(embeddings_blueprint)
     app.register_blueprint(scores_blueprint)
+    app.register_blueprint(tokenize_blueprint)
     app.register_blueprint(models_blueprint)
     app.register_blueprint(health_blueprint)
     app.register_blueprint(metrics_blueprint)

@@ -26,6 +26,7 @@ from sluice.v1 import worker_pb2
 
 log = logging.getLogger("sluice.edge")
 
+ReplyT = TypeVar("ReplyT")
 _RETRY_BEFORE_FIRST_EVENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # The worker tasks (ModelInfo.task, the worker's --task) that serve each pooled call.
 POOLED_TASKS = {"embed": ("embed",), "score": ("embed", "score")}
@@ -358,6 +359,30 @@ class WorkerPool(HealthChecks):
             param="model",
             code="model_not_supported",
         )
+
+    async def unary(
+        self, call: Callable[[WorkerClient, float], Awaitable[ReplyT]], timeout_s: float
+    ) -> ReplyT:
+        """One unary call (``call(client, timeout)``: Tokenize, Detokenize) on the best available
+        worker, the next one on UNAVAILABLE. Raises the mapped :class:`EdgeError`, or
+        :class:`ServiceUnavailableError` when no worker is available."""
+        self._ensure_started()
+        if self._dns is not None and not self._workers:
+            await self.wait_first_round()
+        last_error: EdgeError = self._none_available()
+        for worker in self._candidates():
+            worker.outstanding += 1
+            try:
+                return await call(worker.client, timeout_s)
+            except WorkerCallError as error:
+                self.note_call_failure(worker, error)
+                last_error = from_grpc(error)
+                if error.code() != grpc.StatusCode.UNAVAILABLE:
+                    last_error.worker_id = await self._learn_worker_id(worker)
+                    raise last_error from None
+            finally:
+                self.release(worker)
+        raise last_error
 
     async def _learn_worker_id(self, worker: Worker) -> str | None:
         """The worker's id: known from an earlier answer, else asked with ListModels

@@ -54,6 +54,16 @@ class WorkerStub:
                 request_serializer=sluice_dot_v1_dot_worker__pb2.ScoreRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_worker__pb2.ScoreResponse.FromString,
                 _registered_method=True)
+        self.Tokenize = channel.unary_unary(
+                '/sluice.v1.Worker/Tokenize',
+                request_serializer=sluice_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+                _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/sluice.v1.Worker/Detokenize',
+                request_serializer=sluice_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -89,6 +99,22 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Tokenize(self, request, context):
+        """Token ids of a raw prompt or of a chat conversation rendered as `Generate` renders it
+        (so a chat's count is `Generate`'s `prompt_tokens`). Answered without the engine: no
+        model work, never queued.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """The text of token ids.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +137,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Score,
                     request_deserializer=sluice_dot_v1_dot_worker__pb2.ScoreRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_worker__pb2.ScoreResponse.SerializeToString,
+            ),
+            'Tokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Tokenize,
+                    request_deserializer=sluice_dot_v1_dot_worker__pb2.TokenizeRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_worker__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=sluice_dot_v1_dot_worker__pb2.DetokenizeRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_worker__pb2.DetokenizeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -221,6 +257,60 @@ class Worker:
             '/sluice.v1.Worker/Score',
             sluice_dot_v1_dot_worker__pb2.ScoreRequest.SerializeToString,
             sluice_dot_v1_dot_worker__pb2.ScoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Tokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Worker/Tokenize',
+            sluice_dot_v1_dot_worker__pb2.TokenizeRequest.SerializeToString,
+            sluice_dot_v1_dot_worker__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Worker/Detokenize',
+            sluice_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
+            sluice_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -137,7 +137,7 @@ def test_default_max_tokens_is_16_and_stop_strings(client):
 @pytest.mark.parametrize(
     ("extra", "param"),
     [
-        ({"suffix": "and that is all."}, "suffix"),
+        ({"suffix": "and that is all."}, "suffix"),  # the default model has no FIM tokens: the worker says
         ({"best_of": 2}, "best_of"),
         ({"max_tokens": 0}, "max_tokens"),  # 0 only scores the prompt, which needs echo
         ({"logprobs": 6}, "logprobs"),

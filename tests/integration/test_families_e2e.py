@@ -196,3 +196,56 @@ def test_required_tool_choice_gives_a_parseable_call_and_the_conversation_goes_o
     response = httpx.post(f"{served.edge.base_url}/v1/chat/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_tokenize_counts_the_prompt_a_chat_generation_reports(served: Served) -> None:
+    """``/tokenize`` renders a chat (the family's own tool format) exactly as a generation does."""
+    chat = {"model": served.model, "messages": QUESTION, "tools": [WEATHER]}
+    tokenized = httpx.post(f"{served.edge.base_url}/tokenize", json=chat, timeout=120).json()
+    assert tokenized["count"] == len(tokenized["tokens"]) > 20
+    response = httpx.post(
+        f"{served.edge.base_url}/v1/chat/completions", json={**chat, "max_tokens": 1}, timeout=120
+    )
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["prompt_tokens"] == tokenized["count"]
+
+
+def test_suffix_fills_in_the_middle_where_the_vocabulary_has_fim_tokens(served: Served) -> None:
+    """Qwen3's vocabulary has ``<|fim_prefix|>`` and friends: the prompt is laid out with them (the
+    greedy middle equals the eager model's from that layout), also through llama.cpp's ``/infill``,
+    streamed or not. The other families' vocabularies have none: a 400 naming the field."""
+    prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
+    body = {"prompt": prefix, "suffix": suffix, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    base = served.edge.base_url
+    if served.family != "qwen3":
+        refused = httpx.post(f"{base}/v1/completions", json={"model": served.model, **body}, timeout=120)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix", refused.text
+        return
+    answer = complete(served, **body)
+    layout = f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
+    ids = served.tokenizer(layout, add_special_tokens=False)["input_ids"]
+    assert answer["usage"]["prompt_tokens"] == len(ids)
+    with torch.no_grad():
+        out = served.reference.generate(
+            torch.tensor([ids]),
+            max_new_tokens=4,
+            min_new_tokens=4,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+    middle = answer["choices"][0]["text"]
+    assert middle == served.tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+
+    infill = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 4, "temperature": 0}
+    whole = httpx.post(f"{base}/infill", json=infill, timeout=120)
+    assert whole.status_code == 200, whole.text
+    result = whole.json()
+    assert result["stop"] is True and result["tokens_evaluated"] == len(ids)
+    assert middle.startswith(result["content"])  # the same greedy middle (it may end at EOS)
+    events = []
+    with httpx.stream("POST", f"{base}/infill", json={**infill, "stream": True}, timeout=120) as stream:
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(json.loads(line[len("data: ") :]))
+    assert events[-1]["stop"] is True and all(event["stop"] is False for event in events[:-1])
+    assert "".join(event["content"] for event in events) == result["content"]

@@ -195,3 +195,30 @@ def test_list_models_health_and_reflection(default_worker, stub):
         )
         names = {s.name for r in replies for s in r.list_services_response.service}
         assert {"sluice.v1.Worker", "grpc.health.v1.Health"} <= names
+
+
+def test_tokenize_counts_generates_prompt_and_detokenize_inverts_it(stub, default_worker):
+    conversation = chat("Name three colours.").chat
+    counted = stub.Tokenize(pb.TokenizeRequest(chat=conversation, return_token_strs=True))
+    events = list(
+        stub.Generate(pb.GenerateRequest(chat=conversation, sampling=pb.SamplingParams(max_tokens=1)))
+    )
+    assert counted.count == len(counted.ids) == len(counted.token_strs) == events[0].started.prompt_tokens
+    assert counted.max_model_len > 0 and counted.worker_id == events[0].started.worker_id
+    text = "Tokens, and back again."
+    ids = stub.Tokenize(pb.TokenizeRequest(prompt=pb.PromptInput(text=text))).ids
+    assert stub.Detokenize(pb.DetokenizeRequest(ids=ids)).text == text
+    for call, request_, param in (
+        (stub.Tokenize, pb.TokenizeRequest(), "prompt"),
+        (stub.Tokenize, pb.TokenizeRequest(prompt=pb.PromptInput(text="x", suffix="y")), "suffix"),
+        (stub.Detokenize, pb.DetokenizeRequest(ids=[1, 10**8]), "tokens"),
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            call(request_)
+        details = read_details(info.value)
+        assert (details.code, details.param) == (grpc.StatusCode.INVALID_ARGUMENT, param)
+    with grpc.insecure_channel(default_worker.address) as channel:
+        raw = channel.unary_unary("/sluice.v1.Worker/Tokenize")
+        with pytest.raises(grpc.RpcError) as info:
+            raw(b"\x12\x05\x0a\x03\x0a\x01\xff")  # chat.messages[0].role: invalid UTF-8
+        assert read_details(info.value).param == "request"

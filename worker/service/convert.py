@@ -54,11 +54,57 @@ class ParsedRequest:
     resumed_token_ids: tuple[int, ...] = ()
 
 
-def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedRequest:
-    if request.model and request.model != served_model:
+@dataclass(frozen=True)
+class TokenizeCall:
+    """A validated Tokenize request (unset ``add_special_tokens``: Generate's rule)."""
+
+    prompt: ChatPrompt | RawPrompt
+    add_special_tokens: bool | None
+    add_generation_prompt: bool
+    return_token_strs: bool
+
+
+def _check_model(model: str, served_model: str) -> None:
+    if model and model != served_model:
         raise ModelNotFound(
-            f"model {request.model!r} is not served here; this worker serves {served_model!r}", param="model"
+            f"model {model!r} is not served here; this worker serves {served_model!r}", param="model"
         )
+
+
+def _raw_prompt(prompt: pb.PromptInput) -> RawPrompt:
+    if prompt.WhichOneof("prompt") == "token_ids":
+        return RawPrompt(token_ids=tuple(prompt.token_ids.ids), suffix=prompt.suffix)
+    return RawPrompt(text=prompt.text, suffix=prompt.suffix)
+
+
+def parse_tokenize_request(request: pb.TokenizeRequest, served_model: str) -> TokenizeCall:
+    """Checks the model and the input as Generate does (the same chat rules, tool choice included)."""
+    _check_model(request.model, served_model)
+    kind = request.WhichOneof("input")
+    prompt: ChatPrompt | RawPrompt
+    if kind == "chat":
+        prompt = _chat_prompt(request.chat)
+        _tool_choice(request.chat, prompt)
+    elif kind == "prompt":
+        prompt = _raw_prompt(request.prompt)
+    else:
+        raise InvalidRequest("the request has no input: set `prompt` or `messages`", param="prompt")
+    return TokenizeCall(
+        prompt=prompt,
+        add_special_tokens=request.add_special_tokens if request.HasField("add_special_tokens") else None,
+        add_generation_prompt=not request.HasField("add_generation_prompt") or request.add_generation_prompt,
+        return_token_strs=request.return_token_strs,
+    )
+
+
+def parse_detokenize_request(request: pb.DetokenizeRequest, served_model: str) -> tuple[int, ...]:
+    """The ids to decode (checked against the vocabulary by the renderer)."""
+    _check_model(request.model, served_model)
+    return tuple(request.ids)
+
+
+def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedRequest:
+    _check_model(request.model, served_model)
     kind = request.WhichOneof("input")
     prompt: ChatPrompt | RawPrompt
     grammar, parse_tools, thinking = _response_format(request.response_format), False, None
@@ -74,11 +120,7 @@ def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedReque
             grammar = tool_grammar
         thinking = request.chat.enable_thinking if request.chat.HasField("enable_thinking") else None
     elif kind == "prompt":
-        which = request.prompt.WhichOneof("prompt")
-        if which == "token_ids":
-            prompt = RawPrompt(token_ids=tuple(request.prompt.token_ids.ids))
-        else:
-            prompt = RawPrompt(text=request.prompt.text)
+        prompt = _raw_prompt(request.prompt)
     else:
         raise InvalidRequest("the request has no input: set `chat` (messages) or `prompt`", param="messages")
     resumed = _resumed_token_ids(request)

@@ -110,6 +110,16 @@ class DrainingWorker(pb_grpc.WorkerServicer):
             self._calls.discard(call)
             call.done.set()
 
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        return await self._service.Tokenize(request, context)  # quick and engine-free: never refused
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        return await self._service.Detokenize(request, context)
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:

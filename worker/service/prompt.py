@@ -10,6 +10,7 @@ from jinja2 import TemplateError
 
 from worker.errors import InvalidRequest
 from worker.service.family import FamilyProfile, nine_char_id
+from worker.service.fim import FimTokens, find_fim_tokens
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -48,10 +49,12 @@ FORCED_ANY = "\nCall one of the functions now."
 class RawPrompt:
     text: str | None = None
     token_ids: tuple[int, ...] | None = None
+    suffix: str = ""  # fill-in-the-middle: the text after the gap (``text``/``token_ids`` before it)
 
 
 class PromptRenderer:
-    """Renders prompts for one tokenizer. ``render`` returns (token ids, prompt text)."""
+    """Renders prompts for one tokenizer. ``render`` returns (token ids, prompt text); the same
+    call serves Generate and Tokenize, so a chat's count is the prompt Generate computes."""
 
     def __init__(self, tokenizer: Any, profile: FamilyProfile | None = None):
         self._tokenizer = tokenizer
@@ -63,30 +66,76 @@ class PromptRenderer:
         self.template_knows_tools = self.profile.template_tools
         self.thinks = self.profile.reasoning_parser is not None
         self.vocab_size = len(tokenizer)
+        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+        self.fim: FimTokens | None = find_fim_tokens(vocab)
 
-    def render(self, prompt: ChatPrompt | RawPrompt) -> tuple[tuple[int, ...], str]:
+    def render(
+        self,
+        prompt: ChatPrompt | RawPrompt,
+        *,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
+    ) -> tuple[tuple[int, ...], str]:
+        """``add_special_tokens``: the tokenizer's BOS and the like; None = Generate's rule (yes
+        for raw text, no for a chat, whose template writes them). ``add_generation_prompt``: a
+        chat ends with the opening of the assistant's turn."""
         if isinstance(prompt, RawPrompt):
-            return self._render_raw(prompt)
-        return self._render_chat(prompt)
+            return self._render_raw(prompt, add_special_tokens is not False)
+        text = self.chat_text(prompt, add_generation_prompt=add_generation_prompt)
+        ids = self._tokenizer(text, add_special_tokens=bool(add_special_tokens))["input_ids"]
+        return tuple(ids), text
 
-    def _render_raw(self, prompt: RawPrompt) -> tuple[tuple[int, ...], str]:
+    def decode(self, token_ids: tuple[int, ...], *, skip_special_tokens: bool = False) -> str:
+        self.check_ids(token_ids, "tokens")
+        return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_strings(self, token_ids: tuple[int, ...]) -> list[str]:
+        """Each token as the vocabulary spells it."""
+        return [str(token) for token in self._tokenizer.convert_ids_to_tokens(list(token_ids))]
+
+    def check_ids(self, token_ids: tuple[int, ...], param: str) -> None:
+        for position, token in enumerate(token_ids):
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequest(
+                    f"{param}: token {token} at position {position} is outside the vocabulary "
+                    f"(0..{self.vocab_size - 1})",
+                    param=param,
+                )
+
+    def _render_raw(self, prompt: RawPrompt, add_special_tokens: bool) -> tuple[tuple[int, ...], str]:
         if prompt.token_ids is not None:
             if not prompt.token_ids:
                 raise InvalidRequest("prompt.token_ids is empty", param="prompt")
-            for position, token in enumerate(prompt.token_ids):
-                if not 0 <= token < self.vocab_size:
-                    raise InvalidRequest(
-                        f"prompt token {token} at position {position} is outside the vocabulary "
-                        f"(0..{self.vocab_size - 1})",
-                        param="prompt",
-                    )
+            self.check_ids(prompt.token_ids, "prompt")
+            if prompt.suffix:
+                return self._fill_in_the_middle(list(prompt.token_ids), prompt.suffix, add_special_tokens)
             return prompt.token_ids, self._tokenizer.decode(list(prompt.token_ids))
         text = prompt.text or ""
+        if prompt.suffix:
+            prefix = self._tokenizer(text, add_special_tokens=False)["input_ids"]
+            return self._fill_in_the_middle(prefix, prompt.suffix, add_special_tokens)
         if not text:
             raise InvalidRequest("prompt is empty", param="prompt")
-        return tuple(self._tokenizer(text)["input_ids"]), text
+        return tuple(self._tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]), text
 
-    def _render_chat(self, prompt: ChatPrompt) -> tuple[tuple[int, ...], str]:
+    def _fill_in_the_middle(
+        self, prefix_ids: list[int], suffix: str, add_special_tokens: bool
+    ) -> tuple[tuple[int, ...], str]:
+        """The FIM prompt: the model's markers around the prefix's and suffix's tokens (an empty
+        prefix is allowed: the gap is at the start), after the tokenizer's BOS."""
+        if self.fim is None:
+            raise InvalidRequest(
+                "suffix: this model has no fill-in-the-middle tokens (such as <|fim_prefix|>, "
+                "<fim_suffix>, <PRE>) in its vocabulary",
+                param="suffix",
+            )
+        suffix_ids = self._tokenizer(suffix, add_special_tokens=False)["input_ids"]
+        start = self._tokenizer("", add_special_tokens=True)["input_ids"] if add_special_tokens else []
+        ids = (*start, *self.fim.layout(prefix_ids, suffix_ids))
+        return ids, self._tokenizer.decode(list(ids))
+
+    def chat_text(self, prompt: ChatPrompt, *, add_generation_prompt: bool = True) -> str:
+        """The conversation rendered with the chat template (and the built-in tool prompt)."""
         if not self.has_chat_template:
             raise InvalidRequest(
                 "this model has no chat template; send a raw prompt instead", param="messages"
@@ -110,14 +159,13 @@ class PromptRenderer:
             messages = [self._message_dict(m) for m in prompt.messages]
         try:
             text = self._tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=True, **kwargs
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
             )
         except (TemplateError, TypeError, ValueError) as exc:
             raise InvalidRequest(
                 f"the model's chat template rejected the messages: {exc}", param="messages"
             ) from exc
-        ids = self._tokenizer(text, add_special_tokens=False)["input_ids"]
-        return tuple(ids), text
+        return str(text)
 
     def _switch_thinking(self, kwargs: dict[str, Any]) -> None:
         """A request's ``enable_thinking`` as the template's own switch (``thinking``, or gpt-oss's

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import torch
@@ -35,9 +35,12 @@ from worker.sampling.grammar import GrammarCompiler
 from worker.service.convert import (
     MAX_N,
     ParsedRequest,
+    TokenizeCall,
     check_resumed_tokens,
     event_to_proto,
+    parse_detokenize_request,
     parse_request,
+    parse_tokenize_request,
     sampling_options,
 )
 from worker.service.pooling import (
@@ -54,6 +57,7 @@ from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Pro
 # Template rendering, tokenization and grammar compilation of a large request take long enough to
 # stall every other stream's events if they ran on the event loop; they run in these threads.
 PREPARE_THREADS = 2
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +92,8 @@ _Reply = TypeVar("_Reply", pb.EmbedResponse, pb.ScoreResponse)
 
 
 class WorkerService(pb_grpc.WorkerServicer):
-    """Generate and ListModels. ``serving`` is None until the model is loaded; meanwhile calls get
+    """Generate, ListModels, Tokenize and Detokenize (these two in the prepare threads, never
+    through the engine). ``serving`` is None until the model is loaded; meanwhile calls get
     UNAVAILABLE ``model_loading`` with ``load_progress``'s fraction, or, when a Generate request
     asks to wait (``model_load_wait_seconds``), MODEL_LOAD progress events until it is loaded."""
 
@@ -153,6 +158,44 @@ class WorkerService(pb_grpc.WorkerServicer):
         )
         return pb.ListModelsResponse(models=[info], worker_id=self.worker_id)
 
+    async def Tokenize(
+        self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.TokenizeResponse:
+        try:
+            serving = self._require_serving()
+            call = parse_tokenize_request(request, serving.loaded.model_id)
+            ids, strings = await self._in_thread(_tokenize, serving, call)
+        except WorkerError as exc:
+            await context.abort_with_status(exc.to_status())
+            raise  # unreachable: abort_with_status raises
+        return pb.TokenizeResponse(
+            ids=ids,
+            count=len(ids),
+            max_model_len=serving.loaded.context_length,
+            token_strs=strings,
+            model=serving.loaded.model_id,
+            worker_id=self.worker_id,
+        )
+
+    async def Detokenize(
+        self, request: pb.DetokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DetokenizeResponse:
+        try:
+            serving = self._require_serving()
+            ids = parse_detokenize_request(request, serving.loaded.model_id)
+            skip = request.skip_special_tokens
+            text = await self._in_thread(lambda: serving.renderer.decode(ids, skip_special_tokens=skip))
+        except WorkerError as exc:
+            await context.abort_with_status(exc.to_status())
+            raise  # unreachable: abort_with_status raises
+        return pb.DetokenizeResponse(text=text, model=serving.loaded.model_id, worker_id=self.worker_id)
+
+    async def _in_thread(self, function: Callable[..., T], *args: Any) -> T:
+        """``function(*args)`` in a prepare thread, in the caller's context (so the thread's log
+        lines carry the request id)."""
+        run = functools.partial(contextvars.copy_context().run, function, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._prepare_pool, run)
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
@@ -168,13 +211,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 arrival = time.monotonic()  # queue time starts once the model is there
             serving = self._require_serving()
             parsed = parse_request(request, serving.loaded.model_id)
-            engine = serving.generator
-            # In the caller's context, so the prepare thread's log lines carry the request id.
-            prepare = functools.partial(
-                contextvars.copy_context().run, _prepare, serving, parsed, request_id, arrival
-            )
-            prepared = await asyncio.get_running_loop().run_in_executor(self._prepare_pool, prepare)
-            stream = engine.submit(prepared.work)
+            prepared = await self._in_thread(_prepare, serving, parsed, request_id, arrival)
+            stream = serving.generator.submit(prepared.work)
         except WorkerError as exc:
             log.info("request %s rejected: %s (%s)", request_id, exc.message, exc.code.name)
             await context.abort_with_status(exc.to_status())
@@ -298,6 +336,16 @@ class _PreparedCall:
     work: Prepared
     prompt_ids: tuple[int, ...]
     prompt_text: str
+
+
+def _tokenize(serving: ServingModel, call: TokenizeCall) -> tuple[tuple[int, ...], list[str]]:
+    """The prompt's ids rendered as Generate renders it, and their strings when asked."""
+    ids, _ = serving.renderer.render(
+        call.prompt,
+        add_special_tokens=call.add_special_tokens,
+        add_generation_prompt=call.add_generation_prompt,
+    )
+    return ids, serving.renderer.token_strings(ids) if call.return_token_strs else []
 
 
 def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arrival: float) -> _PreparedCall:

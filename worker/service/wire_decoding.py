@@ -46,8 +46,8 @@ def lenient_decoder(message: type[Message]) -> Callable[[bytes], Any]:
 
 
 def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server) -> None:
-    """Registers ``servicer`` (Generate, ListModels, Embed, Score) on ``server``, in place of the generated
-    ``add_WorkerServicer_to_server``."""
+    """Registers ``servicer`` (Generate, ListModels, Embed, Score, Tokenize, Detokenize) on ``server``,
+    in place of the generated ``add_WorkerServicer_to_server``."""
 
     async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         if isinstance(request, UndecodableRequest):
@@ -60,23 +60,17 @@ def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server
         finally:
             await responses.aclose()  # at once, whether the call ended, failed or was cancelled
 
-    async def list_models(request: Any, context: grpc.aio.ServicerContext) -> pb.ListModelsResponse:
-        if isinstance(request, UndecodableRequest):
-            await context.abort_with_status(request.error().to_status())
-        reply: pb.ListModelsResponse = await servicer.ListModels(request, context)
-        return reply
+    def unary(method: Callable[[Any, grpc.aio.ServicerContext], Any], request_type: type[Message]) -> Any:
+        async def handle(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, UndecodableRequest):
+                await context.abort_with_status(request.error().to_status())
+            return await method(request, context)
 
-    async def embed(request: Any, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
-        if isinstance(request, UndecodableRequest):
-            await context.abort_with_status(request.error().to_status())
-        reply: pb.EmbedResponse = await servicer.Embed(request, context)
-        return reply
-
-    async def score(request: Any, context: grpc.aio.ServicerContext) -> pb.ScoreResponse:
-        if isinstance(request, UndecodableRequest):
-            await context.abort_with_status(request.error().to_status())
-        reply: pb.ScoreResponse = await servicer.Score(request, context)
-        return reply
+        return grpc.unary_unary_rpc_method_handler(
+            handle,
+            request_deserializer=lenient_decoder(request_type),
+            response_serializer=lambda reply: reply.SerializeToString(),
+        )
 
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
@@ -84,21 +78,11 @@ def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server
             request_deserializer=lenient_decoder(pb.GenerateRequest),
             response_serializer=pb.GenerateResponse.SerializeToString,
         ),
-        "ListModels": grpc.unary_unary_rpc_method_handler(
-            list_models,
-            request_deserializer=lenient_decoder(pb.ListModelsRequest),
-            response_serializer=pb.ListModelsResponse.SerializeToString,
-        ),
-        "Embed": grpc.unary_unary_rpc_method_handler(
-            embed,
-            request_deserializer=lenient_decoder(pb.EmbedRequest),
-            response_serializer=pb.EmbedResponse.SerializeToString,
-        ),
-        "Score": grpc.unary_unary_rpc_method_handler(
-            score,
-            request_deserializer=lenient_decoder(pb.ScoreRequest),
-            response_serializer=pb.ScoreResponse.SerializeToString,
-        ),
+        "ListModels": unary(servicer.ListModels, pb.ListModelsRequest),
+        "Embed": unary(servicer.Embed, pb.EmbedRequest),
+        "Score": unary(servicer.Score, pb.ScoreRequest),
+        "Tokenize": unary(servicer.Tokenize, pb.TokenizeRequest),
+        "Detokenize": unary(servicer.Detokenize, pb.DetokenizeRequest),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

@@ -107,6 +107,13 @@ class MessagesRequest(RequestModel):
         return value
 
 
+class CountTokensRequest(MessagesRequest):
+    """A ``POST /v1/messages/count_tokens`` body: a Messages body whose ``max_tokens`` may be left out
+    (nothing is generated)."""
+
+    max_tokens: int = Field(default=1, ge=1)
+
+
 class ParsedMessagesRequest(ParsedRequest[MessagesRequest]):
     """The validated request and its chat equivalent."""
 
@@ -116,9 +123,12 @@ class ParsedMessagesRequest(ParsedRequest[MessagesRequest]):
             proto.sampling.top_k = self.request.top_k
 
 
-def parse_messages_request(body: Any) -> ParsedMessagesRequest:
-    """Validates a decoded ``/v1/messages`` body; raises a 400 naming the field."""
-    request = validate_body(MessagesRequest, body)
+def parse_messages_request(
+    body: Any, model: type[MessagesRequest] = MessagesRequest
+) -> ParsedMessagesRequest:
+    """Validates a decoded ``/v1/messages`` body (``model``: :class:`CountTokensRequest` for
+    ``count_tokens``); raises a 400 naming the field."""
+    request = validate_body(model, body)
     chat_body: dict[str, Any] = {
         "model": request.model,
         "messages": _messages(request),

@@ -90,3 +90,9 @@ class AnthropicStreamEvent(ResponseModel):
     delta: AnthropicDelta | None = None
     usage: AnthropicUsage | None = None
     error: AnthropicErrorBody | None = None
+
+
+class InputTokens(ResponseModel):
+    """The ``/v1/messages/count_tokens`` answer."""
+
+    input_tokens: int

@@ -9,7 +9,6 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, StrictInt, field_validator
 
-from edge.errors import InvalidRequestError
 from edge.surfaces.shared.sampling import SamplingRequest, check_sampling_limits
 from edge.surfaces.shared.structured import StructuredRequest
 from edge.surfaces.shared.validation import (
@@ -51,8 +50,12 @@ class CompletionRequest(SamplingRequest, StructuredRequest):
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LEGACY_LOGPROBS)
     # Only ``best_of == n`` is served, so it has ``n``'s bounds.
     best_of: int | None = Field(default=None, ge=1, le=MAX_N)
-    # Refused unless empty (no fill-in-the-middle); the document says so with maxLength 0.
-    suffix: str | None = Field(default=None, json_schema_extra={"maxLength": 0})
+    # Fill-in-the-middle: the worker lays the prompt out with the model's FIM tokens, or refuses
+    # (400 naming ``suffix``) a model that has none.
+    suffix: str | None = Field(
+        default=None,
+        description="The text after the completion (fill-in-the-middle), for a model with FIM tokens.",
+    )
 
     @field_validator("prompt", mode="before", json_schema_input_type=_PromptShapes)
     @classmethod
@@ -93,12 +96,8 @@ def parse_completion_request(body: Any, limits: RequestLimits | None = None) -> 
     :func:`~edge.surfaces.shared.chat_request.active_limits`) included; raises :class:`InvalidRequestError`
     (or :class:`~edge.errors.UnprocessableEntityError` for a non-object body)."""
     request = validate_body(CompletionRequest, body)
-    if request.suffix:
-        raise InvalidRequestError(
-            "'suffix' is not supported: the model has no fill-in-the-middle mode.",
-            param="suffix",
-            code="unsupported_parameter",
-        )
+    if request.suffix and request.echo:
+        raise bad("suffix", "cannot be combined with echo")
     n = request.choices_per_prompt
     if request.best_of is not None and request.best_of != n:
         reason = (

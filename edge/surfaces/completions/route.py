@@ -1,13 +1,16 @@
 """``POST /v1/completions``: validate, one worker call per prompt, answer on
-:func:`edge.surfaces.answer.generate` (``k`` prompts by ``n`` choices in one answer)."""
+:func:`edge.surfaces.answer.generate` (``k`` prompts by ``n`` choices in one answer).
+``POST /infill``: llama.cpp's fill-in-the-middle body on the same path (:mod:`.infill`)."""
 
 from __future__ import annotations
 
 from quart import Blueprint
 from quart.wrappers import Response
 
+from edge.errors import InvalidRequestError
 from edge.http import current_request_id, current_settings, read_json_body
-from edge.surfaces.answer import generate_openai
+from edge.surfaces.answer import generate, generate_openai
+from edge.surfaces.completions.infill import LLAMA_CPP, InfillTranslator, infill_error, parse_infill_request
 from edge.surfaces.completions.request import parse_completion_request
 from edge.surfaces.completions.translate import CompletionsTranslator, to_generate_requests
 from edge.surfaces.shared.structured import naming_form
@@ -28,3 +31,18 @@ async def completions() -> Response:
             echo=completion.echo,
             logprobs=completion.logprobs is not None,
         )
+
+
+@blueprint.post("/infill")
+async def infill() -> Response:
+    completion = parse_infill_request(await read_json_body(), current_settings().limits)
+    try:
+        return await generate(
+            to_generate_requests(completion, current_request_id()),
+            InfillTranslator,
+            model=completion.model,
+            stream=completion.stream,
+            framing=LLAMA_CPP,
+        )
+    except InvalidRequestError as error:  # the worker's refusal (a model without FIM tokens)
+        raise infill_error(error) from None

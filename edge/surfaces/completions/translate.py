@@ -46,6 +46,7 @@ def to_generate_requests(request: CompletionRequest, request_id: str) -> list[wo
             proto.prompt.text = prompt
         else:
             proto.prompt.token_ids.ids.extend(prompt)
+        proto.prompt.suffix = request.suffix or ""
         requests.append(proto)
     return requests
 

@@ -207,7 +207,7 @@ def test_validation_errors_never_reach_a_worker() -> None:
             httpx.AsyncClient() as client,
         ):
             for body_, param in [
-                ({"model": MODEL, "prompt": "x", "suffix": "y"}, "suffix"),
+                ({"model": MODEL, "prompt": "x", "suffix": "y", "echo": True}, "suffix"),
                 ({"model": MODEL, "prompt": "x", "best_of": 3}, "best_of"),
                 ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
                 ({"model": MODEL, "prompt": [1, "a"]}, "prompt"),

@@ -65,7 +65,7 @@ def test_defaults() -> None:
         (with_(temperature=3), "temperature", "invalid_value"),
         (with_(n=0), "n", "invalid_value"),
         (with_(stop=[3]), "stop[0]", "invalid_type"),
-        (with_(suffix="end"), "suffix", "unsupported_parameter"),
+        (with_(suffix="end", echo=True), "suffix", "invalid_value"),
         (with_(best_of=2), "best_of", "invalid_value"),
         (with_(best_of=1, n=2), "best_of", "invalid_value"),
         (with_(stream_options={"include_usage": True}), "stream_options", "invalid_value"),

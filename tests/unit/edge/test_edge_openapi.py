@@ -111,7 +111,7 @@ def test_request_schemas_show_the_wire_shapes() -> None:
     for prompt in ("a", ["a", "b"], [1, 2], [[1], [2, 3]]):
         assert completion.is_valid({"model": "m", "prompt": prompt}), prompt
     assert not completion.is_valid({"model": "m", "prompt": "a", "logprobs": 6})
-    assert not completion.is_valid({"model": "m", "prompt": "a", "suffix": "b"})
+    assert completion.is_valid({"model": "m", "prompt": "a", "suffix": "b"})  # fill-in-the-middle
     assert not completion.is_valid({"model": "m", "prompt": "a", "max_tokens": 2**31})
 
 

@@ -1,0 +1,1 @@
+"""vLLM's tokenizer routes: ``POST /tokenize`` and ``POST /detokenize``."""

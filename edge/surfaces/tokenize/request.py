@@ -1,0 +1,80 @@
+"""The ``/tokenize`` and ``/detokenize`` bodies (vLLM's shapes), validated; a chat is checked by
+the chat request's own rules and becomes the worker's ``ChatInput`` exactly as for a generation."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import Field, StrictBool
+
+from edge.surfaces.shared.base import RequestModel
+from edge.surfaces.shared.chat_request import parse_chat_request
+from edge.surfaces.shared.validation import INT32_MAX, RequestLimits, active_limits, bad, validate_body
+from edge.surfaces.shared.worker_request import to_generate_request
+from sluice.v1 import worker_pb2
+
+
+class TokenizeRequest(RequestModel):
+    """``POST /tokenize``: a ``prompt`` or chat ``messages`` (with ``tools``), not both."""
+
+    model: str = ""
+    prompt: str | None = Field(default=None, description="Raw text, tokenized without a template.")
+    messages: list[Any] | None = Field(
+        default=None, description="A chat, rendered with the model's template as a generation renders it."
+    )
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: StrictBool = Field(
+        default=True, description="Chat only: end with the opening of the assistant's turn."
+    )
+    add_special_tokens: StrictBool | None = Field(
+        default=None,
+        description="Add the tokenizer's special tokens (BOS...); default true for a prompt, false for a "
+        "chat (its template writes them).",
+    )
+    return_token_strs: StrictBool = Field(default=False, description="Also return each token's text.")
+
+
+class DetokenizeRequest(RequestModel):
+    """``POST /detokenize``."""
+
+    model: str = ""
+    tokens: Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
+    skip_special_tokens: StrictBool = False
+
+
+def parse_tokenize_request(
+    body: Any, request_id: str, limits: RequestLimits | None = None
+) -> worker_pb2.TokenizeRequest:
+    """The worker's ``TokenizeRequest`` for a ``/tokenize`` body; raises a 400 naming the field."""
+    request = validate_body(TokenizeRequest, body)
+    proto = worker_pb2.TokenizeRequest(model=request.model, return_token_strs=request.return_token_strs)
+    if (request.prompt is None) == (request.messages is None):
+        raise bad("prompt", "give either 'prompt' (text) or 'messages' (a chat), not both")
+    if request.prompt is not None:
+        limit = (limits or active_limits()).max_prompt_chars
+        if len(request.prompt) > limit:
+            raise bad(
+                "prompt", f"the prompt holds {len(request.prompt)} characters; at most {limit} are accepted"
+            )
+        proto.prompt.text = request.prompt
+    else:
+        chat_body: dict[str, Any] = {"model": request.model, "messages": request.messages}
+        for name in ("tools", "tool_choice", "chat_template_kwargs"):
+            if getattr(request, name) is not None:
+                chat_body[name] = getattr(request, name)
+        chat = parse_chat_request(chat_body, limits)
+        proto.chat.CopyFrom(to_generate_request(chat, request_id).chat)
+        proto.add_generation_prompt = request.add_generation_prompt
+    if request.add_special_tokens is not None:
+        proto.add_special_tokens = request.add_special_tokens
+    return proto
+
+
+def parse_detokenize_request(body: Any) -> worker_pb2.DetokenizeRequest:
+    """The worker's ``DetokenizeRequest`` for a ``/detokenize`` body; raises a 400 naming the field."""
+    request = validate_body(DetokenizeRequest, body)
+    return worker_pb2.DetokenizeRequest(
+        model=request.model, ids=request.tokens, skip_special_tokens=request.skip_special_tokens
+    )

@@ -1,0 +1,36 @@
+"""``POST /tokenize`` and ``POST /detokenize``: validate, one unary worker call, vLLM's answer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from quart import Blueprint
+from quart.wrappers import Response
+
+from edge.http import current_request_id, current_settings, json_response, read_json_body, worker_header
+from edge.surfaces.tokenize.request import parse_detokenize_request, parse_tokenize_request
+from edge.surfaces.tokens import detokenize, tokenize
+
+blueprint = Blueprint("tokenize", __name__)
+
+
+@blueprint.post("/tokenize")
+async def tokenize_route() -> Response:
+    request = parse_tokenize_request(await read_json_body(), current_request_id(), current_settings().limits)
+    reply = await tokenize(request)
+    body: dict[str, Any] = {
+        "count": reply.count,
+        "max_model_len": reply.max_model_len,
+        "tokens": list(reply.ids),
+    }
+    if request.return_token_strs:
+        body["token_strs"] = list(reply.token_strs)
+    return json_response(body, headers=worker_header([reply.worker_id] if reply.worker_id else []))
+
+
+@blueprint.post("/detokenize")
+async def detokenize_route() -> Response:
+    reply = await detokenize(parse_detokenize_request(await read_json_body()))
+    return json_response(
+        {"prompt": reply.text}, headers=worker_header([reply.worker_id] if reply.worker_id else [])
+    )

@@ -1,0 +1,25 @@
+"""The worker's Tokenize and Detokenize calls, for the routes that count or convert tokens
+(``/tokenize``, ``/detokenize``, ``/v1/messages/count_tokens``): one unary call on one worker."""
+
+from __future__ import annotations
+
+from edge.http import current_pool, current_request_id, current_settings
+from sluice.v1 import worker_pb2
+
+
+async def tokenize(request: worker_pb2.TokenizeRequest) -> worker_pb2.TokenizeResponse:
+    """The worker's ids for ``request``; raises the mapped :class:`~edge.errors.EdgeError`."""
+    metadata = (("x-request-id", current_request_id()),)
+    return await current_pool().unary(
+        lambda client, timeout: client.tokenize(request, timeout=timeout, metadata=metadata),
+        current_settings().request_timeout_s,
+    )
+
+
+async def detokenize(request: worker_pb2.DetokenizeRequest) -> worker_pb2.DetokenizeResponse:
+    """The worker's text for ``request``'s ids; raises the mapped :class:`~edge.errors.EdgeError`."""
+    metadata = (("x-request-id", current_request_id()),)
+    return await current_pool().unary(
+        lambda client, timeout: client.detokenize(request, timeout=timeout, metadata=metadata),
+        current_settings().request_timeout_s,
+    )
