@@ -78,14 +78,20 @@ class RequestOutputProcessor:
         self._request = request
         self._texts = token_texts
         self._rules = rules
-        stops = request.sampling.stop + rules.blocked_phrases
+        sampling = request.sampling
+        stops = sampling.stop + rules.blocked_phrases
+        # A blocked phrase is never shown, even when the caller's stop strings are kept.
+        kept = tuple(s for s in sampling.stop if s not in rules.blocked_phrases)
+        skip_special = (
+            sampling.skip_special_tokens
+            if sampling.skip_special_tokens is not None
+            else not request.output.keep_special_tokens
+        )
         self._choices = [
             _ChoiceText(
                 index=i,
-                detokenizer=IncrementalDetokenizer(
-                    tokenizer, request.prompt_token_ids, not request.output.keep_special_tokens
-                ),
-                stops=StopStringMatcher(stops),
+                detokenizer=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, skip_special),
+                stops=StopStringMatcher(stops, kept if sampling.include_stop_str_in_output else ()),
                 output=ChoiceOutput(i, request.output),
             )
             for i in range(request.sampling.n)

@@ -64,6 +64,14 @@ class PromptRenderer:
         self.thinks = self.profile.reasoning_parser is not None
         self.vocab_size = len(tokenizer)
 
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids without special tokens (a bad word's forms)."""
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, token_ids: tuple[int, ...]) -> str:
+        """The text of ``token_ids`` (a truncated prompt's), special tokens kept."""
+        return str(self._tokenizer.decode(list(token_ids)))
+
     def render(self, prompt: ChatPrompt | RawPrompt) -> tuple[tuple[int, ...], str]:
         if isinstance(prompt, RawPrompt):
             return self._render_raw(prompt)

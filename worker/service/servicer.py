@@ -36,6 +36,7 @@ from worker.service.convert import (
     event_to_proto,
     parse_request,
     sampling_options,
+    truncated_prompt,
 )
 from worker.service.prompt import PromptRenderer
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
@@ -232,6 +233,9 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
     """Everything blocking before a request can be queued: the chat template, tokenization, option
     checks that need the prompt's length, grammar compilation. Runs in the prepare threads."""
     prompt_ids, prompt_text = serving.renderer.render(parsed.prompt)
+    kept = truncated_prompt(parsed.sampling, prompt_ids, serving.loaded.context_length)
+    if len(kept) < len(prompt_ids):
+        prompt_ids, prompt_text = kept, serving.renderer.decode(kept)
     options = sampling_options(
         parsed.sampling,
         prompt_tokens=len(prompt_ids),
@@ -239,6 +243,7 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         vocab_size=serving.renderer.vocab_size,
         max_n=min(MAX_N, serving.max_running),
         default_max_tokens=serving.default_max_tokens,
+        encode=serving.renderer.encode,
     )
     check_resumed_tokens(parsed.resumed_token_ids, serving.renderer.vocab_size)
     profile = serving.renderer.profile
