@@ -25,7 +25,7 @@ from edge.errors import (
     NotFoundError,
     PayloadTooLargeError,
 )
-from edge.http import assign_request_id, current_request_id, error_response
+from edge.http import assign_request_id, current_request_id, error_response, refuse_unknown_fields
 from edge.logs import bind_request_id, log_request
 from edge.metrics import EdgeMetrics
 from edge.routes import register_routes
@@ -85,6 +85,8 @@ def create_app(settings: Settings) -> EdgeApp:
 
     app.before_request(assign_request_id)
     app.before_request(bind_request_id)
+    if settings.strict_fields:
+        app.before_request(refuse_unknown_fields)
     api_keys = ApiKeyCheck(settings.api_keys)
     if api_keys.enabled:
         app.before_request(api_keys.before_request)
