@@ -386,6 +386,12 @@ def sampling_options(
     for token, value in sorted(params.logit_bias.items()):
         _check_token("logit_bias", token, vocab_size)
         bias.append((token, _check_range("logit_bias", value, -100.0, 100.0)))
+    bad_words = _bad_words(params.bad_words, encode)
+    allowed = tuple(
+        sorted({_check_token("allowed_token_ids", t, vocab_size) for t in params.allowed_token_ids})
+    )
+    if allowed and set(allowed) <= {word[0] for word in bad_words if len(word) == 1}:
+        raise InvalidRequest("bad_words ban every one of allowed_token_ids", param="bad_words")
     return SamplingOptions(
         temperature=_check_range("temperature", params.temperature, 0.0, 2.0)
         if params.HasField("temperature")
@@ -416,10 +422,8 @@ def sampling_options(
         n=n,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
-        bad_words=_bad_words(params.bad_words, encode),
-        allowed_token_ids=tuple(
-            sorted({_check_token("allowed_token_ids", t, vocab_size) for t in params.allowed_token_ids})
-        ),
+        bad_words=bad_words,
+        allowed_token_ids=allowed,
         skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else None,
         include_stop_str_in_output=params.include_stop_str_in_output,
     )

@@ -244,6 +244,13 @@ def test_bad_words_become_the_token_forms_of_each_word():
     assert got.bad_words == ((7,), (9,), (3, 4), (5, 4))
 
 
+def test_bad_words_that_ban_every_allowed_token_are_refused():
+    params = pb.SamplingParams(bad_words=["cat"], allowed_token_ids=[7, 9])
+    encode = {"cat": [7], " cat": [9]}.__getitem__
+    call = lambda: sampling_options(params, prompt_tokens=1, context_length=9, vocab_size=99, encode=encode)  # noqa: E731
+    assert param_of(call) == "bad_words"
+
+
 def test_the_other_extensions_are_carried():
     got = options(allowed_token_ids=[9, 3, 9], skip_special_tokens=False, include_stop_str_in_output=True)
     assert got.allowed_token_ids == (3, 9)
