@@ -195,6 +195,17 @@ def test_include_stop_str_in_output_keeps_the_matched_stop(
     assert generate(stub, PROMPT, stop=[stop], include_stop_str_in_output=True)[1] == cut + stop
 
 
+def test_include_stop_str_in_output_keeps_a_stop_token_s_text(
+    stub: pb_grpc.WorkerStub, tokenizer: Any, raw_greedy: tuple[pb.Started, str, list[int]]
+) -> None:
+    _, greedy, ids = raw_greedy
+    at = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # its first appearance
+    cut = generate(stub, PROMPT, stop_token_ids=[ids[at]])[1]
+    assert cut == tokenizer.decode(ids[:at])  # the stop token is not text by default
+    kept = generate(stub, PROMPT, stop_token_ids=[ids[at]], include_stop_str_in_output=True)[1]
+    assert kept == tokenizer.decode(ids[: at + 1]) and greedy.startswith(kept)
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(stub: pb_grpc.WorkerStub, tokenizer: Any) -> None:
     ids = tokenizer(PROMPT)["input_ids"]  # as the worker tokenizes a raw prompt
     started, text, _ = generate(stub, PROMPT, truncate_prompt_tokens=3)

@@ -201,6 +201,10 @@ class RequestOutputProcessor:
         choice.last_token_time = item.time
         choice.generated += 1
         if item.stop_token is not None:
+            if self._request.sampling.include_stop_str_in_output:
+                # vLLM's rule: the stop token's text is kept too (none for a skipped special token).
+                text, _ = choice.stops.push(choice.detokenizer.push(item.token_id))
+                out.events += choice.output.push(text)
             self._finish(choice, FinishReason.STOP, out, stop_token=item.stop_token)
             return
         if choice.tail_sent:
