@@ -26,7 +26,7 @@ from edge.errors import (
     NotFoundError,
     PayloadTooLargeError,
 )
-from edge.http import assign_request_id, current_request_id, error_response
+from edge.http import assign_request_id, current_request_id, error_response, refuse_unknown_fields
 from edge.logs import bind_request_id, log_request
 from edge.metrics import EdgeMetrics
 from edge.routes import register_routes
@@ -91,6 +91,8 @@ def create_app(settings: Settings) -> EdgeApp:
         # Before the API-key check: a browser's preflight never carries the key.
         app.before_request(cors.preflight)
         app.after_request(cors.mark)
+    if settings.strict_fields:
+        app.before_request(refuse_unknown_fields)
     api_keys = ApiKeyCheck(settings.api_keys)
     if api_keys.enabled:
         app.before_request(api_keys.before_request)

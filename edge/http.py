@@ -18,6 +18,7 @@ from edge.errors import EdgeError, InvalidRequestError
 from edge.settings import Settings
 from edge.state import begin_request, current_request, current_state
 from edge.streaming.sse import dumps
+from edge.surfaces.shared.base import strict_fields
 from edge.surfaces.shared.errors import error_body
 from edge.workers.pool import WorkerPool
 
@@ -43,6 +44,12 @@ async def assign_request_id() -> None:
     executor, a hop per request that cost the edge more than the hook's own work."""
     given = request.headers.get("X-Request-ID", "")
     begin_request(given if _REQUEST_ID.match(given) else f"req_{uuid.uuid4().hex}")
+
+
+async def refuse_unknown_fields() -> None:
+    """Before each request under ``--strict-fields``: a body field no request model knows is a 400
+    naming it (:class:`~edge.surfaces.shared.base.RequestModel`)."""
+    strict_fields.set(True)
 
 
 def current_request_id() -> str:

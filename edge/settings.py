@@ -189,6 +189,11 @@ class Settings:
     max_top_logprobs: int = setting(
         20, int_at_least(0), "largest top_logprobs (chat) or logprobs (completions), at most 20"
     )
+    strict_fields: bool = setting(
+        False,
+        help="refuse (400 naming it) a request body field no surface knows, instead of ignoring it; "
+        "the no-op fields listed in docs/http.md are still accepted",
+    )
     processes: int = setting(
         1,
         int_at_least(0),

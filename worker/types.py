@@ -36,6 +36,10 @@ class SamplingOptions:
     n: int = 1
     logprobs: int | None = None  # number of top alternatives; None = no logprobs
     prompt_logprobs: int | None = None  # the prompt's logprobs with this many alternatives; None = none
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never generated (each word's forms)
+    allowed_token_ids: tuple[int, ...] = ()  # only these may be generated; () = every token
+    skip_special_tokens: bool | None = None  # None: the family's default
+    include_stop_str_in_output: bool = False  # a matched stop string stays in the text
 
     @property
     def greedy(self) -> bool:

@@ -151,7 +151,6 @@ async def generate_rewritten(
     one worker call, with the request id in its metadata."""
     request_id = current_request_id()
     worker_request = to_generate_request(parsed.chat, request_id)
-    parsed.apply_sampling(worker_request)
     return await generate(
         [worker_request],
         translator,

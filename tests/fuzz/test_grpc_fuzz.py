@@ -169,7 +169,12 @@ def sampling(draw: st.DrawFn) -> pb.SamplingParams:
         stop=draw(mostly(st.just([]), st.lists(texts, max_size=3))),
         stop_token_ids=draw(mostly(st.just([]), st.lists(token_ids, max_size=3))),
         ignore_eos=draw(st.booleans()),
+        bad_words=draw(mostly(st.just([]), st.lists(texts, max_size=3))),
+        allowed_token_ids=draw(mostly(st.just([]), st.lists(token_ids, max_size=3))),
+        include_stop_str_in_output=draw(st.booleans()),
     )
+    if draw(st.booleans()):
+        params.skip_special_tokens = draw(st.booleans())
     for name, valid_float in (
         ("temperature", st.floats(0.0, 2.0)),
         ("top_p", st.floats(0.05, 1.0)),
@@ -189,6 +194,7 @@ def sampling(draw: st.DrawFn) -> pb.SamplingParams:
         # A --fake-tokens worker refuses to score a prompt (INVALID_ARGUMENT naming the field); the
         # real model's scoring is tested in tests/e2e.
         ("prompt_logprobs", st.integers(0, 5)),
+        ("truncate_prompt_tokens", st.integers(-1, 8)),
     ):
         if draw(st.integers(0, 2)) == 0:
             setattr(params, name, draw(mostly(valid_int, int32s)))

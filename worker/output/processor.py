@@ -78,14 +78,20 @@ class RequestOutputProcessor:
         self._request = request
         self._texts = token_texts
         self._rules = rules
-        stops = request.sampling.stop + rules.blocked_phrases
+        sampling = request.sampling
+        stops = sampling.stop + rules.blocked_phrases
+        # A blocked phrase is never shown, even when the caller's stop strings are kept.
+        kept = tuple(s for s in sampling.stop if s not in rules.blocked_phrases)
+        skip_special = (
+            sampling.skip_special_tokens
+            if sampling.skip_special_tokens is not None
+            else not request.output.keep_special_tokens
+        )
         self._choices = [
             _ChoiceText(
                 index=i,
-                detokenizer=IncrementalDetokenizer(
-                    tokenizer, request.prompt_token_ids, not request.output.keep_special_tokens
-                ),
-                stops=StopStringMatcher(stops),
+                detokenizer=IncrementalDetokenizer(tokenizer, request.prompt_token_ids, skip_special),
+                stops=StopStringMatcher(stops, kept if sampling.include_stop_str_in_output else ()),
                 output=ChoiceOutput(i, request.output),
             )
             for i in range(request.sampling.n)
@@ -195,6 +201,10 @@ class RequestOutputProcessor:
         choice.last_token_time = item.time
         choice.generated += 1
         if item.stop_token is not None:
+            if self._request.sampling.include_stop_str_in_output:
+                # vLLM's rule: the stop token's text is kept too (none for a skipped special token).
+                text, _ = choice.stops.push(choice.detokenizer.push(item.token_id))
+                out.events += choice.output.push(text)
             self._finish(choice, FinishReason.STOP, out, stop_token=item.stop_token)
             return
         if choice.tail_sent:

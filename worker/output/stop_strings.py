@@ -7,14 +7,16 @@ therefore caught and never emitted, not even in part.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 
 class StopStringMatcher:
-    """One instance per sequence. ``push`` returns (text to emit, matched stop or None)."""
+    """One instance per sequence. ``push`` returns (text to emit, matched stop or None); a matched
+    stop in ``kept`` ends the emitted text (``include_stop_str_in_output``), any other is dropped."""
 
-    def __init__(self, stops: Sequence[str]):
+    def __init__(self, stops: Sequence[str], kept: Collection[str] = ()):
         self._stops = tuple(s for s in stops if s)
+        self._kept = frozenset(kept)
         self._pending = ""
 
     def push(self, text: str) -> tuple[str, str | None]:
@@ -28,7 +30,8 @@ class StopStringMatcher:
                 match_at, matched = at, stop
         if matched is not None:
             self._pending = ""
-            return buffer[:match_at], matched
+            end = match_at + len(matched) if matched in self._kept else match_at
+            return buffer[:end], matched
         hold = self._longest_stop_prefix_suffix(buffer)
         self._pending = buffer[len(buffer) - hold :] if hold else ""
         return buffer[: len(buffer) - hold], None

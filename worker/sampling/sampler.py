@@ -57,6 +57,17 @@ class SequenceSampling:
         if self.constraint is not None:
             self.constraint.advance(token_id)
 
+    def banned_now(self) -> list[int]:
+        """The ``bad_words`` tokens this draw may not pick: each one-token word, and the last token of
+        each longer word whose other tokens end the output."""
+        out = self.output_token_ids
+        return [
+            word[-1]
+            for word in self.options.bad_words
+            if len(word) == 1
+            or (len(word) - 1 <= len(out) and tuple(out[len(out) - len(word) + 1 :]) == word[:-1])
+        ]
+
     @property
     def masks_stops(self) -> bool:
         return bool(self.blocked_before_min) and self.generated < self.options.min_tokens
@@ -234,17 +245,20 @@ def _penalty_state(
 def _processed(
     logits: torch.Tensor, rows: Sequence[SequenceSampling], batch: _Batch
 ) -> tuple[torch.Tensor, list[int]]:
-    """Logit bias, penalties, the min_tokens mask and grammar masks, each batched over the rows that
-    need it. Returns the new logits and the rows whose grammar failed."""
+    """Logit bias, penalties, the min_tokens mask, allowed_token_ids, bad_words and grammar masks, each
+    batched over the rows that need it. Returns the new logits and the rows whose grammar failed."""
     device = logits.device
     bias = [(i, r.options.logit_bias) for i, r in enumerate(rows) if r.options.logit_bias]
     repetition = [i for i, r in enumerate(rows) if r.options.repetition_penalty != 1.0]
     counted = [i for i, r in enumerate(rows) if r.options.presence_penalty or r.options.frequency_penalty]
     masked = [i for i, r in enumerate(rows) if r.masks_stops]
     grammar = [i for i, r in enumerate(rows) if r.constraint is not None]
+    allowed = [i for i, r in enumerate(rows) if r.options.allowed_token_ids]
+    width = logits.shape[-1]
+    banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_now() if t < width]
     if repetition or counted:
         _penalty_state(batch, rows, repetition, counted)
-    if not (bias or repetition or counted or masked or grammar):
+    if not (bias or repetition or counted or masked or grammar or allowed or banned):
         return logits, []
     logits = logits.clone()
     params = batch.params
@@ -281,6 +295,17 @@ def _processed(
     if masked:
         row_ids = [i for i in masked for _ in rows[i].blocked_before_min]
         token_ids = [t for i in masked for t in sorted(rows[i].blocked_before_min)]
+        logits[_staged(row_ids, torch.long, device), _staged(token_ids, torch.long, device)] = float("-inf")
+    if allowed:
+        if "allowed" not in params:
+            mask = torch.zeros((len(allowed), width), dtype=torch.bool)
+            for n, i in enumerate(allowed):
+                mask[n, [t for t in rows[i].options.allowed_token_ids if t < width]] = True
+            params["allowed"] = mask.to(device, non_blocking=True)
+        index = batch.index(allowed)
+        logits[index] = logits[index].masked_fill(~_cached(params, "allowed"), float("-inf"))
+    if banned:
+        row_ids, token_ids = [i for i, _ in banned], [t for _, t in banned]
         logits[_staged(row_ids, torch.long, device), _staged(token_ids, torch.long, device)] = float("-inf")
     failed: list[int] = []
     if grammar:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,7 @@ from worker.types import (
 )
 
 MAX_STOP_STRINGS = 16
+MAX_BAD_WORDS = 256
 MAX_TOP_LOGPROBS = 20
 MAX_N = 16
 # Nesting bound of the caller's JSON (tool parameters, response schemas, template variables):
@@ -328,6 +330,47 @@ def _check_token(name: str, token: int, vocab_size: int) -> int:
     return token
 
 
+def truncated_prompt(
+    params: pb.SamplingParams, prompt_ids: tuple[int, ...], context_length: int
+) -> tuple[int, ...]:
+    """The prompt's last ``truncate_prompt_tokens`` tokens (all of them when unset); -1 keeps as many as
+    leave room for ``max_tokens`` (else one token) in the context. Raises InvalidRequest for 0 or < -1."""
+    if not params.HasField("truncate_prompt_tokens"):
+        return prompt_ids
+    keep = params.truncate_prompt_tokens
+    if keep == -1:
+        room = params.max_tokens if params.HasField("max_tokens") and params.max_tokens > 0 else 1
+        keep = max(1, context_length - room)
+    if keep < 1:
+        raise InvalidRequest(
+            f"truncate_prompt_tokens must be -1 or at least 1, got {keep}", param="truncate_prompt_tokens"
+        )
+    return prompt_ids[-keep:]
+
+
+def _bad_words(
+    words: Sequence[str], encode: Callable[[str], Sequence[int]] | None
+) -> tuple[tuple[int, ...], ...]:
+    """Each bad word's token sequences: the word as written and with one leading space (its form
+    inside a sentence), duplicates dropped."""
+    if len(words) > MAX_BAD_WORDS:
+        raise InvalidRequest(f"at most {MAX_BAD_WORDS} bad_words, got {len(words)}", param="bad_words")
+    for i, word in enumerate(words):
+        if not word.strip():
+            raise InvalidRequest(f"bad_words[{i}] is empty or only spaces", param="bad_words")
+    if not words:
+        return ()
+    if encode is None:
+        raise RuntimeError("bad_words need the tokenizer's encode")
+    forms: dict[tuple[int, ...], None] = {}
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(encode(text))
+            if ids:
+                forms[ids] = None
+    return tuple(forms)
+
+
 def sampling_options(
     params: pb.SamplingParams,
     *,
@@ -336,8 +379,10 @@ def sampling_options(
     vocab_size: int,
     max_n: int = MAX_N,
     default_max_tokens: int | None = None,
+    encode: Callable[[str], Sequence[int]] | None = None,
 ) -> SamplingOptions:
-    """Validates sampling fields against the model and resolves max_tokens."""
+    """Validates sampling fields against the model and resolves max_tokens (``encode``: the
+    tokenizer's, for ``bad_words``)."""
     if prompt_tokens >= context_length:
         raise InvalidRequest(
             f"the prompt is {prompt_tokens} tokens; this model's context length is {context_length} "
@@ -394,6 +439,12 @@ def sampling_options(
     for token, value in sorted(params.logit_bias.items()):
         _check_token("logit_bias", token, vocab_size)
         bias.append((token, _check_range("logit_bias", value, -100.0, 100.0)))
+    bad_words = _bad_words(params.bad_words, encode)
+    allowed = tuple(
+        sorted({_check_token("allowed_token_ids", t, vocab_size) for t in params.allowed_token_ids})
+    )
+    if allowed and set(allowed) <= {word[0] for word in bad_words if len(word) == 1}:
+        raise InvalidRequest("bad_words ban every one of allowed_token_ids", param="bad_words")
     return SamplingOptions(
         temperature=_check_range("temperature", params.temperature, 0.0, 2.0)
         if params.HasField("temperature")
@@ -424,6 +475,10 @@ def sampling_options(
         n=n,
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
+        bad_words=bad_words,
+        allowed_token_ids=allowed,
+        skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else None,
+        include_stop_str_in_output=params.include_stop_str_in_output,
     )
 
 

@@ -69,6 +69,10 @@ class PromptRenderer:
         vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
         self.fim: FimTokens | None = find_fim_tokens(vocab)
 
+    def encode(self, text: str) -> list[int]:
+        """``text``'s token ids without special tokens (a bad word's forms)."""
+        return list(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
     def render(
         self,
         prompt: ChatPrompt | RawPrompt,
@@ -86,6 +90,8 @@ class PromptRenderer:
         return tuple(ids), text
 
     def decode(self, token_ids: tuple[int, ...], *, skip_special_tokens: bool = False) -> str:
+        """The text of ``token_ids`` (Detokenize's, a truncated prompt's); special tokens kept unless
+        ``skip_special_tokens``. An id outside the vocabulary is refused naming ``tokens``."""
         self.check_ids(token_ids, "tokens")
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 

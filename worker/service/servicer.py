@@ -42,6 +42,7 @@ from worker.service.convert import (
     parse_request,
     parse_tokenize_request,
     sampling_options,
+    truncated_prompt,
 )
 from worker.service.pooling import (
     PoolingWork,
@@ -352,6 +353,9 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
     """Everything blocking before a request can be queued: the chat template, tokenization, option
     checks that need the prompt's length, grammar compilation. Runs in the prepare threads."""
     prompt_ids, prompt_text = serving.renderer.render(parsed.prompt)
+    kept = truncated_prompt(parsed.sampling, prompt_ids, serving.loaded.context_length)
+    if len(kept) < len(prompt_ids):
+        prompt_ids, prompt_text = kept, serving.renderer.decode(kept)
     options = sampling_options(
         parsed.sampling,
         prompt_tokens=len(prompt_ids),
@@ -359,6 +363,7 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         vocab_size=serving.renderer.vocab_size,
         max_n=min(MAX_N, serving.max_running),
         default_max_tokens=serving.default_max_tokens,
+        encode=serving.renderer.encode,
     )
     check_resumed_tokens(parsed.resumed_token_ids, serving.renderer.vocab_size)
     profile = serving.renderer.profile

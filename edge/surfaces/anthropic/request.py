@@ -21,18 +21,22 @@ from edge.surfaces.shared.rewrite import (
     unsupported,
     validate_at,
 )
+from edge.surfaces.shared.sampling import SamplingExtensions
 from edge.surfaces.shared.validation import invalid, validate_body
-from sluice.v1 import worker_pb2
 
 MAX_TOP_K = 2**31 - 1
+# Prompt-caching hints: this server caches prompt prefixes by itself.
+_CACHE_CONTROL = frozenset({"cache_control"})
 
 
 class TextBlock(RequestModel):
+    ignored_fields = _CACHE_CONTROL
     type: Literal["text"]
     text: str
 
 
 class ToolUseBlock(RequestModel):
+    ignored_fields = _CACHE_CONTROL
     type: Literal["tool_use"]
     id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -40,6 +44,7 @@ class ToolUseBlock(RequestModel):
 
 
 class ToolResultBlock(RequestModel):
+    ignored_fields = _CACHE_CONTROL
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
     content: str | list[Any] = ""
@@ -49,6 +54,7 @@ class ToolResultBlock(RequestModel):
 
 
 class ThinkingBlock(RequestModel):
+    ignored_fields = _CACHE_CONTROL
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
@@ -62,6 +68,7 @@ class InputMessage(RequestModel):
 
 
 class CustomTool(RequestModel):
+    ignored_fields = _CACHE_CONTROL | {"type"}  # the type is checked first (only custom tools)
     name: str
     description: str | None = None
     input_schema: dict[str, Any]
@@ -82,8 +89,10 @@ class Metadata(RequestModel):
     user_id: str | None = None
 
 
-class MessagesRequest(RequestModel):
+class MessagesRequest(SamplingExtensions):
     """A ``POST /v1/messages`` body, shape-checked (see the module docstring)."""
+
+    ignored_fields = frozenset({"service_tier"})
 
     model: str
     max_tokens: int = Field(ge=1)
@@ -92,7 +101,7 @@ class MessagesRequest(RequestModel):
     stop_sequences: list[str] | None = None
     temperature: float | None = Field(default=None, ge=0, le=1)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    top_k: int | None = Field(default=None, ge=1, le=MAX_TOP_K)
+    top_k: int | None = Field(default=None, ge=1, le=MAX_TOP_K)  # Anthropic's bound (not vLLM's -1/0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
@@ -117,11 +126,6 @@ class CountTokensRequest(MessagesRequest):
 class ParsedMessagesRequest(ParsedRequest[MessagesRequest]):
     """The validated request and its chat equivalent."""
 
-    def apply_sampling(self, proto: worker_pb2.GenerateRequest) -> None:
-        """``top_k``, which chat has no field for."""
-        if self.request.top_k is not None:
-            proto.sampling.top_k = self.request.top_k
-
 
 def parse_messages_request(
     body: Any, model: type[MessagesRequest] = MessagesRequest
@@ -134,6 +138,7 @@ def parse_messages_request(
         "messages": _messages(request),
         "max_completion_tokens": request.max_tokens,
         "stream": request.stream,
+        **request.given_extensions(),
     }
     if request.stop_sequences:
         chat_body["stop"] = request.stop_sequences

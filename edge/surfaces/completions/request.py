@@ -41,6 +41,8 @@ _PromptShapes = (
 class CompletionRequest(SamplingRequest, StructuredRequest):
     """A validated ``POST /v1/completions`` body (see the module docstring)."""
 
+    ignored_fields = frozenset({"service_tier", "prompt_cache_key", "safety_identifier"})
+
     prompt: list[Prompt]
     # OpenAI's default is 16; an explicit null means "up to the context length".
     # 0 with ``echo``: the prompt is only scored (its logprobs), as evaluation harnesses ask.

@@ -19,8 +19,8 @@ from edge.surfaces.shared.rewrite import (
     to_chat_request,
     validate_at,
 )
+from edge.surfaces.shared.sampling import SamplingExtensions
 from edge.surfaces.shared.validation import bad, validate_body
-from sluice.v1 import worker_pb2
 
 _SEED_MAX = 2**64 - 1
 
@@ -30,7 +30,7 @@ class NativeMessage(RequestModel):
     content: str
 
 
-class NativeChatRequest(RequestModel):
+class NativeChatRequest(SamplingExtensions):
     """A ``POST /api/v1/chat`` body, shape-checked (see the module docstring)."""
 
     model: str
@@ -38,8 +38,7 @@ class NativeChatRequest(RequestModel):
     system_prompt: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, ge=0, le=1)
-    top_k: int | None = Field(default=None, ge=1)
-    min_p: float | None = Field(default=None, ge=0, le=1)
+    # vLLM's repetition_penalty under the native name (either may be given, not both).
     repeat_penalty: float | None = Field(default=None, gt=0, le=10)
     seed: int | None = Field(default=None, ge=0, le=_SEED_MAX)
     stop: list[str] | None = None
@@ -62,16 +61,6 @@ class NativeChatRequest(RequestModel):
 class ParsedNativeRequest(ParsedRequest[NativeChatRequest]):
     """The validated request, its chat equivalent, and the offered tools (for ``tool_call.failure``)."""
 
-    def apply_sampling(self, proto: worker_pb2.GenerateRequest) -> None:
-        """The sampling options chat has no field for (``top_k``, ``min_p``, ``repeat_penalty``)."""
-        r = self.request
-        if r.top_k is not None:
-            proto.sampling.top_k = r.top_k
-        if r.min_p is not None:
-            proto.sampling.min_p = r.min_p
-        if r.repeat_penalty is not None:
-            proto.sampling.repetition_penalty = r.repeat_penalty
-
 
 def parse_native_request(body: Any) -> ParsedNativeRequest:
     """Validates a decoded ``/api/v1/chat`` body; raises a 400 naming the field."""
@@ -88,7 +77,16 @@ def parse_native_request(body: Any) -> ParsedNativeRequest:
             message = validate_at(NativeMessage, item, f"input[{i}]")
             messages.append({"role": message.role, "content": message.content})
     tools = function_tools(request.tools)
-    chat_body: dict[str, Any] = {"model": request.model, "messages": messages, "stream": request.stream}
+    chat_body: dict[str, Any] = {
+        "model": request.model,
+        "messages": messages,
+        "stream": request.stream,
+        **request.given_extensions(),
+    }
+    if request.repeat_penalty is not None:
+        if request.repetition_penalty is not None:
+            raise bad("repeat_penalty", "give repeat_penalty or repetition_penalty, not both")
+        chat_body["repetition_penalty"] = request.repeat_penalty
     for name in ("temperature", "top_p", "seed", "stop"):
         value = getattr(request, name)
         if value is not None:

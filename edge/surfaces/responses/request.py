@@ -22,6 +22,7 @@ from edge.surfaces.shared.rewrite import (
     unsupported,
     validate_at,
 )
+from edge.surfaces.shared.sampling import SamplingExtensions
 from edge.surfaces.shared.validation import bad, validate_body
 
 MAX_TEMPERATURE = 2.0
@@ -33,8 +34,12 @@ class InputText(RequestModel):
     type: Literal["input_text", "output_text"]
     text: str
 
+    ignored_fields = frozenset({"annotations", "logprobs"})  # an earlier answer's, sent back
+
 
 class InputMessage(RequestModel):
+    ignored_fields = frozenset({"id", "status"})  # an earlier answer's item, sent back
+
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[Any]
@@ -45,6 +50,8 @@ class InputMessage(RequestModel):
 class FunctionCallItem(RequestModel):
     """A call the model made in an earlier turn, sent back by the caller."""
 
+    ignored_fields = frozenset({"id", "status"})
+
     type: Literal["function_call"]
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
@@ -53,6 +60,8 @@ class FunctionCallItem(RequestModel):
 
 class FunctionCallOutputItem(RequestModel):
     """The caller's result of a function call."""
+
+    ignored_fields = frozenset({"id", "status"})
 
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
@@ -78,8 +87,10 @@ class ReasoningOptions(RequestModel):
     summary: str | None = None
 
 
-class ResponsesRequest(RequestModel):
+class ResponsesRequest(SamplingExtensions):
     """A ``POST /v1/responses`` body, shape-checked (see the module docstring)."""
+
+    ignored_fields = frozenset({"service_tier", "prompt_cache_key", "safety_identifier"})
 
     model: str
     input: str | list[Any]
@@ -142,6 +153,7 @@ def parse_responses_request(body: Any) -> ParsedResponsesRequest:
         "model": request.model,
         "messages": _messages(request),
         "stream": request.stream,
+        **request.given_extensions(),
     }
     add_chat_tools(chat_body, tools, request.tool_choice)
     for name in ("parallel_tool_calls", "temperature", "top_p", "metadata", "user"):

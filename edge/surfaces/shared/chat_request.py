@@ -215,6 +215,11 @@ class ChatCompletionRequest(SamplingRequest, StructuredRequest):
     """A validated ``POST /v1/chat/completions`` body (see the module docstring)."""
 
     model_config = ConfigDict(json_schema_extra=_document_chat_rules)
+    # OpenAI's fields with no effect here (docs/http.md), and those parse_chat_request refuses itself.
+    ignored_fields = frozenset(
+        {"store", "service_tier", "prompt_cache_key", "safety_identifier", "prediction", "modalities"}
+        | {"functions", "function_call", "audio"}
+    )
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)

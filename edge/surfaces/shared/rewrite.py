@@ -15,7 +15,6 @@ from edge.errors import EdgeError, InvalidRequestError
 from edge.surfaces.shared.base import RequestModel
 from edge.surfaces.shared.chat_request import ChatCompletionRequest, FunctionDefinition, parse_chat_request
 from edge.surfaces.shared.validation import bad, invalid, validate_body
-from sluice.v1 import worker_pb2
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 RequestT = TypeVar("RequestT", bound=RequestModel)
@@ -150,6 +149,3 @@ class ParsedRequest(Generic[RequestT]):
     @property
     def stream(self) -> bool:
         return self.chat.stream
-
-    def apply_sampling(self, proto: worker_pb2.GenerateRequest) -> None:
-        """Sets the sampling options chat has no field for on the worker request (none here)."""

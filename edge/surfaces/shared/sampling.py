@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, StrictBool, field_validator
+from pydantic import AfterValidator, Field, StrictBool, field_validator
 
 from edge.surfaces.shared.base import RequestModel
 from edge.surfaces.shared.validation import (
@@ -32,7 +32,76 @@ class StreamOptions(RequestModel):
     )
 
 
-class SamplingRequest(RequestModel):
+_TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def _not_blank(word: str) -> str:
+    if not word.strip():
+        raise invalid("a bad word may not be empty or only spaces")
+    return word
+
+
+_Word = Annotated[str, AfterValidator(_not_blank), Field(json_schema_extra={"pattern": r"\S"})]
+MAX_BAD_WORDS = 256
+
+
+class SamplingExtensions(RequestModel):
+    """vLLM's sampling extensions with vLLM's names, meanings and bounds (the openai SDK sends them
+    through ``extra_body``); every surface that samples takes them from here (docs/http.md)."""
+
+    top_k: int | None = Field(
+        default=None, ge=-1, le=INT32_MAX, description="Sample from the k likeliest tokens; -1 or 0: off."
+    )
+    min_p: float | None = Field(
+        default=None, ge=0, le=1, description="Drop tokens less likely than min_p times the likeliest."
+    )
+    repetition_penalty: float | None = Field(
+        default=None,
+        gt=0,
+        le=10,
+        description="Divide positive (multiply negative) logits of prompt and output tokens; 1: off.",
+    )
+    stop_token_ids: list[_TokenId] | None = Field(
+        default=None, description="Token ids that end the choice (not shown in the text)."
+    )
+    bad_words: list[_Word] | None = Field(
+        default=None,
+        max_length=MAX_BAD_WORDS,
+        description="Words never generated, as written and after a space.",
+    )
+    allowed_token_ids: list[_TokenId] | None = Field(
+        default=None, min_length=1, description="Only these token ids may be generated."
+    )
+    skip_special_tokens: StrictBool | None = Field(
+        default=None, description="Leave special tokens out of the text (default: the model family's)."
+    )
+    include_stop_str_in_output: StrictBool | None = Field(
+        default=None, description="Keep the matched stop string at the end of the text."
+    )
+    truncate_prompt_tokens: int | None = Field(
+        default=None,
+        ge=-1,
+        le=INT32_MAX,
+        description="Keep only the prompt's last k tokens; -1: as many as the context leaves room for.",
+        json_schema_extra={"not": {"const": 0}},
+    )
+    # Run past the model's end-of-sequence token, and generate at least this many tokens.
+    ignore_eos: StrictBool | None = None
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _truncate_not_zero(cls, value: int | None) -> int | None:
+        if value == 0:
+            raise invalid("must be -1 or at least 1, got 0")
+        return value
+
+    def given_extensions(self) -> dict[str, Any]:
+        """The extensions the caller set, as a chat body carries them (a rewritten surface's)."""
+        return self.model_dump(include=set(SamplingExtensions.model_fields), exclude_none=True)
+
+
+class SamplingRequest(SamplingExtensions):
     """Fields shared by chat and text completions requests."""
 
     model: str
@@ -54,10 +123,6 @@ class SamplingRequest(RequestModel):
         },
     )
     user: str | None = None
-    # Extensions with vLLM's names and meanings (the SDKs send them through ``extra_body``): run past
-    # the model's end-of-sequence token, and generate at least this many tokens.
-    ignore_eos: StrictBool | None = None
-    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
 
     @field_validator("stop", mode="before", json_schema_input_type=str | list[str] | None)
     @classmethod

@@ -163,6 +163,11 @@ def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
     first = error.errors(include_url=False)[0]
     param = _param_path(tuple(first["loc"])) or None
     kind = first["type"]
+    if kind == "unknown_field":  # --strict-fields (edge.surfaces.shared.base)
+        param = _param_path((*first["loc"], first["ctx"]["field"]))
+        return InvalidRequestError(
+            f"Unrecognized request argument supplied: '{param}'.", param=param, code="unknown_parameter"
+        )
     if kind == "missing":
         return InvalidRequestError(
             f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter"

@@ -10,7 +10,7 @@ import json
 from typing import Any
 
 from edge.surfaces.shared.chat_request import ChatCompletionRequest, ChatMessage, ResponseFormat, ToolChoice
-from edge.surfaces.shared.sampling import SamplingRequest
+from edge.surfaces.shared.sampling import SamplingExtensions, SamplingRequest
 from sluice.v1 import worker_pb2
 
 _UINT64 = 2**64
@@ -143,10 +143,21 @@ def sampling_params(request: SamplingRequest, *, max_tokens: int | None) -> work
         sampling.frequency_penalty = request.frequency_penalty
     if max_tokens is not None:
         sampling.max_tokens = max_tokens
-    if request.ignore_eos is not None:
-        sampling.ignore_eos = request.ignore_eos
-    if request.min_tokens is not None:
-        sampling.min_tokens = request.min_tokens
     for token, bias in (request.logit_bias or {}).items():
         sampling.logit_bias[int(token)] = bias
+    apply_extensions(request, sampling)
     return sampling
+
+
+def apply_extensions(request: SamplingExtensions, sampling: worker_pb2.SamplingParams) -> None:
+    """Sets the vLLM extensions the caller gave on ``sampling`` (unset ones keep the worker's defaults)."""
+    for name in ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens"):
+        value = getattr(request, name)
+        if value is not None:
+            setattr(sampling, name, value)
+    if request.truncate_prompt_tokens is not None:
+        sampling.truncate_prompt_tokens = request.truncate_prompt_tokens
+    sampling.include_stop_str_in_output = bool(request.include_stop_str_in_output)
+    sampling.stop_token_ids.extend(request.stop_token_ids or ())
+    sampling.bad_words.extend(request.bad_words or ())
+    sampling.allowed_token_ids.extend(request.allowed_token_ids or ())

@@ -202,7 +202,7 @@ def test_request_blocks_become_chat_messages() -> None:
     ]
     assert chat.messages[3].tool_call_id == "toolu_1" and chat.messages[3].content == "sunny"
     assert chat.max_completion_tokens == 16 and chat.stop == ["END"]
-    assert chat.temperature == 0 and chat.top_p == 0.9 and parsed.request.top_k == 5
+    assert chat.temperature == 0 and chat.top_p == 0.9 and chat.top_k == 5
     assert chat.tool_choice is not None and chat.tool_choice.function_name == "weather"
     assert chat.parallel_tool_calls is False and chat.reasoning_effort == "none" and chat.user == "u1"
 

@@ -11,6 +11,7 @@ from surface_fakes import finished_with, progress, reasoning, tool_call, usage_w
 from edge.errors import InternalError, InvalidRequestError
 from edge.surfaces.native.request import parse_native_request
 from edge.surfaces.native.translate import NativeTranslator, schema_errors
+from edge.surfaces.shared.worker_request import to_generate_request
 from sluice.v1 import worker_pb2
 
 WEATHER = {
@@ -252,8 +253,7 @@ def test_request_fields_reach_the_chat_request_and_the_proto() -> None:
     assert chat.max_completion_tokens == 7 and chat.temperature == 0
     assert chat.chat_template_kwargs == {"enable_thinking": False}
     assert chat.tool_choice is not None and chat.tool_choice.function_name == "weather"
-    proto = worker_pb2.GenerateRequest()
-    parsed.apply_sampling(proto)
+    proto = to_generate_request(chat, "r1")
     assert proto.sampling.top_k == 3 and proto.sampling.repetition_penalty == pytest.approx(1.2)
     assert proto.sampling.min_p == pytest.approx(0.1)
 
@@ -268,7 +268,9 @@ def test_request_fields_reach_the_chat_request_and_the_proto() -> None:
         ({"tools": [{"type": "mcp"}]}, "tools[0].type"),
         ({"reasoning": "maybe"}, "reasoning"),
         ({"max_output_tokens": 0}, "max_output_tokens"),
-        ({"top_k": 0}, "top_k"),
+        ({"top_k": -2}, "top_k"),
+        ({"repeat_penalty": 1.1, "repetition_penalty": 1.2}, "repeat_penalty"),
+        ({"bad_words": [""]}, "bad_words[0]"),
     ],
 )
 def test_bad_requests_name_the_field(fields: dict[str, Any], param: str) -> None:

@@ -4,7 +4,7 @@ import pytest
 from sluice.status import read_details
 from sluice.v1 import worker_pb2 as pb
 from worker.errors import InvalidRequest, ModelNotFound, WorkerError
-from worker.service.convert import event_to_proto, parse_request, sampling_options
+from worker.service.convert import event_to_proto, parse_request, sampling_options, truncated_prompt
 from worker.types import ContentDelta, Finished, FinishReason, TokenLogprob, TopLogprob, Usage
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -98,6 +98,10 @@ def options(**fields):
         ({"min_p": float("nan")}, "min_p"),
         ({"frequency_penalty": float("nan")}, "frequency_penalty"),
         ({"repetition_penalty": float("inf")}, "repetition_penalty"),
+        ({"allowed_token_ids": [5, 1000]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+        ({"bad_words": ["ok", " "]}, "bad_words"),
+        ({"bad_words": ["w"] * 257}, "bad_words"),
     ],
 )
 def test_out_of_range_sampling_names_the_field(fields, param):
@@ -225,3 +229,51 @@ def test_events_to_proto():
     fin = event_to_proto(Finished(0, FinishReason.LENGTH, 5)).finished
     assert fin.reason == pb.LENGTH and not fin.HasField("matched_stop_token_id")
     assert event_to_proto(Usage(3, 4)).usage.total_tokens == 7
+
+
+def test_bad_words_become_the_token_forms_of_each_word():
+    vocab = {"cat": [7], " cat": [9], "big dog": [3, 4], " big dog": [5, 4]}
+    got = sampling_options(
+        pb.SamplingParams(bad_words=["cat", " big dog"]),
+        prompt_tokens=10,
+        context_length=100,
+        vocab_size=1000,
+        encode=lambda text: vocab[text],
+    )
+    # As written (leading spaces dropped) and after one space; duplicates once.
+    assert got.bad_words == ((7,), (9,), (3, 4), (5, 4))
+
+
+def test_bad_words_that_ban_every_allowed_token_are_refused():
+    params = pb.SamplingParams(bad_words=["cat"], allowed_token_ids=[7, 9])
+    encode = {"cat": [7], " cat": [9]}.__getitem__
+    call = lambda: sampling_options(params, prompt_tokens=1, context_length=9, vocab_size=99, encode=encode)  # noqa: E731
+    assert param_of(call) == "bad_words"
+
+
+def test_the_other_extensions_are_carried():
+    got = options(allowed_token_ids=[9, 3, 9], skip_special_tokens=False, include_stop_str_in_output=True)
+    assert got.allowed_token_ids == (3, 9)
+    assert got.skip_special_tokens is False and got.include_stop_str_in_output is True
+    assert options().skip_special_tokens is None and options().include_stop_str_in_output is False
+
+
+@pytest.mark.parametrize(
+    ("fields", "kept"),
+    [
+        ({}, (1, 2, 3, 4, 5)),
+        ({"truncate_prompt_tokens": 2}, (4, 5)),
+        ({"truncate_prompt_tokens": 9}, (1, 2, 3, 4, 5)),
+        # -1: as many as leave room for max_tokens (else one token) in the context of 6.
+        ({"truncate_prompt_tokens": -1}, (1, 2, 3, 4, 5)),
+        ({"truncate_prompt_tokens": -1, "max_tokens": 3}, (3, 4, 5)),
+    ],
+)
+def test_truncate_prompt_tokens_keeps_the_last_ones(fields, kept):
+    assert truncated_prompt(pb.SamplingParams(**fields), (1, 2, 3, 4, 5), context_length=6) == kept
+
+
+@pytest.mark.parametrize("value", [0, -2, -(2**31)])
+def test_truncate_prompt_tokens_out_of_range_names_the_field(value):
+    params = pb.SamplingParams(truncate_prompt_tokens=value)
+    assert param_of(lambda: truncated_prompt(params, (1, 2), context_length=6)) == "truncate_prompt_tokens"

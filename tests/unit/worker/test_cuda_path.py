@@ -80,6 +80,8 @@ OPTIONS = {
     "logit_bias": SamplingOptions(logit_bias=((7, 100.0),), seed=1),
     "logprobs": SamplingOptions(logprobs=3, seed=1),
     "min_tokens": SamplingOptions(min_tokens=2, seed=1),
+    "allowed_token_ids": SamplingOptions(allowed_token_ids=(3, 9, 40, 63), seed=1),
+    "bad_words": SamplingOptions(bad_words=tuple((t,) for t in range(0, 64, 2)), seed=1),
 }
 
 

@@ -1,5 +1,6 @@
 """The batched sampler (worker/sampling/sampler.py): each transform, logprobs, seeds, batch independence."""
 
+import itertools
 import math
 
 import pytest
@@ -196,3 +197,40 @@ def test_a_failing_grammar_fails_its_row_and_the_others_still_sample(logits):
         sample_batch(logits.repeat(2, 1), [good, bad])
     assert caught.value.rows == [1]
     assert caught.value.samples[0].token_id == int(logits.argmax())
+
+
+def test_allowed_token_ids_are_the_only_candidates(logits):
+    allowed = (3, 17, 41)
+    tokens = draw(make(SamplingOptions(allowed_token_ids=allowed, temperature=2.0, seed=5)), logits, 100)
+    assert set(tokens) <= set(allowed) and len(set(tokens)) > 1
+    best = max(allowed, key=lambda t: float(logits[t]))
+    assert choose(make(SamplingOptions(temperature=0, allowed_token_ids=allowed)), logits).token_id == best
+
+
+def test_a_one_token_bad_word_is_never_drawn(logits):
+    best = int(torch.argmax(logits))
+    sampling = make(SamplingOptions(temperature=0, bad_words=((best,),)))
+    assert best not in draw(sampling, logits, 5)
+
+
+def test_a_longer_bad_word_bans_its_last_token_only_after_its_prefix():
+    logits = torch.zeros(VOCAB)
+    logits[7], logits[8] = 3.0, 2.0  # greedy: 7, then (frequency penalty) 8, then 7 again ...
+    options = SamplingOptions(temperature=0, frequency_penalty=2.0, bad_words=((7, 8),))
+    tokens = draw(make(options), logits, 6)
+    assert tokens[0] == 7 and tokens[1] != 8  # 8 right after 7 would complete the word
+    assert all((a, b) != (7, 8) for a, b in itertools.pairwise(tokens))
+    plain = draw(make(SamplingOptions(temperature=0, frequency_penalty=2.0)), logits, 2)
+    assert plain == [7, 8]  # without the bad word, the same logits do write it
+
+
+def test_bad_words_and_allowed_ids_apply_per_row(logits):
+    best = int(torch.argmax(logits))
+    rows = [
+        make(SamplingOptions(temperature=0, bad_words=((best,),))),
+        make(SamplingOptions(temperature=0)),
+        make(SamplingOptions(temperature=0, allowed_token_ids=(2, 4))),
+    ]
+    samples = sample_batch(logits.repeat(3, 1), rows)
+    assert samples[0].token_id != best and samples[1].token_id == best
+    assert samples[2].token_id in (2, 4)

@@ -48,3 +48,12 @@ def test_any_split_gives_the_unsplit_result(seed: int):
     assert run(StopStringMatcher(stops), pieces) == whole
     emitted, _matched = whole
     assert all(stop not in emitted for stop in stops)
+
+
+def test_a_kept_stop_string_ends_the_text():
+    # include_stop_str_in_output: the stop is shown (even split over deltas); others are still cut.
+    assert run(StopStringMatcher(["STOP", "END"], kept=["STOP"]), ["Hello S", "TO", "P more"]) == (
+        "Hello STOP",
+        "STOP",
+    )
+    assert run(StopStringMatcher(["STOP", "END"], kept=["STOP"]), ["a END b"]) == ("a ", "END")
