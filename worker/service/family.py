@@ -13,6 +13,8 @@ import string
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from worker.service.template_fixes import fix_template
+
 log = logging.getLogger(__name__)
 
 PROBE_TOOL = "sluice_probe_tool"
@@ -54,7 +56,8 @@ class FamilyProfile:
     arguments_as_text: bool = False  # the template wants a call's arguments as JSON text
     stop_tokens: tuple[str, ...] = ()
     keep_special_tokens: bool = False
-    template: str | None = None  # a --chat-template file's text
+    template: str | None = None  # a --chat-template file's text, or the patched template
+    template_patched: bool = False  # known defects fixed (worker.service.template_fixes)
     default_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -62,6 +65,8 @@ class FamilyProfile:
         shown = asdict(self)
         shown.pop("template")
         shown["chat_template"] = "file" if self.template else "tokenizer"
+        if self.template_patched:
+            shown["chat_template"] += " (patched)"
         return shown
 
 
@@ -217,6 +222,9 @@ def choose_profile(
     markers = PARSER_MARKERS.get(tool_parser, ()) + PARSER_MARKERS.get(reasoning or "", ())
     stops = tuple(t for t in ("<|call|>",) if reasoning == "openai_gptoss" or tool_parser == "openai")
     family = detected or reasoning or "unknown"
+    fixed = fix_template(tool_parser, source) if source else source
+    if fixed != source:
+        template = fixed
     profile = FamilyProfile(
         family=family,
         tool_parser="none" if tool_call_parser == "none" else tool_parser,
@@ -231,6 +239,7 @@ def choose_profile(
         stop_tokens=stops,
         keep_special_tokens=any(_is_special(tokenizer, m) for m in markers),
         template=template,
+        template_patched=fixed != source,
         default_kwargs=dict(default_kwargs or {}),
     )
     if family == "unknown":
