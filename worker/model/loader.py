@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from worker.config import DEFAULT_CACHE_DIR
 from worker.errors import WorkerError
+from worker.model.mistral_tokenizer import with_mistral_common
 from worker.model.packed_linear import pack_linears
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
@@ -202,7 +203,7 @@ def _load_float(
 ) -> tuple[Any, PreTrainedTokenizerBase]:
     target = str(folder) if folder is not None else str(model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        tokenizer = with_mistral_common(AutoTokenizer.from_pretrained(target), folder)
         hf_model = AutoModelForCausalLM.from_pretrained(target, dtype=dtype)
     except OSError as exc:
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
@@ -248,7 +249,8 @@ def _load_quantized(
 
 def _load_float_tokenizer(folder: Path | None, model: str | None) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(str(folder) if folder is not None else str(model))
+        target = str(folder) if folder is not None else str(model)
+        return with_mistral_common(AutoTokenizer.from_pretrained(target), folder)  # type: ignore[no-any-return]
     except OSError as exc:
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
 

@@ -10,9 +10,11 @@ import hashlib
 import json
 import logging
 import string
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from worker.model.mistral_tokenizer import mistral_common_of
+from worker.service.mistral_prompt import mistral_thinks
 from worker.service.template_fixes import fix_template
 
 log = logging.getLogger(__name__)
@@ -187,6 +189,23 @@ def _reasoning_field(probe: _Probe, arguments_as_text: bool) -> str:
     return "reasoning_content"
 
 
+def _mistral_common_profile(mistral: Any, tokenizer: Any) -> FamilyProfile:
+    """A tekken tokenizer's formats, from its mistral-common version and special tokens (its chats are
+    encoded by mistral-common, worker/service/mistral_prompt.py)."""
+    inner = mistral.instruct_tokenizer.tokenizer
+    specials = inner._special_tokens_reverse_vocab
+    named = "[ARGS]" in specials and inner.version.value not in ("v1", "v2", "v3", "v7")
+    return FamilyProfile(
+        family="mistral",
+        tool_parser="mistral",
+        call_grammar="mistral_v11" if named else "mistral",
+        reasoning_parser="mistral" if mistral_thinks(mistral) else None,
+        template_tools=True,
+        nine_char_ids=True,
+        keep_special_tokens=any(_is_special(tokenizer, m) for m in PARSER_MARKERS["mistral"]),
+    )
+
+
 def choose_profile(
     model_type: str,
     tokenizer: Any,
@@ -197,6 +216,17 @@ def choose_profile(
     default_kwargs: dict[str, Any] | None = None,
 ) -> FamilyProfile:
     """The profile for a loaded tokenizer; settings other than "auto" win over what is probed."""
+    mistral = mistral_common_of(tokenizer)
+    if mistral is not None and template is None:
+        profile = _mistral_common_profile(mistral, tokenizer)
+        if tool_call_parser != "auto":
+            profile = replace(profile, tool_parser=tool_call_parser, call_grammar=tool_call_parser)
+        if reasoning_parser != "auto":
+            reasoning = None if reasoning_parser == "none" else reasoning_parser
+            profile = replace(profile, reasoning_parser=reasoning)
+        profile = replace(profile, default_kwargs=dict(default_kwargs or {}))
+        log.info("chat formats for model type %r: %s", model_type, json.dumps(profile.summary()))
+        return profile
     source = template if template is not None else getattr(tokenizer, "chat_template", None)
     source = source if isinstance(source, str) else ""
     probe = _Probe(tokenizer, template)

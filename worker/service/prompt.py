@@ -9,7 +9,9 @@ from typing import Any
 from jinja2 import TemplateError
 
 from worker.errors import InvalidRequest
+from worker.model.mistral_tokenizer import mistral_common_of
 from worker.service.family import FamilyProfile, nine_char_id
+from worker.service.mistral_prompt import encode_mistral_chat
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -57,8 +59,11 @@ class PromptRenderer:
         self._tokenizer = tokenizer
         self.profile = profile or FamilyProfile("unknown")
         template = self.profile.template or getattr(tokenizer, "chat_template", None)
+        self._mistral = mistral_common_of(tokenizer)  # a tekken tokenizer: mistral-common renders
         # mistral-common's tokenizer class renders with mistral-common itself and has no template text.
-        self.has_chat_template = bool(template) or type(tokenizer).__name__ == "MistralCommonBackend"
+        self.has_chat_template = (
+            bool(template) or self._mistral is not None or type(tokenizer).__name__ == "MistralCommonBackend"
+        )
         # A template that renders the probe's tools itself gets them; others get TOOL_PROMPT.
         self.template_knows_tools = self.profile.template_tools
         self.thinks = self.profile.reasoning_parser is not None
@@ -91,6 +96,9 @@ class PromptRenderer:
             raise InvalidRequest(
                 "this model has no chat template; send a raw prompt instead", param="messages"
             )
+        if self._mistral is not None:
+            ids = encode_mistral_chat(self._mistral, prompt.messages, prompt.tools, nine_char_id)
+            return tuple(ids), self._tokenizer.decode(ids, skip_special_tokens=False)
         kwargs: dict[str, Any] = {**self.profile.default_kwargs, **prompt.template_kwargs}
         self._switch_thinking(kwargs)
         if self.profile.template:

@@ -147,10 +147,13 @@ def test_thinking_switch_changes_the_prompt_where_the_template_has_one(fixture_d
 
 
 def parse_generated(
-    tok: Any, profile: FamilyProfile, completion: str, prompt_ids: list[int], seed: int
+    tok: Any, profile: FamilyProfile, completion: str | list[int], prompt_ids: list[int], seed: int
 ) -> tuple:
-    """``completion`` tokenized, then detokenized and parsed in random groups of tokens."""
-    ids = tok(completion, add_special_tokens=False)["input_ids"]
+    """``completion`` (text, tokenized here, or token ids) detokenized and parsed in random groups of
+    tokens: (calls, reasoning, content)."""
+    ids = completion
+    if isinstance(completion, str):
+        ids = tok(completion, add_special_tokens=False)["input_ids"]
     options = OutputOptions(
         tool_calls=True,
         reasoning=profile.reasoning_parser is not None,
