@@ -42,6 +42,7 @@ To call a function, answer with a block like this for each call, and nothing els
 {{"name": "<function name>", "arguments": {{<the arguments, as JSON>}}}}
 </tool_call>
 A function's result comes back in a <tool_response> block. If no function is needed, answer normally."""
+TOOL_LISTING = "You can call these functions, one JSON object per line:\n{tools}"
 FORCED_ONE = "\nCall the function `{name}` now."
 FORCED_ANY = "\nCall one of the functions now."
 
@@ -112,6 +113,11 @@ class PromptRenderer:
                 messages[0]["tools"] = json.dumps(tools, ensure_ascii=False)
             else:
                 kwargs["tools"] = tools
+        elif prompt.tools and self.profile.template_calls:
+            # The template writes calls in its own format but lists no tools (DeepSeek V3's).
+            messages = [self._message_dict(m) for m in prompt.messages]
+            listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in prompt.tools)
+            _add_to_system(messages, TOOL_LISTING.format(tools=listing))
         elif prompt.tools or any(m.tool_calls or m.role == "tool" for m in prompt.messages):
             messages = builtin_tool_messages(prompt)
         else:
@@ -147,6 +153,8 @@ class PromptRenderer:
             result["name"] = message.name
         if message.tool_call_id:
             result["tool_call_id"] = self._call_id(message.tool_call_id)
+        if message.tool_calls and not message.content and self.profile.null_call_content:
+            result["content"] = None
         if message.tool_calls:
             result["tool_calls"] = [
                 {
@@ -201,8 +209,13 @@ def builtin_tool_messages(prompt: ChatPrompt) -> list[dict[str, Any]]:
             instructions += FORCED_ANY
         elif prompt.forced_tool:
             instructions += FORCED_ONE.format(name=prompt.forced_tool)
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = f"{messages[0]['content']}\n\n{instructions}"
-        else:
-            messages.insert(0, {"role": "system", "content": instructions})
+        _add_to_system(messages, instructions)
     return messages
+
+
+def _add_to_system(messages: list[dict[str, Any]], text: str) -> None:
+    """``text`` at the end of the system message (a new one first when there is none)."""
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{messages[0]['content']}\n\n{text}"
+    else:
+        messages.insert(0, {"role": "system", "content": text})

@@ -48,6 +48,8 @@ CALLS = [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
     ),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'),
+    ("llama3_json", '<|python_tag|>get_weather.call(city="Paris", days=2)'),  # a built-in tool
     ("pythonic", '[get_weather(city="Paris", days=2)]'),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]'),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}'),
@@ -101,6 +103,12 @@ def test_several_calls_in_one_section() -> None:
         "",
         [("a", {"x": [1, 2], "y": None, "z": True}), ("b", {})],
     )
+    assert every_split(
+        "llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b"}'
+    ) == (
+        "",
+        [("a", {"x": 1}), ("b", {})],
+    )
     assert every_split("granite", '<|tool_call|>[{"name": "a", "arguments": {}}, {"name": "b"}]') == (
         "",
         [("a", {}), ("b", {})],
@@ -112,6 +120,9 @@ MALFORMED = [
     ("pythonic", "[os.system('x') + 1]"),
     ("pythonic", "[f(x=__import__('os'))]"),
     ("pythonic", "[f(1)"),
+    ("llama3_json", "<|python_tag|>import math\nprint(math.pi)"),
+    ("llama3_json", '<|python_tag|>os.system.call(x="y")'),
+    ("llama3_json", '<|python_tag|>{"name": "a"} trailing'),
     ("mistral", "[TOOL_CALLS]not json"),
     ("mistral", "[TOOL_CALLS]name[ARGS]{unclosed"),
     ("deepseek_v3", "<｜tool▁calls▁begin｜>garbage<｜tool▁calls▁end｜>"),
