@@ -231,3 +231,22 @@ def test_mistral_calls_and_reasoning_parse_back_at_any_split(fixture_dir: Path, 
             "",
         ), tok.decode(with_calls, skip_special_tokens=False)
         assert parse_generated(tok, profile, with_answer, [], seed)[1:] == (reasoning, "It is sunny.")
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        (ChatMessage("user", "Hi"), ChatMessage("assistant", "Hello")),  # nothing to answer
+        (ChatMessage("tool", "20 C", tool_call_id="call_x"),),  # a result without its call
+    ],
+    ids=["ends-with-the-answer", "orphan-result"],
+)
+def test_a_chat_mistral_common_rejects_is_a_clear_error(
+    fixture_dir: Path, messages: tuple[ChatMessage, ...]
+) -> None:
+    from worker.errors import InvalidRequest
+
+    tok, profile = tekken(fixture_dir, "v13")
+    with pytest.raises(InvalidRequest, match="mistral-common rejected the messages") as caught:
+        PromptRenderer(tok, profile).render(ChatPrompt(messages))
+    assert caught.value.param == "messages"
