@@ -182,8 +182,6 @@ def forced_call(served: Served, stream: bool) -> tuple[str, str, str]:
     client = openai.OpenAI(base_url=f"{served.edge.base_url}/v1", api_key="unused", timeout=120)
     kwargs: dict[str, Any] = {"model": served.model, "messages": QUESTION, "tools": [WEATHER]}
     kwargs |= {"tool_choice": "required", "max_tokens": 96, "temperature": 0}
-    if served.family == "mistral-tekken":  # its random weights prefer another [TOOL_CALLS] to </s>:
-        kwargs["parallel_tool_calls"] = False  # calls until max_tokens, the last cut short
     if not stream:
         message = client.chat.completions.create(**kwargs).choices[0].message
         assert message.tool_calls, message

@@ -96,6 +96,12 @@ def test_content_before_a_call_stays_content(parser: str, text: str) -> None:
     assert every_split(parser, "Let me check. " + text) == ("Let me check. ", [WEATHER])
 
 
+def test_mistral_calls_before_one_cut_short_stay_calls() -> None:
+    """max_tokens can end a v11+ answer inside its last call: the complete calls are calls, the rest text."""
+    cut = '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{"y": 2}[TOOL_CALLS]a[ARGS]{"x": '
+    assert every_split("mistral", cut) == ('[TOOL_CALLS]a[ARGS]{"x": ', [("a", {"x": 1}), ("b", {"y": 2})])
+
+
 def test_several_calls_in_one_section() -> None:
     two = '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}'
     assert every_split("mistral", two) == ("", [("a", {"x": 1}), ("b", {})])
