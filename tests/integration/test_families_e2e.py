@@ -1,11 +1,12 @@
-"""Issue 24's bar per family (Qwen3, Llama 3.1, Gemma 3, gpt-oss), through a real worker and edge:
-a tiny random model saved with the family's real tokenizer and chat template scores its prompt and
-decodes greedily like transformers' eager float32 model, and a forced tool call parses (streamed
-and not) and the conversation goes on with the tool's result."""
+"""Issue 24's bar per family (Qwen3, Llama 3.1, Gemma 3, gpt-oss, Mistral with a tekken.json), through
+a real worker and edge: a tiny random model saved with the family's real tokenizer and chat template
+scores its prompt and decodes greedily like transformers' eager float32 model, and a forced tool call
+parses (streamed and not) and the conversation goes on with the tool's result."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 
 from tests.processes import EdgeProcess, WorkerProcess
 from tests.tiny_families import eager_reference, tiny_config, tiny_model
-from tools.fixtures import DEFAULT_DIR, fetch_tokenizer
+from tools.fixtures import DEFAULT_DIR, build_tekken, fetch_tokenizer
 
 pytestmark = pytest.mark.integration
 
@@ -29,6 +30,7 @@ FAMILIES = {
     "llama3.1": ("llama", "llama3_1", "meta-llama-Llama-3.1-8B-Instruct"),
     "gemma3": ("gemma3_text", "gemma3", None),
     "gpt-oss": ("gpt_oss", "gptoss", "openai-gpt-oss-120b"),
+    "mistral-tekken": ("mistral", "tekken v13", None),  # only a tekken.json, as Mistral ships it
 }
 # Tiny widths: the real vocabularies (128k-262k) make the embedding the model's bulk.
 TINY = {
@@ -58,6 +60,7 @@ FORMATS = {
     "llama3.1": ("llama3_json", None),
     "gemma3": ("hermes", None),
     "gpt-oss": ("openai", "openai_gptoss"),
+    "mistral-tekken": ("mistral", "mistral"),
 }
 
 
@@ -75,8 +78,14 @@ def build(folder: Path, family: str) -> tuple[Any, Any]:
     transformers' eager float32 reference of the same weights."""
     from transformers import AutoTokenizer
 
+    from worker.model.mistral_tokenizer import with_mistral_common
+
     key, fixture, template = FAMILIES[family]
-    tokenizer = AutoTokenizer.from_pretrained(fetch_tokenizer(fixture, DEFAULT_DIR))
+    if fixture.startswith("tekken"):
+        tekken = build_tekken(DEFAULT_DIR, fixture.split()[1])
+        tokenizer = with_mistral_common(AutoTokenizer.from_pretrained(tekken), tekken)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(fetch_tokenizer(fixture, DEFAULT_DIR))
     if template:
         tokenizer.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
     ids = {
@@ -88,7 +97,10 @@ def build(folder: Path, family: str) -> tuple[Any, Any]:
     model = tiny_model(config)
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    if fixture.startswith("tekken"):
+        shutil.copy(tekken / "tekken.json", folder / "tekken.json")
+    else:
+        tokenizer.save_pretrained(folder)
     return tokenizer, eager_reference(model)
 
 
@@ -115,6 +127,14 @@ def test_models_list_shows_the_chosen_chat_formats(served: Served) -> None:
 
 
 def prompt_ids(served: Served) -> list[int]:
+    from worker.model.mistral_tokenizer import mistral_common_of
+
+    mistral = mistral_common_of(served.tokenizer)
+    if mistral is not None:  # the reference for a tekken tokenizer: mistral-common's encoding
+        from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+        request = ChatCompletionRequest.from_openai(QUESTION, tools=[WEATHER])
+        return list(mistral.encode_chat_completion(request).tokens)
     rendered = served.tokenizer.apply_chat_template(
         QUESTION, tools=[WEATHER], add_generation_prompt=True, return_dict=True
     )

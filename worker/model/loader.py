@@ -29,6 +29,7 @@ from transformers import (
 
 from worker.config import DEFAULT_CACHE_DIR
 from worker.errors import WorkerError
+from worker.model.mistral_tokenizer import with_mistral_common
 from worker.model.packed_linear import pack_linears
 from worker.model.pooling import PoolingConfigError, PoolingSpec, detect_task, read_spec
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
@@ -244,7 +245,7 @@ def _load_float(
 ) -> tuple[Any, PreTrainedTokenizerBase]:
     target = str(folder) if folder is not None else str(model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(target)
+        tokenizer = with_mistral_common(AutoTokenizer.from_pretrained(target), folder)
         hf_model = _MODEL_CLASSES[task].from_pretrained(target, dtype=dtype)
     except OSError as exc:
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
@@ -290,7 +291,8 @@ def _load_quantized(
 
 def _load_float_tokenizer(folder: Path | None, model: str | None) -> PreTrainedTokenizerBase:
     try:
-        return AutoTokenizer.from_pretrained(str(folder) if folder is not None else str(model))
+        target = str(folder) if folder is not None else str(model)
+        return with_mistral_common(AutoTokenizer.from_pretrained(target), folder)  # type: ignore[no-any-return]
     except OSError as exc:
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
 

@@ -10,8 +10,12 @@ import hashlib
 import json
 import logging
 import string
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
+
+from worker.model.mistral_tokenizer import mistral_common_of
+from worker.service.mistral_prompt import mistral_thinks
+from worker.service.template_fixes import fix_template
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +27,7 @@ PROBE_THOUGHT = "sluice probe thought"
 # Each parser's markers: when one is a special token, the text must keep special tokens.
 PARSER_MARKERS: dict[str, tuple[str, ...]] = {
     "hermes": ("<tool_call>", "</tool_call>"),
+    "llama3_json": ("<|python_tag|>",),
     "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]"),
     "deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"),
     "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"),
@@ -52,9 +57,12 @@ class FamilyProfile:
     tools_in_system: bool = False  # the template reads tools from the system message
     nine_char_ids: bool = False  # tool-call ids must be nine alphanumerics (Mistral)
     arguments_as_text: bool = False  # the template wants a call's arguments as JSON text
+    null_call_content: bool = False  # the template renders a call only when the content is null
+    template_calls: bool = False  # the template renders earlier calls in a known format
     stop_tokens: tuple[str, ...] = ()
     keep_special_tokens: bool = False
-    template: str | None = None  # a --chat-template file's text
+    template: str | None = None  # a --chat-template file's text, or the patched template
+    template_patched: bool = False  # known defects fixed (worker.service.template_fixes)
     default_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -62,6 +70,8 @@ class FamilyProfile:
         shown = asdict(self)
         shown.pop("template")
         shown["chat_template"] = "file" if self.template else "tokenizer"
+        if self.template_patched:
+            shown["chat_template"] += " (patched)"
         return shown
 
 
@@ -105,14 +115,16 @@ _TOOL = {
 }
 
 
-def _call_turn(call_id: str, arguments_as_text: bool = False) -> list[dict[str, Any]]:
+def _call_turn(
+    call_id: str, arguments_as_text: bool = False, null_content: bool = False
+) -> list[dict[str, Any]]:
     arguments: Any = {"arg": PROBE_ARG}
     if arguments_as_text:
         arguments = json.dumps(arguments)
     call = {"id": call_id, "type": "function", "function": {"name": PROBE_TOOL, "arguments": arguments}}
     return [
         _USER,
-        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "assistant", "content": None if null_content else "", "tool_calls": [call]},
         {"role": "tool", "tool_call_id": call_id, "name": PROBE_TOOL, "content": "ok"},
     ]
 
@@ -182,6 +194,23 @@ def _reasoning_field(probe: _Probe, arguments_as_text: bool) -> str:
     return "reasoning_content"
 
 
+def _mistral_common_profile(mistral: Any, tokenizer: Any) -> FamilyProfile:
+    """A tekken tokenizer's formats, from its mistral-common version and special tokens (its chats are
+    encoded by mistral-common, worker/service/mistral_prompt.py)."""
+    inner = mistral.instruct_tokenizer.tokenizer
+    specials = inner._special_tokens_reverse_vocab
+    named = "[ARGS]" in specials and inner.version.value not in ("v1", "v2", "v3", "v7")
+    return FamilyProfile(
+        family="mistral",
+        tool_parser="mistral",
+        call_grammar="mistral_v11" if named else "mistral",
+        reasoning_parser="mistral" if mistral_thinks(mistral) else None,
+        template_tools=True,
+        nine_char_ids=True,
+        keep_special_tokens=any(_is_special(tokenizer, m) for m in PARSER_MARKERS["mistral"]),
+    )
+
+
 def choose_profile(
     model_type: str,
     tokenizer: Any,
@@ -192,17 +221,38 @@ def choose_profile(
     default_kwargs: dict[str, Any] | None = None,
 ) -> FamilyProfile:
     """The profile for a loaded tokenizer; settings other than "auto" win over what is probed."""
+    mistral = mistral_common_of(tokenizer)
+    if mistral is not None and template is None:
+        profile = _mistral_common_profile(mistral, tokenizer)
+        if tool_call_parser != "auto":
+            profile = replace(profile, tool_parser=tool_call_parser, call_grammar=tool_call_parser)
+        if reasoning_parser != "auto":
+            reasoning = None if reasoning_parser == "none" else reasoning_parser
+            profile = replace(profile, reasoning_parser=reasoning)
+        profile = replace(profile, default_kwargs=dict(default_kwargs or {}))
+        log.info("chat formats for model type %r: %s", model_type, json.dumps(profile.summary()))
+        return profile
     source = template if template is not None else getattr(tokenizer, "chat_template", None)
     source = source if isinstance(source, str) else ""
+    fixed = fix_template(source) if source else source
+    if fixed != source:
+        template = fixed
     probe = _Probe(tokenizer, template)
     with_tools = probe.render([_USER], tools=[_TOOL], add_generation_prompt=True)
     in_system = [{"role": "system", "content": "s", "tools": json.dumps([_TOOL])}, _USER]
     tools_in_system = PROBE_DESCRIPTION not in with_tools and PROBE_DESCRIPTION in probe.render(in_system)
-    call = probe.render(_call_turn(PROBE_ID), tools=[_TOOL])
-    as_text = PROBE_ARG not in call
-    if as_text:  # some templates (DeepSeek's) concatenate the arguments: they need JSON text
-        call = probe.render(_call_turn(PROBE_ID, True), tools=[_TOOL])
-    sluice_ids_work = bool(probe.render(_call_turn("call_" + "0" * 24, as_text), tools=[_TOOL]))
+    # Some templates (DeepSeek's) concatenate the arguments, so they need JSON text; DeepSeek V3's
+    # renders a call only when the message's content is null.
+    call, as_text, null_content = "", False, False
+    for as_text, null_content in ((False, False), (True, False), (False, True), (True, True)):
+        call = probe.render(_call_turn(PROBE_ID, as_text, null_content), tools=[_TOOL])
+        if PROBE_ARG in call:
+            break
+    else:
+        call = probe.render(_call_turn(PROBE_ID), tools=[_TOOL])
+        as_text, null_content = False, False
+    turn = _call_turn("call_" + "0" * 24, as_text, null_content)
+    sluice_ids_work = bool(probe.render(turn, tools=[_TOOL]))
     detected = _call_format(call) if PROBE_ARG in call else None
     # A template that renders no earlier call says nothing of the format: the model type may.
     tool_parser = detected or MODEL_TYPE_CALLS.get(model_type.split("moe")[0], "hermes")
@@ -215,7 +265,11 @@ def choose_profile(
     if tool_parser == "mistral" and "[ARGS]" in (call or source):
         grammar = "mistral_v11"
     markers = PARSER_MARKERS.get(tool_parser, ()) + PARSER_MARKERS.get(reasoning or "", ())
-    stops = tuple(t for t in ("<|call|>",) if reasoning == "openai_gptoss" or tool_parser == "openai")
+    stops: tuple[str, ...] = ()
+    if reasoning == "openai_gptoss" or tool_parser == "openai":
+        stops = ("<|call|>",)
+    elif tool_parser == "llama3_json":
+        stops = ("<|eom_id|>",)  # Llama 3.x ends a built-in tool's call with it (awaiting the result)
     family = detected or reasoning or "unknown"
     profile = FamilyProfile(
         family=family,
@@ -225,12 +279,15 @@ def choose_profile(
         thinking_switch=_thinking_switch(probe),
         reasoning_field=_reasoning_field(probe, as_text),
         arguments_as_text=as_text and PROBE_ARG in call,
+        null_call_content=null_content and PROBE_ARG in call,
+        template_calls=detected is not None,
         template_tools=PROBE_DESCRIPTION in with_tools or tools_in_system,
         tools_in_system=tools_in_system,
         nine_char_ids=bool(call) and not sluice_ids_work,
         stop_tokens=stops,
         keep_special_tokens=any(_is_special(tokenizer, m) for m in markers),
         template=template,
+        template_patched=fixed != source,
         default_kwargs=dict(default_kwargs or {}),
     )
     if family == "unknown":

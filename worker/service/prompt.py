@@ -9,8 +9,10 @@ from typing import Any
 from jinja2 import TemplateError
 
 from worker.errors import InvalidRequest
+from worker.model.mistral_tokenizer import mistral_common_of
 from worker.service.family import FamilyProfile, nine_char_id
 from worker.service.fim import FimTokens, find_fim_tokens
+from worker.service.mistral_prompt import encode_mistral_chat
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -41,6 +43,7 @@ To call a function, answer with a block like this for each call, and nothing els
 {{"name": "<function name>", "arguments": {{<the arguments, as JSON>}}}}
 </tool_call>
 A function's result comes back in a <tool_response> block. If no function is needed, answer normally."""
+TOOL_LISTING = "You can call these functions, one JSON object per line:\n{tools}"
 FORCED_ONE = "\nCall the function `{name}` now."
 FORCED_ANY = "\nCall one of the functions now."
 
@@ -60,8 +63,11 @@ class PromptRenderer:
         self._tokenizer = tokenizer
         self.profile = profile or FamilyProfile("unknown")
         template = self.profile.template or getattr(tokenizer, "chat_template", None)
+        self._mistral = mistral_common_of(tokenizer)  # a tekken tokenizer: mistral-common renders
         # mistral-common's tokenizer class renders with mistral-common itself and has no template text.
-        self.has_chat_template = bool(template) or type(tokenizer).__name__ == "MistralCommonBackend"
+        self.has_chat_template = (
+            bool(template) or self._mistral is not None or type(tokenizer).__name__ == "MistralCommonBackend"
+        )
         # A template that renders the probe's tools itself gets them; others get TOOL_PROMPT.
         self.template_knows_tools = self.profile.template_tools
         self.thinks = self.profile.reasoning_parser is not None
@@ -85,6 +91,13 @@ class PromptRenderer:
         chat ends with the opening of the assistant's turn."""
         if isinstance(prompt, RawPrompt):
             return self._render_raw(prompt, add_special_tokens is not False)
+        if not self.has_chat_template:
+            raise InvalidRequest(
+                "this model has no chat template; send a raw prompt instead", param="messages"
+            )
+        if self._mistral is not None:  # mistral-common encodes the chat itself (ids, not text)
+            ids = encode_mistral_chat(self._mistral, prompt.messages, prompt.tools, nine_char_id)
+            return tuple(ids), self._tokenizer.decode(ids, skip_special_tokens=False)
         text = self.chat_text(prompt, add_generation_prompt=add_generation_prompt)
         ids = self._tokenizer(text, add_special_tokens=bool(add_special_tokens))["input_ids"]
         return tuple(ids), text
@@ -142,10 +155,6 @@ class PromptRenderer:
 
     def chat_text(self, prompt: ChatPrompt, *, add_generation_prompt: bool = True) -> str:
         """The conversation rendered with the chat template (and the built-in tool prompt)."""
-        if not self.has_chat_template:
-            raise InvalidRequest(
-                "this model has no chat template; send a raw prompt instead", param="messages"
-            )
         kwargs: dict[str, Any] = {**self.profile.default_kwargs, **prompt.template_kwargs}
         self._switch_thinking(kwargs)
         if self.profile.template:
@@ -159,6 +168,11 @@ class PromptRenderer:
                 messages[0]["tools"] = json.dumps(tools, ensure_ascii=False)
             else:
                 kwargs["tools"] = tools
+        elif prompt.tools and self.profile.template_calls:
+            # The template writes calls in its own format but lists no tools (DeepSeek V3's).
+            messages = [self._message_dict(m) for m in prompt.messages]
+            listing = "\n".join(json.dumps(t, ensure_ascii=False) for t in prompt.tools)
+            _add_to_system(messages, TOOL_LISTING.format(tools=listing))
         elif prompt.tools or any(m.tool_calls or m.role == "tool" for m in prompt.messages):
             messages = builtin_tool_messages(prompt)
         else:
@@ -193,6 +207,8 @@ class PromptRenderer:
             result["name"] = message.name
         if message.tool_call_id:
             result["tool_call_id"] = self._call_id(message.tool_call_id)
+        if message.tool_calls and not message.content and self.profile.null_call_content:
+            result["content"] = None
         if message.tool_calls:
             result["tool_calls"] = [
                 {
@@ -247,8 +263,13 @@ def builtin_tool_messages(prompt: ChatPrompt) -> list[dict[str, Any]]:
             instructions += FORCED_ANY
         elif prompt.forced_tool:
             instructions += FORCED_ONE.format(name=prompt.forced_tool)
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = f"{messages[0]['content']}\n\n{instructions}"
-        else:
-            messages.insert(0, {"role": "system", "content": instructions})
+        _add_to_system(messages, instructions)
     return messages
+
+
+def _add_to_system(messages: list[dict[str, Any]], text: str) -> None:
+    """``text`` at the end of the system message (a new one first when there is none)."""
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = f"{messages[0]['content']}\n\n{text}"
+    else:
+        messages.insert(0, {"role": "system", "content": text})

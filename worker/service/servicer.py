@@ -375,14 +375,16 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
     grammar = grammars.validate(spec) if spec is not None else None
     reasoning = profile.reasoning_parser or "qwen3"
     opened = thinking_open_marker(reasoning)
+    tool_calls = parsed.parse_tool_calls and profile.tool_parser != "none"
     output = OutputOptions(
-        tool_calls=parsed.parse_tool_calls and profile.tool_parser != "none",
+        tool_calls=tool_calls,
         reasoning=serving.renderer.thinks,
         keep_reasoning=parsed.enable_thinking is not False,
         starts_thinking=bool(opened) and prompt_text.rstrip().endswith(opened),
         tool_parser=profile.tool_parser,
         reasoning_parser=reasoning,
-        keep_special_tokens=profile.keep_special_tokens,
+        # The markers are needed where a parser reads them; other text keeps skipping special tokens.
+        keep_special_tokens=profile.keep_special_tokens and (tool_calls or serving.renderer.thinks),
     )
     request = GenerationRequest(
         request_id=request_id,

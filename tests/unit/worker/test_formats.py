@@ -48,6 +48,8 @@ CALLS = [
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}\n</tool_call>',
     ),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'),
+    ("llama3_json", '<|python_tag|>get_weather.call(city="Paris", days=2)'),  # a built-in tool
     ("pythonic", '[get_weather(city="Paris", days=2)]'),
     ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]'),
     ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}'),
@@ -94,12 +96,24 @@ def test_content_before_a_call_stays_content(parser: str, text: str) -> None:
     assert every_split(parser, "Let me check. " + text) == ("Let me check. ", [WEATHER])
 
 
+def test_mistral_calls_before_one_cut_short_stay_calls() -> None:
+    """max_tokens can end a v11+ answer inside its last call: the complete calls are calls, the rest text."""
+    cut = '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{"y": 2}[TOOL_CALLS]a[ARGS]{"x": '
+    assert every_split("mistral", cut) == ('[TOOL_CALLS]a[ARGS]{"x": ', [("a", {"x": 1}), ("b", {"y": 2})])
+
+
 def test_several_calls_in_one_section() -> None:
     two = '[TOOL_CALLS]a[ARGS]{"x": 1}[TOOL_CALLS]b[ARGS]{}'
     assert every_split("mistral", two) == ("", [("a", {"x": 1}), ("b", {})])
     assert every_split("pythonic", "[a(x=[1, 2], y=None, z=true), b()]") == (
         "",
         [("a", {"x": [1, 2], "y": None, "z": True}), ("b", {})],
+    )
+    assert every_split(
+        "llama3_json", '<|python_tag|>{"name": "a", "parameters": {"x": 1}}; {"name": "b"}'
+    ) == (
+        "",
+        [("a", {"x": 1}), ("b", {})],
     )
     assert every_split("granite", '<|tool_call|>[{"name": "a", "arguments": {}}, {"name": "b"}]') == (
         "",
@@ -112,6 +126,9 @@ MALFORMED = [
     ("pythonic", "[os.system('x') + 1]"),
     ("pythonic", "[f(x=__import__('os'))]"),
     ("pythonic", "[f(1)"),
+    ("llama3_json", "<|python_tag|>import math\nprint(math.pi)"),
+    ("llama3_json", '<|python_tag|>os.system.call(x="y")'),
+    ("llama3_json", '<|python_tag|>{"name": "a"} trailing'),
     ("mistral", "[TOOL_CALLS]not json"),
     ("mistral", "[TOOL_CALLS]name[ARGS]{unclosed"),
     ("deepseek_v3", "<｜tool▁calls▁begin｜>garbage<｜tool▁calls▁end｜>"),

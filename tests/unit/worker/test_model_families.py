@@ -6,13 +6,8 @@ the architectures that are refused at load."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,12 +16,12 @@ import torch
 import transformers
 
 from tests.tiny_families import COMMON, FAMILIES, WINDOW, eager_reference, tiny_config, tiny_model
+from tests.triton_interpreter import interpreted_results, print_results
 from worker.attention.triton_decode import triton_available
 from worker.model.loader import ModelLoadError
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import Work
 
-REPO_ROOT = Path(__file__).resolve().parents[3]
 BLOCK = 4
 VOCAB = COMMON["vocab_size"]
 
@@ -201,53 +196,17 @@ def test_hybrids_are_refused_at_load_naming_the_architecture(
         ModelRunner(loaded(model), num_blocks=4, block_size=BLOCK)
 
 
-# The families whose attention calls differ (plain GQA, qk-norm, every layer windowed, interleaved
-# windows, softcap, 5:1-style pattern, sinks, a window above the context); the others differ from
-# these only outside attention, so the kernel would see the same calls (the interpreter is slow).
-KERNEL_FAMILIES = [
-    "llama",
-    "qwen3",
-    "mistral_window",
-    "ministral",
-    "gemma2",
-    "gemma3_text",
-    "gpt_oss",
-    "phi3",
-]
-
-
-def run_interpreter_checks() -> dict[str, str | None]:
-    """Each of :data:`KERNEL_FAMILIES` with decode rows on the Triton kernel (call only with
-    TRITON_INTERPRET=1 set before triton was imported); family -> None, or the failure."""
-    results: dict[str, str | None] = {}
-    for family in KERNEL_FAMILIES:
-        try:
-            check_family(family, triton_decode=True)
-            results[family] = None
-        except Exception:
-            results[family] = traceback.format_exc()
-    return results
+# Every family's decode rows through the Triton kernel, in one interpreter child process.
+KERNEL_CHECKS = {family: partial(check_family, family, triton_decode=True) for family in FAMILIES}
 
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str | None]:
-    environment = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    completed = subprocess.run(
-        [sys.executable, "-m", "tests.unit.worker.test_model_families"],
-        cwd=REPO_ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    results: dict[str, str | None] = json.loads(completed.stdout.strip().splitlines()[-1])
-    return results
+    return interpreted_results("tests.unit.worker.test_model_families")
 
 
 @pytest.mark.skipif(not triton_available(), reason="triton is not installed")
-@pytest.mark.parametrize("family", KERNEL_FAMILIES)
+@pytest.mark.parametrize("family", list(KERNEL_CHECKS))
 def test_family_on_the_triton_decode_kernel_equals_eager(
     family: str, interpreter_results: dict[str, str | None]
 ) -> None:
@@ -255,5 +214,5 @@ def test_family_on_the_triton_decode_kernel_equals_eager(
     assert failure is None, failure
 
 
-if __name__ == "__main__":
-    print(json.dumps(run_interpreter_checks()))
+if __name__ == "__main__":  # the child process of `interpreter_results`
+    print_results(KERNEL_CHECKS)

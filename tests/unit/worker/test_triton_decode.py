@@ -3,7 +3,8 @@
 There is no GPU in CI, so the kernels run under triton's CPU interpreter.
 triton must see ``TRITON_INTERPRET=1`` before it is imported (its own library
 functions are decorated at import), so the interpreter checks run in one
-child process (this file run as a module, with the variable set) and each
+child process (this file run as a module, with the variable set:
+tests/triton_interpreter.py) and each
 parametrized test reports its own check; nothing else in the test process
 sees the interpreter. One more test compiles the kernels for an H100 (sm_90)
 with the ptxas that ships with triton, which catches what only the GPU
@@ -14,13 +15,8 @@ Python.
 from __future__ import annotations
 
 import inspect
-import json
 import math
-import os
 import shutil
-import subprocess
-import sys
-import traceback
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -28,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.triton_interpreter import interpreted_results, print_results
 from worker.attention.triton_decode import (
     DecodePlan,
     SplitWorkspace,
@@ -43,7 +40,6 @@ needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not 
 # Zero (padding), one, a block's worth, and lengths that end inside a block.
 SEQ_LENS = [37, 0, 1, 16, 70]
 NUM_BLOCKS = 40
-REPO_ROOT = Path(__file__).resolve().parents[3]
 
 
 def random_pool(
@@ -197,34 +193,9 @@ INTERPRETER_CHECKS: dict[str, Callable[[], None]] = {
 }
 
 
-def run_interpreter_checks() -> dict[str, str | None]:
-    """Runs every check here (call only with TRITON_INTERPRET=1 set before
-    triton was imported); name -> None, or the failure's traceback."""
-    results: dict[str, str | None] = {}
-    for name, check in INTERPRETER_CHECKS.items():
-        try:
-            check()
-            results[name] = None
-        except Exception:
-            results[name] = traceback.format_exc()
-    return results
-
-
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str | None]:
-    environment = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
-    completed = subprocess.run(
-        [sys.executable, "-m", "tests.unit.worker.test_triton_decode"],
-        cwd=REPO_ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert completed.returncode == 0, completed.stderr[-4000:]
-    results: dict[str, str | None] = json.loads(completed.stdout.strip().splitlines()[-1])
-    return results
+    return interpreted_results("tests.unit.worker.test_triton_decode")
 
 
 @needs_triton
@@ -427,6 +398,5 @@ def test_kernels_compile_for_h100(split: bool, variants: bool, monkeypatch: pyte
         assert reduced.asm["cubin"]
 
 
-if __name__ == "__main__":
-    # The child process of `interpreter_results`: one JSON line on stdout.
-    print(json.dumps(run_interpreter_checks()))
+if __name__ == "__main__":  # the child process of `interpreter_results`
+    print_results(INTERPRETER_CHECKS)

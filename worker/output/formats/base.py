@@ -45,6 +45,7 @@ class CallSyntax:
     end: str = ""
     at_start: bool = False  # a section counts only at the start of the answer
     start_in_body: bool = False  # the start marker is part of what ``parse`` reads (``[`` of a list)
+    repeats: bool = False  # each call opens with ``start``: the next ``start`` ends a section
 
 
 class SectionParser:
@@ -110,6 +111,11 @@ class SectionParser:
         assert self._body is not None
         end = self._syntax.end
         body = self._body + buffer
+        if self._syntax.repeats and (at := body.find(self._syntax.start)) >= 0:
+            # The next call: this one is complete (or cut short, then it stays text).
+            self._body = None
+            self._close(body[:at], out)
+            return body[at:]
         at = body.find(end) if end else -1
         if at < 0:
             self._body = body

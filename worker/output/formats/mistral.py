@@ -46,4 +46,5 @@ def parse_mistral(text: str) -> list[ParsedCall] | None:
     return calls or None
 
 
-MISTRAL = CallSyntax(start=TOOL_CALLS, parse=parse_mistral)
+# Each v11+ call opens with [TOOL_CALLS], so one cut short (max_tokens) leaves the earlier ones calls.
+MISTRAL = CallSyntax(start=TOOL_CALLS, parse=parse_mistral, repeats=True)

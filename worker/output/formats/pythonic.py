@@ -14,14 +14,17 @@ from worker.output.formats.base import CallSyntax, ParsedCall
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 
 
-def _literal(node: ast.expr) -> Any:
+def python_literal(node: ast.expr) -> Any:
+    """A literal argument (JSON's names accepted); anything else raises ValueError."""
     if isinstance(node, ast.Name) and node.id in _JSON_NAMES:
         return _JSON_NAMES[node.id]
     if isinstance(node, ast.List | ast.Tuple):
-        return [_literal(item) for item in node.elts]
+        return [python_literal(item) for item in node.elts]
     if isinstance(node, ast.Dict):
         return {
-            _literal(k): _literal(v) for k, v in zip(node.keys, node.values, strict=True) if k is not None
+            python_literal(k): python_literal(v)
+            for k, v in zip(node.keys, node.values, strict=True)
+            if k is not None
         }
     return ast.literal_eval(node)
 
@@ -37,7 +40,7 @@ def parse_pythonic(text: str) -> list[ParsedCall] | None:
         name = ast.unparse(node.func)
         if not all(part.isidentifier() for part in name.split(".")):
             return None
-        arguments = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg is not None}
+        arguments = {kw.arg: python_literal(kw.value) for kw in node.keywords if kw.arg is not None}
         calls.append(ParsedCall(name, json.dumps(arguments, ensure_ascii=False)))
     return calls
 

@@ -9,6 +9,7 @@ from worker.output.formats.base import CallSyntax, SectionParser, ToolCallStream
 from worker.output.formats.deepseek import DEEPSEEK
 from worker.output.formats.harmony import HARMONY, HarmonyChannels
 from worker.output.formats.json_lists import GRANITE, PHI4_MINI
+from worker.output.formats.llama import LlamaCalls
 from worker.output.formats.mistral import MISTRAL
 from worker.output.formats.pythonic import PYTHONIC
 from worker.output.formats.xml_calls import GLM45, QWEN3_CODER
@@ -53,6 +54,8 @@ REASONING_PARSERS = (*_MARKERS, "openai_gptoss")
 
 def tool_call_stream(name: str) -> ToolCallStream:
     """A fresh parser for one choice; unknown names get today's parser (hermes blocks, bare JSON)."""
+    if name == "llama3_json":
+        return LlamaCalls()
     syntax = _SECTIONS.get(name)
     return SectionParser(syntax) if syntax is not None else ToolCallParser()
 
