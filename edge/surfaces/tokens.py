@@ -1,5 +1,6 @@
 """The worker's Tokenize and Detokenize calls, for the routes that count or convert tokens
-(``/tokenize``, ``/detokenize``, ``/v1/messages/count_tokens``): one unary call on one worker."""
+(``/tokenize``, ``/detokenize``, ``/v1/messages/count_tokens``): one call on a worker that serves
+the request's model (any task: the tokenizer is the model's)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,22 @@ from sluice.v1 import worker_pb2
 async def tokenize(request: worker_pb2.TokenizeRequest) -> worker_pb2.TokenizeResponse:
     """The worker's ids for ``request``; raises the mapped :class:`~edge.errors.EdgeError`."""
     metadata = (("x-request-id", current_request_id()),)
-    return await current_pool().unary(
+    reply, _ = await current_pool().pooled(
+        "tokenize",
+        request.model,
         lambda client, timeout: client.tokenize(request, timeout=timeout, metadata=metadata),
         current_settings().request_timeout_s,
     )
+    return reply
 
 
 async def detokenize(request: worker_pb2.DetokenizeRequest) -> worker_pb2.DetokenizeResponse:
     """The worker's text for ``request``'s ids; raises the mapped :class:`~edge.errors.EdgeError`."""
     metadata = (("x-request-id", current_request_id()),)
-    return await current_pool().unary(
+    reply, _ = await current_pool().pooled(
+        "tokenize",
+        request.model,
         lambda client, timeout: client.detokenize(request, timeout=timeout, metadata=metadata),
         current_settings().request_timeout_s,
     )
+    return reply

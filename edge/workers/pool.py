@@ -26,10 +26,14 @@ from sluice.v1 import worker_pb2
 
 log = logging.getLogger("sluice.edge")
 
-ReplyT = TypeVar("ReplyT")
 _RETRY_BEFORE_FIRST_EVENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # The worker tasks (ModelInfo.task, the worker's --task) that serve each pooled call.
-POOLED_TASKS = {"embed": ("embed",), "score": ("embed", "score")}
+# The tasks whose workers answer each one-message call (tokenizing needs only the model's tokenizer).
+POOLED_TASKS = {
+    "embed": ("embed",),
+    "score": ("embed", "score"),
+    "tokenize": ("generate", "embed", "score"),
+}
 _Reply = TypeVar("_Reply")
 
 
@@ -282,7 +286,7 @@ class WorkerPool(HealthChecks):
         send: Callable[[WorkerClient, float], Awaitable[_Reply]],
         timeout_s: float,
     ) -> tuple[_Reply, Worker]:
-        """A one-message call (``call``: "embed" or "score", see :data:`POOLED_TASKS`) on the best
+        """A one-message call (``call``: "embed", "score" or "tokenize", see :data:`POOLED_TASKS`) on the best
         worker that serves ``model`` for it: ``send(client, remaining seconds)`` makes the call. The
         workers' tasks come from their ListModels answers (asked here for the ones not asked yet).
 
@@ -351,7 +355,7 @@ class WorkerPool(HealthChecks):
                 param="model",
                 code="model_not_found",
             )
-        what = {"generate": "generation", "embed": "embeddings", "score": "scores and reranking"}[call]
+        what = {"embed": "embeddings", "score": "scores and reranking", "tokenize": "tokenizing"}[call]
         shown = ", ".join(f"'{name}' ({task})" for name, task in served.items()) or "none"
         return InvalidRequestError(
             f"No worker serves {f'the model {model!r}' if model else 'a model'} for {what}: that needs a "
@@ -359,30 +363,6 @@ class WorkerPool(HealthChecks):
             param="model",
             code="model_not_supported",
         )
-
-    async def unary(
-        self, call: Callable[[WorkerClient, float], Awaitable[ReplyT]], timeout_s: float
-    ) -> ReplyT:
-        """One unary call (``call(client, timeout)``: Tokenize, Detokenize) on the best available
-        worker, the next one on UNAVAILABLE. Raises the mapped :class:`EdgeError`, or
-        :class:`ServiceUnavailableError` when no worker is available."""
-        self._ensure_started()
-        if self._dns is not None and not self._workers:
-            await self.wait_first_round()
-        last_error: EdgeError = self._none_available()
-        for worker in self._candidates():
-            worker.outstanding += 1
-            try:
-                return await call(worker.client, timeout_s)
-            except WorkerCallError as error:
-                self.note_call_failure(worker, error)
-                last_error = from_grpc(error)
-                if error.code() != grpc.StatusCode.UNAVAILABLE:
-                    last_error.worker_id = await self._learn_worker_id(worker)
-                    raise last_error from None
-            finally:
-                self.release(worker)
-        raise last_error
 
     async def _learn_worker_id(self, worker: Worker) -> str | None:
         """The worker's id: known from an earlier answer, else asked with ListModels

@@ -56,6 +56,13 @@ class FakePoolingWorker(FakeWorker):
             embeddings=vectors, prompt_tokens=sum(v.prompt_tokens for v in vectors), model=EMBEDDER
         )
 
+    async def Tokenize(
+        self, request: worker_pb2.TokenizeRequest, context: grpc.aio.ServicerContext
+    ) -> worker_pb2.TokenizeResponse:
+        self.seen.append(request)
+        ids = [7] * len(request.prompt.text)
+        return worker_pb2.TokenizeResponse(ids=ids, count=len(ids), max_model_len=512, model=EMBEDDER)
+
     async def Score(
         self, request: worker_pb2.ScoreRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ScoreResponse:
@@ -206,5 +213,21 @@ def test_score_pairs_one_text_with_many_or_two_lists_in_order() -> None:
             _error(await client.post("/v1/score", json={"text_1": "a", "text_2": [1]}), 400)["param"]
             == "text_2"
         )
+
+    _with_edge(check)
+
+
+def test_tokenize_goes_to_a_worker_of_the_model() -> None:
+    """Tokenizing uses the model's own tokenizer: a fleet with an embedder beside a chat model sends
+    each model's /tokenize to its worker, never by load alone."""
+
+    async def check(client: httpx.AsyncClient, worker: FakePoolingWorker) -> None:
+        for _ in range(6):
+            answer = await client.post("/tokenize", json={"model": EMBEDDER, "prompt": "abc"})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["tokens"] == [7, 7, 7]
+        assert len(worker.seen) == 6
+        unknown = _error(await client.post("/tokenize", json={"model": "nope", "prompt": "a"}), 404)
+        assert unknown["param"] == "model"
 
     _with_edge(check)
