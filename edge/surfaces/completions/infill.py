@@ -13,7 +13,8 @@ from edge.streaming import sse
 from edge.surfaces.answer import Framing
 from edge.surfaces.completions.request import CompletionRequest, parse_completion_request
 from edge.surfaces.shared.base import RequestModel, ResponseModel
-from edge.surfaces.shared.validation import INT32_MAX, RequestLimits, validate_body
+from edge.surfaces.shared.sampling import SamplingExtensions
+from edge.surfaces.shared.validation import INT32_MAX, RequestLimits, bad, validate_body
 from sluice.v1 import worker_pb2
 
 #: llama.cpp's stream: ``data:`` objects, the last with ``stop: true``; no ``[DONE]``.
@@ -27,9 +28,10 @@ class ExtraChunk(RequestModel):
     text: str
 
 
-class InfillRequest(RequestModel):
-    """A ``POST /infill`` body (llama.cpp's names); fields llama.cpp has and Sluice does not use
-    (``cache_prompt``, ``samplers``, ``t_max_predict_ms``...) are ignored."""
+class InfillRequest(SamplingExtensions):
+    """A ``POST /infill`` body (llama.cpp's names, plus the sampling extensions every surface takes:
+    ``top_k``, ``min_p``...; llama.cpp's ``repeat_penalty`` is ``repetition_penalty``); fields
+    llama.cpp has and Sluice does not use (``cache_prompt``, ``samplers``...) are ignored."""
 
     model: str = ""
     input_prefix: str = Field(default="", description="The code before the gap.")
@@ -45,6 +47,9 @@ class InfillRequest(RequestModel):
     stop: list[str] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repeat_penalty: float | None = Field(
+        default=None, gt=0, le=10, description="llama.cpp's name of repetition_penalty."
+    )
     stream: StrictBool = False
 
 
@@ -75,7 +80,12 @@ def parse_infill_request(body: Any, limits: RequestLimits | None = None) -> Comp
         "suffix": infill.input_suffix,
         "max_tokens": infill.n_predict if infill.n_predict >= 0 else None,
         "stream": infill.stream,
+        **infill.given_extensions(),
     }
+    if infill.repeat_penalty is not None:
+        if infill.repetition_penalty is not None:
+            raise bad("repeat_penalty", "give repeat_penalty or repetition_penalty, not both")
+        completion["repetition_penalty"] = infill.repeat_penalty
     for name in ("temperature", "top_p", "stop", "presence_penalty", "frequency_penalty"):
         if getattr(infill, name) is not None:
             completion[name] = getattr(infill, name)

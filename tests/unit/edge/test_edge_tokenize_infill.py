@@ -78,10 +78,22 @@ def test_infill_becomes_a_completion_with_a_suffix() -> None:
         ({"n_predict": 0}, "n_predict"),
         ({"n_predict": -2}, "n_predict"),
         ({"stop": [1]}, "stop[0]"),
+        ({"top_k": -2}, "top_k"),
+        ({"repeat_penalty": 1.1, "repetition_penalty": 1.1}, "repeat_penalty"),
     ):
         with pytest.raises(InvalidRequestError) as raised:
             parse_infill_request(body)
         assert raised.value.param == param, body
+
+
+def test_infill_takes_the_sampling_extensions() -> None:
+    """llama.cpp's plugins send top_k, min_p and repeat_penalty: each reaches the worker."""
+    completion = parse_infill_request(
+        {"input_prefix": "a", "input_suffix": "b", "top_k": 1, "min_p": 0.05, "repeat_penalty": 1.2}
+    )
+    (request,) = to_generate_requests(completion, "r")
+    assert request.sampling.top_k == 1 and request.sampling.repetition_penalty == pytest.approx(1.2)
+    assert request.sampling.min_p == pytest.approx(0.05)
 
 
 def test_infill_answers_in_llama_cpps_shape() -> None:
