@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from edge.surfaces.shared.base import ResponseModel
 from edge.surfaces.shared.errors import ErrorBody
 
@@ -22,6 +24,9 @@ class ModelObject(ResponseModel):
     object: Literal["model"]
     created: int
     owned_by: str
+    task: Literal["generate", "embed", "score"] | None = Field(
+        default=None, description="What the model is served for (the worker's --task)."
+    )
     chat_formats: ChatFormats | None = None
 
 

@@ -19,13 +19,16 @@ blueprint = Blueprint("models", __name__)
 
 
 def model_object(model: worker_pb2.ModelInfo) -> dict[str, Any]:
-    """The OpenAI model object for one worker model, with the chat formats the worker chose."""
+    """The OpenAI model object for one worker model, with its task and the chat formats the worker
+    chose."""
     shown: dict[str, Any] = {
         "id": model.id,
         "object": "model",
         "created": model.created,
         "owned_by": model.owned_by or "sluice",
     }
+    if model.task:
+        shown["task"] = model.task
     if model.HasField("chat_formats"):
         formats = model.chat_formats
         shown["chat_formats"] = {

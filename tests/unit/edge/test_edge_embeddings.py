@@ -227,6 +227,8 @@ def test_tokenize_goes_to_a_worker_of_the_model() -> None:
             assert answer.status_code == 200, answer.text
             assert answer.json()["tokens"] == [7, 7, 7]
         assert len(worker.seen) == 6
+        listing = (await client.get("/v1/models")).json()["data"]
+        assert {m["id"]: m.get("task") for m in listing}[EMBEDDER] == "embed"
         unknown = _error(await client.post("/tokenize", json={"model": "nope", "prompt": "a"}), 404)
         assert unknown["param"] == "model"
 
