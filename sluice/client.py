@@ -9,15 +9,17 @@ import contextlib
 import enum
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import grpc
+from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.status import ErrorDetails, read_details
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 
 WORKER_SERVICE = "sluice.v1.Worker"
+ReplyT = TypeVar("ReplyT", bound=Message)
 # Largest gRPC message either side accepts. A request carries a whole prompt
 # (the edge accepts 4 MiB bodies, and a token-id prompt is larger on the wire
 # than as JSON digits); a response event is small, except a `started` that
@@ -270,13 +272,8 @@ class WorkerClient:
         timeout: float | None = 10.0,  # noqa: ASYNC109
     ) -> worker_pb2.ListModelsResponse:
         """The worker's model and id; raises :class:`WorkerCallError`."""
-        stub, _ = self._connect()
-        try:
-            reply = await stub.ListModels(worker_pb2.ListModelsRequest(), timeout=timeout)
-        except grpc.aio.AioRpcError as error:
-            raise WorkerCallError.from_rpc_error(error) from None
-        assert isinstance(reply, worker_pb2.ListModelsResponse)  # narrows grpc's untyped result
-        return reply
+        request = worker_pb2.ListModelsRequest()
+        return await self._unary("ListModels", request, worker_pb2.ListModelsResponse, timeout)
 
     async def embed(
         self,
@@ -286,13 +283,7 @@ class WorkerClient:
         metadata: Metadata = (),
     ) -> worker_pb2.EmbedResponse:
         """``Embed``: one vector per input; raises :class:`WorkerCallError`."""
-        stub, _ = self._connect()
-        try:
-            reply = await stub.Embed(request, timeout=timeout, metadata=tuple(metadata))
-        except grpc.aio.AioRpcError as error:
-            raise WorkerCallError.from_rpc_error(error) from None
-        assert isinstance(reply, worker_pb2.EmbedResponse)
-        return reply
+        return await self._unary("Embed", request, worker_pb2.EmbedResponse, timeout, metadata)
 
     async def score(
         self,
@@ -302,13 +293,7 @@ class WorkerClient:
         metadata: Metadata = (),
     ) -> worker_pb2.ScoreResponse:
         """``Score``: one score per pair; raises :class:`WorkerCallError`."""
-        stub, _ = self._connect()
-        try:
-            reply = await stub.Score(request, timeout=timeout, metadata=tuple(metadata))
-        except grpc.aio.AioRpcError as error:
-            raise WorkerCallError.from_rpc_error(error) from None
-        assert isinstance(reply, worker_pb2.ScoreResponse)
-        return reply
+        return await self._unary("Score", request, worker_pb2.ScoreResponse, timeout, metadata)
 
     async def tokenize(
         self,
@@ -318,13 +303,7 @@ class WorkerClient:
         metadata: Metadata = (),
     ) -> worker_pb2.TokenizeResponse:
         """The ids of a prompt or a rendered chat; raises :class:`WorkerCallError`."""
-        stub, _ = self._connect()
-        try:
-            reply = await stub.Tokenize(request, timeout=timeout, metadata=tuple(metadata))
-        except grpc.aio.AioRpcError as error:
-            raise WorkerCallError.from_rpc_error(error) from None
-        assert isinstance(reply, worker_pb2.TokenizeResponse)
-        return reply
+        return await self._unary("Tokenize", request, worker_pb2.TokenizeResponse, timeout, metadata)
 
     async def detokenize(
         self,
@@ -334,12 +313,23 @@ class WorkerClient:
         metadata: Metadata = (),
     ) -> worker_pb2.DetokenizeResponse:
         """The text of token ids; raises :class:`WorkerCallError`."""
+        return await self._unary("Detokenize", request, worker_pb2.DetokenizeResponse, timeout, metadata)
+
+    async def _unary(
+        self,
+        rpc: str,
+        request: Message,
+        reply_type: type[ReplyT],
+        timeout: float | None,  # noqa: ASYNC109 (a gRPC deadline)
+        metadata: Metadata = (),
+    ) -> ReplyT:
+        """One unary call ``rpc`` (the stub's method name); raises :class:`WorkerCallError`."""
         stub, _ = self._connect()
         try:
-            reply = await stub.Detokenize(request, timeout=timeout, metadata=tuple(metadata))
+            reply = await getattr(stub, rpc)(request, timeout=timeout, metadata=tuple(metadata))
         except grpc.aio.AioRpcError as error:
             raise WorkerCallError.from_rpc_error(error) from None
-        assert isinstance(reply, worker_pb2.DetokenizeResponse)
+        assert isinstance(reply, reply_type)  # narrows grpc's untyped result
         return reply
 
     async def health(
