@@ -5,7 +5,7 @@ Design notes: docs/edge-internals.md.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 from pydantic import Field, StrictBool, StrictInt, field_validator
 
@@ -18,6 +18,7 @@ from edge.surfaces.shared.validation import (
     active_limits,
     bad,
     invalid,
+    text_or_tokens_shapes,
     validate_body,
 )
 
@@ -28,14 +29,7 @@ MAX_LEGACY_LOGPROBS = 5
 
 Prompt = str | list[int]
 # The accepted prompt shapes as the OpenAPI document shows them (the validator below checks them).
-_TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
-_Text = Annotated[str, Field(min_length=1)]
-_PromptShapes = (
-    _Text
-    | Annotated[list[_Text], Field(min_length=1, max_length=MAX_PROMPTS)]
-    | _TokenIds
-    | Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
-)
+_PromptShapes = text_or_tokens_shapes(MAX_PROMPTS)
 
 
 class CompletionRequest(SamplingRequest, StructuredRequest):

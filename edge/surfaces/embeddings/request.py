@@ -3,26 +3,19 @@ token ids; ``encoding_format`` float or base64; ``dimensions``."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
 from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.validation import INT32_MAX, invalid, validate_body
+from edge.surfaces.shared.validation import INT32_MAX, invalid, text_or_tokens_shapes, validate_body
 from sluice.v1 import worker_pb2
 
 # OpenAI's bound on the inputs of one request (the worker's too).
 MAX_INPUTS = 2048
 
 EmbeddingInput = str | list[int]
-_TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
-_Text = Annotated[str, Field(min_length=1)]
-_InputShapes = (
-    _Text
-    | Annotated[list[_Text], Field(min_length=1, max_length=MAX_INPUTS)]
-    | _TokenIds
-    | Annotated[list[_TokenIds], Field(min_length=1, max_length=MAX_INPUTS)]
-)
+_InputShapes = text_or_tokens_shapes(MAX_INPUTS)
 
 
 class EmbeddingRequest(RequestModel):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
 from edge.errors import InvalidRequestError, UnprocessableEntityError
@@ -64,6 +64,22 @@ class RequestLimits:
 DEFAULT_LIMITS = RequestLimits()
 # The limits of the request being parsed; the edge app sets it per request (None: the defaults).
 request_limits: ContextVar[RequestLimits | None] = ContextVar("sluice_request_limits", default=None)
+
+
+_TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
+_Text = Annotated[str, Field(min_length=1)]
+
+
+def text_or_tokens_shapes(most: int) -> Any:
+    """The four shapes of OpenAI's ``prompt`` and ``input`` fields as the OpenAPI document shows them
+    (a text, texts, token ids, lists of token ids; at most ``most`` items), for a before-validator's
+    ``json_schema_input_type``."""
+    return (
+        _Text
+        | Annotated[list[_Text], Field(min_length=1, max_length=most)]
+        | _TokenIds
+        | Annotated[list[_TokenIds], Field(min_length=1, max_length=most)]
+    )
 
 
 def active_limits() -> RequestLimits:
