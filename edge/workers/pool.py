@@ -355,7 +355,12 @@ class WorkerPool(HealthChecks):
                 param="model",
                 code="model_not_found",
             )
-        what = {"embed": "embeddings", "score": "scores and reranking", "tokenize": "tokenizing"}[call]
+        what = {
+            "generate": "generation",
+            "embed": "embeddings",
+            "score": "scores and reranking",
+            "tokenize": "tokenizing",
+        }[call]
         shown = ", ".join(f"'{name}' ({task})" for name, task in served.items()) or "none"
         return InvalidRequestError(
             f"No worker serves {f'the model {model!r}' if model else 'a model'} for {what}: that needs a "
