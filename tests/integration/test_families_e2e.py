@@ -231,19 +231,31 @@ def test_tokenize_counts_the_prompt_a_chat_generation_reports(served: Served) ->
 
 
 def test_suffix_fills_in_the_middle_where_the_vocabulary_has_fim_tokens(served: Served) -> None:
-    """Qwen3's vocabulary has ``<|fim_prefix|>`` and friends: the prompt is laid out with them (the
-    greedy middle equals the eager model's from that layout), also through llama.cpp's ``/infill``,
+    """Qwen3's vocabulary has ``<|fim_prefix|>`` and friends, Mistral's tekken ``[PREFIX]`` and
+    ``[SUFFIX]`` (Codestral's suffix-first layout): the prompt is laid out with them (the greedy
+    middle equals the eager model's from that layout), also through llama.cpp's ``/infill``,
     streamed or not. The other families' vocabularies have none: a 400 naming the field."""
     prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
     body = {"prompt": prefix, "suffix": suffix, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     base = served.edge.base_url
-    if served.family != "qwen3":
+    tok = served.tokenizer
+    if served.family == "qwen3":
+        layout = f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
+        ids = tok(layout, add_special_tokens=False)["input_ids"]
+    elif served.family == "mistral-tekken":
+        marker = tok.convert_tokens_to_ids
+        ids = [
+            *tok("", add_special_tokens=True)["input_ids"],
+            marker("[SUFFIX]"),
+            *tok(suffix, add_special_tokens=False)["input_ids"],
+            marker("[PREFIX]"),
+            *tok(prefix, add_special_tokens=False)["input_ids"],
+        ]
+    else:
         refused = httpx.post(f"{base}/v1/completions", json={"model": served.model, **body}, timeout=120)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "suffix", refused.text
         return
     answer = complete(served, **body)
-    layout = f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
-    ids = served.tokenizer(layout, add_special_tokens=False)["input_ids"]
     assert answer["usage"]["prompt_tokens"] == len(ids)
     with torch.no_grad():
         out = served.reference.generate(
