@@ -375,7 +375,9 @@ def _draw_sorted(
 ) -> torch.Tensor:
     """Rows with top_k or top_p: one descending sort, the filters on sorted positions, the draw in
     sorted order, mapped back to token ids."""
-    ordered, order = torch.sort(logits / _cached(params, "temperature"), dim=-1, descending=True)
+    # Stable: tied logits keep their vocabulary order, so top_k 1 picks what argmax (greedy) picks.
+    scaled = logits / _cached(params, "temperature")
+    ordered, order = torch.sort(scaled, dim=-1, descending=True, stable=True)
     vocab = ordered.shape[-1]
     positions = torch.arange(vocab, device=logits.device)[None, :]
     ordered = ordered.masked_fill(positions >= _cached(params, "top_k")[:, None], float("-inf"))

@@ -72,6 +72,17 @@ def test_top_k_one_and_tiny_top_p_pick_the_argmax(logits):
     assert set(draw(make(SamplingOptions(top_p=1e-6, seed=1)), logits)) == {best}
 
 
+def test_top_k_one_breaks_ties_as_argmax_does() -> None:
+    """Tied best logits (a real model's near-ties round to equal floats): top_k 1 at any temperature
+    picks the one greedy picks (the lowest id), so its text is the greedy text."""
+    torch.manual_seed(0)
+    tied = torch.randn(49152)  # a real vocabulary's size: torch's unstable sort reorders ties there
+    tied[[3, 17, 41, 20000, 49000]] = 50.0
+    for seed in range(20):
+        options = SamplingOptions(top_k=1, temperature=1.0, seed=seed)
+        assert choose(make(options), tied).token_id == int(torch.argmax(tied)) == 3
+
+
 def test_top_k_restricts_to_the_k_best(logits):
     allowed = set(torch.topk(logits, 3).indices.tolist())
     assert set(draw(make(SamplingOptions(top_k=3, temperature=2.0, seed=3)), logits, 100)) <= allowed
