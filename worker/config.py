@@ -215,6 +215,19 @@ class WorkerConfig:
         "bit-for-bit reproducible, also across a stream moved to another worker (CPU, int4/int8 "
         "--quantization; slower: docs/running.md)",
     )
+    speculative: str = setting(
+        "off",
+        choice("off", "ngram"),
+        "speculative decoding: off, or ngram (greedy rows verify tokens looked up in their own prompt "
+        "and output, several per forward; the output is unchanged; CPU only for now: docs/worker.md)",
+    )
+    num_speculative_tokens: int = setting(
+        4, int_at_least(1, 32), "with --speculative: the most tokens a row proposes per step"
+    )
+    ngram_min: int = setting(
+        1, int_at_least(1, 16), "with --speculative ngram: the shortest suffix looked up"
+    )
+    ngram_max: int = setting(3, int_at_least(1, 16), "with --speculative ngram: the longest suffix looked up")
     default_max_tokens: int | None = setting(
         None,
         int_at_least(1),
@@ -308,6 +321,12 @@ class WorkerConfig:
                 f"--metrics-port: the default (--port + {METRICS_PORT_OFFSET}) is "
                 f"{self.resolved_metrics_port}, above 65535; set --metrics-port"
             )
+        if self.ngram_min > self.ngram_max:
+            found.append(f"--ngram-min {self.ngram_min} is above --ngram-max {self.ngram_max}")
+        if self.speculative != "off" and self.fake_tokens:
+            found.append("--speculative needs a model; --fake-tokens runs none")
+        if self.speculative != "off" and self.batch_invariant:
+            found.append("--speculative is not available with --batch-invariant yet")
         if self.resolved_metrics_port == self.port:
             found.append(f"--metrics-port {self.port} is the gRPC --port; give them different ports")
         return found

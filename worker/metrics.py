@@ -61,6 +61,16 @@ _COUNTERS = (
         "engine steps whose every row decoded one token (on CUDA each should replay a graph)",
         "decode_only_steps",
     ),
+    (
+        "sluice_worker_speculative_proposed_tokens",
+        "speculative tokens proposed and verified (--speculative)",
+        "speculative_proposed_tokens",
+    ),
+    (
+        "sluice_worker_speculative_accepted_tokens",
+        "speculative tokens accepted (the model's greedy token matched the proposal)",
+        "speculative_accepted_tokens",
+    ),
 )
 
 

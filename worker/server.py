@@ -29,6 +29,7 @@ from worker import metrics
 from worker.config import WorkerConfig
 from worker.engine.core import Engine
 from worker.engine.pooling import PoolingEngine
+from worker.engine.speculation import Speculation
 from worker.model.device import bind_device
 from worker.model.fake_runner import fake_slow_load, load_fake_model
 from worker.model.load_progress import LoadProgress
@@ -127,6 +128,7 @@ def build_serving(
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     runner: ModelRunner
+    speculation = None
     if config.fake_tokens:  # benchmarks only: no model (worker/model/fake_runner.py)
         if not config.torch_threads:
             # Only small tensor ops are left; extra OpenMP threads would spin against the edge.
@@ -153,6 +155,7 @@ def build_serving(
         if loaded.task != "generate":
             return pooling_serving(config, loaded, progress, on_device_failure)
         bind_device(loaded.device)  # this thread builds the pool, checks the kernel, captures graphs
+        speculation = speculation_of(config, loaded)
         runner, limits = model_runner(loaded, config)
     profile = family_profile(config, loaded.model, loaded.tokenizer)
     eos = eos_token_ids(loaded.model, loaded.tokenizer) | stop_token_ids(profile, loaded.tokenizer)
@@ -171,6 +174,7 @@ def build_serving(
         refusal_message=config.refusal_message,
         grammars=grammars,
         on_device_failure=on_device_failure,
+        speculation=speculation,
     )
     engine.start()
     progress.advance(1.0)
@@ -182,6 +186,20 @@ def build_serving(
         limits.max_running,
         config.default_max_tokens,
     )
+
+
+def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | None:
+    """``--speculative``'s settings for the engine (None: off); raises :class:`ModelLoadError` off
+    the CPU (the Triton decode kernel and the CUDA graphs have no verifying rows yet)."""
+    if config.speculative == "off":
+        return None
+    if loaded.device.type != "cpu":
+        raise ModelLoadError(
+            f"--speculative {config.speculative} runs on the CPU only for now (the device is "
+            f"{loaded.device}); leave it off on CUDA",
+            param="speculative",
+        )
+    return Speculation(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
 
 
 # Inputs per pooling step when --max-running is not set (pooling rows hold no cache).

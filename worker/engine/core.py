@@ -23,6 +23,7 @@ from worker.engine.kv_blocks import BlockManager
 from worker.engine.prepare import Prepared, RequestPreparer
 from worker.engine.request_stream import RequestStream
 from worker.engine.scheduler import Scheduler, Sequence, StepPlan, Work
+from worker.engine.speculation import Speculation, accepted
 from worker.engine.stats import EngineCounters, EngineStats
 from worker.model.device import bind_device, is_fatal_device_error
 from worker.model.runner import ModelRunner
@@ -144,9 +145,11 @@ class Engine:
         refusal_message: str = "I can't help with that.",
         grammars: GrammarCompiler | None = None,
         on_device_failure: Callable[[BaseException], None] | None = None,
+        speculation: Speculation | None = None,
     ):
         """The KV pool's size and block size are the runner's (``num_blocks``, ``block_size``);
-        ``on_device_failure`` is called (on the engine thread) once the device failed."""
+        ``on_device_failure`` is called (on the engine thread) once the device failed;
+        ``speculation``: n-gram speculative decoding of eligible greedy rows (None: off)."""
         self._on_device_failure = on_device_failure
         self.device_failure: BaseException | None = None
         self._runner = runner
@@ -162,11 +165,13 @@ class Engine:
             grammars=grammars,
         )
         self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=prefix_caching)
+        self._speculation = speculation
         self._scheduler: Scheduler[_RequestState] = Scheduler(
             self.blocks,
             max_running=max_running,
             max_queue=max_queue,
             prefill_budget_tokens=prefill_budget_tokens,
+            propose=self._propose if speculation is not None else None,
         )
         self._cv = threading.Condition()
         self._control: list[tuple[str, _Control, tuple[int, ...]]] = []
@@ -424,7 +429,7 @@ class Engine:
     ) -> None:
         """The step's forward (see docs/worker.md for what a failure fails), then sampling; raises
         :class:`DeviceFailure` when the device failed."""
-        if all(w.count == 1 for w in work):
+        if all(w.count == 1 and not w.proposals for w in work):
             self.counters.decode_only_steps += 1
         try:
             logits = self._runner.execute([_runner_work(w) for w in work])
@@ -452,12 +457,14 @@ class Engine:
                     self._fail(state, f"generation failed: {type(again).__name__}", outputs)
                 return
         # Both read ``computed``, which the commit moves. A prompt computed in chunks reports how far
-        # it got after each chunk that did not finish it.
+        # it got after each chunk that did not finish it. A verified row commits once its accepted
+        # tokens are known (:meth:`_verify`).
         sampling = [w for w in work if w.samples]
         chunked = [owners[id(w.seq)] + (w.seq,) for w in work if not w.samples and w.seq.generated == 0]
         with self._cv:
             for item in work:
-                self._scheduler.committed(item)
+                if not item.proposals:
+                    self._scheduler.committed(item)
         if chunked:
             _deliver(
                 (state.stream, [Progress("prompt_processing", seq.computed / max(1, seq.prompt_length))])
@@ -466,7 +473,13 @@ class Engine:
             )
         rows: list[tuple[_RequestState, _Choice]] = []
         indexes: list[int] = []  # the logits row of each sampled row
-        for row, item in enumerate(sampling):
+        verified: list[tuple[Work, int]] = []  # each verifying item and its first logits row
+        row = 0
+        for item in sampling:
+            if item.proposals:
+                verified.append((item, row))
+                row += 1 + len(item.proposals)
+                continue
             state, choice = owners[id(item.seq)]
             rows.append((state, choice))
             indexes.append(row)
@@ -476,11 +489,14 @@ class Engine:
                         sibling.seq.awaits_prompt = False
                         rows.append((state, sibling))
                         indexes.append(row)
-        if not rows:
-            return
-        if len(indexes) != logits.shape[0] or indexes != list(range(len(indexes))):
-            logits = logits[torch.tensor(indexes, device=logits.device)]
-        self._sample(rows, logits, outputs)
+            row += 1
+        best = logits.argmax(dim=-1).tolist() if verified else []
+        if rows:
+            if len(indexes) != logits.shape[0] or indexes != list(range(len(indexes))):
+                logits = logits[torch.tensor(indexes, device=logits.device)]
+            self._sample(rows, logits, outputs)
+        if verified:
+            self._verify(verified, best, owners, outputs)
 
     def _score(
         self, state: _RequestState, now: float, cached: int, outputs: dict[str, list[CoreOutput]]
@@ -534,6 +550,50 @@ class Engine:
         for state in {id(s): s for s, _ in rows if s.key in failed}.values():
             self._fail(state, failed[state.key], outputs)
 
+    def _propose(self, state: _RequestState, seq: Sequence, room: int) -> list[int]:
+        """The scheduler's proposer (under the lock): n-gram proposals for an eligible choice that
+        has generated (its first token comes from the prompt's forward)."""
+        assert self._speculation is not None
+        if seq.generated == 0:
+            return []
+        choice = next(c for c in state.choices if c.seq is seq)
+        return self._speculation.proposals(choice.sampling, seq.tokens, room)
+
+    def _verify(
+        self,
+        verified: list[tuple[Work, int]],
+        best: list[int],
+        owners: dict[int, tuple[_RequestState, _Choice]],
+        outputs: dict[str, list[CoreOutput]],
+    ) -> None:
+        """Greedy rows that verified proposals: the matching ones and one more token each go through
+        :meth:`_advance` in order (a stop drops the rest); then the row commits what it kept."""
+        now = time.monotonic()
+        proposed = taken = 0
+        for item, first in verified:
+            state, choice = owners[id(item.seq)]
+            gained = accepted(item.proposals, best[first : first + 1 + len(item.proposals)])
+            proposed += len(item.proposals)
+            taken += len(gained) - 1
+            if choice.finished or _failed(outputs.get(state.key, [])):
+                continue
+            try:
+                out = outputs.setdefault(state.key, [])
+                for token in gained:
+                    out.append(self._advance(state, choice, Sample(token), now))
+                    if choice.finished:
+                        break
+                if not choice.finished:
+                    with self._cv:
+                        self._scheduler.committed(item, accepted=len(gained) - 1)
+            except Exception as exc:
+                log.exception("advancing %s failed", state.key)
+                self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+        with self._cv:
+            self.counters.speculative_proposed_tokens += proposed
+            self.counters.speculative_accepted_tokens += taken
+        log.debug("speculation: %d of %d proposed tokens accepted in %d rows", taken, proposed, len(verified))
+
     def _advance(self, state: _RequestState, choice: _Choice, sample: Sample, now: float) -> NewToken:
         """Records a drawn token and decides the token-level end of the choice."""
         sampling = choice.sampling
@@ -583,11 +643,12 @@ class Engine:
 def _runner_work(work: Work) -> RunnerWork:
     seq = work.seq
     return RunnerWork(
-        seq.tokens[seq.computed : seq.computed + work.count],
+        [*seq.tokens[seq.computed : seq.computed + work.count], *work.proposals],
         seq.computed,
         seq.blocks.table,
         work.samples,
         seq.generated,
+        len(work.proposals),
     )
 
 

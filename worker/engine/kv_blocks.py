@@ -101,6 +101,13 @@ class BlockManager:
         seq.table += [self.allocate() for _ in range(missing)]
         return True
 
+    def truncate(self, seq: SequenceBlocks, tokens: int) -> None:
+        """Lets go of the blocks past the first ``tokens`` slots (never registered ones: registration
+        stops at the computed tokens)."""
+        keep = max(self.blocks_for(tokens), seq.registered)
+        while len(seq.table) > keep:
+            self._release(seq.table.pop())
+
     def free(self, seq: SequenceBlocks) -> None:
         """Lets go of every block of the sequence (last first, so shared first blocks stay longest)."""
         for block in reversed(seq.table):

@@ -6,6 +6,7 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
@@ -55,10 +56,12 @@ T = TypeVar("T", bound=Schedulable)
 
 @dataclass(frozen=True)
 class Work:
-    """Compute ``count`` tokens of ``seq`` from ``seq.computed`` on (its table covers them)."""
+    """Compute ``count`` tokens of ``seq`` from ``seq.computed`` on (its table covers them), then
+    its ``proposals`` (speculative tokens to verify, after a decoding sequence's last token)."""
 
     seq: Sequence
     count: int
+    proposals: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
@@ -80,6 +83,10 @@ class StepPlan(Generic[T]):
         return not self.work and not self.admitted
 
 
+# A running request's decoding sequence and the most tokens it may propose: its proposals (or []).
+Proposer = Callable[[T, Sequence, int], list[int]]
+
+
 class Scheduler(Generic[T]):
     """FCFS continuous batching with chunked prefill and preemption over a block pool."""
 
@@ -90,7 +97,11 @@ class Scheduler(Generic[T]):
         max_running: int,
         max_queue: int,
         prefill_budget_tokens: int,
+        propose: Proposer[T] | None = None,
     ):
+        """``propose``: speculative decoding's proposals for decoding sequences (None: off); they
+        count against the step's token budget and only take blocks that are free."""
+        self.propose = propose
         self.blocks = blocks
         self.max_running = max_running
         self.max_queue = max_queue
@@ -155,11 +166,16 @@ class Scheduler(Generic[T]):
         seq.finished = True
         self.blocks.free(seq.blocks)
 
-    def committed(self, work: Work) -> None:
-        """Records that ``work`` ran: its tokens' KV is in the pool (and whole blocks registered)."""
+    def committed(self, work: Work, accepted: int = 0) -> None:
+        """Records that ``work`` ran: its tokens' KV is in the pool (and whole blocks registered);
+        with proposals, call it once the first ``accepted`` of them are in ``seq.tokens``. The KV of
+        rejected proposals stays behind ``computed`` (overwritten later) and the blocks only they
+        took go back."""
         seq = work.seq
-        seq.computed += work.count
+        seq.computed += work.count + accepted
         self.blocks.commit(seq.blocks, seq.tokens, seq.computed)
+        if work.proposals:
+            self.blocks.truncate(seq.blocks, seq.computed)
 
     def _free(self, item: T) -> None:
         for seq in item.sequences:
@@ -211,15 +227,29 @@ class Scheduler(Generic[T]):
             count = 1 if seq.pending == 1 else min(seq.pending, budget)
             if count <= 0:
                 continue
+            proposals = self._proposals(item, seq, budget) if seq.pending == 1 else ()
             while not self.blocks.ensure(seq.blocks, seq.computed + count):
                 victim = self.running[-1]
                 if victim is item:
                     return budget, False
                 self._preempt(victim, plan)
-            plan.work.append(Work(seq, count))
+            plan.work.append(Work(seq, count, proposals))
             if seq.pending > 1:
                 budget -= count
+            elif proposals:
+                budget -= 1 + len(proposals)
         return budget, True
+
+    def _proposals(self, item: T, seq: Sequence, budget: int) -> tuple[int, ...]:
+        """A decoding sequence's proposals that fit the budget (its own token included), its
+        ``max_length`` and the free blocks (they never preempt); their blocks are taken here."""
+        room = min(budget - 1, seq.max_length - len(seq.tokens))
+        if self.propose is None or room <= 0:
+            return ()
+        proposals = tuple(self.propose(item, seq, room)[:room])
+        if proposals and not self.blocks.ensure(seq.blocks, seq.computed + 1 + len(proposals)):
+            return ()
+        return proposals
 
     def _admit(self, item: T, budget: int, plan: StepPlan[T]) -> tuple[int, bool]:
         """Plans a waiting request's first step; False (nothing taken) when its blocks are short.

@@ -22,6 +22,8 @@ class EngineCounters:
     preemptions: int = 0  # requests sent back to the queue for blocks (recomputed later)
     steps: int = 0
     decode_only_steps: int = 0  # steps whose every row decodes one token (CUDA: replayed from a graph)
+    speculative_proposed_tokens: int = 0  # n-gram proposals verified (--speculative)
+    speculative_accepted_tokens: int = 0  # of them, those the model's own greedy tokens matched
     time_to_first_token: Histogram = field(default_factory=Histogram)
 
 

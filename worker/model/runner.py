@@ -93,8 +93,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, work: Sequence[Work]) -> torch.Tensor:
-        """Runs every item in one forward; float32 logits [sampling items, vocab] in ``work`` order,
-        on the model's device (the sampler runs there)."""
+        """Runs every item in one forward; float32 logits [kept rows, vocab] in ``work`` order (one
+        row per sampling item, ``1 + proposed`` for a verifying one), on the model's device (the
+        sampler runs there)."""
         if not work:
             raise ValueError("execute needs at least one item")
         if self.batch_invariant:

@@ -16,13 +16,16 @@ import torch
 @dataclass(frozen=True)
 class Work:
     """One sequence's part of a step: compute ``tokens`` at positions ``start..``, whose slots the
-    block table covers; ``sample``: the last token's logits are wanted (it ends the known tokens)."""
+    block table covers; ``sample``: the last token's logits are wanted (it ends the known tokens);
+    ``proposed``: the last tokens are that many speculative proposals, and the logits of each and of
+    the token before them are wanted (``sample`` is true)."""
 
     tokens: Sequence[int]
     start: int
     table: Sequence[int]
     sample: bool
     generated: int = 0  # tokens the sequence has generated so far (a fake runner picks from it)
+    proposed: int = 0
 
 
 def slots(item: Work, block_size: int) -> list[int]:
@@ -98,7 +101,8 @@ def decode_inputs(
 @dataclass
 class FlatTokens:
     """A step's items as one flat token sequence: ids, positions and pool slots per token, where
-    each item starts, and which tokens' logits are kept (each sampling item's last)."""
+    each item starts, and which tokens' logits are kept (each sampling item's last, and a verifying
+    item's proposals with the token before them)."""
 
     ids: list[int]
     positions: list[int]
@@ -115,7 +119,7 @@ class FlatTokens:
             flat.positions += range(item.start, item.start + len(item.tokens))
             flat.slots += slots(item, block_size)
             if item.sample:
-                flat.keep.append(len(flat.ids) - 1)
+                flat.keep += range(len(flat.ids) - 1 - item.proposed, len(flat.ids))
         return flat
 
     def slot_tensor(self, device: torch.device) -> torch.Tensor:

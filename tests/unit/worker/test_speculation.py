@@ -1,0 +1,268 @@
+"""Speculative decoding (--speculative ngram) is lossless: greedy outputs with it equal outputs
+without it, token for token, on the tiny model and the default model (engines in-process), and the
+KV block accounting is exact afterwards; plus the proposer, the acceptance rule and eligibility."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+
+import pytest
+
+from worker.engine.core import Engine
+from worker.engine.kv_blocks import BlockManager
+from worker.engine.scheduler import Scheduler, Sequence
+from worker.engine.speculation import Speculation, accepted, eligible
+from worker.model.loader import load_model
+from worker.model.runner import ModelRunner
+from worker.sampling.ngram import propose
+from worker.sampling.sampler import SequenceSampling
+from worker.server import eos_token_ids
+from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions
+
+SPECULATION = Speculation(tokens=4, min_n=1, max_n=3)
+
+
+class NoisyLookup(Speculation):
+    """The n-gram lookup with one proposal of most steps replaced by a random token: the tiny
+    model's loops make lookups nearly always right, so this puts the first rejection anywhere."""
+
+    def proposals(self, sampling: SequenceSampling, tokens: list[int], room: int) -> list[int]:
+        found = super().proposals(sampling, tokens, room)
+        rng = random.Random(len(tokens) * 7919 + sum(tokens[-4:]))
+        if found and rng.random() < 0.7:
+            found[rng.randrange(len(found))] = rng.randrange(3, 2000)
+        return found
+
+
+NOISY = NoisyLookup(tokens=6, min_n=1, max_n=3)
+
+# ------------------------------------------------------------------ pure parts
+
+
+def test_the_proposer_takes_the_longest_latest_suffix_match():
+    assert propose([1, 2, 3, 4, 5, 1, 2, 3], min_n=1, max_n=3, k=4) == [4, 5, 1, 2]
+    # "2 3" matched at two places: the latest wins; "9 2 3" never occurred, so a 3-token minimum fails.
+    assert propose([2, 3, 7, 2, 3, 8, 9, 2, 3], min_n=1, max_n=3, k=2) == [8, 9]
+    assert propose([1, 2, 3, 4, 9, 2, 3], min_n=3, max_n=3, k=4) == []
+    # A longer match beats a later shorter one.
+    assert propose([5, 2, 3, 6, 7, 3, 8, 5, 2, 3], min_n=1, max_n=3, k=1) == [6]
+    assert propose([1, 2, 3], min_n=1, max_n=3, k=4) == []
+    assert propose([4, 1, 4], min_n=1, max_n=3, k=0) == []
+    assert propose([7, 7, 7], min_n=1, max_n=3, k=4) == [7]  # only what followed
+
+
+def test_acceptance_keeps_the_matching_proposals_and_one_more_token():
+    assert accepted([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
+    assert accepted([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
+    assert accepted([5, 6, 7], [4, 6, 7, 8]) == [4]
+    assert accepted([], [3]) == [3]
+
+
+def _sampling(**options) -> SequenceSampling:
+    return SequenceSampling(SamplingOptions(**options), (1, 2), frozenset({0}))
+
+
+def test_only_plain_greedy_rows_are_eligible():
+    assert eligible(_sampling(temperature=0.0))
+    assert eligible(_sampling(temperature=0.0, min_tokens=0, stop=("x",), stop_token_ids=(4,)))
+    for options in (
+        {"temperature": 1.0},
+        {"temperature": 0.5, "top_k": 1},
+        {"logprobs": 0},
+        {"logit_bias": ((3, 1.0),)},
+        {"repetition_penalty": 1.1},
+        {"presence_penalty": 0.5},
+        {"frequency_penalty": 0.5},
+        {"bad_words": ((3,),)},
+        {"allowed_token_ids": (3, 4)},
+        {"min_tokens": 2},
+    ):
+        assert not eligible(_sampling(**{"temperature": 0.0, **options})), options
+
+
+@dataclass
+class _Item:
+    request_id: str
+    sequences: list[Sequence]
+    needs_kv: bool = True
+
+
+def test_proposals_count_against_the_budget_and_their_blocks_go_back():
+    blocks = BlockManager(8, 4, prefix_caching=False)
+    seq = Sequence([1, 2, 3, 1, 2, 3], 5, 40)
+    seq.blocks.table = [blocks.allocate(), blocks.allocate()]  # 5 tokens computed, the 6th pending
+    seq.computed = 5
+    scheduler: Scheduler[_Item] = Scheduler(
+        blocks, max_running=4, max_queue=4, prefill_budget_tokens=4, propose=lambda item, s, room: [9] * room
+    )
+    scheduler.running.append(_Item("a", [seq]))
+    plan = scheduler.schedule()
+    [work] = plan.work
+    assert work.count == 1 and work.proposals == (9, 9, 9)  # the budget of 4 holds the row's own token too
+    assert len(seq.blocks.table) == 3  # slots 5..8
+    seq.tokens += [9, 4]  # one proposal accepted, then the model's own token
+    scheduler.committed(work, accepted=1)
+    assert seq.computed == 7 and len(seq.blocks.table) == 2 and blocks.used == 2
+
+
+# ------------------------------------------------------------------ engines
+
+
+def engine(
+    loaded, *, speculation: Speculation | None, pool_tokens: int = 4096, block_size: int = 16, **options
+):
+    settings = {"max_running": 4, "max_queue": 100, "prefill_budget_tokens": 64, "prefix_caching": True}
+    eng = Engine(
+        ModelRunner(loaded, num_blocks=pool_tokens // block_size, block_size=block_size),
+        loaded.tokenizer,
+        eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
+        context_length=loaded.context_length,
+        speculation=speculation,
+        **{**settings, **options},
+    )
+    eng.start()
+    return eng
+
+
+def request(prompt: list[int], **sampling) -> GenerationRequest:
+    return GenerationRequest(
+        f"r{random.random()}",
+        tuple(prompt),
+        SamplingOptions(**sampling),
+        time.monotonic(),
+        return_token_ids=True,
+    )
+
+
+def outcome(events: list) -> list[tuple[int, tuple[int, ...], str, str]]:
+    """Each choice's token ids, text and finish reason."""
+    choices = sorted({e.choice_index for e in events if isinstance(e, ContentDelta | Finished)})
+    result = []
+    for index in choices:
+        deltas = [e for e in events if isinstance(e, ContentDelta) and e.choice_index == index]
+        [end] = [e for e in events if isinstance(e, Finished) and e.choice_index == index]
+        ids = tuple(t for d in deltas for t in d.token_ids)
+        result.append((index, ids, "".join(d.text for d in deltas), str(end.reason)))
+    return result
+
+
+def run_batch(eng: Engine, requests: list[GenerationRequest]) -> list:
+    async def all_of() -> list:
+        async def one(req: GenerationRequest) -> list:
+            return [event async for event in eng.submit(req)]
+
+        return await asyncio.gather(*(one(r) for r in requests))
+
+    return [outcome(events) for events in asyncio.run(all_of())]
+
+
+def compare(
+    loaded, batches: list[list[GenerationRequest]], speculation: Speculation = SPECULATION, **options
+) -> Engine:
+    """Runs each batch on an engine without speculation and on one with it: equal outcomes, and
+    both pools fully free afterwards. Returns the speculating engine (stopped) for its counters."""
+    plain = engine(loaded, speculation=None, **options)
+    fast = engine(loaded, speculation=speculation, **options)
+    try:
+        for batch in batches:
+            expected = run_batch(plain, batch)
+            assert all(expected), "every request finished"
+            assert run_batch(fast, batch) == expected
+            for eng in (plain, fast):
+                assert eng.stats().kv_blocks_used == 0
+                assert eng.stats().running_sequences == 0
+    finally:
+        plain.stop()
+        fast.stop()
+    return fast
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    return load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+
+
+def prompts(count: int, seed: int) -> list[list[int]]:
+    """Random prompts, half of them repeating a phrase (what lookup finds at once)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(count):
+        phrase = [rng.randrange(3, 2000) for _ in range(rng.randrange(3, 12))]
+        out.append(phrase * 3 if i % 2 else phrase + [rng.randrange(3, 2000) for _ in range(9)])
+    return out
+
+
+def test_greedy_single_requests_are_unchanged(tiny):
+    batches = [[request(p, temperature=0.0, max_tokens=48)] for p in prompts(4, 1)]
+    batches.append([request(prompts(1, 2)[0], temperature=0.0, max_tokens=48, ignore_eos=True)])
+    fast = compare(tiny, batches)
+    counters = fast.stats().counters
+    assert counters.speculative_accepted_tokens > 0  # the tiny model loops: lookup finds its loops
+    assert counters.speculative_proposed_tokens >= counters.speculative_accepted_tokens
+
+
+def test_mixed_batches_with_stops_cuts_n_and_sampled_rows_are_unchanged(tiny):
+    base = prompts(6, 3)
+    reference = engine(tiny, speculation=None)
+    try:
+        [[(_, _, text, _)]] = run_batch(reference, [request(base[1], temperature=0.0, max_tokens=40)])
+    finally:
+        reference.stop()
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # a stop string inside the greedy text
+    batch = [
+        request(base[0], temperature=0.0, max_tokens=30),
+        request(base[1], temperature=0.0, max_tokens=40, stop=(stop,)),
+        request(base[2], temperature=0.8, seed=7, max_tokens=20),  # sampled rows decode as before
+        request(base[3], temperature=0.0, max_tokens=24, n=2),
+        request(base[4], temperature=0.0, max_tokens=24, logprobs=2),  # not eligible
+    ]
+    # max_tokens cut at every length within the first accepted runs.
+    cuts = [request(base[5], temperature=0.0, max_tokens=m, ignore_eos=True) for m in (1, 2, 3, 5, 7, 11)]
+    again = [
+        request(base[0], temperature=0.0, max_tokens=30),
+        request(base[3], temperature=0.0, max_tokens=24),
+    ]
+    for speculation in (SPECULATION, NOISY):  # "again": prefix-cache hits
+        counters = compare(tiny, [batch, cuts, again], speculation, max_running=8).stats().counters
+        assert counters.speculative_accepted_tokens > 0
+    assert counters.speculative_accepted_tokens < counters.speculative_proposed_tokens  # rejections
+
+
+def test_preemption_on_a_tiny_pool_leaves_outputs_and_blocks_exact(tiny):
+    batch = [request(p, temperature=0.0, max_tokens=40, ignore_eos=True) for p in prompts(4, 5)]
+    for speculation in (SPECULATION, NOISY):
+        counters = compare(tiny, [batch], speculation, pool_tokens=96, block_size=4).stats().counters
+        assert counters.preemptions > 0 and counters.speculative_accepted_tokens > 0
+
+
+PARAGRAPH = (
+    "The river rose slowly through the night, and by morning the low fields beside the mill were "
+    "under a foot of brown water. The miller moved his sacks of flour to the loft, tied the boat to "
+    "the gate post, and waited for the rain to stop."
+)
+
+
+@pytest.fixture(scope="module")
+def default_model(default_model_dir):
+    return load_model(str(default_model_dir), device="cpu", dtype="float32")
+
+
+def chat(loaded, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    text = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_the_default_model_copying_a_paragraph_is_unchanged_and_accepts_proposals(default_model):
+    copy = chat(default_model, f"Repeat exactly: {PARAGRAPH}")
+    batch = [
+        request(copy, temperature=0.0, max_tokens=60),
+        request(chat(default_model, "Name three colours."), temperature=0.0, max_tokens=24),
+        request(copy, temperature=0.7, seed=3, max_tokens=12),
+    ]
+    counters = compare(default_model, [batch], max_running=4).stats().counters
+    # The copy's proposals come from the prompt: many are right.
+    assert counters.speculative_accepted_tokens > 0
