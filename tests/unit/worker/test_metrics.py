@@ -18,7 +18,13 @@ def _stats() -> EngineStats:
     ttft.observe(0.03)
     ttft.observe(7.0)
     counters = EngineCounters(
-        requests_submitted=5, generated_tokens=40, steps=12, preemptions=2, time_to_first_token=ttft
+        requests_submitted=5,
+        generated_tokens=40,
+        steps=12,
+        preemptions=2,
+        speculative_proposed_tokens=9,
+        speculative_accepted_tokens=6,
+        time_to_first_token=ttft,
     )
     return EngineStats(
         waiting_requests=3,
@@ -53,6 +59,8 @@ def test_sluice_names_keep_their_names_labels_and_kinds():
     assert samples[("sluice_worker_requests_submitted_total", model)] == 5
     assert samples[("sluice_worker_steps_total", model)] == 12
     assert samples[("sluice_worker_preemptions_total", model)] == 2
+    assert samples[("sluice_worker_speculative_proposed_tokens_total", model)] == 9
+    assert samples[("sluice_worker_speculative_accepted_tokens_total", model)] == 6
     assert samples[("sluice_worker_kv_cache_usage_ratio", model)] == 0.25
     assert samples[("sluice_worker_kv_cache_blocks", model)] == 200
     assert samples[("sluice_worker_kv_cache_blocks_used", model)] == 50

@@ -8,18 +8,21 @@ import asyncio
 import random
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
+import torch
 
+from worker.config import parse_config
 from worker.engine.core import Engine
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.scheduler import Scheduler, Sequence
 from worker.engine.speculation import Speculation, accepted, eligible
-from worker.model.loader import load_model
+from worker.model.loader import ModelLoadError, load_model
 from worker.model.runner import ModelRunner
 from worker.sampling.ngram import propose
 from worker.sampling.sampler import SequenceSampling
-from worker.server import eos_token_ids
+from worker.server import eos_token_ids, speculation_of
 from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions
 
 SPECULATION = Speculation(tokens=4, min_n=1, max_n=3)
@@ -106,6 +109,23 @@ def test_proposals_count_against_the_budget_and_their_blocks_go_back():
     seq.tokens += [9, 4]  # one proposal accepted, then the model's own token
     scheduler.committed(work, accepted=1)
     assert seq.computed == 7 and len(seq.blocks.table) == 2 and blocks.used == 2
+
+
+def test_speculation_is_off_by_default_and_refused_where_it_cannot_run():
+    assert parse_config([]).speculative == "off"
+    config = parse_config(["--speculative", "ngram", "--num-speculative-tokens", "5", "--ngram-min", "2"])
+    cpu = SimpleNamespace(device=torch.device("cpu"))
+    assert speculation_of(config, cpu) == Speculation(5, 2, 3)  # type: ignore[arg-type]
+    assert speculation_of(parse_config([]), cpu) is None  # type: ignore[arg-type]
+    with pytest.raises(ModelLoadError, match="CPU only") as refused:
+        speculation_of(config, SimpleNamespace(device=torch.device("meta")))  # type: ignore[arg-type]
+    assert refused.value.param == "speculative"
+    for refused_flags in (
+        ["--speculative", "ngram", "--batch-invariant"],
+        ["--ngram-min", "4", "--ngram-max", "2"],
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(refused_flags)
 
 
 # ------------------------------------------------------------------ engines

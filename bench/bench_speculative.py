@@ -1,0 +1,165 @@
+"""What ``--speculative ngram`` gives: the default model's engine in-process with and without it.
+
+Loads the default model once (``--quantization``, int4 by default: what the worker serves on the
+CPU) and builds two engines over it, one speculating. Greedy, one stream at a time: (a) an
+input-grounded prompt (copy a paragraph), (b) open chat; decode tok/s (first to last token),
+acceptance; then ``--streams`` concurrent greedy streams of both prompts: total tok/s. Prints one
+table of figures from this run, with the ratio speculative / plain, and whether the texts match.
+
+    python bench/bench_speculative.py
+    python bench/bench_speculative.py --tokens 128 --streams 16 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from worker.engine.core import Engine  # noqa: E402
+from worker.engine.speculation import Speculation  # noqa: E402
+from worker.model.loader import load_model  # noqa: E402
+from worker.model.runner import ModelRunner  # noqa: E402
+from worker.server import eos_token_ids  # noqa: E402
+from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions  # noqa: E402
+
+PARAGRAPH = (
+    "Sluice keeps one worker per model and puts an edge in front of the workers. The edge speaks "
+    "the public APIs, checks every request, and streams tokens back as the worker produces them. "
+    "The worker batches the requests of many callers into each forward pass, keeps their keys and "
+    "values in a paged cache, and reuses the cached blocks of prompts it has already seen."
+)
+PROMPTS = {
+    "input-grounded (copy)": f"Repeat the following text exactly, word for word:\n\n{PARAGRAPH}",
+    "open chat": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def engine(loaded, speculation: Speculation | None, streams: int) -> Engine:  # type: ignore[no-untyped-def]
+    eng = Engine(
+        ModelRunner(loaded, num_blocks=streams * 48, block_size=16),
+        loaded.tokenizer,
+        eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
+        context_length=loaded.context_length,
+        max_running=streams,
+        max_queue=4 * streams,
+        prefill_budget_tokens=512,
+        speculation=speculation,
+    )
+    eng.start()
+    return eng
+
+
+def chat(loaded, text: str) -> tuple[int, ...]:  # type: ignore[no-untyped-def]
+    rendered = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+    return tuple(loaded.tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+
+async def one(eng: Engine, prompt: tuple[int, ...], tokens: int) -> tuple[str, int, float, float]:
+    """Text, completion tokens, first and last token times."""
+    request = GenerationRequest(
+        f"bench-{time.monotonic_ns()}",
+        prompt,
+        SamplingOptions(temperature=0.0, max_tokens=tokens),
+        time.monotonic(),
+    )
+    text, first, last, count = [], 0.0, 0.0, 0
+    async for event in eng.submit(request):
+        if isinstance(event, ContentDelta):
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            text.append(event.text)
+        elif isinstance(event, Finished):
+            count = event.completion_tokens
+    return "".join(text), count, first, last
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quantization", default="int4", choices=("int4", "int8", "none"))
+    parser.add_argument("--tokens", type=int, default=128, help="max_tokens of each request")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--speculative-tokens", type=int, default=4)
+    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--ngram-max", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    loaded = load_model(None, device="cpu", quantization=args.quantization)
+    spec = Speculation(args.speculative_tokens, args.ngram_min, args.ngram_max)
+    engines = {"plain": engine(loaded, None, args.streams), "ngram": engine(loaded, spec, args.streams)}
+    prompts = {name: chat(loaded, text) for name, text in PROMPTS.items()}
+    rows: list[tuple[str, float, float, str, bool]] = []
+
+    async def run() -> None:
+        for eng in engines.values():  # warm-up
+            await one(eng, prompts["open chat"], 8)
+        for name, prompt in prompts.items():
+            rates, texts = {}, {}
+            before = engines["ngram"].stats().counters
+            for kind, eng in engines.items():
+                texts[kind], count, first, last = await one(eng, prompt, args.tokens)
+                rates[kind] = (count - 1) / (last - first)
+            after = engines["ngram"].stats().counters
+            proposed = after.speculative_proposed_tokens - before.speculative_proposed_tokens
+            taken = after.speculative_accepted_tokens - before.speculative_accepted_tokens
+            acceptance = f"{taken}/{proposed} = {taken / max(1, proposed):.0%}"
+            rows.append(
+                (
+                    f"1 stream, {name}",
+                    rates["plain"],
+                    rates["ngram"],
+                    acceptance,
+                    texts["plain"] == texts["ngram"],
+                )
+            )
+        mixed = [prompts[name] for name in PROMPTS] * (args.streams // 2)
+        totals, outs = {}, {}
+        before = engines["ngram"].stats().counters
+        for kind, eng in engines.items():
+            started = time.perf_counter()
+            results = await asyncio.gather(*(one(eng, p, args.tokens) for p in mixed))
+            totals[kind] = sum(r[1] for r in results) / (time.perf_counter() - started)
+            outs[kind] = [r[0] for r in results]
+        after = engines["ngram"].stats().counters
+        proposed = after.speculative_proposed_tokens - before.speculative_proposed_tokens
+        taken = after.speculative_accepted_tokens - before.speculative_accepted_tokens
+        rows.append(
+            (
+                f"{len(mixed)} streams, both prompts",
+                totals["plain"],
+                totals["ngram"],
+                f"{taken}/{proposed} = {taken / max(1, proposed):.0%}",
+                outs["plain"] == outs["ngram"],
+            )
+        )
+
+    try:
+        asyncio.run(run())
+    finally:
+        for eng in engines.values():
+            eng.stop()
+    print(
+        f"default model ({args.quantization}), {args.threads} threads, greedy, max_tokens {args.tokens}, "
+        f"--num-speculative-tokens {args.speculative_tokens}, n-gram {args.ngram_min}..{args.ngram_max}"
+    )
+    print("| case | plain tok/s | ngram tok/s | ratio | accepted/proposed | same text |")
+    print("|---|---|---|---|---|---|")
+    for case, plain, fast, acceptance, same in rows:
+        same_text = "yes" if same else "no"
+        print(f"| {case} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f}x | {acceptance} | {same_text} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
