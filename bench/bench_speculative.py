@@ -3,8 +3,9 @@
 Loads the default model once (``--quantization``, int4 by default: what the worker serves on the
 CPU) and builds two engines over it, one speculating. Greedy, one stream at a time: (a) an
 input-grounded prompt (copy a paragraph), (b) open chat; decode tok/s (first to last token),
-acceptance; then ``--streams`` concurrent greedy streams of both prompts: total tok/s. Prints one
-table of figures from this run, with the ratio speculative / plain, and whether the texts match.
+acceptance; then ``--streams`` concurrent greedy streams of both prompts: total tok/s. The two
+engines alternate within each of ``--rounds`` rounds. Prints one table of figures from this run
+(medians over the rounds), the ratio speculative / plain, and whether the texts matched.
 
     python bench/bench_speculative.py
     python bench/bench_speculative.py --tokens 128 --streams 16 --threads 2
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -90,8 +92,9 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--speculative-tokens", type=int, default=4)
-    parser.add_argument("--ngram-min", type=int, default=1)
+    parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -99,50 +102,37 @@ def main() -> int:
     spec = Speculation(args.speculative_tokens, args.ngram_min, args.ngram_max)
     engines = {"plain": engine(loaded, None, args.streams), "ngram": engine(loaded, spec, args.streams)}
     prompts = {name: chat(loaded, text) for name, text in PROMPTS.items()}
-    rows: list[tuple[str, float, float, str, bool]] = []
+    mixed = [prompts[name] for name in PROMPTS] * (args.streams // 2)
+    cases = {f"1 stream, {name}": [prompt] for name, prompt in prompts.items()}
+    cases[f"{len(mixed)} streams, both prompts"] = mixed
+    rates: dict[tuple[str, str], list[float]] = {}
+    tallies = {name: [0, 0] for name in cases}  # accepted, proposed
+    same = dict.fromkeys(cases, True)
+
+    async def case(name: str, batch: list[tuple[int, ...]]) -> None:
+        texts = {}
+        for kind, eng in engines.items():
+            before = eng.stats().counters
+            started = time.perf_counter()
+            results = await asyncio.gather(*(one(eng, p, args.tokens) for p in batch))
+            if len(batch) == 1:
+                _, count, first, last = results[0]
+                rate = (count - 1) / (last - first)
+            else:
+                rate = sum(r[1] for r in results) / (time.perf_counter() - started)
+            rates.setdefault((name, kind), []).append(rate)
+            texts[kind] = [r[0] for r in results]
+            after = eng.stats().counters
+            tallies[name][0] += after.speculative_accepted_tokens - before.speculative_accepted_tokens
+            tallies[name][1] += after.speculative_proposed_tokens - before.speculative_proposed_tokens
+        same[name] = same[name] and texts["plain"] == texts["ngram"]
 
     async def run() -> None:
         for eng in engines.values():  # warm-up
             await one(eng, prompts["open chat"], 8)
-        for name, prompt in prompts.items():
-            rates, texts = {}, {}
-            before = engines["ngram"].stats().counters
-            for kind, eng in engines.items():
-                texts[kind], count, first, last = await one(eng, prompt, args.tokens)
-                rates[kind] = (count - 1) / (last - first)
-            after = engines["ngram"].stats().counters
-            proposed = after.speculative_proposed_tokens - before.speculative_proposed_tokens
-            taken = after.speculative_accepted_tokens - before.speculative_accepted_tokens
-            acceptance = f"{taken}/{proposed} = {taken / max(1, proposed):.0%}"
-            rows.append(
-                (
-                    f"1 stream, {name}",
-                    rates["plain"],
-                    rates["ngram"],
-                    acceptance,
-                    texts["plain"] == texts["ngram"],
-                )
-            )
-        mixed = [prompts[name] for name in PROMPTS] * (args.streams // 2)
-        totals, outs = {}, {}
-        before = engines["ngram"].stats().counters
-        for kind, eng in engines.items():
-            started = time.perf_counter()
-            results = await asyncio.gather(*(one(eng, p, args.tokens) for p in mixed))
-            totals[kind] = sum(r[1] for r in results) / (time.perf_counter() - started)
-            outs[kind] = [r[0] for r in results]
-        after = engines["ngram"].stats().counters
-        proposed = after.speculative_proposed_tokens - before.speculative_proposed_tokens
-        taken = after.speculative_accepted_tokens - before.speculative_accepted_tokens
-        rows.append(
-            (
-                f"{len(mixed)} streams, both prompts",
-                totals["plain"],
-                totals["ngram"],
-                f"{taken}/{proposed} = {taken / max(1, proposed):.0%}",
-                outs["plain"] == outs["ngram"],
-            )
-        )
+        for _ in range(args.rounds):
+            for name, batch in cases.items():
+                await case(name, batch)
 
     try:
         asyncio.run(run())
@@ -151,13 +141,18 @@ def main() -> int:
             eng.stop()
     print(
         f"default model ({args.quantization}), {args.threads} threads, greedy, max_tokens {args.tokens}, "
-        f"--num-speculative-tokens {args.speculative_tokens}, n-gram {args.ngram_min}..{args.ngram_max}"
+        f"medians of {args.rounds} rounds, --num-speculative-tokens {args.speculative_tokens}, "
+        f"n-gram {args.ngram_min}..{args.ngram_max}"
     )
     print("| case | plain tok/s | ngram tok/s | ratio | accepted/proposed | same text |")
     print("|---|---|---|---|---|---|")
-    for case, plain, fast, acceptance, same in rows:
-        same_text = "yes" if same else "no"
-        print(f"| {case} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f}x | {acceptance} | {same_text} |")
+    for name in cases:
+        plain = statistics.median(rates[(name, "plain")])
+        fast = statistics.median(rates[(name, "ngram")])
+        taken, proposed = tallies[name]
+        acceptance = f"{taken}/{proposed} = {taken / max(1, proposed):.0%}"
+        same_text = "yes" if same[name] else "no"
+        print(f"| {name} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f}x | {acceptance} | {same_text} |")
     return 0
 
 

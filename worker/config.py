@@ -219,13 +219,16 @@ class WorkerConfig:
         "off",
         choice("off", "ngram"),
         "speculative decoding: off, or ngram (greedy rows verify tokens looked up in their own prompt "
-        "and output, several per forward; the output is unchanged; CPU only for now: docs/worker.md)",
+        "and output, several per forward; CPU only for now: docs/worker.md)",
     )
     num_speculative_tokens: int = setting(
         4, int_at_least(1, 32), "with --speculative: the most tokens a row proposes per step"
     )
     ngram_min: int = setting(
-        1, int_at_least(1, 16), "with --speculative ngram: the shortest suffix looked up"
+        2,
+        int_at_least(1, 16),
+        "with --speculative ngram: the shortest suffix looked up (1 proposes after any repeated "
+        "token: more guesses, mostly wrong ones)",
     )
     ngram_max: int = setting(3, int_at_least(1, 16), "with --speculative ngram: the longest suffix looked up")
     default_max_tokens: int | None = setting(

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import abc
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -32,7 +33,7 @@ class NoisyLookup(Speculation):
     """The n-gram lookup with one proposal of most steps replaced by a random token: the tiny
     model's loops make lookups nearly always right, so this puts the first rejection anywhere."""
 
-    def proposals(self, sampling: SequenceSampling, tokens: list[int], room: int) -> list[int]:
+    def proposals(self, sampling: SequenceSampling, tokens: abc.Sequence[int], room: int) -> list[int]:
         found = super().proposals(sampling, tokens, room)
         rng = random.Random(len(tokens) * 7919 + sum(tokens[-4:]))
         if found and rng.random() < 0.7:
