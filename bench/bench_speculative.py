@@ -9,6 +9,7 @@ engines alternate within each of ``--rounds`` rounds. Prints one table of figure
 
     python bench/bench_speculative.py
     python bench/bench_speculative.py --tokens 128 --streams 16 --threads 2
+    python bench/bench_speculative.py --batch-invariant --rounds 1 --streams 4 --tokens 64
 """
 
 from __future__ import annotations
@@ -44,9 +45,9 @@ PROMPTS = {
 }
 
 
-def engine(loaded, speculation: Speculation | None, streams: int) -> Engine:  # type: ignore[no-untyped-def]
+def engine(loaded, speculation: Speculation | None, streams: int, invariant: bool) -> Engine:  # type: ignore[no-untyped-def]
     eng = Engine(
-        ModelRunner(loaded, num_blocks=streams * 48, block_size=16),
+        ModelRunner(loaded, num_blocks=streams * 48, block_size=16, batch_invariant=invariant),
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
@@ -93,6 +94,7 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--batch-invariant", action="store_true", help="both engines batch-invariant")
     parser.add_argument("--speculative-tokens", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=3)
@@ -100,7 +102,10 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     loaded = load_model(None, device="cpu", quantization=args.quantization)
     spec = Speculation(args.speculative_tokens, args.ngram_min, args.ngram_max)
-    engines = {"plain": engine(loaded, None, args.streams), "ngram": engine(loaded, spec, args.streams)}
+    engines = {
+        "plain": engine(loaded, None, args.streams, args.batch_invariant),
+        "ngram": engine(loaded, spec, args.streams, args.batch_invariant),
+    }
     prompts = {name: chat(loaded, text) for name, text in PROMPTS.items()}
     mixed = [prompts[name] for name in PROMPTS] * (args.streams // 2)
     cases = {f"1 stream, {name}": [prompt] for name, prompt in prompts.items()}
@@ -141,7 +146,8 @@ def main() -> int:
             eng.stop()
     print(
         f"default model ({args.quantization}), {args.threads} threads, greedy, max_tokens {args.tokens}, "
-        f"medians of {args.rounds} rounds, --num-speculative-tokens {args.speculative_tokens}, "
+        f"medians of {args.rounds} rounds, batch-invariant {args.batch_invariant}, "
+        f"--num-speculative-tokens {args.speculative_tokens}, "
         f"n-gram {args.ngram_min}..{args.ngram_max}"
     )
     print("| case | plain tok/s | ngram tok/s | ratio | accepted/proposed | same text |")

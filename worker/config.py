@@ -328,8 +328,6 @@ class WorkerConfig:
             found.append(f"--ngram-min {self.ngram_min} is above --ngram-max {self.ngram_max}")
         if self.speculative != "off" and self.fake_tokens:
             found.append("--speculative needs a model; --fake-tokens runs none")
-        if self.speculative != "off" and self.batch_invariant:
-            found.append("--speculative is not available with --batch-invariant yet")
         if self.resolved_metrics_port == self.port:
             found.append(f"--metrics-port {self.port} is the gRPC --port; give them different ports")
         return found

@@ -100,7 +100,8 @@ class Scheduler(Generic[T]):
         propose: Proposer[T] | None = None,
     ):
         """``propose``: speculative decoding's proposals for decoding sequences (None: off); they
-        count against the step's token budget and only take blocks that are free."""
+        take what the step's token budget and free blocks have left after the running sequences
+        and admissions (a row's own token counts too), so they delay or preempt nobody."""
         self.propose = propose
         self.blocks = blocks
         self.max_running = max_running
@@ -215,6 +216,8 @@ class Scheduler(Generic[T]):
             self.waiting.popleft()
             self.running.append(head)
             plan.admitted.append(head)
+        if self.propose is not None:
+            self._speculate(plan, budget)
         return plan
 
     def _plan(self, item: T, budget: int, plan: StepPlan[T]) -> tuple[int, bool]:
@@ -227,18 +230,30 @@ class Scheduler(Generic[T]):
             count = 1 if seq.pending == 1 else min(seq.pending, budget)
             if count <= 0:
                 continue
-            proposals = self._proposals(item, seq, budget) if seq.pending == 1 else ()
             while not self.blocks.ensure(seq.blocks, seq.computed + count):
                 victim = self.running[-1]
                 if victim is item:
                     return budget, False
                 self._preempt(victim, plan)
-            plan.work.append(Work(seq, count, proposals))
+            plan.work.append(Work(seq, count))
             if seq.pending > 1:
                 budget -= count
-            elif proposals:
-                budget -= 1 + len(proposals)
         return budget, True
+
+    def _speculate(self, plan: StepPlan[T], budget: int) -> None:
+        """Gives the planned decoding sequences their proposals, oldest first, from what the budget
+        and the free blocks have left once every running sequence and admission is planned."""
+        assert self.propose is not None
+        planned = {id(work.seq): index for index, work in enumerate(plan.work)}
+        for item in self.running:
+            for seq in _live(item):
+                index = planned.get(id(seq))
+                if index is None or plan.work[index].count != 1 or seq.pending != 1:
+                    continue
+                proposals = self._proposals(item, seq, budget)
+                if proposals:
+                    plan.work[index] = Work(seq, 1, proposals)
+                    budget -= 1 + len(proposals)
 
     def _proposals(self, item: T, seq: Sequence, budget: int) -> tuple[int, ...]:
         """A decoding sequence's proposals that fit the budget (its own token included), its
