@@ -1,6 +1,7 @@
 """Speculative decoding (--speculative ngram) is lossless: greedy outputs with it equal outputs
-without it, token for token, on the tiny model and the default model (engines in-process), and the
-KV block accounting is exact afterwards; plus the proposer, the acceptance rule and eligibility."""
+without it, token for token, on the tiny model and the default model (float32; int4 with
+--batch-invariant), engines in-process, and the KV block accounting is exact afterwards; plus the
+proposer, the acceptance rule, eligibility and the settings."""
 
 from __future__ import annotations
 
