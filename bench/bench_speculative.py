@@ -98,10 +98,13 @@ def main() -> int:
     parser.add_argument("--speculative-tokens", type=int, default=4)
     parser.add_argument("--ngram-min", type=int, default=2)
     parser.add_argument("--ngram-max", type=int, default=3)
+    parser.add_argument(
+        "--max-rows", type=int, default=0, help="--speculative-max-rows (0: any step speculates)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     loaded = load_model(None, device="cpu", quantization=args.quantization)
-    spec = Speculation(args.speculative_tokens, args.ngram_min, args.ngram_max)
+    spec = Speculation(args.speculative_tokens, args.ngram_min, args.ngram_max, args.max_rows or None)
     engines = {
         "plain": engine(loaded, None, args.streams, args.batch_invariant),
         "ngram": engine(loaded, spec, args.streams, args.batch_invariant),
@@ -148,7 +151,7 @@ def main() -> int:
         f"default model ({args.quantization}), {args.threads} threads, greedy, max_tokens {args.tokens}, "
         f"medians of {args.rounds} rounds, batch-invariant {args.batch_invariant}, "
         f"--num-speculative-tokens {args.speculative_tokens}, "
-        f"n-gram {args.ngram_min}..{args.ngram_max}"
+        f"n-gram {args.ngram_min}..{args.ngram_max}, max rows {args.max_rows or 'any'}"
     )
     print("| case | plain tok/s | ngram tok/s | ratio | accepted/proposed | same text |")
     print("|---|---|---|---|---|---|")

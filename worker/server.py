@@ -199,7 +199,9 @@ def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | N
             f"{loaded.device}); leave it off on CUDA",
             param="speculative",
         )
-    return Speculation(config.num_speculative_tokens, config.ngram_min, config.ngram_max)
+    return Speculation(
+        config.num_speculative_tokens, config.ngram_min, config.ngram_max, config.speculative_max_rows
+    )
 
 
 # Inputs per pooling step when --max-running is not set (pooling rows hold no cache).

@@ -172,6 +172,7 @@ class Engine:
             max_queue=max_queue,
             prefill_budget_tokens=prefill_budget_tokens,
             propose=self._propose if speculation is not None else None,
+            speculate_max_rows=speculation.max_rows if speculation is not None else None,
         )
         self._cv = threading.Condition()
         self._control: list[tuple[str, _Control, tuple[int, ...]]] = []

@@ -98,11 +98,14 @@ class Scheduler(Generic[T]):
         max_queue: int,
         prefill_budget_tokens: int,
         propose: Proposer[T] | None = None,
+        speculate_max_rows: int | None = None,
     ):
         """``propose``: speculative decoding's proposals for decoding sequences (None: off); they
         take what the step's token budget and free blocks have left after the running sequences
-        and admissions (a row's own token counts too), so they delay or preempt nobody."""
+        and admissions (a row's own token counts too), so they delay or preempt nobody; and only
+        in steps where at most ``speculate_max_rows`` sequences decode (None: any number)."""
         self.propose = propose
+        self.speculate_max_rows = speculate_max_rows
         self.blocks = blocks
         self.max_running = max_running
         self.max_queue = max_queue
@@ -244,6 +247,9 @@ class Scheduler(Generic[T]):
         """Gives the planned decoding sequences their proposals, oldest first, from what the budget
         and the free blocks have left once every running sequence and admission is planned."""
         assert self.propose is not None
+        decoding = sum(1 for work in plan.work if work.count == 1)
+        if self.speculate_max_rows is not None and decoding > self.speculate_max_rows:
+            return  # a large batch: one more token per row costs more than it saves
         planned = {id(work.seq): index for index, work in enumerate(plan.work)}
         for item in self.running:
             for seq in _live(item):

@@ -13,11 +13,13 @@ from worker.sampling.sampler import SequenceSampling
 @dataclass(frozen=True)
 class Speculation:
     """``--speculative ngram`` with its sizes: ``tokens`` proposals a step, suffixes of
-    ``min_n``..``max_n`` tokens."""
+    ``min_n``..``max_n`` tokens, only in steps where at most ``max_rows`` sequences decode (None:
+    any number)."""
 
     tokens: int
     min_n: int
     max_n: int
+    max_rows: int | None = None
 
     def proposals(self, sampling: SequenceSampling, tokens: Sequence[int], room: int) -> list[int]:
         """What the row may verify this step: at most ``room`` tokens, none unless it is eligible."""

@@ -113,11 +113,34 @@ def test_proposals_count_against_the_budget_and_their_blocks_go_back():
     assert seq.computed == 7 and len(seq.blocks.table) == 2 and blocks.used == 2
 
 
+def test_steps_with_more_decoding_rows_than_the_limit_do_not_speculate():
+    """--speculative-max-rows: a large batch gets no proposals (verified tokens would cost it more
+    than they save); at the limit every row still gets its proposals."""
+    for rows, speculated in ((4, True), (5, False)):
+        blocks = BlockManager(64, 4, prefix_caching=False)
+        scheduler: Scheduler[_Item] = Scheduler(
+            blocks,
+            max_running=8,
+            max_queue=8,
+            prefill_budget_tokens=64,
+            propose=lambda item, s, room: [9, 9],
+            speculate_max_rows=4,
+        )
+        for row in range(rows):
+            seq = Sequence([1, 2, 3, 1, 2, 3], 5, 40)
+            seq.blocks.table = [blocks.allocate(), blocks.allocate()]
+            seq.computed = 5
+            scheduler.running.append(_Item(str(row), [seq]))
+        plan = scheduler.schedule()
+        assert len(plan.work) == rows
+        assert all(work.proposals == ((9, 9) if speculated else ()) for work in plan.work), rows
+
+
 def test_speculation_is_off_by_default_and_refused_where_it_cannot_run():
     assert parse_config([]).speculative == "off"
     config = parse_config(["--speculative", "ngram", "--num-speculative-tokens", "5", "--ngram-min", "2"])
     cpu = SimpleNamespace(device=torch.device("cpu"))
-    assert speculation_of(config, cpu) == Speculation(5, 2, 3)  # type: ignore[arg-type]
+    assert speculation_of(config, cpu) == Speculation(5, 2, 3, 4)  # type: ignore[arg-type]
     assert speculation_of(parse_config([]), cpu) is None  # type: ignore[arg-type]
     with pytest.raises(ModelLoadError, match="CPU only") as refused:
         speculation_of(config, SimpleNamespace(device=torch.device("meta")))  # type: ignore[arg-type]
