@@ -192,21 +192,8 @@ def _generation(
         "schema": {"type": "string", "description": "Server-Sent Events; see the response description."},
         "x-sse-data-schema": schema_ref(chunk),
     }
-    return {
-        "post": {
-            "summary": summary,
-            "security": [{"bearerAuth": []}],
-            "parameters": _REQUEST_HEADERS,
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": schema_ref(request)}},
-            },
-            "responses": {
-                "200": ok,
-                **_error_responses("400", "401", "404", "413", "422", "429", "500", "503", "504"),
-            },
-        }
-    }
+    statuses = ("400", "401", "404", "413", "422", "429", "500", "503", "504")
+    return _post(summary, request, ok, _error_responses(*statuses), [{"bearerAuth": []}], _REQUEST_HEADERS)
 
 
 _SURFACE_STREAMS = {
@@ -245,22 +232,8 @@ def _surface_generation(
         "schema": {"type": "string", "description": "Server-Sent Events; see the response description."},
         "x-sse-data-schema": schema_ref(event),
     }
-    return {
-        "post": {
-            "summary": summary,
-            "security": security,
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": schema_ref(request)}},
-            },
-            "responses": {
-                "200": ok,
-                **_error_responses(
-                    "400", "401", "404", "413", "422", "429", "500", "503", "504", model=error
-                ),
-            },
-        }
-    }
+    statuses = ("400", "401", "404", "413", "422", "429", "500", "503", "504")
+    return _post(summary, request, ok, _error_responses(*statuses, model=error), security)
 
 
 def _unary(
@@ -276,21 +249,29 @@ def _unary(
     ``pooled`` the routes the pooling workers serve (embeddings, rerank, score: the timeout headers,
     429 and 504 too)."""
     statuses = ("400", "401", "404", "413", "422", "500", "503") + (("429", "504") if pooled else ())
-    return {
-        "post": {
-            "summary": summary,
-            "security": security,
-            **({"parameters": _REQUEST_HEADERS} if pooled else {}),
-            "requestBody": {
-                "required": True,
-                "content": {"application/json": {"schema": schema_ref(request)}},
-            },
-            "responses": {
-                "200": _json(answer, f"One `{answer.__name__}`.", "X-Sluice-Worker-ID"),
-                **_error_responses(*statuses, model=error),
-            },
-        }
+    ok = _json(answer, f"One `{answer.__name__}`.", "X-Sluice-Worker-ID")
+    parameters = _REQUEST_HEADERS if pooled else None
+    return _post(summary, request, ok, _error_responses(*statuses, model=error), security, parameters)
+
+
+def _post(
+    summary: str,
+    request: type[BaseModel],
+    ok: dict[str, Any],
+    errors: dict[str, Any],
+    security: list[dict[str, list[str]]],
+    parameters: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """A POST operation taking a JSON ``request`` body: its 200 answer ``ok`` and its ``errors``."""
+    operation: dict[str, Any] = {"summary": summary, "security": security}
+    if parameters is not None:
+        operation["parameters"] = parameters
+    operation["requestBody"] = {
+        "required": True,
+        "content": {"application/json": {"schema": schema_ref(request)}},
     }
+    operation["responses"] = {"200": ok, **errors}
+    return {"post": operation}
 
 
 def _generation_llama_cpp() -> dict[str, Any]:
