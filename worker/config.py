@@ -101,6 +101,16 @@ def _fraction(raw: str) -> float:
     return value
 
 
+def _share(raw: str) -> float:
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"must be a number, got {raw!r}") from None
+    if not 0 <= value <= 1:
+        raise ValueError(f"must be between 0 and 1, got {raw!r}")
+    return value
+
+
 def _power_of_two(raw: str) -> int:
     value = int_at_least(1, 1024)(raw)
     if value & (value - 1):
@@ -218,8 +228,9 @@ class WorkerConfig:
     speculative: str = setting(
         "off",
         choice("off", "ngram"),
-        "speculative decoding: off, or ngram (greedy rows verify tokens looked up in their own prompt "
-        "and output, several per forward; CPU only for now: docs/worker.md)",
+        "speculative decoding: off, or ngram (rows verify tokens looked up in their own prompt and "
+        "output, several per forward; the output is unchanged, greedy or sampled; CPU only for now: "
+        "docs/worker.md)",
     )
     num_speculative_tokens: int = setting(
         4, int_at_least(1, 32), "with --speculative: the most tokens a row proposes per step"
@@ -237,6 +248,12 @@ class WorkerConfig:
         "with --speculative: speculate only in steps where at most this many sequences decode; above "
         "it a step's extra verified tokens cost more than they save (measured on 2 CPU cores: 1.10x "
         "at 4 streams, 0.79x at 8; docs/benchmarks.md)",
+    )
+    speculative_min_acceptance: float = setting(
+        0.2,
+        _share,
+        "with --speculative: a row whose share of accepted proposals over its last 16 or more falls "
+        "below this proposes nothing for its next 64 tokens, then tries again (0: never pauses)",
     )
     default_max_tokens: int | None = setting(
         None,

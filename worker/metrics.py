@@ -61,6 +61,9 @@ _COUNTERS = (
         "engine steps whose every row decoded one token (on CUDA each should replay a graph)",
         "decode_only_steps",
     ),
+)
+# With --speculative, labelled by proposer too (accepted / proposed: its acceptance rate).
+_SPECULATIVE_COUNTERS = (
     (
         "sluice_worker_speculative_proposed_tokens",
         "speculative tokens proposed and verified (--speculative)",
@@ -68,8 +71,13 @@ _COUNTERS = (
     ),
     (
         "sluice_worker_speculative_accepted_tokens",
-        "speculative tokens accepted (the model's greedy token matched the proposal)",
+        "speculative tokens accepted (the row's own draw equalled the proposal)",
         "speculative_accepted_tokens",
+    ),
+    (
+        "sluice_worker_speculative_paused_rows",
+        "times a row stopped proposing for a while, its acceptance below --speculative-min-acceptance",
+        "speculative_paused_rows",
     ),
 )
 
@@ -153,6 +161,11 @@ class EngineCollector(Collector):
             counter = CounterMetricFamily(name, help_text, labels=["model"])
             counter.add_metric([self._model_id], getattr(c, attribute))
             yield counter
+        if s.speculative_proposer is not None:
+            for name, help_text, attribute in _SPECULATIVE_COUNTERS:
+                counter = CounterMetricFamily(name, help_text, labels=["model", "proposer"])
+                counter.add_metric([self._model_id, s.speculative_proposer], getattr(c, attribute))
+                yield counter
         ttft = c.time_to_first_token
         histogram = HistogramMetricFamily(
             "sluice_worker_time_to_first_token_seconds",

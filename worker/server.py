@@ -200,7 +200,11 @@ def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | N
             param="speculative",
         )
     return Speculation(
-        config.num_speculative_tokens, config.ngram_min, config.ngram_max, config.speculative_max_rows
+        config.num_speculative_tokens,
+        config.ngram_min,
+        config.ngram_max,
+        config.speculative_max_rows,
+        config.speculative_min_acceptance,
     )
 
 

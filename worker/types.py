@@ -40,6 +40,7 @@ class SamplingOptions:
     allowed_token_ids: tuple[int, ...] = ()  # only these may be generated; () = every token
     skip_special_tokens: bool | None = None  # None: the family's default
     include_stop_str_in_output: bool = False  # a matched stop string stays in the text
+    speculative: bool = True  # False: this request never speculates, whatever --speculative says
 
     @property
     def greedy(self) -> bool:

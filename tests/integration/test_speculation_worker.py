@@ -1,6 +1,6 @@
-"""A real worker with --speculative ngram (the tiny model): a greedy request that speculates gives
-the tokens of the same request made ineligible (logprobs asked: it decodes plainly), and /metrics
-counts the proposals it accepted."""
+"""A real worker with --speculative ngram (the tiny model): a request that speculates gives the
+tokens (and logprobs) of the same request with ``speculative: false``, which proposes nothing; and
+/metrics counts the proposals per proposer."""
 
 from __future__ import annotations
 
@@ -24,28 +24,37 @@ def speculating_worker(model_cache, tiny_model_dir, tmp_path_factory):
         yield worker
 
 
-def tokens(stub: pb_grpc.WorkerStub, **sampling) -> list[int]:
+def generate(stub: pb_grpc.WorkerStub, **sampling) -> tuple[list[int], list[float]]:
+    """The token ids and their logprobs (when asked) of one greedy request."""
     request = pb.GenerateRequest(
         chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content="Repeat exactly: one two three")]),
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, **sampling),
         return_token_ids=True,
     )
-    ids = []
+    ids: list[int] = []
+    logprobs: list[float] = []
     for event in stub.Generate(request):
         if event.WhichOneof("event") == "content":
             ids += list(event.content.token_ids)
-    return ids
+            logprobs += [entry.logprob for entry in event.content.logprobs]
+    return ids, logprobs
 
 
-def test_speculating_greedy_tokens_equal_plain_ones_and_acceptance_is_counted(speculating_worker):
+def test_speculating_requests_equal_unspeculated_ones_and_acceptance_is_counted(speculating_worker):
+    proposed = "sluice_worker_speculative_proposed_tokens_total"
+    accepted = "sluice_worker_speculative_accepted_tokens_total"
     with grpc.insecure_channel(speculating_worker.address) as channel:
         stub = pb_grpc.WorkerStub(channel)
-        plain = tokens(stub, logprobs=0)  # not eligible: decoded one token a step
         before = speculating_worker.metrics()
-        fast = tokens(stub)
+        plain, _ = generate(stub, speculative=False)
+        plain_logprobs = generate(stub, speculative=False, logprobs=2, repetition_penalty=1.2)
+        off = speculating_worker.metrics()
+        fast, _ = generate(stub)
+        fast_logprobs = generate(stub, speculative=True, logprobs=2, repetition_penalty=1.2)
     after = speculating_worker.metrics()
+    assert off[proposed] == before[proposed]  # speculative: false proposes nothing
     assert len(plain) == 40 and fast == plain
-    accepted = "sluice_worker_speculative_accepted_tokens_total"
-    proposed = "sluice_worker_speculative_proposed_tokens_total"
-    assert after[accepted] > before[accepted]  # the tiny model repeats itself: lookups hit
+    assert fast_logprobs[0] == plain_logprobs[0] and len(fast_logprobs[1]) == 40
+    assert fast_logprobs[1] == pytest.approx(plain_logprobs[1], abs=1e-4)
+    assert after[accepted] > off[accepted]  # the tiny model repeats itself: lookups hit
     assert after[proposed] >= after[accepted]

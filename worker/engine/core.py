@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from worker.engine.kv_blocks import BlockManager
 from worker.engine.prepare import Prepared, RequestPreparer
 from worker.engine.request_stream import RequestStream
 from worker.engine.scheduler import Scheduler, Sequence, StepPlan, Work
-from worker.engine.speculation import Speculation, accepted
+from worker.engine.speculation import RowAcceptance, Speculation
 from worker.engine.stats import EngineCounters, EngineStats
 from worker.model.device import bind_device, is_fatal_device_error
 from worker.model.runner import ModelRunner
@@ -69,6 +69,7 @@ class _Choice:
     index: int
     sampling: SequenceSampling
     seq: Sequence
+    acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # its speculation's recent outcomes
 
     @property
     def finished(self) -> bool:
@@ -272,6 +273,7 @@ class Engine:
                 kv_blocks_used=blocks.used,
                 fast_path=getattr(self._runner, "fast_path", None),
                 graph_replays=getattr(getattr(self._runner, "graphs", None), "replays", 0),
+                speculative_proposer=self._speculation.proposer if self._speculation else None,
                 counters=replace(self.counters, time_to_first_token=self.counters.time_to_first_token.copy()),
             )
 
@@ -491,13 +493,13 @@ class Engine:
                         rows.append((state, sibling))
                         indexes.append(row)
             row += 1
-        best = logits.argmax(dim=-1).tolist() if verified else []
         if rows:
+            picked = logits
             if len(indexes) != logits.shape[0] or indexes != list(range(len(indexes))):
-                logits = logits[torch.tensor(indexes, device=logits.device)]
-            self._sample(rows, logits, outputs)
+                picked = logits[torch.tensor(indexes, device=logits.device)]
+            self._sample(rows, picked, outputs)
         if verified:
-            self._verify(verified, best, owners, outputs)
+            self._verify(verified, logits, owners, outputs)
 
     def _score(
         self, state: _RequestState, now: float, cached: int, outputs: dict[str, list[CoreOutput]]
@@ -558,41 +560,53 @@ class Engine:
         if seq.generated == 0:
             return []
         choice = next(c for c in state.choices if c.seq is seq)
-        return self._speculation.proposals(choice.sampling, seq.tokens, room)
+        return self._speculation.proposals(choice.sampling, choice.acceptance, seq.tokens, room)
 
     def _verify(
         self,
         verified: list[tuple[Work, int]],
-        best: list[int],
+        logits: torch.Tensor,
         owners: dict[int, tuple[_RequestState, _Choice]],
         outputs: dict[str, list[CoreOutput]],
     ) -> None:
-        """Greedy rows that verified proposals: the matching ones and one more token each go through
-        :meth:`_advance` in order (a stop drops the rest); then the row commits what it kept."""
-        now = time.monotonic()
-        proposed = taken = 0
-        for item, first in verified:
+        """Rows that verified proposals draw their tokens position by position, each draw made
+        exactly as a one-token step makes it (:meth:`_sample`: the row's processing, penalties,
+        masks, logprobs and seeded uniform for that output position); a draw equal to the proposal
+        accepts it and the row draws again at the next position, any other draw (or a stop) ends
+        the row's step. For a point-mass draft this is speculative sampling's rejection rule
+        (docs/worker.md). Then each row commits what it kept."""
+        assert self._speculation is not None
+        live = [(item, first, *owners[id(item.seq)]) for item, first in verified]
+        kept = {id(item): 0 for item, _ in verified}
+        position = 0
+        while live:
+            before = [choice.sampling.generated for _, _, _, choice in live]
+            index = torch.tensor([first + position for _, first, _, _ in live], device=logits.device)
+            self._sample([(state, choice) for _, _, state, choice in live], logits[index], outputs)
+            going = []
+            for (item, first, state, choice), count in zip(live, before, strict=True):
+                drawn = choice.sampling.output_token_ids[count:]
+                if position < len(item.proposals) and drawn == [item.proposals[position]]:
+                    kept[id(item)] += 1
+                    if not (choice.finished or _failed(outputs.get(state.key, []))):
+                        going.append((item, first, state, choice))
+            live = going
+            position += 1
+        proposed = taken = paused = 0
+        for item, _ in verified:
             state, choice = owners[id(item.seq)]
-            gained = accepted(item.proposals, best[first : first + 1 + len(item.proposals)])
             proposed += len(item.proposals)
-            taken += len(gained) - 1
-            if choice.finished or _failed(outputs.get(state.key, [])):
-                continue
-            try:
-                out = outputs.setdefault(state.key, [])
-                for token in gained:
-                    out.append(self._advance(state, choice, Sample(token), now))
-                    if choice.finished:
-                        break
-                if not choice.finished:
-                    with self._cv:
-                        self._scheduler.committed(item, accepted=len(gained) - 1)
-            except Exception as exc:
-                log.exception("advancing %s failed", state.key)
-                self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+            taken += kept[id(item)]
+            paused += self._speculation.observe(
+                choice.acceptance, len(item.proposals), kept[id(item)], choice.sampling.generated
+            )
+            if not choice.finished:
+                with self._cv:
+                    self._scheduler.committed(item, accepted=kept[id(item)])
         with self._cv:
             self.counters.speculative_proposed_tokens += proposed
             self.counters.speculative_accepted_tokens += taken
+            self.counters.speculative_paused_rows += paused
         log.debug("speculation: %d of %d proposed tokens accepted in %d rows", taken, proposed, len(verified))
 
     def _advance(self, state: _RequestState, choice: _Choice, sample: Sample, now: float) -> NewToken:

@@ -1,60 +1,68 @@
-"""Speculative decoding's engine side: which rows may speculate, their n-gram proposals, and how
-many proposed tokens a verifying forward accepted (greedy rows only, so exactly lossless)."""
+"""Speculative decoding's engine side: which rows propose, their n-gram proposals, and each row's
+acceptance window (a row whose proposals keep failing pauses). Verification: ``Engine._verify``."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker.sampling.ngram import propose
 from worker.sampling.sampler import SequenceSampling
+
+# A row's acceptance is judged over its latest verifying steps holding at least this many proposals;
+# a row below the threshold proposes nothing for PAUSE_TOKENS generated tokens, then tries again.
+WINDOW_TOKENS = 16
+PAUSE_TOKENS = 64
+
+
+@dataclass
+class RowAcceptance:
+    """One row's recent verifying steps (proposed, accepted) and, while paused, the output length
+    at which it proposes again."""
+
+    steps: deque[tuple[int, int]] = field(default_factory=deque)
+    paused_until: int = 0
+
+    @property
+    def rate(self) -> float | None:
+        """Accepted / proposed over the window; None until the window holds WINDOW_TOKENS."""
+        proposed = sum(p for p, _ in self.steps)
+        return sum(a for _, a in self.steps) / proposed if proposed >= WINDOW_TOKENS else None
 
 
 @dataclass(frozen=True)
 class Speculation:
     """``--speculative ngram`` with its sizes: ``tokens`` proposals a step, suffixes of
     ``min_n``..``max_n`` tokens, only in steps where at most ``max_rows`` sequences decode (None:
-    any number)."""
+    any number); a row whose acceptance over its window is below ``min_acceptance`` pauses."""
 
     tokens: int
     min_n: int
     max_n: int
     max_rows: int | None = None
+    min_acceptance: float = 0.0
+    proposer: str = "ngram"
 
-    def proposals(self, sampling: SequenceSampling, tokens: Sequence[int], room: int) -> list[int]:
-        """What the row may verify this step: at most ``room`` tokens, none unless it is eligible."""
+    def proposals(
+        self, sampling: SequenceSampling, acceptance: RowAcceptance, tokens: Sequence[int], room: int
+    ) -> list[int]:
+        """What the row may verify this step: at most ``room`` tokens; none when its request turned
+        speculation off or its acceptance paused it."""
         limit = min(self.tokens, room)
-        if limit <= 0 or not eligible(sampling):
+        if limit <= 0 or not sampling.options.speculative or sampling.generated < acceptance.paused_until:
             return []
         return propose(tokens, min_n=self.min_n, max_n=self.max_n, k=limit)
 
-
-def eligible(sampling: SequenceSampling) -> bool:
-    """A row may speculate when its next tokens are each the argmax of the raw logits: greedy
-    (temperature 0) with nothing that changes or reports the logits (grammar, logprobs, penalties,
-    logit_bias, bad_words, allowed_token_ids, a pending min_tokens)."""
-    options = sampling.options
-    return (
-        options.greedy
-        and sampling.constraint is None
-        and options.logprobs is None
-        and not options.logit_bias
-        and options.repetition_penalty == 1.0
-        and not options.presence_penalty
-        and not options.frequency_penalty
-        and not options.bad_words
-        and not options.allowed_token_ids
-        and not sampling.masks_stops
-    )
-
-
-def accepted(proposals: Sequence[int], argmax: Sequence[int]) -> list[int]:
-    """The tokens a verified row gains: ``argmax[i]`` is the greedy token after proposal ``i - 1``
-    (``argmax[0]`` after the row's last known token); the proposals that match, then one more."""
-    gained: list[int] = []
-    for proposal, best in zip(proposals, argmax, strict=False):
-        gained.append(best)
-        if best != proposal:
-            return gained
-    gained.append(argmax[len(proposals)])
-    return gained
+    def observe(self, acceptance: RowAcceptance, proposed: int, accepted: int, generated: int) -> bool:
+        """Records one verifying step of the row (``generated``: its output length after it); a
+        full window below ``min_acceptance`` pauses the row and starts a fresh window (True)."""
+        acceptance.steps.append((proposed, accepted))
+        while sum(p for p, _ in acceptance.steps) - acceptance.steps[0][0] >= WINDOW_TOKENS:
+            acceptance.steps.popleft()
+        rate = acceptance.rate
+        if rate is not None and rate < self.min_acceptance:
+            acceptance.steps.clear()
+            acceptance.paused_until = generated + PAUSE_TOKENS
+            return True
+        return False

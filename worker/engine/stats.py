@@ -22,8 +22,9 @@ class EngineCounters:
     preemptions: int = 0  # requests sent back to the queue for blocks (recomputed later)
     steps: int = 0
     decode_only_steps: int = 0  # steps whose every row decodes one token (CUDA: replayed from a graph)
-    speculative_proposed_tokens: int = 0  # n-gram proposals verified (--speculative)
-    speculative_accepted_tokens: int = 0  # of them, those the model's own greedy tokens matched
+    speculative_proposed_tokens: int = 0  # proposals verified (--speculative)
+    speculative_accepted_tokens: int = 0  # of them, those equal to the row's own draw
+    speculative_paused_rows: int = 0  # times a row stopped proposing for low acceptance
     time_to_first_token: Histogram = field(default_factory=Histogram)
 
 
@@ -44,6 +45,7 @@ class EngineStats:
     kv_blocks_used: int = 0
     fast_path: FastPath | None = None  # CUDA only: which parts of the decode fast path are on
     graph_replays: int = 0  # decode steps replayed from a CUDA graph
+    speculative_proposer: str | None = None  # --speculative's proposer; None: off
 
     @property
     def kv_cache_usage(self) -> float:

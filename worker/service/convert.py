@@ -479,6 +479,7 @@ def sampling_options(
         allowed_token_ids=allowed,
         skip_special_tokens=params.skip_special_tokens if params.HasField("skip_special_tokens") else None,
         include_stop_str_in_output=params.include_stop_str_in_output,
+        speculative=params.speculative if params.HasField("speculative") else True,
     )
 
 

@@ -85,6 +85,11 @@ class SamplingExtensions(RequestModel):
         description="Keep only the prompt's last k tokens; -1: as many as the context leaves room for.",
         json_schema_extra={"not": {"const": 0}},
     )
+    speculative: StrictBool | None = Field(
+        default=None,
+        description="false: no speculative decoding for this request; unset or true: the worker's "
+        "--speculative decides (the output is the same either way).",
+    )
     # Run past the model's end-of-sequence token, and generate at least this many tokens.
     ignore_eos: StrictBool | None = None
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)

@@ -151,7 +151,15 @@ def sampling_params(request: SamplingRequest, *, max_tokens: int | None) -> work
 
 def apply_extensions(request: SamplingExtensions, sampling: worker_pb2.SamplingParams) -> None:
     """Sets the vLLM extensions the caller gave on ``sampling`` (unset ones keep the worker's defaults)."""
-    for name in ("top_k", "min_p", "repetition_penalty", "ignore_eos", "min_tokens", "skip_special_tokens"):
+    for name in (
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "ignore_eos",
+        "min_tokens",
+        "skip_special_tokens",
+        "speculative",
+    ):
         value = getattr(request, name)
         if value is not None:
             setattr(sampling, name, value)

@@ -32,6 +32,7 @@ EXTENSIONS: dict[str, Any] = {
     "truncate_prompt_tokens": 64,
     "ignore_eos": True,
     "min_tokens": 2,
+    "speculative": False,
 }
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "Hi"}]}
 COMPLETION = {"model": "m", "prompt": "Hi"}
@@ -45,6 +46,7 @@ def check_sampling(sampling: worker_pb2.SamplingParams) -> None:
     assert sampling.HasField("skip_special_tokens") and not sampling.skip_special_tokens
     assert sampling.include_stop_str_in_output and sampling.truncate_prompt_tokens == 64
     assert sampling.ignore_eos and sampling.min_tokens == 2
+    assert sampling.HasField("speculative") and not sampling.speculative
 
 
 def test_chat_passes_every_extension_to_the_worker() -> None:
@@ -59,7 +61,14 @@ def test_completions_pass_every_extension_to_the_worker() -> None:
 
 def test_unset_extensions_stay_unset() -> None:
     sampling = to_generate_request(parse_chat_request(CHAT), "r").sampling
-    for name in ("top_k", "min_p", "repetition_penalty", "skip_special_tokens", "truncate_prompt_tokens"):
+    for name in (
+        "top_k",
+        "min_p",
+        "repetition_penalty",
+        "skip_special_tokens",
+        "truncate_prompt_tokens",
+        "speculative",
+    ):
         assert not sampling.HasField(name), name
     assert not (sampling.stop_token_ids or sampling.bad_words or sampling.allowed_token_ids)
     assert not sampling.include_stop_str_in_output
@@ -104,6 +113,7 @@ def test_native_repeat_penalty_is_repetition_penalty() -> None:
         ({"allowed_token_ids": [3, 2**31]}, "allowed_token_ids[1]"),
         ({"skip_special_tokens": "no"}, "skip_special_tokens"),
         ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+        ({"speculative": "off"}, "speculative"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
     ],

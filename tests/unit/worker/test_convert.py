@@ -256,6 +256,8 @@ def test_the_other_extensions_are_carried():
     assert got.allowed_token_ids == (3, 9)
     assert got.skip_special_tokens is False and got.include_stop_str_in_output is True
     assert options().skip_special_tokens is None and options().include_stop_str_in_output is False
+    assert options(speculative=False).speculative is False
+    assert options(speculative=True).speculative is True and options().speculative is True
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ def _stats() -> EngineStats:
         preemptions=2,
         speculative_proposed_tokens=9,
         speculative_accepted_tokens=6,
+        speculative_paused_rows=1,
         time_to_first_token=ttft,
     )
     return EngineStats(
@@ -38,6 +39,7 @@ def _stats() -> EngineStats:
         kv_block_size=16,
         kv_blocks_total=200,
         kv_blocks_used=50,
+        speculative_proposer="ngram",
     )
 
 
@@ -59,8 +61,10 @@ def test_sluice_names_keep_their_names_labels_and_kinds():
     assert samples[("sluice_worker_requests_submitted_total", model)] == 5
     assert samples[("sluice_worker_steps_total", model)] == 12
     assert samples[("sluice_worker_preemptions_total", model)] == 2
-    assert samples[("sluice_worker_speculative_proposed_tokens_total", model)] == 9
-    assert samples[("sluice_worker_speculative_accepted_tokens_total", model)] == 6
+    proposer = (("model", "m"), ("proposer", "ngram"))
+    assert samples[("sluice_worker_speculative_proposed_tokens_total", proposer)] == 9
+    assert samples[("sluice_worker_speculative_accepted_tokens_total", proposer)] == 6
+    assert samples[("sluice_worker_speculative_paused_rows_total", proposer)] == 1
     assert samples[("sluice_worker_kv_cache_usage_ratio", model)] == 0.25
     assert samples[("sluice_worker_kv_cache_blocks", model)] == 200
     assert samples[("sluice_worker_kv_cache_blocks_used", model)] == 50
@@ -97,6 +101,8 @@ def test_an_empty_cache_reports_zero_usage_and_label_values_are_escaped():
     samples = _samples(render(stats, 'a"b\\c', MetricNames.BOTH))
     assert samples[("vllm:kv_cache_usage_perc", (("model_name", 'a"b\\c'),))] == 0.0
     assert samples[("sluice_worker_kv_cache_usage_ratio", (("model", 'a"b\\c'),))] == 0.0
+    # No --speculative: no speculation counters.
+    assert not any(name.startswith("sluice_worker_speculative") for name, _ in samples)
 
 
 @pytest.mark.parametrize("value", ["sluice", "vllm", "both"])

@@ -19,7 +19,7 @@ from worker.config import parse_config
 from worker.engine.core import Engine
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.scheduler import Scheduler, Sequence
-from worker.engine.speculation import Speculation, accepted, eligible
+from worker.engine.speculation import PAUSE_TOKENS, WINDOW_TOKENS, RowAcceptance, Speculation
 from worker.model.loader import ModelLoadError, load_model
 from worker.model.runner import ModelRunner
 from worker.sampling.ngram import propose
@@ -34,8 +34,10 @@ class NoisyLookup(Speculation):
     """The n-gram lookup with one proposal of most steps replaced by a random token: the tiny
     model's loops make lookups nearly always right, so this puts the first rejection anywhere."""
 
-    def proposals(self, sampling: SequenceSampling, tokens: abc.Sequence[int], room: int) -> list[int]:
-        found = super().proposals(sampling, tokens, room)
+    def proposals(
+        self, sampling: SequenceSampling, acceptance: RowAcceptance, tokens: abc.Sequence[int], room: int
+    ) -> list[int]:
+        found = super().proposals(sampling, acceptance, tokens, room)
         rng = random.Random(len(tokens) * 7919 + sum(tokens[-4:]))
         if found and rng.random() < 0.7:
             found[rng.randrange(len(found))] = rng.randrange(3, 2000)
@@ -59,33 +61,42 @@ def test_the_proposer_takes_the_longest_latest_suffix_match():
     assert propose([7, 7, 7], min_n=1, max_n=3, k=4) == [7]  # only what followed
 
 
-def test_acceptance_keeps_the_matching_proposals_and_one_more_token():
-    assert accepted([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]
-    assert accepted([5, 6, 7], [5, 9, 7, 8]) == [5, 9]
-    assert accepted([5, 6, 7], [4, 6, 7, 8]) == [4]
-    assert accepted([], [3]) == [3]
-
-
 def _sampling(**options) -> SequenceSampling:
     return SequenceSampling(SamplingOptions(**options), (1, 2), frozenset({0}))
 
 
-def test_only_plain_greedy_rows_are_eligible():
-    assert eligible(_sampling(temperature=0.0))
-    assert eligible(_sampling(temperature=0.0, min_tokens=0, stop=("x",), stop_token_ids=(4,)))
-    for options in (
-        {"temperature": 1.0},
-        {"temperature": 0.5, "top_k": 1},
-        {"logprobs": 0},
-        {"logit_bias": ((3, 1.0),)},
-        {"repetition_penalty": 1.1},
-        {"presence_penalty": 0.5},
-        {"frequency_penalty": 0.5},
-        {"bad_words": ((3,),)},
-        {"allowed_token_ids": (3, 4)},
-        {"min_tokens": 2},
-    ):
-        assert not eligible(_sampling(**{"temperature": 0.0, **options})), options
+def test_every_row_proposes_unless_its_request_turned_speculation_off():
+    tokens = [5, 6, 7, 5, 6]
+    for options in ({"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.9, "logprobs": 2, "min_tokens": 4}):
+        assert SPECULATION.proposals(_sampling(**options), RowAcceptance(), tokens, 8) == [7, 5, 6]
+    assert SPECULATION.proposals(_sampling(speculative=False), RowAcceptance(), tokens, 8) == []
+    assert SPECULATION.proposals(_sampling(), RowAcceptance(), tokens, 2) == [7, 5]  # the room
+
+
+def test_a_row_whose_proposals_keep_failing_pauses_then_tries_again():
+    adaptive = Speculation(tokens=4, min_n=1, max_n=3, min_acceptance=0.25)
+    row, sampling, tokens = RowAcceptance(), _sampling(), [5, 6, 7, 5, 6]
+    for step in range(3):  # 12 proposals, 3 accepted: the window is not full yet
+        adaptive.observe(row, 4, 1, generated=step + 1)
+        assert row.rate is None and adaptive.proposals(sampling, row, tokens, 8)
+    adaptive.observe(row, 4, 0, generated=4)  # 16 proposals, 3 accepted: below a quarter
+    assert row.paused_until == 4 + PAUSE_TOKENS and not row.steps
+    sampling.output_token_ids[:] = [9] * (PAUSE_TOKENS + 3)
+    assert adaptive.proposals(sampling, row, tokens, 8) == []
+    sampling.output_token_ids.append(9)
+    assert adaptive.proposals(sampling, row, tokens, 8) == [7, 5, 6]
+    # A good row keeps a window of its latest steps and never pauses.
+    good = RowAcceptance()
+    for step in range(40):
+        adaptive.observe(good, 4, 3 if step % 2 else 1, generated=step)
+        assert good.paused_until == 0
+    assert sum(p for p, _ in good.steps) - good.steps[0][0] < WINDOW_TOKENS <= sum(p for p, _ in good.steps)
+    assert good.rate == pytest.approx(0.5)
+    # 0 never pauses.
+    never, never_row = Speculation(tokens=4, min_n=1, max_n=3), RowAcceptance()
+    for step in range(10):
+        never.observe(never_row, 4, 0, generated=step)
+        assert never_row.paused_until == 0
 
 
 @dataclass
@@ -140,7 +151,7 @@ def test_speculation_is_off_by_default_and_refused_where_it_cannot_run():
     assert parse_config([]).speculative == "off"
     config = parse_config(["--speculative", "ngram", "--num-speculative-tokens", "5", "--ngram-min", "2"])
     cpu = SimpleNamespace(device=torch.device("cpu"))
-    assert speculation_of(config, cpu) == Speculation(5, 2, 3, 4)  # type: ignore[arg-type]
+    assert speculation_of(config, cpu) == Speculation(5, 2, 3, 4, 0.2)  # type: ignore[arg-type]
     assert speculation_of(parse_config([]), cpu) is None  # type: ignore[arg-type]
     with pytest.raises(ModelLoadError, match="CPU only") as refused:
         speculation_of(config, SimpleNamespace(device=torch.device("meta")))  # type: ignore[arg-type]
