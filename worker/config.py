@@ -227,10 +227,22 @@ class WorkerConfig:
     )
     speculative: str = setting(
         "off",
-        choice("off", "ngram"),
-        "speculative decoding: off, or ngram (rows verify tokens looked up in their own prompt and "
-        "output, several per forward; the output is unchanged, greedy or sampled; CPU only for now: "
-        "docs/worker.md)",
+        choice("off", "ngram", "draft"),
+        "speculative decoding: off, ngram (rows verify tokens looked up in their own prompt and "
+        "output, several per forward) or draft (tokens a second model guesses: --draft-model); the "
+        "output is unchanged, greedy or sampled; CPU only for now: docs/worker.md",
+    )
+    draft_model: str | None = setting(
+        None,
+        optional_text,
+        "with --speculative draft: the draft model (HF folder or .gguf file sharing the model's "
+        "tokenizer; default: the default model)",
+    )
+    draft_quantization: str = setting(
+        "int4",
+        choice("none", "int8", "int4"),
+        "with --speculative draft: the draft model's weight-only linear layers (default int4: the "
+        "default model in int4 drafts for it in float)",
     )
     num_speculative_tokens: int = setting(
         4, int_at_least(1, 32), "with --speculative: the most tokens a row proposes per step"

@@ -31,6 +31,7 @@ from worker.engine.core import Engine
 from worker.engine.pooling import PoolingEngine
 from worker.engine.speculation import Speculation
 from worker.model.device import bind_device
+from worker.model.draft import DraftModel
 from worker.model.fake_runner import fake_slow_load, load_fake_model
 from worker.model.load_progress import LoadProgress
 from worker.model.loader import LoadedModel, ModelLoadError, load_model
@@ -189,8 +190,9 @@ def build_serving(
 
 
 def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | None:
-    """``--speculative``'s settings for the engine (None: off); raises :class:`ModelLoadError` off
-    the CPU (the Triton decode kernel and the CUDA graphs have no verifying rows yet)."""
+    """``--speculative``'s settings for the engine (None: off), loading the draft model for
+    ``draft``; raises :class:`ModelLoadError` off the CPU (the Triton decode kernel and the CUDA
+    graphs have no verifying rows yet) or for a draft model that does not share the tokenizer."""
     if config.speculative == "off":
         return None
     if loaded.device.type != "cpu":
@@ -199,12 +201,23 @@ def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | N
             f"{loaded.device}); leave it off on CUDA",
             param="speculative",
         )
+    draft = None
+    if config.speculative == "draft":
+        drafting = load_model(
+            config.draft_model,
+            device="cpu",
+            dtype="float32",
+            cache_dir=config.cache_dir,
+            quantization=config.draft_quantization,
+        )
+        draft = DraftModel(drafting, loaded)
     return Speculation(
         config.num_speculative_tokens,
         config.ngram_min,
         config.ngram_max,
         config.speculative_max_rows,
         config.speculative_min_acceptance,
+        draft,
     )
 
 

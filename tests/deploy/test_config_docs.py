@@ -37,6 +37,7 @@ BAD_VALUES = {
 FREE_TEXT = {
     "worker": {
         "--model",
+        "--draft-model",
         "--served-model-name",
         "--host",
         "--cache-dir",

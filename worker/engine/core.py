@@ -23,7 +23,7 @@ from worker.engine.kv_blocks import BlockManager
 from worker.engine.prepare import Prepared, RequestPreparer
 from worker.engine.request_stream import RequestStream
 from worker.engine.scheduler import Scheduler, Sequence, StepPlan, Work
-from worker.engine.speculation import RowAcceptance, Speculation
+from worker.engine.speculation import RowSpeculation, Speculation
 from worker.engine.stats import EngineCounters, EngineStats
 from worker.model.device import bind_device, is_fatal_device_error
 from worker.model.runner import ModelRunner
@@ -69,7 +69,7 @@ class _Choice:
     index: int
     sampling: SequenceSampling
     seq: Sequence
-    acceptance: RowAcceptance = field(default_factory=RowAcceptance)  # its speculation's recent outcomes
+    acceptance: RowSpeculation = field(default_factory=RowSpeculation)  # its speculation's state
 
     @property
     def finished(self) -> bool:

@@ -1,5 +1,6 @@
-"""Speculative decoding's engine side: which rows propose, their n-gram proposals, and each row's
-acceptance window (a row whose proposals keep failing pauses). Verification: ``Engine._verify``."""
+"""Speculative decoding's engine side: which rows propose, their proposals (n-gram lookup or a draft
+model), and each row's acceptance window (a row whose proposals keep failing pauses). Verification:
+``Engine._verify``."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from worker.model.draft import DraftCache, DraftModel
 from worker.sampling.ngram import propose
 from worker.sampling.sampler import SequenceSampling
 
@@ -17,12 +19,13 @@ PAUSE_TOKENS = 64
 
 
 @dataclass
-class RowAcceptance:
-    """One row's recent verifying steps (proposed, accepted) and, while paused, the output length
-    at which it proposes again."""
+class RowSpeculation:
+    """One row's recent verifying steps (proposed, accepted), while paused the output length at
+    which it proposes again, and its draft model's cache (``--speculative draft``)."""
 
     steps: deque[tuple[int, int]] = field(default_factory=deque)
     paused_until: int = 0
+    draft: DraftCache = field(default_factory=DraftCache)
 
     @property
     def rate(self) -> float | None:
@@ -33,28 +36,35 @@ class RowAcceptance:
 
 @dataclass(frozen=True)
 class Speculation:
-    """``--speculative ngram`` with its sizes: ``tokens`` proposals a step, suffixes of
-    ``min_n``..``max_n`` tokens, only in steps where at most ``max_rows`` sequences decode (None:
-    any number); a row whose acceptance over its window is below ``min_acceptance`` pauses."""
+    """``--speculative`` with its sizes: ``tokens`` proposals a step, from ``draft`` when given, else
+    n-gram lookup of suffixes of ``min_n``..``max_n`` tokens; only in steps where at most
+    ``max_rows`` sequences decode (None: any number); a row whose acceptance over its window is
+    below ``min_acceptance`` pauses."""
 
     tokens: int
     min_n: int
     max_n: int
     max_rows: int | None = None
     min_acceptance: float = 0.0
-    proposer: str = "ngram"
+    draft: DraftModel | None = None
+
+    @property
+    def proposer(self) -> str:
+        return "ngram" if self.draft is None else "draft"
 
     def proposals(
-        self, sampling: SequenceSampling, acceptance: RowAcceptance, tokens: Sequence[int], room: int
+        self, sampling: SequenceSampling, acceptance: RowSpeculation, tokens: Sequence[int], room: int
     ) -> list[int]:
         """What the row may verify this step: at most ``room`` tokens; none when its request turned
         speculation off or its acceptance paused it."""
         limit = min(self.tokens, room)
         if limit <= 0 or not sampling.options.speculative or sampling.generated < acceptance.paused_until:
             return []
+        if self.draft is not None:
+            return self.draft.propose(acceptance.draft, tokens, limit)
         return propose(tokens, min_n=self.min_n, max_n=self.max_n, k=limit)
 
-    def observe(self, acceptance: RowAcceptance, proposed: int, accepted: int, generated: int) -> bool:
+    def observe(self, acceptance: RowSpeculation, proposed: int, accepted: int, generated: int) -> bool:
         """Records one verifying step of the row (``generated``: its output length after it); a
         full window below ``min_acceptance`` pauses the row and starts a fresh window (True)."""
         acceptance.steps.append((proposed, accepted))

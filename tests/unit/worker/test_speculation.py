@@ -19,7 +19,8 @@ from worker.config import parse_config
 from worker.engine.core import Engine
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.scheduler import Scheduler, Sequence
-from worker.engine.speculation import PAUSE_TOKENS, WINDOW_TOKENS, RowAcceptance, Speculation
+from worker.engine.speculation import PAUSE_TOKENS, WINDOW_TOKENS, RowSpeculation, Speculation
+from worker.model.draft import DraftCache, DraftModel
 from worker.model.loader import ModelLoadError, load_model
 from worker.model.runner import ModelRunner
 from worker.sampling.ngram import propose
@@ -35,7 +36,7 @@ class NoisyLookup(Speculation):
     model's loops make lookups nearly always right, so this puts the first rejection anywhere."""
 
     def proposals(
-        self, sampling: SequenceSampling, acceptance: RowAcceptance, tokens: abc.Sequence[int], room: int
+        self, sampling: SequenceSampling, acceptance: RowSpeculation, tokens: abc.Sequence[int], room: int
     ) -> list[int]:
         found = super().proposals(sampling, acceptance, tokens, room)
         rng = random.Random(len(tokens) * 7919 + sum(tokens[-4:]))
@@ -68,14 +69,14 @@ def _sampling(**options) -> SequenceSampling:
 def test_every_row_proposes_unless_its_request_turned_speculation_off():
     tokens = [5, 6, 7, 5, 6]
     for options in ({"temperature": 0.0}, {"temperature": 0.8, "top_p": 0.9, "logprobs": 2, "min_tokens": 4}):
-        assert SPECULATION.proposals(_sampling(**options), RowAcceptance(), tokens, 8) == [7, 5, 6]
-    assert SPECULATION.proposals(_sampling(speculative=False), RowAcceptance(), tokens, 8) == []
-    assert SPECULATION.proposals(_sampling(), RowAcceptance(), tokens, 2) == [7, 5]  # the room
+        assert SPECULATION.proposals(_sampling(**options), RowSpeculation(), tokens, 8) == [7, 5, 6]
+    assert SPECULATION.proposals(_sampling(speculative=False), RowSpeculation(), tokens, 8) == []
+    assert SPECULATION.proposals(_sampling(), RowSpeculation(), tokens, 2) == [7, 5]  # the room
 
 
 def test_a_row_whose_proposals_keep_failing_pauses_then_tries_again():
     adaptive = Speculation(tokens=4, min_n=1, max_n=3, min_acceptance=0.25)
-    row, sampling, tokens = RowAcceptance(), _sampling(), [5, 6, 7, 5, 6]
+    row, sampling, tokens = RowSpeculation(), _sampling(), [5, 6, 7, 5, 6]
     for step in range(3):  # 12 proposals, 3 accepted: the window is not full yet
         adaptive.observe(row, 4, 1, generated=step + 1)
         assert row.rate is None and adaptive.proposals(sampling, row, tokens, 8)
@@ -86,14 +87,14 @@ def test_a_row_whose_proposals_keep_failing_pauses_then_tries_again():
     sampling.output_token_ids.append(9)
     assert adaptive.proposals(sampling, row, tokens, 8) == [7, 5, 6]
     # A good row keeps a window of its latest steps and never pauses.
-    good = RowAcceptance()
+    good = RowSpeculation()
     for step in range(40):
         adaptive.observe(good, 4, 3 if step % 2 else 1, generated=step)
         assert good.paused_until == 0
     assert sum(p for p, _ in good.steps) - good.steps[0][0] < WINDOW_TOKENS <= sum(p for p, _ in good.steps)
     assert good.rate == pytest.approx(0.5)
     # 0 never pauses.
-    never, never_row = Speculation(tokens=4, min_n=1, max_n=3), RowAcceptance()
+    never, never_row = Speculation(tokens=4, min_n=1, max_n=3), RowSpeculation()
     for step in range(10):
         never.observe(never_row, 4, 0, generated=step)
         assert never_row.paused_until == 0
@@ -342,3 +343,68 @@ def test_with_batch_invariant_steps_the_int4_default_model_gives_the_same_bits(d
     ]
     counters = compare(int4, [batch], batch_invariant=True).stats().counters
     assert counters.speculative_accepted_tokens > 0
+
+
+# ------------------------------------------------------------------ the draft model
+
+
+def greedy_continuation(loaded, tokens: list[int], k: int) -> list[int]:
+    """``k`` greedy tokens of ``loaded`` after ``tokens``, each from a full forward (no cache)."""
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(k):
+            logits = loaded.model(torch.tensor([tokens + out])).logits[0, -1]
+            out.append(int(logits[: len(loaded.tokenizer)].argmax()))
+    return out
+
+
+def test_the_draft_model_proposes_its_greedy_tokens_and_follows_the_row(tiny):
+    draft = DraftModel(tiny, tiny)
+    row = DraftCache()
+    tokens = prompts(1, 9)[0]
+    assert draft.propose(row, tokens, 4) == greedy_continuation(tiny, tokens, 4)
+    assert len(row.tokens) == len(tokens) + 3  # the last proposal is not computed yet
+    # The row took two of them and then its own token: the cache is cut back to what still holds.
+    first = draft.propose(row, tokens, 4)
+    tokens = [*tokens, *first[:2], 7]
+    assert draft.propose(row, tokens, 3) == greedy_continuation(tiny, tokens, 3)
+    # A row that went back (preempted and recomputed, or another row's tokens) still gets them right.
+    assert draft.propose(row, tokens[:5], 2) == greedy_continuation(tiny, tokens[:5], 2)
+    assert draft.propose(row, tokens, 0) == []
+
+
+def test_a_draft_model_must_share_the_tokenizer():
+    def model(vocab: dict[str, int]) -> SimpleNamespace:
+        return SimpleNamespace(tokenizer=SimpleNamespace(get_vocab=lambda: vocab), model_id="d")
+
+    with pytest.raises(ModelLoadError, match="tokenizer") as refused:
+        DraftModel(model({"a": 0}), model({"b": 0}))  # type: ignore[arg-type]
+    assert refused.value.param == "draft_model"
+    config = parse_config(["--speculative", "draft", "--draft-model", "/d", "--draft-quantization", "none"])
+    assert (config.speculative, config.draft_model, config.draft_quantization) == ("draft", "/d", "none")
+    assert parse_config([]).draft_quantization == "int4"
+
+
+def test_greedy_and_seeded_outputs_with_a_draft_model_are_unchanged(tiny, tiny_model_dir):
+    """The tiny model drafting for itself (nearly every proposal right) and its int4 copy drafting
+    for it (its guesses differ: rejections)."""
+    int4 = load_model(str(tiny_model_dir), device="cpu", dtype="float32", quantization="int4")
+    batch = [request(p, temperature=0.0, max_tokens=24, ignore_eos=True) for p in prompts(3, 11)]
+    batch.append(request(prompts(1, 12)[0], temperature=0.8, seed=4, max_tokens=16, ignore_eos=True))
+    for drafting in (tiny, int4):
+        speculation = Speculation(tokens=4, min_n=1, max_n=3, draft=DraftModel(drafting, tiny))
+        counters = compare(tiny, [batch], speculation).stats().counters
+        assert counters.speculative_accepted_tokens > 0
+    assert counters.speculative_accepted_tokens < counters.speculative_proposed_tokens
+
+
+def test_the_int4_default_model_drafting_for_the_float_one_is_lossless(default_model, default_model_dir):
+    int4 = load_model(str(default_model_dir), device="cpu", dtype="float32", quantization="int4")
+    batch = [
+        request(chat(default_model, f"Repeat exactly: {PARAGRAPH}"), temperature=0.0, max_tokens=32),
+        request(chat(default_model, "Name three colours."), temperature=0.0, max_tokens=16),
+    ]
+    speculation = Speculation(tokens=4, min_n=2, max_n=3, draft=DraftModel(int4, default_model))
+    counters = compare(default_model, [batch], speculation).stats().counters
+    # The int4 copy agrees with the float model on most tokens.
+    assert counters.speculative_accepted_tokens >= 0.5 * counters.speculative_proposed_tokens > 0

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from worker.engine.core import Engine
-from worker.engine.speculation import RowAcceptance, Speculation
+from worker.engine.speculation import RowSpeculation, Speculation
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
 from worker.sampling.grammar import GrammarCompiler, GrammarSpec
@@ -98,7 +98,7 @@ class Scripted(Speculation):
         object.__setattr__(self, "eos", eos)
 
     def proposals(
-        self, sampling: SequenceSampling, acceptance: RowAcceptance, tokens: abc.Sequence[int], room: int
+        self, sampling: SequenceSampling, acceptance: RowSpeculation, tokens: abc.Sequence[int], room: int
     ) -> list[int]:
         if not sampling.options.speculative:
             return []
