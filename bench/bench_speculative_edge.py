@@ -106,7 +106,7 @@ async def run(args: argparse.Namespace, worker: WorkerProcess, edge: EdgeProcess
         f"through the edge: {model}, worker {args.worker_args!r}, max_tokens {args.tokens}, "
         f"medians of {args.rounds} rounds"
     )
-    print("| case | plain tok/s | ngram tok/s | ratio | accepted/proposed | same text |")
+    print("| case | plain tok/s | speculating tok/s | ratio | accepted/proposed | same text |")
     print("|---|---|---|---|---|---|")
     for name in cases:
         plain = statistics.median(rates[(name, "plain")])
@@ -122,7 +122,9 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--model", default=None, help="model folder (default: the default model)")
-    parser.add_argument("--worker-args", default="", help="more worker flags (--speculative ngram is set)")
+    parser.add_argument(
+        "--worker-args", default="", help="more worker flags (--speculative ngram unless they set it)"
+    )
     parser.add_argument("--tokens", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=3)

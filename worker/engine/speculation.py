@@ -55,14 +55,23 @@ class Speculation:
     def proposals(
         self, sampling: SequenceSampling, acceptance: RowSpeculation, tokens: Sequence[int], room: int
     ) -> list[int]:
-        """What the row may verify this step: at most ``room`` tokens; none when its request turned
-        speculation off or its acceptance paused it."""
+        """What the row may verify this step: at most ``room`` tokens, cut before the first one its
+        grammar forbids; none when its request turned speculation off or its acceptance paused it."""
         limit = min(self.tokens, room)
         if limit <= 0 or not sampling.options.speculative or sampling.generated < acceptance.paused_until:
             return []
+        found = self.guesses(sampling, acceptance, tokens, limit)
+        if found and sampling.constraint is not None:
+            found = found[: sampling.constraint.allowed_prefix(found)]
+        return found
+
+    def guesses(
+        self, sampling: SequenceSampling, acceptance: RowSpeculation, tokens: Sequence[int], k: int
+    ) -> list[int]:
+        """The proposer's up to ``k`` guesses of the tokens after ``tokens`` (the row's prompt and output)."""
         if self.draft is not None:
-            return self.draft.propose(acceptance.draft, tokens, limit)
-        return propose(tokens, min_n=self.min_n, max_n=self.max_n, k=limit)
+            return self.draft.propose(acceptance.draft, tokens, k)
+        return propose(tokens, min_n=self.min_n, max_n=self.max_n, k=k)
 
     def observe(self, acceptance: RowSpeculation, proposed: int, accepted: int, generated: int) -> bool:
         """Records one verifying step of the row (``generated``: its output length after it); a

@@ -313,6 +313,13 @@ class TokenConstraint:
     def advance(self, token_id: int) -> None:
         self._matcher.consume_token(token_id)
 
+    def allowed_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order, the grammar would take from its state (none consumed)."""
+        try:
+            return int(self._matcher.validate_tokens(tokens))
+        except Exception:  # a matcher in error: its row fails at its next mask anyway
+            return 0
+
     @property
     def error(self) -> str | None:
         """Why the matcher failed (e.g. it was given a token the grammar does not allow), or None."""

@@ -35,10 +35,10 @@ class NoisyLookup(Speculation):
     """The n-gram lookup with one proposal of most steps replaced by a random token: the tiny
     model's loops make lookups nearly always right, so this puts the first rejection anywhere."""
 
-    def proposals(
-        self, sampling: SequenceSampling, acceptance: RowSpeculation, tokens: abc.Sequence[int], room: int
+    def guesses(
+        self, sampling: SequenceSampling, acceptance: RowSpeculation, tokens: abc.Sequence[int], k: int
     ) -> list[int]:
-        found = super().proposals(sampling, acceptance, tokens, room)
+        found = super().guesses(sampling, acceptance, tokens, k)
         rng = random.Random(len(tokens) * 7919 + sum(tokens[-4:]))
         if found and rng.random() < 0.7:
             found[rng.randrange(len(found))] = rng.randrange(3, 2000)

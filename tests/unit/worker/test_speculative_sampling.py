@@ -97,13 +97,11 @@ class Scripted(Speculation):
         object.__setattr__(self, "noise", noise)
         object.__setattr__(self, "eos", eos)
 
-    def proposals(
-        self, sampling: SequenceSampling, acceptance: RowSpeculation, tokens: abc.Sequence[int], room: int
+    def guesses(
+        self, sampling: SequenceSampling, acceptance: RowSpeculation, tokens: abc.Sequence[int], k: int
     ) -> list[int]:
-        if not sampling.options.speculative:
-            return []
         done = sampling.generated
-        found = list(self.script.get(sampling.prompt_token_ids, [])[done : done + min(self.tokens, room)])
+        found = list(self.script.get(sampling.prompt_token_ids, [])[done : done + k])
         rng = random.Random(len(tokens) * 7919 + sampling.seed)
         if found and rng.random() < self.noise:
             found[rng.randrange(len(found))] = rng.choice([self.eos, rng.randrange(20, 2000)])
@@ -350,3 +348,21 @@ def test_rows_with_every_feature_equal_their_reference_while_proposals_are_accep
         if noise == 0.0:  # the scripts are right: every proposal but those past a stop is taken
             assert counters.speculative_accepted_tokens >= 0.8 * counters.speculative_proposed_tokens
         assert counters.steps < sum(len(ids) for ids, _, _, _ in reference)
+
+
+def test_a_grammar_rows_proposals_stop_before_the_first_token_its_grammar_forbids(tiny, compiler):
+    tokenizer = tiny.tokenizer
+    word, digits = tokenizer.encode("hello"), tokenizer.encode("123")
+    guesses = [*word, *digits]
+
+    class Fixed(Speculation):
+        def guesses(self, sampling, acceptance, tokens, k):  # type: ignore[no-untyped-def]
+            return guesses[:k]
+
+    fixed = Fixed(tokens=8, min_n=1, max_n=3)
+    for pattern, kept in (("[a-z]+", word), ("[a-z]+[0-9]+", guesses), ("[0-9]+", [])):
+        constraint = compiler.constraint(compiler.validate(GrammarSpec("regex", text=pattern)))
+        sampling = SequenceSampling(SamplingOptions(), (1, 2), frozenset(), constraint=constraint)
+        assert fixed.proposals(sampling, RowSpeculation(), [1, 2], 8) == kept, pattern
+        assert constraint.allowed_prefix(guesses) == len(kept) and sampling.generated == 0
+    assert fixed.proposals(SequenceSampling(SamplingOptions(), (1,), frozenset()), RowSpeculation(), [1], 8)
