@@ -254,12 +254,13 @@ class WorkerConfig:
         "token: more guesses, mostly wrong ones)",
     )
     ngram_max: int = setting(3, int_at_least(1, 16), "with --speculative ngram: the longest suffix looked up")
-    speculative_max_rows: int = setting(
-        4,
+    speculative_max_rows: int | None = setting(
+        None,
         int_at_least(1, 4096),
         "with --speculative: speculate only in steps where at most this many sequences decode; above "
-        "it a step's extra verified tokens cost more than they save (measured on 2 CPU cores: 1.10x "
-        "at 4 streams, 0.79x at 8; docs/benchmarks.md)",
+        "it a step's extra verified tokens cost more than they save. Default: 4 for ngram (measured "
+        "on 2 CPU cores: 1.10x at 4 streams, 0.79x at 8), 1 for draft (its proposals are one forward "
+        "per row and token: 0.26x at 4 streams); docs/benchmarks.md",
     )
     speculative_min_acceptance: float = setting(
         0.2,

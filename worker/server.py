@@ -189,6 +189,10 @@ def build_serving(
     )
 
 
+# --speculative-max-rows when unset, per proposer (measured: docs/benchmarks.md).
+DEFAULT_MAX_ROWS = {"ngram": 4, "draft": 1}
+
+
 def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | None:
     """``--speculative``'s settings for the engine (None: off), loading the draft model for
     ``draft``; raises :class:`ModelLoadError` off the CPU (the Triton decode kernel and the CUDA
@@ -215,7 +219,7 @@ def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | N
         config.num_speculative_tokens,
         config.ngram_min,
         config.ngram_max,
-        config.speculative_max_rows,
+        config.speculative_max_rows or DEFAULT_MAX_ROWS[config.speculative],
         config.speculative_min_acceptance,
         draft,
     )

@@ -25,7 +25,7 @@ from worker.model.loader import ModelLoadError, load_model
 from worker.model.runner import ModelRunner
 from worker.sampling.ngram import propose
 from worker.sampling.sampler import SequenceSampling
-from worker.server import eos_token_ids, speculation_of
+from worker.server import DEFAULT_MAX_ROWS, eos_token_ids, speculation_of
 from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions
 
 SPECULATION = Speculation(tokens=4, min_n=1, max_n=3)
@@ -153,6 +153,8 @@ def test_speculation_is_off_by_default_and_refused_where_it_cannot_run():
     config = parse_config(["--speculative", "ngram", "--num-speculative-tokens", "5", "--ngram-min", "2"])
     cpu = SimpleNamespace(device=torch.device("cpu"))
     assert speculation_of(config, cpu) == Speculation(5, 2, 3, 4, 0.2)  # type: ignore[arg-type]
+    limited = parse_config(["--speculative", "ngram", "--speculative-max-rows", "2"])
+    assert speculation_of(limited, cpu).max_rows == 2  # type: ignore[arg-type, union-attr]
     assert speculation_of(parse_config([]), cpu) is None  # type: ignore[arg-type]
     with pytest.raises(ModelLoadError, match="CPU only") as refused:
         speculation_of(config, SimpleNamespace(device=torch.device("meta")))  # type: ignore[arg-type]
@@ -383,6 +385,7 @@ def test_a_draft_model_must_share_the_tokenizer():
     config = parse_config(["--speculative", "draft", "--draft-model", "/d", "--draft-quantization", "none"])
     assert (config.speculative, config.draft_model, config.draft_quantization) == ("draft", "/d", "none")
     assert parse_config([]).draft_quantization == "int4"
+    assert DEFAULT_MAX_ROWS == {"ngram": 4, "draft": 1}  # a draft proposes one forward per row and token
 
 
 def test_greedy_and_seeded_outputs_with_a_draft_model_are_unchanged(tiny, tiny_model_dir):
