@@ -337,11 +337,16 @@ def test_the_default_model_copying_a_paragraph_is_unchanged_and_accepts_proposal
 def test_with_batch_invariant_steps_the_int4_default_model_gives_the_same_bits(default_model_dir):
     """The int4 model's logits are coarse: exact ties between its two best tokens are common, so
     only batch-invariant steps (each token computed alike in a chunk or alone) make every greedy
-    text equal; "Name three colours." ties within its first tokens."""
+    text equal; "Name three colours." ties within its first tokens. A seeded sampled row's tokens
+    are equal bit for bit as well."""
     int4 = load_model(str(default_model_dir), device="cpu", dtype="float32", quantization="int4")
     batch = [
         request(chat(int4, f"Repeat exactly: {PARAGRAPH}"), temperature=0.0, max_tokens=40),
         request(chat(int4, "Name three colours."), temperature=0.0, max_tokens=24),
+        # Seeded sampled rows draw the same tokens too (each draw sees the same logits).
+        request(
+            chat(int4, f"Repeat exactly: {PARAGRAPH}"), temperature=0.8, top_p=0.95, seed=9, max_tokens=24
+        ),
     ]
     counters = compare(int4, [batch], batch_invariant=True).stats().counters
     assert counters.speculative_accepted_tokens > 0
