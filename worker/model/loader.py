@@ -22,7 +22,9 @@ from transformers import (
     AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
+    AutoProcessor,
     AutoTokenizer,
     PreTrainedTokenizerBase,
 )
@@ -59,6 +61,8 @@ class LoadedModel:
     quantization: str = "none"  # none, int8, int4 or fp8: what the linear layers hold
     task: str = "generate"  # generate, embed or score (--task)
     pooling: PoolingSpec | None = None  # embed and score: how outputs are pooled
+    # A vision-language model's own processor (images to pixel values and placeholder tokens).
+    processor: Any = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -183,6 +187,9 @@ def load_model(
         torch_dtype,
         kernels,
     )
+    processor = None
+    if task == "generate" and getattr(hf_model.config, "vision_config", None) is not None:
+        processor = load_processor(str(folder) if folder is not None else str(model))
     return LoadedModel(
         model=hf_model,
         tokenizer=tokenizer,
@@ -197,6 +204,7 @@ def load_model(
         quantization=scheme,
         task=task,
         pooling=pooling,
+        processor=processor,
     )
 
 
@@ -246,7 +254,10 @@ def _load_float(
     target = str(folder) if folder is not None else str(model)
     try:
         tokenizer = with_mistral_common(AutoTokenizer.from_pretrained(target), folder)
-        hf_model = _MODEL_CLASSES[task].from_pretrained(target, dtype=dtype)
+        model_class = _MODEL_CLASSES[task]
+        if task == "generate" and is_vision_folder(target):
+            model_class = AutoModelForImageTextToText
+        hf_model = model_class.from_pretrained(target, dtype=dtype)
     except OSError as exc:
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
     return hf_model, tokenizer
@@ -289,6 +300,19 @@ def _load_quantized(
     return hf_model, tokenizer
 
 
+def is_vision_folder(target: str) -> bool:
+    """The model is a vision-language model (its config has a vision part)."""
+    return getattr(AutoConfig.from_pretrained(target), "vision_config", None) is not None
+
+
+def load_processor(target: str) -> Any:
+    """A vision-language model's processor, on its PIL image paths (no torchvision)."""
+    try:
+        return AutoProcessor.from_pretrained(target, backend="pil")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load the image processor of {target!r}: {exc}") from exc
+
+
 def _load_float_tokenizer(folder: Path | None, model: str | None) -> PreTrainedTokenizerBase:
     try:
         target = str(folder) if folder is not None else str(model)
@@ -298,6 +322,7 @@ def _load_float_tokenizer(folder: Path | None, model: str | None) -> PreTrainedT
 
 
 def context_length(config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
     tok_limit = getattr(tokenizer, "model_max_length", None)
     if isinstance(tok_limit, int) and 0 < tok_limit < limit:

@@ -15,7 +15,8 @@ from worker.attention.kv_pool import KVPool, KVShape, kv_shape
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError
-from worker.model.step_inputs import DecodeInputs, FlatTokens, Work, decode_inputs
+from worker.model.step_inputs import ChunkImage, DecodeInputs, FlatTokens, Work, decode_inputs
+from worker.model.vision import VisionEncoder, vision_spec
 from worker.quant.layers import row_invariant_linears
 from worker.types import FastPath, SampledLogprobs
 
@@ -52,8 +53,15 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.attention = check_attention(self.model, getattr(loaded, "context_length", None))
+        spec = vision_spec(self.model.config)  # raises for a vision-language model not served
         paged.register()
-        self.model.set_attn_implementation(paged.NAME)
+        if spec is None:
+            self.model.set_attn_implementation(paged.NAME)
+        else:  # the language model on the pool; the vision tower on SDPA (no cache)
+            self.model.set_attn_implementation(
+                {"": paged.NAME, "text_config": paged.NAME, "vision_config": "sdpa"}
+            )
+        self.vision = None if spec is None else VisionEncoder(self.model, spec, loaded.device, loaded.dtype)
         self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -68,6 +76,8 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         if batch_invariant:
             check_batch_invariant(loaded)
+            if self.vision is not None:
+                raise ModelLoadError("--batch-invariant serves text-only models", param="batch_invariant")
         # On CUDA, decode rows use the Triton kernel (no gather), graphs or not, once it passed its
         # start-up check (worker.attention.decode_kernel.kernel_problem: why not, logged at ERROR);
         # ``triton_decode`` forces the choice (tests run the kernel through triton's interpreter).
@@ -100,12 +110,12 @@ class ModelRunner:
             raise ValueError("execute needs at least one item")
         if self.batch_invariant:
             return self._invariant(work)
-        if all(len(item.tokens) == 1 for item in work):
+        if all(len(item.tokens) == 1 and not item.images for item in work):
             logits = self._decode(work)
             wanted = [i for i, item in enumerate(work) if item.sample]
             if len(wanted) == len(work):
                 return logits
-            return logits[torch.tensor(wanted, device=logits.device)]
+            return logits[torch.tensor(wanted, dtype=torch.long, device=logits.device)]
         return self._mixed(work)
 
     def _decode_rows(
@@ -154,6 +164,7 @@ class ModelRunner:
                 continue
             context = item.start + count
             blocks = item.table[: -(-context // self.block_size)]
+            bidirectional = self.vision is not None and self.vision.spec.bidirectional
             chunks.append(
                 paged.Chunk(
                     start,
@@ -161,13 +172,14 @@ class ModelRunner:
                     context,
                     torch.tensor(list(blocks), dtype=torch.long, device=device),
                     self.group,
+                    spans=tuple(image.span for image in item.images) if bidirectional else (),
                 )
             )
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(device), chunks=chunks)
         if decode_work:
             step.decode_tokens = torch.tensor(decode_tokens, dtype=torch.long, device=device)
             self._decode_rows(step, decode_work)
-        return self._forward_flat(step, flat)
+        return self._forward_flat(step, flat, [image for item in work for image in item.images])
 
     def _invariant(self, work: Sequence[Work]) -> torch.Tensor:
         size = self.block_size
@@ -191,13 +203,21 @@ class ModelRunner:
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(self.device), invariant=rows)
         return self._forward_flat(step, flat)
 
-    def _forward_flat(self, step: paged.PagedStep, flat: FlatTokens) -> torch.Tensor:
+    def _forward_flat(
+        self, step: paged.PagedStep, flat: FlatTokens, images: Sequence[ChunkImage] = ()
+    ) -> torch.Tensor:
         """One forward of ``flat``'s tokens as a ``[1, T]`` sequence under ``step``; the logits of
-        its sampling tokens."""
+        its sampling tokens. ``images``: the step's image placeholders, in flat order: the vision
+        encoder runs first (outside the paged step) and its features replace their embeddings."""
         device = self.device
+        ids = torch.tensor([flat.ids], dtype=torch.long, device=device)
+        inputs: dict[str, torch.Tensor] = {"input_ids": ids}
+        if images:
+            assert self.vision is not None
+            inputs = {"inputs_embeds": self.vision.embed(ids, images)}
         with paged.paged_step(step):
             out = self.model(
-                input_ids=torch.tensor([flat.ids], dtype=torch.long, device=device),
+                **inputs,
                 position_ids=torch.tensor([flat.positions], dtype=torch.long, device=device),
                 use_cache=False,
                 logits_to_keep=torch.tensor(flat.keep, dtype=torch.long, device=device),

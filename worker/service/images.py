@@ -1,0 +1,116 @@
+"""Images in a chat prompt: bytes decoded with PIL (a GIF's first frame), then the model's own
+processor's pixel arrays and placeholder tokens; runs in the prepare threads.
+
+Design notes: docs/worker.md (Images).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image, UnidentifiedImageError
+
+from worker.errors import InvalidRequest
+from worker.types import PromptImage
+
+FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
+# Processor outputs that describe the text, not one image.
+TEXT_KEYS = frozenset({"input_ids", "attention_mask", "token_type_ids", "mm_token_type_ids"})
+
+
+@dataclass(frozen=True)
+class ImageData:
+    """An image part as it came: the encoded file, its declared type (may be empty), ``detail``."""
+
+    data: bytes
+    mime_type: str = ""
+    detail: str = ""
+
+
+def decode_image(image: ImageData, param: str) -> Image.Image:
+    """The image as RGB pixels; InvalidRequest naming ``param`` for bytes PIL cannot read or a
+    format other than PNG, JPEG, WebP and GIF (its first frame)."""
+    declared = image.mime_type.lower()
+    if declared and declared not in FORMATS.values():
+        raise InvalidRequest(
+            f"{param}: unsupported image type {image.mime_type!r}; send PNG, JPEG, WebP or GIF", param=param
+        )
+    if not image.data:
+        raise InvalidRequest(f"{param}: the image is empty", param=param)
+    try:
+        with Image.open(io.BytesIO(image.data)) as opened:
+            if opened.format not in FORMATS:
+                raise InvalidRequest(
+                    f"{param}: unsupported image format {opened.format}; send PNG, JPEG, WebP or GIF",
+                    param=param,
+                )
+            opened.seek(0)  # a GIF's (or animated WebP's) first frame
+            return opened.convert("RGB")
+    except InvalidRequest:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InvalidRequest(f"{param}: the image cannot be decoded ({exc})", param=param) from exc
+
+
+def image_key(data: bytes) -> int:
+    """The prefix cache's key for an image's placeholder tokens: a negative number from a hash of
+    its bytes (never a token id), so equal images share cached blocks and others never do."""
+    return -1 - int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class ImageProcessing:
+    """One vision-language model's processor and placeholder token."""
+
+    def __init__(self, processor: Any, image_token_id: int):
+        self._processor = processor
+        self.image_token_id = image_token_id
+
+    def process(
+        self, text: str, images: Sequence[tuple[ImageData, str]]
+    ) -> tuple[tuple[int, ...], tuple[PromptImage, ...]]:
+        """The prompt ``text`` (the chat template's, with one image marker per image) tokenized by
+        the processor with its placeholders expanded, and each image's span, key and arrays."""
+        pixels = [decode_image(image, param) for image, param in images]
+        try:
+            out = self._processor(text=[text], images=pixels, add_special_tokens=False, return_tensors="np")
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(
+                f"the model's processor rejected the images: {exc}", param="messages"
+            ) from exc
+        ids = tuple(int(token) for token in np.asarray(out["input_ids"])[0])
+        spans = _runs(ids, self.image_token_id)
+        if len(spans) != len(images):
+            raise InvalidRequest(
+                f"the prompt holds {len(spans)} image placeholders for {len(images)} images; "
+                "the chat template must render each image part once",
+                param="messages",
+            )
+        arrays = {name: np.asarray(value) for name, value in out.items() if name not in TEXT_KEYS}
+        prompt_images = tuple(
+            PromptImage(
+                start,
+                end,
+                image_key(image.data),
+                {name: value[index : index + 1] for name, value in arrays.items()},
+            )
+            for index, ((start, end), (image, _)) in enumerate(zip(spans, images, strict=True))
+        )
+        return ids, prompt_images
+
+
+def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
+    """The ``[start, end)`` of each run of ``token`` in ``ids``."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for position, value in enumerate((*ids, None)):
+        if value == token and start is None:
+            start = position
+        elif value != token and start is not None:
+            runs.append((start, position))
+            start = None
+    return runs
