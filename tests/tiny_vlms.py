@@ -10,9 +10,10 @@ from typing import Any
 
 import torch
 import transformers
-from transformers import AutoProcessor, AutoTokenizer
+from transformers import AutoTokenizer
 
 from tools.fixtures import DEFAULT_DIR, fetch_tokenizer
+from worker.model.loader import load_processor
 
 ARCHITECTURES = ("llava", "gemma3", "idefics3", "qwen2_vl")
 TEXT: dict[str, Any] = {
@@ -152,7 +153,61 @@ def _gemma3(folder: Path) -> None:
     )
 
 
-BUILDERS = {"llava": _llava, "gemma3": _gemma3}
+QWEN2_VL_TEMPLATE = LLAVA_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+def _qwen2_vl(folder: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(_fixture("qwen3"))
+    tokenizer.chat_template = QWEN2_VL_TEMPLATE
+    text = {
+        **TEXT,
+        "vocab_size": len(tokenizer),
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+    }
+    config = transformers.Qwen2VLConfig(
+        text_config=text,
+        vision_config={
+            "depth": 2,
+            "embed_dim": 32,
+            "hidden_size": TEXT["hidden_size"],
+            "num_heads": 2,
+            "mlp_ratio": 1,
+            "patch_size": 4,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+    )
+    model = transformers.Qwen2VLForConditionalGeneration(config)
+    _save(
+        model,
+        folder,
+        {
+            "preprocessor_config.json": {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": "Qwen2VLProcessor",
+                "patch_size": 4,
+                "merge_size": 2,
+                "temporal_patch_size": 2,
+                "size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
+                "do_resize": True,
+                "do_normalize": True,
+                "do_rescale": True,
+                "do_convert_rgb": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+            },
+            "processor_config.json": {"processor_class": "Qwen2VLProcessor"},
+        },
+        tokenizer,
+    )
+
+
+BUILDERS = {"llava": _llava, "gemma3": _gemma3, "qwen2_vl": _qwen2_vl}
 
 
 def build_tiny_vlm(arch: str, folder: Path) -> Path:
@@ -165,5 +220,5 @@ def build_tiny_vlm(arch: str, folder: Path) -> Path:
     folder.mkdir(parents=True)
     torch.manual_seed(0)
     BUILDERS[arch](folder)
-    AutoProcessor.from_pretrained(folder, backend="pil")  # the folder loads
+    load_processor(str(folder))  # the folder loads (Qwen2-VL's without a video processor)
     return folder

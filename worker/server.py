@@ -181,7 +181,7 @@ def build_serving(
     engine.start()
     progress.advance(1.0)
     spec = vision_spec(loaded.model.config) if loaded.processor is not None else None
-    images = ImageProcessing(loaded.processor, spec.image_token_id) if spec is not None else None
+    images = ImageProcessing(loaded.processor, spec) if spec is not None else None
     return ServingModel(
         loaded,
         engine,

@@ -71,6 +71,8 @@ class PromptImage:
     end: int
     key: int
     inputs: Mapping[str, Any]
+    # M-RoPE models: the image's tokens as a grid (time, rows, columns); empty otherwise.
+    grid: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

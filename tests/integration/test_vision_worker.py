@@ -22,6 +22,7 @@ from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.processes import WorkerProcess
 from tests.tiny_vlms import build_tiny_vlm
+from worker.model.loader import load_processor
 
 pytestmark = pytest.mark.integration
 
@@ -50,13 +51,13 @@ class Served:
     model: Any
 
 
-@pytest.fixture(scope="module", params=["llava", "gemma3"])
+@pytest.fixture(scope="module", params=["llava", "gemma3", "qwen2_vl"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers import AutoModelForImageTextToText
 
     arch = request.param
     folder = build_tiny_vlm(arch, tmp_path_factory.mktemp(f"vlm-{arch}") / arch)
-    processor = AutoProcessor.from_pretrained(folder, backend="pil")
+    processor = load_processor(str(folder))
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     logs = tmp_path_factory.mktemp(f"vlm-{arch}-log")
     with (

@@ -29,6 +29,7 @@ from worker.model.device import bind_device, is_fatal_device_error
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import ChunkImage
 from worker.model.step_inputs import Work as RunnerWork
+from worker.model.vision import mrope_delta
 from worker.output.detokenizer import TokenTexts
 from worker.output.processor import RequestOutputProcessor, TextRules
 from worker.sampling.grammar import GrammarCompiler
@@ -647,6 +648,9 @@ class Engine:
 def _runner_work(work: Work) -> RunnerWork:
     seq = work.seq
     start, end = seq.computed, seq.computed + work.count
+    grids = tuple(
+        (image.start, (image.grid[0], image.grid[1], image.grid[2])) for image in seq.images if image.grid
+    )
     return RunnerWork(
         [*seq.tokens[start:end], *work.proposals],
         start,
@@ -664,6 +668,8 @@ def _runner_work(work: Work) -> RunnerWork:
             for image in seq.images
             if image.start < end and start < image.end
         ),
+        grids,
+        mrope_delta(grids),
     )
 
 

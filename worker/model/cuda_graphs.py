@@ -127,7 +127,7 @@ class DecodeGraphs:
         bucket = next(b for b in self.buckets if b >= rows)
         size = self.runner.block_size
         ids = [item.tokens[0] for item in work]
-        positions = [item.start for item in work]
+        positions = [item.start + item.position_delta for item in work]
         slots = [slot for item in work for slot in token_slots(item, size)]
         lengths = [item.start + 1 for item in work]
         table = decode_tables(work, size, bucket, self.width, torch.int32)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoConfig,
+    AutoImageProcessor,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
@@ -306,11 +307,40 @@ def is_vision_folder(target: str) -> bool:
 
 
 def load_processor(target: str) -> Any:
-    """A vision-language model's processor, on its PIL image paths (no torchvision)."""
+    """A vision-language model's processor, on its PIL image paths (no torchvision). A processor
+    that also wants a video processor (which needs torchvision) is built without one: images only."""
     try:
-        return AutoProcessor.from_pretrained(target, backend="pil")
-    except (OSError, ValueError) as exc:
+        try:
+            return AutoProcessor.from_pretrained(target, backend="pil")
+        except ImportError:
+            return _images_only_processor(target)
+    except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"could not load the image processor of {target!r}: {exc}") from exc
+
+
+def _images_only_processor(target: str) -> Any:
+    """The folder's processor class with its image processor and tokenizer and no video processor."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = PROCESSOR_MAPPING_NAMES.get(AutoConfig.from_pretrained(target).model_type)
+    base = getattr(transformers, str(name), None)
+    if base is None:
+        raise ImportError(f"no processor class {name!r}")
+
+    class ImagesOnly(base):  # type: ignore[misc,valid-type]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            return (
+                None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+            )
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    return ImagesOnly(
+        image_processor=AutoImageProcessor.from_pretrained(target, backend="pil"),
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=tokenizer.chat_template,
+    )
 
 
 def _load_float_tokenizer(folder: Path | None, model: str | None) -> PreTrainedTokenizerBase:

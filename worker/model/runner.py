@@ -16,7 +16,7 @@ from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError
 from worker.model.step_inputs import ChunkImage, DecodeInputs, FlatTokens, Work, decode_inputs
-from worker.model.vision import VisionEncoder, vision_spec
+from worker.model.vision import VisionEncoder, mrope_positions, vision_spec
 from worker.quant.layers import row_invariant_linears
 from worker.types import FastPath, SampledLogprobs
 
@@ -179,7 +179,7 @@ class ModelRunner:
         if decode_work:
             step.decode_tokens = torch.tensor(decode_tokens, dtype=torch.long, device=device)
             self._decode_rows(step, decode_work)
-        return self._forward_flat(step, flat, [image for item in work for image in item.images])
+        return self._forward_flat(step, flat, work)
 
     def _invariant(self, work: Sequence[Work]) -> torch.Tensor:
         size = self.block_size
@@ -204,21 +204,29 @@ class ModelRunner:
         return self._forward_flat(step, flat)
 
     def _forward_flat(
-        self, step: paged.PagedStep, flat: FlatTokens, images: Sequence[ChunkImage] = ()
+        self, step: paged.PagedStep, flat: FlatTokens, work: Sequence[Work] = ()
     ) -> torch.Tensor:
         """One forward of ``flat``'s tokens as a ``[1, T]`` sequence under ``step``; the logits of
-        its sampling tokens. ``images``: the step's image placeholders, in flat order: the vision
-        encoder runs first (outside the paged step) and its features replace their embeddings."""
+        its sampling tokens. ``work``'s images: the vision encoder runs first (outside the paged
+        step) and its features replace their placeholders' embeddings; an M-RoPE model's positions
+        are 3-D."""
         device = self.device
         ids = torch.tensor([flat.ids], dtype=torch.long, device=device)
         inputs: dict[str, torch.Tensor] = {"input_ids": ids}
+        images: list[ChunkImage] = [image for item in work for image in item.images]
         if images:
             assert self.vision is not None
             inputs = {"inputs_embeds": self.vision.embed(ids, images)}
+        positions = torch.tensor([flat.positions], dtype=torch.long, device=device)
+        if any(item.grids for item in work):
+            positions = torch.cat(
+                [mrope_positions(item.grids, item.start, len(item.tokens)) for item in work], 1
+            )
+            positions = positions[:, None, :].to(device)
         with paged.paged_step(step):
             out = self.model(
                 **inputs,
-                position_ids=torch.tensor([flat.positions], dtype=torch.long, device=device),
+                position_ids=positions,
                 use_cache=False,
                 logits_to_keep=torch.tensor(flat.keep, dtype=torch.long, device=device),
             )

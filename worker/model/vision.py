@@ -21,7 +21,9 @@ log = logging.getLogger(__name__)
 
 # model_type -> whether an image's placeholder tokens attend to each other both ways in prefill
 # (Gemma 3: the image's tokens are one bidirectional block, as transformers' mask has them).
-SERVED: dict[str, bool] = {"llava": False, "gemma3": True}
+SERVED: dict[str, bool] = {"llava": False, "gemma3": True, "qwen2_vl": False}
+# Architectures whose rotary positions are 3-D (M-RoPE): an image's tokens take (time, row, column).
+MROPE = frozenset({"qwen2_vl"})
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,8 @@ class VisionSpec:
     model_type: str
     image_token_id: int
     bidirectional: bool
+    # M-RoPE: how many patches per side the vision tower merges into one token (None: 1-D positions).
+    mrope_merge: int | None = None
 
 
 def is_vision_config(config: Any) -> bool:
@@ -55,7 +59,8 @@ def vision_spec(config: Any) -> VisionSpec | None:
         token = getattr(config, "image_token_index", None)
     if token is None:
         raise ModelLoadError(f"{names} ({kind}): the config names no image token (image_token_id)")
-    return VisionSpec(kind, int(token), SERVED[kind])
+    merge = int(config.vision_config.spatial_merge_size) if kind in MROPE else None
+    return VisionSpec(kind, int(token), SERVED[kind], merge)
 
 
 class VisionEncoder:
@@ -92,11 +97,9 @@ class VisionEncoder:
             encoded = self.model.get_image_features(
                 pixel_values=pixels, return_dict=True, **self._options, **batch
             )
-            features = encoded.pooler_output
-            if isinstance(features, (list, tuple)):
-                features = torch.stack(list(features))
+            features = encoded.pooler_output  # [images, tokens, hidden], or one tensor per image
             for row, index in enumerate(indexes):
-                out[index] = features[row].reshape(-1, features.shape[-1])
+                out[index] = features[row].reshape(-1, features[row].shape[-1])
         return [feature for feature in out if feature is not None]
 
     def embed(self, ids: torch.Tensor, images: Sequence[ChunkImage]) -> torch.Tensor:
@@ -116,3 +119,34 @@ class VisionEncoder:
                 f"{int(mask.sum())} image placeholders in the step, {rows.shape[0]} feature rows"
             )
         return embeds.masked_scatter(mask.expand_as(embeds), rows.to(embeds.dtype))
+
+
+def mrope_positions(
+    grids: Sequence[tuple[int, tuple[int, int, int]]], start: int, count: int
+) -> torch.Tensor:
+    """M-RoPE positions ``[3, count]`` of a sequence's tokens ``start..`` whose images begin at the
+    given positions with these token grids (time, rows, columns), as Qwen2-VL's ``get_rope_index``
+    lays them out: an image's tokens take ``(base + t, base + row, base + column)``, and the text
+    after it goes on from ``base + max(rows, columns)`` instead of after its token count."""
+    positions = torch.arange(start, start + count)
+    out = positions.expand(3, count).clone()
+    shift = 0  # what the images before the current one moved the positions by
+    for image_start, (frames, rows, columns) in grids:
+        tokens = frames * rows * columns
+        end = image_start + tokens
+        inside = (positions >= image_start) & (positions < end)
+        if bool(inside.any()):
+            offset = positions[inside] - image_start
+            base = image_start + shift
+            out[0, inside] = base + offset // (rows * columns)
+            out[1, inside] = base + (offset // columns) % rows
+            out[2, inside] = base + offset % columns
+        moved = max(rows, columns) - tokens
+        out[:, positions >= end] += moved
+        shift += moved
+    return out
+
+
+def mrope_delta(grids: Sequence[tuple[int, tuple[int, int, int]]]) -> int:
+    """How far M-RoPE moves the positions after every image (the decode rows' offset)."""
+    return sum(max(rows, columns) - frames * rows * columns for _, (frames, rows, columns) in grids)

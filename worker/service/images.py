@@ -16,6 +16,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from worker.errors import InvalidRequest
+from worker.model.vision import VisionSpec
 from worker.types import PromptImage
 
 FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
@@ -64,11 +65,12 @@ def image_key(data: bytes) -> int:
 
 
 class ImageProcessing:
-    """One vision-language model's processor and placeholder token."""
+    """One vision-language model's processor, placeholder token and (M-RoPE models) merge size."""
 
-    def __init__(self, processor: Any, image_token_id: int):
+    def __init__(self, processor: Any, spec: VisionSpec):
         self._processor = processor
-        self.image_token_id = image_token_id
+        self.image_token_id = spec.image_token_id
+        self._merge = spec.mrope_merge
 
     def process(
         self, text: str, images: Sequence[tuple[ImageData, str]]
@@ -91,16 +93,38 @@ class ImageProcessing:
                 param="messages",
             )
         arrays = {name: np.asarray(value) for name, value in out.items() if name not in TEXT_KEYS}
+        inputs, grids = self._per_image(arrays, len(images))
         prompt_images = tuple(
-            PromptImage(
-                start,
-                end,
-                image_key(image.data),
-                {name: value[index : index + 1] for name, value in arrays.items()},
-            )
+            PromptImage(start, end, image_key(image.data), inputs[index], grids[index])
             for index, ((start, end), (image, _)) in enumerate(zip(spans, images, strict=True))
         )
+        for prompt_image in prompt_images:
+            if prompt_image.grid and int(np.prod(prompt_image.grid)) != prompt_image.end - prompt_image.start:
+                raise RuntimeError("the processor's image grid does not match its placeholders")
         return ids, prompt_images
+
+    def _per_image(
+        self, arrays: dict[str, np.ndarray], count: int
+    ) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, ...]]]:
+        """Each image's own arrays (and token grid, for M-RoPE): by the first dimension, or for a
+        processor that flattens every image's patches into one list (Qwen2-VL), by each image's
+        patch count (``image_grid_thw``)."""
+        if "image_grid_thw" not in arrays:
+            return [{name: value[i : i + 1] for name, value in arrays.items()} for i in range(count)], [
+                ()
+            ] * count
+        grid = arrays["image_grid_thw"]
+        bounds = np.concatenate([[0], np.cumsum(np.prod(grid, axis=1))])
+        merge = self._merge or 1
+        inputs = [
+            {
+                name: value[bounds[i] : bounds[i + 1]] if name == "pixel_values" else value[i : i + 1]
+                for name, value in arrays.items()
+            }
+            for i in range(count)
+        ]
+        grids = [(int(t), int(h) // merge, int(w) // merge) for t, h, w in grid]
+        return inputs, list(grids)
 
 
 def _runs(ids: Sequence[int], token: int) -> list[tuple[int, int]]:
