@@ -153,6 +153,50 @@ def _gemma3(folder: Path) -> None:
     )
 
 
+def _idefics3(folder: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(_fixture("qwen3"))
+    tiles = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    special = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tiles]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    tokenizer.chat_template = LLAVA_TEMPLATE
+    tokens_per_tile = (VISION["image_size"] // VISION["patch_size"]) ** 2 // 4  # scale factor 2
+    config = transformers.Idefics3Config(
+        text_config={**TEXT, "model_type": "llama", "vocab_size": len(tokenizer)},
+        vision_config=VISION,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    model = transformers.Idefics3ForConditionalGeneration(config)
+    _save(
+        model,
+        folder,
+        {
+            "preprocessor_config.json": {
+                "image_processor_type": "Idefics3ImageProcessor",
+                "processor_class": "Idefics3Processor",
+                # An image is resized to at most 64 pixels a side and split into 32-pixel tiles plus
+                # the whole image at 32: a 40x30 image is 2x2 tiles and a global one.
+                "size": {"longest_edge": 2 * VISION["image_size"]},
+                "max_image_size": {"longest_edge": VISION["image_size"]},
+                "do_image_splitting": True,
+                "do_resize": True,
+                "do_normalize": True,
+                "do_rescale": True,
+                "do_convert_rgb": True,
+                "do_pad": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "resample": 1,
+            },
+            "processor_config.json": {
+                "processor_class": "Idefics3Processor",
+                "image_seq_len": tokens_per_tile,
+            },
+        },
+        tokenizer,
+    )
+
+
 QWEN2_VL_TEMPLATE = LLAVA_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
 
 
@@ -207,7 +251,7 @@ def _qwen2_vl(folder: Path) -> None:
     )
 
 
-BUILDERS = {"llava": _llava, "gemma3": _gemma3, "qwen2_vl": _qwen2_vl}
+BUILDERS = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3, "qwen2_vl": _qwen2_vl}
 
 
 def build_tiny_vlm(arch: str, folder: Path) -> Path:

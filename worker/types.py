@@ -73,6 +73,13 @@ class PromptImage:
     inputs: Mapping[str, Any]
     # M-RoPE models: the image's tokens as a grid (time, rows, columns); empty otherwise.
     grid: tuple[int, ...] = ()
+    # The placeholder runs ``[start, end)`` within the span when it holds other tokens too (an
+    # Idefics3 image's tiles, each after its own marker); empty: the whole span is placeholders.
+    runs: tuple[tuple[int, int], ...] = ()
+
+    def placeholders(self, start: int, end: int) -> int:
+        """How many of this image's placeholders lie in positions ``[start, end)``."""
+        return sum(max(0, min(end, b) - max(start, a)) for a, b in self.runs or ((self.start, self.end),))
 
 
 @dataclass(frozen=True)

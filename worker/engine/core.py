@@ -661,8 +661,8 @@ def _runner_work(work: Work) -> RunnerWork:
         tuple(
             ChunkImage(
                 image.inputs,
-                max(start, image.start) - image.start,
-                min(end, image.end) - max(start, image.start),
+                image.placeholders(image.start, start),
+                image.placeholders(start, end),
                 (image.start, image.end),
             )
             for image in seq.images

@@ -71,6 +71,9 @@ class ImageProcessing:
         self._processor = processor
         self.image_token_id = spec.image_token_id
         self._merge = spec.mrope_merge
+        # Idefics3: an image is several tiles, each a run of placeholders after its own marker; the
+        # run after this marker (the whole image, downscaled) is the image's last.
+        self._last_tile_marker: int | None = getattr(processor, "global_image_token_id", None)
 
     def process(
         self, text: str, images: Sequence[tuple[ImageData, str]]
@@ -85,7 +88,8 @@ class ImageProcessing:
                 f"the model's processor rejected the images: {exc}", param="messages"
             ) from exc
         ids = tuple(int(token) for token in np.asarray(out["input_ids"])[0])
-        spans = _runs(ids, self.image_token_id)
+        groups = self._images_runs(ids)
+        spans = [(runs[0][0], runs[-1][1]) for runs in groups]
         if len(spans) != len(images):
             raise InvalidRequest(
                 f"the prompt holds {len(spans)} image placeholders for {len(images)} images; "
@@ -93,9 +97,16 @@ class ImageProcessing:
                 param="messages",
             )
         arrays = {name: np.asarray(value) for name, value in out.items() if name not in TEXT_KEYS}
-        inputs, grids = self._per_image(arrays, len(images))
+        inputs, grids = self._per_image(arrays, [len(runs) for runs in groups])
         prompt_images = tuple(
-            PromptImage(start, end, image_key(image.data), inputs[index], grids[index])
+            PromptImage(
+                start,
+                end,
+                image_key(image.data),
+                inputs[index],
+                grids[index],
+                tuple(groups[index]) if len(groups[index]) > 1 else (),
+            )
             for index, ((start, end), (image, _)) in enumerate(zip(spans, images, strict=True))
         )
         for prompt_image in prompt_images:
@@ -103,16 +114,35 @@ class ImageProcessing:
                 raise RuntimeError("the processor's image grid does not match its placeholders")
         return ids, prompt_images
 
+    def _images_runs(self, ids: Sequence[int]) -> list[list[tuple[int, int]]]:
+        """The placeholder runs of each image, in order: one run per image, or (Idefics3) the runs
+        up to and including the one after the last-tile marker."""
+        runs = _runs(ids, self.image_token_id)
+        if self._last_tile_marker is None:
+            return [[run] for run in runs]
+        groups: list[list[tuple[int, int]]] = [[]]
+        for run in runs:
+            groups[-1].append(run)
+            if run[0] > 0 and ids[run[0] - 1] == self._last_tile_marker:
+                groups.append([])
+        return [group for group in groups if group]
+
     def _per_image(
-        self, arrays: dict[str, np.ndarray], count: int
+        self, arrays: dict[str, np.ndarray], tiles: list[int]
     ) -> tuple[list[dict[str, np.ndarray]], list[tuple[int, ...]]]:
-        """Each image's own arrays (and token grid, for M-RoPE): by the first dimension, or for a
-        processor that flattens every image's patches into one list (Qwen2-VL), by each image's
-        patch count (``image_grid_thw``)."""
+        """Each image's own arrays (and token grid, for M-RoPE): by the first dimension; for tiled
+        images (Idefics3, ``[1, tiles, ...]``) by each image's tiles; for a processor that flattens
+        every image's patches into one list (Qwen2-VL) by each image's patch count (``image_grid_thw``)."""
+        count = len(tiles)
+        none: list[tuple[int, ...]] = [()] * count
         if "image_grid_thw" not in arrays:
-            return [{name: value[i : i + 1] for name, value in arrays.items()} for i in range(count)], [
-                ()
-            ] * count
+            if "pixel_values" in arrays and arrays["pixel_values"].ndim == 5:
+                bounds = np.concatenate([[0], np.cumsum(tiles)])
+                return [
+                    {name: value[:, bounds[i] : bounds[i + 1]] for name, value in arrays.items()}
+                    for i in range(count)
+                ], none
+            return [{name: value[i : i + 1] for name, value in arrays.items()} for i in range(count)], none
         grid = arrays["image_grid_thw"]
         bounds = np.concatenate([[0], np.cumsum(np.prod(grid, axis=1))])
         merge = self._merge or 1
