@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from transformers import AutoTokenizer
 from tools.fixtures import DEFAULT_DIR, fetch_tokenizer
 from worker.model.loader import load_processor
 
-ARCHITECTURES = ("llava", "gemma3", "idefics3", "qwen2_vl")
+ARCHITECTURES = ("llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl")
 TEXT: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 64,
@@ -200,7 +201,21 @@ def _idefics3(folder: Path) -> None:
 QWEN2_VL_TEMPLATE = LLAVA_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
 
 
-def _qwen2_vl(folder: Path) -> None:
+QWEN_VISION: dict[str, Any] = {"depth": 2, "num_heads": 2, "patch_size": 4, "spatial_merge_size": 2}
+QWEN_VISION_BY_ARCH: dict[str, dict[str, Any]] = {
+    "qwen2_vl": {"embed_dim": 32, "hidden_size": TEXT["hidden_size"], "mlp_ratio": 1},
+    # Windows of 2x2 merged tokens in the first block, full attention in the second.
+    "qwen2_5_vl": {
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "out_hidden_size": TEXT["hidden_size"],
+        "window_size": 16,
+        "fullatt_block_indexes": [1],
+    },
+}
+
+
+def _qwen_vl(folder: Path, arch: str = "qwen2_vl") -> None:
     tokenizer = AutoTokenizer.from_pretrained(_fixture("qwen3"))
     tokenizer.chat_template = QWEN2_VL_TEMPLATE
     text = {
@@ -208,32 +223,30 @@ def _qwen2_vl(folder: Path) -> None:
         "vocab_size": len(tokenizer),
         "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
     }
-    config = transformers.Qwen2VLConfig(
+    qwen2 = arch == "qwen2_vl"
+    config_class = transformers.Qwen2VLConfig if qwen2 else transformers.Qwen2_5_VLConfig
+    model_class = (
+        transformers.Qwen2VLForConditionalGeneration
+        if qwen2
+        else transformers.Qwen2_5_VLForConditionalGeneration
+    )
+    processor_class = "Qwen2VLProcessor" if qwen2 else "Qwen2_5_VLProcessor"
+    config = config_class(
         text_config=text,
-        vision_config={
-            "depth": 2,
-            "embed_dim": 32,
-            "hidden_size": TEXT["hidden_size"],
-            "num_heads": 2,
-            "mlp_ratio": 1,
-            "patch_size": 4,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "in_channels": 3,
-        },
+        vision_config={**QWEN_VISION, **QWEN_VISION_BY_ARCH[arch]},
         image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
         video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
         vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
         vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
     )
-    model = transformers.Qwen2VLForConditionalGeneration(config)
+    model = model_class(config)
     _save(
         model,
         folder,
         {
             "preprocessor_config.json": {
                 "image_processor_type": "Qwen2VLImageProcessor",
-                "processor_class": "Qwen2VLProcessor",
+                "processor_class": processor_class,
                 "patch_size": 4,
                 "merge_size": 2,
                 "temporal_patch_size": 2,
@@ -245,13 +258,19 @@ def _qwen2_vl(folder: Path) -> None:
                 "image_mean": [0.5, 0.5, 0.5],
                 "image_std": [0.5, 0.5, 0.5],
             },
-            "processor_config.json": {"processor_class": "Qwen2VLProcessor"},
+            "processor_config.json": {"processor_class": processor_class},
         },
         tokenizer,
     )
 
 
-BUILDERS = {"llava": _llava, "gemma3": _gemma3, "idefics3": _idefics3, "qwen2_vl": _qwen2_vl}
+BUILDERS: dict[str, Callable[[Path], None]] = {
+    "llava": _llava,
+    "gemma3": _gemma3,
+    "idefics3": _idefics3,
+    "qwen2_vl": _qwen_vl,
+    "qwen2_5_vl": lambda folder: _qwen_vl(folder, "qwen2_5_vl"),
+}
 
 
 def build_tiny_vlm(arch: str, folder: Path) -> Path:

@@ -51,7 +51,7 @@ class Served:
     model: Any
 
 
-@pytest.fixture(scope="module", params=["llava", "gemma3", "idefics3", "qwen2_vl"])
+@pytest.fixture(scope="module", params=["llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl"])
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     from transformers import AutoModelForImageTextToText
 

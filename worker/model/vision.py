@@ -21,9 +21,15 @@ log = logging.getLogger(__name__)
 
 # model_type -> whether an image's placeholder tokens attend to each other both ways in prefill
 # (Gemma 3: the image's tokens are one bidirectional block, as transformers' mask has them).
-SERVED: dict[str, bool] = {"llava": False, "gemma3": True, "idefics3": False, "qwen2_vl": False}
+SERVED: dict[str, bool] = {
+    "llava": False,
+    "gemma3": True,
+    "idefics3": False,
+    "qwen2_vl": False,
+    "qwen2_5_vl": False,
+}
 # Architectures whose rotary positions are 3-D (M-RoPE): an image's tokens take (time, row, column).
-MROPE = frozenset({"qwen2_vl"})
+MROPE = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
 
 @dataclass(frozen=True)
