@@ -165,6 +165,27 @@ def test_a_repeated_image_is_cached_and_a_changed_pixel_is_not(served: Served) -
     assert other[-1].usage.cached_tokens <= start
 
 
+def test_a_cached_prefix_that_ends_inside_an_image_decodes_like_transformers(served: Served) -> None:
+    """The second prompt shares the first's image but not the text after it, and its cached blocks
+    end inside the image: the rest of the image is computed from its features' later rows."""
+    image = noise(10)
+    for before in ("Hi", "Hi there", "Hi there you", "Well hi there you"):
+        first = reference(served, before, image, "Describe it.")[0]
+        prompt, expected, expected_logprobs = reference(served, before, image, "Name its colours.")
+        start, end = image_span(served, prompt)
+        common = next(i for i, (a, b) in enumerate(zip(first, prompt, strict=False)) if a != b)
+        block = 4  # --kv-block-size
+        if start < common // block * block < end:
+            break
+    else:
+        pytest.skip("no prefix puts a block boundary inside the image")
+    list(served.stub.Generate(chat(before, encoded(image), "Describe it.", max_tokens=1)))
+    events = list(served.stub.Generate(chat(before, encoded(image), "Name its colours.")))
+    assert start < events[-1].usage.cached_tokens < end
+    assert generated(events) == expected
+    assert torch.allclose(logprobs(events), expected_logprobs, atol=2e-3, rtol=0)
+
+
 @pytest.mark.parametrize(
     ("data", "why"),
     [(b"not an image", "cannot be decoded"), (encoded(noise(6), "BMP"), "unsupported image format")],
