@@ -317,7 +317,7 @@ class ChatCompletionRequest(SamplingRequest, StructuredRequest):
 
     def surface_param(self, param: str) -> str:
         """``param`` (a path in this chat request) as the caller's surface names it."""
-        return rename_param(param, self._places)
+        return placed_param(param, self._places) or param
 
     def image_parts(self) -> Iterator[tuple[str, ImageUrlPart]]:
         """Every image part, in order, with its path in this request (``messages[i].content[j]``)."""
@@ -347,13 +347,13 @@ _UNSUPPORTED_CHAT_FIELDS = {
 }
 
 
-def rename_param(param: str, places: Mapping[str, str]) -> str:
+def placed_param(param: str, places: Mapping[str, str]) -> str | None:
     """``param`` with its leading path renamed by ``places`` (chat path → the surface's path; the
-    first place that is ``param`` or a path above it)."""
+    first place that is ``param`` or a path above it); ``None`` when no place is."""
     for chat_path, surface_path in places.items():
         if param == chat_path or param.startswith((f"{chat_path}.", f"{chat_path}[")):
             return surface_path + param[len(chat_path) :]
-    return param
+    return None
 
 
 def parse_chat_request(body: Any, limits: RequestLimits | None = None) -> ChatCompletionRequest:

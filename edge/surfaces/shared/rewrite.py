@@ -17,7 +17,7 @@ from edge.surfaces.shared.chat_request import (
     ChatCompletionRequest,
     FunctionDefinition,
     parse_chat_request,
-    rename_param,
+    placed_param,
 )
 from edge.surfaces.shared.validation import bad, invalid, validate_body
 
@@ -82,8 +82,8 @@ def to_chat_request(chat_body: dict[str, Any], renames: Mapping[str, str]) -> Ch
         chat = parse_chat_request(chat_body)
     except InvalidRequestError as error:
         param = error.param or ""
-        placed = rename_param(param, places)
-        if placed != param:
+        placed = placed_param(param, places)
+        if placed is not None:
             raise InvalidRequestError(
                 error.message.replace(f"'{param}'", f"'{placed}'"), param=placed, code=error.code
             ) from None

@@ -212,6 +212,12 @@ def test_anthropic_image_errors_name_the_block(block: dict[str, Any], param: str
     assert f"'{param}'" in error.message
 
 
+@pytest.mark.parametrize("system", [None, "be brief"])
+def test_anthropic_errors_name_the_block_where_chat_and_surface_paths_agree(system: str | None) -> None:
+    body = anthropic_with({"type": "text", "text": "x"}, base64_block("image/png", "%%%"), system=system)
+    assert refused(parse_messages_request, body).param == "messages[0].content[1]"
+
+
 def test_anthropic_url_sources_are_kept_for_the_fetch_when_allowed() -> None:
     from edge.surfaces.shared.validation import request_limits
 
