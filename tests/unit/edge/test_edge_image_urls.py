@@ -90,13 +90,21 @@ def test_public_addresses_are_allowed(address: str) -> None:
     assert is_public_address(parse_address(address))
 
 
-def test_every_private_network_boundary() -> None:
-    for network in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "127.0.0.0/8", "169.254.0.0/16"):
-        net = ipaddress.IPv4Network(network)
-        assert not is_public_address(net[0]) and not is_public_address(net[-1])
-        assert is_public_address(net[0] - 1) or (net[0] - 1).is_private  # the neighbour is another block
-    assert is_public_address(ipaddress.IPv4Address("172.32.0.1"))
-    assert is_public_address(ipaddress.IPv4Address("11.0.0.1"))
+@pytest.mark.parametrize(
+    ("network", "below", "above"),
+    [
+        ("10.0.0.0/8", "9.255.255.255", "11.0.0.0"),
+        ("127.0.0.0/8", "126.255.255.255", "128.0.0.0"),
+        ("169.254.0.0/16", "169.253.255.255", "169.255.0.0"),
+        ("172.16.0.0/12", "172.15.255.255", "172.32.0.0"),
+        ("192.168.0.0/16", "192.167.255.255", "192.169.0.0"),
+        ("100.64.0.0/10", "100.63.255.255", "100.128.0.0"),
+    ],
+)
+def test_a_blocked_network_ends_exactly_at_its_bounds(network: str, below: str, above: str) -> None:
+    net = ipaddress.IPv4Network(network)
+    assert not is_public_address(net[0]) and not is_public_address(net[-1])
+    assert is_public_address(parse_address(below)) and is_public_address(parse_address(above))
 
 
 # --- the fetch, against a local server -----------------------------------------------------
