@@ -330,6 +330,9 @@ def test_images_reach_a_vision_worker_as_bytes_in_order() -> None:
         async with running_worker(fake) as address, running_edge([address]) as base:
             reply = await post(base, "/v1/chat/completions", chat_body(image(data_url(PNG))))
             assert reply.status_code == 200, reply.text
+            async with httpx.AsyncClient() as client:
+                (listed,) = (await client.get(f"{base}/v1/models")).json()["data"]
+        assert listed["accepts_images"] is True
         (message,) = fake.requests[0].chat.messages
         assert [p.WhichOneof("part") for p in message.parts] == ["text", "image"]
         assert message.parts[1].image.data == PNG and message.parts[1].image.detail == "high"
@@ -345,6 +348,9 @@ def test_a_model_without_images_is_refused_before_the_worker_is_called() -> None
             assert reply.status_code == 400
             error = reply.json()["error"]
             assert (error["param"], error["code"]) == ("messages[0].content[1]", "image_not_supported")
+            async with httpx.AsyncClient() as client:
+                (listed,) = (await client.get(f"{base}/v1/models")).json()["data"]
+            assert "accepts_images" not in listed
             anthropic = await post(
                 base,
                 "/v1/messages",
