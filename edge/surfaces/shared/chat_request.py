@@ -315,6 +315,10 @@ class ChatCompletionRequest(SamplingRequest, StructuredRequest):
     # ``messages[i].content[j]`` → the surface's own path; empty for the chat surface.
     _places: dict[str, str] = PrivateAttr(default_factory=dict)
 
+    def keep_places(self, places: Mapping[str, str]) -> None:
+        """Remembers where the caller's surface put each image part (chat path → surface path)."""
+        self._places = dict(places)
+
     def surface_param(self, param: str) -> str:
         """``param`` (a path in this chat request) as the caller's surface names it."""
         return placed_param(param, self._places) or param

@@ -96,7 +96,7 @@ def to_chat_request(chat_body: dict[str, Any], renames: Mapping[str, str]) -> Ch
         raise InvalidRequestError(
             error.message.replace(f"'{param}'", f"'{renamed}'"), param=renamed, code=error.code
         ) from None
-    chat._places = places
+    chat.keep_places(places)
     return chat
 
 
