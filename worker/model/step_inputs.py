@@ -67,15 +67,6 @@ def _table_rows(work: Sequence[Work], block_size: int, width: int) -> list[list[
     return rows
 
 
-def decode_tables(
-    work: Sequence[Work], block_size: int, rows: int, width: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Block tables ``[rows, width]`` (on the CPU) of decode items: row ``i`` lists the blocks that hold
-    item ``i``'s context, the current token included; other entries (and rows past ``work``) are 0."""
-    table = _table_rows(work, block_size, width) + [[0] * width] * (rows - len(work))
-    return torch.tensor(table, dtype=dtype).reshape(rows, width)
-
-
 @dataclass(frozen=True)
 class DecodeInputs:
     """A decode-only step's inputs on the device: ids and positions ``[rows, 1]``, pool slots and
