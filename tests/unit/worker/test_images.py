@@ -143,3 +143,50 @@ def test_an_image_block_sees_its_later_tokens_within_the_window() -> None:
     assert windowed is not None
     assert windowed[1, 3] and not windowed[3, 1]  # key 1 is outside query 3's window of 2
     assert torch.equal(chunk_mask(6, 6, 2, torch.device("cpu"), None, ((1, 4),))[6:], mask)
+
+
+def test_an_unserved_vision_language_architecture_is_refused_naming_it() -> None:
+    import transformers
+
+    from worker.model.loader import ModelLoadError
+    from worker.model.vision import vision_spec
+
+    assert vision_spec(transformers.LlamaConfig()) is None
+    with pytest.raises(ModelLoadError) as info:
+        vision_spec(transformers.LlavaNextConfig())
+    assert "llava_next" in str(info.value) and "served: gemma3, idefics3, llava" in str(info.value)
+
+
+def test_mrope_positions_equal_transformers_rope_index() -> None:
+    """Two images (a wide and a tall grid) between text, against Qwen2-VL's own get_rope_index."""
+    import transformers
+
+    from worker.model.vision import mrope_delta, mrope_positions
+
+    config = transformers.Qwen2VLConfig(
+        text_config={"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 64},
+        vision_config={
+            "depth": 1,
+            "embed_dim": 16,
+            "hidden_size": 16,
+            "num_heads": 2,
+            "spatial_merge_size": 2,
+        },
+        image_token_id=9,
+    )
+    model = transformers.Qwen2VLModel(config)
+    grids = [(1, 4, 6), (1, 6, 2)]  # patches; tokens are these over the 2x2 merge
+    text = [[1, 2, 3], [4, 5], [6, 7, 8, 1]]
+    ids: list[int] = []
+    starts = []
+    for index, part in enumerate(text):
+        ids += part
+        if index < len(grids):
+            starts.append(len(ids))
+            ids += [9] * (grids[index][1] * grids[index][2] // 4)
+    types = torch.tensor([[int(t == 9) for t in ids]])
+    expected, delta = model.get_rope_index(torch.tensor([ids]), types, image_grid_thw=torch.tensor(grids))
+    merged = tuple((start, (t, h // 2, w // 2)) for start, (t, h, w) in zip(starts, grids, strict=True))
+    assert torch.equal(mrope_positions(merged, 0, len(ids)), expected[:, 0])
+    assert torch.equal(mrope_positions(merged, 5, 9), expected[:, 0, 5:14])  # a chunk's slice alone
+    assert mrope_delta(merged) == int(delta)
