@@ -21,6 +21,17 @@ from worker.quant.layers import row_invariant_linears
 from worker.types import FastPath, SampledLogprobs
 
 
+def _image_spans(flat: FlatTokens, work: Sequence[Work]) -> torch.Tensor:
+    """Bool ``[T]``: which of the flat tokens lie inside an image's span (its placeholders there)."""
+    inside = torch.zeros(len(flat.ids), dtype=torch.bool)
+    for item, first in zip(work, flat.starts, strict=True):
+        for image in item.images:
+            low = max(image.span[0], item.start) - item.start
+            high = min(image.span[1], item.start + len(item.tokens)) - item.start
+            inside[first + low : first + high] = True
+    return inside
+
+
 def check_batch_invariant(loaded: LoadedModel) -> None:
     """Raises :class:`ModelLoadError` unless ``loaded`` can run batch-invariant steps (the module
     docstring), and drops the quantized layers' float copies for batches (their kernels are not)."""
@@ -216,7 +227,7 @@ class ModelRunner:
         images: list[ChunkImage] = [image for item in work for image in item.images]
         if images:
             assert self.vision is not None
-            inputs = {"inputs_embeds": self.vision.embed(ids, images)}
+            inputs = {"inputs_embeds": self.vision.embed(ids, images, _image_spans(flat, work))}
         positions = torch.tensor([flat.positions], dtype=torch.long, device=device)
         if any(item.grids for item in work):
             positions = torch.cat(

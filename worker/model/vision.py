@@ -108,9 +108,11 @@ class VisionEncoder:
                 out[index] = features[row].reshape(-1, features[row].shape[-1])
         return [feature for feature in out if feature is not None]
 
-    def embed(self, ids: torch.Tensor, images: Sequence[ChunkImage]) -> torch.Tensor:
-        """The input embeddings of ``ids`` ``[1, T]`` with the images' feature rows at the
-        placeholders (in order: the chunks' images as the flat sequence holds them)."""
+    def embed(self, ids: torch.Tensor, images: Sequence[ChunkImage], spans: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``ids`` ``[1, T]`` with the images' feature rows at their
+        placeholders, in order (the chunks' images as the flat sequence holds them): the tokens
+        that are the image token within ``spans`` (bool ``[T]``: the flat tokens inside an image's
+        span), so a generated or proposed token that happens to be the image token is left alone."""
         encoded = self.features([image.inputs for image in images])
         rows = torch.cat(
             [
@@ -119,7 +121,7 @@ class VisionEncoder:
             ]
         )
         embeds = self.embed_tokens(ids)
-        mask = (ids == self.spec.image_token_id).unsqueeze(-1)
+        mask = ((ids == self.spec.image_token_id) & spans.to(ids.device)).unsqueeze(-1)
         if int(mask.sum()) != rows.shape[0]:
             raise RuntimeError(
                 f"{int(mask.sum())} image placeholders in the step, {rows.shape[0]} feature rows"
