@@ -14,6 +14,18 @@ import torch
 
 
 @dataclass(frozen=True)
+class ChunkImage:
+    """The part of one image a prefill chunk computes: ``rows`` of its features from ``first``
+    (the placeholders the chunk holds, in order); ``inputs``: the processor's arrays for the
+    encoder; ``span``: the image's placeholder positions ``[start, end)`` in the sequence."""
+
+    inputs: Any  # Mapping[str, numpy array], one image's
+    first: int
+    rows: int
+    span: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class Work:
     """One sequence's part of a step: compute ``tokens`` at positions ``start..``, whose slots the
     block table covers; ``sample``: the last token's logits are wanted (it ends the known tokens);
@@ -26,6 +38,11 @@ class Work:
     sample: bool
     generated: int = 0  # tokens the sequence has generated so far (a fake runner picks from it)
     proposed: int = 0
+    images: tuple[ChunkImage, ...] = ()  # the images whose placeholders ``tokens`` hold
+    # M-RoPE models: where each of the sequence's images starts and its token grid (time, rows,
+    # columns), and how far they move the positions after them (a decode row's offset).
+    grids: tuple[tuple[int, tuple[int, int, int]], ...] = ()
+    position_delta: int = 0
 
 
 def slots(item: Work, block_size: int) -> list[int]:
@@ -70,7 +87,13 @@ def decode_inputs(
     tables = _table_rows(work, block_size, width)
     size = block_size
     host = [
-        [item.tokens[0], item.start, row[item.start // size] * size + item.start % size, item.start + 1, *row]
+        [
+            item.tokens[0],
+            item.start + item.position_delta,
+            row[item.start // size] * size + item.start % size,
+            item.start + 1,
+            *row,
+        ]
         for item, row in zip(work, tables, strict=True)
     ]
     packed = staged(host, torch.long, device)
