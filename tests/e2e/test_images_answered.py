@@ -6,10 +6,6 @@ asserted; that an answer comes, with its finish reason and usage, is."""
 
 from __future__ import annotations
 
-import pytest
-
-pytest.importorskip("tests.tiny_vlms")
-
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +13,7 @@ from typing import Any
 import anthropic
 import httpx
 import openai
+import pytest
 
 from tests.images import b64, data_url, tiny_png
 from tests.processes import EdgeProcess, WorkerProcess

@@ -1,7 +1,9 @@
 """Images through a real worker over real gRPC, per served vision-language architecture: a tiny
 random model's greedy output with one and with two images equals transformers' ``generate`` on the
 same processor output; a repeated image hits the prefix cache, a changed pixel misses; bad images
-and a text-only model are refused with INVALID_ARGUMENT naming the part."""
+and a text-only model are refused with INVALID_ARGUMENT naming the part. Through a real edge in
+front of each: an ``image_url`` data-URL part decodes like ``generate``, its second turn reports the
+image as cached prompt tokens, and a loopback image URL is a 400."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -20,7 +23,8 @@ from PIL import Image
 from sluice.status import read_details
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from tests.processes import WorkerProcess
+from tests.images import data_url
+from tests.processes import EdgeProcess, WorkerProcess
 from tests.tiny_vlms import build_tiny_vlm
 from worker.model.loader import load_processor
 
@@ -49,6 +53,7 @@ class Served:
     stub: pb_grpc.WorkerStub
     processor: Any
     model: Any
+    edge_url: str
 
 
 @pytest.fixture(scope="module", params=["llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl"])
@@ -62,9 +67,10 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     logs = tmp_path_factory.mktemp(f"vlm-{arch}-log")
     with (
         WorkerProcess(cache_dir=logs, log_dir=logs, model=str(folder), extra=WORKER_FLAGS) as worker,
+        EdgeProcess([worker.address], log_dir=logs, extra=["--allow-image-urls"]) as edge,
         grpc.insecure_channel(worker.address) as channel,
     ):
-        yield Served(arch, pb_grpc.WorkerStub(channel), processor, model)
+        yield Served(arch, pb_grpc.WorkerStub(channel), processor, model, edge.base_url)
 
 
 def chat(*parts: str | bytes, max_tokens: int = GREEDY_TOKENS) -> pb.GenerateRequest:
@@ -218,3 +224,40 @@ def test_a_text_only_model_refuses_image_parts(tiny_model_dir: Path, tmp_path: P
             list(stub.Generate(chat("Look:", encoded(noise(9)))))
     details = read_details(info.value)
     assert details.code == grpc.StatusCode.INVALID_ARGUMENT and details.param == "messages[0].parts"
+
+
+def edge_chat(served: Served, image_url: str, text: str) -> httpx.Response:
+    body = {
+        "model": served.stub.ListModels(pb.ListModelsRequest()).models[0].id,
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": image_url}}, {"type": "text", "text": text},
+        ]}],
+        "max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": True,
+    }  # fmt: skip
+    return httpx.post(f"{served.edge_url}/v1/chat/completions", json=body, timeout=120)
+
+
+def test_through_the_edge_an_image_url_decodes_like_transformers_and_is_cached_next_turn(
+    served: Served,
+) -> None:
+    image = noise(11)
+    prompt, expected, expected_logprobs = reference(served, image, "What is this?")
+    start, end = image_span(served, prompt)
+    first = edge_chat(served, data_url(encoded(image)), "What is this?")
+    assert first.status_code == 200, first.text
+    answer = first.json()
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+    assert answer["usage"]["completion_tokens"] == len(expected)
+    served_logprobs = torch.tensor(
+        [entry["logprob"] for entry in answer["choices"][0]["logprobs"]["content"]]
+    )
+    assert torch.allclose(served_logprobs, expected_logprobs, atol=2e-3, rtol=0)  # the same tokens
+    again = edge_chat(served, data_url(encoded(image)), "What is this?").json()
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= end > start
+    assert again["choices"][0]["message"]["content"] == answer["choices"][0]["message"]["content"]
+
+
+def test_through_the_edge_a_loopback_image_url_is_refused(served: Served) -> None:
+    reply = edge_chat(served, "http://127.0.0.1:9/cat.png", "What is this?")
+    assert reply.status_code == 400
+    assert reply.json()["error"]["param"] == "messages[0].content[0]"
