@@ -158,10 +158,15 @@ def merged_flags(defaults: Sequence[str], extra: Sequence[str]) -> list[str]:
 
 
 def start_worker(
-    cache_dir: str | None, extra: list[str], defaults: Sequence[str] = WORKER_DEFAULTS
+    cache_dir: str | None,
+    extra: list[str],
+    defaults: Sequence[str] = WORKER_DEFAULTS,
+    metrics_port: int = 0,
 ) -> tuple[subprocess.Popen[bytes], str]:
+    """A worker on a free port (``metrics_port`` 0: no /metrics); returns it and its address once
+    its health check says SERVING."""
     port = free_port()
-    args = worker_command(port, 0, *merged_flags(defaults, extra))
+    args = worker_command(port, metrics_port, *merged_flags(defaults, extra))
     if cache_dir:
         args += ["--cache-dir", cache_dir]
     proc = subprocess.Popen(args, cwd=REPO)

@@ -7,7 +7,7 @@ Usage::
 
 The device image (read 2026-11-17) has torch 2.11, triton 3.6, transformers 5.17, grpcio,
 protobuf, prometheus-client, httpx, uvloop and pytest; the worker and the check also need the
-packages in MISSING, pinned to the versions installed here. Everything must fit in 64 MiB.
+packages in MISSING and NEWER, pinned to the versions installed here. Everything must fit in 64 MiB.
 """
 
 from __future__ import annotations
@@ -34,14 +34,17 @@ MISSING = (
     "orjson",
     "grpcio-health-checking",
     "grpcio-reflection",
+    "grpcio-status",
+    "googleapis-common-protos",
     "pytest-asyncio",
 )
-PLATFORMS = (
-    "manylinux_2_34_x86_64",
-    "manylinux_2_28_x86_64",
-    "manylinux_2_17_x86_64",
-    "manylinux2014_x86_64",
-)
+# What it has at other versions than this code needs: the protobuf and grpcio the committed stubs were
+# generated for (their generated code refuses an older runtime), and the transformers the tests here
+# ran (with the regex it requires), so the device runs the model code the CPU suite proved.
+NEWER = ("protobuf", "grpcio", "transformers", "regex")
+# pip matches a manylinux tag's glibc version exactly: every one up to the device's glibc 2.39.
+GLIBC_MINORS = (39, 35, 34, 31, 28, 27, 24, 17)
+PLATFORMS = (*(f"manylinux_2_{n}_x86_64" for n in GLIBC_MINORS), "manylinux2014_x86_64")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
                    "generation_config.json")  # fmt: skip
 
@@ -80,11 +83,10 @@ def main() -> int:
     shutil.rmtree(wheels, ignore_errors=True)
     wheels.mkdir(parents=True)
     tokenizer.mkdir(parents=True, exist_ok=True)
-    for requirement in pins(MISSING):
+    for requirement in pins(MISSING + NEWER):
         if subprocess.run(download_command([requirement], wheels), check=False).returncode:
-            name = requirement.split("==")[0]  # no wheel of that version for the device: the newest
-            print(f"{requirement}: no CPython 3.12 wheel; taking the newest {name}", file=sys.stderr)
-            subprocess.run(download_command([name], wheels), check=True)
+            print(f"{requirement}: no wheel for the device's CPython 3.12 on x86-64", file=sys.stderr)
+            return 1
     sys.path.insert(0, str(REPO))
     from worker.config import DEFAULT_CACHE_DIR
     from worker.model.loader import converted_gguf_folder, default_gguf_path

@@ -116,6 +116,59 @@ def host_step_times(rows: int, steps: int, vocab: int = 32, context: int = 512) 
     return times
 
 
+def model_step_times(model: str, device: str, rows_list: list[int], tokens: int) -> None:
+    """The real engine on ``model`` (``--model``): per step, where the engine thread's time goes
+    (planning, the forward's launch, waiting for the device, sampling, publishing) and the output
+    processing on the event loop. The wait is a ``synchronize`` before sampling, so the step's
+    host work and its device time are told apart (the host work overlaps nothing today)."""
+    from worker.config import parse_config
+    from worker.engine.request_stream import RequestStream
+    from worker.model.runner import ModelRunner
+    from worker.server import build_serving
+
+    max_rows = max(rows_list)
+    config = parse_config(["--model", model, "--device", device, "--max-running", str(max_rows),
+                           "--max-queue", str(max(4096, max_rows))], environ={})  # fmt: skip
+    serving = build_serving(config)
+    engine = serving.engine
+    sinks: dict[str, list[float]] = {name: [] for name in ("step", "plan", "launch", "wait", "sample",
+                                                           "publish", "process")}  # fmt: skip
+    timed(engine, "_step", sinks["step"])
+    timed(engine, "_next_plan", sinks["plan"])
+    timed(ModelRunner, "execute", sinks["launch"])
+    timed(engine, "_publish", sinks["publish"])
+    timed(RequestStream, "_process", sinks["process"])
+    sample = engine._sample
+    wait_sink, sample_sink = sinks["wait"], sinks["sample"]
+
+    def waited_sample(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        middle = time.perf_counter()
+        try:
+            return sample(*args, **kwargs)
+        finally:
+            wait_sink.append(middle - start)
+            sample_sink.append(time.perf_counter() - middle)
+
+    engine._sample = waited_sample  # type: ignore[method-assign]
+    try:
+        for rows in rows_list:
+            asyncio.run(run(engine, rows, 16))  # warm-up at this size
+            for sink in sinks.values():
+                sink.clear()
+            started = time.perf_counter()
+            asyncio.run(run(engine, rows, tokens))
+            wall = time.perf_counter() - started
+            steps = max(len(sinks["step"]), 1)
+            parts = ", ".join(f"{name} {sum(sink) / steps * 1e3:.2f}" for name, sink in sinks.items())
+            print(f"rows {rows:3d}: {steps} steps, {rows * tokens / wall:,.0f} tok/s, "
+                  f"ms per step: {parts}", flush=True)  # fmt: skip
+    finally:
+        engine.stop()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -125,11 +178,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--part", choices=("engine", "host"), default="engine")
     parser.add_argument("--vocab", type=int, default=32, help="--part host: the logits' vocabulary")
+    parser.add_argument("--model", help="profile the real engine on this model folder instead (a device)")
+    parser.add_argument("--device", default="cuda", help="--model: the worker's --device")
     # An older checkout (PYTHONPATH) may not have DEFAULT_CACHE_DIR: then pass --cache-dir.
     parser.add_argument("--cache-dir", type=Path, default=getattr(worker_config, "DEFAULT_CACHE_DIR", None))
     args = parser.parse_args()
     if args.cache_dir is None:
         parser.error("this checkout has no DEFAULT_CACHE_DIR: pass --cache-dir")
+    if args.model:
+        model_step_times(args.model, args.device, [int(r) for r in args.rows.split(",")], args.tokens)
+        return
     torch.set_num_threads(1)
     if args.part == "host":
         for rows in [int(r) for r in args.rows.split(",")]:

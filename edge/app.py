@@ -26,7 +26,13 @@ from edge.errors import (
     NotFoundError,
     PayloadTooLargeError,
 )
-from edge.http import assign_request_id, current_request_id, error_response, refuse_unknown_fields
+from edge.http import (
+    assign_request_id,
+    current_request_id,
+    error_response,
+    refuse_unknown_fields,
+    use_request_limits,
+)
 from edge.logs import bind_request_id, log_request
 from edge.metrics import EdgeMetrics
 from edge.routes import register_routes
@@ -86,6 +92,7 @@ def create_app(settings: Settings) -> EdgeApp:
 
     app.before_request(assign_request_id)
     app.before_request(bind_request_id)
+    app.before_request(use_request_limits)
     cors = Cors(settings.allowed_origins)
     if cors.enabled:
         # Before the API-key check: a browser's preflight never carries the key.

@@ -20,6 +20,7 @@ from edge.state import begin_request, current_request, current_state
 from edge.streaming.sse import dumps
 from edge.surfaces.shared.base import strict_fields
 from edge.surfaces.shared.errors import error_body
+from edge.surfaces.shared.validation import request_limits
 from edge.workers.pool import WorkerPool
 
 # A caller's X-Request-ID is echoed only if it is short and header-safe.
@@ -50,6 +51,12 @@ async def refuse_unknown_fields() -> None:
     """Before each request under ``--strict-fields``: a body field no request model knows is a 400
     naming it (:class:`~edge.surfaces.shared.base.RequestModel`)."""
     strict_fields.set(True)
+
+
+async def use_request_limits() -> None:
+    """Before each request: the operator's request limits (``--max-messages``, the image settings ...)
+    are the ones every surface's parser applies, the rewritten surfaces' included."""
+    request_limits.set(current_settings().limits)
 
 
 def current_request_id() -> str:

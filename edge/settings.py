@@ -3,6 +3,7 @@ hence a flag and a ``SLUICE_EDGE_*`` variable, in ``--help`` and docs/configurat
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -189,6 +190,24 @@ class Settings:
     max_top_logprobs: int = setting(
         20, int_at_least(0), "largest top_logprobs (chat) or logprobs (completions), at most 20"
     )
+    max_images: int = setting(8, int_at_least(0), "most image parts in one request (0 = no images)")
+    max_image_bytes: int = setting(
+        4 * 1024 * 1024,
+        int_at_least(1),
+        "largest image, bytes once decoded (a data URL's) or fetched (an http(s) URL's); all the "
+        "images of a request together stay within --max-body-bytes",
+    )
+    allow_image_urls: bool = setting(
+        False,
+        help="fetch http(s) image URLs (chat image_url, Anthropic url sources, Responses input_image); "
+        "only public addresses are ever fetched (docs/http.md); off: such parts are a 400",
+    )
+    image_url_timeout_s: float = setting(
+        10.0,
+        _POSITIVE,
+        "seconds one image URL's fetch may take, redirects included",
+        flag="image-url-timeout",
+    )
     strict_fields: bool = setting(
         False,
         help="refuse (400 naming it) a request body field no surface knows, instead of ignoring it; "
@@ -255,6 +274,7 @@ class Settings:
             "health_timeout_s",
             "health_interval_s",
             "dns_refresh_interval_s",
+            "image_url_timeout_s",
         ):
             value = getattr(self, name)
             if not math.isfinite(value) or value <= 0:
@@ -305,7 +325,7 @@ class Settings:
             name, _, reason = str(error).partition(": ")
             raise ValueError(f"{'max_tokens_limit' if name == 'max_tokens' else name}: {reason}") from None
 
-    @property
+    @functools.cached_property
     def limits(self) -> RequestLimits:
         """The per-request limits the request parsers enforce."""
         return RequestLimits(
@@ -314,6 +334,9 @@ class Settings:
             max_n=self.max_n,
             max_tokens=self.max_tokens_limit,
             max_top_logprobs=self.max_top_logprobs,
+            max_images=self.max_images,
+            max_image_bytes=self.max_image_bytes,
+            allow_image_urls=self.allow_image_urls,
         )
 
     @property

@@ -38,9 +38,11 @@ from worker.model.loader import LoadedModel, ModelLoadError, load_model
 from worker.model.pooling_runner import PoolingRunner
 from worker.model.runner import ModelRunner
 from worker.model.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner, prefill_tokens
+from worker.model.vision import vision_spec
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.drain import DrainingWorker
 from worker.service.family import FamilyProfile, choose_profile
+from worker.service.images import ImageProcessing
 from worker.service.prompt import PromptRenderer
 from worker.service.servicer import ServingModel, WorkerService
 from worker.service.wire_decoding import add_worker_service
@@ -179,10 +181,12 @@ def build_serving(
     )
     engine.start()
     progress.advance(1.0)
+    spec = vision_spec(loaded.model.config) if loaded.processor is not None else None
+    images = ImageProcessing(loaded.processor, spec) if spec is not None else None
     return ServingModel(
         loaded,
         engine,
-        PromptRenderer(loaded.tokenizer, profile),
+        PromptRenderer(loaded.tokenizer, profile, images),
         grammars,
         limits.max_running,
         config.default_max_tokens,

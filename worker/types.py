@@ -7,7 +7,9 @@ scheduler only ever see these. Events form a closed union (``Event``).
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,27 @@ class OutputOptions:
 
 
 @dataclass(frozen=True)
+class PromptImage:
+    """One image of a prompt: its placeholder tokens' span ``[start, end)`` in the prompt, the key
+    its placeholder blocks are cached under (from a hash of the image's bytes), and the processor's
+    arrays the vision encoder reads (name -> numpy array, this image's alone)."""
+
+    start: int
+    end: int
+    key: int
+    inputs: Mapping[str, Any]
+    # M-RoPE models: the image's tokens as a grid (time, rows, columns); empty otherwise.
+    grid: tuple[int, ...] = ()
+    # The placeholder runs ``[start, end)`` within the span when it holds other tokens too (an
+    # Idefics3 image's tiles, each after its own marker); empty: the whole span is placeholders.
+    runs: tuple[tuple[int, int], ...] = ()
+
+    def placeholders(self, start: int, end: int) -> int:
+        """How many of this image's placeholders lie in positions ``[start, end)``."""
+        return sum(max(0, min(end, b) - max(start, a)) for a, b in self.runs or ((self.start, self.end),))
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A tokenized request, ready for the scheduler."""
 
@@ -75,6 +98,7 @@ class GenerationRequest:
     # generated and delivered. They are prefilled after the prompt and count as generated: in
     # max_tokens, the context length, penalties, seeded draws, the grammar and usage.
     resumed_token_ids: tuple[int, ...] = ()
+    images: tuple[PromptImage, ...] = ()  # a vision-language model's images, in prompt order
 
     @property
     def prefill_token_ids(self) -> tuple[int, ...]:

@@ -28,6 +28,9 @@ class ModelObject(ResponseModel):
         default=None, description="What the model is served for (the worker's --task)."
     )
     chat_formats: ChatFormats | None = None
+    accepts_images: bool | None = Field(
+        default=None, description="True for a vision-language model (it takes image parts); absent otherwise."
+    )
 
 
 class ModelList(ResponseModel):

@@ -19,8 +19,8 @@ blueprint = Blueprint("models", __name__)
 
 
 def model_object(model: worker_pb2.ModelInfo) -> dict[str, Any]:
-    """The OpenAI model object for one worker model, with its task and the chat formats the worker
-    chose."""
+    """The OpenAI model object for one worker model, with its task, the chat formats the worker
+    chose and, for a vision-language model, ``accepts_images``."""
     shown: dict[str, Any] = {
         "id": model.id,
         "object": "model",
@@ -29,6 +29,8 @@ def model_object(model: worker_pb2.ModelInfo) -> dict[str, Any]:
     }
     if model.task:
         shown["task"] = model.task
+    if model.accepts_images:
+        shown["accepts_images"] = True
     if model.HasField("chat_formats"):
         formats = model.chat_formats
         shown["chat_formats"] = {

@@ -5,7 +5,8 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   // `epoch` changes when the conversation is cleared, so a turn still finishing cannot write into it.
-  const state = { apiKey: "", history: [], controller: null, pendingToolCalls: [], epoch: 0 };
+  const state = { apiKey: "", history: [], controller: null, pendingToolCalls: [], epoch: 0, images: [] };
+  const IMAGE_TYPES = ["image/png", "image/jpeg", "image/webp", "image/gif"];
   const views = new WeakMap(); // answer <li> → its AnswerView
   const EXAMPLE_TOOLS = [{
     type: "function",
@@ -233,10 +234,34 @@
 
   // ------------------------------------------------------------------ the conversation view
 
+  // A message's content as nodes: its text, and each image part as a thumbnail.
+  function contentNodes(content) {
+    if (!Array.isArray(content)) return [content];
+    return content.map((p) => (p.type === "text" ? p.text : el("img", { src: p.image_url.url, alt: "image" })));
+  }
+
+  // Attached images (data URLs) wait under the composer until the next message takes them.
+  function showImages() {
+    $("images").replaceChildren(...state.images.map((url, i) => {
+      const remove = el("button", { type: "button", "aria-label": `Remove image ${i + 1}` }, "×");
+      remove.addEventListener("click", () => { state.images.splice(i, 1); showImages(); });
+      return el("span", { class: "thumb" }, el("img", { src: url, alt: `image ${i + 1}` }), remove);
+    }));
+  }
+
+  function attach(files) {
+    for (const file of files) {
+      if (!IMAGE_TYPES.includes(file.type)) { say(`Not attached: ${file.type || "unknown type"} (PNG, JPEG, WebP or GIF only)`); continue; }
+      const reader = new FileReader();
+      reader.onload = () => { state.images.push(reader.result); showImages(); say("Image attached."); };
+      reader.readAsDataURL(file);
+    }
+  }
+
   function addUserTurn(message) {
     const label = message.role === "tool" ? `Tool result for ${message.tool_call_id}` : "You";
     const item = el("li", { class: "user" }, el("div", { class: "who" }, label),
-      el("div", { class: "answer" }, message.content));
+      el("div", { class: "answer" }, ...contentNodes(message.content)));
     $("log").append(item);
     return item;
   }
@@ -438,7 +463,9 @@
     if (!$("reply-as-tool").hidden && $("as-tool").checked) {
       return { role: "tool", tool_call_id: state.pendingToolCalls[0], content: text };
     }
-    return { role: "user", content: text };
+    if (!state.images.length) return { role: "user", content: text };
+    const images = state.images.map((url) => ({ type: "image_url", image_url: { url } }));
+    return { role: "user", content: [{ type: "text", text }, ...images] };
   }
 
   function showPendingToolCall() {
@@ -466,6 +493,8 @@
     const epoch = state.epoch;
     const userItem = addUserTurn(message);
     $("composer").value = "";
+    state.images = [];
+    showImages();
     const view = new AnswerView();
     views.set(view.item, view);
     const controller = state.controller = new AbortController();
@@ -510,6 +539,10 @@
       userItem.classList.add("not-sent");
       userItem.querySelector(".who").append(" (not sent)");
       $("composer").value = text;
+      if (Array.isArray(message.content)) {
+        state.images = message.content.filter((p) => p.type === "image_url").map((p) => p.image_url.url);
+        showImages();
+      }
       return;
     }
     state.history.push(message);
@@ -600,11 +633,23 @@
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) { event.preventDefault(); send(); }
     if (event.key === "Escape" && state.controller) state.controller.abort();
   });
+  $("composer").addEventListener("paste", (event) => {
+    const files = [...(event.clipboardData ? event.clipboardData.files : [])];
+    if (files.length) { event.preventDefault(); attach(files); }
+  });
+  $("send-form").addEventListener("dragover", (event) => event.preventDefault());
+  $("send-form").addEventListener("drop", (event) => {
+    event.preventDefault();
+    attach(event.dataTransfer ? event.dataTransfer.files : []);
+  });
+  $("image-file").addEventListener("change", (event) => { attach(event.target.files); event.target.value = ""; });
   $("stop").addEventListener("click", () => { if (state.controller) state.controller.abort(); });
   $("clear").addEventListener("click", () => {
     if (state.controller) state.controller.abort();
     state.epoch += 1;
     state.history = [];
+    state.images = [];
+    showImages();
     state.pendingToolCalls = [];
     showPendingToolCall();
     $("log").replaceChildren();

@@ -18,6 +18,7 @@ from edge.http import current_request_id, json_response
 from edge.streaming import sse
 from edge.streaming.pump import StreamFraming
 from edge.surfaces.generation import collect, open_calls, response_headers, sse_response
+from edge.surfaces.images import prepare_images
 from edge.surfaces.shared.ids import new_id
 from edge.surfaces.shared.rewrite import ParsedRequest
 from edge.surfaces.shared.sampling import SamplingRequest
@@ -150,6 +151,7 @@ async def generate_rewritten(
     """:func:`generate` for a surface rewritten as a chat request (Responses, Anthropic, native):
     one worker call, with the request id in its metadata."""
     request_id = current_request_id()
+    await prepare_images(parsed.chat)
     worker_request = to_generate_request(parsed.chat, request_id)
     return await generate(
         [worker_request],

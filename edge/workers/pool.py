@@ -331,6 +331,26 @@ class WorkerPool(HealthChecks):
             "The request timed out before a worker could take it.", retry_after=1.0
         )
 
+    async def accepts_images(self, model: str) -> bool:
+        """Whether ``model`` (any, when empty) takes images, as its generating workers' ListModels
+        answers say (``accepts_images``; asked here of the available workers not asked yet).
+        False only when workers known to serve it all say no; True when none is known to (the
+        call itself then fails as it would without images: 404, 503)."""
+        self._ensure_started()
+        if self._dns is not None and not self._workers:
+            await self.wait_first_round()
+        workers = [w for w in self._workers.values() if w.available]
+        unknown = [w for w in workers if w.models is None]
+        if unknown:
+            await self._learn_models(unknown)
+        served = [
+            m
+            for w in workers
+            for m in w.models or ()
+            if (m.task or "generate") == "generate" and model in ("", m.id)
+        ]
+        return not served or any(m.accepts_images for m in served)
+
     async def _learn_models(self, workers: list[Worker]) -> None:
         """Asks each of ``workers`` what it serves (ListModels), at once; a worker that does not
         answer keeps ``models`` None and serves nothing here."""

@@ -19,6 +19,7 @@ from selenium.webdriver.common.keys import Keys
 
 from tests.browser.conftest import WINDOW, requested_urls
 from tests.browser.page import Playground
+from tests.images import b64, tiny_png
 from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = [pytest.mark.browser, pytest.mark.e2e]
@@ -53,8 +54,13 @@ def page(browser: Any, default_edge: EdgeProcess) -> Iterator[Playground]:
     playground = Playground(browser, default_edge.base_url)
     playground.wait_for_models()
     yield playground
-    # Every request any test made stayed on the edge's own origin.
-    outside = [url for url in requested_urls(browser) if not url.startswith(default_edge.base_url + "/")]
+    # Every request any test made stayed on the edge's own origin (a data: URL, an attached image's
+    # thumbnail, is read from the page itself).
+    outside = [
+        url
+        for url in requested_urls(browser)
+        if not url.startswith((default_edge.base_url + "/", "data:image/"))
+    ]
     assert not outside, f"requests left the edge's origin: {outside}"
 
 
@@ -235,6 +241,58 @@ def test_conversation_is_kept_and_a_narrow_screen_does_not_scroll_sideways(page:
         ".filter((f) => !f.labels || !f.labels.length).map((f) => f.id);"
     )
     assert unlabelled == []
+
+
+# Hands the page files as a paste into the composer and as a drop onto the message form would.
+GIVE_FILES = """
+const [how, files] = arguments;
+const data = new DataTransfer();
+for (const [name, type, b64] of files) {
+  const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
+  data.items.add(new File([bytes], name, { type }));
+}
+const target = document.getElementById(how === 'paste' ? 'composer' : 'send-form');
+const event = how === 'paste'
+  ? new ClipboardEvent('paste', { clipboardData: data, bubbles: true, cancelable: true })
+  : new DragEvent('drop', { dataTransfer: data, bubbles: true, cancelable: true });
+target.dispatchEvent(event);
+"""
+RECORD_BODIES = """
+window.sentBodies = [];
+const original = window.fetch;
+window.fetch = (url, options) => {
+  window.sentBodies.push(options && options.body);
+  return original(url, options);
+};
+"""
+
+
+def test_a_pasted_and_a_dropped_image_are_sent_as_image_url_parts(page: Playground) -> None:
+    red, green = tiny_png(rgb=(220, 0, 0)), tiny_png(rgb=(0, 200, 0))
+    page.driver.execute_script(RECORD_BODIES)
+    page.driver.execute_script(GIVE_FILES, "paste", [["red.png", "image/png", b64(red)]])
+    page.driver.execute_script(GIVE_FILES, "drop", [["green.png", "image/png", b64(green)]])
+    page.driver.execute_script(GIVE_FILES, "drop", [["notes.txt", "text/plain", b64(b"hello")]])
+    page.wait(lambda: len(page.driver.find_elements(By.CSS_SELECTOR, "#images img")) == 2, 10, "not attached")
+    assert "Not attached: text/plain" in page.by_id("status").text
+    page.send("What is in these pictures?")
+    # The default model takes no images: the edge refuses the request naming the first image part.
+    page.wait(lambda: page.last_stat("end") == "refused", message="the request was not refused")
+    assert "image_not_supported" in page.error_text() and "messages[0].content[1]" in page.error_text()
+    (body,) = [json.loads(b) for b in page.driver.execute_script("return window.sentBodies;")]
+    last = body["messages"][-1]
+    assert last["role"] == "user"
+    assert [part["type"] for part in last["content"]] == ["text", "image_url", "image_url"]
+    assert last["content"][0]["text"] == "What is in these pictures?"
+    urls = [part["image_url"]["url"] for part in last["content"][1:]]
+    assert urls == [f"data:image/png;base64,{b64(red)}", f"data:image/png;base64,{b64(green)}"]
+    # The turn shows its images; refused, it gives its text and images back for another try.
+    shown = page.driver.find_elements(By.CSS_SELECTOR, "#log > li.user img")
+    assert [img.get_attribute("src") for img in shown] == urls
+    assert len(page.driver.find_elements(By.CSS_SELECTOR, "#images img")) == 2
+    assert page.by_id("composer").get_attribute("value") == "What is in these pictures?"
+    page.click("clear")
+    assert page.driver.find_elements(By.CSS_SELECTOR, "#images img") == []
 
 
 @pytest.fixture(scope="module")

@@ -33,12 +33,17 @@ class Chunk:
     context: int
     blocks: torch.Tensor  # long [ceil(context / block_size)]
     group: int
+    # Position spans ``[start, end)`` whose tokens also see each other's later tokens (a Gemma 3
+    # image's placeholders, one bidirectional block); the chunk holds each span's end.
+    spans: tuple[tuple[int, int], ...] = ()
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """:func:`chunk_mask` for a layer with this window, built once per step."""
         if window not in self._masks:
-            self._masks[window] = chunk_mask(self.count, self.context, self.group, self.blocks.device, window)
+            self._masks[window] = chunk_mask(
+                self.count, self.context, self.group, self.blocks.device, window, self.spans
+            )
         return self._masks[window]
 
 
@@ -175,17 +180,31 @@ def decode_mask(lengths: torch.Tensor, width: int, window: int | None = None) ->
 
 
 def chunk_mask(
-    count: int, context: int, group: int, device: torch.device, window: int | None = None
+    count: int,
+    context: int,
+    group: int,
+    device: torch.device,
+    window: int | None = None,
+    spans: tuple[tuple[int, int], ...] = (),
 ) -> torch.Tensor | None:
     """Bool [group * count, context] for :class:`Chunk`: query ``i`` (position ``context - count +
     i``) sees keys up to itself (and within ``window``), repeated for the ``group`` query heads of a
-    kv head; None for a whole prompt with ``group`` 1 and no window (SDPA's own causal mask)."""
+    kv head; None for a whole prompt with ``group`` 1, no window and no spans (SDPA's own causal
+    mask). Within each of ``spans`` every query also sees the later keys (still within ``window``)."""
     if window is not None and window >= context:
         window = None
-    if count == context and group == 1 and window is None:
+    if count == context and group == 1 and window is None and not spans:
         return None
     queries = torch.arange(count, device=device) + (context - count)
-    return window_mask(queries, context, window, device).repeat(group, 1)
+    if not spans:
+        return window_mask(queries, context, window, device).repeat(group, 1)
+    visible = window_mask(queries, context, None, device)
+    keys = torch.arange(context, device=device)
+    for start, end in spans:
+        visible |= ((queries >= start) & (queries < end))[:, None] & ((keys >= start) & (keys < end))[None, :]
+    if window is not None:
+        visible &= keys[None, :] > queries[:, None] - window
+    return visible.repeat(group, 1)
 
 
 def paged_attention_forward(

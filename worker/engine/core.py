@@ -27,7 +27,9 @@ from worker.engine.speculation import RowSpeculation, Speculation
 from worker.engine.stats import EngineCounters, EngineStats
 from worker.model.device import bind_device, is_fatal_device_error
 from worker.model.runner import ModelRunner
+from worker.model.step_inputs import ChunkImage
 from worker.model.step_inputs import Work as RunnerWork
+from worker.model.vision import mrope_delta
 from worker.output.detokenizer import TokenTexts
 from worker.output.processor import RequestOutputProcessor, TextRules
 from worker.sampling.grammar import GrammarCompiler
@@ -228,7 +230,9 @@ class Engine:
                 (key, i),
                 i,
                 sampling,
-                Sequence(list(req.prefill_token_ids), len(prompt), longest, awaits_prompt=i > 0),
+                Sequence(
+                    list(req.prefill_token_ids), len(prompt), longest, awaits_prompt=i > 0, images=req.images
+                ),
             )
             for i, sampling in enumerate(prepared.samplings)
         ]
@@ -417,7 +421,7 @@ class Engine:
             # The prompt's share the prefix cache supplied: what this admission attached, or (a
             # scoring-only request attaches nothing) what the cache holds of the prompt.
             seq = state.choices[0].seq
-            cached = seq.cached_tokens if state.needs_kv else self.blocks.cached_length(seq.tokens)
+            cached = seq.cached_tokens if state.needs_kv else self.blocks.cached_length(seq.cache_keys)
             self.counters.prefix_cache_hit_tokens += cached
             if state.request.sampling.prompt_logprobs is not None:
                 self._score(state, now, cached, outputs)
@@ -657,13 +661,29 @@ class Engine:
 
 def _runner_work(work: Work) -> RunnerWork:
     seq = work.seq
+    start, end = seq.computed, seq.computed + work.count
+    grids = tuple(
+        (image.start, (image.grid[0], image.grid[1], image.grid[2])) for image in seq.images if image.grid
+    )
     return RunnerWork(
-        [*seq.tokens[seq.computed : seq.computed + work.count], *work.proposals],
-        seq.computed,
+        [*seq.tokens[start:end], *work.proposals],
+        start,
         seq.blocks.table,
         work.samples,
         seq.generated,
         len(work.proposals),
+        tuple(
+            ChunkImage(
+                image.inputs,
+                image.placeholders(image.start, start),
+                image.placeholders(start, end),
+                (image.start, image.end),
+            )
+            for image in seq.images
+            if image.start < end and start < image.end
+        ),
+        grids,
+        mrope_delta(grids),
     )
 
 

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, overload
 
 from worker.engine.kv_blocks import BlockManager, SequenceBlocks
 from worker.errors import InvalidRequest, QueueFull
+from worker.types import PromptImage
 
 
 @dataclass(eq=False)
@@ -27,6 +29,26 @@ class Sequence:
     awaits_prompt: bool = False  # an n > 1 sibling before the first sequence's prompt is done
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its first admission
     admitted: bool = False  # admitted at least once (a preempted sequence is admitted again)
+    images: tuple[PromptImage, ...] = ()  # a vision-language prompt's images (their placeholder spans)
+
+    @property
+    def cache_keys(self) -> Tokens[int]:
+        """What the prefix cache keys this sequence's blocks by: its tokens, with each image's
+        placeholders replaced by the image's key (so blocks of one image match only that image)."""
+        return _KeyedTokens(self.tokens, self.images) if self.images else self.tokens
+
+    def chunk(self, count: int) -> int:
+        """``count`` prompt tokens from ``computed`` on, moved so the chunk never ends inside an image's
+        placeholders: back to the image's start, or (a chunk that starts in it) on to its end."""
+        end = self.computed + count
+        if count <= 0:
+            return count
+        for image in self.images:
+            if image.start < end < image.end:
+                return (
+                    image.start - self.computed if image.start > self.computed else image.end - self.computed
+                )
+        return count
 
     @property
     def pending(self) -> int:
@@ -177,7 +199,7 @@ class Scheduler(Generic[T]):
         took go back."""
         seq = work.seq
         seq.computed += work.count + accepted
-        self.blocks.commit(seq.blocks, seq.tokens, seq.computed)
+        self.blocks.commit(seq.blocks, seq.cache_keys, seq.computed)
         if work.proposals:
             self.blocks.truncate(seq.blocks, seq.computed)
 
@@ -229,8 +251,8 @@ class Scheduler(Generic[T]):
             if seq.awaits_prompt:
                 continue
             if not seq.blocks.table and seq.computed == 0:
-                seq.computed = self.blocks.attach_prefix(seq.blocks, seq.tokens)
-            count = 1 if seq.pending == 1 else min(seq.pending, budget)
+                seq.computed = self.blocks.attach_prefix(seq.blocks, seq.cache_keys)
+            count = 1 if seq.pending == 1 else seq.chunk(min(seq.pending, budget))
             if count <= 0:
                 continue
             while not self.blocks.ensure(seq.blocks, seq.computed + count):
@@ -282,18 +304,18 @@ class Scheduler(Generic[T]):
         for seq in _live(item):
             if seq.awaits_prompt:
                 continue
-            cached = self.blocks.attach_prefix(seq.blocks, seq.tokens)
+            cached = self.blocks.attach_prefix(seq.blocks, seq.cache_keys)
             seq.computed = cached
             if not seq.admitted:
                 seq.admitted = True
                 seq.cached_tokens = min(cached, seq.prompt_length)
-            count = 1 if seq.pending == 1 else min(seq.pending, max(budget, 0))
+            count = 1 if seq.pending == 1 else seq.chunk(min(seq.pending, max(budget, 0)))
             if count <= 0:
                 if own:  # its own sequences took the budget: this one waits as a running sequence
                     continue
                 if others:  # other requests took the budget: try again next step
                     return budget, False
-                count = min(seq.pending, self.prefill_budget_tokens)
+                count = seq.chunk(min(seq.pending, self.prefill_budget_tokens))
             if not self.blocks.ensure(seq.blocks, seq.computed + count):
                 return budget, False
             plan.work.append(Work(seq, count))
@@ -310,6 +332,32 @@ class Scheduler(Generic[T]):
         plan.preempted.append(item)
         if item in plan.admitted:
             plan.admitted.remove(item)
+
+
+class _KeyedTokens(Tokens[int]):
+    """A sequence's tokens as the prefix cache keys them (:attr:`Sequence.cache_keys`), read lazily."""
+
+    def __init__(self, tokens: list[int], images: tuple[PromptImage, ...]):
+        self._tokens = tokens
+        self._images = images
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def _key(self, position: int) -> int:
+        for image in self._images:
+            if image.start <= position < image.end:
+                return image.key
+        return self._tokens[position]
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return [self._key(p) for p in range(*index.indices(len(self._tokens)))]
+        return self._key(index if index >= 0 else index + len(self._tokens))
 
 
 def _live(item: Schedulable) -> list[Sequence]:

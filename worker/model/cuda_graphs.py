@@ -16,8 +16,7 @@ import torch
 from worker.attention import paged, triton_decode
 from worker.attention.decode_kernel import DecodeKernel, decode_kernel
 from worker.attention.kv_pool import KVPool, KVShape
-from worker.model.step_inputs import Work, decode_tables
-from worker.model.step_inputs import slots as token_slots
+from worker.model.step_inputs import Work, decode_inputs
 
 log = logging.getLogger(__name__)
 
@@ -123,27 +122,31 @@ class DecodeGraphs:
 
     def run(self, work: Sequence[Work]) -> torch.Tensor:
         """The logits [rows, vocab] of a decode step of ``len(work)`` rows."""
-        rows = len(work)
-        bucket = next(b for b in self.buckets if b >= rows)
-        size = self.runner.block_size
-        ids = [item.tokens[0] for item in work]
-        positions = [item.start for item in work]
-        slots = [slot for item in work for slot in token_slots(item, size)]
-        lengths = [item.start + 1 for item in work]
-        table = decode_tables(work, size, bucket, self.width, torch.int32)
-        padding = bucket - rows
-        device = self.runner.device
-        self.ids[:bucket, 0].copy_(torch.tensor(ids + [0] * padding), non_blocking=True)
-        self.positions[:bucket, 0].copy_(torch.tensor(positions + [0] * padding), non_blocking=True)
-        self.slots[:bucket].copy_(torch.tensor(slots + [self.scratch_slot] * padding), non_blocking=True)
-        self.lengths[:bucket].copy_(
-            torch.tensor(lengths + [0] * padding, dtype=torch.int32), non_blocking=True
-        )
-        self.tables[:bucket].copy_(table.to(device, non_blocking=True))
+        bucket = self.stage(work)
         captured = self.captured[bucket]
         captured.graph.replay()
         self.replays += 1
-        return captured.logits[:rows]
+        return captured.logits[: len(work)]
+
+    def stage(self, work: Sequence[Work]) -> int:
+        """Writes the step's inputs into the graphs' buffers; returns the bucket to replay. One host
+        tensor and one copy (decode_inputs), then copies on the device; the block tables get only
+        the columns the step's contexts use (the kernel reads no entry past a row's length, so older
+        entries further right are never read), not the ``context_length`` wide table."""
+        rows = len(work)
+        bucket = next(b for b in self.buckets if b >= rows)
+        inputs = decode_inputs(work, self.runner.block_size, self.runner.device, torch.int32)
+        self.ids[:rows].copy_(inputs.ids)
+        self.positions[:rows].copy_(inputs.positions)
+        self.slots[:rows].copy_(inputs.slots)
+        self.lengths[:rows].copy_(inputs.lengths)
+        self.tables[:rows, : inputs.tables.shape[1]].copy_(inputs.tables)
+        if bucket > rows:  # padding rows: token 0 at position 0, written to the scratch slot, no context
+            self.ids[rows:bucket].zero_()
+            self.positions[rows:bucket].zero_()
+            self.slots[rows:bucket].fill_(self.scratch_slot)
+            self.lengths[rows:bucket].zero_()
+        return bucket
 
 
 def capture_decode_graphs(runner: GraphedRunner, max_rows: int, context_length: int) -> DecodeGraphs | None:
@@ -165,4 +168,5 @@ def capture_decode_graphs(runner: GraphedRunner, max_rows: int, context_length: 
     if not torch.allclose(replayed, eager, rtol=1e-2, atol=1e-2 * float(eager.abs().max()) + 1e-3):
         log.error("a replayed decode graph disagrees with the eager step: %s", EAGER_COST)
         return None
+    graphs.replays = 0  # the metric counts the engine's steps, not this check's replay
     return graphs

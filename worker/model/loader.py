@@ -20,9 +20,12 @@ from typing import Any
 import torch
 from transformers import (
     AutoConfig,
+    AutoImageProcessor,
     AutoModel,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForSequenceClassification,
+    AutoProcessor,
     AutoTokenizer,
     PreTrainedTokenizerBase,
 )
@@ -59,6 +62,8 @@ class LoadedModel:
     quantization: str = "none"  # none, int8, int4 or fp8: what the linear layers hold
     task: str = "generate"  # generate, embed or score (--task)
     pooling: PoolingSpec | None = None  # embed and score: how outputs are pooled
+    # A vision-language model's own processor (images to pixel values and placeholder tokens).
+    processor: Any = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -183,6 +188,9 @@ def load_model(
         torch_dtype,
         kernels,
     )
+    processor = None
+    if task == "generate" and getattr(hf_model.config, "vision_config", None) is not None:
+        processor = load_processor(str(folder) if folder is not None else str(model))
     return LoadedModel(
         model=hf_model,
         tokenizer=tokenizer,
@@ -197,6 +205,7 @@ def load_model(
         quantization=scheme,
         task=task,
         pooling=pooling,
+        processor=processor,
     )
 
 
@@ -246,7 +255,10 @@ def _load_float(
     target = str(folder) if folder is not None else str(model)
     try:
         tokenizer = with_mistral_common(AutoTokenizer.from_pretrained(target), folder)
-        hf_model = _MODEL_CLASSES[task].from_pretrained(target, dtype=dtype)
+        model_class = _MODEL_CLASSES[task]
+        if task == "generate" and is_vision_folder(target):
+            model_class = AutoModelForImageTextToText
+        hf_model = model_class.from_pretrained(target, dtype=dtype)
     except OSError as exc:
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
     return hf_model, tokenizer
@@ -289,6 +301,48 @@ def _load_quantized(
     return hf_model, tokenizer
 
 
+def is_vision_folder(target: str) -> bool:
+    """The model is a vision-language model (its config has a vision part)."""
+    return getattr(AutoConfig.from_pretrained(target), "vision_config", None) is not None
+
+
+def load_processor(target: str) -> Any:
+    """A vision-language model's processor, on its PIL image paths (no torchvision). A processor
+    that also wants a video processor (which needs torchvision) is built without one: images only."""
+    try:
+        try:
+            return AutoProcessor.from_pretrained(target, backend="pil")
+        except ImportError:
+            return _images_only_processor(target)
+    except (OSError, ValueError, ImportError) as exc:
+        raise ModelLoadError(f"could not load the image processor of {target!r}: {exc}") from exc
+
+
+def _images_only_processor(target: str) -> Any:
+    """The folder's processor class with its image processor and tokenizer and no video processor."""
+    import transformers
+    from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
+
+    name = PROCESSOR_MAPPING_NAMES.get(AutoConfig.from_pretrained(target).model_type)
+    base = getattr(transformers, str(name), None)
+    if base is None:
+        raise ImportError(f"no processor class {name!r}")
+
+    class ImagesOnly(base):  # type: ignore[misc,valid-type]
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            return (
+                None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
+            )
+
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    return ImagesOnly(
+        image_processor=AutoImageProcessor.from_pretrained(target, backend="pil"),
+        tokenizer=tokenizer,
+        video_processor=None,
+        chat_template=tokenizer.chat_template,
+    )
+
+
 def _load_float_tokenizer(folder: Path | None, model: str | None) -> PreTrainedTokenizerBase:
     try:
         target = str(folder) if folder is not None else str(model)
@@ -298,6 +352,7 @@ def _load_float_tokenizer(folder: Path | None, model: str | None) -> PreTrainedT
 
 
 def context_length(config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
     tok_limit = getattr(tokenizer, "model_max_length", None)
     if isinstance(tok_limit, int) and 0 < tok_limit < limit:

@@ -51,10 +51,12 @@ def pack_linears(model: torch.nn.Module, *, batch_hint: int) -> int:
     Returns 0, leaving the model unchanged, where packing is unsupported or gives a wrong result.
     """
     # (parent, attribute) pairs only: holding the layers themselves would keep every original
-    # weight alive until the end, doubling the weights' memory while packing.
+    # weight alive until the end, doubling the weights' memory while packing. A MultiheadAttention
+    # (a SigLIP vision tower's pooling head) reads its projection's weight itself: kept.
     slots = [
         (parent, name)
         for parent in model.modules()
+        if not isinstance(parent, torch.nn.MultiheadAttention)
         for name, child in parent.named_children()
         if isinstance(child, torch.nn.Linear) and child.weight.device.type == "cpu"
     ]

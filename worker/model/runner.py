@@ -15,9 +15,21 @@ from worker.attention.kv_pool import KVPool, KVShape, kv_shape
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError
-from worker.model.step_inputs import DecodeInputs, FlatTokens, Work, decode_inputs
+from worker.model.step_inputs import ChunkImage, DecodeInputs, FlatTokens, Work, decode_inputs
+from worker.model.vision import VisionEncoder, mrope_positions, vision_spec
 from worker.quant.layers import row_invariant_linears
 from worker.types import FastPath, SampledLogprobs
+
+
+def _image_spans(flat: FlatTokens, work: Sequence[Work]) -> torch.Tensor:
+    """Bool ``[T]``: which of the flat tokens lie inside an image's span (its placeholders there)."""
+    inside = torch.zeros(len(flat.ids), dtype=torch.bool)
+    for item, first in zip(work, flat.starts, strict=True):
+        for image in item.images:
+            low = max(image.span[0], item.start) - item.start
+            high = min(image.span[1], item.start + len(item.tokens)) - item.start
+            inside[first + low : first + high] = True
+    return inside
 
 
 def check_batch_invariant(loaded: LoadedModel) -> None:
@@ -52,8 +64,15 @@ class ModelRunner:
         self.device = loaded.device
         self.dtype = loaded.dtype
         self.attention = check_attention(self.model, getattr(loaded, "context_length", None))
+        spec = vision_spec(self.model.config)  # raises for a vision-language model not served
         paged.register()
-        self.model.set_attn_implementation(paged.NAME)
+        if spec is None:
+            self.model.set_attn_implementation(paged.NAME)
+        else:  # the language model on the pool; the vision tower on SDPA (no cache)
+            self.model.set_attn_implementation(
+                {"": paged.NAME, "text_config": paged.NAME, "vision_config": "sdpa"}
+            )
+        self.vision = None if spec is None else VisionEncoder(self.model, spec, loaded.device, loaded.dtype)
         self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
@@ -68,6 +87,8 @@ class ModelRunner:
         self.batch_invariant = batch_invariant
         if batch_invariant:
             check_batch_invariant(loaded)
+            if self.vision is not None:
+                raise ModelLoadError("--batch-invariant serves text-only models", param="batch_invariant")
         # On CUDA, decode rows use the Triton kernel (no gather), graphs or not, once it passed its
         # start-up check (worker.attention.decode_kernel.kernel_problem: why not, logged at ERROR);
         # ``triton_decode`` forces the choice (tests run the kernel through triton's interpreter).
@@ -100,12 +121,12 @@ class ModelRunner:
             raise ValueError("execute needs at least one item")
         if self.batch_invariant:
             return self._invariant(work)
-        if all(len(item.tokens) == 1 for item in work):
+        if all(len(item.tokens) == 1 and not item.images for item in work):
             logits = self._decode(work)
             wanted = [i for i, item in enumerate(work) if item.sample]
             if len(wanted) == len(work):
                 return logits
-            return logits[torch.tensor(wanted, device=logits.device)]
+            return logits[torch.tensor(wanted, dtype=torch.long, device=logits.device)]
         return self._mixed(work)
 
     def _decode_rows(
@@ -154,6 +175,7 @@ class ModelRunner:
                 continue
             context = item.start + count
             blocks = item.table[: -(-context // self.block_size)]
+            bidirectional = self.vision is not None and self.vision.spec.bidirectional
             chunks.append(
                 paged.Chunk(
                     start,
@@ -161,13 +183,14 @@ class ModelRunner:
                     context,
                     torch.tensor(list(blocks), dtype=torch.long, device=device),
                     self.group,
+                    spans=tuple(image.span for image in item.images) if bidirectional else (),
                 )
             )
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(device), chunks=chunks)
         if decode_work:
             step.decode_tokens = torch.tensor(decode_tokens, dtype=torch.long, device=device)
             self._decode_rows(step, decode_work)
-        return self._forward_flat(step, flat)
+        return self._forward_flat(step, flat, work)
 
     def _invariant(self, work: Sequence[Work]) -> torch.Tensor:
         size = self.block_size
@@ -191,14 +214,30 @@ class ModelRunner:
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(self.device), invariant=rows)
         return self._forward_flat(step, flat)
 
-    def _forward_flat(self, step: paged.PagedStep, flat: FlatTokens) -> torch.Tensor:
+    def _forward_flat(
+        self, step: paged.PagedStep, flat: FlatTokens, work: Sequence[Work] = ()
+    ) -> torch.Tensor:
         """One forward of ``flat``'s tokens as a ``[1, T]`` sequence under ``step``; the logits of
-        its sampling tokens."""
+        its sampling tokens. ``work``'s images: the vision encoder runs first (outside the paged
+        step) and its features replace their placeholders' embeddings; an M-RoPE model's positions
+        are 3-D."""
         device = self.device
+        ids = torch.tensor([flat.ids], dtype=torch.long, device=device)
+        inputs: dict[str, torch.Tensor] = {"input_ids": ids}
+        images: list[ChunkImage] = [image for item in work for image in item.images]
+        if images:
+            assert self.vision is not None
+            inputs = {"inputs_embeds": self.vision.embed(ids, images, _image_spans(flat, work))}
+        positions = torch.tensor([flat.positions], dtype=torch.long, device=device)
+        if any(item.grids for item in work):
+            positions = torch.cat(
+                [mrope_positions(item.grids, item.start, len(item.tokens)) for item in work], 1
+            )
+            positions = positions[:, None, :].to(device)
         with paged.paged_step(step):
             out = self.model(
-                input_ids=torch.tensor([flat.ids], dtype=torch.long, device=device),
-                position_ids=torch.tensor([flat.positions], dtype=torch.long, device=device),
+                **inputs,
+                position_ids=positions,
                 use_cache=False,
                 logits_to_keep=torch.tensor(flat.keep, dtype=torch.long, device=device),
             )

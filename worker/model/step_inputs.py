@@ -14,6 +14,18 @@ import torch
 
 
 @dataclass(frozen=True)
+class ChunkImage:
+    """The part of one image a prefill chunk computes: ``rows`` of its features from ``first``
+    (the placeholders the chunk holds, in order); ``inputs``: the processor's arrays for the
+    encoder; ``span``: the image's placeholder positions ``[start, end)`` in the sequence."""
+
+    inputs: Any  # Mapping[str, numpy array], one image's
+    first: int
+    rows: int
+    span: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class Work:
     """One sequence's part of a step: compute ``tokens`` at positions ``start..``, whose slots the
     block table covers; ``sample``: the last token's logits are wanted (it ends the known tokens);
@@ -26,6 +38,11 @@ class Work:
     sample: bool
     generated: int = 0  # tokens the sequence has generated so far (a fake runner picks from it)
     proposed: int = 0
+    images: tuple[ChunkImage, ...] = ()  # the images whose placeholders ``tokens`` hold
+    # M-RoPE models: where each of the sequence's images starts and its token grid (time, rows,
+    # columns), and how far they move the positions after them (a decode row's offset).
+    grids: tuple[tuple[int, tuple[int, int, int]], ...] = ()
+    position_delta: int = 0
 
 
 def slots(item: Work, block_size: int) -> list[int]:
@@ -50,15 +67,6 @@ def _table_rows(work: Sequence[Work], block_size: int, width: int) -> list[list[
     return rows
 
 
-def decode_tables(
-    work: Sequence[Work], block_size: int, rows: int, width: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """Block tables ``[rows, width]`` (on the CPU) of decode items: row ``i`` lists the blocks that hold
-    item ``i``'s context, the current token included; other entries (and rows past ``work``) are 0."""
-    table = _table_rows(work, block_size, width) + [[0] * width] * (rows - len(work))
-    return torch.tensor(table, dtype=dtype).reshape(rows, width)
-
-
 @dataclass(frozen=True)
 class DecodeInputs:
     """A decode-only step's inputs on the device: ids and positions ``[rows, 1]``, pool slots and
@@ -79,7 +87,13 @@ def decode_inputs(
     tables = _table_rows(work, block_size, width)
     size = block_size
     host = [
-        [item.tokens[0], item.start, row[item.start // size] * size + item.start % size, item.start + 1, *row]
+        [
+            item.tokens[0],
+            item.start + item.position_delta,
+            row[item.start // size] * size + item.start % size,
+            item.start + 1,
+            *row,
+        ]
         for item, row in zip(work, tables, strict=True)
     ]
     packed = staged(host, torch.long, device)

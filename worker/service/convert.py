@@ -14,6 +14,7 @@ from typing import Any
 from sluice.v1 import worker_pb2 as pb
 from worker.errors import InvalidRequest, ModelNotFound
 from worker.sampling.grammar import GrammarSpec
+from worker.service.images import ImageData
 from worker.service.prompt import CHAT_ROLES, ChatMessage, ChatPrompt, RawPrompt
 from worker.types import (
     ContentDelta,
@@ -282,7 +283,12 @@ def _chat_prompt(chat: pb.ChatInput) -> ChatPrompt:
                 param=f"messages[{i}].role",
             )
         has_content = m.HasField("content")
-        if not has_content and not (m.role == "assistant" and m.tool_calls):
+        if has_content and m.parts:
+            raise InvalidRequest(
+                f"messages[{i}] sets both content and parts; send one of them", param=f"messages[{i}].parts"
+            )
+        parts = _parts(m, i)
+        if not has_content and not parts and not (m.role == "assistant" and m.tool_calls):
             raise InvalidRequest(f"messages[{i}].content is missing", param=f"messages[{i}].content")
         if m.role == "tool" and not m.tool_call_id:
             raise InvalidRequest(
@@ -298,6 +304,7 @@ def _chat_prompt(chat: pb.ChatInput) -> ChatPrompt:
                     {"id": c.id, "name": c.name, "arguments": c.arguments} for c in m.tool_calls
                 ),
                 reasoning_content=m.reasoning_content if m.HasField("reasoning_content") else None,
+                parts=parts,
             )
         )
     kwargs: dict[str, Any] = {}
@@ -313,6 +320,22 @@ def _chat_prompt(chat: pb.ChatInput) -> ChatPrompt:
     # tool_choice "none": the model is not told about the tools.
     tools = () if none else tuple(_tools(chat))
     return ChatPrompt(messages=tuple(messages), tools=tools, template_kwargs=kwargs, forced_tool=forced)
+
+
+def _parts(message: pb.ChatMessage, index: int) -> tuple[str | ImageData, ...]:
+    """A message's parts: text as str, images as :class:`ImageData` (decoded later, in the
+    prepare threads, by the model's processor); an empty part is refused naming it."""
+    parts: list[str | ImageData] = []
+    for j, part in enumerate(message.parts):
+        kind = part.WhichOneof("part")
+        if kind == "text":
+            parts.append(part.text)
+        elif kind == "image":
+            parts.append(ImageData(part.image.data, part.image.mime_type, part.image.detail))
+        else:
+            param = f"messages[{index}].parts[{j}]"
+            raise InvalidRequest(f"{param} is empty: set text or image", param=param)
+    return tuple(parts)
 
 
 def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> float:

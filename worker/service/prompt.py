@@ -12,7 +12,9 @@ from worker.errors import InvalidRequest
 from worker.model.mistral_tokenizer import mistral_common_of
 from worker.service.family import FamilyProfile, nine_char_id
 from worker.service.fim import FimTokens, find_fim_tokens
+from worker.service.images import ImageData, ImageProcessing
 from worker.service.mistral_prompt import encode_mistral_chat
+from worker.types import PromptImage
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -25,6 +27,12 @@ class ChatMessage:
     tool_call_id: str = ""
     tool_calls: tuple[dict[str, Any], ...] = ()
     reasoning_content: str | None = None
+    # Content that mixes text and images, in order (``content`` is then None): a text part is a str.
+    parts: tuple[str | ImageData, ...] = ()
+
+    @property
+    def images(self) -> tuple[ImageData, ...]:
+        return tuple(part for part in self.parts if isinstance(part, ImageData))
 
 
 @dataclass(frozen=True)
@@ -59,8 +67,12 @@ class PromptRenderer:
     """Renders prompts for one tokenizer. ``render`` returns (token ids, prompt text); the same
     call serves Generate and Tokenize, so a chat's count is the prompt Generate computes."""
 
-    def __init__(self, tokenizer: Any, profile: FamilyProfile | None = None):
+    def __init__(
+        self, tokenizer: Any, profile: FamilyProfile | None = None, images: ImageProcessing | None = None
+    ):
+        """``images``: a vision-language model's processing (None: the model takes no images)."""
         self._tokenizer = tokenizer
+        self._images = images
         self.profile = profile or FamilyProfile("unknown")
         template = self.profile.template or getattr(tokenizer, "chat_template", None)
         self._mistral = mistral_common_of(tokenizer)  # a tekken tokenizer: mistral-common renders
@@ -89,18 +101,67 @@ class PromptRenderer:
         """``add_special_tokens``: the tokenizer's BOS and the like; None = Generate's rule (yes
         for raw text, no for a chat, whose template writes them). ``add_generation_prompt``: a
         chat ends with the opening of the assistant's turn."""
+        ids, text, _ = self.render_with_images(
+            prompt, add_special_tokens=add_special_tokens, add_generation_prompt=add_generation_prompt
+        )
+        return ids, text
+
+    @property
+    def accepts_images(self) -> bool:
+        return self._images is not None
+
+    def render_with_images(
+        self,
+        prompt: ChatPrompt | RawPrompt,
+        *,
+        add_special_tokens: bool | None = None,
+        add_generation_prompt: bool = True,
+    ) -> tuple[tuple[int, ...], str, tuple[PromptImage, ...]]:
+        """:meth:`render`, and a chat's images (their placeholders expanded in the ids by the model's
+        processor); InvalidRequest naming ``messages[i].parts`` when the model takes no images."""
         if isinstance(prompt, RawPrompt):
-            return self._render_raw(prompt, add_special_tokens is not False)
+            ids, text = self._render_raw(prompt, add_special_tokens is not False)
+            return ids, text, ()
+        if any(m.images for m in prompt.messages):
+            return self._render_images(prompt, add_generation_prompt)
         if not self.has_chat_template:
             raise InvalidRequest(
                 "this model has no chat template; send a raw prompt instead", param="messages"
             )
         if self._mistral is not None:  # mistral-common encodes the chat itself (ids, not text)
-            ids = encode_mistral_chat(self._mistral, prompt.messages, prompt.tools, nine_char_id)
-            return tuple(ids), self._tokenizer.decode(ids, skip_special_tokens=False)
+            encoded = encode_mistral_chat(self._mistral, prompt.messages, prompt.tools, nine_char_id)
+            return tuple(encoded), self._tokenizer.decode(encoded, skip_special_tokens=False), ()
         text = self.chat_text(prompt, add_generation_prompt=add_generation_prompt)
         ids = self._tokenizer(text, add_special_tokens=bool(add_special_tokens))["input_ids"]
-        return tuple(ids), text
+        return tuple(ids), text, ()
+
+    def _render_images(
+        self, prompt: ChatPrompt, add_generation_prompt: bool
+    ) -> tuple[tuple[int, ...], str, tuple[PromptImage, ...]]:
+        images: list[tuple[ImageData, str]] = []
+        for i, message in enumerate(prompt.messages):
+            if not message.images:
+                continue
+            if self._images is None:
+                raise InvalidRequest(
+                    f"messages[{i}].parts: this model takes no images (it is not a vision-language model)",
+                    param=f"messages[{i}].parts",
+                )
+            if message.role != "user":
+                raise InvalidRequest(
+                    f"messages[{i}].parts: only user messages may carry images", param=f"messages[{i}].parts"
+                )
+            images += [
+                (part, f"messages[{i}].parts[{j}]")
+                for j, part in enumerate(message.parts)
+                if isinstance(part, ImageData)
+            ]
+        if prompt.tools:
+            raise InvalidRequest("images cannot be combined with tools yet", param="tools")
+        assert self._images is not None
+        text = self.chat_text(prompt, add_generation_prompt=add_generation_prompt)
+        ids, prompt_images = self._images.process(text, images)
+        return ids, text, prompt_images
 
     def decode(self, token_ids: tuple[int, ...], *, skip_special_tokens: bool = False) -> str:
         """The text of ``token_ids`` (Detokenize's, a truncated prompt's); special tokens kept unless
@@ -202,7 +263,7 @@ class PromptRenderer:
     def _message_dict(self, message: ChatMessage) -> dict[str, Any]:
         # Most templates know no "developer" role; it means "system" (as OpenAI documents).
         role = "system" if message.role == "developer" else message.role
-        result: dict[str, Any] = {"role": role, "content": message.content or ""}
+        result: dict[str, Any] = {"role": role, "content": _content(message)}
         if message.name:
             result["name"] = message.name
         if message.tool_call_id:
@@ -228,6 +289,17 @@ class PromptRenderer:
         return result
 
 
+def _content(message: ChatMessage) -> Any:
+    """The message's content for the template: its text, or its parts as typed items (images as
+    ``{"type": "image"}``, which a vision-language template renders as the image marker)."""
+    if not message.images:
+        return message.content or "".join(part for part in message.parts if isinstance(part, str))
+    return [
+        {"type": "text", "text": part} if isinstance(part, str) else {"type": "image"}
+        for part in message.parts
+    ]
+
+
 def _arguments(text: str) -> Any:
     """Templates expect arguments as a mapping; keep the text when it is not JSON."""
     try:
@@ -247,7 +319,7 @@ def builtin_tool_messages(prompt: ChatPrompt) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for message in prompt.messages:
         role = "system" if message.role == "developer" else message.role
-        content = message.content or ""
+        content = _content(message)
         if message.tool_calls:
             calls = "\n".join(_call_text(call) for call in message.tool_calls)
             content = f"{content}\n{calls}" if content else calls

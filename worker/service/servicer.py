@@ -156,6 +156,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             source=loaded.source,
             chat_formats=formats,
             task=loaded.task,
+            accepts_images=serving.renderer.accepts_images,
         )
         return pb.ListModelsResponse(models=[info], worker_id=self.worker_id)
 
@@ -353,8 +354,15 @@ def _tokenize(serving: ServingModel, call: TokenizeCall) -> tuple[tuple[int, ...
 def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arrival: float) -> _PreparedCall:
     """Everything blocking before a request can be queued: the chat template, tokenization, option
     checks that need the prompt's length, grammar compilation. Runs in the prepare threads."""
-    prompt_ids, prompt_text = serving.renderer.render(parsed.prompt)
+    prompt_ids, prompt_text, images = serving.renderer.render_with_images(parsed.prompt)
     kept = truncated_prompt(parsed.sampling, prompt_ids, serving.loaded.context_length)
+    if images and len(kept) < len(prompt_ids):
+        raise InvalidRequest(
+            "truncate_prompt_tokens would cut a prompt with images; send fewer messages instead",
+            param="truncate_prompt_tokens",
+        )
+    if images and parsed.sampling.HasField("prompt_logprobs"):
+        raise InvalidRequest("prompt_logprobs cannot score a prompt with images yet", param="prompt_logprobs")
     if len(kept) < len(prompt_ids):
         prompt_ids, prompt_text = kept, serving.renderer.decode(kept)
     options = sampling_options(
@@ -396,6 +404,7 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         output=output,
         grammar=grammar,
         resumed_token_ids=parsed.resumed_token_ids,
+        images=images,
     )
     return _PreparedCall(serving.generator.prepare(request), prompt_ids, prompt_text)
 

@@ -15,14 +15,16 @@ from edge.surfaces.shared.base import RequestModel
 from edge.surfaces.shared.chat_request import FunctionDefinition
 from edge.surfaces.shared.rewrite import (
     ParsedRequest,
+    base64_url,
     compact_json,
+    image_part,
     string_or_list,
     to_chat_request,
     unsupported,
     validate_at,
 )
 from edge.surfaces.shared.sampling import SamplingExtensions
-from edge.surfaces.shared.validation import invalid, validate_body
+from edge.surfaces.shared.validation import invalid, missing, validate_body
 
 MAX_TOP_K = 2**31 - 1
 # Prompt-caching hints: this server caches prompt prefixes by itself.
@@ -58,6 +60,21 @@ class ThinkingBlock(RequestModel):
     type: Literal["thinking"]
     thinking: str
     signature: str | None = None
+
+
+class ImageSource(RequestModel):
+    """An image block's source: ``base64`` (``media_type``, ``data``) or ``url``."""
+
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(RequestModel):
+    ignored_fields = _CACHE_CONTROL
+    type: Literal["image"]
+    source: ImageSource
 
 
 class InputMessage(RequestModel):
@@ -232,11 +249,15 @@ def _unsupported_block(at: str, kind: str, place: str) -> InvalidRequestError:
 
 
 def _user_blocks(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
+    """The tool messages of the ``tool_result`` blocks, then the user message: its text blocks
+    joined with newlines, or, with an image among them, its text and image blocks as chat parts."""
     out: list[dict[str, Any]] = []
-    texts: list[str] = []
+    parts: list[dict[str, Any]] = []
     for at, kind, block in _typed_blocks(blocks, where):
         if kind == "text":
-            texts.append(_text(block, at))
+            parts.append({"type": "text", "text": _text(block, at)})
+        elif kind == "image":
+            parts.append(_image(block, at))
         elif kind == "tool_result":
             result = validate_at(ToolResultBlock, block, at)
             out.append(
@@ -248,9 +269,32 @@ def _user_blocks(blocks: list[dict[str, Any]], where: str) -> list[dict[str, Any
             )
         else:
             raise _unsupported_block(at, kind, "a user message")
-    if texts or not out:
-        out.append({"role": "user", "content": "\n".join(texts)})
+    if any(part["type"] == "image_url" for part in parts):
+        out.append({"role": "user", "content": parts})
+    elif parts or not out:
+        out.append({"role": "user", "content": "\n".join(part["text"] for part in parts)})
     return out
+
+
+def _image(block: dict[str, Any], at: str) -> dict[str, Any]:
+    """An ``image`` block as a chat image part (whose bytes the chat rules check, naming ``at``)."""
+    kind = block["source"].get("type") if isinstance(block.get("source"), dict) else None
+    if kind is not None and kind not in ("base64", "url"):
+        raise unsupported(
+            f"{at}.source.type",
+            f"Invalid '{at}.source.type': image source type {kind!r} is not "
+            "supported; use 'base64' or 'url'.",
+        )
+    source = validate_at(ImageBlock, block, at).source
+    if source.type == "url":
+        if not source.url:
+            raise missing(f"{at}.source.url", "a url image source needs its url")
+        return image_part(source.url, None, at)
+    if not source.media_type:
+        raise missing(f"{at}.source.media_type", "a base64 image source needs its media_type")
+    if source.data is None:
+        raise missing(f"{at}.source.data", "a base64 image source needs its data")
+    return image_part(base64_url(source.media_type, source.data), None, at)
 
 
 def _result_text(result: ToolResultBlock, where: str) -> str:

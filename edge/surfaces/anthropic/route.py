@@ -12,6 +12,7 @@ from edge.streaming import sse
 from edge.surfaces.answer import generate_rewritten, named_events
 from edge.surfaces.anthropic.request import CountTokensRequest, parse_messages_request
 from edge.surfaces.anthropic.translate import MessagesTranslator
+from edge.surfaces.images import prepare_images
 from edge.surfaces.shared.ids import new_id
 from edge.surfaces.shared.worker_request import to_generate_request
 from edge.surfaces.tokens import tokenize
@@ -32,6 +33,7 @@ async def count_tokens() -> Response:
     """The prompt a ``/v1/messages`` call with this body would start with (system, tools and
     tool blocks included), counted with the model's template: ``{"input_tokens": N}``."""
     parsed = parse_messages_request(await read_json_body(), CountTokensRequest)
+    await prepare_images(parsed.chat)
     chat = to_generate_request(parsed.chat, current_request_id()).chat
     reply = await tokenize(worker_pb2.TokenizeRequest(model=parsed.chat.model, chat=chat))
     return json_response(

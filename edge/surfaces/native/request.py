@@ -15,6 +15,7 @@ from edge.surfaces.shared.rewrite import (
     add_chat_tools,
     flat_tool_choice,
     function_tools,
+    image_part,
     string_or_list,
     to_chat_request,
     validate_at,
@@ -27,7 +28,28 @@ _SEED_MAX = 2**64 - 1
 
 class NativeMessage(RequestModel):
     role: Literal["system", "user", "assistant"]
-    content: str
+    # A string, or chat's parts: ``text`` and ``image_url`` (a data URL, or an http(s) URL).
+    content: str | list[Any]
+
+    _content = field_validator("content", mode="before")(string_or_list)
+
+
+def _content(content: str | list[Any], where: str) -> str | list[Any]:
+    """The content as chat takes it, each image part tagged with its place (``input[i].content[j]``)."""
+    if isinstance(content, str):
+        return content
+    return [_tagged(part, f"{where}[{j}]") for j, part in enumerate(content)]
+
+
+def _tagged(part: Any, at: str) -> Any:
+    if not isinstance(part, dict) or part.get("type") != "image_url":
+        return part
+    image_url = part.get("image_url")
+    if isinstance(image_url, str):
+        return image_part(image_url, None, at)
+    if isinstance(image_url, dict) and isinstance(image_url.get("url"), str):
+        return image_part(image_url["url"], image_url.get("detail"), at)
+    return part
 
 
 class NativeChatRequest(SamplingExtensions):
@@ -75,7 +97,9 @@ def parse_native_request(body: Any) -> ParsedNativeRequest:
             raise bad("input", "must hold at least one message")
         for i, item in enumerate(request.input):
             message = validate_at(NativeMessage, item, f"input[{i}]")
-            messages.append({"role": message.role, "content": message.content})
+            messages.append(
+                {"role": message.role, "content": _content(message.content, f"input[{i}].content")}
+            )
     tools = function_tools(request.tools)
     chat_body: dict[str, Any] = {
         "model": request.model,

@@ -17,6 +17,7 @@ from edge.surfaces.shared.rewrite import (
     add_chat_tools,
     flat_tool_choice,
     function_tools,
+    image_part,
     string_or_list,
     to_chat_request,
     unsupported,
@@ -35,6 +36,16 @@ class InputText(RequestModel):
     text: str
 
     ignored_fields = frozenset({"annotations", "logprobs"})  # an earlier answer's, sent back
+
+
+class InputImage(RequestModel):
+    """An image part of an input message: ``image_url`` a data URL or an http(s) URL (``file_id``:
+    refused, this server stores no files)."""
+
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class InputMessage(RequestModel):
@@ -228,7 +239,7 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             message = validate_at(InputMessage, item, where)
-            messages.append({"role": message.role, "content": _text(message.content, f"{where}.content")})
+            messages.append({"role": message.role, "content": _content(message.content, f"{where}.content")})
         elif kind == "function_call":
             call = validate_at(FunctionCallItem, item, where)
             tool_call = {
@@ -257,17 +268,49 @@ def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
     return messages
 
 
-def _text(content: str | list[Any], where: str) -> str:
-    """A string, or text parts joined with a newline (as chat joins its parts)."""
+def _content(content: str | list[Any], where: str) -> str | list[dict[str, Any]]:
+    """A string, or text parts joined with a newline (as chat joins its parts); with an
+    ``input_image`` among them, the parts in order as chat parts."""
     if isinstance(content, str):
         return content
-    texts = []
+    parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
+        at = f"{where}[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text"):
+        if kind == "input_image":
+            parts.append(_image(validate_at(InputImage, part, at), at))
+        elif kind in ("input_text", "output_text"):
+            parts.append({"type": "text", "text": validate_at(InputText, part, at).text})
+        else:
             raise unsupported(
-                f"{where}[{j}].type",
-                f"Content part type {kind!r} is not supported; only 'input_text' and 'output_text' are.",
+                f"{at}.type",
+                f"Content part type {kind!r} is not supported; only 'input_text', 'output_text' and "
+                "'input_image' are.",
             )
-        texts.append(validate_at(InputText, part, f"{where}[{j}]").text)
-    return "\n".join(texts)
+    if any(part["type"] == "image_url" for part in parts):
+        return parts
+    return "\n".join(part["text"] for part in parts)
+
+
+def _text(content: str | list[Any], where: str) -> str:
+    """A function call's output: a string, or text parts joined with a newline."""
+    text = _content(content, where)
+    if not isinstance(text, str):
+        raise unsupported(where, "Images are not supported in a function_call_output.")
+    return text
+
+
+def _image(image: InputImage, at: str) -> dict[str, Any]:
+    if image.file_id is not None:
+        raise unsupported(
+            f"{at}.file_id",
+            "'file_id' images are not supported: this server stores no files. Send the image as a "
+            "data URL (or an http(s) URL) in 'image_url'.",
+        )
+    if not image.image_url:
+        raise InvalidRequestError(
+            f"Missing required parameter: '{at}.image_url'.",
+            param=f"{at}.image_url",
+            code="missing_required_parameter",
+        )
+    return image_part(image.image_url, image.detail, at)

@@ -7,12 +7,15 @@ Responses, Anthropic and native surfaces are rewritten into (:mod:`edge.surfaces
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from collections.abc import Iterator, Mapping
+from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, StrictBool, field_validator
+from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, StrictBool, Tag, field_validator
+from pydantic_core import PydanticCustomError
 
 from edge.errors import InvalidRequestError
 from edge.surfaces.shared.base import RequestModel
+from edge.surfaces.shared.images import Image, decode_data_url, is_remote
 from edge.surfaces.shared.sampling import SamplingRequest, check_max_tokens, check_sampling_limits
 from edge.surfaces.shared.structured import StructuredForm, StructuredRequest
 from edge.surfaces.shared.validation import (
@@ -32,31 +35,76 @@ Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
 class TextPart(RequestModel):
-    """One part of an array ``content``; only text parts are supported."""
+    """A text part of an array ``content``."""
 
     type: Literal["text"]
     text: str
 
 
-def _join_text_parts(value: Any) -> Any:
-    """An array of ``{"type": "text", "text": ...}`` parts becomes one string.
+class ImageUrl(RequestModel):
+    url: str = Field(min_length=1)
+    detail: Literal["auto", "low", "high"] | None = None
 
-    Parts are joined with a newline, as vLLM does, so separate parts never run
-    together into one word.
-    """
+
+class ImageUrlPart(RequestModel):
+    """An image part of an array ``content``: a ``data:`` URL (decoded when the request is parsed)
+    or an ``http(s)`` URL (fetched before the worker call, where the operator allows it)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+    # The image's bytes: decoded from a data URL at parse time, or fetched (edge.surfaces.images).
+    _image: Image | None = PrivateAttr(default=None)
+
+    @field_validator("image_url", mode="before", json_schema_input_type=ImageUrl)
+    @classmethod
+    def _url_string(cls, value: Any) -> Any:
+        """A bare URL string (as some clients send it) is taken as ``{"url": ...}``."""
+        return {"url": value} if isinstance(value, str) else value
+
+    @property
+    def image(self) -> Image | None:
+        return self._image
+
+    def resolve(self, image: Image) -> None:
+        self._image = image
+
+
+# A part, by its type; a message's content: a string or parts, by its JSON type. So an error in a
+# part names the part (the tags, in angle brackets, are left out of an error's path).
+ContentPart = Annotated[
+    Annotated[TextPart, Tag("<text>")] | Annotated[ImageUrlPart, Tag("<image_url>")],
+    Discriminator(lambda value: f"<{value.get('type') if isinstance(value, dict) else value.type}>"),
+]
+Content = Annotated[
+    Annotated[str, Tag("<string>")] | Annotated[list[ContentPart], Tag("<parts>")],
+    Discriminator(lambda value: "<parts>" if isinstance(value, list) else "<string>"),
+]
+_PART_TYPES = ("text", "image_url")
+
+
+def _content_parts(value: Any) -> Any:
+    """An array of text parts becomes one string, joined with a newline as vLLM does (so separate
+    parts never run together into one word): text-only requests reach the worker as before. An
+    array with an image part stays an array (its parts in order)."""
     if not isinstance(value, list):
+        if value is not None and not isinstance(value, str):
+            raise PydanticCustomError("content_type", "must be a string or an array of content parts")
         return value
     texts: list[str] = []
     for i, part in enumerate(value):
         if not isinstance(part, dict):
             raise invalid(f"content[{i}] must be an object like {{'type': 'text', 'text': '...'}}")
-        if part.get("type") != "text":
-            raise invalid(f"content[{i}].type {part.get('type')!r} is not supported; only 'text' parts are")
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise invalid(f"content[{i}].text must be a string")
-        texts.append(text)
-    return "\n".join(texts)
+        if part.get("type") not in _PART_TYPES:
+            raise invalid(
+                f"content[{i}].type {part.get('type')!r} is not supported; "
+                "only 'text' and 'image_url' parts are"
+            )
+        if part["type"] == "text":
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise invalid(f"content[{i}].text must be a string")
+            texts.append(text)
+    return "\n".join(texts) if len(texts) == len(value) else value
 
 
 class FunctionCall(RequestModel):
@@ -115,15 +163,21 @@ class ChatMessage(RequestModel):
     model_config = ConfigDict(json_schema_extra=_document_role_rules)
 
     role: Role
-    content: str | None = None
+    content: Content | None = None
     name: str | None = None
     tool_calls: list[AssistantToolCall] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
 
-    _text_parts = field_validator(
-        "content", mode="before", json_schema_input_type=str | list[TextPart] | None
-    )(_join_text_parts)
+    _parts = field_validator("content", mode="before", json_schema_input_type=str | list[ContentPart] | None)(
+        _content_parts
+    )
+
+    def text_chars(self) -> int:
+        """Characters of text in ``content`` (its text parts, when it is an array)."""
+        if isinstance(self.content, list):
+            return sum(len(part.text) for part in self.content if isinstance(part, TextPart))
+        return len(self.content or "")
 
 
 class FunctionDefinition(RequestModel):
@@ -257,6 +311,26 @@ class ChatCompletionRequest(SamplingRequest, StructuredRequest):
             return {"mode": "function", "function_name": name}
         raise invalid("must be a string or an object")
 
+    # Where the caller's surface put each image part (edge.surfaces.shared.rewrite.to_chat_request):
+    # ``messages[i].content[j]`` → the surface's own path; empty for the chat surface.
+    _places: dict[str, str] = PrivateAttr(default_factory=dict)
+
+    def keep_places(self, places: Mapping[str, str]) -> None:
+        """Remembers where the caller's surface put each image part (chat path → surface path)."""
+        self._places = dict(places)
+
+    def surface_param(self, param: str) -> str:
+        """``param`` (a path in this chat request) as the caller's surface names it."""
+        return placed_param(param, self._places) or param
+
+    def image_parts(self) -> Iterator[tuple[str, ImageUrlPart]]:
+        """Every image part, in order, with its path in this request (``messages[i].content[j]``)."""
+        for i, message in enumerate(self.messages):
+            if isinstance(message.content, list):
+                for j, part in enumerate(message.content):
+                    if isinstance(part, ImageUrlPart):
+                        yield f"messages[{i}].content[{j}]", part
+
     def structured(self) -> StructuredForm | None:
         """The structured-output form besides ``response_format`` (:mod:`edge.surfaces.shared.structured`)."""
         fmt = self.response_format
@@ -277,6 +351,15 @@ _UNSUPPORTED_CHAT_FIELDS = {
 }
 
 
+def placed_param(param: str, places: Mapping[str, str]) -> str | None:
+    """``param`` with its leading path renamed by ``places`` (chat path → the surface's path; the
+    first place that is ``param`` or a path above it); ``None`` when no place is."""
+    for chat_path, surface_path in places.items():
+        if param == chat_path or param.startswith((f"{chat_path}.", f"{chat_path}[")):
+            return surface_path + param[len(chat_path) :]
+    return None
+
+
 def parse_chat_request(body: Any, limits: RequestLimits | None = None) -> ChatCompletionRequest:
     """Validates a decoded JSON body fully, ``limits`` (default: :func:`active_limits`)
     included; raises :class:`InvalidRequestError` (or :class:`UnprocessableEntityError`
@@ -292,8 +375,26 @@ def parse_chat_request(body: Any, limits: RequestLimits | None = None) -> ChatCo
         )
     _check_chat_semantics(request)
     request.structured()
-    check_chat_limits(request, limits or active_limits())
+    limits = limits or active_limits()
+    check_chat_limits(request, limits)
+    decode_images(request, limits)
     return request
+
+
+def decode_images(request: ChatCompletionRequest, limits: RequestLimits) -> None:
+    """Decodes every data-URL image part and checks the image limits; an ``http(s)`` URL is left for
+    the fetch before the worker call, when the operator allows them. Each error is a 400 naming
+    the part (``messages[i].content[j]``)."""
+    for count, (param, part) in enumerate(request.image_parts(), 1):
+        if count > limits.max_images:
+            raise bad(param, f"at most {limits.max_images} images are accepted per request")
+        url = part.image_url.url
+        if is_remote(url) and limits.allow_image_urls:
+            continue
+        try:
+            part.resolve(decode_data_url(url, limits.max_image_bytes))
+        except ValueError as error:
+            raise bad(param, str(error)) from None
 
 
 def check_chat_limits(request: ChatCompletionRequest, limits: RequestLimits) -> None:
@@ -304,7 +405,7 @@ def check_chat_limits(request: ChatCompletionRequest, limits: RequestLimits) -> 
         )
     chars = 0
     for message in request.messages:
-        chars += len(message.content or "") + len(message.reasoning_content or "")
+        chars += message.text_chars() + len(message.reasoning_content or "")
         chars += sum(len(call.function.arguments) for call in message.tool_calls or ())
     if chars > limits.max_prompt_chars:
         raise bad(

@@ -13,7 +13,12 @@ from pydantic import BaseModel, StrictBool
 
 from edge.errors import EdgeError, InvalidRequestError
 from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.chat_request import ChatCompletionRequest, FunctionDefinition, parse_chat_request
+from edge.surfaces.shared.chat_request import (
+    ChatCompletionRequest,
+    FunctionDefinition,
+    parse_chat_request,
+    placed_param,
+)
 from edge.surfaces.shared.validation import bad, invalid, validate_body
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -41,14 +46,47 @@ def validate_at(model: type[ModelT], value: Any, where: str) -> ModelT:
         raise rebase(error, where) from None
 
 
+# The key under which a surface's image part (:func:`image_part`) carries its place in the caller's body.
+_PLACE = "\0place"
+
+
+def image_part(url: str, detail: str | None, place: str) -> dict[str, Any]:
+    """A chat ``image_url`` part for an image found at ``place`` in the caller's body
+    (``input[2].content[1]``): the chat rules' errors about it name ``place``."""
+    image_url = {"url": url} if detail is None else {"url": url, "detail": detail}
+    return {"type": "image_url", "image_url": image_url, _PLACE: place}
+
+
+def base64_url(media_type: str, data: str) -> str:
+    """The data URL of base64 ``data`` declared as ``media_type``."""
+    return f"data:{media_type};base64,{data}"
+
+
+def _take_places(chat_body: dict[str, Any]) -> dict[str, str]:
+    """The places of the body's :func:`image_part` parts by their chat path (taken out of the parts)."""
+    places: dict[str, str] = {}
+    for i, message in enumerate(chat_body.get("messages") or ()):
+        content = message.get("content") if isinstance(message, dict) else None
+        for j, part in enumerate(content if isinstance(content, list) else ()):
+            if isinstance(part, dict) and _PLACE in part:
+                places[f"messages[{i}].content[{j}]"] = part.pop(_PLACE)
+    return places
+
+
 def to_chat_request(chat_body: dict[str, Any], renames: Mapping[str, str]) -> ChatCompletionRequest:
     """Parses the rewritten chat body with every chat rule and limit; a field the
-    error names is given its surface's name (``renames``: chat name → surface name,
-    matched on the first path segment)."""
+    error names is given its surface's name (an image part's: its place in the caller's body;
+    others by ``renames``: chat name → surface name, matched on the first path segment)."""
+    places = _take_places(chat_body)
     try:
-        return parse_chat_request(chat_body)
+        chat = parse_chat_request(chat_body)
     except InvalidRequestError as error:
         param = error.param or ""
+        placed = placed_param(param, places)
+        if placed is not None:
+            raise InvalidRequestError(
+                error.message.replace(f"'{param}'", f"'{placed}'"), param=placed, code=error.code
+            ) from None
         head = param.split(".")[0].split("[")[0]
         if head not in renames:
             raise
@@ -58,6 +96,8 @@ def to_chat_request(chat_body: dict[str, Any], renames: Mapping[str, str]) -> Ch
         raise InvalidRequestError(
             error.message.replace(f"'{param}'", f"'{renamed}'"), param=renamed, code=error.code
         ) from None
+    chat.keep_places(places)
+    return chat
 
 
 def compact_json(obj: Any) -> str:

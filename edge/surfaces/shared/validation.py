@@ -34,7 +34,9 @@ class RequestLimits:
     ``max_prompt_chars`` counts the characters of every message's text
     (``content``, ``reasoning_content``, tool-call ``arguments``) of a chat
     request, or of every prompt of a completions request (a token-id prompt
-    counts one per id). ``max_tokens`` bounds ``max_tokens`` and
+    counts one per id). ``max_images`` bounds the image parts of one request, ``max_image_bytes``
+    each image's decoded size; ``allow_image_urls`` lets ``http(s)`` image URLs through to the
+    fetch (else they are a 400). ``max_tokens`` bounds ``max_tokens`` and
     ``max_completion_tokens`` when a request sets them; 0 means no bound at
     the edge (the worker still bounds them by the context length). ``n`` is
     per prompt. ``__post_init__`` raises ``ValueError`` naming a bad field.
@@ -45,6 +47,9 @@ class RequestLimits:
     max_n: int = MAX_N
     max_tokens: int = 0
     max_top_logprobs: int = MAX_TOP_LOGPROBS
+    max_images: int = 8
+    max_image_bytes: int = 4 * 1024 * 1024
+    allow_image_urls: bool = False
 
     def __post_init__(self) -> None:
         for name, low, high in (
@@ -53,6 +58,8 @@ class RequestLimits:
             ("max_n", 1, MAX_N),
             ("max_tokens", 0, None),
             ("max_top_logprobs", 0, MAX_TOP_LOGPROBS),
+            ("max_images", 0, None),
+            ("max_image_bytes", 1, None),
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -168,8 +175,11 @@ def _json_type(value: Any) -> str:
 
 
 def _param_path(loc: tuple[int | str, ...]) -> str:
+    """The body path of an error's location; a union member's tag (``<parts>``) is no part of it."""
     path = ""
     for part in loc:
+        if isinstance(part, str) and part.startswith("<"):
+            continue
         path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
     return path
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from edge.surfaces.shared.chat_request import ChatCompletionRequest, ChatMessage, ResponseFormat, ToolChoice
+from edge.surfaces.shared.chat_request import (
+    ChatCompletionRequest,
+    ChatMessage,
+    ImageUrlPart,
+    ResponseFormat,
+    TextPart,
+    ToolChoice,
+)
 from edge.surfaces.shared.sampling import SamplingExtensions, SamplingRequest
 from sluice.v1 import worker_pb2
 
@@ -93,11 +100,27 @@ def _message(message: ChatMessage) -> worker_pb2.ChatMessage:
         tool_call_id=message.tool_call_id or "",
         name=message.name or "",
     )
-    if message.content is not None:
+    if isinstance(message.content, list):
+        proto.parts.extend(_part(part) for part in message.content)
+    elif message.content is not None:
         proto.content = message.content
     if message.reasoning_content is not None:
         proto.reasoning_content = message.reasoning_content
     return proto
+
+
+def _part(part: TextPart | ImageUrlPart) -> worker_pb2.ContentPart:
+    """One part of a message with images: text, or an image's bytes (resolved before the call)."""
+    if isinstance(part, TextPart):
+        return worker_pb2.ContentPart(text=part.text)
+    image = part.image
+    if image is None:  # an http(s) URL not fetched: a bug in the route (edge.surfaces.images)
+        raise RuntimeError("an image URL reached the worker request unfetched")
+    return worker_pb2.ContentPart(
+        image=worker_pb2.ImageInput(
+            data=image.data, mime_type=image.mime_type, detail=part.image_url.detail or ""
+        )
+    )
 
 
 def _tool_choice(choice: ToolChoice) -> worker_pb2.ToolChoice:

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 from pydantic import Field, StrictBool
 
 from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.chat_request import parse_chat_request
+from edge.surfaces.shared.chat_request import ChatCompletionRequest, parse_chat_request
 from edge.surfaces.shared.validation import INT32_MAX, RequestLimits, active_limits, bad, validate_body
 from edge.surfaces.shared.worker_request import to_generate_request
 from sluice.v1 import worker_pb2
@@ -47,9 +47,18 @@ class DetokenizeRequest(RequestModel):
 def parse_tokenize_request(
     body: Any, request_id: str, limits: RequestLimits | None = None
 ) -> worker_pb2.TokenizeRequest:
-    """The worker's ``TokenizeRequest`` for a ``/tokenize`` body; raises a 400 naming the field."""
+    """The worker's ``TokenizeRequest`` for a ``/tokenize`` body whose images (if any) need no
+    fetch; raises a 400 naming the field."""
+    request, chat = parse_tokenize_body(body, limits)
+    return tokenize_proto(request, chat, request_id)
+
+
+def parse_tokenize_body(
+    body: Any, limits: RequestLimits | None = None
+) -> tuple[TokenizeRequest, ChatCompletionRequest | None]:
+    """A ``/tokenize`` body validated, with its chat (``None`` for a ``prompt``); raises a 400 naming
+    the field. The route fetches the chat's image URLs before :func:`tokenize_proto`."""
     request = validate_body(TokenizeRequest, body)
-    proto = worker_pb2.TokenizeRequest(model=request.model, return_token_strs=request.return_token_strs)
     if (request.prompt is None) == (request.messages is None):
         raise bad("prompt", "give either 'prompt' (text) or 'messages' (a chat), not both")
     if request.prompt is not None:
@@ -58,13 +67,22 @@ def parse_tokenize_request(
             raise bad(
                 "prompt", f"the prompt holds {len(request.prompt)} characters; at most {limit} are accepted"
             )
-        proto.prompt.text = request.prompt
+        return request, None
+    chat_body: dict[str, Any] = {"model": request.model, "messages": request.messages}
+    for name in ("tools", "tool_choice", "chat_template_kwargs"):
+        if getattr(request, name) is not None:
+            chat_body[name] = getattr(request, name)
+    return request, parse_chat_request(chat_body, limits)
+
+
+def tokenize_proto(
+    request: TokenizeRequest, chat: ChatCompletionRequest | None, request_id: str
+) -> worker_pb2.TokenizeRequest:
+    """The worker's ``TokenizeRequest`` for a body parsed by :func:`parse_tokenize_body`."""
+    proto = worker_pb2.TokenizeRequest(model=request.model, return_token_strs=request.return_token_strs)
+    if chat is None:
+        proto.prompt.text = request.prompt or ""
     else:
-        chat_body: dict[str, Any] = {"model": request.model, "messages": request.messages}
-        for name in ("tools", "tool_choice", "chat_template_kwargs"):
-            if getattr(request, name) is not None:
-                chat_body[name] = getattr(request, name)
-        chat = parse_chat_request(chat_body, limits)
         proto.chat.CopyFrom(to_generate_request(chat, request_id).chat)
         proto.add_generation_prompt = request.add_generation_prompt
     if request.add_special_tokens is not None:

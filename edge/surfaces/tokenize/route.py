@@ -8,7 +8,8 @@ from quart import Blueprint
 from quart.wrappers import Response
 
 from edge.http import current_request_id, current_settings, json_response, read_json_body, worker_header
-from edge.surfaces.tokenize.request import parse_detokenize_request, parse_tokenize_request
+from edge.surfaces.images import prepare_images
+from edge.surfaces.tokenize.request import parse_detokenize_request, parse_tokenize_body, tokenize_proto
 from edge.surfaces.tokens import detokenize, tokenize
 
 blueprint = Blueprint("tokenize", __name__)
@@ -16,7 +17,10 @@ blueprint = Blueprint("tokenize", __name__)
 
 @blueprint.post("/tokenize")
 async def tokenize_route() -> Response:
-    request = parse_tokenize_request(await read_json_body(), current_request_id(), current_settings().limits)
+    parsed, chat = parse_tokenize_body(await read_json_body(), current_settings().limits)
+    if chat is not None:
+        await prepare_images(chat)
+    request = tokenize_proto(parsed, chat, current_request_id())
     reply = await tokenize(request)
     body: dict[str, Any] = {
         "count": reply.count,

@@ -92,6 +92,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     script_for: Callable[[worker_pb2.GenerateRequest], list[Step]] | None = None
     worker_id: str = "worker-a"
     models: list[str] = field(default_factory=lambda: ["SmolLM2-135M-Instruct"])
+    accepts_images: bool = False  # what its ListModels says of every model
     requests: list[worker_pb2.GenerateRequest] = field(default_factory=list)
     metadata: list[dict[str, str | bytes]] = field(default_factory=list)
     calls_started: int = 0
@@ -126,7 +127,12 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         self, request: worker_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> worker_pb2.ListModelsResponse:
         return worker_pb2.ListModelsResponse(
-            models=[worker_pb2.ModelInfo(id=m, created=1700000000, owned_by="sluice") for m in self.models],
+            models=[
+                worker_pb2.ModelInfo(
+                    id=m, created=1700000000, owned_by="sluice", accepts_images=self.accepts_images
+                )
+                for m in self.models
+            ],
             worker_id=self.worker_id,
         )
 

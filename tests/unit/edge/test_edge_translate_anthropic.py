@@ -231,9 +231,14 @@ def test_any_tool_choice_is_required_and_error_results_are_marked() -> None:
         ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role", "invalid_value"),
         ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "invalid_value"),
         (
-            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "document", "source": {}}]}]},
             "messages[0].content[0].type",
             "unsupported_parameter",
+        ),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
+            "messages[0].content[0].source.type",
+            "missing_required_parameter",
         ),
         (
             {"messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},

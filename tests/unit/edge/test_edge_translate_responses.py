@@ -245,9 +245,14 @@ def test_request_items_become_chat_messages() -> None:
             "missing_required_parameter",
         ),
         (
-            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            {"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
             "input[0].content[0].type",
             "unsupported_parameter",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image"}]}]},
+            "input[0].content[0].image_url",
+            "missing_required_parameter",
         ),
         ({"input": [{"type": "web_search_call"}]}, "input[0].type", "unsupported_parameter"),
         ({"tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),

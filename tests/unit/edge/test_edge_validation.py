@@ -44,8 +44,8 @@ def with_(**fields: Any) -> dict[str, Any]:
         (with_(messages=[{"role": "user", "content": 5}]), "messages[0].content", "invalid_type"),
         (
             with_(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
-            "messages[0].content",
-            "invalid_value",
+            "messages[0].content[0].image_url.url",
+            "missing_required_parameter",
         ),
         (with_(messages=[{"role": "assistant"}]), "messages[0].content", "missing_required_parameter"),
         (

@@ -41,6 +41,7 @@ def cuda_runner(device: str = "cuda", max_rows: int = 256) -> ModelRunner:
     assert runner.decode_kernel_enabled, runner.kernel_problem
     runner.graphs = capture_decode_graphs(runner, max_rows, 1024)
     assert runner.graphs is not None
+    assert runner.graphs.replays == 0  # the capture's own check is not an engine step
     return runner
 
 

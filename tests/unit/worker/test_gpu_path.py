@@ -267,3 +267,24 @@ def test_prompt_chunks_and_the_memory_probe_run_sdpa_on_4d_tensors(monkeypatch) 
     loaded = SimpleNamespace(model=model, device=torch.device("cpu"), dtype=torch.float32, context_length=256)
     runner_setup.take_activation_memory(loaded, 32, 16)  # type: ignore[arg-type]
     assert ranks == [4], "the start-up probe must take the chunk path serving takes"
+
+
+def test_graph_inputs_are_staged_for_the_used_columns_only() -> None:
+    """A replayed step's inputs (here on the CPU: the buffers and copies, not the replay): the
+    rows' ids, positions, slots and lengths, the block tables' used columns, and padding rows that
+    write the scratch slot and read nothing. The table is not rebuilt context_length wide."""
+    from worker.model.step_inputs import Work
+
+    runner = SimpleNamespace(device=torch.device("cpu"), block_size=4, scratch_block=99)
+    graphs = cuda_graphs.DecodeGraphs(runner, max_rows=8, context_length=64)  # type: ignore[arg-type]
+    assert graphs.tables.shape == (8, 16)
+    graphs.tables.fill_(7)  # entries an earlier, longer step left behind
+    work = [Work([11], 5, [3, 4, 5], True), Work([12], 0, [6], True), Work([13], 8, [1, 2, 9], True)]
+    bucket = graphs.stage(work)
+    assert bucket == 4
+    assert graphs.ids[:4, 0].tolist() == [11, 12, 13, 0]
+    assert graphs.positions[:4, 0].tolist() == [5, 0, 8, 0]
+    assert graphs.slots[:4].tolist() == [4 * 4 + 1, 6 * 4, 9 * 4, 99 * 4]
+    assert graphs.lengths[:4].tolist() == [6, 1, 9, 0]
+    assert graphs.tables[:3, :3].tolist() == [[3, 4, 0], [6, 0, 0], [1, 2, 9]]
+    assert graphs.tables[:3, 3:].eq(7).all()  # past every row's length: left as it was, never read

@@ -69,3 +69,33 @@ def test_a_sampled_step_with_top_p_and_a_grammar_syncs_once(monkeypatch: pytest.
         assert all(s.token_id % 2 == 0 for s in samples)
         for row, sample in zip(rows, samples, strict=True):
             row.record(sample.token_id)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check runs it)")
+def test_on_cuda_a_sampled_256_row_step_syncs_at_most_once() -> None:
+    """The same step on the device, counted by torch's own sync detector (every synchronising
+    CUDA call warns), over the real 49k vocabulary of the default model."""
+    import warnings
+
+    vocab, count = 49152, 256
+    options = SamplingOptions(temperature=0.8, top_p=0.9, seed=3)
+    rows = [SequenceSampling(options, (1, 2), frozenset(), seed_offset=i) for i in range(count)]
+    for row in rows:
+        row.constraint = AllowEven(vocab)  # type: ignore[assignment]
+    logits = torch.randn((count, vocab), device="cuda")
+    counts = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                samples = sample_batch(logits, rows)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        counts.append(sum("synchroniz" in str(w.message) for w in seen))
+        assert all(s.token_id % 2 == 0 for s in samples)
+        for row, sample in zip(rows, samples, strict=True):
+            row.record(sample.token_id)
+    print(f"\nhost syncs of a sampled 256-row step (temperature, top-p, grammar mask): {counts}")
+    assert max(counts[1:]) <= 1, counts

@@ -1,0 +1,287 @@
+"""Tiny random-weight vision-language models saved as Hugging Face folders with their processors
+(configs written here, tokenizers from the families fixtures), for the worker's and edge's tests."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoTokenizer
+
+from tools.fixtures import DEFAULT_DIR, fetch_tokenizer
+from worker.model.loader import load_processor
+
+ARCHITECTURES = ("llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl")
+TEXT: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+    "initializer_range": 0.2,
+}
+VISION: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "image_size": 32,
+    "patch_size": 8,
+}
+# A plain template that renders list content with image parts as the processor's image token.
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}<image>{% else %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _fixture(family: str) -> Path:
+    """The family's real tokenizer (``make fixtures``; fetched once if missing)."""
+    return fetch_tokenizer(family, DEFAULT_DIR)
+
+
+def _write_json(path: Path, value: dict[str, Any]) -> None:
+    path.write_text(json.dumps(value, indent=1))
+
+
+def _save(model: Any, folder: Path, processor_files: dict[str, dict[str, Any]], tokenizer: Any) -> None:
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    for name, value in processor_files.items():
+        _write_json(folder / name, value)
+
+
+def _llava(folder: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(_fixture("qwen3"))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
+    tokenizer.chat_template = LLAVA_TEMPLATE
+    image_token = tokenizer.convert_tokens_to_ids("<image>")
+    config = transformers.LlavaConfig(
+        vision_config=transformers.CLIPVisionConfig(**VISION, projection_dim=32),
+        text_config=transformers.Qwen2Config(**TEXT, vocab_size=len(tokenizer)),
+        image_token_id=image_token,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        projector_hidden_act="gelu",
+    )
+    model = transformers.LlavaForConditionalGeneration(config)
+    _save(
+        model,
+        folder,
+        {
+            "preprocessor_config.json": {
+                "image_processor_type": "CLIPImageProcessor",
+                "processor_class": "LlavaProcessor",
+                "size": {"shortest_edge": VISION["image_size"]},
+                "crop_size": {"height": VISION["image_size"], "width": VISION["image_size"]},
+                "do_center_crop": True,
+                "do_resize": True,
+                "do_normalize": True,
+                "do_rescale": True,
+                "do_convert_rgb": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "resample": 3,
+            },
+            "processor_config.json": {
+                "processor_class": "LlavaProcessor",
+                "patch_size": VISION["patch_size"],
+                "vision_feature_select_strategy": "default",
+                "image_token": "<image>",
+                "num_additional_image_tokens": 1,
+            },
+        },
+        tokenizer,
+    )
+
+
+def _gemma3(folder: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(_fixture("gemma3"))
+    image_token = tokenizer.convert_tokens_to_ids("<image_soft_token>")
+    tokens_per_image = 4
+    config = transformers.Gemma3Config(
+        text_config=transformers.Gemma3TextConfig(
+            # The default initializer: with TEXT's, this tiny Gemma writes one token whatever it sees.
+            **{**TEXT, "num_hidden_layers": 3, "initializer_range": 0.02},
+            vocab_size=len(tokenizer),
+            sliding_window=8,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            query_pre_attn_scalar=16,
+        ),
+        vision_config=transformers.SiglipVisionConfig(**VISION),
+        mm_tokens_per_image=tokens_per_image,
+        image_token_id=image_token,
+        boi_token_index=tokenizer.convert_tokens_to_ids("<start_of_image>"),
+        eoi_token_index=tokenizer.convert_tokens_to_ids("<end_of_image>"),
+    )
+    model = transformers.Gemma3ForConditionalGeneration(config)
+    with torch.no_grad():  # the projector starts at zero: an image would change nothing
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.5)
+    _save(
+        model,
+        folder,
+        {
+            "preprocessor_config.json": {
+                "image_processor_type": "Gemma3ImageProcessor",
+                "processor_class": "Gemma3Processor",
+                "size": {"height": VISION["image_size"], "width": VISION["image_size"]},
+                "do_resize": True,
+                "do_normalize": True,
+                "do_rescale": True,
+                "do_convert_rgb": True,
+                "do_pan_and_scan": False,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "resample": 2,
+            },
+            "processor_config.json": {
+                "processor_class": "Gemma3Processor",
+                "image_seq_length": tokens_per_image,
+            },
+        },
+        tokenizer,
+    )
+
+
+def _idefics3(folder: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(_fixture("qwen3"))
+    tiles = [f"<row_{i + 1}_col_{j + 1}>" for i in range(6) for j in range(6)]
+    special = ["<fake_token_around_image>", "<image>", "<end_of_utterance>", "<global-img>", *tiles]
+    tokenizer.add_special_tokens({"additional_special_tokens": special})
+    tokenizer.chat_template = LLAVA_TEMPLATE
+    tokens_per_tile = (VISION["image_size"] // VISION["patch_size"]) ** 2 // 4  # scale factor 2
+    config = transformers.Idefics3Config(
+        text_config={**TEXT, "model_type": "llama", "vocab_size": len(tokenizer)},
+        vision_config=VISION,
+        image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+        scale_factor=2,
+    )
+    model = transformers.Idefics3ForConditionalGeneration(config)
+    _save(
+        model,
+        folder,
+        {
+            "preprocessor_config.json": {
+                "image_processor_type": "Idefics3ImageProcessor",
+                "processor_class": "Idefics3Processor",
+                # An image is resized to at most 64 pixels a side and split into 32-pixel tiles plus
+                # the whole image at 32: a 40x30 image is 2x2 tiles and a global one.
+                "size": {"longest_edge": 2 * VISION["image_size"]},
+                "max_image_size": {"longest_edge": VISION["image_size"]},
+                "do_image_splitting": True,
+                "do_resize": True,
+                "do_normalize": True,
+                "do_rescale": True,
+                "do_convert_rgb": True,
+                "do_pad": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "resample": 1,
+            },
+            "processor_config.json": {
+                "processor_class": "Idefics3Processor",
+                "image_seq_len": tokens_per_tile,
+            },
+        },
+        tokenizer,
+    )
+
+
+QWEN2_VL_TEMPLATE = LLAVA_TEMPLATE.replace("<image>", "<|vision_start|><|image_pad|><|vision_end|>")
+
+
+QWEN_VISION: dict[str, Any] = {"depth": 2, "num_heads": 2, "patch_size": 4, "spatial_merge_size": 2}
+QWEN_VISION_BY_ARCH: dict[str, dict[str, Any]] = {
+    "qwen2_vl": {"embed_dim": 32, "hidden_size": TEXT["hidden_size"], "mlp_ratio": 1},
+    # Windows of 2x2 merged tokens in the first block, full attention in the second.
+    "qwen2_5_vl": {
+        "hidden_size": 32,
+        "intermediate_size": 32,
+        "out_hidden_size": TEXT["hidden_size"],
+        "window_size": 16,
+        "fullatt_block_indexes": [1],
+    },
+}
+
+
+def _qwen_vl(folder: Path, arch: str = "qwen2_vl") -> None:
+    tokenizer = AutoTokenizer.from_pretrained(_fixture("qwen3"))
+    tokenizer.chat_template = QWEN2_VL_TEMPLATE
+    text = {
+        **TEXT,
+        "vocab_size": len(tokenizer),
+        "rope_scaling": {"type": "mrope", "mrope_section": [2, 3, 3]},
+    }
+    qwen2 = arch == "qwen2_vl"
+    config_class = transformers.Qwen2VLConfig if qwen2 else transformers.Qwen2_5_VLConfig
+    model_class = (
+        transformers.Qwen2VLForConditionalGeneration
+        if qwen2
+        else transformers.Qwen2_5_VLForConditionalGeneration
+    )
+    processor_class = "Qwen2VLProcessor" if qwen2 else "Qwen2_5_VLProcessor"
+    config = config_class(
+        text_config=text,
+        vision_config={**QWEN_VISION, **QWEN_VISION_BY_ARCH[arch]},
+        image_token_id=tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        video_token_id=tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        vision_start_token_id=tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        vision_end_token_id=tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+    )
+    model = model_class(config)
+    _save(
+        model,
+        folder,
+        {
+            "preprocessor_config.json": {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": processor_class,
+                "patch_size": 4,
+                "merge_size": 2,
+                "temporal_patch_size": 2,
+                "size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
+                "do_resize": True,
+                "do_normalize": True,
+                "do_rescale": True,
+                "do_convert_rgb": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+            },
+            "processor_config.json": {"processor_class": processor_class},
+        },
+        tokenizer,
+    )
+
+
+BUILDERS: dict[str, Callable[[Path], None]] = {
+    "llava": _llava,
+    "gemma3": _gemma3,
+    "idefics3": _idefics3,
+    "qwen2_vl": _qwen_vl,
+    "qwen2_5_vl": lambda folder: _qwen_vl(folder, "qwen2_5_vl"),
+}
+
+
+def build_tiny_vlm(arch: str, folder: Path) -> Path:
+    """A tiny random-weight vision-language model of ``arch`` (one of :data:`ARCHITECTURES`) saved
+    in ``folder`` with its processor; returns ``folder``. Seeded: the same weights every time."""
+    if arch not in BUILDERS:
+        raise ValueError(f"no tiny builder for {arch!r}; known: {', '.join(BUILDERS)}")
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    torch.manual_seed(0)
+    BUILDERS[arch](folder)
+    load_processor(str(folder))  # the folder loads (Qwen2-VL's without a video processor)
+    return folder
