@@ -131,3 +131,23 @@ def test_host_syncs_and_cuda_calls_per_replayed_step(runner: ModelRunner) -> Non
     print(f"\nper replayed 64-row step: {len(names)} CUDA API calls, {syncs} host syncs, "
           f"{sum(n == 'cudaGraphLaunch' for n in names)} graph launches")  # fmt: skip
     assert sum(n == "cudaGraphLaunch" for n in names) == 1
+
+
+def test_a_verifying_row_scores_like_one_token_steps(runner: ModelRunner) -> None:
+    """A speculative verification row (``1 + proposed`` tokens after a context) runs through the
+    mixed path on CUDA: its logits at each position equal decoding the same tokens one at a time
+    (replayed graphs) over a copy of the same context."""
+    prompt = [(7 * t) % 500 + 1 for t in range(21)]
+    verified, stepped = [40, 41, 42, 43], [44, 45, 46, 47]  # each row's own blocks (rows 10 and 11)
+    for table in (verified, stepped):
+        runner.execute([Work(prompt, 0, table, True)])
+    guesses = [9, 19, 29]
+    together = runner.execute([Work([5, *guesses], len(prompt), verified, True, proposed=len(guesses))])
+    assert together.shape[0] == 1 + len(guesses)
+    one_by_one = torch.cat(
+        [
+            runner.execute([Work([token], len(prompt) + i, stepped, True)])
+            for i, token in enumerate([5, *guesses])
+        ]
+    )
+    torch.testing.assert_close(together, one_by_one, atol=5e-2 * float(one_by_one.abs().max()), rtol=5e-2)
