@@ -19,6 +19,7 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,16 +154,29 @@ def main() -> int:
         f"--num-speculative-tokens {args.speculative_tokens}, "
         f"n-gram {args.ngram_min}..{args.ngram_max}, max rows {args.max_rows or 'any'}"
     )
-    print("| case | plain tok/s | ngram tok/s | ratio | accepted/proposed | same text |")
+    print_table(cases, rates, tallies, same, "ngram tok/s")
+    return 0
+
+
+def print_table(
+    cases: Sequence[str],
+    rates: dict[tuple[str, str], list[float]],
+    tallies: dict[str, list[int]] | dict[str, list[float]],
+    same: dict[str, bool],
+    column: str,
+) -> None:
+    """The markdown table of docs/benchmarks.md: per case the median plain and speculating tok/s
+    (``rates[(case, "plain" | "ngram")]``), their ratio, the accepted/proposed tally and whether
+    the texts were the same."""
+    print(f"| case | plain tok/s | {column} | ratio | accepted/proposed | same text |")
     print("|---|---|---|---|---|---|")
     for name in cases:
         plain = statistics.median(rates[(name, "plain")])
         fast = statistics.median(rates[(name, "ngram")])
-        taken, proposed = tallies[name]
+        taken, proposed = (int(v) for v in tallies[name])
         acceptance = f"{taken}/{proposed} = {taken / max(1, proposed):.0%}"
         same_text = "yes" if same[name] else "no"
         print(f"| {name} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f}x | {acceptance} | {same_text} |")
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import shlex
-import statistics
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.bench_speculative import PROMPTS
+from bench.bench_speculative import PROMPTS, print_table
 from tests.processes import EdgeProcess, WorkerProcess
 from worker.config import DEFAULT_CACHE_DIR
 
@@ -106,15 +105,7 @@ async def run(args: argparse.Namespace, worker: WorkerProcess, edge: EdgeProcess
         f"through the edge: {model}, worker {args.worker_args!r}, max_tokens {args.tokens}, "
         f"medians of {args.rounds} rounds"
     )
-    print("| case | plain tok/s | speculating tok/s | ratio | accepted/proposed | same text |")
-    print("|---|---|---|---|---|---|")
-    for name in cases:
-        plain = statistics.median(rates[(name, "plain")])
-        fast = statistics.median(rates[(name, "ngram")])
-        taken, proposed = (int(v) for v in tallies[name])
-        acceptance = f"{taken}/{proposed} = {taken / max(1, proposed):.0%}"
-        same_text = "yes" if same[name] else "no"
-        print(f"| {name} | {plain:.1f} | {fast:.1f} | {fast / plain:.2f}x | {acceptance} | {same_text} |")
+    print_table(cases, rates, tallies, same, "speculating tok/s")
 
 
 def main() -> None:

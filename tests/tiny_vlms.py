@@ -36,6 +36,15 @@ VISION: dict[str, Any] = {
     "patch_size": 8,
 }
 # A plain template that renders list content with image parts as the processor's image token.
+# What every tiny processor shares: resize, rescale and normalise to [-1, 1], RGB.
+IMAGE_DEFAULTS: dict[str, Any] = {
+    "do_resize": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_convert_rgb": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
 LLAVA_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
     "{% if message['content'] is string %}{{ message['content'] }}"
@@ -86,12 +95,7 @@ def _llava(folder: Path) -> None:
                 "size": {"shortest_edge": VISION["image_size"]},
                 "crop_size": {"height": VISION["image_size"], "width": VISION["image_size"]},
                 "do_center_crop": True,
-                "do_resize": True,
-                "do_normalize": True,
-                "do_rescale": True,
-                "do_convert_rgb": True,
-                "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5],
+                **IMAGE_DEFAULTS,
                 "resample": 3,
             },
             "processor_config.json": {
@@ -136,13 +140,8 @@ def _gemma3(folder: Path) -> None:
                 "image_processor_type": "Gemma3ImageProcessor",
                 "processor_class": "Gemma3Processor",
                 "size": {"height": VISION["image_size"], "width": VISION["image_size"]},
-                "do_resize": True,
-                "do_normalize": True,
-                "do_rescale": True,
-                "do_convert_rgb": True,
+                **IMAGE_DEFAULTS,
                 "do_pan_and_scan": False,
-                "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5],
                 "resample": 2,
             },
             "processor_config.json": {
@@ -180,13 +179,8 @@ def _idefics3(folder: Path) -> None:
                 "size": {"longest_edge": 2 * VISION["image_size"]},
                 "max_image_size": {"longest_edge": VISION["image_size"]},
                 "do_image_splitting": True,
-                "do_resize": True,
-                "do_normalize": True,
-                "do_rescale": True,
-                "do_convert_rgb": True,
+                **IMAGE_DEFAULTS,
                 "do_pad": True,
-                "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5],
                 "resample": 1,
             },
             "processor_config.json": {
@@ -251,12 +245,7 @@ def _qwen_vl(folder: Path, arch: str = "qwen2_vl") -> None:
                 "merge_size": 2,
                 "temporal_patch_size": 2,
                 "size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
-                "do_resize": True,
-                "do_normalize": True,
-                "do_rescale": True,
-                "do_convert_rgb": True,
-                "image_mean": [0.5, 0.5, 0.5],
-                "image_std": [0.5, 0.5, 0.5],
+                **IMAGE_DEFAULTS,
             },
             "processor_config.json": {"processor_class": processor_class},
         },
