@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import shlex
 import sys
 import tempfile
@@ -29,6 +28,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.bench_speculative import PROMPTS, print_table
+from bench.bench_worker import sse_chunks
 from tests.processes import EdgeProcess, WorkerProcess
 from worker.config import DEFAULT_CACHE_DIR
 
@@ -44,10 +44,7 @@ async def stream(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[str, 
     body = {**body, "stream": True, "stream_options": {"include_usage": True}}
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(response):
             if chunk.get("usage"):
                 tokens = chunk["usage"]["completion_tokens"]
             for choice in chunk.get("choices", []):

@@ -32,9 +32,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import httpx
@@ -204,16 +205,21 @@ async def peer_stream(client: httpx.AsyncClient, url: str, model: str, i: int) -
     return await read_sse_stream(client, url, body)
 
 
+async def sse_chunks(response: httpx.Response) -> AsyncIterator[dict[str, Any]]:
+    """The JSON chunks of an OpenAI-style Server-Sent Events stream (``[DONE]`` and other lines
+    left out)."""
+    async for line in response.aiter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
 async def read_sse_stream(client: httpx.AsyncClient, url: str, body: dict[str, object]) -> StreamResult:
     """One streamed OpenAI chat completion's time to first token, gaps and completion tokens
     (the usage chunk's count, else the number of content chunks)."""
     result, start, last, chunks, usage = StreamResult(), time.perf_counter(), None, 0, None
     async with client.stream("POST", url, json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
+        async for chunk in sse_chunks(response):
             if chunk.get("usage"):
                 usage = chunk["usage"].get("completion_tokens")
             if any((c.get("delta") or {}).get("content") for c in chunk.get("choices") or []):
