@@ -81,31 +81,30 @@ def _json_object(raw: str) -> str:
     return raw or "{}"
 
 
-def _milliseconds(raw: str) -> float:
+def _number(raw: str, what: str = "a number") -> float:
+    """``raw`` as a float, or a ValueError saying it must be ``what``."""
     try:
-        value = float(raw)
+        return float(raw)
     except ValueError:
-        raise ValueError(f"must be a number of ms, got {raw!r}") from None
+        raise ValueError(f"must be {what}, got {raw!r}") from None
+
+
+def _milliseconds(raw: str) -> float:
+    value = _number(raw, "a number of ms")
     if not 0 <= value <= 60_000:
         raise ValueError(f"must be 0 to 60000 ms, got {raw!r}")
     return value
 
 
 def _fraction(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"must be a number, got {raw!r}") from None
+    value = _number(raw)
     if not 0 < value <= 1:
         raise ValueError(f"must be above 0 and at most 1, got {raw!r}")
     return value
 
 
 def _share(raw: str) -> float:
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"must be a number, got {raw!r}") from None
+    value = _number(raw)
     if not 0 <= value <= 1:
         raise ValueError(f"must be between 0 and 1, got {raw!r}")
     return value

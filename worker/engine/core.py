@@ -152,7 +152,8 @@ class Engine:
     ):
         """The KV pool's size and block size are the runner's (``num_blocks``, ``block_size``);
         ``on_device_failure`` is called (on the engine thread) once the device failed;
-        ``speculation``: n-gram speculative decoding of eligible greedy rows (None: off)."""
+        ``speculation``: speculative decoding (n-gram or draft proposals, every row verified as
+        one-token steps would draw it; None: off)."""
         self._on_device_failure = on_device_failure
         self.device_failure: BaseException | None = None
         self._runner = runner

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from collections import abc
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -15,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.unit.worker.test_engine import request
 from worker.config import parse_config
 from worker.engine.core import Engine
 from worker.engine.kv_blocks import BlockManager
@@ -191,16 +191,6 @@ def engine(
     )
     eng.start()
     return eng
-
-
-def request(prompt: list[int], **sampling) -> GenerationRequest:
-    return GenerationRequest(
-        f"r{random.random()}",
-        tuple(prompt),
-        SamplingOptions(**sampling),
-        time.monotonic(),
-        return_token_ids=True,
-    )
 
 
 def outcome(events: list) -> list[tuple[int, tuple[int, ...], str, str]]:
