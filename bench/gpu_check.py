@@ -10,8 +10,10 @@ Steps: install .gpu/wheels into a private folder; print versions; run every CUDA
 none may skip); serve a random-weight 1.7B model with --require-cuda-graphs and check greedy bf16
 output against transformers' ``generate`` for 32 tokens from the same prompt ids (a divergence at a
 near-tie of the logits, by margin, is reported, not failed); check from /metrics that the kernel and
-graphs are on and that every decode-only step replayed a graph; then run bench/bench_gpu.py and print
-its table. A step that fails is reported in the closing table; the later steps still run.
+graphs are on and that every decode-only step replayed a graph; serve it with --speculative ngram
+(greedy equal to ``generate`` too, one stream's tok/s with and without, the acceptance); then run
+bench/bench_gpu.py and print its table. A step that fails is reported in the closing table; the
+later steps still run.
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 SITE = Path("/tmp/sluice-gpu-site")
@@ -36,6 +39,7 @@ CUDA_TESTS = (
     "tests/unit/worker/test_sampler_syncs.py",
 )
 NEAR_TIE = 0.1  # logit margin (top-1 minus top-2) under which bf16 rounding may flip a greedy pick
+T = TypeVar("T")
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$")
 
 
@@ -188,47 +192,105 @@ def reference_greedy(
             torch.cuda.empty_cache()
 
 
-def served_greedy(
-    model_dir: Path, ids: list[int], tokens: int, device: str, dtype: str
-) -> tuple[list[int], str]:
-    """Serves ``model_dir`` (--require-cuda-graphs on CUDA); greedy tokens from ``ids``, then 64
-    concurrent streams; returns the tokens and the worker's /metrics text."""
-    import grpc
-    from bench_gpu import sluice_request
-    from bench_worker import free_port, read_stream, start_worker, stop
-
+async def greedy_stream(
+    stub: Any, ids: list[int], tokens: int, speculative: bool | None = None
+) -> tuple[list[int], float]:
+    """``tokens`` greedy token ids after ``ids`` (``speculative``: the request's switch) and the
+    seconds from the first to the last content event."""
     from sluice.v1 import worker_pb2 as pb
+
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    if speculative is not None:
+        sampling.speculative = speculative
+    request = pb.GenerateRequest(
+        prompt=pb.PromptInput(token_ids=pb.TokenIds(ids=ids)), sampling=sampling, return_token_ids=True
+    )
+    got: list[int] = []
+    first = last = 0.0
+    async for event in stub.Generate(request):
+        if event.WhichOneof("event") == "content":
+            last = time.perf_counter()
+            first = first or last
+            got += list(event.content.token_ids)
+    return got, last - first
+
+
+def serving(
+    model_dir: Path, device: str, dtype: str, extra: list[str], talk: Callable[[Any], Awaitable[T]]
+) -> tuple[T, str]:
+    """Serves ``model_dir`` (--require-cuda-graphs on CUDA; ``extra`` flags), runs ``talk`` with a
+    stub of it; returns what it returned and the worker's /metrics text."""
+    import grpc
+    from bench_worker import free_port, start_worker, stop
+
     from sluice.v1 import worker_pb2_grpc as pb_grpc
 
     flags = ["--model", str(model_dir), "--device", device, "--dtype", dtype, "--max-running", "256",
-             "--log-level", "INFO"]  # fmt: skip
+             "--log-level", "INFO", *extra]  # fmt: skip
     if device.startswith("cuda"):
         flags.append("--require-cuda-graphs")
     metrics_port = free_port()
     proc, address = start_worker(None, flags, defaults=(), metrics_port=metrics_port)
     try:
 
-        async def ours() -> list[int]:
+        async def session() -> T:
             async with grpc.aio.insecure_channel(address) as channel:
-                stub = pb_grpc.WorkerStub(channel)
-                request = pb.GenerateRequest(
-                    prompt=pb.PromptInput(token_ids=pb.TokenIds(ids=ids)),
-                    sampling=pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True),
-                    return_token_ids=True,
-                )
-                got: list[int] = []
-                async for event in stub.Generate(request):
-                    if event.WhichOneof("event") == "content":
-                        got += list(event.content.token_ids)
-                await asyncio.gather(*[read_stream(stub, sluice_request(i, 64)) for i in range(64)])
-                return got
+                return await talk(pb_grpc.WorkerStub(channel))
 
-        got = asyncio.run(ours())
+        result = asyncio.run(session())
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         text = urllib.request.urlopen(url, timeout=10).read().decode()
     finally:
         stop(proc)
-    return got, text
+    return result, text
+
+
+def served_greedy(
+    model_dir: Path, ids: list[int], tokens: int, device: str, dtype: str
+) -> tuple[list[int], str]:
+    """Greedy tokens from ``ids``, then 64 concurrent streams; the tokens and /metrics."""
+    from bench_gpu import sluice_request
+    from bench_worker import read_stream
+
+    async def talk(stub: Any) -> list[int]:
+        got, _ = await greedy_stream(stub, ids, tokens)
+        await asyncio.gather(*[read_stream(stub, sluice_request(i, 64)) for i in range(64)])
+        return got
+
+    return serving(model_dir, device, dtype, [], talk)
+
+
+def speculation_check(
+    model_dir: Path,
+    ids: list[int],
+    tokens: int,
+    device: str,
+    dtype: str,
+    compare: Callable[[list[int]], Step],
+) -> list[Step]:
+    """A worker with ``--speculative ngram``: greedy tokens with speculation equal ``compare``'s
+    reference; one stream's decode tok/s over 128 tokens with the request's ``speculative`` off and
+    on (alternating, twice) and the acceptance from /metrics, printed and in the step's detail."""
+
+    async def talk(stub: Any) -> tuple[list[int], dict[bool, list[float]]]:
+        got, _ = await greedy_stream(stub, ids, tokens)
+        rates: dict[bool, list[float]] = {False: [], True: []}
+        for _ in range(2):
+            for speculative in (False, True):
+                out, seconds = await greedy_stream(stub, ids, 128, speculative)
+                rates[speculative].append((len(out) - 1) / seconds if seconds else 0.0)
+        return got, rates
+
+    (got, rates), text = serving(model_dir, device, dtype, ["--speculative", "ngram"], talk)
+    samples = parse_metrics(text)
+    proposed = samples.get('sluice_worker_speculative_proposed_tokens_total{proposer="ngram"}', 0.0)
+    accepted = samples.get('sluice_worker_speculative_accepted_tokens_total{proposer="ngram"}', 0.0)
+    plain, fast = max(rates[False]), max(rates[True])
+    speed = (f"1 stream {plain:.0f} -> {fast:.0f} tok/s ({fast / plain if plain else 0:.2f}x), "
+             f"accepted {accepted:.0f}/{proposed:.0f}")  # fmt: skip
+    print(f"speculation, {dtype}: {speed}", flush=True)
+    equal = compare(got)
+    return [Step(f"speculation vs generate, {dtype}", equal.ok, f"{equal.detail}; {speed}")]
 
 
 def serve_and_compare(model_dir: Path, tokens: int, device: str, dtype: str) -> list[Step]:
@@ -244,10 +306,14 @@ def serve_and_compare(model_dir: Path, tokens: int, device: str, dtype: str) -> 
     steps = [Step(f"fast path, {dtype} (metrics)", not problems, detail)]
     reference, margins, tops = reference_greedy(model_dir, ids, tokens, device, dtype)
     print(f"served   {got}\ngenerate {reference}\nmargins  {[round(m, 3) for m in margins]}", flush=True)
-    if dtype == "float32":
-        steps.append(compare_greedy(got, reference, margins, 1e-3, name="greedy vs generate, float32"))
-    else:
-        steps.append(compare_greedy(got, reference, margins, NEAR_TIE, tops, f"greedy vs generate, {dtype}"))
+
+    def compare(tokens: list[int], name: str = f"greedy vs generate, {dtype}") -> Step:
+        if dtype == "float32":
+            return compare_greedy(tokens, reference, margins, 1e-3, name=name)
+        return compare_greedy(tokens, reference, margins, NEAR_TIE, tops, name)
+
+    steps.append(compare(got))
+    steps += speculation_check(model_dir, ids, tokens, device, dtype, compare)
     return steps
 
 

@@ -6,7 +6,7 @@ Usage::
     python bench/gpu_wheels.py            # make gpu-wheels
 
 The device image (read 2026-11-17) has torch 2.11, triton 3.6, transformers 5.17, grpcio,
-protobuf, prometheus-client, httpx, uvloop and pytest; the worker and the check also need the
+protobuf, prometheus-client, httpx, uvloop and pytest (no pillow); the worker and the check also need the
 packages in MISSING and NEWER, pinned to the versions installed here. Everything must fit in 64 MiB.
 """
 
@@ -37,6 +37,7 @@ MISSING = (
     "grpcio-status",
     "googleapis-common-protos",
     "pytest-asyncio",
+    "pillow",  # images (worker/service/images.py), imported when the worker starts
 )
 # What it has at other versions than this code needs: the protobuf and grpcio the committed stubs were
 # generated for (their generated code refuses an older runtime), and the transformers the tests here

@@ -229,7 +229,7 @@ class WorkerConfig:
         choice("off", "ngram", "draft"),
         "speculative decoding: off, ngram (rows verify tokens looked up in their own prompt and "
         "output, several per forward) or draft (tokens a second model guesses: --draft-model); the "
-        "output is unchanged, greedy or sampled; CPU only for now: docs/worker.md",
+        "output is unchanged, greedy or sampled: docs/worker.md",
     )
     draft_model: str | None = setting(
         None,

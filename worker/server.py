@@ -199,22 +199,16 @@ DEFAULT_MAX_ROWS = {"ngram": 4, "draft": 1}
 
 def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | None:
     """``--speculative``'s settings for the engine (None: off), loading the draft model for
-    ``draft``; raises :class:`ModelLoadError` off the CPU (the Triton decode kernel and the CUDA
-    graphs have no verifying rows yet) or for a draft model that does not share the tokenizer."""
+    ``draft`` on the model's device and dtype; raises :class:`ModelLoadError` for a draft model
+    that does not share the tokenizer or cannot load."""
     if config.speculative == "off":
         return None
-    if loaded.device.type != "cpu":
-        raise ModelLoadError(
-            f"--speculative {config.speculative} runs on the CPU only for now (the device is "
-            f"{loaded.device}); leave it off on CUDA",
-            param="speculative",
-        )
     draft = None
     if config.speculative == "draft":
         drafting = load_model(
             config.draft_model,
-            device="cpu",
-            dtype="float32",
+            device=str(loaded.device),
+            dtype=str(loaded.dtype).removeprefix("torch."),
             cache_dir=config.cache_dir,
             quantization=config.draft_quantization,
         )

@@ -1,6 +1,7 @@
 """The draft model of ``--speculative draft``: a second causal LM sharing the target's tokenizer
 proposes a row's next tokens greedily, one forward each, keeping a KV cache per row that follows the
-row's tokens (cut back where they diverged from what it guessed). CPU only; docs/worker.md."""
+row's tokens (cut back where they diverged from what it guessed), on the model's device and dtype;
+docs/worker.md."""
 
 from __future__ import annotations
 

@@ -15,7 +15,15 @@ from worker.attention.kv_pool import KVPool, KVShape, kv_shape
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError
-from worker.model.step_inputs import ChunkImage, DecodeInputs, FlatTokens, Work, decode_inputs
+from worker.model.step_inputs import (
+    ChunkImage,
+    DecodeInputs,
+    FlatTokens,
+    Work,
+    decode_inputs,
+    is_decode_row,
+    token_rows,
+)
 from worker.model.vision import VisionEncoder, mrope_positions, vision_spec
 from worker.quant.layers import row_invariant_linears
 from worker.types import FastPath, SampledLogprobs
@@ -121,10 +129,11 @@ class ModelRunner:
             raise ValueError("execute needs at least one item")
         if self.batch_invariant:
             return self._invariant(work)
-        if all(len(item.tokens) == 1 and not item.images for item in work):
-            logits = self._decode(work)
-            wanted = [i for i, item in enumerate(work) if item.sample]
-            if len(wanted) == len(work):
+        if all(is_decode_row(item) for item in work):
+            rows = [row for item in work for row in token_rows(item)]
+            logits = self._decode(rows)
+            wanted = [i for i, row in enumerate(rows) if row.sample]
+            if len(wanted) == len(rows):
                 return logits
             return logits[torch.tensor(wanted, dtype=torch.long, device=logits.device)]
         return self._mixed(work)
@@ -169,9 +178,9 @@ class ModelRunner:
         chunks: list[paged.Chunk] = []
         for item, start in zip(work, flat.starts, strict=True):
             count = len(item.tokens)
-            if count == 1:
-                decode_tokens.append(start)
-                decode_work.append(item)
+            if is_decode_row(item):
+                decode_tokens += range(start, start + count)
+                decode_work += token_rows(item)
                 continue
             context = item.start + count
             blocks = item.table[: -(-context // self.block_size)]

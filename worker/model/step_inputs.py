@@ -45,6 +45,23 @@ class Work:
     position_delta: int = 0
 
 
+def is_decode_row(item: Work) -> bool:
+    """``item`` runs as decode rows: one new token, or one and the proposals it verifies (no image)."""
+    return not item.images and len(item.tokens) == 1 + item.proposed
+
+
+def token_rows(item: Work) -> list[Work]:
+    """A decode row's item as one-token rows: a verifying row's tokens each at its position, seeing
+    the context up to itself (the keys of all of them are written before any attends), so its
+    proposals are scored as one-token steps would score them, by the same decode path."""
+    if not item.proposed:
+        return [item]
+    return [
+        Work((token,), item.start + i, item.table, True, item.generated, position_delta=item.position_delta)
+        for i, token in enumerate(item.tokens)
+    ]
+
+
 def slots(item: Work, block_size: int) -> list[int]:
     """The pool slot (block * block_size + offset) of each of ``item``'s tokens."""
     table, size = item.table, block_size

@@ -134,16 +134,19 @@ def test_host_syncs_and_cuda_calls_per_replayed_step(runner: ModelRunner) -> Non
 
 
 def test_a_verifying_row_scores_like_one_token_steps(runner: ModelRunner) -> None:
-    """A speculative verification row (``1 + proposed`` tokens after a context) runs through the
-    mixed path on CUDA: its logits at each position equal decoding the same tokens one at a time
-    (replayed graphs) over a copy of the same context."""
+    """A speculative verification row (``1 + proposed`` tokens after a context) runs as that many
+    decode rows in one replayed graph: its logits at each position equal decoding the same tokens
+    one at a time (replayed graphs too) over a copy of the same context."""
     prompt = [(7 * t) % 500 + 1 for t in range(21)]
     verified, stepped = [40, 41, 42, 43], [44, 45, 46, 47]  # each row's own blocks (rows 10 and 11)
     for table in (verified, stepped):
         runner.execute([Work(prompt, 0, table, True)])
     guesses = [9, 19, 29]
+    assert runner.graphs is not None
+    replays = runner.graphs.replays
     together = runner.execute([Work([5, *guesses], len(prompt), verified, True, proposed=len(guesses))])
     assert together.shape[0] == 1 + len(guesses)
+    assert runner.graphs.replays == replays + 1
     one_by_one = torch.cat(
         [
             runner.execute([Work([token], len(prompt) + i, stepped, True)])

@@ -50,10 +50,18 @@ class Sequence:
         self.computed = end
         return item
 
+    def verify(self, proposed: int) -> Work:
+        """A verifying row: the next decode token and ``proposed`` more after it, each scored."""
+        start = self.computed
+        self.tokens += [(len(self.tokens) * 37 + 11 + i) % VOCAB for i in range(1 + proposed)]
+        self.computed = len(self.tokens)
+        return Work(self.tokens[start:], start, self.table, True, proposed=proposed)
+
 
 def run_scenario(runner: ModelRunner) -> list[Sequence]:
     """Prompts of 45, 41 and 13 tokens in chunks beside each other, then decode steps of all three
-    (different lengths in one step), then a new prompt beside decode rows."""
+    (different lengths in one step), rows verifying speculative proposals (a negative count) beside
+    decode rows, then a new prompt beside decode and verifying rows."""
 
     def prompt(length: int, seed: int) -> list[int]:
         return [(seed + 7 * i) % VOCAB for i in range(length)]
@@ -65,16 +73,22 @@ def run_scenario(runner: ModelRunner) -> list[Sequence]:
         [(a, 20), (b, None), (c, 5)],
         [(a, None), (b, None), (c, None)],  # b: a decode row beside two chunks
         [(a, None), (b, None), (c, None)],  # decode rows only
-        [(c, None), (a, None), (b, None)],
-        [(d, 9), (a, None), (c, None)],
+        [(c, -3), (a, None), (b, -1)],  # decode and verifying rows
+        [(d, 9), (a, -2), (c, None)],  # a chunk beside them
         [(b, None), (d, None), (c, None), (a, None)],
     ]
     for step in steps:
-        items = [sequence.work(count) for sequence, count in step]
-        logits = runner.execute(items)
-        sampled = [sequence for (sequence, _), item in zip(step, items, strict=True) if item.sample]
-        for sequence, row in zip(sampled, logits, strict=True):
-            sequence.checks.append((sequence.computed - 1, row.clone()))
+        items = [
+            sequence.verify(-count) if count is not None and count < 0 else sequence.work(count)
+            for sequence, count in step
+        ]
+        logits = iter(runner.execute(items))
+        for (sequence, _), item in zip(step, items, strict=True):
+            if item.sample:
+                first = sequence.computed - 1 - item.proposed
+                for position in range(first, sequence.computed):
+                    sequence.checks.append((position, next(logits).clone()))
+        assert next(logits, None) is None
     return [a, b, c, d]
 
 
