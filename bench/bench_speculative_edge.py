@@ -1,6 +1,7 @@
 """What ``--speculative ngram`` gives through the edge: one worker started with it and an edge in
 front; each case runs with the request's ``speculative: false`` (plain decoding) and without it
-(speculating), alternating within each round, streamed over HTTP as a client sees it.
+(speculating), alternating within each round (which goes first swaps each round), streamed over
+HTTP as a client sees it.
 
 Cases: one greedy stream copying a given paragraph (input-grounded), one greedy open-chat stream,
 one sampled (seeded) copying stream, and ``--streams`` concurrent greedy streams of both prompts.
@@ -9,7 +10,7 @@ wall time. Prints one table (medians over the rounds), the ratio, the acceptance
 /metrics, and whether the texts matched.
 
     python bench/bench_speculative_edge.py
-    python bench/bench_speculative_edge.py --rounds 3 --tokens 128 --worker-args "--torch-threads 2"
+    python bench/bench_speculative_edge.py --rounds 2 --tokens 128 --worker-args "--torch-threads 2"
 """
 
 from __future__ import annotations
@@ -78,10 +79,11 @@ async def run(args: argparse.Namespace, worker: WorkerProcess, edge: EdgeProcess
         tallies = {name: [0.0, 0.0] for name in cases}
         same = dict.fromkeys(cases, True)
         await stream(client, body(chat, max_tokens=8))  # warm-up
-        for _ in range(args.rounds):
+        for round_index in range(args.rounds):
             for name, bodies in cases.items():
                 texts = {}
-                for kind in ("plain", "ngram"):
+                # Each round swaps which goes first, so an even number of rounds cancels order effects.
+                for kind in ("plain", "ngram") if round_index % 2 == 0 else ("ngram", "plain"):
                     sent = [b if kind == "ngram" else {**b, "speculative": False} for b in bodies]
                     before = await asyncio.to_thread(worker.metrics)
                     started = time.perf_counter()
@@ -115,7 +117,7 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=128, help="max_tokens of each request")
     parser.add_argument("--streams", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
     logs = Path(tempfile.mkdtemp(prefix="speculative-edge-"))
     extra = ["--speculative", "ngram", *shlex.split(args.worker_args)]

@@ -238,10 +238,10 @@ class WorkerConfig:
         "tokenizer; default: the default model)",
     )
     draft_quantization: str = setting(
-        "int4",
-        choice("none", "int8", "int4"),
-        "with --speculative draft: the draft model's weight-only linear layers (default int4: the "
-        "default model in int4 drafts for it in float)",
+        "auto",
+        choice("auto", "none", "int8", "int4"),
+        "with --speculative draft: the draft model's weight-only linear layers; auto: int4 on the "
+        "CPU (the default model in int4 drafts for it in float), none on CUDA",
     )
     num_speculative_tokens: int = setting(
         4, int_at_least(1, 32), "with --speculative: the most tokens a row proposes per step"

@@ -210,7 +210,7 @@ def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | N
             device=str(loaded.device),
             dtype=str(loaded.dtype).removeprefix("torch."),
             cache_dir=config.cache_dir,
-            quantization=config.draft_quantization,
+            quantization=draft_quantization(config.draft_quantization, loaded.device),
         )
         draft = DraftModel(drafting, loaded)
     return Speculation(
@@ -221,6 +221,14 @@ def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | N
         config.speculative_min_acceptance,
         draft,
     )
+
+
+def draft_quantization(choice: str, device: torch.device) -> str:
+    """``--draft-quantization``'s scheme on ``device``: ``auto`` is int4 on the CPU (its kernels
+    make a small draft fast there) and none elsewhere (int4 off the CPU dequantizes per call)."""
+    if choice != "auto":
+        return choice
+    return "int4" if device.type == "cpu" else "none"
 
 
 # Inputs per pooling step when --max-running is not set (pooling rows hold no cache).

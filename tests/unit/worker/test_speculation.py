@@ -25,7 +25,7 @@ from worker.model.loader import ModelLoadError, load_model
 from worker.model.runner import ModelRunner
 from worker.sampling.ngram import propose
 from worker.sampling.sampler import SequenceSampling
-from worker.server import DEFAULT_MAX_ROWS, eos_token_ids, speculation_of
+from worker.server import DEFAULT_MAX_ROWS, draft_quantization, eos_token_ids, speculation_of
 from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions
 
 SPECULATION = Speculation(tokens=4, min_n=1, max_n=3)
@@ -378,7 +378,10 @@ def test_a_draft_model_must_share_the_tokenizer():
     assert refused.value.param == "draft_model"
     config = parse_config(["--speculative", "draft", "--draft-model", "/d", "--draft-quantization", "none"])
     assert (config.speculative, config.draft_model, config.draft_quantization) == ("draft", "/d", "none")
-    assert parse_config([]).draft_quantization == "int4"
+    assert parse_config([]).draft_quantization == "auto"
+    assert draft_quantization("auto", torch.device("cpu")) == "int4"
+    assert draft_quantization("auto", torch.device("cuda")) == "none"
+    assert draft_quantization("int8", torch.device("cuda")) == "int8"
     assert DEFAULT_MAX_ROWS == {"ngram": 4, "draft": 1}  # a draft proposes one forward per row and token
 
 
