@@ -11,7 +11,9 @@ and, in engines before the output processor existed, detokenizing, stop strings,
 event building). For each row count R, R greedy requests of ``--tokens`` tokens run at once.
 Printed per R: steps, engine-thread time per step inside ``Engine._step`` (mean and p95), and,
 where the engine has one, the output processing time per step spent on the event loop
-(``RequestStream._process``), which overlaps the next step. ``--part host`` times instead the host
+(``RequestStream._process``), which overlaps the next step; ``--engine-vocab 64`` narrows the fake
+logits so that the sampler's tensor math (a device's on a GPU) is negligible and what is timed is
+the host's. ``--part host`` times instead the host
 work of a sampled decode step without model or engine: decode inputs and sampling (temperature,
 top_p, repetition penalty, a grammar mask) over a ``--vocab`` of 32 tokens, so tensor math (device
 work on a GPU) is negligible and what is timed is the host's.
@@ -178,6 +180,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--part", choices=("engine", "host"), default="engine")
     parser.add_argument("--vocab", type=int, default=32, help="--part host: the logits' vocabulary")
+    parser.add_argument(
+        "--engine-vocab", type=int, default=0, help="--part engine: logits this wide (0: the tokenizer's)"
+    )
     parser.add_argument("--model", help="profile the real engine on this model folder instead (a device)")
     parser.add_argument("--device", default="cuda", help="--model: the worker's --device")
     # An older checkout (PYTHONPATH) may not have DEFAULT_CACHE_DIR: then pass --cache-dir.
@@ -210,6 +215,9 @@ def main() -> None:
                 runner = FakeRunner(loaded, num_blocks=1 << 16, block_size=16)  # type: ignore[call-arg]
             except TypeError:
                 runner = FakeRunner(loaded)  # type: ignore[call-arg]
+            if args.engine_vocab:  # narrow logits: the step's tensor math (a device's on a GPU) is negligible
+                runner.vocab_size = args.engine_vocab
+                runner._passage = [token % args.engine_vocab for token in runner._passage]
             engine = Engine(
                 runner,
                 loaded.tokenizer,
