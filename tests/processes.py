@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -10,7 +9,6 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -144,21 +142,6 @@ class _Process:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
-
-
-@contextlib.contextmanager
-def started(*processes: _Process) -> Iterator[None]:
-    """Launches every process at once, then waits until each is ready (a worker's start and an
-    edge's overlap instead of adding up); stops them all, in reverse, on the way out."""
-    try:
-        for process in processes:
-            process.launch()
-        for process in processes:
-            process.wait_ready()
-        yield
-    finally:
-        for process in reversed(processes):
-            process.stop()
 
 
 class WorkerProcess(_Process):

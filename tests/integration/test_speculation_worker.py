@@ -14,7 +14,7 @@ import pytest
 
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from tests.processes import EdgeProcess, WorkerProcess, started
+from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -35,9 +35,10 @@ def default_speculating(model_cache, tmp_path_factory):
     speculating behind a real edge: the worker and the edge."""
     extra = ["--speculative", "ngram", "--quantization", "none"]
     log_dir = tmp_path_factory.mktemp("speculating-default")
-    worker = WorkerProcess(cache_dir=model_cache, log_dir=log_dir, extra=extra)
-    edge = EdgeProcess([worker.address], log_dir=log_dir)
-    with started(worker, edge):
+    with (
+        WorkerProcess(cache_dir=model_cache, log_dir=log_dir, extra=extra) as worker,
+        EdgeProcess([worker.address], log_dir=log_dir) as edge,
+    ):
         yield worker, edge
 
 

@@ -24,7 +24,7 @@ from sluice.status import read_details
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.images import data_url
-from tests.processes import EdgeProcess, WorkerProcess, started
+from tests.processes import EdgeProcess, WorkerProcess
 from tests.tiny_vlms import build_tiny_vlm
 from worker.model.loader import load_processor
 
@@ -65,9 +65,11 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     processor = load_processor(str(folder))
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     logs = tmp_path_factory.mktemp(f"vlm-{arch}-log")
-    worker = WorkerProcess(cache_dir=logs, log_dir=logs, model=str(folder), extra=WORKER_FLAGS)
-    edge = EdgeProcess([worker.address], log_dir=logs, extra=["--allow-image-urls"])
-    with started(worker, edge), grpc.insecure_channel(worker.address) as channel:
+    with (
+        WorkerProcess(cache_dir=logs, log_dir=logs, model=str(folder), extra=WORKER_FLAGS) as worker,
+        EdgeProcess([worker.address], log_dir=logs, extra=["--allow-image-urls"]) as edge,
+        grpc.insecure_channel(worker.address) as channel,
+    ):
         yield Served(arch, pb_grpc.WorkerStub(channel), processor, model, edge.base_url)
 
 

@@ -130,7 +130,9 @@ class ModelRunner:
         if self.batch_invariant:
             return self._invariant(work)
         if all(is_decode_row(item) for item in work):
-            rows = [row for item in work for row in token_rows(item)]
+            rows = work  # one-token steps pass as they are; a verifying item becomes several rows
+            if any(item.proposed for item in work):
+                rows = [row for item in work for row in token_rows(item)]
             logits = self._decode(rows)
             wanted = [i for i, row in enumerate(rows) if row.sample]
             if len(wanted) == len(rows):
