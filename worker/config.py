@@ -213,6 +213,13 @@ class WorkerConfig:
         help="refuse to start (exit status 1) unless the Triton decode kernel and the decode CUDA "
         "graphs are both on, instead of serving on the slower fallback (CUDA only)",
     )
+    stream_interval: int = setting(
+        1,
+        int_at_least(1, 64),
+        "engine steps between a stream's messages: its tokens of that many steps travel together "
+        "(its first token and its end go at once); above 1 it cuts the per-message work of many "
+        "concurrent streams, at the cost of burstier streams (docs/benchmarks.md)",
+    )
     prefix_caching: bool = setting(
         True,
         help="reuse the KV blocks of prompt prefixes seen before (blocks nobody holds are kept until "

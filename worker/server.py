@@ -178,6 +178,7 @@ def build_serving(
         grammars=grammars,
         on_device_failure=on_device_failure,
         speculation=speculation,
+        stream_interval=config.stream_interval,
     )
     engine.start()
     progress.advance(1.0)

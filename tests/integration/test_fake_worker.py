@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Iterable
 
 import grpc
 import httpx
@@ -151,3 +152,42 @@ def test_streams_through_an_edge(fake_worker, tmp_path):
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
     assert PASSAGE.startswith(text) and len(text) > 50
     assert chunks[-1]["usage"]["completion_tokens"] == 30
+
+
+def test_a_stream_interval_sends_fewer_messages_of_the_same_tokens(fake_worker, stub, model_cache, tmp_path):
+    """``--stream-interval 4``: the same text, token ids, stop-string cut and usage as one message per
+    step, in about a quarter of the messages (the first token alone, the end at once)."""
+    stopped = chat(100, temperature=0, stop=["mill"])
+    full = chat(49, temperature=0)
+    full.return_token_ids = True
+    with (
+        WorkerProcess(
+            cache_dir=model_cache,
+            log_dir=tmp_path,
+            extra=["--fake-tokens", "--fake-step-ms", "2", "--stream-interval", "4"],
+        ) as paced_worker,
+        grpc.insecure_channel(paced_worker.address) as channel,
+    ):
+        paced = pb_grpc.WorkerStub(channel)
+        for request in (full, stopped):
+            every_step = list(stub.Generate(request))
+            grouped = list(paced.Generate(request))
+            for events in (every_step, grouped):
+                assert events[0].HasField("started") and events[-1].HasField("usage")
+            ended, expected = grouped[-2].finished, every_step[-2].finished
+            assert (ended.reason, ended.completion_tokens, ended.matched_stop) == (
+                expected.reason,
+                expected.completion_tokens,
+                expected.matched_stop,
+            )
+            assert grouped[-1].usage.completion_tokens == every_step[-1].usage.completion_tokens
+
+            assert "".join(c.text for c in content(grouped)) == "".join(c.text for c in content(every_step))
+            ids = [t for c in content(grouped) for t in c.token_ids]
+            assert ids == [t for c in content(every_step) for t in c.token_ids]
+        # 49 tokens: the first alone, then 48 in twelve messages of four (the last with the end).
+        assert len(content(paced.Generate(full))) <= 13
+
+
+def content(events: Iterable[pb.GenerateResponse]) -> list[pb.ContentDelta]:
+    return [e.content for e in events if e.HasField("content")]

@@ -30,7 +30,7 @@ from worker.model.runner import ModelRunner
 from worker.model.step_inputs import ChunkImage
 from worker.model.step_inputs import Work as RunnerWork
 from worker.model.vision import mrope_delta
-from worker.output.detokenizer import TokenTexts
+from worker.output.detokenizer import TokenTexts, fast_decoder
 from worker.output.processor import RequestOutputProcessor, TextRules
 from worker.sampling.grammar import GrammarCompiler
 from worker.sampling.sampler import GrammarFailure, Sample, SequenceSampling, sample_batch
@@ -85,6 +85,9 @@ class _RequestState:
     choices: list[_Choice]
     stream: RequestStream
     started: bool = False  # admitted at least once (a preempted request is re-admitted later)
+    held: list[CoreOutput] = field(default_factory=list)  # tokens kept back (``stream_interval``)
+    held_steps: int = 0  # steps whose tokens ``held`` keeps
+    streamed: bool = False  # a token was delivered (the first one is never kept back)
 
     @property
     def request_id(self) -> str:
@@ -149,16 +152,23 @@ class Engine:
         grammars: GrammarCompiler | None = None,
         on_device_failure: Callable[[BaseException], None] | None = None,
         speculation: Speculation | None = None,
+        stream_interval: int = 1,
     ):
         """The KV pool's size and block size are the runner's (``num_blocks``, ``block_size``);
         ``on_device_failure`` is called (on the engine thread) once the device failed;
         ``speculation``: speculative decoding (n-gram or draft proposals, every row verified as
-        one-token steps would draw it; None: off)."""
+        one-token steps would draw it; None: off); ``stream_interval``: a stream's tokens are handed
+        over every that many steps (its first token and its end at once), which cuts the per-message
+        work of many concurrent streams."""
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
+        self._stream_interval = stream_interval
         self._on_device_failure = on_device_failure
         self.device_failure: BaseException | None = None
         self._runner = runner
         self._tokenizer = tokenizer
         self._token_texts = TokenTexts(tokenizer)
+        self._decoder = fast_decoder(tokenizer)  # the streams' detokenizers
         self._eos = frozenset(eos_token_ids)
         self._context_length = context_length
         self._rules = TextRules(tuple(blocked_phrases), refusal_message)
@@ -211,7 +221,7 @@ class Engine:
         req = prepared.request
         loop = asyncio.get_running_loop()
         key = f"{req.request_id}#{next(self._ids)}"
-        processor = RequestOutputProcessor(req, self._tokenizer, self._token_texts, self._rules)
+        processor = RequestOutputProcessor(req, self._decoder, self._token_texts, self._rules)
         stream = RequestStream(self, key, loop, processor)
         if prepared.ended is not None or processor.ended_while_priming:
             # A resumed request that its resumed tokens already ended: finish it without the core
@@ -396,7 +406,9 @@ class Engine:
         fresh = [s for s in plan.admitted if not s.started]
         if fresh:
             self._start(fresh, outputs)
-        work = [w for w in plan.work if not _failed(outputs.get(owners[id(w.seq)][0].key, []))]
+        work = plan.work
+        if outputs:  # a fresh request's scoring may have failed it
+            work = [w for w in work if not _failed(outputs.get(owners[id(w.seq)][0].key, []))]
         if work:
             self._run(work, owners, outputs)
         touched = {id(s): s for s in [*fresh, *(owners[id(w.seq)][0] for w in plan.work)]}
@@ -404,6 +416,8 @@ class Engine:
 
     def _preempted(self, states: list[_RequestState]) -> None:
         """Requests sent back to the queue: they keep their tokens and hear ``queued`` while waiting."""
+        # Their kept-back tokens go out now, before the ``queued`` they hear next.
+        _deliver([(s.stream, _paced(s, [], 1) or []) for s in states if s.held])
         now = time.monotonic()
         with self._cv:
             self.counters.preemptions += len(states)
@@ -616,21 +630,20 @@ class Engine:
 
     def _advance(self, state: _RequestState, choice: _Choice, sample: Sample, now: float) -> NewToken:
         """Records a drawn token and decides the token-level end of the choice."""
-        sampling = choice.sampling
-        sampling.record(sample.token_id)
-        choice.seq.tokens.append(sample.token_id)
-        if sampling.generated == 1:
+        sampling, token = choice.sampling, sample.token_id
+        sampling.record(token)
+        choice.seq.tokens.append(token)
+        generated = sampling.generated
+        if generated == 1:
             self.counters.time_to_first_token.observe(now - state.request.arrival_time)
         self.counters.generated_tokens += 1
-        opts, token = state.request.sampling, sample.token_id
+        opts = state.request.sampling
         finish, stop_token = None, None
         if token in opts.stop_token_ids or (not opts.ignore_eos and token in self._eos):
             finish, stop_token = FinishReason.STOP, token
         elif sampling.constraint is not None and sampling.constraint.finished:
             finish = FinishReason.STOP  # the grammar allows nothing more
-        elif sampling.generated >= opts.max_tokens or state.prompt_length + sampling.generated >= (
-            self._context_length
-        ):
+        elif generated >= opts.max_tokens or choice.seq.prompt_length + generated >= self._context_length:
             finish = FinishReason.LENGTH
         if finish is not None:
             with self._cv:
@@ -657,12 +670,41 @@ class Engine:
                     self._progress_due.pop(state.key, None)
                     if self._scheduler.remove(state.key) is not None:
                         self.counters.requests_finished += 1
-        _deliver((s.stream, outputs[s.key]) for s in {id(s): s for s in states}.values() if s.key in outputs)
+        batches = []
+        for state in {id(s): s for s in states}.values():
+            out = outputs.get(state.key)
+            if out is not None and self._stream_interval > 1:
+                out = _paced(state, out, self._stream_interval)
+            if out is not None:
+                batches.append((state.stream, out))
+        _deliver(batches)
+
+
+def _paced(state: _RequestState, outputs: list[CoreOutput], interval: int) -> list[CoreOutput] | None:
+    """What to deliver of a step's ``outputs`` under a stream interval: None while plain tokens are
+    kept back (fewer than ``interval`` steps of them); anything else (a first token, an end, a
+    failure, progress) goes out at once with whatever was kept."""
+    if state.streamed and all(type(o) is NewToken and o.finish is None for o in outputs):
+        state.held += outputs
+        state.held_steps += 1
+        if state.held_steps < interval:
+            return None
+        outputs = state.held
+    elif state.held:
+        outputs = state.held + outputs
+    state.held, state.held_steps = [], 0
+    state.streamed = state.streamed or any(type(o) is NewToken for o in outputs)
+    return outputs
 
 
 def _runner_work(work: Work) -> RunnerWork:
     seq = work.seq
     start, end = seq.computed, seq.computed + work.count
+    if not seq.images:  # the common row: no image parts, no M-RoPE offsets
+        tokens = seq.tokens[start:end]
+        if work.proposals:
+            tokens += work.proposals
+        return RunnerWork(tokens, start, seq.blocks.table, work.samples, seq.generated, len(work.proposals))
     grids = tuple(
         (image.start, (image.grid[0], image.grid[1], image.grid[2])) for image in seq.images if image.grid
     )

@@ -3,7 +3,9 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
-from worker.output.detokenizer import IncrementalDetokenizer, TokenTexts
+from tests.unit.worker.test_fim import real_tokenizer
+from tools.fixtures import TOKENIZERS
+from worker.output.detokenizer import IncrementalDetokenizer, TokenTexts, fast_decoder
 
 SAMPLES = [
     "Hello, world! How are you today?",
@@ -53,3 +55,40 @@ def test_random_unicode_round_trips(tokenizer, seed):
     detok = IncrementalDetokenizer(tokenizer, [])
     out = "".join(detok.push(i) for i in ids) + detok.flush()
     assert out == tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("family", sorted(TOKENIZERS))
+def test_the_fast_decoder_decodes_as_the_tokenizer_does(family):
+    """Each family's real tokenizer (tools/fixtures.py): its Rust decoder, called directly, gives
+    what ``decode`` gives, special tokens kept or skipped; streamed text is unchanged."""
+    tokenizer = real_tokenizer(family)
+    decoder = fast_decoder(tokenizer)
+    assert decoder is not tokenizer  # every family's tokenizer takes the direct path
+    rng = random.Random(family)
+    special = sorted(tokenizer.all_special_ids)
+    for _ in range(50):
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 12))]
+        ids.insert(rng.randrange(len(ids) + 1), rng.choice(special))
+        for skip in (True, False):
+            assert decoder.decode(ids, skip_special_tokens=skip) == tokenizer.decode(
+                ids, skip_special_tokens=skip
+            )
+    for text in SAMPLES:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        fast, plain = IncrementalDetokenizer(decoder, []), IncrementalDetokenizer(tokenizer, [])
+        assert [fast.push(i) for i in ids] == [plain.push(i) for i in ids]
+
+
+def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer):
+    """transformers skips the clean-up for BPE unless forced: only a forced clean-up (or a
+    WordPiece tokenizer's) keeps ``decode``."""
+    forced = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+    assert fast_decoder(tokenizer) is not tokenizer
+    tokenizer.clean_up_tokenization_spaces = True
+    try:
+        assert fast_decoder(tokenizer) is not tokenizer
+        setattr(tokenizer, forced, True)
+        assert fast_decoder(tokenizer) is tokenizer
+    finally:
+        tokenizer.clean_up_tokenization_spaces = False
+        setattr(tokenizer, forced, False)
