@@ -12,7 +12,8 @@ output against transformers' ``generate`` for 32 tokens from the same prompt ids
 near-tie of the logits, by margin, is reported, not failed); check from /metrics that the kernel and
 graphs are on and that every decode-only step replayed a graph; serve it with --speculative ngram
 (greedy equal to ``generate`` too, one stream's tok/s with and without, the acceptance); then run
-bench/bench_gpu.py and print its table. A step that fails is reported in the closing table; the
+bench/bench_gpu.py and print its table, and again at 64 and 256 streams with ``--stream-interval 4``;
+then bench/profile_step.py on the same model. A step that fails is reported in the closing table; the
 later steps still run.
 """
 
@@ -124,6 +125,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--summary", type=Path, help="also write the closing table to this file")
     parser.add_argument("--bench-skip", default="serve", help="bench_gpu's --skip (serve, generate_batch)")
     parser.add_argument("--profile-rows", default="1,64,256", help="bench/profile_step.py's rows ('' = none)")
+    parser.add_argument(
+        "--interval-levels",
+        default="64,256",
+        help="levels benched again with --stream-interval 4 (fewer messages per stream; '' = none)",
+    )
     return parser.parse_args(argv)
 
 
@@ -368,6 +374,11 @@ def main(argv: list[str] | None = None) -> int:
                  "--device", args.device, "--levels", args.levels, "--rounds", "2",
                  "--max-running", "256", "--skip", args.bench_skip]  # fmt: skip
         steps.append(run("bench_gpu", bench, env, 270))
+        if args.interval_levels:  # the same levels, a stream's tokens of 4 steps per message
+            paced = [*bench[:bench.index("--levels")], "--levels", args.interval_levels, "--rounds", "2",
+                     "--max-running", "256", "--skip", "serve,generate_batch",
+                     "--worker-args=--stream-interval 4"]  # fmt: skip
+            steps.append(run("bench_gpu, --stream-interval 4", paced, env, 150))
     if args.profile_rows:
         profile = [sys.executable, "bench/profile_step.py", "--model", str(model_dir),
                    "--device", args.device, "--rows", args.profile_rows, "--tokens", "64"]  # fmt: skip
