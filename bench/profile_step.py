@@ -11,7 +11,8 @@ and, in engines before the output processor existed, detokenizing, stop strings,
 event building). For each row count R, R greedy requests of ``--tokens`` tokens run at once.
 Printed per R: steps, engine-thread time per step inside ``Engine._step`` (mean and p95), and,
 where the engine has one, the output processing time per step spent on the event loop
-(``RequestStream._process``), which overlaps the next step; ``--engine-vocab 64`` narrows the fake
+(``RequestStream._process``), which overlaps the next step, and the CPU time each takes (the wall
+time counts waits for the GIL, the CPU time does not); ``--engine-vocab 64`` narrows the fake
 logits so that the sampler's tensor math (a device's on a GPU) is negligible and what is timed is
 the host's. ``--part host`` times instead the host
 work of a sampled decode step without model or engine: decode inputs and sampling (temperature,
@@ -43,15 +44,19 @@ from worker.server import eos_token_ids  # noqa: E402
 from worker.types import GenerationRequest, SamplingOptions  # noqa: E402
 
 
-def timed(owner: Any, name: str, sink: list[float]) -> None:
+def timed(owner: Any, name: str, sink: list[float], cpu: list[float] | None = None) -> None:
+    """Wraps ``owner.name`` to append each call's wall time to ``sink`` and its thread's CPU time
+    to ``cpu`` (which waiting for the GIL does not count)."""
     original = getattr(owner, name)
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         try:
             return original(*args, **kwargs)
         finally:
             sink.append(time.perf_counter() - start)
+            if cpu is not None:
+                cpu.append(time.thread_time() - start_cpu)
 
     setattr(owner, name, wrapper)
 
@@ -206,18 +211,21 @@ def main() -> None:
     loaded = load_fake_model(None, served_model_name=None, cache_dir=args.cache_dir)
     print(f"engine from {Path(engine_module.__file__).resolve().parent.parent}")
     for rows in [int(r) for r in args.rows.split(",")]:
-        step_times: list[list[float]] = []
-        process_times: list[float] = []
+        rounds: list[tuple[list[float], float, float, float]] = []  # steps, engine CPU, process CPU, tok/s
         for _ in range(args.rounds):
             steps: list[float] = []
-            # Older checkouts' FakeRunner takes no pool size (their KV cache was not paged).
+            engine_cpu: list[float] = []
+            # Older checkouts' FakeRunner takes no pool size (their KV cache was not paged) or vocab.
             try:
-                runner = FakeRunner(loaded, num_blocks=1 << 16, block_size=16)  # type: ignore[call-arg]
+                runner = FakeRunner(loaded, num_blocks=1 << 16, block_size=16, vocab=args.engine_vocab)  # type: ignore[call-arg]
             except TypeError:
-                runner = FakeRunner(loaded)  # type: ignore[call-arg]
-            if args.engine_vocab:  # narrow logits: the step's tensor math (a device's on a GPU) is negligible
-                runner.vocab_size = args.engine_vocab
-                runner._passage = [token % args.engine_vocab for token in runner._passage]
+                try:
+                    runner = FakeRunner(loaded, num_blocks=1 << 16, block_size=16)  # type: ignore[call-arg]
+                except TypeError:
+                    runner = FakeRunner(loaded)  # type: ignore[call-arg]
+                if args.engine_vocab:  # narrow logits, as this checkout's FakeRunner does it
+                    runner.vocab_size = args.engine_vocab
+                    runner._passage = [token % args.engine_vocab for token in runner._passage]
             engine = Engine(
                 runner,
                 loaded.tokenizer,
@@ -225,29 +233,37 @@ def main() -> None:
                 context_length=loaded.context_length,
                 max_running=max(rows, 1),
             )
-            timed(engine, "_step", steps)
+            timed(engine, "_step", steps, engine_cpu)
             stream_class = getattr(engine_module, "RequestStream", None)
             restore = getattr(stream_class, "_process", None)
             processed: list[float] = []
+            processed_cpu: list[float] = []
             if restore is not None:
-                timed(stream_class, "_process", processed)
+                timed(stream_class, "_process", processed, processed_cpu)
             engine.start()
+            started = time.perf_counter()
             try:
                 asyncio.run(run(engine, rows, args.tokens))
             finally:
                 engine.stop()
                 if restore is not None:
                     stream_class._process = restore  # type: ignore[union-attr]
-            step_times.append(steps)
+            wall = time.perf_counter() - started
             if steps:
-                process_times.append(sum(processed) / len(steps))
-        best = min(step_times, key=lambda s: statistics.mean(s))
-        mean_ms = statistics.mean(best) * 1e3
-        p95_ms = sorted(best)[int(0.95 * (len(best) - 1))] * 1e3
-        line = f"rows {rows:3d}: {len(best)} steps, engine thread {mean_ms:.2f} ms/step (p95 {p95_ms:.2f})"
-        if process_times:
-            line += f", output processing on the event loop {min(process_times) * 1e3:.2f} ms/step"
-        print(line)
+                count = len(steps)
+                rounds.append(
+                    (steps, sum(engine_cpu) / count, sum(processed_cpu) / count, rows * args.tokens / wall)
+                )
+        best = min(rounds, key=lambda r: statistics.mean(r[0]))
+        mean_ms = statistics.mean(best[0]) * 1e3
+        p95_ms = sorted(best[0])[int(0.95 * (len(best[0]) - 1))] * 1e3
+        print(
+            f"rows {rows:3d}: {len(best[0])} steps, engine thread {mean_ms:.2f} ms/step (p95 {p95_ms:.2f}), "
+            f"CPU per step (median of {len(rounds)} rounds): engine thread "
+            f"{statistics.median(r[1] for r in rounds) * 1e3:.2f} ms, output processing on the event loop "
+            f"{statistics.median(r[2] for r in rounds) * 1e3:.2f} ms; "
+            f"{statistics.median(r[3] for r in rounds):,.0f} tok/s"
+        )
 
 
 if __name__ == "__main__":

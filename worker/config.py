@@ -337,6 +337,13 @@ class WorkerConfig:
     fake_step_ms: float = setting(
         0.0, _milliseconds, "with --fake-tokens: milliseconds each fake forward takes (0 = full speed)"
     )
+    fake_vocab: int = setting(
+        0,
+        int_at_least(0, 1 << 20),
+        "with --fake-tokens: logits this wide (0 = the tokenizer's); a narrow width makes the sampler's "
+        "tensor math negligible, so a benchmark times the host's work (the passage is then remapped "
+        "onto the width's ordinary tokens)",
+    )
     fake_load_seconds: float = setting(
         0.0,
         seconds(),
@@ -358,6 +365,8 @@ class WorkerConfig:
         found = []
         if self.fake_step_ms and not self.fake_tokens:
             found.append("--fake-step-ms only applies with --fake-tokens")
+        if self.fake_vocab and not self.fake_tokens:
+            found.append("--fake-vocab only applies with --fake-tokens")
         if self.fake_tokens and self.task in ("embed", "score"):
             found.append(f"--task {self.task} needs a model; --fake-tokens only generates")
         if self.fake_load_seconds and not self.fake_tokens:

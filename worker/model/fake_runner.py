@@ -67,7 +67,11 @@ class FakeRunner(ModelRunner):
     scores_prompts = False  # no model: the engine refuses prompt_logprobs up front
     pool_bytes = 0  # no cache is allocated
 
-    def __init__(self, loaded: LoadedModel, *, num_blocks: int, block_size: int, step_ms: float = 0.0):
+    def __init__(
+        self, loaded: LoadedModel, *, num_blocks: int, block_size: int, step_ms: float = 0.0, vocab: int = 0
+    ):
+        """``vocab``: logits this wide (0: the tokenizer's); the passage is then remapped onto the
+        ordinary (not special) tokens below it, so what streams is no longer the passage's text."""
         if step_ms < 0:
             raise ValueError(f"step_ms must not be negative, got {step_ms}")
         # ModelRunner.__init__ is not called on purpose: it would need a model.
@@ -77,6 +81,13 @@ class FakeRunner(ModelRunner):
         self.block_size = block_size
         self.vocab_size = len(loaded.tokenizer)
         self._passage = passage_token_ids(loaded.tokenizer)
+        if vocab:
+            special = set(loaded.tokenizer.all_special_ids)
+            ordinary = [token for token in range(min(vocab, self.vocab_size)) if token not in special]
+            if not ordinary:
+                raise ValueError(f"a fake vocabulary of {vocab} holds only special tokens")
+            self.vocab_size = vocab
+            self._passage = [ordinary[token % len(ordinary)] for token in self._passage]
         self._step_s = step_ms / 1000.0
 
     def execute(self, work: Sequence[Work]) -> torch.Tensor:

@@ -62,7 +62,13 @@ def batch_limits(config: WorkerConfig, device: torch.device, pool_tokens: int) -
 def fake_runner(loaded: LoadedModel, config: WorkerConfig) -> FakeRunner:
     tokens = config.max_batch_tokens or DEFAULT_TOKENS
     size = config.kv_block_size
-    return FakeRunner(loaded, num_blocks=-(-tokens // size), block_size=size, step_ms=config.fake_step_ms)
+    return FakeRunner(
+        loaded,
+        num_blocks=-(-tokens // size),
+        block_size=size,
+        step_ms=config.fake_step_ms,
+        vocab=config.fake_vocab,
+    )
 
 
 def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner, BatchLimits]:

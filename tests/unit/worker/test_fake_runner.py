@@ -98,6 +98,19 @@ def test_runner_picks_each_sequence_s_next_passage_token(loaded, passage_ids):
         runner.execute([])
 
 
+def test_a_narrow_fake_vocabulary_streams_ordinary_tokens_below_it(loaded, passage_ids):
+    """``--fake-vocab``: logits that wide, the passage remapped onto the ordinary tokens below it."""
+    narrow = FakeRunner(loaded, num_blocks=64, block_size=16, vocab=64)
+    work = [Work([9], 20 + i, [2, 3], True, generated=i) for i in range(len(passage_ids))]
+    logits = narrow.execute(work)
+    assert logits.shape == (len(passage_ids), 64)
+    picked = logits.argmax(-1).tolist()
+    assert all(token < 64 and token not in loaded.tokenizer.all_special_ids for token in picked)
+    assert len(set(picked)) > 10  # the passage's variety, not one token
+    with pytest.raises(ValueError, match="only special tokens"):
+        FakeRunner(loaded, num_blocks=64, block_size=16, vocab=1 + min(loaded.tokenizer.all_special_ids))
+
+
 def test_engine_streams_the_passage_greedy_or_sampled(loaded, passage_ids):
     engine = engine_for(loaded)
     try:
@@ -157,6 +170,7 @@ def test_flags_and_environment():
     ("argv", "environ", "message"),
     [
         (["--fake-step-ms", "20"], {}, "--fake-step-ms only applies with --fake-tokens"),
+        (["--fake-vocab", "64"], {}, "--fake-vocab only applies with --fake-tokens"),
         (["--fake-tokens", "--fake-step-ms", "-1"], {}, "--fake-step-ms: must be 0 to 60000 ms"),
         (["--fake-tokens", "--fake-step-ms", "fast"], {}, "--fake-step-ms: must be a number of ms"),
         ([], {"SLUICE_WORKER_FAKE_TOKENS": "maybe"}, "SLUICE_WORKER_FAKE_TOKENS: must be on/off"),
