@@ -12,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from worker.engine.core import Engine
+from worker.engine.request_stream import RequestStream
 from worker.model.fake_runner import FakeRunner, load_fake_model
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
@@ -66,15 +67,22 @@ async def drain(stream) -> list:
     return events
 
 
+def preempt_the_newer(engine: Engine) -> tuple[RequestStream, RequestStream]:
+    """Two requests on a 6-block pool of 4-token blocks, stepped until the older one's growth sends
+    the newer one back to the queue (call on the event loop)."""
+    old = engine.submit(request(list(range(10, 18)), max_tokens=12, ignore_eos=True))
+    new = engine.submit(request(list(range(30, 38)), max_tokens=12, ignore_eos=True))
+    for _ in range(12):
+        step(engine)
+        if engine._scheduler.waiting:
+            break
+    return old, new
+
+
 def test_a_stop_found_while_preempted_ends_the_request_and_frees_its_blocks(fake):
     async def scenario() -> None:
         engine = engine_on(FakeRunner(fake, num_blocks=6, block_size=4), fake)
-        old = engine.submit(request(list(range(10, 18)), max_tokens=12, ignore_eos=True))
-        new = engine.submit(request(list(range(30, 38)), max_tokens=12, ignore_eos=True))
-        for _ in range(12):  # "old" grows until "new" must give its blocks back
-            step(engine)
-            if engine._scheduler.waiting:
-                break
+        old, new = preempt_the_newer(engine)
         assert [s.key for s in engine._scheduler.waiting] == [new.key]
         engine.stop_choices(new.key, [0])  # its output processor found a stop string meanwhile
         step(engine)

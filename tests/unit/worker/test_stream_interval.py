@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from tests.unit.worker.test_engine_preemption import engine_on, request, step
+from tests.unit.worker.test_engine_preemption import engine_on, preempt_the_newer, request, step
 from worker.config import parse_config
 from worker.engine.core import Engine
 from worker.model.fake_runner import FakeRunner, load_fake_model
@@ -60,12 +60,7 @@ def test_tokens_travel_every_interval_steps_and_the_first_and_last_at_once(fake)
 def test_a_preempted_request_hands_over_its_kept_tokens_before_it_waits(fake):
     async def scenario() -> None:
         engine = engine_on(FakeRunner(fake, num_blocks=6, block_size=4), fake, stream_interval=8)
-        old = engine.submit(request(list(range(10, 18)), max_tokens=12, ignore_eos=True))
-        new = engine.submit(request(list(range(30, 38)), max_tokens=12, ignore_eos=True))
-        for _ in range(12):  # "old" grows until "new" must give its blocks back
-            step(engine)
-            if engine._scheduler.waiting:
-                break
+        old, new = preempt_the_newer(engine)
         waiting = engine._scheduler.waiting[0]
         assert waiting.key == new.key and waiting.held == []
         await asyncio.sleep(0)
