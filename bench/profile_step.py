@@ -126,8 +126,10 @@ def host_step_times(rows: int, steps: int, vocab: int = 32, context: int = 512) 
 def model_step_times(model: str, device: str, rows_list: list[int], tokens: int) -> None:
     """The real engine on ``model`` (``--model``): per step, where the engine thread's time goes
     (planning, the forward's launch, waiting for the device, sampling, publishing) and the output
-    processing on the event loop. The wait is a ``synchronize`` before sampling, so the step's
-    host work and its device time are told apart (the host work overlaps nothing today)."""
+    processing on the event loop, and the CPU time of the step, the launch and the processing (a
+    wall time well above its CPU time is waiting: for the GIL, or on the device). The wait is a
+    ``synchronize`` before sampling, so the step's host work and its device time are told apart
+    (the host work overlaps nothing today)."""
     from worker.config import parse_config
     from worker.engine.request_stream import RequestStream
     from worker.model.runner import ModelRunner
@@ -140,11 +142,14 @@ def model_step_times(model: str, device: str, rows_list: list[int], tokens: int)
     engine = serving.engine
     sinks: dict[str, list[float]] = {name: [] for name in ("step", "plan", "launch", "wait", "sample",
                                                            "publish", "process")}  # fmt: skip
-    timed(engine, "_step", sinks["step"])
+    # CPU time of the step, the launch and the output processing: their wall time less this is time
+    # spent waiting (for the GIL, or in a blocking device call).
+    cpu: dict[str, list[float]] = {name: [] for name in ("step", "launch", "process")}
+    timed(engine, "_step", sinks["step"], cpu["step"])
     timed(engine, "_next_plan", sinks["plan"])
-    timed(ModelRunner, "execute", sinks["launch"])
+    timed(ModelRunner, "execute", sinks["launch"], cpu["launch"])
     timed(engine, "_publish", sinks["publish"])
-    timed(RequestStream, "_process", sinks["process"])
+    timed(RequestStream, "_process", sinks["process"], cpu["process"])
     sample = engine._sample
     wait_sink, sample_sink = sinks["wait"], sinks["sample"]
 
@@ -163,15 +168,16 @@ def model_step_times(model: str, device: str, rows_list: list[int], tokens: int)
     try:
         for rows in rows_list:
             asyncio.run(run(engine, rows, 16))  # warm-up at this size
-            for sink in sinks.values():
+            for sink in [*sinks.values(), *cpu.values()]:
                 sink.clear()
             started = time.perf_counter()
             asyncio.run(run(engine, rows, tokens))
             wall = time.perf_counter() - started
             steps = max(len(sinks["step"]), 1)
             parts = ", ".join(f"{name} {sum(sink) / steps * 1e3:.2f}" for name, sink in sinks.items())
+            cpu_parts = ", ".join(f"{name} {sum(sink) / steps * 1e3:.2f}" for name, sink in cpu.items())
             print(f"rows {rows:3d}: {steps} steps, {rows * tokens / wall:,.0f} tok/s, "
-                  f"ms per step: {parts}", flush=True)  # fmt: skip
+                  f"ms per step: {parts}; of which CPU: {cpu_parts}", flush=True)  # fmt: skip
     finally:
         engine.stop()
 
