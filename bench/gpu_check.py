@@ -13,8 +13,8 @@ near-tie of the logits, by margin, is reported, not failed); check from /metrics
 graphs are on and that every decode-only step replayed a graph; serve it with --speculative ngram
 (greedy equal to ``generate`` too, one stream's tok/s with and without, the acceptance); then run
 bench/bench_gpu.py and print its table, and again at 64 and 256 streams with ``--stream-interval 4``;
-then bench/profile_step.py on the same model. A step that fails is reported in the closing table; the
-later steps still run.
+then bench/profile_step.py on the same model (and 8 steps at its most rows under torch's profiler).
+A step that fails is reported in the closing table; the later steps still run.
 """
 
 from __future__ import annotations
@@ -381,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             steps.append(run("bench_gpu, --stream-interval 4", paced, env, 150))
     if args.profile_rows:
         profile = [sys.executable, "bench/profile_step.py", "--model", str(model_dir),
-                   "--device", args.device, "--rows", args.profile_rows, "--tokens", "64"]  # fmt: skip
+                   "--device", args.device, "--rows", args.profile_rows, "--tokens", "64",
+                   "--trace", "8"]  # fmt: skip
         steps.append(run("profile_step", profile, env, 150))
     table, status = summary(steps)
     table += f"\n\n{time.monotonic() - started:.0f} s in all"

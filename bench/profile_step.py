@@ -123,13 +123,14 @@ def host_step_times(rows: int, steps: int, vocab: int = 32, context: int = 512) 
     return times
 
 
-def model_step_times(model: str, device: str, rows_list: list[int], tokens: int) -> None:
+def model_step_times(model: str, device: str, rows_list: list[int], tokens: int, trace: int = 0) -> None:
     """The real engine on ``model`` (``--model``): per step, where the engine thread's time goes
     (planning, the forward's launch, waiting for the device, sampling, publishing) and the output
     processing on the event loop, and the CPU time of the step, the launch and the processing (a
     wall time well above its CPU time is waiting: for the GIL, or on the device). The wait is a
     ``synchronize`` before sampling, so the step's host work and its device time are told apart
-    (the host work overlaps nothing today)."""
+    (the host work overlaps nothing today). ``trace``: then ``trace`` steps at the most rows under
+    torch's profiler, its busiest operators by host time and by device time printed."""
     from worker.config import parse_config
     from worker.engine.request_stream import RequestStream
     from worker.model.runner import ModelRunner
@@ -178,8 +179,46 @@ def model_step_times(model: str, device: str, rows_list: list[int], tokens: int)
             cpu_parts = ", ".join(f"{name} {sum(sink) / steps * 1e3:.2f}" for name, sink in cpu.items())
             print(f"rows {rows:3d}: {steps} steps, {rows * tokens / wall:,.0f} tok/s, "
                   f"ms per step: {parts}; of which CPU: {cpu_parts}", flush=True)  # fmt: skip
+        if trace:
+            print_trace(engine, max_rows, trace, device)
     finally:
         engine.stop()
+
+
+def print_trace(engine: Engine, rows: int, steps: int, device: str) -> None:
+    """Runs ``steps`` engine steps of ``rows`` requests under torch's profiler, started and stopped
+    on the engine's thread (it records the thread it was started on), and prints the operators that
+    took the most host time and the kernels that took the most device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if device.startswith("cuda"):
+        activities.append(ProfilerActivity.CUDA)
+    traced = profile(activities=activities)
+    step = engine._step
+    done = 0
+
+    def profiled_step(*args: Any, **kwargs: Any) -> Any:
+        nonlocal done
+        if done == 0:
+            traced.start()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            done += 1
+            if done == steps:
+                traced.stop()
+
+    engine._step = profiled_step  # type: ignore[method-assign]
+    try:
+        asyncio.run(run(engine, rows, steps + 4))  # a few steps more than traced
+    finally:
+        engine._step = step  # type: ignore[method-assign]
+    averages = traced.key_averages()
+    print(f"{steps} steps of {rows} rows under torch's profiler (the first is the prompts' step):")
+    print(averages.table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
+    if device.startswith("cuda"):
+        print(averages.table(sort_by="self_device_time_total", row_limit=20), flush=True)
 
 
 def main() -> None:
@@ -196,13 +235,17 @@ def main() -> None:
     )
     parser.add_argument("--model", help="profile the real engine on this model folder instead (a device)")
     parser.add_argument("--device", default="cuda", help="--model: the worker's --device")
+    parser.add_argument(
+        "--trace", type=int, default=0, help="--model: then this many steps under torch's profiler"
+    )
     # An older checkout (PYTHONPATH) may not have DEFAULT_CACHE_DIR: then pass --cache-dir.
     parser.add_argument("--cache-dir", type=Path, default=getattr(worker_config, "DEFAULT_CACHE_DIR", None))
     args = parser.parse_args()
     if args.cache_dir is None:
         parser.error("this checkout has no DEFAULT_CACHE_DIR: pass --cache-dir")
     if args.model:
-        model_step_times(args.model, args.device, [int(r) for r in args.rows.split(",")], args.tokens)
+        rows = [int(r) for r in args.rows.split(",")]
+        model_step_times(args.model, args.device, rows, args.tokens, args.trace)
         return
     torch.set_num_threads(1)
     if args.part == "host":
