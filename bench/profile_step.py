@@ -186,9 +186,10 @@ def model_step_times(model: str, device: str, rows_list: list[int], tokens: int,
 
 
 def print_trace(engine: Engine, rows: int, steps: int, device: str) -> None:
-    """Runs ``steps`` engine steps of ``rows`` requests under torch's profiler, started and stopped
-    on the engine's thread (it records the thread it was started on), and prints the operators that
-    took the most host time and the kernels that took the most device time."""
+    """Runs ``steps`` decode steps of ``rows`` requests (after their prompts' steps) under torch's
+    profiler, started and stopped on the engine's thread (it records the thread it was started on),
+    and prints the operators that took the most host time and the kernels that took the most device
+    time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
@@ -197,25 +198,26 @@ def print_trace(engine: Engine, rows: int, steps: int, device: str) -> None:
     traced = profile(activities=activities)
     step = engine._step
     done = 0
+    skip = 3  # the prompts' steps (8-token prompts: 2,048 tokens at 256 rows, one CUDA step's budget)
 
     def profiled_step(*args: Any, **kwargs: Any) -> Any:
         nonlocal done
-        if done == 0:
+        if done == skip:
             traced.start()
         try:
             return step(*args, **kwargs)
         finally:
             done += 1
-            if done == steps:
+            if done == skip + steps:
                 traced.stop()
 
     engine._step = profiled_step  # type: ignore[method-assign]
     try:
-        asyncio.run(run(engine, rows, steps + 4))  # a few steps more than traced
+        asyncio.run(run(engine, rows, skip + steps + 4))  # a few steps more than traced
     finally:
         engine._step = step  # type: ignore[method-assign]
     averages = traced.key_averages()
-    print(f"{steps} steps of {rows} rows under torch's profiler (the first is the prompts' step):")
+    print(f"{steps} decode steps of {rows} rows under torch's profiler:")
     print(averages.table(sort_by="self_cpu_time_total", row_limit=30), flush=True)
     if device.startswith("cuda"):
         print(averages.table(sort_by="self_device_time_total", row_limit=20), flush=True)

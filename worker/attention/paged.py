@@ -17,6 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from worker.attention.kv_pool import KVPool
+from worker.attention.prompt_batch import PromptGroup, attend_prompts, group_prompts
 from worker.attention.variants import PLAIN, LayerVariant, attend, layer_variant, window_mask
 
 NAME = "sluice_paged"
@@ -66,6 +67,22 @@ class PagedStep:
     # Set in batch-invariant mode: every token is computed by :func:`_invariant` (nothing else is set).
     invariant: InvariantRows | None = None
     _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    _prompts: dict[int | None, tuple[list[PromptGroup], list[Chunk]]] = field(default_factory=dict)
+
+    def split_chunks(self, window: int | None) -> tuple[list[PromptGroup], list[Chunk]]:
+        """For a plain-softmax layer with this window, the chunks that start their sequence and
+        that the window does not narrow, grouped (:mod:`worker.attention.prompt_batch`), and the
+        other chunks (built once per step and window)."""
+        if window not in self._prompts:
+            whole: list[Chunk] = []
+            rest: list[Chunk] = []
+            for chunk in self.chunks:
+                starts = chunk.context == chunk.count and not chunk.spans
+                narrowed = window is not None and window < chunk.context
+                (whole if starts and not narrowed else rest).append(chunk)
+            groups = group_prompts([(c.start, c.count) for c in whole], self.slots.device) if whole else []
+            self._prompts[window] = (groups, rest)
+        return self._prompts[window]
 
     def decode_visible(self, window: int | None) -> torch.Tensor:
         """The decode rows' gather mask for a layer with this window (built once per step)."""
@@ -248,7 +265,12 @@ def paged_attention_forward(
     out = torch.empty_like(flat_q)
     if step.decode_tables is not None and step.decode_tokens is not None and step.decode_tokens.numel():
         out[step.decode_tokens] = _decode(step, flat_q[step.decode_tokens], pool_k, pool_v, scale, variant)
-    for chunk in step.chunks:
+    chunks = step.chunks
+    if variant.plain_softmax and chunks:  # whole prompts together, the rest one by one
+        groups, chunks = step.split_chunks(variant.window)
+        for group in groups:
+            attend_prompts(group, flat_q, flat_k, flat_v, scale, out)
+    for chunk in chunks:
         out[chunk.start : chunk.start + chunk.count] = _chunk(
             chunk, flat_q[chunk.start : chunk.start + chunk.count], pool_k, pool_v, scale, variant
         )

@@ -121,7 +121,8 @@ class DecodeGraphs:
         )
 
     def run(self, work: Sequence[Work]) -> torch.Tensor:
-        """The logits [rows, vocab] of a decode step of ``len(work)`` rows."""
+        """The logits [rows, vocab] of a decode step of ``len(work)`` rows: a view of the bucket's
+        captured output, which its next replay overwrites (the engine samples before that)."""
         bucket = self.stage(work)
         captured = self.captured[bucket]
         captured.graph.replay()

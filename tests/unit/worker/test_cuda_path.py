@@ -147,10 +147,24 @@ def test_a_verifying_row_scores_like_one_token_steps(runner: ModelRunner) -> Non
     together = runner.execute([Work([5, *guesses], len(prompt), verified, True, proposed=len(guesses))])
     assert together.shape[0] == 1 + len(guesses)
     assert runner.graphs.replays == replays + 1
+    # Each replay of a bucket rewrites that bucket's logits: keep a copy of each step's.
     one_by_one = torch.cat(
         [
-            runner.execute([Work([token], len(prompt) + i, stepped, True)])
+            runner.execute([Work([token], len(prompt) + i, stepped, True)]).clone()
             for i, token in enumerate([5, *guesses])
         ]
     )
     torch.testing.assert_close(together, one_by_one, atol=5e-2 * float(one_by_one.abs().max()), rtol=5e-2)
+
+
+def test_a_step_of_many_prompts_scores_each_as_alone(runner: ModelRunner) -> None:
+    """Whole prompts of different lengths in one step are attended together (padded at their ends,
+    one causal SDPA; worker/attention/prompt_batch.py): each one's logits equal its own step's."""
+    lengths = [1, 30, 7, 2, 16, 16, 45]
+    prompts = [[(11 * i + 3 * t) % 500 + 1 for t in range(n)] for i, n in enumerate(lengths)]
+    tables = [[200 + i * 4 + b for b in range(4)] for i in range(len(prompts))]
+    together = runner.execute([Work(p, 0, t, True) for p, t in zip(prompts, tables, strict=True)]).clone()
+    alone = torch.cat(
+        [runner.execute([Work(p, 0, t, True)]).clone() for p, t in zip(prompts, tables, strict=True)]
+    )
+    torch.testing.assert_close(together, alone, atol=5e-2 * float(alone.abs().max()), rtol=5e-2)
