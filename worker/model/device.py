@@ -26,6 +26,15 @@ def bind_device(device: torch.device | None) -> None:
         torch.cuda.set_device(device)
 
 
+def prefer_planless_attention(device: torch.device) -> None:
+    """On CUDA, takes cuDNN out of SDPA's backends. torch sends attention to cuDNN first on Hopper
+    and newer, and cuDNN builds an execution plan for every new shape (hundreds of milliseconds),
+    while a step's prompts make new shapes all the time; flash and memory-efficient attention need
+    no plan. Process-wide, set before the memory probe so that it measures the kernels serving runs."""
+    if device.type == "cuda":
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 def is_fatal_device_error(error: BaseException) -> bool:
     """Whether ``error`` says the device failed (not one request: out-of-memory is not fatal)."""
     if isinstance(error, torch.OutOfMemoryError):

@@ -15,6 +15,7 @@ from worker.attention import paged
 from worker.attention.kv_pool import KVPool, kv_shape, pool_blocks
 from worker.config import WorkerConfig
 from worker.model.cuda_graphs import capture_decode_graphs
+from worker.model.device import prefer_planless_attention
 from worker.model.fake_runner import DEFAULT_TOKENS, FakeRunner
 from worker.model.loader import LoadedModel, ModelLoadError
 from worker.model.runner import ModelRunner
@@ -81,6 +82,7 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
             f"--require-cuda-graphs needs CUDA graphs, but {why}", param="require_cuda_graphs"
         )
     budget = prefill_tokens(config, device)
+    prefer_planless_attention(device)
     if device.type == "cuda":
         take_activation_memory(loaded, budget, config.kv_block_size)
     shape = kv_shape(loaded.model.config, loaded.dtype)

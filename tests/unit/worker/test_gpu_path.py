@@ -288,3 +288,17 @@ def test_graph_inputs_are_staged_for_the_used_columns_only() -> None:
     assert graphs.lengths[:4].tolist() == [6, 1, 9, 0]
     assert graphs.tables[:3, :3].tolist() == [[3, 4, 0], [6, 0, 0], [1, 2, 9]]
     assert graphs.tables[:3, 3:].eq(7).all()  # past every row's length: left as it was, never read
+
+
+def test_cuda_takes_cudnn_out_of_sdpa_and_the_cpu_leaves_it() -> None:
+    """cuDNN builds an execution plan per new attention shape (a step's prompts make new ones all the
+    time): on CUDA the worker turns it off process-wide; elsewhere nothing changes."""
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        device.prefer_planless_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        device.prefer_planless_attention(torch.device("cuda", 1))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)
