@@ -1,11 +1,5 @@
-"""Whole prompts of a step attended together: one causal SDPA per group of prompts instead of one
-gather and one SDPA per prompt and layer (a step of 256 new prompts made 256 x layers calls).
-
-A chunk that starts its sequence (nothing of it in the pool before this step) attends only to its
-own new tokens, causally. Such chunks are padded at their ends to the longest of their group and
-stacked: under a causal mask a token never sees the padding after it, so every real token's output
-is what its own chunk alone would give. Groups keep the padding to at most as many positions as
-real tokens (prompts sorted by length, a group closed when padding would pass that).
+"""Whole prompts of a step attended together: padded at their ends to the longest of their group,
+one causal SDPA per group instead of one gather and SDPA per prompt and layer.
 
 Design notes: docs/worker.md.
 """
