@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker.attention.staging import staged
+
 
 @dataclass(frozen=True)
 class PromptGroup:
@@ -53,7 +55,7 @@ def _padded(members: list[tuple[int, int]], device: torch.device) -> PromptGroup
         gather += [start + count - 1] * (longest - count)
         keep += range(row * longest, row * longest + count)
         tokens += range(start, start + count)
-    values = torch.tensor(gather + keep + tokens, dtype=torch.long).to(device)  # one copy
+    values = staged(gather + keep + tokens, torch.long, device)  # one copy, not blocking the host
     padded, real = len(gather), len(keep)
     return PromptGroup(
         len(members), longest, values[:padded], values[padded : padded + real], values[padded + real :]

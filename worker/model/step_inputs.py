@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from worker.attention.staging import staged
+
 
 @dataclass(frozen=True)
 class ChunkImage:
@@ -66,13 +68,6 @@ def slots(item: Work, block_size: int) -> list[int]:
     """The pool slot (block * block_size + offset) of each of ``item``'s tokens."""
     table, size = item.table, block_size
     return [table[p // size] * size + p % size for p in range(item.start, item.start + len(item.tokens))]
-
-
-def staged(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` as a tensor on ``device``: built on the host (pinned where the device is CUDA) and
-    copied without blocking the host; on the CPU, the host tensor itself."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 def _table_rows(work: Sequence[Work], block_size: int, width: int) -> list[list[int]]:

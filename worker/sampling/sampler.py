@@ -9,11 +9,11 @@ import operator
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
+from worker.attention.staging import staged
 from worker.sampling.grammar import TokenConstraint
 from worker.types import SampledLogprobs, SamplingOptions
 
@@ -109,7 +109,7 @@ class _Batch:
     def index(self, rows: list[int]) -> torch.Tensor:
         key = tuple(rows)
         if key not in self.indexes:
-            self.indexes[key] = _staged(rows, torch.long, self.device)
+            self.indexes[key] = staged(rows, torch.long, self.device)
         return self.indexes[key]
 
     def same(self, rows: Sequence[SequenceSampling], device: torch.device, vocab: int) -> bool:
@@ -130,13 +130,6 @@ def _batch(rows: Sequence[SequenceSampling], device: torch.device, vocab: int) -
         seeds = np.array([r.seed for r in rows], dtype=np.uint64)
         _last = _Batch(tuple(rows), device, vocab, seeds)
     return _last
-
-
-def _staged(values: list[Any], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``values`` on ``device`` without blocking the host: built pinned where the device is CUDA and
-    copied ``non_blocking``; on the CPU, the host tensor itself."""
-    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
 
 
 def _uniforms(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
@@ -174,7 +167,7 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SequenceSampling]) -> list
             if group:
                 index = batch.index(group)
                 params = _group_params(batch, name, [rows[i] for i in group], logits.shape[-1])
-                uniforms = _staged(u[group].tolist(), torch.float64, logits.device)
+                uniforms = staged(u[group].tolist(), torch.float64, logits.device)
                 chosen[index] = draw(logits[index], params, uniforms)
     tokens = [int(t) for t in chosen.tolist()]
     recorded = [len(r.output_token_ids) + 1 for r in rows]
@@ -197,13 +190,13 @@ def _group_params(
     key = f"{name}:temperature"
     if key not in batch.params:
         device = batch.device
-        batch.params[key] = _staged([r.options.temperature for r in rows], torch.float32, device)[:, None]
+        batch.params[key] = staged([r.options.temperature for r in rows], torch.float32, device)[:, None]
         top_k = [r.options.top_k if 0 < r.options.top_k < vocab else vocab for r in rows]
-        batch.params[f"{name}:top_k"] = _staged(top_k, torch.long, device)
-        batch.params[f"{name}:top_p"] = _staged([r.options.top_p for r in rows], torch.float32, device)
+        batch.params[f"{name}:top_k"] = staged(top_k, torch.long, device)
+        batch.params[f"{name}:top_p"] = staged([r.options.top_p for r in rows], torch.float32, device)
         min_p = [r.options.min_p for r in rows]
         batch.params[f"{name}:min_p"] = (
-            _staged(min_p, torch.float32, device) if any(m > 0 for m in min_p) else None
+            staged(min_p, torch.float32, device) if any(m > 0 for m in min_p) else None
         )
     keys = ("temperature", "top_k", "top_p", "min_p")
     return {k: batch.params[f"{name}:{k}"] for k in keys}
@@ -264,9 +257,9 @@ def _processed(
     params = batch.params
     if bias:
         if "bias:values" not in params:
-            params["bias:rows"] = _staged([i for i, pairs in bias for _ in pairs], torch.long, device)
-            params["bias:tokens"] = _staged([t for _, pairs in bias for t, _ in pairs], torch.long, device)
-            params["bias:values"] = _staged([v for _, pairs in bias for _, v in pairs], logits.dtype, device)
+            params["bias:rows"] = staged([i for i, pairs in bias for _ in pairs], torch.long, device)
+            params["bias:tokens"] = staged([t for _, pairs in bias for t, _ in pairs], torch.long, device)
+            params["bias:values"] = staged([v for _, pairs in bias for _, v in pairs], logits.dtype, device)
         logits.index_put_(
             (_cached(params, "bias:rows"), _cached(params, "bias:tokens")),
             _cached(params, "bias:values"),
@@ -275,7 +268,7 @@ def _processed(
     if repetition and batch.seen is not None:
         if "repetition" not in params:
             penalties = [rows[i].options.repetition_penalty for i in repetition]
-            params["repetition"] = _staged(penalties, logits.dtype, device)[:, None]
+            params["repetition"] = staged(penalties, logits.dtype, device)[:, None]
         penalty = _cached(params, "repetition")
         index = batch.index(repetition)
         sub = logits[index]
@@ -283,10 +276,10 @@ def _processed(
         logits[index] = torch.where(batch.seen, penalised, sub)
     if counted and batch.counts is not None:
         if "frequency" not in params:
-            params["frequency"] = _staged(
+            params["frequency"] = staged(
                 [rows[i].options.frequency_penalty for i in counted], torch.float32, device
             )
-            params["presence"] = _staged(
+            params["presence"] = staged(
                 [rows[i].options.presence_penalty for i in counted], torch.float32, device
             )
         counts = batch.counts
@@ -295,7 +288,7 @@ def _processed(
     if masked:
         row_ids = [i for i in masked for _ in rows[i].blocked_before_min]
         token_ids = [t for i in masked for t in sorted(rows[i].blocked_before_min)]
-        logits[_staged(row_ids, torch.long, device), _staged(token_ids, torch.long, device)] = float("-inf")
+        logits[staged(row_ids, torch.long, device), staged(token_ids, torch.long, device)] = float("-inf")
     if allowed:
         if "allowed" not in params:
             mask = torch.zeros((len(allowed), width), dtype=torch.bool)
@@ -306,7 +299,7 @@ def _processed(
         logits[index] = logits[index].masked_fill(~_cached(params, "allowed"), float("-inf"))
     if banned:
         row_ids, token_ids = [i for i, _ in banned], [t for _, t in banned]
-        logits[_staged(row_ids, torch.long, device), _staged(token_ids, torch.long, device)] = float("-inf")
+        logits[staged(row_ids, torch.long, device), staged(token_ids, torch.long, device)] = float("-inf")
     failed: list[int] = []
     if grammar:
         bitmask, failed = _grammar_bitmask([rows[i] for i in grammar], device)
@@ -327,7 +320,7 @@ def _padded(lists: list[list[int]], device: torch.device, pad: int | None = None
     row's own first id, a harmless repeat for gather/scatter of the same value)."""
     width = max(len(ids) for ids in lists)
     padded = [ids + [ids[0] if pad is None else pad] * (width - len(ids)) for ids in lists]
-    return _staged(padded, torch.long, device)
+    return staged(padded, torch.long, device)
 
 
 def _grammar_bitmask(rows: list[SequenceSampling], device: torch.device) -> tuple[torch.Tensor, list[int]]:
