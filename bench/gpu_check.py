@@ -9,11 +9,13 @@ Usage, on the GPU machine from this checkout with .gpu/ (made here by `make gpu-
 Steps: install .gpu/wheels into a private folder; print versions; run every CUDA test (pytest,
 none may skip); serve a random-weight 1.7B model with --require-cuda-graphs and check greedy bf16
 output against transformers' ``generate`` for 32 tokens from the same prompt ids (a divergence at a
-near-tie of the logits, by margin, is reported, not failed); check from /metrics that the kernel and
-graphs are on and that every decode-only step replayed a graph; serve it with --speculative ngram
-(greedy equal to ``generate`` too, one stream's tok/s with and without, the acceptance); then run
-bench/bench_gpu.py and print its table, and again at 64 and 256 streams with ``--stream-interval 4``;
-then bench/profile_step.py on the same model (and 8 steps at its most rows under torch's profiler).
+near-tie of the logits, by margin, is reported, not failed); check from /metrics that the kernel,
+graphs and fused kernels are on and that every decode-only step replayed a graph; serve it with
+--speculative ngram (greedy equal to ``generate`` too, one stream's tok/s with and without, the
+acceptance); then run bench/bench_gpu.py and print its table, again at 64 and 256 streams with
+``--stream-interval 4`` and at 1 and 64 with ``--no-fused-kernels`` (the forward's RMSNorm, SiLU-mul
+and rotary as transformers runs them); then bench/profile_step.py on the same model (and 8 steps at
+its most rows under torch's profiler).
 A step that fails is reported in the closing table; the later steps still run.
 """
 
@@ -64,11 +66,11 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def fast_path_problems(samples: dict[str, float]) -> list[str]:
-    """What /metrics says is wrong with the fast path (empty: kernel and graphs on, every
-    decode-only step replayed)."""
+    """What /metrics says is wrong with the fast path (empty: kernel, graphs and fused kernels on,
+    every decode-only step replayed)."""
     problems = [
         f"{part} is off"
-        for part in ("kernel", "graphs")
+        for part in ("kernel", "graphs", "fused")
         if samples.get(f'sluice_worker_fast_path{{part="{part}"}}') != 1.0
     ]
     steps = samples.get("sluice_worker_decode_only_steps_total", 0.0)
@@ -129,6 +131,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--interval-levels",
         default="64,256",
         help="levels benched again with --stream-interval 4 (fewer messages per stream; '' = none)",
+    )
+    parser.add_argument(
+        "--unfused-levels",
+        default="1,64",
+        help="levels benched again with --no-fused-kernels (whether the fused kernels pay; '' = none)",
     )
     return parser.parse_args(argv)
 
@@ -308,7 +315,7 @@ def serve_and_compare(model_dir: Path, tokens: int, device: str, dtype: str) -> 
     print("fast-path metrics:", {k: v for k, v in samples.items() if "fast_path" in k or "graph" in k
                                   or "decode_only" in k})  # fmt: skip
     problems = fast_path_problems(samples)
-    detail = "; ".join(problems) or "kernel, graphs, every decode-only step replayed"
+    detail = "; ".join(problems) or "kernel, graphs, fused kernels, every decode-only step replayed"
     steps = [Step(f"fast path, {dtype} (metrics)", not problems, detail)]
     reference, margins, tops = reference_greedy(model_dir, ids, tokens, device, dtype)
     print(f"served   {got}\ngenerate {reference}\nmargins  {[round(m, 3) for m in margins]}", flush=True)
@@ -379,6 +386,11 @@ def main(argv: list[str] | None = None) -> int:
                      "--max-running", "256", "--skip", "serve,generate_batch",
                      "--worker-args=--stream-interval 4"]  # fmt: skip
             steps.append(run("bench_gpu, --stream-interval 4", paced, env, 150))
+        if args.unfused_levels:  # the forward without the fused RMSNorm, SiLU-mul and rotary kernels
+            unfused = [*bench[:bench.index("--levels")], "--levels", args.unfused_levels, "--rounds", "2",
+                       "--max-running", "256", "--skip", "serve,generate_batch",
+                       "--worker-args=--no-fused-kernels"]  # fmt: skip
+            steps.append(run("bench_gpu, --no-fused-kernels", unfused, env, 120))
     if args.profile_rows:
         profile = [sys.executable, "bench/profile_step.py", "--model", str(model_dir),
                    "--device", args.device, "--rows", args.profile_rows, "--tokens", "64",

@@ -4,8 +4,10 @@ test module's checks run in ``python -m that.module``, which prints one JSON lin
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import traceback
@@ -13,6 +15,18 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def ptxas_available() -> bool:
+    """Whether triton's CUDA backend can compile here (its ptxas), so kernels can be built for a GPU
+    without one."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists() or (
+        shutil.which("ptxas") is not None
+    )
 
 
 def run_checks(checks: Mapping[str, Callable[[], None]]) -> dict[str, str | None]:

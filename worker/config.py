@@ -208,6 +208,11 @@ class WorkerConfig:
         help="on CUDA: capture decode steps as CUDA graphs at start-up (padded batch-size buckets up to "
         "--max-running; needs triton)",
     )
+    fused_kernels: bool = setting(
+        True,
+        help="on CUDA: RMSNorm, SiLU-mul and rotary as one Triton kernel each, in the model classes "
+        "whose own modules a check at start-up shows they match (docs/worker.md)",
+    )
     require_cuda_graphs: bool = setting(
         False,
         help="refuse to start (exit status 1) unless the Triton decode kernel and the decode CUDA "

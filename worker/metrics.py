@@ -184,11 +184,13 @@ class EngineCollector(Collector):
         fast = GaugeMetricFamily(
             "sluice_worker_fast_path",
             "1 when this part of the CUDA decode fast path is on (kernel: the Triton decode attention; "
-            "graphs: decode steps replayed from CUDA graphs); 0: a slower fallback serves",
+            "graphs: decode steps replayed from CUDA graphs; fused: the fused RMSNorm, SiLU-mul and rotary "
+            "kernels); 0: a slower fallback serves",
             labels=["model", "part"],
         )
         fast.add_metric([self._model_id, "kernel"], int(s.fast_path.kernel))
         fast.add_metric([self._model_id, "graphs"], int(s.fast_path.graphs))
+        fast.add_metric([self._model_id, "fused"], int(s.fast_path.fused))
         yield fast
         replays = CounterMetricFamily(
             "sluice_worker_decode_graph_replays", "decode steps replayed from a CUDA graph", labels=["model"]

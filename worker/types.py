@@ -116,6 +116,7 @@ class FastPath:
 
     kernel: bool  # the Triton decode attention kernel
     graphs: bool  # decode steps replayed from CUDA graphs
+    fused: bool = False  # RMSNorm, SiLU·mul and rotary kernels in the forward (worker/model/fused.py)
 
 
 class FinishReason(enum.Enum):

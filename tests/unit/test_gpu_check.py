@@ -15,6 +15,7 @@ from gpu_wheels import MISSING, NEWER, download_command, pins
 METRICS = """# HELP sluice_worker_fast_path 1 when on
 sluice_worker_fast_path{model="m",part="kernel"} 1.0
 sluice_worker_fast_path{model="m",part="graphs"} 1.0
+sluice_worker_fast_path{model="m",part="fused"} 1.0
 sluice_worker_decode_only_steps_total{model="m"} 40.0
 sluice_worker_decode_graph_replays_total{model="m"} 40.0
 """
@@ -34,7 +35,12 @@ def test_an_off_part_or_a_step_without_a_replay_fails() -> None:
         "graphs is off",
         "39 graph replays for 40 decode-only steps",
     ]
-    assert fast_path_problems({}) == ["kernel is off", "graphs is off", "no decode-only step ran"]
+    assert fast_path_problems({}) == [
+        "kernel is off",
+        "graphs is off",
+        "fused is off",
+        "no decode-only step ran",
+    ]
 
 
 def test_a_divergence_at_a_near_tie_is_not_a_failure() -> None:

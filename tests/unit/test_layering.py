@@ -27,6 +27,7 @@ WORKER_LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
 LAZY_IMPORTS = {
     ("worker.__main__", "worker.server"),  # torch loads only once the ports are claimed
     ("worker.attention.triton_decode", "worker.attention.triton_decode_kernels"),  # needs triton
+    ("worker.model.fused", "worker.model.fused_kernels"),  # needs triton
 }
 
 

@@ -17,6 +17,7 @@ from worker.config import WorkerConfig
 from worker.model.cuda_graphs import capture_decode_graphs
 from worker.model.device import prefer_planless_attention
 from worker.model.fake_runner import DEFAULT_TOKENS, FakeRunner
+from worker.model.fused import fuse_for_serving
 from worker.model.loader import LoadedModel, ModelLoadError
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import FlatTokens, Work
@@ -83,6 +84,7 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         )
     budget = prefill_tokens(config, device)
     prefer_planless_attention(device)
+    fused = device.type == "cuda" and config.fused_kernels and fuse_for_serving(loaded.model)
     if device.type == "cuda":
         take_activation_memory(loaded, budget, config.kv_block_size)
     shape = kv_shape(loaded.model.config, loaded.dtype)
@@ -107,7 +109,9 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
     if device.type == "cuda":
         if config.cuda_graphs and runner.decode_kernel_enabled:
             runner.graphs = capture_decode_graphs(runner, limits.max_running, loaded.context_length)
-        runner.fast_path = FastPath(kernel=runner.decode_kernel_enabled, graphs=runner.graphs is not None)
+        runner.fast_path = FastPath(
+            kernel=runner.decode_kernel_enabled, graphs=runner.graphs is not None, fused=fused
+        )
         if config.require_cuda_graphs and runner.graphs is None:
             raise ModelLoadError(
                 "--require-cuda-graphs: capturing the decode CUDA graphs failed (the error above)",

@@ -168,3 +168,35 @@ def test_a_step_of_many_prompts_scores_each_as_alone(runner: ModelRunner) -> Non
         [runner.execute([Work(p, 0, t, True)]).clone() for p, t in zip(prompts, tables, strict=True)]
     )
     torch.testing.assert_close(together, alone, atol=5e-2 * float(alone.abs().max()), rtol=5e-2)
+
+
+def test_the_fused_kernels_round_as_the_modules_do_in_bfloat16() -> None:
+    """On the GPU bfloat16 rounds to nearest (triton's interpreter truncates, so the CPU tests check
+    float16): rotary is exact, RMSNorm equal but where the sums' order moves an ulp, and a fused
+    model's logits stay close to its own."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
+
+    from worker.model import fused
+
+    torch.manual_seed(0)
+    norm = LlamaRMSNorm(2048).to("cuda", torch.bfloat16)
+    norm.weight.data.normal_()
+    x = torch.randn(64, 2048, device="cuda", dtype=torch.bfloat16) * 3
+    got = fused.rms_norm(x, norm.weight, norm.variance_epsilon, scale_in_fp32=False)
+    assert (got != norm(x)).float().mean() < 0.01
+    q = torch.randn(8, 1, 32, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
+    angles = torch.rand(8, 1, 32, device="cuda") * 9
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
+    assert torch.equal(fused.rotary(q, cos, sin), apply_rotary_pos_emb(q, q, cos, sin)[0])
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    ids = torch.randint(0, 512, (1, 40), device="cuda")
+    with torch.inference_mode():
+        before = model(input_ids=ids).logits.float()
+        report = fused.fuse_model(model)
+        after = model(input_ids=ids).logits.float()
+    assert (report.norms, report.mlps, report.rotary, report.failure) == (5, 2, 2, None), report.describe()
+    torch.testing.assert_close(after, before, atol=0.1, rtol=0.05)

@@ -36,10 +36,12 @@ from worker.types import FastPath
 
 
 def test_the_fast_path_metric_says_which_part_is_off() -> None:
-    stats = EngineStats(0, 0, 0, 0, 0, 0, 0, EngineCounters(), fast_path=FastPath(kernel=True, graphs=False))
+    fast = FastPath(kernel=True, graphs=False, fused=True)
+    stats = EngineStats(0, 0, 0, 0, 0, 0, 0, EngineCounters(), fast_path=fast)
     text = metrics.render(stats, "m")
     assert 'sluice_worker_fast_path{model="m",part="kernel"} 1.0' in text
     assert 'sluice_worker_fast_path{model="m",part="graphs"} 0.0' in text
+    assert 'sluice_worker_fast_path{model="m",part="fused"} 1.0' in text
     assert "sluice_worker_decode_graph_replays_total" in text
     cpu = metrics.render(EngineStats(0, 0, 0, 0, 0, 0, 0, EngineCounters()), "m")
     assert "sluice_worker_fast_path" not in cpu  # no fast path to report off the GPU

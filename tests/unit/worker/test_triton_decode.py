@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import inspect
 import math
-import shutil
 from collections.abc import Callable
 from functools import partial
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.triton_interpreter import interpreted_results, print_results
+from tests.triton_interpreter import interpreted_results, print_results, ptxas_available
 from worker.attention.triton_decode import (
     DecodePlan,
     SplitWorkspace,
@@ -316,17 +314,7 @@ def test_cuda_graph_replays_with_new_lengths(split_k: bool, dtype: torch.dtype) 
         torch.testing.assert_close(out.float(), expected.float(), **tolerance(dtype))
 
 
-def _ptxas_available() -> bool:
-    if not triton_available():
-        return False
-    import triton
-
-    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists() or (
-        shutil.which("ptxas") is not None
-    )
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
+@pytest.mark.skipif(not ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
 @pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("variants", [False, True], ids=["plain", "window-softcap-sinks"])
 def test_kernels_compile_for_h100(split: bool, variants: bool, monkeypatch: pytest.MonkeyPatch) -> None:
