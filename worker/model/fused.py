@@ -44,6 +44,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, scale_in_fp32: b
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out.view(x.shape)
     block = triton.next_power_of_2(columns)
     rms_norm_kernel[(rows.shape[0],)](
         rows,
@@ -69,6 +71,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
     out = torch.empty_like(gate)
     count = gate.numel()
+    if count == 0:
+        return out
     silu_mul_kernel[(triton.cdiv(count, _SILU_BLOCK),)](gate, up, out, count, BLOCK=_SILU_BLOCK, num_warps=4)
     return out
 
@@ -83,6 +87,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     batch, heads, tokens, dim = x.shape
     cos_rows, sin_rows = cos.reshape(-1, dim).contiguous(), sin.reshape(-1, dim).contiguous()
     out = torch.empty_like(x)
+    if out.numel() == 0:
+        return out
     half = dim // 2
     rotary_kernel[(batch * tokens, heads)](
         x,

@@ -39,7 +39,7 @@ def rms_norm_kernel(
     tl.store(out_ptr + row * stride_out + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["count"])
 def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, count, BLOCK: tl.constexpr):
     """``silu(gate) * up`` over contiguous tensors, the SiLU rounded to their type first."""
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -51,7 +51,9 @@ def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, count, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, (activated * up).to(kind), mask=mask)
 
 
-@triton.jit
+# Arguments that change with a step's token count are not specialised on (divisibility by 16, 1),
+# so a new prompt length never compiles another variant while serving.
+@triton.jit(do_not_specialize=["tokens", "stride_xb", "stride_ob"])
 def rotary_kernel(
     x_ptr,
     cos_ptr,
