@@ -208,6 +208,12 @@ class WorkerConfig:
         help="on CUDA: capture decode steps as CUDA graphs at start-up (padded batch-size buckets up to "
         "--max-running; needs triton)",
     )
+    engine_process: bool = setting(
+        False,
+        help="run the engine (model, scheduler, sampler) in a process of its own, so that gRPC, "
+        "prompts and output processing never wait for its interpreter (generation only; "
+        "docs/worker.md)",
+    )
     fused_kernels: bool = setting(
         True,
         help="on CUDA: RMSNorm, SiLU-mul and rotary as one Triton kernel each, in the model classes "

@@ -29,6 +29,7 @@ from worker import metrics
 from worker.config import WorkerConfig
 from worker.engine.core import Engine
 from worker.engine.pooling import PoolingEngine
+from worker.engine.process import start_engine_process
 from worker.engine.speculation import Speculation
 from worker.model.device import bind_device
 from worker.model.draft import DraftModel
@@ -39,6 +40,7 @@ from worker.model.pooling_runner import PoolingRunner
 from worker.model.runner import ModelRunner
 from worker.model.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner, prefill_tokens
 from worker.model.vision import vision_spec
+from worker.output.processor import TextRules
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.drain import DrainingWorker
 from worker.service.family import FamilyProfile, choose_profile
@@ -182,14 +184,44 @@ def build_serving(
     )
     engine.start()
     progress.advance(1.0)
-    spec = vision_spec(loaded.model.config) if loaded.processor is not None else None
-    images = ImageProcessing(loaded.processor, spec) if spec is not None else None
     return ServingModel(
         loaded,
         engine,
-        PromptRenderer(loaded.tokenizer, profile, images),
+        prompt_renderer(loaded, profile),
         grammars,
         limits.max_running,
+        config.default_max_tokens,
+    )
+
+
+def prompt_renderer(loaded: LoadedModel, profile: FamilyProfile) -> PromptRenderer:
+    """The prompt renderer of a generation model (with its image processing, for a vision model)."""
+    spec = vision_spec(loaded.model.config) if loaded.processor is not None else None
+    images = ImageProcessing(loaded.processor, spec) if spec is not None else None
+    return PromptRenderer(loaded.tokenizer, profile, images)
+
+
+def serving_in_own_process(
+    config: WorkerConfig,
+    progress: LoadProgress | None = None,
+    on_device_failure: Callable[[BaseException], None] | None = None,
+) -> ServingModel:
+    """``--engine-process``: :func:`build_serving` in the engine process; here, what serving needs
+    of the model (its tokenizer, prompts, grammars) and the client of that process's engine."""
+    progress = progress or LoadProgress()
+    rules = TextRules(tuple(config.blocked_phrases), config.refusal_message)
+    client, facts = start_engine_process(config, progress, rules, on_device_failure)
+    loaded = facts.loaded
+    profile = family_profile(config, loaded.model, loaded.tokenizer)
+    grammars = GrammarCompiler(loaded.tokenizer, set(facts.eos_token_ids))
+    grammars.prepare()
+    log.info("the engine runs in its own process (pid %s)", client.pid)
+    return ServingModel(
+        loaded,
+        client,
+        prompt_renderer(loaded, profile),
+        grammars,
+        facts.max_running,
         config.default_max_tokens,
     )
 
@@ -331,7 +363,11 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
 
     loading = asyncio.ensure_future(
         in_own_thread(
-            functools.partial(build_serving, progress=load_progress, on_device_failure=on_device_failure),
+            functools.partial(
+                serving_in_own_process if config.engine_process else build_serving,
+                progress=load_progress,
+                on_device_failure=on_device_failure,
+            ),
             config,
         )
     )
@@ -359,6 +395,7 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
             )
             await _drain(served, health_service, 0.0)
             await server.stop(0)
+            serving.engine.stop()
             return EXIT_DEVICE_FAILED
         failing.cancel()
         await _drain(served, health_service, config.grace_period)

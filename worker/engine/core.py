@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -83,7 +83,7 @@ class _RequestState:
     key: str
     request: GenerationRequest
     choices: list[_Choice]
-    stream: RequestStream
+    stream: OutputSink
     started: bool = False  # admitted at least once (a preempted request is re-admitted later)
     held: list[CoreOutput] = field(default_factory=list)  # tokens kept back (``stream_interval``)
     held_steps: int = 0  # steps whose tokens ``held`` keeps
@@ -116,10 +116,27 @@ class _Control(enum.Enum):
     STOP = "stop"  # choices ended by a stop string or blocked phrase
 
 
-def _deliver(batches: Iterable[tuple[RequestStream, list[CoreOutput]]]) -> None:
+class OutputSink(Protocol):
+    """Where a request's outputs go: a :class:`RequestStream` on an event loop, or (an engine in its
+    own process) a pipe to the serving process (worker/engine/process.py)."""
+
+    key: str
+
+    @property
+    def loop(self) -> Any: ...  # its ``call_soon_threadsafe(callback, items)`` takes a step's outputs
+
+    def put(self, outputs: list[CoreOutput]) -> None: ...
+
+
+def ended_outputs(ended: FinishReason | None) -> list[CoreOutput]:
+    """The outputs of a request that its resumed tokens already ended (no step runs for it)."""
+    return [Admitted(time.monotonic(), 0), ChoiceEnded(0, ended or FinishReason.STOP)]
+
+
+def deliver(batches: Iterable[tuple[OutputSink, list[CoreOutput]]]) -> None:
     """Hands a step's outputs to their streams, waking each event loop once per step (not once per
     request). Called from the engine thread."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, list[CoreOutput]]]] = {}
+    by_loop: dict[Any, list[tuple[OutputSink, list[CoreOutput]]]] = {}
     for stream, batch in batches:
         by_loop.setdefault(stream.loop, []).append((stream, batch))
     for loop, items in by_loop.items():
@@ -128,7 +145,7 @@ def _deliver(batches: Iterable[tuple[RequestStream, list[CoreOutput]]]) -> None:
             loop.call_soon_threadsafe(_put_all, items)
 
 
-def _put_all(items: list[tuple[RequestStream, list[CoreOutput]]]) -> None:
+def _put_all(items: list[tuple[OutputSink, list[CoreOutput]]]) -> None:
     for stream, batch in items:
         stream.put(batch)
 
@@ -208,6 +225,10 @@ class Engine:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos
+
     def prepare(self, request: GenerationRequest) -> Prepared:
         """Builds the request's per-choice sampling state (:meth:`RequestPreparer.prepare`: blocking, the
         service calls it in a thread pool, off the event loop). Raises InvalidRequest for what this
@@ -219,19 +240,34 @@ class Engine:
         at its bound. Call on the event loop that will read the stream."""
         prepared = request if isinstance(request, Prepared) else self.prepare(request)
         req = prepared.request
-        loop = asyncio.get_running_loop()
         key = f"{req.request_id}#{next(self._ids)}"
         processor = RequestOutputProcessor(req, self._decoder, self._token_texts, self._rules)
-        stream = RequestStream(self, key, loop, processor)
+        stream = RequestStream(self, key, asyncio.get_running_loop(), processor)
         if prepared.ended is not None or processor.ended_while_priming:
             # A resumed request that its resumed tokens already ended: finish it without the core
             # (the processor ignores the end of a choice its priming already ended).
-            ended = prepared.ended or FinishReason.STOP
-            stream.put([Admitted(time.monotonic(), 0), ChoiceEnded(0, ended)])
-            with self._cv:
-                self.counters.requests_submitted += 1
-                self.counters.requests_finished += 1
+            stream.put(ended_outputs(prepared.ended))
+            self.count_ended()
             return stream
+        # On the stream's own loop (we are on it): "queued" comes before anything the step loop sends.
+        stream.put([Progress("queued", 0.0)])
+        self.enqueue(prepared, key, stream)
+        return stream
+
+    async def admit(self, request: Prepared) -> RequestStream:
+        """:meth:`submit` as the service calls it (an engine in its own process answers later)."""
+        return self.submit(request)
+
+    def count_ended(self) -> None:
+        """Counts a request that ended before it was queued (its resumed tokens ended it)."""
+        with self._cv:
+            self.counters.requests_submitted += 1
+            self.counters.requests_finished += 1
+
+    def enqueue(self, prepared: Prepared, key: str, stream: OutputSink) -> None:
+        """Puts a prepared request in the scheduler's queue under ``key``; its outputs go to
+        ``stream`` (raises QueueFull when the queue is at its bound)."""
+        req = prepared.request
         prompt = list(req.prompt_token_ids)
         longest = min(len(prompt) + req.sampling.max_tokens, self._context_length)
         # A resumed request's sequence starts with its resumed tokens as generated ones: the first
@@ -248,15 +284,12 @@ class Engine:
             for i, sampling in enumerate(prepared.samplings)
         ]
         state = _RequestState(key, req, choices, stream)
-        # On the stream's own loop (we are on it): "queued" comes before anything the step loop sends.
-        stream.put([Progress("queued", 0.0)])
         with self._cv:
             self._scheduler.add(state)
             self._progress_due[key] = time.monotonic()
             self.counters.requests_submitted += 1
             self.counters.prompt_tokens += len(req.prompt_token_ids)
             self._cv.notify_all()
-        return stream
 
     def abort(self, key: str, *, failed: bool = False) -> None:
         """Removes the request before the next step, queued or running (cancelled, or failed)."""
@@ -312,7 +345,7 @@ class Engine:
                 return
             plan, still_queued = scheduled
             if still_queued:
-                _deliver([(state.stream, [Progress("queued", 0.0)]) for state in still_queued])
+                deliver([(state.stream, [Progress("queued", 0.0)]) for state in still_queued])
             if plan.failed:
                 outputs = {}
                 with self._cv:  # already out of the queue, so _fail does not count them
@@ -417,7 +450,7 @@ class Engine:
     def _preempted(self, states: list[_RequestState]) -> None:
         """Requests sent back to the queue: they keep their tokens and hear ``queued`` while waiting."""
         # Their kept-back tokens go out now, before the ``queued`` they hear next.
-        _deliver([(s.stream, _paced(s, [], 1) or []) for s in states if s.held])
+        deliver([(s.stream, _paced(s, [], 1) or []) for s in states if s.held])
         now = time.monotonic()
         with self._cv:
             self.counters.preemptions += len(states)
@@ -429,7 +462,7 @@ class Engine:
         """First admission: prompt processing starts (scored first when asked), and the prefix cache's
         share of the prompt is reported."""
         # Sent before the forward runs, so a caller waiting through a long prompt hears of it.
-        _deliver([(s.stream, [Progress("prompt_processing", 0.0)]) for s in states])
+        deliver([(s.stream, [Progress("prompt_processing", 0.0)]) for s in states])
         now = time.monotonic()
         for state in states:
             state.started = True
@@ -488,7 +521,7 @@ class Engine:
                 if not item.proposals:
                     self._scheduler.committed(item)
         if chunked:
-            _deliver(
+            deliver(
                 (state.stream, [Progress("prompt_processing", seq.computed / max(1, seq.prompt_length))])
                 for state, choice, seq in chunked
                 if choice.index == 0
@@ -677,7 +710,7 @@ class Engine:
                 out = _paced(state, out, self._stream_interval)
             if out is not None:
                 batches.append((state.stream, out))
-        _deliver(batches)
+        deliver(batches)
 
 
 def _paced(state: _RequestState, outputs: list[CoreOutput], interval: int) -> list[CoreOutput] | None:

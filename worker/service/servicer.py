@@ -27,6 +27,7 @@ from sluice.v1 import worker_pb2_grpc as pb_grpc
 from worker.engine.core import Engine
 from worker.engine.pooling import PoolingEngine
 from worker.engine.prepare import Prepared
+from worker.engine.process import EngineClient
 from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, WorkerError
 from worker.model.load_progress import LoadProgress, wait_for_load
 from worker.model.loader import LoadedModel
@@ -69,17 +70,17 @@ class ServingModel:
     ``--task generate``, a pooling engine (and no grammars) for ``embed`` and ``score``."""
 
     loaded: LoadedModel
-    engine: Engine | PoolingEngine
+    engine: Engine | EngineClient | PoolingEngine
     renderer: PromptRenderer
     grammars: GrammarCompiler | None
     max_running: int
     default_max_tokens: int | None = None
 
     @property
-    def generator(self) -> Engine:
+    def generator(self) -> Engine | EngineClient:
         """The generation engine; raises :class:`~worker.errors.WrongTask` on a pooling worker."""
         check_task(self.loaded, "Generate", "")
-        assert isinstance(self.engine, Engine)
+        assert isinstance(self.engine, Engine | EngineClient)
         return self.engine
 
     @property
@@ -215,7 +216,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             parsed = parse_request(request, serving.loaded.model_id)
             engine = serving.generator  # first: a pooling worker refuses naming its task
             prepared = await self._in_thread(_prepare, serving, parsed, request_id, arrival)
-            stream = engine.submit(prepared.work)
+            stream = await engine.admit(prepared.work)
         except WorkerError as exc:
             log.info("request %s rejected: %s (%s)", request_id, exc.message, exc.code.name)
             await context.abort_with_status(exc.to_status())
