@@ -12,10 +12,10 @@ output against transformers' ``generate`` for 32 tokens from the same prompt ids
 near-tie of the logits, by margin, is reported, not failed); check from /metrics that the kernel,
 graphs and fused kernels are on and that every decode-only step replayed a graph; serve it with
 --speculative ngram (greedy equal to ``generate`` too, one stream's tok/s with and without, the
-acceptance); then run bench/bench_gpu.py and print its table, again at 64 and 256 streams with
-``--stream-interval 4`` and at 1 and 64 with ``--no-fused-kernels`` (the forward's RMSNorm, SiLU-mul
-and rotary as transformers runs them); then bench/profile_step.py on the same model (and 8 steps at
-its most rows under torch's profiler).
+acceptance); then run bench/bench_gpu.py and print its table, again at 256 streams with
+``--stream-interval 4``, at 1 with ``--no-fused-kernels`` (the forward's RMSNorm, SiLU-mul and rotary
+as transformers runs them) and at 64 and 256 with ``--engine-process``; then bench/profile_step.py
+on the same model (and 8 steps at its most rows under torch's profiler).
 A step that fails is reported in the closing table; the later steps still run.
 """
 
@@ -129,13 +129,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--profile-rows", default="1,64,256", help="bench/profile_step.py's rows ('' = none)")
     parser.add_argument(
         "--interval-levels",
-        default="64,256",
+        default="256",
         help="levels benched again with --stream-interval 4 (fewer messages per stream; '' = none)",
     )
     parser.add_argument(
         "--unfused-levels",
-        default="1,64",
+        default="1",
         help="levels benched again with --no-fused-kernels (whether the fused kernels pay; '' = none)",
+    )
+    parser.add_argument(
+        "--engine-levels",
+        default="64,256",
+        help="levels benched again with --engine-process (the engine in its own process; '' = none)",
     )
     return parser.parse_args(argv)
 
@@ -391,6 +396,11 @@ def main(argv: list[str] | None = None) -> int:
                        "--max-running", "256", "--skip", "serve,generate_batch",
                        "--worker-args=--no-fused-kernels"]  # fmt: skip
             steps.append(run("bench_gpu, --no-fused-kernels", unfused, env, 120))
+        if args.engine_levels:  # gRPC and output processing in one process, the engine in another
+            split = [*bench[:bench.index("--levels")], "--levels", args.engine_levels, "--rounds", "2",
+                     "--max-running", "256", "--skip", "serve,generate_batch",
+                     "--worker-args=--engine-process"]  # fmt: skip
+            steps.append(run("bench_gpu, --engine-process", split, env, 150))
     if args.profile_rows:
         profile = [sys.executable, "bench/profile_step.py", "--model", str(model_dir),
                    "--device", args.device, "--rows", args.profile_rows, "--tokens", "64",
