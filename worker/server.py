@@ -210,7 +210,7 @@ def serving_in_own_process(
     of the model (its tokenizer, prompts, grammars) and the client of that process's engine."""
     progress = progress or LoadProgress()
     rules = TextRules(tuple(config.blocked_phrases), config.refusal_message)
-    client, facts = start_engine_process(config, progress, rules, on_device_failure)
+    client, facts = start_engine_process(config, build_serving, progress, rules, on_device_failure)
     loaded = facts.loaded
     profile = family_profile(config, loaded.model, loaded.tokenizer)
     grammars = GrammarCompiler(loaded.tokenizer, set(facts.eos_token_ids))

@@ -124,12 +124,11 @@ def _facts(loaded: LoadedModel, eos: Iterable[int], max_running: int) -> ModelFa
     return ModelFacts(dataclasses.replace(loaded, model=model), frozenset(eos), max_running)
 
 
-def engine_main(connection: Connection, config: WorkerConfig) -> None:
-    """The engine process: loads the model, reports ``ready`` with its facts, then serves the
-    serving process's requests until told to stop or the pipe closes (the serving process is gone).
-    Signals are the serving process's to handle: it drains, then stops this one."""
-    from worker.server import build_serving  # the loading code; the serving process never runs it
-
+def engine_main(connection: Connection, config: WorkerConfig, build: Callable[..., Any]) -> None:
+    """The engine process: loads the model with ``build`` (``worker.server.build_serving``), reports
+    ``ready`` with its facts, then serves the serving process's requests until told to stop or the
+    pipe closes (the serving process is gone). Signals are the serving process's to handle: it
+    drains, then stops this one."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.log_level, config.log_format, worker_id=config.resolved_worker_id)
@@ -139,7 +138,7 @@ def engine_main(connection: Connection, config: WorkerConfig) -> None:
         sender.send(("device_failed", str(failure)))
 
     try:
-        serving = build_serving(config, _SentProgress(sender), on_device_failure=device_failed)
+        serving = build(config, _SentProgress(sender), on_device_failure=device_failed)
     except ModelLoadError as error:
         sender.send(("load_failed", error.message))
         return
@@ -380,15 +379,19 @@ class EngineClient:
 
 def start_engine_process(
     config: WorkerConfig,
+    build: Callable[..., Any],
     progress: LoadProgress,
     rules: TextRules,
     on_device_failure: Callable[[BaseException], None] | None,
 ) -> tuple[EngineClient, ModelFacts]:
-    """Starts the engine process and waits until its model is loaded (blocking; run in a thread),
-    raising ``progress`` as it reports; raises :class:`ModelLoadError` when it cannot load."""
+    """Starts the engine process, which loads the model with ``build`` (a module-level function: the
+    child imports it), and waits until it is loaded (blocking; run in a thread), raising
+    ``progress`` as it reports; raises :class:`ModelLoadError` when it cannot load."""
     context = multiprocessing.get_context("spawn")
     ours, theirs = context.Pipe()
-    process = context.Process(target=engine_main, args=(theirs, config), name="sluice-engine", daemon=True)
+    process = context.Process(
+        target=engine_main, args=(theirs, config, build), name="sluice-engine", daemon=True
+    )
     process.start()
     theirs.close()
     while True:
