@@ -261,13 +261,19 @@ class EngineClient:
             self._acks[key] = (loop, future)
             self._streams[key] = stream
         stream.put([Progress("queued", 0.0)])  # before anything the engine sends for it
-        self._sender.send(("submit", key, request))
         try:
+            self._sender.send(("submit", key, request))
             ended = await future
-        except BaseException:
+        except BaseException as error:
             with self._lock:
                 self._streams.pop(key, None)
                 self._acks.pop(key, None)
+            if isinstance(error, WorkerError):
+                raise
+            self.abort(key)  # the caller went away (the engine may have queued it), or it never left
+            if isinstance(error, Exception):
+                log.exception("sending %s to the engine process failed", key)
+                raise GenerationFailed(f"generation failed: {type(error).__name__}") from error
             raise
         if ended is not None:
             stream.put(ended_outputs(ended))
