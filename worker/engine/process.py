@@ -151,7 +151,16 @@ def engine_main(connection: Connection, config: WorkerConfig, build: Callable[..
         task = serving.loaded.task
         sender.send(("load_failed", f"--engine-process serves generation only; this model's task is {task}"))
         return
-    sender.send(("ready", _facts(serving.loaded, engine.eos_token_ids, serving.max_running)))
+    try:
+        sender.send(("ready", _facts(serving.loaded, engine.eos_token_ids, serving.max_running)))
+    except Exception as error:  # pickling: the tokenizer or processor cannot cross to the serving process
+        log.exception("handing the model's tokenizer and configs to the serving process failed")
+        engine.stop()
+        why = f"{type(error).__name__}: {error}"
+        sender.send(
+            ("load_failed", f"--engine-process: the model's tokenizer or processor cannot be sent ({why})")
+        )
+        return
     loop = _PipeLoop(sender)
     try:
         _serve(connection, sender, engine, loop)

@@ -329,6 +329,9 @@ def _images_only_processor(target: str) -> Any:
         raise ImportError(f"no processor class {name!r}")
 
     class ImagesOnly(base):  # type: ignore[misc,valid-type]
+        def __reduce__(self) -> tuple[Any, ...]:  # pickled as the folder it is built from
+            return _images_only_processor, (target,)
+
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             return (
                 None if argument is None else super().check_argument_for_proper_class(argument_name, argument)

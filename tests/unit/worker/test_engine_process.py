@@ -5,6 +5,7 @@ step, the model handed over without its weights."""
 from __future__ import annotations
 
 import pickle
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -106,3 +107,22 @@ def test_the_refusals_the_engine_raises_have_the_base_signature(kind: type[Worke
     """A refusal is rebuilt from (message, param, retry); a kind with another constructor would be
     reported as GenerationFailed instead."""
     assert kind.__init__ is WorkerError.__init__
+
+
+def test_a_vision_models_processor_crosses_as_its_folder(tmp_path: Path) -> None:
+    """The loader's processor without a video part is a class made at load; it pickles as the folder
+    it was built from, so the serving process gets the same processor."""
+    import numpy as np
+    from PIL import Image
+
+    from tests.tiny_vlms import build_tiny_vlm
+    from worker.model.loader import _images_only_processor
+
+    folder = build_tiny_vlm("qwen2_vl", tmp_path / "qwen2_vl")
+    processor = _images_only_processor(str(folder))
+    copy = pickle.loads(pickle.dumps(processor))
+    assert type(copy).__name__ == type(processor).__name__ and copy.video_processor is None
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8))
+    prompt = "<|vision_start|><|image_pad|><|vision_end|>"
+    want, got = processor(text=prompt, images=[image]), copy(text=prompt, images=[image])
+    assert np.array_equal(want["pixel_values"], got["pixel_values"]) and want["input_ids"] == got["input_ids"]
