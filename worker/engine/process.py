@@ -8,6 +8,7 @@ Design notes: docs/worker.md ("The engine in its own process").
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -175,18 +176,25 @@ def _serve(connection: Connection, sender: _Sender, engine: Engine, loop: _PipeL
         except (EOFError, OSError):
             log.info("the serving process is gone; the engine stops")
             return
-        kind = message[0]
-        if kind == "submit":
-            _, key, request = message
-            sender.send(("ack", key, *_admit(engine, loop, key, request)))
-        elif kind == "abort":
-            engine.abort(message[1], failed=message[2])
-        elif kind == "stop_choices":
-            engine.stop_choices(message[1], message[2])
-        elif kind == "stats":
-            sender.send(("stats", message[1], engine.stats()))
-        elif kind == "stop":
+        if message[0] == "stop":
             return
+        try:
+            _handle(message, sender, engine, loop)
+        except Exception:  # one message's bug must not stop the engine
+            log.exception("handling the serving process's %r message failed", message[0])
+
+
+def _handle(message: tuple[Any, ...], sender: _Sender, engine: Engine, loop: _PipeLoop) -> None:
+    kind = message[0]
+    if kind == "submit":
+        _, key, request = message
+        sender.send(("ack", key, *_admit(engine, loop, key, request)))
+    elif kind == "abort":
+        engine.abort(message[1], failed=message[2])
+    elif kind == "stop_choices":
+        engine.stop_choices(message[1], message[2])
+    elif kind == "stats":
+        sender.send(("stats", message[1], engine.stats()))
 
 
 def _admit(
@@ -336,20 +344,26 @@ class EngineClient:
                     self._process.join(1.0)
                     self._lost(f"the engine process exited (status {self._process.exitcode})")
                 return
-            kind = message[0]
-            if kind == "out":
-                streams = self._streams
-                deliver((stream, outputs) for key, outputs in message[1] if (stream := streams.get(key)))
-            elif kind == "ack":
-                self._settle(*message[1:])
-            elif kind == "stats":
-                with self._lock:
-                    self._stats = message[2]
-                    answered = self._stats_asked.get(message[1])
-                if answered is not None:
-                    answered.set()
-            elif kind == "device_failed":
-                self._failed(DeviceFailure(message[1]))
+            try:
+                self._handle(message)
+            except Exception:  # one message's bug must not stop every stream's outputs
+                log.exception("handling the engine process's %r message failed", message[0])
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "out":
+            streams = self._streams
+            deliver((stream, outputs) for key, outputs in message[1] if (stream := streams.get(key)))
+        elif kind == "ack":
+            self._settle(*message[1:])
+        elif kind == "stats":
+            with self._lock:
+                self._stats = message[2]
+                answered = self._stats_asked.get(message[1])
+            if answered is not None:
+                answered.set()
+        elif kind == "device_failed":
+            self._failed(DeviceFailure(message[1]))
 
     def _settle(self, key: str, error: tuple[Any, ...] | None, ended: FinishReason | None) -> None:
         with self._lock:
@@ -366,7 +380,8 @@ class EngineClient:
                 kind, text, param, retry = error
                 future.set_exception(kind(text, param=param, retry_after_seconds=retry))
 
-        loop.call_soon_threadsafe(settle)
+        with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits for it
+            loop.call_soon_threadsafe(settle)
 
     def _lost(self, why: str) -> None:
         """The engine process is gone: every request fails, and the worker reports its device failed."""

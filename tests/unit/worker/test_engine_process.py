@@ -5,6 +5,7 @@ step, the model handed over without its weights."""
 from __future__ import annotations
 
 import pickle
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -126,3 +127,34 @@ def test_a_vision_models_processor_crosses_as_its_folder(tmp_path: Path) -> None
     prompt = "<|vision_start|><|image_pad|><|vision_end|>"
     want, got = processor(text=prompt, images=[image]), copy(text=prompt, images=[image])
     assert np.array_equal(want["pixel_values"], got["pixel_values"]) and want["input_ids"] == got["input_ids"]
+
+
+def test_a_message_the_reader_cannot_handle_does_not_stop_it() -> None:
+    """One bad message from the engine process is logged; the next ones are still handled (else
+    every stream would wait forever)."""
+    import multiprocessing
+
+    from worker.engine.stats import EngineCounters, EngineStats
+    from worker.output.processor import TextRules
+
+    ours, theirs = multiprocessing.Pipe()
+    fake_process = SimpleNamespace(
+        join=lambda timeout=None: None, exitcode=None, is_alive=lambda: False, pid=1
+    )
+    loaded = LoadedModel(None, object(), "m", "s", 64, torch.device("cpu"), torch.float32, 0.0)  # type: ignore[arg-type]
+    client = process.EngineClient(
+        fake_process,  # type: ignore[arg-type]
+        ours,
+        process.ModelFacts(loaded, frozenset(), 1),
+        TextRules((), ""),
+        None,
+    )
+    theirs.send(("ack",))  # malformed: no key
+    stats = EngineStats(1, 2, 3, 4, 5, 6, 7, EngineCounters())
+    theirs.send(("stats", -1, stats))
+    client._stopping = True
+    deadline = time.monotonic() + 5
+    while client._stats is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client._stats == stats
+    theirs.close()
