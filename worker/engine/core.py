@@ -6,7 +6,6 @@ Design notes: docs/worker.md.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import enum
 import itertools
@@ -21,7 +20,7 @@ import torch
 
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.prepare import Prepared, RequestPreparer
-from worker.engine.request_stream import RequestStream
+from worker.engine.request_stream import RequestStream, StreamOpener
 from worker.engine.scheduler import Scheduler, Sequence, StepPlan, Work
 from worker.engine.speculation import RowSpeculation, Speculation
 from worker.engine.stats import EngineCounters, EngineStats
@@ -30,8 +29,7 @@ from worker.model.runner import ModelRunner
 from worker.model.step_inputs import ChunkImage
 from worker.model.step_inputs import Work as RunnerWork
 from worker.model.vision import mrope_delta
-from worker.output.detokenizer import TokenTexts, fast_decoder
-from worker.output.processor import RequestOutputProcessor, TextRules
+from worker.output.processor import TextRules
 from worker.sampling.grammar import GrammarCompiler
 from worker.sampling.sampler import GrammarFailure, Sample, SequenceSampling, sample_batch
 from worker.types import (
@@ -183,12 +181,9 @@ class Engine:
         self._on_device_failure = on_device_failure
         self.device_failure: BaseException | None = None
         self._runner = runner
-        self._tokenizer = tokenizer
-        self._token_texts = TokenTexts(tokenizer)
-        self._decoder = fast_decoder(tokenizer)  # the streams' detokenizers
         self._eos = frozenset(eos_token_ids)
         self._context_length = context_length
-        self._rules = TextRules(tuple(blocked_phrases), refusal_message)
+        self._streams = StreamOpener(tokenizer, TextRules(tuple(blocked_phrases), refusal_message))
         self._preparer = RequestPreparer(
             eos_token_ids=self._eos,
             context_length=context_length,
@@ -241,9 +236,8 @@ class Engine:
         prepared = request if isinstance(request, Prepared) else self.prepare(request)
         req = prepared.request
         key = f"{req.request_id}#{next(self._ids)}"
-        processor = RequestOutputProcessor(req, self._decoder, self._token_texts, self._rules)
-        stream = RequestStream(self, key, asyncio.get_running_loop(), processor)
-        if prepared.ended is not None or processor.ended_while_priming:
+        stream = self._streams.open(self, req, key)
+        if prepared.ended is not None or stream.ended_while_priming:
             # A resumed request that its resumed tokens already ended: finish it without the core
             # (the processor ignores the end of a choice its priming already ended).
             stream.put(ended_outputs(prepared.ended))

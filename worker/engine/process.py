@@ -25,13 +25,12 @@ from sluice.logs import configure_logging
 from worker.config import WorkerConfig
 from worker.engine.core import DeviceFailure, Engine, deliver, ended_outputs
 from worker.engine.prepare import Prepared
-from worker.engine.request_stream import RequestStream
+from worker.engine.request_stream import RequestStream, StreamOpener
 from worker.engine.stats import EngineStats
 from worker.errors import GenerationFailed, WorkerError
 from worker.model.load_progress import LoadProgress
 from worker.model.loader import LoadedModel, ModelLoadError
-from worker.output.detokenizer import TokenTexts, fast_decoder
-from worker.output.processor import RequestOutputProcessor, TextRules
+from worker.output.processor import TextRules
 from worker.types import CoreFailure, CoreOutput, FinishReason, GenerationRequest, Progress
 
 log = logging.getLogger(__name__)
@@ -235,10 +234,7 @@ class EngineClient:
         self._process = process
         self._connection = connection
         self._sender = _Sender(connection)
-        tokenizer: Any = facts.loaded.tokenizer
-        self._decoder = fast_decoder(tokenizer)
-        self._token_texts = TokenTexts(tokenizer)
-        self._rules = rules
+        self._opener = StreamOpener(facts.loaded.tokenizer, rules)
         self._on_device_failure = on_device_failure
         self.device_failure: BaseException | None = None
         self._ids = itertools.count()
@@ -266,9 +262,8 @@ class EngineClient:
         request = prepared.request
         key = f"{request.request_id}#{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        processor = RequestOutputProcessor(request, self._decoder, self._token_texts, self._rules)
-        stream = RequestStream(self, key, loop, processor)
-        if processor.ended_while_priming:
+        stream = self._opener.open(self, request, key)
+        if stream.ended_while_priming:
             stream.put(ended_outputs(None))
             return stream
         future: asyncio.Future[FinishReason | None] = loop.create_future()

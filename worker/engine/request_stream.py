@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
-from worker.output.processor import RequestOutputProcessor, coalesce
-from worker.types import CoreOutput, Event, Failed
+from worker.output.detokenizer import TokenTexts, fast_decoder
+from worker.output.processor import RequestOutputProcessor, TextRules, coalesce
+from worker.types import CoreOutput, Event, Failed, GenerationRequest
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ class RequestStream:
     def loop(self) -> asyncio.AbstractEventLoop:
         return self._loop
 
+    @property
+    def ended_while_priming(self) -> bool:
+        """A resumed request whose resumed text already ended it (nothing is generated)."""
+        return self._processor.ended_while_priming
+
     def put(self, outputs: list[CoreOutput]) -> None:
         """Runs on the stream's event loop (the engine thread calls it with ``call_soon_threadsafe``)."""
         self._queue.put_nowait(outputs)
@@ -80,3 +86,17 @@ class RequestStream:
         if result.done:
             self._finished = True  # the core has ended (or is told to end) every choice
         return coalesce(result.events)
+
+
+class StreamOpener:
+    """Opens each request's stream with its output processor, on the running event loop: the
+    tokenizer's decoder and token texts and the text rules are built once, for every request."""
+
+    def __init__(self, tokenizer: Any, rules: TextRules):
+        self._decoder = fast_decoder(tokenizer)
+        self._token_texts = TokenTexts(tokenizer)
+        self._rules = rules
+
+    def open(self, owner: StreamOwner, request: GenerationRequest, key: str) -> RequestStream:
+        processor = RequestOutputProcessor(request, self._decoder, self._token_texts, self._rules)
+        return RequestStream(owner, key, asyncio.get_running_loop(), processor)

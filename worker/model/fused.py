@@ -24,12 +24,15 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SILU_BLOCK = 1024
 
 
+# Triton's CPU interpreter (the tests' child processes set it before importing anything).
+_INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _launchable(*tensors: torch.Tensor) -> bool:
     """CUDA tensors of one supported type (CPU ones only under triton's interpreter, for tests)."""
-    interpreting = os.environ.get("TRITON_INTERPRET") == "1"
     first = tensors[0]
     return all(
-        t.dtype == first.dtype and t.device == first.device and (t.is_cuda or interpreting) for t in tensors
+        t.dtype == first.dtype and t.device == first.device and (t.is_cuda or _INTERPRETING) for t in tensors
     ) and (first.dtype in _DTYPES)
 
 
