@@ -9,7 +9,7 @@ import time
 import pytest
 
 from tests.unit.worker.test_engine import greedy, make_engine
-from worker.engine import core as engine_module
+from worker.engine import request_stream as stream_module
 from worker.model.loader import load_model
 from worker.output.processor import RequestOutputProcessor
 from worker.types import ContentDelta, Failed, Finished, GenerationRequest, SamplingOptions, Usage
@@ -45,7 +45,7 @@ class PoisonedProcessor(RequestOutputProcessor):
 
 
 def test_a_failing_output_processor_fails_its_request_only(loaded, monkeypatch):
-    monkeypatch.setattr(engine_module, "RequestOutputProcessor", PoisonedProcessor)
+    monkeypatch.setattr(stream_module, "RequestOutputProcessor", PoisonedProcessor)
     rng = random.Random(3)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(2, 30))] for _ in range(9)]
     eng = make_engine(loaded, prefill_budget_tokens=512, prefix_caching=True, max_running=9)
