@@ -14,7 +14,8 @@ graphs and fused kernels are on and that every decode-only step replayed a graph
 --speculative ngram (greedy equal to ``generate`` too, one stream's tok/s with and without, the
 acceptance); then run bench/bench_gpu.py and print its table, again at 256 streams with
 ``--stream-interval 4``, at 1 with ``--no-fused-kernels`` (the forward's RMSNorm, SiLU-mul and rotary
-as transformers runs them) and at 64 and 256 with ``--engine-process``; then bench/profile_step.py
+as transformers runs them), at 64 and 256 with ``--engine-process`` and at 1 and 256 with
+``--overlap-steps off`` (each draw read between steps); then bench/profile_step.py
 on the same model (and 8 steps at its most rows under torch's profiler).
 A step that fails is reported in the closing table; the later steps still run.
 """
@@ -141,6 +142,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engine-levels",
         default="64,256",
         help="levels benched again with --engine-process (the engine in its own process; '' = none)",
+    )
+    parser.add_argument(
+        "--serial-levels",
+        default="1,256",
+        help="levels benched again with --overlap-steps off (draws read between steps; '' = none)",
     )
     return parser.parse_args(argv)
 
@@ -401,6 +407,11 @@ def main(argv: list[str] | None = None) -> int:
                      "--max-running", "256", "--skip", "serve,generate_batch",
                      "--worker-args=--engine-process"]  # fmt: skip
             steps.append(run("bench_gpu, --engine-process", split, env, 150))
+        if args.serial_levels:  # each step's draw read before the next forward is launched
+            serial = [*bench[:bench.index("--levels")], "--levels", args.serial_levels, "--rounds", "2",
+                      "--max-running", "256", "--skip", "serve,generate_batch",
+                      "--worker-args=--overlap-steps off"]  # fmt: skip
+            steps.append(run("bench_gpu, --overlap-steps off", serial, env, 150))
     if args.profile_rows:
         profile = [sys.executable, "bench/profile_step.py", "--model", str(model_dir),
                    "--device", args.device, "--rows", args.profile_rows, "--tokens", "64",

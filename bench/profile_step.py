@@ -12,7 +12,9 @@ event building). For each row count R, R greedy requests of ``--tokens`` tokens 
 Printed per R: steps, engine-thread time per step inside ``Engine._step`` (mean and p95), and,
 where the engine has one, the output processing time per step spent on the event loop
 (``RequestStream._process``), which overlaps the next step, and the CPU time each takes (the wall
-time counts waits for the GIL, the CPU time does not); ``--engine-vocab 64`` narrows the fake
+time counts waits for the GIL, the CPU time does not); ``--step-ms`` gives each forward that much
+time on a notional device that runs beside the host, as a GPU does (the engine waits for it only
+where it reads a draw), and ``--overlap`` lets the steps overlap; ``--engine-vocab 64`` narrows the fake
 logits so that the sampler's tensor math (a device's on a GPU) is negligible and what is timed is
 the host's. ``--part host`` times instead the host
 work of a sampled decode step without model or engine: decode inputs and sampling (temperature,
@@ -235,6 +237,12 @@ def main() -> None:
     parser.add_argument(
         "--engine-vocab", type=int, default=0, help="--part engine: logits this wide (0: the tokenizer's)"
     )
+    parser.add_argument(
+        "--step-ms", type=float, default=0.0, help="--part engine: a notional device's time per forward"
+    )
+    parser.add_argument(
+        "--overlap", action="store_true", help="--part engine: steps overlap (--overlap-steps on)"
+    )
     parser.add_argument("--model", help="profile the real engine on this model folder instead (a device)")
     parser.add_argument("--device", default="cuda", help="--model: the worker's --device")
     parser.add_argument(
@@ -268,7 +276,9 @@ def main() -> None:
             engine_cpu: list[float] = []
             # Older checkouts' FakeRunner takes no pool size (their KV cache was not paged) or vocab.
             try:
-                runner = FakeRunner(loaded, num_blocks=1 << 16, block_size=16, vocab=args.engine_vocab)  # type: ignore[call-arg]
+                runner = FakeRunner(  # type: ignore[call-arg]
+                    loaded, num_blocks=1 << 16, block_size=16, vocab=args.engine_vocab, step_ms=args.step_ms
+                )
             except TypeError:
                 try:
                     runner = FakeRunner(loaded, num_blocks=1 << 16, block_size=16)  # type: ignore[call-arg]
@@ -283,6 +293,7 @@ def main() -> None:
                 eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
                 context_length=loaded.context_length,
                 max_running=max(rows, 1),
+                **({"overlap": True} if args.overlap else {}),  # older engines have no such option
             )
             timed(engine, "_step", steps, engine_cpu)
             stream_class = getattr(engine_module, "RequestStream", None)

@@ -219,6 +219,13 @@ class WorkerConfig:
         help="on CUDA: RMSNorm, SiLU-mul and rotary as one Triton kernel each, in the model classes "
         "whose own modules a check at start-up shows they match (docs/worker.md)",
     )
+    overlap_steps: str = setting(
+        "auto",
+        choice("auto", "on", "off"),
+        "read each step's drawn tokens while the next step's forward runs on the device, instead of "
+        'between steps (docs/worker.md, "Steps that overlap"); auto: on CUDA unless --speculative; '
+        "on: everywhere (the CPU gains nothing: its forward is done when it returns)",
+    )
     require_cuda_graphs: bool = setting(
         False,
         help="refuse to start (exit status 1) unless the Triton decode kernel and the decode CUDA "
@@ -389,6 +396,8 @@ class WorkerConfig:
             )
         if self.ngram_min > self.ngram_max:
             found.append(f"--ngram-min {self.ngram_min} is above --ngram-max {self.ngram_max}")
+        if self.overlap_steps == "on" and self.speculative != "off":
+            found.append("--overlap-steps on cannot be combined with --speculative (rows verify on the host)")
         if self.speculative != "off" and self.fake_tokens:
             found.append("--speculative needs a model; --fake-tokens runs none")
         if self.resolved_metrics_port == self.port:

@@ -181,6 +181,7 @@ def build_serving(
         on_device_failure=on_device_failure,
         speculation=speculation,
         stream_interval=config.stream_interval,
+        overlap=overlaps(config, loaded.device, speculation),
     )
     engine.start()
     progress.advance(1.0)
@@ -192,6 +193,13 @@ def build_serving(
         limits.max_running,
         config.default_max_tokens,
     )
+
+
+def overlaps(config: WorkerConfig, device: torch.device, speculation: Speculation | None) -> bool:
+    """Whether the engine's steps overlap (``--overlap-steps``; auto: on CUDA without speculation)."""
+    if config.overlap_steps == "auto":
+        return device.type == "cuda" and speculation is None
+    return config.overlap_steps == "on"
 
 
 def prompt_renderer(loaded: LoadedModel, profile: FamilyProfile) -> PromptRenderer:

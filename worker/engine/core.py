@@ -31,7 +31,7 @@ from worker.model.step_inputs import Work as RunnerWork
 from worker.model.vision import mrope_delta
 from worker.output.processor import TextRules
 from worker.sampling.grammar import GrammarCompiler
-from worker.sampling.sampler import GrammarFailure, Sample, SequenceSampling, sample_batch
+from worker.sampling.sampler import Draw, GrammarFailure, Sample, SequenceSampling, draw_batch
 from worker.types import (
     Admitted,
     ChoiceEnded,
@@ -86,6 +86,7 @@ class _RequestState:
     held: list[CoreOutput] = field(default_factory=list)  # tokens kept back (``stream_interval``)
     held_steps: int = 0  # steps whose tokens ``held`` keeps
     streamed: bool = False  # a token was delivered (the first one is never kept back)
+    removed: bool = False  # out of the scheduler (failed, cancelled or finished)
 
     @property
     def request_id(self) -> str:
@@ -106,6 +107,17 @@ class _RequestState:
     @property
     def done(self) -> bool:
         return all(choice.finished for choice in self.choices)
+
+
+@dataclass
+class _InFlight:
+    """A step's draw the host has not read yet: the rows (state, choice) it drew for, where each
+    row's placeholder token sits in its sequence, the draw, and the fence to wait on first."""
+
+    rows: list[tuple[_RequestState, _Choice]]
+    places: list[int]
+    draw: Draw
+    ready: Callable[[], None]
 
 
 class _Control(enum.Enum):
@@ -168,15 +180,21 @@ class Engine:
         on_device_failure: Callable[[BaseException], None] | None = None,
         speculation: Speculation | None = None,
         stream_interval: int = 1,
+        overlap: bool = False,
     ):
         """The KV pool's size and block size are the runner's (``num_blocks``, ``block_size``);
         ``on_device_failure`` is called (on the engine thread) once the device failed;
         ``speculation``: speculative decoding (n-gram or draft proposals, every row verified as
         one-token steps would draw it; None: off); ``stream_interval``: a stream's tokens are handed
         over every that many steps (its first token and its end at once), which cuts the per-message
-        work of many concurrent streams."""
+        work of many concurrent streams; ``overlap``: a step's draw is read while the next step's
+        forward runs (docs/worker.md, "Steps that overlap"; not with speculation)."""
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
+        if overlap and speculation is not None:
+            raise ValueError("overlapping steps cannot be combined with speculative decoding")
+        self._overlap = overlap
+        self._in_flight: _InFlight | None = None
         self._stream_interval = stream_interval
         self._on_device_failure = on_device_failure
         self.device_failure: BaseException | None = None
@@ -348,12 +366,15 @@ class Engine:
                     log.error("planning failed for %s: %r", state.key, error)
                     self._fail(state, f"generation failed: {type(error).__name__}", outputs)
                 self._publish([state for state, _ in plan.failed], outputs)
-            if not plan.empty:
-                try:
+            try:
+                if not plan.empty:
                     self._step(plan)
-                except DeviceFailure as failure:
-                    self._device_failed(failure)
-                    return
+                elif self._in_flight is not None:  # nothing to overlap with: read the draw now
+                    outputs = {}
+                    self._publish(self._resolve(outputs), outputs)
+            except DeviceFailure as failure:
+                self._device_failed(failure)
+                return
 
     def _device_failed(self, failure: DeviceFailure) -> None:
         """Fails every request and ends the loop; the owner reports NOT_SERVING and exits."""
@@ -362,6 +383,7 @@ class Engine:
             everyone = [*self._scheduler.waiting, *self._scheduler.running]
             self.device_failure = failure
             self._stopping = True
+            self._in_flight = None
         outputs: dict[str, list[CoreOutput]] = {}
         for state in everyone:
             self._fail(state, "generation failed: the worker's device failed", outputs)
@@ -409,12 +431,14 @@ class Engine:
                         self._scheduler.finish(choice.seq)
                 if state.done:
                     self._scheduler.remove(key)
+                    state.removed = True
                     self._progress_due.pop(key, None)
                     self.counters.requests_finished += 1
                 continue
             removed = self._scheduler.remove(key)
             self._progress_due.pop(key, None)
             if removed is not None:
+                removed.removed = True
                 if kind is _Control.FAIL:
                     self.counters.requests_failed += 1
                 else:
@@ -436,9 +460,9 @@ class Engine:
         work = plan.work
         if outputs:  # a fresh request's scoring may have failed it
             work = [w for w in work if not _failed(outputs.get(owners[id(w.seq)][0].key, []))]
-        if work:
-            self._run(work, owners, outputs)
-        touched = {id(s): s for s in [*fresh, *(owners[id(w.seq)][0] for w in plan.work)]}
+        # A step without a forward reads the draw in flight now; ``_run`` reads it during its forward.
+        resolved = self._run(work, owners, outputs) if work else self._resolve(outputs)
+        touched = {id(s): s for s in [*resolved, *fresh, *(owners[id(w.seq)][0] for w in plan.work)]}
         self._publish(list(touched.values()), outputs)
 
     def _preempted(self, states: list[_RequestState]) -> None:
@@ -475,28 +499,38 @@ class Engine:
         work: list[Work],
         owners: dict[int, tuple[_RequestState, _Choice]],
         outputs: dict[str, list[CoreOutput]],
-    ) -> None:
+    ) -> list[_RequestState]:
         """The step's forward (see docs/worker.md for what a failure fails), then sampling; raises
-        :class:`DeviceFailure` when the device failed."""
+        :class:`DeviceFailure` when the device failed. The previous step's draw, if still in flight,
+        is read while this forward runs (:meth:`_resolve`); returns the requests that touched."""
         if all(w.count == 1 and not w.proposals for w in work):
             self.counters.decode_only_steps += 1
+        fed = self._in_flight.draw.chosen if self._in_flight is not None else None
+        sampling = [w for w in work if w.samples]  # the logits' rows, read before anything ends
+        error: Exception | None = None
         try:
-            logits = self._runner.execute([_runner_work(w) for w in work])
+            logits = self._runner.execute([_runner_work(w) for w in work], fed)
         except Exception as exc:
             if is_fatal_device_error(exc):
                 raise DeviceFailure(f"{type(exc).__name__}: {exc}") from exc
-            log.exception("forward failed")
+            error = exc
+        resolved = self._resolve(outputs)
+        if resolved:  # rows the previous draw ended (or failed) go no further
+            work = [w for w in work if not (w.seq.finished or owners[id(w.seq)][0].removed)]
+        if error is not None:
+            log.error("forward failed", exc_info=error)
             chunks = [w for w in work if w.count > 1]
             decodes = [w for w in work if w.count == 1]
             blamed = chunks if chunks and decodes else work
             for state in {id(s): s for s in (owners[id(w.seq)][0] for w in blamed)}.values():
-                self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+                self._fail(state, f"generation failed: {type(error).__name__}", outputs)
             if blamed is work:
-                return
+                return resolved
             work = [w for w in decodes if not _failed(outputs.get(owners[id(w.seq)][0].key, []))]
             if not work:
-                return
+                return resolved
             try:
+                sampling = [w for w in work if w.samples]
                 logits = self._runner.execute([_runner_work(w) for w in work])
             except Exception as again:
                 if is_fatal_device_error(again):
@@ -504,11 +538,11 @@ class Engine:
                 log.exception("decode forward failed")
                 for state in {id(s): s for s in (owners[id(w.seq)][0] for w in work)}.values():
                     self._fail(state, f"generation failed: {type(again).__name__}", outputs)
-                return
+                return resolved
         # Both read ``computed``, which the commit moves. A prompt computed in chunks reports how far
         # it got after each chunk that did not finish it. A verified row commits once its accepted
         # tokens are known (:meth:`_verify`).
-        sampling = [w for w in work if w.samples]
+        going = {id(w) for w in work}
         chunked = [owners[id(w.seq)] + (w.seq,) for w in work if not w.samples and w.seq.generated == 0]
         with self._cv:
             for item in work:
@@ -525,6 +559,9 @@ class Engine:
         verified: list[tuple[Work, int]] = []  # each verifying item and its first logits row
         row = 0
         for item in sampling:
+            if id(item) not in going:  # computed, but its request ended meanwhile
+                row += 1 + len(item.proposals)
+                continue
             if item.proposals:
                 verified.append((item, row))
                 row += 1 + len(item.proposals)
@@ -543,9 +580,10 @@ class Engine:
             picked = logits
             if len(indexes) != logits.shape[0] or indexes != list(range(len(indexes))):
                 picked = logits[torch.tensor(indexes, device=logits.device)]
-            self._sample(rows, picked, outputs)
+            self._sample(rows, picked, outputs, defer=self._overlap)
         if verified:
             self._verify(verified, logits, owners, outputs)
+        return resolved
 
     def _score(
         self, state: _RequestState, now: float, cached: int, outputs: dict[str, list[CoreOutput]]
@@ -571,15 +609,15 @@ class Engine:
         rows: list[tuple[_RequestState, _Choice]],
         logits: torch.Tensor,
         outputs: dict[str, list[CoreOutput]],
+        *,
+        defer: bool = False,
     ) -> None:
-        """Draws one token for each row (state, choice) and applies the token-level stops."""
-        failed: dict[str, str] = {}
+        """Draws one token for each row (state, choice) on the device. Until the host reads the draw
+        (:meth:`_resolve`), each row's next place in its sequence holds a placeholder naming its row
+        of the draw, which the next step's inputs read on the device; ``defer``: the draw is read
+        while the next step's forward runs, else now."""
         try:
-            samples = sample_batch(logits, [c.sampling for _, c in rows])
-        except GrammarFailure as exc:
-            samples = exc.samples
-            for row in exc.rows:
-                failed[rows[row][0].key] = "generation failed: the grammar could not be applied"
+            draw = draw_batch(logits, [c.sampling for _, c in rows])
         except Exception as exc:  # a sampling bug: these rows cannot go on, the cache is fine
             if is_fatal_device_error(exc):
                 raise DeviceFailure(f"{type(exc).__name__}: {exc}") from exc
@@ -587,17 +625,52 @@ class Engine:
             for state in {id(s): s for s, _ in rows}.values():
                 self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
             return
+        places = []
+        for row, (_, choice) in enumerate(rows):
+            places.append(len(choice.seq.tokens))
+            choice.seq.tokens.append(-(row + 1))
+        self._in_flight = _InFlight(rows, places, draw, self._runner.ready())
+        if not defer:
+            self._resolve(outputs)
+
+    def _resolve(self, outputs: dict[str, list[CoreOutput]]) -> list[_RequestState]:
+        """Reads the draw in flight, if any (waiting for the device first): each row still going
+        gets its token in place of the placeholder, and the token-level stops apply. Returns the
+        requests the draw was for."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is None:
+            return []
+        rows = in_flight.rows
+        states = list({id(s): s for s, _ in rows}.values())
+        failed: dict[str, str] = {}
+        try:
+            in_flight.ready()
+            samples = in_flight.draw.samples()
+        except GrammarFailure as exc:
+            samples = exc.samples
+            for row in exc.rows:
+                failed[rows[row][0].key] = "generation failed: the grammar could not be applied"
+        except Exception as exc:
+            if is_fatal_device_error(exc):
+                raise DeviceFailure(f"{type(exc).__name__}: {exc}") from exc
+            log.exception("reading the draw failed")
+            for state in states:
+                if not state.removed:
+                    self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+            return states
         now = time.monotonic()
-        for (state, choice), sample in zip(rows, samples, strict=True):
-            if state.key in failed or choice.finished:
+        for (state, choice), place, sample in zip(rows, in_flight.places, samples, strict=True):
+            if state.removed or state.key in failed or choice.finished:
                 continue
             try:
-                outputs.setdefault(state.key, []).append(self._advance(state, choice, sample, now))
+                outputs.setdefault(state.key, []).append(self._advance(state, choice, place, sample, now))
             except Exception as exc:
                 log.exception("advancing %s failed", state.key)
                 failed[state.key] = f"generation failed: {type(exc).__name__}"
-        for state in {id(s): s for s, _ in rows if s.key in failed}.values():
-            self._fail(state, failed[state.key], outputs)
+        for state in states:
+            if state.key in failed and not state.removed:
+                self._fail(state, failed[state.key], outputs)
+        return states
 
     def _propose(self, state: _RequestState, seq: Sequence, room: int) -> list[int]:
         """The scheduler's proposer (under the lock): n-gram proposals for an eligible choice that
@@ -655,11 +728,14 @@ class Engine:
             self.counters.speculative_paused_rows += paused
         log.debug("speculation: %d of %d proposed tokens accepted in %d rows", taken, proposed, len(verified))
 
-    def _advance(self, state: _RequestState, choice: _Choice, sample: Sample, now: float) -> NewToken:
-        """Records a drawn token and decides the token-level end of the choice."""
+    def _advance(
+        self, state: _RequestState, choice: _Choice, place: int, sample: Sample, now: float
+    ) -> NewToken:
+        """Records a drawn token (at ``place``, its placeholder's) and decides the token-level end of
+        the choice."""
         sampling, token = choice.sampling, sample.token_id
         sampling.record(token)
-        choice.seq.tokens.append(token)
+        choice.seq.tokens[place] = token
         generated = sampling.generated
         if generated == 1:
             self.counters.time_to_first_token.observe(now - state.request.arrival_time)
@@ -681,6 +757,7 @@ class Engine:
         """Ends one request with a failure: out of the scheduler, its blocks freed."""
         with self._cv:
             removed = self._scheduler.remove(state.key)
+            state.removed = True
             self._progress_due.pop(state.key, None)
             if removed is not None:
                 self.counters.requests_failed += 1
@@ -695,6 +772,7 @@ class Engine:
             with self._cv:
                 for state in finished:
                     self._progress_due.pop(state.key, None)
+                    state.removed = True
                     if self._scheduler.remove(state.key) is not None:
                         self.counters.requests_finished += 1
         batches = []

@@ -38,7 +38,7 @@ class GraphedRunner(Protocol):
     group: int
     pool: KVPool
 
-    def execute(self, work: Sequence[Work]) -> torch.Tensor: ...
+    def execute(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -120,23 +120,24 @@ class DecodeGraphs:
             time.monotonic() - started,
         )
 
-    def run(self, work: Sequence[Work]) -> torch.Tensor:
+    def run(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> torch.Tensor:
         """The logits [rows, vocab] of a decode step of ``len(work)`` rows: a view of the bucket's
-        captured output, which its next replay overwrites (the engine samples before that)."""
-        bucket = self.stage(work)
+        captured output, which its next replay overwrites (the engine samples before that);
+        ``fed``: see :meth:`ModelRunner.execute`."""
+        bucket = self.stage(work, fed)
         captured = self.captured[bucket]
         captured.graph.replay()
         self.replays += 1
         return captured.logits[: len(work)]
 
-    def stage(self, work: Sequence[Work]) -> int:
+    def stage(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> int:
         """Writes the step's inputs into the graphs' buffers; returns the bucket to replay. One host
         tensor and one copy (decode_inputs), then copies on the device; the block tables get only
         the columns the step's contexts use (the kernel reads no entry past a row's length, so older
         entries further right are never read), not the ``context_length`` wide table."""
         rows = len(work)
         bucket = next(b for b in self.buckets if b >= rows)
-        inputs = decode_inputs(work, self.runner.block_size, self.runner.device, torch.int32)
+        inputs = decode_inputs(work, self.runner.block_size, self.runner.device, torch.int32, fed)
         self.ids[:rows].copy_(inputs.ids)
         self.positions[:rows].copy_(inputs.positions)
         self.slots[:rows].copy_(inputs.slots)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -89,21 +89,32 @@ class FakeRunner(ModelRunner):
             self.vocab_size = vocab
             self._passage = [ordinary[token % len(ordinary)] for token in self._passage]
         self._step_s = step_ms / 1000.0
+        self._due = 0.0  # when the notional device finishes the steps queued so far
 
-    def execute(self, work: Sequence[Work]) -> torch.Tensor:
-        """Logits picking each sampling item's next passage token, in ``work`` order."""
+    def execute(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits picking each sampling item's next passage token, in ``work`` order; the step takes
+        ``step_ms`` of a notional device after the steps queued before it (see :meth:`ready`)."""
         if not work:
             raise ValueError("execute needs at least one item")
-        self._pace()
+        if self._step_s:
+            self._due = max(time.monotonic(), self._due) + self._step_s
         passage = self._passage
         return self._logits([passage[item.generated % len(passage)] for item in work if item.sample])
 
+    def ready(self) -> Callable[[], None]:
+        """Waits until the notional device finished the steps queued so far, as a GPU's event would
+        (the sleep releases the GIL, as waiting for a device does)."""
+        due = self._due
+
+        def wait() -> None:
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+
+        return wait
+
     def score(self, prompt: Sequence[int], top_n: int) -> list[SampledLogprobs]:
         raise NotImplementedError("a fake-tokens worker runs no model, so it cannot score a prompt")
-
-    def _pace(self) -> None:
-        if self._step_s:
-            time.sleep(self._step_s)  # stands in for a forward pass, which also releases the GIL
 
     def _logits(self, tokens: list[int]) -> torch.Tensor:
         logits = torch.zeros((len(tokens), self.vocab_size), dtype=torch.float32)

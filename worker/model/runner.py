@@ -5,13 +5,14 @@ Design notes: docs/worker.md.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from worker.attention import paged
 from worker.attention.decode_kernel import decode_kernel, kernel_problem
 from worker.attention.kv_pool import KVPool, KVShape, kv_shape
+from worker.attention.staging import fence
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError
@@ -21,6 +22,7 @@ from worker.model.step_inputs import (
     FlatTokens,
     Work,
     decode_inputs,
+    fed_ids,
     is_decode_row,
     token_rows,
 )
@@ -121,24 +123,30 @@ class ModelRunner:
         return self.pool.bytes
 
     @torch.inference_mode()
-    def execute(self, work: Sequence[Work]) -> torch.Tensor:
+    def execute(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> torch.Tensor:
         """Runs every item in one forward; float32 logits [kept rows, vocab] in ``work`` order (one
         row per sampling item, ``1 + proposed`` for a verifying one), on the model's device (the
-        sampler runs there)."""
+        sampler runs there). Queues the work without waiting for it on CUDA. ``fed``: the previous
+        step's drawn ids on the device, which the items' placeholder tokens name (:func:`fed_ids`)."""
         if not work:
             raise ValueError("execute needs at least one item")
         if self.batch_invariant:
-            return self._invariant(work)
+            return self._invariant(work, fed)
         if all(is_decode_row(item) for item in work):
             rows = work  # one-token steps pass as they are; a verifying item becomes several rows
             if any(item.proposed for item in work):
                 rows = [row for item in work for row in token_rows(item)]
-            logits = self._decode(rows)
+            logits = self._decode(rows, fed)
             wanted = [i for i, row in enumerate(rows) if row.sample]
             if len(wanted) == len(rows):
                 return logits
             return logits[torch.tensor(wanted, dtype=torch.long, device=logits.device)]
-        return self._mixed(work)
+        return self._mixed(work, fed)
+
+    def ready(self) -> Callable[[], None]:
+        """A callable that returns once the device finished what was queued so far (the engine
+        takes one after a step's draw and calls it before reading the draw)."""
+        return fence(self.device)
 
     def _decode_rows(
         self, step: paged.PagedStep, work: Sequence[Work], inputs: DecodeInputs | None = None
@@ -161,18 +169,18 @@ class ModelRunner:
         else:
             step.decode_mask = paged.decode_mask(step.decode_lengths, width * self.block_size)
 
-    def _decode(self, work: Sequence[Work]) -> torch.Tensor:
+    def _decode(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
         if self.graphs is not None and self.graphs.fits(len(work)):
-            return self.graphs.run(work)
+            return self.graphs.run(work, fed)
         index_type = torch.int32 if self._use_kernel else torch.long
-        inputs = decode_inputs(work, self.block_size, self.device, index_type)
+        inputs = decode_inputs(work, self.block_size, self.device, index_type, fed)
         step = paged.PagedStep(pool=self.pool, slots=inputs.slots)
         self._decode_rows(step, work, inputs)
         with paged.paged_step(step):
             out = self.model(input_ids=inputs.ids, position_ids=inputs.positions, use_cache=False)
         return out.logits[:, -1].float()
 
-    def _mixed(self, work: Sequence[Work]) -> torch.Tensor:
+    def _mixed(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
         device = self.device
         flat = FlatTokens.of(work, self.block_size)
         decode_tokens: list[int] = []
@@ -201,9 +209,9 @@ class ModelRunner:
         if decode_work:
             step.decode_tokens = torch.tensor(decode_tokens, dtype=torch.long, device=device)
             self._decode_rows(step, decode_work)
-        return self._forward_flat(step, flat, work)
+        return self._forward_flat(step, flat, fed, work)
 
-    def _invariant(self, work: Sequence[Work]) -> torch.Tensor:
+    def _invariant(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
         size = self.block_size
         flat = FlatTokens.of(work, size)
         width = paged.invariant_blocks(max(item.start + len(item.tokens) for item in work), size)
@@ -223,17 +231,17 @@ class ModelRunner:
             self.device,
         )
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(self.device), invariant=rows)
-        return self._forward_flat(step, flat)
+        return self._forward_flat(step, flat, fed)
 
     def _forward_flat(
-        self, step: paged.PagedStep, flat: FlatTokens, work: Sequence[Work] = ()
+        self, step: paged.PagedStep, flat: FlatTokens, fed: torch.Tensor | None, work: Sequence[Work] = ()
     ) -> torch.Tensor:
         """One forward of ``flat``'s tokens as a ``[1, T]`` sequence under ``step``; the logits of
         its sampling tokens. ``work``'s images: the vision encoder runs first (outside the paged
         step) and its features replace their placeholders' embeddings; an M-RoPE model's positions
         are 3-D."""
         device = self.device
-        ids = torch.tensor([flat.ids], dtype=torch.long, device=device)
+        ids = fed_ids(torch.tensor([flat.ids], dtype=torch.long, device=device), fed)
         inputs: dict[str, torch.Tensor] = {"input_ids": ids}
         images: list[ChunkImage] = [image for item in work for image in item.images]
         if images:

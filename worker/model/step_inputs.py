@@ -91,10 +91,24 @@ class DecodeInputs:
     tables: torch.Tensor
 
 
+def fed_ids(ids: torch.Tensor, fed: torch.Tensor | None) -> torch.Tensor:
+    """``ids`` (on the device) with each placeholder, ``-(row + 1)``, replaced by ``fed[row]``: a
+    token the previous step drew on the device, which the host has not read yet (docs/worker.md,
+    "Steps that overlap")."""
+    if fed is None:
+        return ids
+    return torch.where(ids < 0, fed[(-ids - 1).clamp(min=0)], ids)
+
+
 def decode_inputs(
-    work: Sequence[Work], block_size: int, device: torch.device, index_type: torch.dtype
+    work: Sequence[Work],
+    block_size: int,
+    device: torch.device,
+    index_type: torch.dtype,
+    fed: torch.Tensor | None = None,
 ) -> DecodeInputs:
-    """Every decode input of ``work`` (one token per item) in one host tensor and one copy."""
+    """Every decode input of ``work`` (one token per item) in one host tensor and one copy; ids that
+    are placeholders are taken from ``fed`` (:func:`fed_ids`)."""
     width = -(-max(item.start + 1 for item in work) // block_size)
     tables = _table_rows(work, block_size, width)
     size = block_size
@@ -116,7 +130,7 @@ def decode_inputs(
         return part.to(dtype).clone(memory_format=torch.contiguous_format)
 
     return DecodeInputs(
-        ids=column(packed[:, 0:1]),
+        ids=fed_ids(column(packed[:, 0:1]), fed),
         positions=column(packed[:, 1:2]),
         slots=column(packed[:, 2]),
         lengths=column(packed[:, 3], index_type),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker.attention.staging import staged
+from worker.attention.staging import fence, staged, to_host
 from worker.sampling.grammar import TokenConstraint
 from worker.types import SampledLogprobs, SamplingOptions
 
@@ -103,8 +103,8 @@ class _Batch:
     indexes: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict)
     seen: torch.Tensor | None = None  # [repetition rows, vocab] bool: prompt or output ids
     counts: torch.Tensor | None = None  # [penalised rows, vocab] float: output id counts
-    # The last draw: each row's expected (output length, [token]) once recorded, and the tokens.
-    drawn: tuple[list[tuple[int, list[int]]], torch.Tensor] | None = None
+    # The last draw: each row's output length once it recorded that draw, and the draw.
+    drawn: tuple[list[int], Draw] | None = None
 
     def index(self, rows: list[int]) -> torch.Tensor:
         key = tuple(rows)
@@ -142,10 +142,65 @@ def _uniforms(seeds: np.ndarray, steps: np.ndarray) -> np.ndarray:
 
 
 def sample_batch(logits: torch.Tensor, rows: Sequence[SequenceSampling]) -> list[Sample]:
-    """Draws one token per row of ``logits`` [rows, vocab] (row ``i`` with ``rows[i]``).
+    """Draws one token per row of ``logits`` [rows, vocab] (row ``i`` with ``rows[i]``) and waits
+    for them: :func:`draw_batch`, then :meth:`Draw.samples` once the device is done.
 
     Raises :class:`GrammarFailure` when some rows' grammars fail; it carries the other rows' samples.
     """
+    draw = draw_batch(logits, rows)
+    fence(logits.device)()
+    return draw.samples()
+
+
+@dataclass
+class Draw:
+    """A batch's draw as the device made it: ``chosen`` [rows] (the token ids, on the device, which
+    the next step's inputs may read there), and the host copies under way (pinned, not blocking);
+    :meth:`samples` reads them once the device work queued before them is done (a fence)."""
+
+    chosen: torch.Tensor
+    _tokens: torch.Tensor  # the host copy of ``chosen``
+    _logprobs: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None  # rows, picked, top
+    _widths: list[int]  # each asking row's number of alternatives
+    _grammar_failed: list[int]
+    _read: list[Sample] | None = None
+
+    def samples(self) -> list[Sample]:
+        """Each row's token and logprob entry (read once, then kept); raises :class:`GrammarFailure`
+        for rows whose grammar failed (it carries every row's sample)."""
+        if self._read is None:
+            tokens = [int(t) for t in self._tokens.tolist()]
+            entries: list[SampledLogprobs | None] = [None] * len(tokens)
+            if self._logprobs is not None:
+                asked, picked, values, ids = self._logprobs
+                chosen_values = picked.tolist()
+                top_values, top_ids = values.tolist(), ids.tolist()
+                for n, (row, width) in enumerate(zip(asked, self._widths, strict=True)):
+                    entries[row] = SampledLogprobs(
+                        tokens[row],
+                        float(chosen_values[n]),
+                        tuple(top_ids[n][:width]),
+                        tuple(top_values[n][:width]),
+                    )
+            self._read = [Sample(token, entry) for token, entry in zip(tokens, entries, strict=True)]
+        if self._grammar_failed:
+            raise GrammarFailure(self._grammar_failed, self._read)
+        return self._read
+
+    def recorded_by(self, rows: Sequence[SequenceSampling], lengths: list[int]) -> bool:
+        """Whether each row recorded exactly this draw's token since it was made (its output is
+        ``lengths`` long and ends with it); False for a draw the host never read."""
+        if self._read is None:
+            return False
+        return all(
+            len(row.output_token_ids) == n and row.output_token_ids[-1:] == [sample.token_id]
+            for row, n, sample in zip(rows, lengths, self._read, strict=True)
+        )
+
+
+def draw_batch(logits: torch.Tensor, rows: Sequence[SequenceSampling]) -> Draw:
+    """Draws one token per row of ``logits`` [rows, vocab] on their device without waiting for it:
+    the host reads the result later (:meth:`Draw.samples`, after a :func:`fence`)."""
     logits = logits.float()
     count = len(rows)
     batch = _batch(rows, logits.device, logits.shape[-1])
@@ -169,18 +224,17 @@ def sample_batch(logits: torch.Tensor, rows: Sequence[SequenceSampling]) -> list
                 params = _group_params(batch, name, [rows[i] for i in group], logits.shape[-1])
                 uniforms = staged(u[group].tolist(), torch.float64, logits.device)
                 chosen[index] = draw(logits[index], params, uniforms)
-    tokens = [int(t) for t in chosen.tolist()]
-    recorded = [len(r.output_token_ids) + 1 for r in rows]
-    batch.drawn = ([(n, [t]) for n, t in zip(recorded, tokens, strict=True)], chosen)
-    entries: list[SampledLogprobs | None] = [None] * count
+    logprobs = None
+    widths: list[int] = []
     if raw is not None:
-        picked = chosen[batch.index(asked)]
-        for row, entry in zip(asked, _logprob_entries(raw, picked, rows, asked), strict=True):
-            entries[row] = entry
-    samples = [Sample(token, entry) for token, entry in zip(tokens, entries, strict=True)]
-    if grammar_failed:
-        raise GrammarFailure(grammar_failed, samples)
-    return samples
+        picked_ids = chosen[batch.index(asked)]
+        picked = raw.gather(1, picked_ids[:, None])[:, 0]
+        widths = [rows[i].options.logprobs or 0 for i in asked]
+        values, ids = torch.topk(raw, max(widths), dim=-1)  # width 0: empty [rows, 0] tensors
+        logprobs = (asked, to_host(picked), to_host(values), to_host(ids))
+    drawn = Draw(chosen, to_host(chosen), logprobs, widths, grammar_failed)
+    batch.drawn = ([len(r.output_token_ids) + 1 for r in rows], drawn)
+    return drawn
 
 
 def _group_params(
@@ -214,8 +268,9 @@ def _penalty_state(
     device, vocab = batch.device, batch.vocab
     drawn, batch.drawn = batch.drawn, None
     if drawn is not None and (batch.seen is not None or batch.counts is not None):
-        expected, chosen = drawn
-        if [(len(r.output_token_ids), r.output_token_ids[-1:]) for r in rows] == expected:
+        lengths, last = drawn
+        chosen = last.chosen
+        if last.recorded_by(rows, lengths):
             if repetition and batch.seen is not None:
                 batch.seen.scatter_(1, chosen[batch.index(repetition)][:, None], True)
             if counted and batch.counts is not None:
@@ -393,29 +448,6 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     cdf = probs.double().cumsum(dim=-1)
     picks = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
     return picks[:, 0].clamp_(max=probs.shape[-1] - 1)
-
-
-def _logprob_entries(
-    raw: torch.Tensor, chosen_ids: torch.Tensor, rows: Sequence[SequenceSampling], asked: list[int]
-) -> list[SampledLogprobs]:
-    """The chosen tokens' raw logprobs and each row's top alternatives, moved to the host at once."""
-    chosen = [int(t) for t in chosen_ids.tolist()]
-    picked = raw.gather(1, chosen_ids[:, None])[:, 0].tolist()
-    widest = max(rows[i].options.logprobs or 0 for i in asked)
-    top_values: list[list[float]] = [[] for _ in asked]
-    top_ids: list[list[int]] = [[] for _ in asked]
-    if widest:
-        values, ids = torch.topk(raw, widest, dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
-    entries = []
-    for n, i in enumerate(asked):
-        width = rows[i].options.logprobs or 0
-        entries.append(
-            SampledLogprobs(
-                chosen[n], float(picked[n]), tuple(top_ids[n][:width]), tuple(top_values[n][:width])
-            )
-        )
-    return entries
 
 
 def blocked_ids(eos_ids: Iterable[int], options: SamplingOptions) -> frozenset[int]:

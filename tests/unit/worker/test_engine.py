@@ -12,6 +12,7 @@ import torch
 from worker.engine.core import Engine
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
+from worker.sampling.grammar import GrammarCompiler
 from worker.server import eos_token_ids
 from worker.types import (
     ContentDelta,
@@ -38,6 +39,8 @@ def make_engine(
     pool_tokens: int = 4096,
     block_size: int = 16,
     max_running: int = 4,
+    overlap: bool = False,
+    grammars: GrammarCompiler | None = None,
 ) -> Engine:
     """A started engine on ``loaded`` with ``max_running`` sequence slots over a pool of
     ``pool_tokens``; the caller stops it."""
@@ -50,6 +53,8 @@ def make_engine(
         max_queue=1000,
         prefill_budget_tokens=prefill_budget_tokens,
         prefix_caching=prefix_caching,
+        overlap=overlap,
+        grammars=grammars,
     )
     eng.start()
     return eng

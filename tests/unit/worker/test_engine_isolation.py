@@ -88,10 +88,10 @@ class FlakyRunner:
     def __getattr__(self, name):  # type: ignore[no-untyped-def]
         return getattr(self._inner, name)
 
-    def execute(self, work):  # type: ignore[no-untyped-def]
+    def execute(self, work, fed=None):  # type: ignore[no-untyped-def]
         if any(item.start == 0 and item.tokens[0] == 999 for item in work):
             raise RuntimeError("out of memory in prefill")
-        return self._inner.execute(work)
+        return self._inner.execute(work, fed)
 
 
 def test_a_failed_prefill_fails_only_the_requests_it_prefilled(loaded):

@@ -37,12 +37,15 @@ class ScriptedRunner:
     def __init__(self, script: list[int], vocab_size: int):
         self.script, self.vocab = script, vocab_size
 
-    def execute(self, work):
+    def execute(self, work, fed=None):
         positions = [item.generated for item in work if item.sample]
         logits = torch.zeros(len(positions), self.vocab)
         for row, at in enumerate(positions):
             logits[row, self.script[min(at, len(self.script) - 1)]] = 100.0
         return logits
+
+    def ready(self):
+        return lambda: None
 
 
 @pytest.fixture(scope="module")

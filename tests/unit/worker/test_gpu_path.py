@@ -140,7 +140,7 @@ def free_port() -> int:
 
 
 def test_a_device_error_makes_the_worker_not_serving_and_exit_non_zero(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    def broken(self: FakeRunner, work: Any) -> torch.Tensor:
+    def broken(self: FakeRunner, work: Any, fed: Any = None) -> torch.Tensor:
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(FakeRunner, "execute", broken)
