@@ -14,7 +14,7 @@ graphs and fused kernels are on and that every decode-only step replayed a graph
 --speculative ngram (greedy equal to ``generate`` too, one stream's tok/s with and without, the
 acceptance); then run bench/bench_gpu.py and print its table, again at 256 streams with
 ``--stream-interval 4``, at 1 with ``--no-fused-kernels`` (the forward's RMSNorm, SiLU-mul and rotary
-as transformers runs them), at 64 and 256 with ``--engine-process`` and at 1 and 256 with
+as transformers runs them), at 64 and 256 with ``--engine-process`` and at 1, 64 and 256 with
 ``--overlap-steps off`` (each draw read between steps); then bench/profile_step.py
 on the same model (and 8 steps at its most rows under torch's profiler).
 A step that fails is reported in the closing table; the later steps still run.
@@ -145,7 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--serial-levels",
-        default="1,256",
+        default="1,64,256",
         help="levels benched again with --overlap-steps off (draws read between steps; '' = none)",
     )
     return parser.parse_args(argv)

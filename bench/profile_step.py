@@ -130,8 +130,9 @@ def model_step_times(model: str, device: str, rows_list: list[int], tokens: int,
     (planning, the forward's launch, waiting for the device, sampling, publishing) and the output
     processing on the event loop, and the CPU time of the step, the launch and the processing (a
     wall time well above its CPU time is waiting: for the GIL, or on the device). The wait is a
-    ``synchronize`` before sampling, so the step's host work and its device time are told apart
-    (the host work overlaps nothing today). ``trace``: then ``trace`` steps at the most rows under
+    ``synchronize`` before sampling, so the step's host work and its device time are told apart;
+    "read" is reading the previous draw (with the overlap, the CUDA default, while this step's
+    forward runs, and before the wait). ``trace``: then ``trace`` steps at the most rows under
     torch's profiler, its busiest operators by host time and by device time printed."""
     from worker.config import parse_config
     from worker.engine.request_stream import RequestStream
@@ -144,13 +145,14 @@ def model_step_times(model: str, device: str, rows_list: list[int], tokens: int,
     serving = build_serving(config)
     engine = serving.engine
     sinks: dict[str, list[float]] = {name: [] for name in ("step", "plan", "launch", "wait", "sample",
-                                                           "publish", "process")}  # fmt: skip
+                                                           "read", "publish", "process")}  # fmt: skip
     # CPU time of the step, the launch and the output processing: their wall time less this is time
     # spent waiting (for the GIL, or in a blocking device call).
     cpu: dict[str, list[float]] = {name: [] for name in ("step", "launch", "process")}
     timed(engine, "_step", sinks["step"], cpu["step"])
     timed(engine, "_next_plan", sinks["plan"])
     timed(ModelRunner, "execute", sinks["launch"], cpu["launch"])
+    timed(engine, "_resolve", sinks["read"])  # reading a draw (with the overlap: during the next forward)
     timed(engine, "_publish", sinks["publish"])
     timed(RequestStream, "_process", sinks["process"], cpu["process"])
     sample = engine._sample

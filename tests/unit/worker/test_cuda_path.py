@@ -71,6 +71,26 @@ def test_a_replayed_step_equals_the_eager_step(runner: ModelRunner, rows: int) -
     torch.testing.assert_close(replayed, eager, atol=5e-2 * float(eager.abs().max()), rtol=5e-2)
 
 
+@pytest.mark.parametrize("rows", (1, 17, 100))
+def test_placeholder_tokens_fed_from_the_previous_draw_equal_known_tokens(
+    runner: ModelRunner, rows: int
+) -> None:
+    """Steps that overlap: a replayed step whose tokens are placeholders naming rows of a draw still
+    on the device computes what the same step with those tokens written out computes."""
+    drawn = torch.tensor([(row * 13) % 500 + 1 for row in range(rows)], device="cuda")
+    known, fed = [], []
+    for row in range(rows):
+        table = [row * 4 + b for b in range(4)]
+        prompt = [(row * 5 + t) % 500 + 1 for t in range(row % 40 + 1)]
+        runner.execute([Work(prompt, 0, table, True)])
+        known.append(Work([int(drawn[row])], len(prompt), table, True))
+        fed.append(Work([-(row + 1)], len(prompt), table, True))
+    assert runner.graphs is not None and runner.graphs.fits(rows)
+    written = runner.execute(known).clone()
+    placeheld = runner.execute(fed, drawn)
+    torch.testing.assert_close(placeheld, written, atol=0, rtol=0)
+
+
 OPTIONS = {
     "greedy": SamplingOptions(temperature=0.0),
     "temperature": SamplingOptions(temperature=0.7, seed=1),
