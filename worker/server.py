@@ -166,6 +166,8 @@ def build_serving(
     eos = eos_token_ids(loaded.model, loaded.tokenizer) | stop_token_ids(profile, loaded.tokenizer)
     grammars = GrammarCompiler(loaded.tokenizer, eos)
     grammars.prepare()
+    overlap = overlaps(config, loaded.device, speculation)
+    log.info("steps overlap: %s (--overlap-steps %s)", "on" if overlap else "off", config.overlap_steps)
     engine = Engine(
         runner,
         loaded.tokenizer,
@@ -181,7 +183,7 @@ def build_serving(
         on_device_failure=on_device_failure,
         speculation=speculation,
         stream_interval=config.stream_interval,
-        overlap=overlaps(config, loaded.device, speculation),
+        overlap=overlap,
     )
     engine.start()
     progress.advance(1.0)

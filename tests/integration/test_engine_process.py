@@ -1,6 +1,7 @@
 """``--engine-process``: the worker's gRPC contract with the engine in a process of its own (the
-default model's worker tests, run again against such a worker), a grammar, the queue bound, the
-engine process dying mid-stream, and a drain that stops it."""
+default model's worker tests, run again against such a worker, whose steps also overlap:
+``--overlap-steps on``), a grammar, the queue bound, the engine process dying mid-stream, and a
+drain that stops it."""
 
 from __future__ import annotations
 
@@ -38,9 +39,12 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def default_worker(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    """The default model's worker, its engine in a process of its own."""
+    """The default model's worker, its engine in a process of its own, its steps overlapping (as a
+    CUDA worker's do by default)."""
     with WorkerProcess(
-        cache_dir=model_cache, log_dir=tmp_path_factory.mktemp("worker-log"), extra=["--engine-process"]
+        cache_dir=model_cache,
+        log_dir=tmp_path_factory.mktemp("worker-log"),
+        extra=["--engine-process", "--overlap-steps", "on"],
     ) as worker:
         yield worker
 
@@ -65,6 +69,7 @@ def test_the_engine_runs_in_another_process(default_worker: WorkerProcess) -> No
     assert default_worker.proc is not None
     pid = engine_pid(default_worker)
     assert pid != default_worker.proc.pid and alive(pid)
+    assert "steps overlap: on (--overlap-steps on)" in default_worker.log_tail(400)
 
 
 def test_a_json_schema_constrains_the_output(stub: pb_grpc.WorkerStub) -> None:  # noqa: F811

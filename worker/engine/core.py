@@ -87,6 +87,7 @@ class _RequestState:
     held_steps: int = 0  # steps whose tokens ``held`` keeps
     streamed: bool = False  # a token was delivered (the first one is never kept back)
     removed: bool = False  # out of the scheduler (failed, cancelled or finished)
+    preempted: bool = False  # back in the queue after running (until admitted again)
 
     @property
     def request_id(self) -> str:
@@ -454,6 +455,8 @@ class Engine:
             readmitted = {id(s) for s in plan.admitted}  # preempted and admitted again in this plan
             self._preempted([s for s in plan.preempted if id(s) not in readmitted])
         owners = {id(c.seq): (s, c) for s in [*self._scheduler.running] for c in s.choices}
+        for state in plan.admitted:
+            state.preempted = False
         fresh = [s for s in plan.admitted if not s.started]
         if fresh:
             self._start(fresh, outputs)
@@ -474,6 +477,7 @@ class Engine:
             self.counters.preemptions += len(states)
             for state in states:
                 self._progress_due[state.key] = now
+                state.preempted = True
         log.info("preempted %d request(s) for KV blocks; they will be recomputed", len(states))
 
     def _start(self, states: list[_RequestState], outputs: dict[str, list[CoreOutput]]) -> None:
@@ -778,7 +782,9 @@ class Engine:
         batches = []
         for state in {id(s): s for s in states}.values():
             out = outputs.get(state.key)
-            if out is not None and self._stream_interval > 1:
+            # A preempted request's token read after it went back to the queue goes out at once,
+            # as its kept-back ones did (:meth:`_preempted`).
+            if out is not None and self._stream_interval > 1 and not state.preempted:
                 out = _paced(state, out, self._stream_interval)
             if out is not None:
                 batches.append((state.stream, out))

@@ -57,9 +57,14 @@ def test_tokens_travel_every_interval_steps_and_the_first_and_last_at_once(fake)
     assert [t.token_id for t in tokens(paced)] == [t.token_id for t in tokens(plain)]
 
 
-def test_a_preempted_request_hands_over_its_kept_tokens_before_it_waits(fake):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_preempted_request_hands_over_its_kept_tokens_before_it_waits(fake, overlap):
+    """With overlapping steps, also the token its last draw brings once it is back in the queue."""
+
     async def scenario() -> None:
-        engine = engine_on(FakeRunner(fake, num_blocks=6, block_size=4), fake, stream_interval=8)
+        engine = engine_on(
+            FakeRunner(fake, num_blocks=6, block_size=4), fake, stream_interval=8, overlap=overlap
+        )
         old, new = preempt_the_newer(engine)
         waiting = engine._scheduler.waiting[0]
         assert waiting.key == new.key and waiting.held == []
