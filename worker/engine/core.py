@@ -506,7 +506,7 @@ class Engine:
     ) -> list[_RequestState]:
         """The step's forward (see docs/worker.md for what a failure fails), then sampling; raises
         :class:`DeviceFailure` when the device failed. The previous step's draw, if still in flight,
-        is read while this forward runs (:meth:`_resolve`); returns the requests that touched."""
+        is read while this forward runs (:meth:`_resolve`); returns the requests it was for."""
         if all(w.count == 1 and not w.proposals for w in work):
             self.counters.decode_only_steps += 1
         fed = self._in_flight.draw.chosen if self._in_flight is not None else None
