@@ -71,7 +71,7 @@ def test_arguments() -> None:
     args = parse_args(["--skip-bench", "--tokens", "16"])
     assert args.skip_bench and args.tokens == 16 and args.levels == "1,16,64,256"
     assert args.device == "cuda" and args.shape == "1.7b" and args.bench_skip == "serve"
-    assert (args.interval_levels, args.unfused_levels, args.engine_levels) == ("256", "1", "64,256")
+    assert (args.interval_levels, args.unfused_levels, args.engine_levels) == ("", "1", "64,256")
     assert args.serial_levels == "1,64,256"
     dry = parse_args(["--device", "cpu", "--shape", "tiny", "--profile-rows", "", "--interval-levels", ""])
     assert dry.device == "cpu" and dry.shape == "tiny" and not dry.profile_rows and not dry.interval_levels
