@@ -192,33 +192,35 @@ class Recording:
         return logged
 
 
-def test_the_next_forward_is_launched_before_the_draw_is_read(loaded) -> None:
-    eng = make_engine(loaded, prefill_budget_tokens=64, overlap=True)
+def recorded(loaded: Any, tokens: int, *, overlap: bool) -> list[tuple[str, Any]]:
+    """The forwards and reads of one greedy request of ``tokens`` tokens (:class:`Recording`)."""
+    eng = make_engine(loaded, prefill_budget_tokens=64, overlap=overlap)
     recording = Recording(eng._runner)
     eng._runner = recording  # type: ignore[assignment]
     try:
-        asyncio.run(collect(eng, request([30, 31, 32, 33], temperature=0.0, max_tokens=4, min_tokens=4)))
+        asyncio.run(
+            collect(eng, request([30, 31, 32, 33], temperature=0.0, max_tokens=tokens, min_tokens=tokens))
+        )
     finally:
         eng.stop()
-    kinds = [kind for kind, _ in recording.log]
+    return recording.log
+
+
+def test_the_next_forward_is_launched_before_the_draw_is_read(loaded) -> None:
+    log = recorded(loaded, 4, overlap=True)
+    kinds = [kind for kind, _ in log]
     # The prompt's forward, then every later forward before the read of the draw it follows; the
     # last draw (the 4th token) ends the request while a fifth forward runs, which is discarded.
     assert kinds == ["forward", "forward", "read", "forward", "read", "forward", "read", "forward", "read"]
-    forwards = [detail for kind, detail in recording.log if kind == "forward"]
+    forwards = [detail for kind, detail in log if kind == "forward"]
     assert forwards[0] == (False, [])
     assert all(fed and placeholders == [-1] for fed, placeholders in forwards[1:])
 
 
 def test_without_the_overlap_each_draw_is_read_before_the_next_forward(loaded) -> None:
-    eng = make_engine(loaded, prefill_budget_tokens=64)
-    recording = Recording(eng._runner)
-    eng._runner = recording  # type: ignore[assignment]
-    try:
-        asyncio.run(collect(eng, request([30, 31, 32, 33], temperature=0.0, max_tokens=3, min_tokens=3)))
-    finally:
-        eng.stop()
-    assert [kind for kind, _ in recording.log] == ["forward", "read"] * 3
-    assert all(detail == (False, []) for kind, detail in recording.log if kind == "forward")
+    log = recorded(loaded, 3, overlap=False)
+    assert [kind for kind, _ in log] == ["forward", "read"] * 3
+    assert all(detail == (False, []) for kind, detail in log if kind == "forward")
 
 
 def test_cancellations_with_draws_in_flight_leave_nothing_behind(loaded) -> None:
