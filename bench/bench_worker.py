@@ -11,7 +11,8 @@ For each concurrency level C, C streams start at once; request i asks for
 64 + (37 * i mod 65) tokens (64 to 128) at temperature 1 for one of a few
 story prompts, so both servers get the same load. Printed per level:
 aggregate completion tokens/s (all tokens / wall time), time to first token
-p50/p95, inter-token gap p50/p95; then the 16-to-1 throughput ratio and, with
+p50/p95, inter-token gap p50/p95/p99.9 (p99.9: the stalls every stream sees at once, such as
+a garbage collection); then the 16-to-1 throughput ratio and, with
 --peer, Sluice / peer ratios. Both servers stay up (each idles at no CPU)
 while the load alternates between them, level by level, for --rounds rounds;
 the summary takes each level's median run, so a noisy moment on this shared
@@ -299,7 +300,8 @@ def report(name: str, r: LevelResult) -> None:
     print(
         f"{name:>6} c={r.concurrency:<3} {r.tokens_per_s:7.1f} tok/s  ({tokens} tokens in {r.wall:5.1f} s)  "
         f"ttft p50 {r.ttft(0.5):5.2f} s p95 {r.ttft(0.95):5.2f} s  "
-        f"gap p50 {r.gap(0.5) * 1000:6.1f} ms p95 {r.gap(0.95) * 1000:6.1f} ms",
+        f"gap p50 {r.gap(0.5) * 1000:6.1f} ms p95 {r.gap(0.95) * 1000:6.1f} ms "
+        f"p99.9 {r.gap(0.999) * 1000:6.1f} ms",
         flush=True,
     )
 

@@ -40,6 +40,7 @@ from edge.settings import Settings
 from edge.state import EdgeApp, EdgeState
 from edge.streaming.connections import ClientConnections
 from edge.workers.pool import WorkerPool
+from sluice.heap import freeze_startup_heap
 
 log = logging.getLogger("sluice.edge")
 
@@ -75,6 +76,7 @@ def create_app(settings: Settings) -> EdgeApp:
     async def open_pool() -> None:
         # Channels, DNS discovery and the health-check loop start here; close() stops them.
         app.sluice.pool.open()
+        freeze_startup_heap(log, "edge")
         dns = [f"DNS {settings.worker_dns}"] if settings.worker_dns else []
         log.info("edge ready for workers %s", ", ".join([*settings.workers, *dns]))
 

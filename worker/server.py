@@ -23,6 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from sluice.client import MAX_MESSAGE_BYTES
+from sluice.heap import freeze_startup_heap
 from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free
 from sluice.v1 import worker_pb2
 from worker import metrics
@@ -394,6 +395,7 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
             log.error("%s", exc.message)
             await server.stop(0)
             return 1
+        freeze_startup_heap(log, "serving process")
         await _set_health(health_service, health_pb2.HealthCheckResponse.SERVING)
         log.info("serving %s on %s (metrics on %s)", serving.loaded.model_id, address, metrics_where)
 

@@ -115,6 +115,7 @@ def test_sigterm_drains_then_ends_streams_cleanly_and_exits_0(
         edge.stop()
     log = edge.log_path.read_text()
     assert "Traceback" not in log, edge.log_tail()
+    assert "edge: " in log and "objects from start-up left out of garbage collection" in log
     settle_deadline = time.monotonic() + 10
     while (values := worker.metrics())[
         "sluice_worker_running_requests"

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from sluice.heap import freeze_startup_heap
 from sluice.logs import configure_logging
 from worker.config import WorkerConfig
 from worker.engine.core import DeviceFailure, Engine, deliver, ended_outputs
@@ -161,6 +162,7 @@ def engine_main(connection: Connection, config: WorkerConfig, build: Callable[..
             ("load_failed", f"--engine-process: the model's tokenizer or processor cannot be sent ({why})")
         )
         return
+    freeze_startup_heap(log, "engine process")
     loop = _PipeLoop(sender)
     try:
         _serve(connection, sender, engine, loop)

@@ -144,6 +144,8 @@ def test_a_device_error_makes_the_worker_not_serving_and_exit_non_zero(monkeypat
         raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(FakeRunner, "execute", broken)
+    # Not in this test process: the freeze would keep every fixture alive now out of collections.
+    monkeypatch.setattr(server, "freeze_startup_heap", lambda log, what: 0)
     port = free_port()
     config = parse_config(["--fake-tokens", "--port", str(port), "--host", "127.0.0.1"], environ={})
     health_seen: list[int] = []
