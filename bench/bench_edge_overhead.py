@@ -62,6 +62,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
+from cpu_use import children, cpu_seconds  # noqa: E402
 from load_edge import MODEL, PROMPTS, chat_body  # noqa: E402
 
 from sluice.client import WorkerCallError, WorkerClient  # noqa: E402
@@ -69,31 +70,16 @@ from sluice.v1 import worker_pb2 as pb  # noqa: E402
 from tests.processes import EdgeProcess, WorkerProcess  # noqa: E402
 from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 REQUEST_TIMEOUT_S = 120.0
 WARMUP_S = 1.0  # streams start before a window opens, so it measures the steady state
 SETTLE_S = 0.5  # after a window: cancelled requests leave the workers before the next one
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (``/proc/<pid>/stat`` fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as stat:
-        fields = stat.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
 
 
 def cpu_of(pid: int, with_children: bool) -> float:
     """CPU seconds of ``pid``, plus those of its children still running when ``with_children``
     (an edge's processes)."""
     total = cpu_seconds(pid)
-    if not with_children:
-        return total
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as children:
-            kids = [int(k) for k in children.read().split()]
-    except OSError:
-        kids = []
-    for kid in kids:
+    for kid in children(pid) if with_children else []:
         with contextlib.suppress(OSError):  # ended meanwhile
             total += cpu_seconds(kid)
     return total

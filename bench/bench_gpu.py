@@ -28,7 +28,8 @@ Three servers run one after the other, each alone on the device:
 3. ``transformers serve --continuous-batching`` over HTTP (needs
    ``transformers[serving]``; skipped with a note where it cannot start).
 
-Printed: one line per measurement as it happens, then the table of
+Printed: one line per measurement as it happens (for Sluice with the CPU the worker's processes
+and this client used, bench/cpu_use.py), then the table of
 docs/benchmarks.md (tok/s = completion tokens of all streams / wall time of the
 level; for one stream also ms per token).
 """
@@ -64,6 +65,7 @@ from bench_worker import (  # noqa: E402
     start_worker,
     stop,
 )
+from cpu_use import cpu_line, snapshot  # noqa: E402
 
 from sluice.v1 import worker_pb2 as pb  # noqa: E402
 from sluice.v1 import worker_pb2_grpc as pb_grpc  # noqa: E402
@@ -174,10 +176,11 @@ def sluice_request(i: int, max_tokens: int) -> pb.GenerateRequest:
 
 
 async def sluice_rounds(
-    address: str, levels: list[int], max_tokens: int, count: int = 2
+    address: str, levels: list[int], max_tokens: int, count: int = 2, worker_pid: int | None = None
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Runs every level ``count`` times on a fresh worker; returns tok/s per level for the first
-    and the last round."""
+    and the last round. With the worker's pid, each level is followed by the CPU its processes
+    and this client used."""
     rounds: list[dict[int, float]] = [{} for _ in range(max(2, count))]
     async with grpc.aio.insecure_channel(
         address, options=[("grpc.max_receive_message_length", 64 << 20)]
@@ -185,6 +188,7 @@ async def sluice_rounds(
         stub = pb_grpc.WorkerStub(channel)
         for round_, by_level in enumerate(rounds, start=1):
             for c in levels:
+                before = snapshot(worker_pid) if worker_pid else None
                 start = time.perf_counter()
                 results = await asyncio.gather(
                     *[read_stream(stub, sluice_request(i, max_tokens)) for i in range(c)]
@@ -192,6 +196,9 @@ async def sluice_rounds(
                 level = LevelResult(c, time.perf_counter() - start, list(results))
                 by_level[c] = level.tokens_per_s
                 print_level(f"sluice round {round_}", level)
+                if before is not None and worker_pid:
+                    tokens = sum(r.tokens for r in level.results)
+                    print(f"  {cpu_line(before, snapshot(worker_pid), tokens)}", flush=True)
     return rounds[0], rounds[-1]
 
 
@@ -446,7 +453,7 @@ def main() -> None:
         proc, address = start_worker(None, flags, defaults=())
         try:
             table.first, table.sluice = asyncio.run(
-                sluice_rounds(address, levels, args.max_tokens, args.rounds)
+                sluice_rounds(address, levels, args.max_tokens, args.rounds, proc.pid)
             )
         finally:
             stop(proc)

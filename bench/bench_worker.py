@@ -12,7 +12,8 @@ For each concurrency level C, C streams start at once; request i asks for
 story prompts, so both servers get the same load. Printed per level:
 aggregate completion tokens/s (all tokens / wall time), time to first token
 p50/p95, inter-token gap p50/p95/p99.9 (p99.9: the stalls every stream sees at once, such as
-a garbage collection); then the 16-to-1 throughput ratio and, with
+a garbage collection), and for a worker it started (or ``--worker-pid``) the CPU its processes
+and this client used (bench/cpu_use.py); then the 16-to-1 throughput ratio and, with
 --peer, Sluice / peer ratios. Both servers stay up (each idles at no CPU)
 while the load alternates between them, level by level, for --rounds rounds;
 the summary takes each level's median run, so a noisy moment on this shared
@@ -43,6 +44,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from cpu_use import cpu_line, snapshot  # noqa: E402
 
 from sluice.cli import worker_command  # noqa: E402
 from sluice.v1 import worker_pb2 as pb  # noqa: E402
@@ -340,10 +343,17 @@ def summary(
 
 
 async def measure(
-    address: str, peer_base: str | None, peer_model: str, levels: list[int], rounds: int, constrained: bool
+    address: str,
+    peer_base: str | None,
+    peer_model: str,
+    levels: list[int],
+    rounds: int,
+    constrained: bool,
+    worker_pid: int | None = None,
 ) -> tuple[dict[int, LevelResult], dict[int, LevelResult], dict[int, LevelResult]]:
     """Runs every level ``rounds`` times: Sluice, Sluice under a JSON grammar (with --constrained) and the
-    peer (with --peer) alternating, one at a time. Returns the median runs of each."""
+    peer (with --peer) alternating, one at a time. Returns the median runs of each. With the worker's
+    pid, each Sluice run is followed by the CPU its processes and this client used."""
     runs: dict[str, dict[int, list[LevelResult]]] = {"sluice": {}, "json": {}, "peer": {}}
     url = f"{peer_base}/v1/chat/completions"
     async with grpc.aio.insecure_channel(address) as channel, httpx.AsyncClient(timeout=600) as client:
@@ -361,9 +371,13 @@ async def measure(
                 if peer_base:
                     plan.append(("peer", lambda c=c: peer_level(client, url, peer_model, c)))
                 for name, run in plan:
+                    before = snapshot(worker_pid) if worker_pid and name != "peer" else None
                     result = await run()
                     runs[name].setdefault(c, []).append(result)
                     report(f"{name} r{round_ + 1}", result)
+                    if before is not None and worker_pid:
+                        tokens = sum(r.tokens for r in result.results)
+                        print(f"       {cpu_line(before, snapshot(worker_pid), tokens)}", flush=True)
     medians = {name: {c: median_level(r) for c, r in by_level.items()} for name, by_level in runs.items()}
     return medians["sluice"], medians["peer"], medians["json"]
 
@@ -382,6 +396,9 @@ def main() -> None:
     )
     parser.add_argument("--worker", help="address of a running worker (default: start one)")
     parser.add_argument(
+        "--worker-pid", type=int, help="that worker's pid: print the CPU its processes use (Linux)"
+    )
+    parser.add_argument(
         "--peer", action="store_true", help="also run transformers serve --continuous-batching"
     )
     parser.add_argument("--concurrency", default="1,4,16,32")
@@ -398,17 +415,18 @@ def main() -> None:
 
     procs = []
     try:
-        address = args.worker
+        address, worker_pid = args.worker, args.worker_pid
         if address is None:
             proc, address = start_worker(args.cache_dir, shlex.split(args.worker_args))
             procs.append(proc)
+            worker_pid = proc.pid
         peer_base, peer_model = None, ""
         if args.peer:
             peer_model = default_model_dir(args.cache_dir)
             peer_proc, peer_base = start_peer(peer_model)
             procs.append(peer_proc)
         sluice, peer, constrained = asyncio.run(
-            measure(address, peer_base, peer_model, levels, args.rounds, args.constrained)
+            measure(address, peer_base, peer_model, levels, args.rounds, args.constrained, worker_pid)
         )
     finally:
         for proc in procs:
