@@ -17,7 +17,10 @@ acceptance); then run bench/bench_gpu.py and print its table, again at 1 stream 
 64 and 256 with ``--engine-process``, at 1, 64 and 256 with ``--overlap-steps off`` (each draw
 read between steps) and, when asked (``--interval-levels``), with ``--stream-interval 4``; then
 bench/profile_step.py on the same model (and 8 steps at its most rows under torch's profiler).
-A step that fails is reported in the closing table; the later steps still run.
+A step that fails is reported in the closing table; the later steps still run. The whole check
+keeps within ``--budget`` (560 s): a step's timeout is cut to what is left and a step that would get
+under 30 s is skipped, so the table (``--summary``: rewritten after every step) is always complete
+before a device's 600 s command limit.
 """
 
 from __future__ import annotations
@@ -52,6 +55,31 @@ class Step:
     name: str
     ok: bool
     detail: str = ""
+    skipped: bool = False
+
+
+# Seconds kept back from ``--budget`` for the closing table; a step gets no less than MIN_STEP_S.
+RESERVE_S = 10.0
+MIN_STEP_S = 30.0
+
+
+@dataclass
+class Budget:
+    """The check's wall-clock budget (``--budget``): each step's timeout is cut to what is left, and
+    a step that would get less than MIN_STEP_S is skipped, so the closing table is always written
+    before the device's command limit ends the run."""
+
+    seconds: float
+    started: float
+
+    def timeout(self, wanted: float, now: float | None = None) -> float | None:
+        """``wanted``, or less where less is left; None: skip the step."""
+        left = self.seconds - ((time.monotonic() if now is None else now) - self.started) - RESERVE_S
+        return None if left < MIN_STEP_S else min(wanted, left)
+
+
+def skipped(name: str, budget: Budget) -> Step:
+    return Step(name, True, f"skipped: under {MIN_STEP_S:.0f} s left of --budget {budget.seconds:.0f}", True)
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -109,10 +137,15 @@ def compare_greedy(
 
 
 def summary(steps: list[Step]) -> tuple[str, int]:
-    """The closing table and the exit status (1 when a step failed)."""
+    """The closing table and the exit status (1 when a step failed; a step skipped for the budget
+    is no failure)."""
     lines = ["", "| check | result | detail |", "| --- | --- | --- |"]
-    lines += [f"| {s.name} | {'ok' if s.ok else 'FAILED'} | {s.detail} |" for s in steps]
+    lines += [f"| {s.name} | {result(s)} | {s.detail} |" for s in steps]
     return "\n".join(lines), 0 if all(s.ok for s in steps) else 1
+
+
+def result(step: Step) -> str:
+    return "skipped" if step.skipped else "ok" if step.ok else "FAILED"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -125,7 +158,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens compared with generate")
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a dry run of its steps)")
     parser.add_argument("--shape", default="1.7b", help="bench_gpu's model shape (tiny for a dry run)")
-    parser.add_argument("--summary", type=Path, help="also write the closing table to this file")
+    parser.add_argument(
+        "--summary", type=Path, help="also write the closing table to this file (updated after every step)"
+    )
+    parser.add_argument(
+        "--budget",
+        type=float,
+        default=560.0,
+        help="seconds the whole check may take: steps are cut or skipped to fit, so the table is "
+        "written before a device's 600 s command limit",
+    )
     parser.add_argument("--bench-skip", default="serve", help="bench_gpu's --skip (serve, generate_batch)")
     parser.add_argument("--profile-rows", default="1,64,256", help="bench/profile_step.py's rows ('' = none)")
     parser.add_argument(
@@ -152,18 +194,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run(name: str, command: list[str], env: dict[str, str], timeout: float) -> Step:
+def run(name: str, command: list[str], env: dict[str, str], wanted: float, budget: Budget) -> Step:
+    timeout = budget.timeout(wanted)
+    if timeout is None:
+        return skipped(name, budget)
     print(f"\n== {name}: {' '.join(command)}", flush=True)
     started = time.monotonic()
     try:
         done = subprocess.run(command, cwd=REPO, env=env, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
-        return Step(name, False, f"timed out after {timeout:.0f} s")
+        cut = " (all that was left of --budget)" if timeout < wanted else ""
+        return Step(name, False, f"timed out after {timeout:.0f} s{cut}")
     return Step(name, done.returncode == 0, f"exit {done.returncode}, {time.monotonic() - started:.0f} s")
 
 
-def guarded(name: str, work: Callable[[], list[Step]]) -> list[Step]:
-    """``work``'s steps, or one failed step naming the exception (so the later steps still run)."""
+def guarded(name: str, work: Callable[[], list[Step]], budget: Budget) -> list[Step]:
+    """``work``'s steps, or one failed step naming the exception (so the later steps still run);
+    skipped when the budget has under MIN_STEP_S left."""
+    if budget.timeout(MIN_STEP_S) is None:
+        return [skipped(name, budget)]
     print(f"\n== {name}", flush=True)
     started = time.monotonic()
     try:
@@ -352,9 +401,23 @@ def install_wheels(gpu_dir: Path) -> str | None:
     return None
 
 
+def extra_benches(args: argparse.Namespace) -> list[tuple[str, str, float]]:
+    """The benches after the first, most telling first (worker flags, levels, timeout in s): the
+    engine in its own process, each draw read between steps, the forward without the fused
+    kernels, and (when asked) a stream's tokens of 4 steps per message."""
+    wanted = [
+        ("--engine-process", args.engine_levels, 150.0),
+        ("--overlap-steps off", args.serial_levels, 150.0),
+        ("--no-fused-kernels", args.unfused_levels, 120.0),
+        ("--stream-interval 4", args.interval_levels, 150.0),
+    ]
+    return [(flags, levels, timeout) for flags, levels, timeout in wanted if levels]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.monotonic()
+    budget = Budget(args.budget, started)
     problem = install_wheels(args.gpu_dir)
     if problem:
         print(problem, file=sys.stderr)
@@ -369,12 +432,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     versions += "'grpcio',grpc.__version__,'protobuf',p.__version__,"
     versions += "torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
-    steps = [run("versions", [sys.executable, "-c", versions], env, 60)]
+    steps: list[Step] = []
+
+    def add(*new: Step) -> None:  # the table so far, on file after every step
+        steps.extend(new)
+        if args.summary:
+            args.summary.write_text(summary(steps)[0] + "\n")
+
+    add(run("versions", [sys.executable, "-c", versions], env, 60, budget))
     # The kernel's interpreted runs are the CPU suite's (Triton 3.6's interpreter fails on numpy 2.5).
     cuda_tests = [sys.executable, "-m", "pytest", "-q", "-s", "-rs", "-p", "no:cacheprovider",
                   "-k", "not interpreted", *CUDA_TESTS]  # fmt: skip
     test_env = {**env, "SLUICE_REQUIRE_CUDA": "1"} if on_cuda else env
-    steps.append(run("CUDA tests", cuda_tests, test_env, 180))
+    add(run("CUDA tests", cuda_tests, test_env, 180, budget))
     sys.path[:0] = [str(SITE), str(REPO), str(REPO / "bench")]
     from bench_gpu import build_model, resolved_dtype
 
@@ -387,37 +457,19 @@ def main(argv: list[str] | None = None) -> int:
             build_model(args.shape, folder, args.gpu_dir / "tok", args.device, kind)
             return serve_and_compare(folder, args.tokens, args.device, kind)
 
-        steps += guarded(f"serve and compare, {kind}", compare)
+        add(*guarded(f"serve and compare, {kind}", compare, budget))
     if not args.skip_bench:
         bench = [sys.executable, "bench/bench_gpu.py", "--model", str(model_dir),
-                 "--device", args.device, "--levels", args.levels, "--rounds", "2",
-                 "--max-running", "256", "--skip", args.bench_skip]  # fmt: skip
-        steps.append(run("bench_gpu", bench, env, 270))
-        if args.interval_levels:  # the same levels, a stream's tokens of 4 steps per message
-            paced = [*bench[:bench.index("--levels")], "--levels", args.interval_levels, "--rounds", "2",
-                     "--max-running", "256", "--skip", "serve,generate_batch",
-                     "--worker-args=--stream-interval 4"]  # fmt: skip
-            steps.append(run("bench_gpu, --stream-interval 4", paced, env, 150))
-        if args.unfused_levels:  # the forward without the fused RMSNorm, SiLU-mul and rotary kernels
-            unfused = [*bench[:bench.index("--levels")], "--levels", args.unfused_levels, "--rounds", "2",
-                       "--max-running", "256", "--skip", "serve,generate_batch",
-                       "--worker-args=--no-fused-kernels"]  # fmt: skip
-            steps.append(run("bench_gpu, --no-fused-kernels", unfused, env, 120))
-        if args.engine_levels:  # gRPC and output processing in one process, the engine in another
-            split = [*bench[:bench.index("--levels")], "--levels", args.engine_levels, "--rounds", "2",
-                     "--max-running", "256", "--skip", "serve,generate_batch",
-                     "--worker-args=--engine-process"]  # fmt: skip
-            steps.append(run("bench_gpu, --engine-process", split, env, 150))
-        if args.serial_levels:  # each step's draw read before the next forward is launched
-            serial = [*bench[:bench.index("--levels")], "--levels", args.serial_levels, "--rounds", "2",
-                      "--max-running", "256", "--skip", "serve,generate_batch",
-                      "--worker-args=--overlap-steps off"]  # fmt: skip
-            steps.append(run("bench_gpu, --overlap-steps off", serial, env, 150))
+                 "--device", args.device, "--rounds", "2", "--max-running", "256"]  # fmt: skip
+        add(run("bench_gpu", [*bench, "--levels", args.levels, "--skip", args.bench_skip], env, 270, budget))
+        for flags, levels, wanted in extra_benches(args):  # the same model, one setting changed
+            again = [*bench, "--levels", levels, "--skip", "serve,generate_batch", f"--worker-args={flags}"]
+            add(run(f"bench_gpu, {flags}", again, env, wanted, budget))
     if args.profile_rows:
         profile = [sys.executable, "bench/profile_step.py", "--model", str(model_dir),
                    "--device", args.device, "--rows", args.profile_rows, "--tokens", "64",
                    "--trace", "8"]  # fmt: skip
-        steps.append(run("profile_step", profile, env, 150))
+        add(run("profile_step", profile, env, 150, budget))
     table, status = summary(steps)
     table += f"\n\n{time.monotonic() - started:.0f} s in all"
     print(table, flush=True)

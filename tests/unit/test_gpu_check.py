@@ -9,7 +9,19 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
-from gpu_check import Step, compare_greedy, fast_path_problems, parse_args, parse_metrics, summary
+from gpu_check import (
+    MIN_STEP_S,
+    RESERVE_S,
+    Budget,
+    Step,
+    compare_greedy,
+    extra_benches,
+    fast_path_problems,
+    parse_args,
+    parse_metrics,
+    run,
+    summary,
+)
 from gpu_wheels import MISSING, NEWER, download_command, pins
 
 METRICS = """# HELP sluice_worker_fast_path 1 when on
@@ -67,12 +79,38 @@ def test_the_summary_fails_when_any_step_failed() -> None:
     assert summary([Step("versions", True)])[1] == 0
 
 
+def test_a_step_skipped_for_the_budget_is_shown_and_fails_nothing() -> None:
+    table, status = summary([Step("versions", True), Step("profile_step", True, "skipped: ...", True)])
+    assert status == 0 and "| profile_step | skipped | skipped: ... |" in table
+
+
+def test_the_budget_cuts_a_steps_timeout_then_skips_it() -> None:
+    budget = Budget(seconds=100.0, started=0.0)
+    assert budget.timeout(20.0, now=0.0) == 20.0
+    assert budget.timeout(150.0, now=50.0) == 100.0 - 50.0 - RESERVE_S  # cut to what is left
+    assert budget.timeout(150.0, now=100.0 - RESERVE_S - MIN_STEP_S + 1) is None
+    spent = Budget(seconds=1.0, started=0.0)
+    step = run("bench_gpu", ["/no/such/command"], {}, 60.0, spent)  # never started
+    assert step.skipped and step.ok and "--budget 1" in step.detail
+
+
+def test_the_benches_after_the_first_run_most_telling_first() -> None:
+    flags = [flags for flags, _, _ in extra_benches(parse_args([]))]
+    assert flags == ["--engine-process", "--overlap-steps off", "--no-fused-kernels"]
+    asked = extra_benches(parse_args(["--interval-levels", "256", "--unfused-levels", ""]))
+    assert [(flags, levels) for flags, levels, _ in asked] == [
+        ("--engine-process", "64,256"),
+        ("--overlap-steps off", "1,64,256"),
+        ("--stream-interval 4", "256"),
+    ]
+
+
 def test_arguments() -> None:
     args = parse_args(["--skip-bench", "--tokens", "16"])
     assert args.skip_bench and args.tokens == 16 and args.levels == "1,16,64,256"
     assert args.device == "cuda" and args.shape == "1.7b" and args.bench_skip == "serve"
     assert (args.interval_levels, args.unfused_levels, args.engine_levels) == ("", "1", "64,256")
-    assert args.serial_levels == "1,64,256"
+    assert args.serial_levels == "1,64,256" and args.budget == 560.0
     dry = parse_args(["--device", "cpu", "--shape", "tiny", "--profile-rows", "", "--interval-levels", ""])
     assert dry.device == "cpu" and dry.shape == "tiny" and not dry.profile_rows and not dry.interval_levels
 
