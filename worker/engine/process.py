@@ -152,6 +152,7 @@ def engine_main(connection: Connection, config: WorkerConfig, build: Callable[..
         task = serving.loaded.task
         sender.send(("load_failed", f"--engine-process serves generation only; this model's task is {task}"))
         return
+    freeze_startup_heap(log, "engine process")  # before any request can arrive
     try:
         sender.send(("ready", _facts(serving.loaded, engine.eos_token_ids, serving.max_running)))
     except Exception as error:  # pickling: the tokenizer or processor cannot cross to the serving process
@@ -162,7 +163,6 @@ def engine_main(connection: Connection, config: WorkerConfig, build: Callable[..
             ("load_failed", f"--engine-process: the model's tokenizer or processor cannot be sent ({why})")
         )
         return
-    freeze_startup_heap(log, "engine process")
     loop = _PipeLoop(sender)
     try:
         _serve(connection, sender, engine, loop)
