@@ -196,9 +196,9 @@ async def sluice_rounds(
                 level = LevelResult(c, time.perf_counter() - start, list(results))
                 by_level[c] = level.tokens_per_s
                 print_level(f"sluice round {round_}", level)
-                if before is not None and worker_pid:
+                if before is not None:
                     tokens = sum(r.tokens for r in level.results)
-                    print(f"  {cpu_line(before, snapshot(worker_pid), tokens)}", flush=True)
+                    print(f"  {cpu_line(before, snapshot(before.root), tokens)}", flush=True)
     return rounds[0], rounds[-1]
 
 

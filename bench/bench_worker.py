@@ -375,9 +375,9 @@ async def measure(
                     result = await run()
                     runs[name].setdefault(c, []).append(result)
                     report(f"{name} r{round_ + 1}", result)
-                    if before is not None and worker_pid:
+                    if before is not None:
                         tokens = sum(r.tokens for r in result.results)
-                        print(f"       {cpu_line(before, snapshot(worker_pid), tokens)}", flush=True)
+                        print(f"       {cpu_line(before, snapshot(before.root), tokens)}", flush=True)
     medians = {name: {c: median_level(r) for c, r in by_level.items()} for name, by_level in runs.items()}
     return medians["sluice"], medians["peer"], medians["json"]
 

@@ -49,21 +49,25 @@ def role(pid: int, root: int) -> str:
 
 @dataclass
 class CpuSnapshot:
-    """CPU seconds by role (process total, main thread) and this client's, at one moment."""
+    """CPU seconds by role (process total, main thread) of the worker ``root`` and its children,
+    and this client's, at one moment."""
 
+    root: int
     at: float
     roles: dict[str, tuple[float, float]]
     client: float
 
 
 def snapshot(root: int) -> CpuSnapshot:
+    """The CPU used so far by the worker ``root``'s processes, by role, and by this client."""
     roles: dict[str, tuple[float, float]] = {}
     for pid in [root, *children(root)]:
         with contextlib.suppress(OSError):  # ended meanwhile
             total, main = cpu_seconds(pid), cpu_seconds(pid, pid)
-            before = roles.get(role(pid, root), (0.0, 0.0))
-            roles[role(pid, root)] = (before[0] + total, before[1] + main)
-    return CpuSnapshot(time.perf_counter(), roles, time.process_time())
+            name = role(pid, root)
+            before = roles.get(name, (0.0, 0.0))
+            roles[name] = (before[0] + total, before[1] + main)
+    return CpuSnapshot(root, time.perf_counter(), roles, time.process_time())
 
 
 def cpu_line(before: CpuSnapshot, after: CpuSnapshot, tokens: int) -> str:
