@@ -86,8 +86,9 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 ]
 # Calls cut at the end of the grace period get this long to send their status.
 _CUT_WAIT_S = 2.0
-# The exit status after the device failed: the orchestrator restarts the worker.
-EXIT_DEVICE_FAILED = 3
+# The exit status after the engine could not go on (its device failed, or its state could no longer
+# be trusted: docs/worker.md, "Failure isolation"): the orchestrator restarts the worker.
+EXIT_ENGINE_FAILED = 3
 
 
 def eos_token_ids(loaded_model: object, tokenizer: object) -> set[int]:
@@ -368,7 +369,10 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
 
     device_failed = asyncio.Event()
 
-    def on_device_failure(_: BaseException) -> None:  # the engine thread
+    failures: list[BaseException] = []
+
+    def on_device_failure(failure: BaseException) -> None:  # the engine thread
+        failures.append(failure)
         with contextlib.suppress(RuntimeError):  # the loop is gone: the process is ending anyway
             loop.call_soon_threadsafe(device_failed.set)
 
@@ -403,12 +407,14 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
         await asyncio.wait({stopper, failing}, return_when=asyncio.FIRST_COMPLETED)
         if failing.done():
             log.error(
-                "the device failed: NOT_SERVING, exiting with status %d to be restarted", EXIT_DEVICE_FAILED
+                "the engine stopped (%s): NOT_SERVING, exiting with status %d to be restarted",
+                failures[0] if failures else "unknown failure",
+                EXIT_ENGINE_FAILED,
             )
             await _drain(served, health_service, 0.0)
             await server.stop(0)
             serving.engine.stop()
-            return EXIT_DEVICE_FAILED
+            return EXIT_ENGINE_FAILED
         failing.cancel()
         await _drain(served, health_service, config.grace_period)
         await server.stop(0)

@@ -12,19 +12,21 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
 
+from worker.engine.failures import DeviceFailure, EngineFailure, failure_message, raise_if_device_failed
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.prepare import Prepared, RequestPreparer
 from worker.engine.request_stream import RequestStream, StreamOpener
 from worker.engine.scheduler import Scheduler, Sequence, StepPlan, Work
 from worker.engine.speculation import RowSpeculation, Speculation
 from worker.engine.stats import EngineCounters, EngineStats
-from worker.model.device import bind_device, is_fatal_device_error
+from worker.errors import NotReady
+from worker.model.device import bind_device
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import ChunkImage
 from worker.model.step_inputs import Work as RunnerWork
@@ -45,11 +47,6 @@ from worker.types import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class DeviceFailure(Exception):
-    """The device failed during a step (:func:`worker.model.device.is_fatal_device_error`): every
-    later step would fail too, so the engine stops and its owner exits."""
 
 
 # A request still waiting for a slot hears ``queued`` again this often, so a caller's idle
@@ -184,7 +181,8 @@ class Engine:
         overlap: bool = False,
     ):
         """The KV pool's size and block size are the runner's (``num_blocks``, ``block_size``);
-        ``on_device_failure`` is called (on the engine thread) once the device failed;
+        ``on_device_failure`` is called (on the engine thread) once the engine cannot go on (its
+        device failed, or :class:`EngineFailure`: docs/worker.md, "Failure isolation");
         ``speculation``: speculative decoding (n-gram or draft proposals, every row verified as
         one-token steps would draw it; None: off); ``stream_interval``: a stream's tokens are handed
         over every that many steps (its first token and its end at once), which cuts the per-message
@@ -198,7 +196,7 @@ class Engine:
         self._in_flight: _InFlight | None = None
         self._stream_interval = stream_interval
         self._on_device_failure = on_device_failure
-        self.device_failure: BaseException | None = None
+        self.failure: EngineFailure | None = None  # what stopped the engine, if anything did
         self._runner = runner
         self._eos = frozenset(eos_token_ids)
         self._context_length = context_length
@@ -221,6 +219,7 @@ class Engine:
         )
         self._cv = threading.Condition()
         self._control: list[tuple[str, _Control, tuple[int, ...]]] = []
+        self._unended: list[_RequestState] = []  # failed where their failure could not be delivered
         self._progress_due: dict[str, float] = {}  # waiting request key -> when "queued" went out
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="sluice-engine", daemon=True)
@@ -298,6 +297,9 @@ class Engine:
         ]
         state = _RequestState(key, req, choices, stream)
         with self._cv:
+            if self._stopping:  # the loop has ended (or is ending): nothing would run this request
+                reason = "its engine failed" if self.failure is not None else "it is stopping"
+                raise NotReady(f"the worker cannot take requests: {reason}", retry_after_seconds=1.0)
             self._scheduler.add(state)
             self._progress_due[key] = time.monotonic()
             self.counters.requests_submitted += 1
@@ -341,56 +343,127 @@ class Engine:
     # --------------------------------------------------------------- loop
 
     def _loop(self) -> None:
+        """Runs turns until stopped; an :class:`EngineFailure` (or a failure of the failure handling
+        itself) fails every request and ends the loop, and the owner exits (docs/worker.md)."""
         bind_device(getattr(self._runner, "device", None))  # torch's current CUDA device is per thread
-        while True:
-            try:
-                scheduled = self._next_plan()
-            except Exception as exc:  # a scheduler bug must not kill the loop and hang every caller
-                log.exception("engine scheduling failed")
-                with self._cv:
-                    everyone = [*self._scheduler.waiting, *self._scheduler.running]
-                outputs: dict[str, list[CoreOutput]] = {}
-                for state in everyone:
-                    self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
-                self._publish(everyone, outputs)
-                continue
-            if scheduled is None:
-                return
-            plan, still_queued = scheduled
-            if still_queued:
-                deliver([(state.stream, [Progress("queued", 0.0)]) for state in still_queued])
-            if plan.failed:
-                outputs = {}
-                with self._cv:  # already out of the queue, so _fail does not count them
-                    self.counters.requests_failed += len(plan.failed)
-                for state, error in plan.failed:
-                    log.error("planning failed for %s: %r", state.key, error)
-                    self._fail(state, f"generation failed: {type(error).__name__}", outputs)
-                self._publish([state for state, _ in plan.failed], outputs)
-            try:
-                if not plan.empty:
-                    self._step(plan)
-                elif self._in_flight is not None:  # nothing to overlap with: read the draw now
-                    outputs = {}
-                    self._publish(self._resolve(outputs), outputs)
-            except DeviceFailure as failure:
-                self._device_failed(failure)
-                return
+        try:
+            while self._turn():
+                pass
+        except EngineFailure as failure:
+            self._stop_failed(failure)
+        except BaseException as error:  # a bug in the loop's own handling: no stream may be left open
+            log.exception("the engine loop failed")
+            self._stop_failed(EngineFailure(f"the engine loop failed: {type(error).__name__}: {error}"))
+        else:
+            self._end_all("generation failed: the worker's engine stopped")
 
-    def _device_failed(self, failure: DeviceFailure) -> None:
-        """Fails every request and ends the loop; the owner reports NOT_SERVING and exits."""
-        log.critical("the device failed (%s): failing every request; the engine stops", failure)
+    def _turn(self) -> bool:
+        """One turn of the loop: control messages, a plan and its step. A failure fails the requests it
+        belongs to and the loop goes on (:meth:`_contain`); False once stopping."""
+        try:
+            scheduled = self._next_plan()
+        except Exception as error:  # a scheduler bug: no request's plan can be trusted
+            with self._cv:
+                everyone = self._everyone()
+            self._contain(error, "scheduling", everyone)
+            return True
+        if scheduled is None:
+            return False
+        plan, still_queued = scheduled
+        if still_queued:
+            deliver([(state.stream, [Progress("queued", 0.0)]) for state in still_queued])
+        if plan.failed:
+            self._failed_planning(plan.failed)
+        try:
+            if not plan.empty:
+                self._step(plan)
+            elif self._in_flight is not None:  # nothing to overlap with: read the draw now
+                outputs: dict[str, list[CoreOutput]] = {}
+                self._publish(self._resolve(outputs), outputs)
+        except EngineFailure:
+            raise
+        except Exception as error:
+            self._contain(error, "the step", self._step_requests(plan))
+        return True
+
+    def _everyone(self) -> list[_RequestState]:
+        """Every request the scheduler holds, waiting or running (under the lock)."""
+        return [*self._scheduler.waiting, *self._scheduler.running]
+
+    def _failed_planning(self, failed: list[tuple[_RequestState, Exception]]) -> None:
+        """Requests whose planning raised: already out of the queue, each fails alone."""
+        outputs: dict[str, list[CoreOutput]] = {}
+        with self._cv:  # already out of the queue, so _fail does not count them
+            self.counters.requests_failed += len(failed)
+        for state, error in failed:
+            log.error("planning failed for %s: %r", state.key, error)
+            self._fail(state, failure_message(error), outputs)
+        self._publish([state for state, _ in failed], outputs)
+
+    def _step_requests(self, plan: StepPlan[_RequestState]) -> list[_RequestState]:
+        """The requests a step touched: planned, admitted, or with a token in the draw in flight."""
+        owners = {id(c.seq): s for s in self._scheduler.running for c in s.choices}
+        states = [*plan.admitted, *(owners[id(w.seq)] for w in plan.work if id(w.seq) in owners)]
+        if self._in_flight is not None:
+            states += [state for state, _ in self._in_flight.rows]
+        return list({id(s): s for s in states}.values())
+
+    def _contain(self, error: Exception, where: str, states: list[_RequestState]) -> None:
+        """Fails ``states`` for ``error`` raised in ``where`` (their draw in flight dropped), then
+        checks the block accounting: a failure that left it wrong, or that recurs while failing
+        them, stops the engine (:class:`EngineFailure`)."""
+        log.error("%s failed; failing %d request(s)", where, len(states), exc_info=error)
         with self._cv:
-            everyone = [*self._scheduler.waiting, *self._scheduler.running]
-            self.device_failure = failure
+            self.counters.step_failures += 1
+        try:
+            self._in_flight = None
+            outputs: dict[str, list[CoreOutput]] = {}
+            for state in states:
+                if not state.removed:
+                    self._fail(state, failure_message(error), outputs)
+            self._publish(states, outputs)
+            with self._cv:
+                problem = self.blocks.audit(
+                    c.seq.blocks for s in self._scheduler.running for c in s.choices if not c.finished
+                )
+        except Exception as again:
+            self._unended += states  # their failure may not have reached them: the last outputs will
+            raise EngineFailure(f"failing the requests of {where} failed: {type(again).__name__}") from again
+        if problem is not None:
+            raise EngineFailure(f"after {where} failed, the KV block accounting is wrong: {problem}")
+
+    def _stop_failed(self, failure: EngineFailure) -> None:
+        """Fails every request and ends the loop; the owner reports NOT_SERVING and exits."""
+        log.critical("the engine cannot go on (%s): failing every request; the engine stops", failure)
+        with self._cv:
+            self.failure = failure
             self._stopping = True
             self._in_flight = None
-        outputs: dict[str, list[CoreOutput]] = {}
-        for state in everyone:
-            self._fail(state, "generation failed: the worker's device failed", outputs)
-        self._publish(everyone, outputs)
+        message = (
+            "generation failed: the worker's device failed"
+            if isinstance(failure, DeviceFailure)
+            else "generation failed: the worker's engine failed"
+        )
+        self._end_all(message)
         if self._on_device_failure is not None:
             self._on_device_failure(failure)
+
+    def _end_all(self, message: str) -> None:
+        """Ends every request the engine holds with ``message`` (the loop is ending), touching neither
+        the scheduler's blocks nor anything else that may have failed."""
+        with self._cv:
+            self._stopping = True
+            held = self._everyone()
+            self.counters.requests_failed += len(held)
+            everyone = list({id(s): s for s in [*held, *self._unended]}.values())
+            for state in everyone:
+                state.removed = True
+            self._scheduler.waiting.clear()
+            self._scheduler.running.clear()
+        try:
+            deliver((state.stream, [CoreFailure(message)]) for state in everyone)
+        except Exception:
+            log.exception("the engine's last outputs could not be delivered")
 
     def _next_plan(self) -> tuple[StepPlan[_RequestState], list[_RequestState]] | None:
         """Waits for work, applies control messages and plans the next step (None once stopping); also
@@ -515,8 +588,7 @@ class Engine:
         try:
             logits = self._runner.execute([_runner_work(w) for w in work], fed)
         except Exception as exc:
-            if is_fatal_device_error(exc):
-                raise DeviceFailure(f"{type(exc).__name__}: {exc}") from exc
+            raise_if_device_failed(exc)
             error = exc
         resolved = self._resolve(outputs)
         if resolved:  # rows the previous draw ended (or failed) go no further
@@ -527,7 +599,7 @@ class Engine:
             decodes = [w for w in work if w.count == 1]
             blamed = chunks if chunks and decodes else work
             for state in {id(s): s for s in (owners[id(w.seq)][0] for w in blamed)}.values():
-                self._fail(state, f"generation failed: {type(error).__name__}", outputs)
+                self._fail(state, failure_message(error), outputs)
             if blamed is work:
                 return resolved
             work = [w for w in decodes if not _failed(outputs.get(owners[id(w.seq)][0].key, []))]
@@ -537,11 +609,10 @@ class Engine:
                 sampling = [w for w in work if w.samples]
                 logits = self._runner.execute([_runner_work(w) for w in work])
             except Exception as again:
-                if is_fatal_device_error(again):
-                    raise DeviceFailure(f"{type(again).__name__}: {again}") from again
+                raise_if_device_failed(again)
                 log.exception("decode forward failed")
                 for state in {id(s): s for s in (owners[id(w.seq)][0] for w in work)}.values():
-                    self._fail(state, f"generation failed: {type(again).__name__}", outputs)
+                    self._fail(state, failure_message(again), outputs)
                 return resolved
         # Both read ``computed``, which the commit moves. A prompt computed in chunks reports how far
         # it got after each chunk that did not finish it. A verified row commits once its accepted
@@ -597,8 +668,9 @@ class Engine:
         try:
             entries = self._runner.score(state.request.prompt_token_ids, top_n)
         except Exception as exc:
+            raise_if_device_failed(exc)
             log.exception("scoring the prompt of %s failed", state.key)
-            self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+            self._fail(state, failure_message(exc), outputs)
             return
         out = outputs.setdefault(state.key, [])
         out += [Admitted(now, cached), PromptScored(tuple(entries))]
@@ -623,11 +695,10 @@ class Engine:
         try:
             draw = draw_batch(logits, [c.sampling for _, c in rows])
         except Exception as exc:  # a sampling bug: these rows cannot go on, the cache is fine
-            if is_fatal_device_error(exc):
-                raise DeviceFailure(f"{type(exc).__name__}: {exc}") from exc
+            raise_if_device_failed(exc)
             log.exception("sampling failed")
             for state in {id(s): s for s, _ in rows}.values():
-                self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+                self._fail(state, failure_message(exc), outputs)
             return
         places = []
         for row, (_, choice) in enumerate(rows):
@@ -655,35 +726,63 @@ class Engine:
             for row in exc.rows:
                 failed[rows[row][0].key] = "generation failed: the grammar could not be applied"
         except Exception as exc:
-            if is_fatal_device_error(exc):
-                raise DeviceFailure(f"{type(exc).__name__}: {exc}") from exc
+            raise_if_device_failed(exc)
             log.exception("reading the draw failed")
             for state in states:
                 if not state.removed:
-                    self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+                    self._fail(state, failure_message(exc), outputs)
             return states
         now = time.monotonic()
+        tokens: list[NewToken] = []
+        first_tokens: list[float] = []  # each first token's time since its request arrived
         for (state, choice), place, sample in zip(rows, in_flight.places, samples, strict=True):
             if state.removed or state.key in failed or choice.finished:
                 continue
             try:
-                outputs.setdefault(state.key, []).append(self._advance(state, choice, place, sample, now))
+                tokens.append(self._advance(state, choice, place, sample, now))
             except Exception as exc:
                 log.exception("advancing %s failed", state.key)
-                failed[state.key] = f"generation failed: {type(exc).__name__}"
+                failed[state.key] = failure_message(exc)
+                continue
+            outputs.setdefault(state.key, []).append(tokens[-1])
+            if choice.sampling.generated == 1:
+                first_tokens.append(now - state.request.arrival_time)
+        with self._cv:  # the counters stats() copies, under its lock
+            self.counters.generated_tokens += len(tokens)
+            for seconds in first_tokens:
+                self.counters.time_to_first_token.observe(seconds)
         for state in states:
             if state.key in failed and not state.removed:
                 self._fail(state, failed[state.key], outputs)
         return states
 
     def _propose(self, state: _RequestState, seq: Sequence, room: int) -> list[int]:
-        """The scheduler's proposer (under the lock): n-gram proposals for an eligible choice that
-        has generated (its first token comes from the prompt's forward)."""
+        """The scheduler's proposer (called under the lock): an eligible choice's proposals once it
+        has generated (its first token comes from the prompt's forward). A draft model's forward runs
+        with the lock released; a proposer that raises costs this row its proposals for this step."""
         assert self._speculation is not None
         if seq.generated == 0:
             return []
         choice = next(c for c in state.choices if c.seq is seq)
-        return self._speculation.proposals(choice.sampling, choice.acceptance, seq.tokens, room)
+        try:
+            with self._unlocked() if self._speculation.draft is not None else contextlib.nullcontext():
+                return self._speculation.proposals(choice.sampling, choice.acceptance, seq.tokens, room)
+        except Exception as error:
+            raise_if_device_failed(error)
+            log.warning("proposing for %s failed (no proposals this step): %r", state.key, error)
+            self.counters.speculative_proposal_failures += 1
+            return []
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """Releases the lock the engine thread holds for a while. Safe while planning proposals: the
+        other threads only queue requests and control messages or read stats; the running set and
+        the blocks change on this thread alone."""
+        self._cv.release()
+        try:
+            yield
+        finally:
+            self._cv.acquire()
 
     def _verify(
         self,
@@ -741,9 +840,6 @@ class Engine:
         sampling.record(token)
         choice.seq.tokens[place] = token
         generated = sampling.generated
-        if generated == 1:
-            self.counters.time_to_first_token.observe(now - state.request.arrival_time)
-        self.counters.generated_tokens += 1
         opts = state.request.sampling
         finish, stop_token = None, None
         if token in opts.stop_token_ids or (not opts.ignore_eos and token in self._eos):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 _ROOT = 0  # the chain id of "no block before this one"
@@ -127,6 +127,27 @@ class BlockManager:
             self._reusable[block] = None
         else:
             self._free.append(block)
+
+    def audit(self, tables: Iterable[SequenceBlocks]) -> str | None:
+        """Checks the accounting against every live sequence's table: each block's reference count
+        equals the tables holding it, and each unreferenced block is free or (registered) reusable,
+        exactly once. Returns the first discrepancy found, or None. O(blocks): for failure paths."""
+        expected = [0] * self.num_blocks
+        for seq in tables:
+            for block in seq.table:
+                expected[block] += 1
+        for block, (refs, want) in enumerate(zip(self._refs, expected, strict=True)):
+            if refs != want:
+                return f"block {block} has {refs} reference(s), {want} table(s) hold it"
+        free, reusable = set(self._free), set(self._reusable)
+        if len(free) != len(self._free) or free & reusable:
+            return "a block is listed free twice, or both free and reusable"
+        idle = {block for block, refs in enumerate(self._refs) if refs == 0}
+        if free | reusable != idle:
+            return f"{len(idle ^ (free | reusable))} block(s) held yet listed free, or idle yet unlisted"
+        if not reusable <= self._by_block.keys():
+            return "an unregistered block is listed reusable"
+        return None
 
     # ---------------------------------------------------- prefix registry
 

@@ -25,6 +25,8 @@ class EngineCounters:
     speculative_proposed_tokens: int = 0  # proposals verified (--speculative)
     speculative_accepted_tokens: int = 0  # of them, those equal to the row's own draw
     speculative_paused_rows: int = 0  # times a row stopped proposing for low acceptance
+    speculative_proposal_failures: int = 0  # rows whose proposer raised (no proposals that step)
+    step_failures: int = 0  # steps (or plans) whose failure failed the requests they touched
     time_to_first_token: Histogram = field(default_factory=Histogram)
 
 

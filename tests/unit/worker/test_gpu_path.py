@@ -179,7 +179,7 @@ def test_a_device_error_makes_the_worker_not_serving_and_exit_non_zero(monkeypat
         return status, code
 
     status, code = asyncio.run(main())
-    assert status == server.EXIT_DEVICE_FAILED != 0
+    assert status == server.EXIT_ENGINE_FAILED != 0
     assert code is not None
     assert all(s == health_pb2.HealthCheckResponse.NOT_SERVING for s in health_seen)
 
