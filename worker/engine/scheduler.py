@@ -304,11 +304,7 @@ class Scheduler(Generic[T]):
         for seq in _live(item):
             if seq.awaits_prompt:
                 continue
-            cached = self.blocks.attach_prefix(seq.blocks, seq.cache_keys)
-            seq.computed = cached
-            if not seq.admitted:
-                seq.admitted = True
-                seq.cached_tokens = min(cached, seq.prompt_length)
+            seq.computed = self.blocks.attach_prefix(seq.blocks, seq.cache_keys)
             count = 1 if seq.pending == 1 else seq.chunk(min(seq.pending, max(budget, 0)))
             if count <= 0:
                 if own:  # its own sequences took the budget: this one waits as a running sequence
@@ -322,6 +318,7 @@ class Scheduler(Generic[T]):
             own = True
             if seq.pending > 1:
                 budget -= count
+        _count_cached(item)
         return budget, True
 
     def _preempt(self, item: T, plan: StepPlan[T]) -> None:
@@ -358,6 +355,16 @@ class _KeyedTokens(Tokens[int]):
         if isinstance(index, slice):
             return [self._key(p) for p in range(*index.indices(len(self._tokens)))]
         return self._key(index if index >= 0 else index + len(self._tokens))
+
+
+def _count_cached(item: Schedulable) -> None:
+    """Records, at a request's first admission that succeeds, the prompt tokens its sequences
+    reused from the prefix cache: what they attached (``computed`` until the step commits). An
+    admission that found its blocks short attached and let go again, so it counts nothing."""
+    for seq in _live(item):
+        if not seq.awaits_prompt and not seq.admitted:
+            seq.admitted = True
+            seq.cached_tokens = min(seq.computed, seq.prompt_length)
 
 
 def _live(item: Schedulable) -> list[Sequence]:

@@ -225,3 +225,29 @@ def test_a_request_with_more_choices_than_slots_is_refused_at_once():
     with pytest.raises(InvalidRequest, match="at most 2 sequences") as caught:
         s.add(item("wide", 3, n=3))
     assert caught.value.param == "n"
+
+
+def test_cached_tokens_are_the_tokens_reused_by_the_admission_that_succeeds():
+    # A 5-block pool of 4-token blocks. "a"'s 9-token prompt leaves two registered blocks (8 tokens)
+    # reusable; "b" then holds the other three blocks. A second "a" (the same prompt) attaches the
+    # two cached blocks but finds no block for its last token, so it waits with nothing taken; "b"'s
+    # next block evicts one of the two, and when "b" ends the second "a" is admitted reusing 4.
+    s = scheduler(blocks=5, size=4)
+    first = item("a", 9, max_tokens=2)
+    s.add(first)
+    run_step(s)
+    s.finish(first.sequences[0])
+    s.remove("a")
+    holder = item("b", 11, max_tokens=4)
+    s.add(holder)
+    run_step(s)
+    again = item("a", 9, max_tokens=2)
+    s.add(again)
+    assert run_step(s).admitted == []  # the attached prefix went back: the second "a" waits
+    assert run_step(s).admitted == []  # "b" took a fifth block: one of the prefix's two is gone
+    s.finish(holder.sequences[0])
+    s.remove("b")
+    plan = s.schedule()
+    seq = again.sequences[0]
+    assert plan.admitted == [again] and [w.count for w in plan.work] == [5]
+    assert seq.computed == 4 and seq.cached_tokens == 4  # reported as reused: what was reused
