@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from worker.engine.kv_blocks import BlockManager
-from worker.engine.scheduler import Scheduler, Sequence
+from worker.engine.scheduler import Scheduler, SchedulingFailed, Sequence
 from worker.errors import InvalidRequest, QueueFull
 
 
@@ -251,3 +251,50 @@ def test_cached_tokens_are_the_tokens_reused_by_the_admission_that_succeeds():
     seq = again.sequences[0]
     assert plan.admitted == [again] and [w.count for w in plan.work] == [5]
     assert seq.computed == 4 and seq.cached_tokens == 4  # reported as reused: what was reused
+
+
+def admission_raises_for(s: Scheduler[Item], bad: Item, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes ``bad``'s admission take its blocks, then raise (a bug in planning that request)."""
+    admit = s._admit
+
+    def failing(request: Item, budget: int, plan):  # type: ignore[no-untyped-def]
+        result = admit(request, budget, plan)
+        if request is bad:
+            raise ValueError("admission bug")
+        return result
+
+    monkeypatch.setattr(s, "_admit", failing)
+
+
+def test_a_request_whose_admission_raised_is_named_when_planning_raises_afterwards(monkeypatch):
+    s = scheduler()
+    s.add(item("decoding", 5))
+    run_step(s)
+    bad = item("bad", 5)
+    s.add(bad)
+    admission_raises_for(s, bad, monkeypatch)
+
+    def proposer_bug(request: Item, seq: Sequence, room: int) -> list[int]:
+        raise RuntimeError("proposer bug")
+
+    s.propose = proposer_bug  # runs after the admissions: the plan, and its failed list, are lost
+    with pytest.raises(SchedulingFailed) as caught:
+        s.schedule()
+    assert [request for request, _ in caught.value.failed] == [bad]
+    assert isinstance(caught.value.error, RuntimeError) and caught.value.__cause__ is caught.value.error
+    assert bad not in s.waiting and bad not in s.running and not bad.sequences[0].blocks.table
+
+
+def test_a_request_whose_admission_raised_is_named_when_freeing_its_blocks_raises(monkeypatch):
+    s = scheduler()
+    bad = item("bad", 5)
+    s.add(bad)
+    admission_raises_for(s, bad, monkeypatch)
+
+    def reference_bug(blocks) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("block 3 released more often than it was taken")
+
+    monkeypatch.setattr(s.blocks, "free", reference_bug)
+    with pytest.raises(SchedulingFailed) as caught:
+        s.schedule()
+    assert [request for request, _ in caught.value.failed] == [bad] and not s.waiting
