@@ -21,7 +21,7 @@ import torch
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.prepare import Prepared, RequestPreparer
 from worker.engine.request_stream import RequestStream, StreamOpener
-from worker.engine.scheduler import Scheduler, Sequence, StepPlan, Work
+from worker.engine.scheduler import Scheduler, SchedulingFailed, Sequence, StepPlan, Work
 from worker.engine.speculation import RowSpeculation, Speculation
 from worker.engine.stats import EngineCounters, EngineStats
 from worker.model.device import bind_device, is_fatal_device_error
@@ -347,11 +347,14 @@ class Engine:
                 scheduled = self._next_plan()
             except Exception as exc:  # a scheduler bug must not kill the loop and hang every caller
                 log.exception("engine scheduling failed")
+                failed = [s for s, _ in exc.failed] if isinstance(exc, SchedulingFailed) else []
+                cause = exc.error if isinstance(exc, SchedulingFailed) else exc
                 with self._cv:
-                    everyone = [*self._scheduler.waiting, *self._scheduler.running]
+                    self.counters.requests_failed += len(failed)  # out of the queue: _fail cannot count them
+                    everyone = [*self._scheduler.waiting, *self._scheduler.running, *failed]
                 outputs: dict[str, list[CoreOutput]] = {}
                 for state in everyone:
-                    self._fail(state, f"generation failed: {type(exc).__name__}", outputs)
+                    self._fail(state, f"generation failed: {type(cause).__name__}", outputs)
                 self._publish(everyone, outputs)
                 continue
             if scheduled is None:
