@@ -22,7 +22,7 @@ from worker.engine.failures import DeviceFailure, EngineFailure, failure_message
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.prepare import Prepared, RequestPreparer
 from worker.engine.request_stream import RequestStream, StreamOpener
-from worker.engine.scheduler import Scheduler, Sequence, StepPlan, Work
+from worker.engine.scheduler import Scheduler, SchedulingFailed, Sequence, StepPlan, Work
 from worker.engine.speculation import RowSpeculation, Speculation
 from worker.engine.stats import EngineCounters, EngineStats
 from worker.errors import NotReady
@@ -362,10 +362,17 @@ class Engine:
         belongs to and the loop goes on (:meth:`_contain`); False once stopping."""
         try:
             scheduled = self._next_plan()
-        except Exception as error:  # a scheduler bug: no request's plan can be trusted
+        except SchedulingFailed as failure:  # a scheduler bug: no request's plan can be trusted
+            failed = [state for state, _ in failure.failed]  # out of the queue: counted here
+            with self._cv:
+                self.counters.requests_failed += len(failed)
+                everyone = [*self._everyone(), *failed]
+            self._contain(failure.error, "scheduling", everyone)
+            return True
+        except Exception as error:  # control messages or the scheduler's state: fail everyone
             with self._cv:
                 everyone = self._everyone()
-            self._contain(error, "scheduling", everyone)
+            self._contain(error, "planning", everyone)
             return True
         if scheduled is None:
             return False

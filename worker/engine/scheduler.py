@@ -9,7 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar, overload
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 from worker.engine.kv_blocks import BlockManager, SequenceBlocks
 from worker.errors import InvalidRequest, QueueFull
@@ -103,6 +103,17 @@ class StepPlan(Generic[T]):
     @property
     def empty(self) -> bool:
         return not self.work and not self.admitted
+
+
+class SchedulingFailed(Exception):
+    """:meth:`Scheduler.schedule` raised (``error``, also the ``__cause__``). ``failed``: the requests
+    the call had already taken out of the queue because their own admission raised, with their
+    errors, as the plan's ``failed`` would have listed them; the caller must fail them too."""
+
+    def __init__(self, failed: list[tuple[Any, Exception]], error: Exception):
+        super().__init__(f"planning the step failed: {type(error).__name__}: {error}")
+        self.failed = failed
+        self.error = error
 
 
 # A running request's decoding sequence and the most tokens it may propose: its proposals (or []).
@@ -209,10 +220,26 @@ class Scheduler(Generic[T]):
             seq.computed = 0
 
     def schedule(self) -> StepPlan[T]:
+        """Plans the next step: the running requests (oldest first), then admissions, then
+        proposals. A request whose own admission raises leaves the queue for ``plan.failed``;
+        when planning raises otherwise, :class:`SchedulingFailed` carries those requests (they are
+        neither waiting nor running any more, so the caller fails them with the rest)."""
         plan: StepPlan[T] = StepPlan()
+        try:
+            budget = self._plan_running(plan)
+            budget = self._admit_waiting(plan, budget)
+            if self.propose is not None:
+                self._speculate(plan, budget)
+        except Exception as error:
+            raise SchedulingFailed(plan.failed, error) from error
+        return plan
+
+    def _plan_running(self, plan: StepPlan[T]) -> int:
+        """Plans every running request (oldest first), preempting newer ones for blocks; returns the
+        budget left."""
         budget = self.prefill_budget_tokens
         index = 0
-        while index < len(self.running):  # oldest first; a preemption shortens the list from its end
+        while index < len(self.running):  # a preemption shortens the list from its end
             item = self.running[index]
             planned = len(plan.work)
             budget, ok = self._plan(item, budget, plan)
@@ -221,6 +248,11 @@ class Scheduler(Generic[T]):
                 self._preempt(item, plan)
                 continue
             index += 1
+        return budget
+
+    def _admit_waiting(self, plan: StepPlan[T], budget: int) -> int:
+        """Admits waiting requests in order while slots, budget and free blocks allow; returns the
+        budget left."""
         while self.waiting and (budget > 0 or not plan.work):
             head = self.waiting[0]
             if len(head.sequences) + self.running_sequences > self.max_running:
@@ -230,9 +262,9 @@ class Scheduler(Generic[T]):
                 budget, ok = self._admit(head, budget, plan)
             except Exception as error:  # this request alone cannot be planned
                 self.waiting.popleft()
-                self._free(head)
+                plan.failed.append((head, error))  # listed first: reported even if freeing raises
                 del plan.work[planned:]
-                plan.failed.append((head, error))
+                self._free(head)
                 continue
             if not ok:
                 del plan.work[planned:]
@@ -241,9 +273,7 @@ class Scheduler(Generic[T]):
             self.waiting.popleft()
             self.running.append(head)
             plan.admitted.append(head)
-        if self.propose is not None:
-            self._speculate(plan, budget)
-        return plan
+        return budget
 
     def _plan(self, item: T, budget: int, plan: StepPlan[T]) -> tuple[int, bool]:
         """Plans a running request's sequences, preempting newer requests for blocks if needed."""
@@ -304,11 +334,7 @@ class Scheduler(Generic[T]):
         for seq in _live(item):
             if seq.awaits_prompt:
                 continue
-            cached = self.blocks.attach_prefix(seq.blocks, seq.cache_keys)
-            seq.computed = cached
-            if not seq.admitted:
-                seq.admitted = True
-                seq.cached_tokens = min(cached, seq.prompt_length)
+            seq.computed = self.blocks.attach_prefix(seq.blocks, seq.cache_keys)
             count = 1 if seq.pending == 1 else seq.chunk(min(seq.pending, max(budget, 0)))
             if count <= 0:
                 if own:  # its own sequences took the budget: this one waits as a running sequence
@@ -322,6 +348,7 @@ class Scheduler(Generic[T]):
             own = True
             if seq.pending > 1:
                 budget -= count
+        _count_cached(item)
         return budget, True
 
     def _preempt(self, item: T, plan: StepPlan[T]) -> None:
@@ -358,6 +385,16 @@ class _KeyedTokens(Tokens[int]):
         if isinstance(index, slice):
             return [self._key(p) for p in range(*index.indices(len(self._tokens)))]
         return self._key(index if index >= 0 else index + len(self._tokens))
+
+
+def _count_cached(item: Schedulable) -> None:
+    """Records, at a request's first admission that succeeds, the prompt tokens its sequences
+    reused from the prefix cache: what they attached (``computed`` until the step commits). An
+    admission that found its blocks short attached and let go again, so it counts nothing."""
+    for seq in _live(item):
+        if not seq.awaits_prompt and not seq.admitted:
+            seq.admitted = True
+            seq.cached_tokens = min(seq.computed, seq.prompt_length)
 
 
 def _live(item: Schedulable) -> list[Sequence]:

@@ -249,39 +249,6 @@ def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on(
     assert stats.kv_blocks_used == 0
 
 
-def test_a_request_failed_in_planning_ends_even_when_its_plan_raises(loaded) -> None:
-    """Its admission raised (it left the queue), then the same ``schedule()`` raised."""
-    eng = make_engine(loaded, prefill_budget_tokens=64, max_running=4)
-    scheduler = eng._scheduler
-    admit = scheduler._admit
-
-    def bad_admission(item: Any, budget: int, plan: Any) -> Any:
-        if not item.key.startswith("x"):
-            return admit(item, budget, plan)
-        if not any(c.seq.generated for s in scheduler.running for c in s.choices):
-            return budget, False  # x waits until steady decodes, so both meet in one schedule()
-        raise ValueError("bad request")
-
-    def broken_proposer(*_: Any) -> list[int]:
-        raise ZeroDivisionError("scheduler bug after the admission")
-
-    scheduler._admit = bad_admission  # type: ignore[method-assign]
-    scheduler.propose = broken_proposer  # runs after the admissions, for the decoding row
-
-    async def scenario() -> tuple[list, list]:
-        steady, x = await asyncio.gather(
-            stream(eng, request("steady", [5, 6, 7])), stream(eng, request("x", [9, 9, 9]))
-        )
-        return steady, x
-
-    try:
-        steady, x = run(scenario())
-    finally:
-        eng.stop()
-    assert failed(x) == "generation failed: ZeroDivisionError"
-    assert failed(steady) == "generation failed: ZeroDivisionError"
-
-
 def test_a_failure_that_leaves_the_block_accounting_wrong_stops_the_engine(loaded, monkeypatch) -> None:
     stopped: list[BaseException] = []
     eng = make_engine(loaded, prefill_budget_tokens=64, max_running=2)

@@ -1,6 +1,7 @@
 """The engine's step loop under preemption, driven one step at a time on a tiny pool (fake runner and
-the tiny model, in-process): stops reach preempted requests, progress bookkeeping empties, and every
-admission reports its cached prompt tokens."""
+the tiny model, in-process): stops reach preempted requests, progress bookkeeping empties, every
+admission reports its cached prompt tokens, and a request whose admission raised ends even when the
+rest of the step's planning raises."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from worker.model.fake_runner import FakeRunner, load_fake_model
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
 from worker.server import eos_token_ids
-from worker.types import GenerationRequest, SamplingOptions, Usage
+from worker.types import Failed, GenerationRequest, SamplingOptions, Usage
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +152,33 @@ def test_resumed_and_scored_requests_report_their_cached_prompt_tokens(tiny):
     scored_only = usage_of(run_one(engine, request(prompt, max_tokens=0, prompt_logprobs=0)))
     assert (resumed.cached_tokens, scored.cached_tokens, scored_only.cached_tokens) == (32, 32, 32)
     assert engine.counters.prefix_cache_hit_tokens - hits == 4 * 32
+
+
+def test_a_request_whose_admission_raised_ends_when_planning_then_raises(fake, monkeypatch):
+    async def scenario() -> None:
+        engine = engine_on(FakeRunner(fake, num_blocks=64, block_size=4), fake)
+        decoding = engine.submit(request(list(range(10, 18)), max_tokens=12, ignore_eos=True))
+        step(engine)
+        doomed = engine.submit(request(list(range(30, 38)), max_tokens=4))
+        scheduler = engine._scheduler
+        admit = scheduler._admit
+
+        def admission_bug(state, budget, plan):  # type: ignore[no-untyped-def]
+            if state.key == doomed.key:
+                raise ValueError("admission bug")
+            return admit(state, budget, plan)
+
+        def proposer_bug(state, seq, room):  # type: ignore[no-untyped-def]
+            raise RuntimeError("proposer bug")  # after the admissions: the plan is lost
+
+        monkeypatch.setattr(scheduler, "_admit", admission_bug)
+        monkeypatch.setattr(scheduler, "propose", proposer_bug)
+        passes = iter([engine._next_plan])
+        monkeypatch.setattr(engine, "_next_plan", lambda: next(passes, lambda: None)())
+        engine._loop()  # one pass (its planning raises), then the loop ends
+        for stream in (decoding, doomed):
+            events = await drain(stream)
+            assert isinstance(events[-1], Failed) and events[-1].message == "generation failed: RuntimeError"
+        assert engine.counters.requests_failed == 2 and engine.blocks.used == 0
+
+    asyncio.run(scenario())

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from worker.engine.kv_blocks import BlockManager
-from worker.engine.scheduler import Scheduler, Sequence
+from worker.engine.scheduler import Scheduler, SchedulingFailed, Sequence
 from worker.errors import InvalidRequest, QueueFull
 
 
@@ -225,3 +225,76 @@ def test_a_request_with_more_choices_than_slots_is_refused_at_once():
     with pytest.raises(InvalidRequest, match="at most 2 sequences") as caught:
         s.add(item("wide", 3, n=3))
     assert caught.value.param == "n"
+
+
+def test_cached_tokens_are_the_tokens_reused_by_the_admission_that_succeeds():
+    # A 5-block pool of 4-token blocks. "a"'s 9-token prompt leaves two registered blocks (8 tokens)
+    # reusable; "b" then holds the other three blocks. A second "a" (the same prompt) attaches the
+    # two cached blocks but finds no block for its last token, so it waits with nothing taken; "b"'s
+    # next block evicts one of the two, and when "b" ends the second "a" is admitted reusing 4.
+    s = scheduler(blocks=5, size=4)
+    first = item("a", 9, max_tokens=2)
+    s.add(first)
+    run_step(s)
+    s.finish(first.sequences[0])
+    s.remove("a")
+    holder = item("b", 11, max_tokens=4)
+    s.add(holder)
+    run_step(s)
+    again = item("a", 9, max_tokens=2)
+    s.add(again)
+    assert run_step(s).admitted == []  # the attached prefix went back: the second "a" waits
+    assert run_step(s).admitted == []  # "b" took a fifth block: one of the prefix's two is gone
+    s.finish(holder.sequences[0])
+    s.remove("b")
+    plan = s.schedule()
+    seq = again.sequences[0]
+    assert plan.admitted == [again] and [w.count for w in plan.work] == [5]
+    assert seq.computed == 4 and seq.cached_tokens == 4  # reported as reused: what was reused
+
+
+def admission_raises_for(s: Scheduler[Item], bad: Item, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Makes ``bad``'s admission take its blocks, then raise (a bug in planning that request)."""
+    admit = s._admit
+
+    def failing(request: Item, budget: int, plan):  # type: ignore[no-untyped-def]
+        result = admit(request, budget, plan)
+        if request is bad:
+            raise ValueError("admission bug")
+        return result
+
+    monkeypatch.setattr(s, "_admit", failing)
+
+
+def test_a_request_whose_admission_raised_is_named_when_planning_raises_afterwards(monkeypatch):
+    s = scheduler()
+    s.add(item("decoding", 5))
+    run_step(s)
+    bad = item("bad", 5)
+    s.add(bad)
+    admission_raises_for(s, bad, monkeypatch)
+
+    def proposer_bug(request: Item, seq: Sequence, room: int) -> list[int]:
+        raise RuntimeError("proposer bug")
+
+    s.propose = proposer_bug  # runs after the admissions: the plan, and its failed list, are lost
+    with pytest.raises(SchedulingFailed) as caught:
+        s.schedule()
+    assert [request for request, _ in caught.value.failed] == [bad]
+    assert isinstance(caught.value.error, RuntimeError) and caught.value.__cause__ is caught.value.error
+    assert bad not in s.waiting and bad not in s.running and not bad.sequences[0].blocks.table
+
+
+def test_a_request_whose_admission_raised_is_named_when_freeing_its_blocks_raises(monkeypatch):
+    s = scheduler()
+    bad = item("bad", 5)
+    s.add(bad)
+    admission_raises_for(s, bad, monkeypatch)
+
+    def reference_bug(blocks) -> None:  # type: ignore[no-untyped-def]
+        raise RuntimeError("block 3 released more often than it was taken")
+
+    monkeypatch.setattr(s.blocks, "free", reference_bug)
+    with pytest.raises(SchedulingFailed) as caught:
+        s.schedule()
+    assert [request for request, _ in caught.value.failed] == [bad] and not s.waiting
