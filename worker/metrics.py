@@ -57,6 +57,11 @@ _COUNTERS = (
     ),
     ("sluice_worker_steps", "engine steps run", "steps"),
     (
+        "sluice_worker_step_failures",
+        "steps (or plans) whose failure failed the requests they touched; the engine went on",
+        "step_failures",
+    ),
+    (
         "sluice_worker_decode_only_steps",
         "engine steps whose every row decoded one token (on CUDA each should replay a graph)",
         "decode_only_steps",
@@ -78,6 +83,11 @@ _SPECULATIVE_COUNTERS = (
         "sluice_worker_speculative_paused_rows",
         "times a row stopped proposing for a while, its acceptance below --speculative-min-acceptance",
         "speculative_paused_rows",
+    ),
+    (
+        "sluice_worker_speculative_proposal_failures",
+        "rows whose proposer raised: no proposals for that row in that step, nothing else failed",
+        "speculative_proposal_failures",
     ),
 )
 
