@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from worker.output.formats.registry import TOOL_PARSERS, reasoning_stage, tool_call_stream
-from worker.output.tool_calls import CallPiece, ContentPiece
+from worker.formats.base import CallPiece, ContentPiece
+from worker.formats.registry import TOOL_PARSERS, reasoning_stage, tool_call_stream
 
 
 def run_tools(parser_name: str, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, dict]]]:
