@@ -24,6 +24,7 @@ from sluice.settings import (
     setting,
     text,
 )
+from worker.formats.registry import REASONING_PARSERS, TOOL_PARSERS  # vLLM's names, one file each
 
 ENV_PREFIX = "SLUICE_WORKER_"
 # Where converted models (the default GGUF model dequantized once) are kept unless
@@ -45,23 +46,6 @@ def _metrics_port(raw: str) -> int:
     if not 0 <= value <= 65535:
         raise ValueError(f"must be 0 (off) to 65535, got {raw!r}")
     return value
-
-
-# vLLM's parser names (worker/output/formats/registry.py implements each; a test keeps them equal).
-TOOL_CALL_PARSERS = (
-    "hermes",
-    "llama3_json",
-    "pythonic",
-    "mistral",
-    "deepseek_v3",
-    "deepseek_v31",
-    "openai",
-    "phi4_mini_json",
-    "granite",
-    "glm45",
-    "qwen3_coder",
-)
-REASONING_PARSERS = ("qwen3", "deepseek_r1", "glm45", "granite", "mistral", "openai_gptoss")
 
 
 def _template_file(raw: str) -> str:
@@ -333,7 +317,7 @@ class WorkerConfig:
     )
     tool_call_parser: str = setting(
         "auto",
-        choice("auto", "none", *TOOL_CALL_PARSERS),
+        choice("auto", "none", *TOOL_PARSERS),
         "the tool-call format (vLLM's names); auto: chosen from the model type and the chat template",
     )
     reasoning_parser: str = setting(

@@ -57,7 +57,7 @@ class OutputOptions:
     reasoning: bool = False  # the model thinks between <think> markers
     keep_reasoning: bool = True  # False: thinking was turned off; drop any that appears
     starts_thinking: bool = False  # the prompt already opened the thinking block
-    tool_parser: str = "hermes"  # the family's tool-call format (worker.output.formats.registry)
+    tool_parser: str = "hermes"  # the family's tool-call format (a worker/formats/ name)
     reasoning_parser: str = "qwen3"  # the family's thinking format
     keep_special_tokens: bool = False  # the formats' markers are special tokens: decode them
 

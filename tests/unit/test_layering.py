@@ -21,6 +21,7 @@ WORKER_LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("worker.output",), ("worker.sampling",), ("worker.model",)),
     (("worker.attention",), ("worker.quant",)),
     (("worker.config", "worker.errors", "worker.types"),),  # settings and the shared vocabulary
+    (("worker.formats",),),  # the model families' text formats, read by settings, output, sampling, service
 )
 # Function-level imports of worker modules that are there for start-up time or an optional
 # dependency, never to dodge a circle.

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from worker.output.formats.registry import reasoning_stage, tool_call_stream
-from worker.output.tool_calls import CallPiece, Piece
+from worker.formats.base import CallPiece, Piece
+from worker.formats.registry import reasoning_stage, tool_call_stream
 from worker.types import ContentDelta, OutputOptions, ReasoningDelta, TokenLogprob, ToolCallDelta
 
 OutputEvent = ContentDelta | ReasoningDelta | ToolCallDelta

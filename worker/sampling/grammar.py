@@ -1,4 +1,3 @@
-# ruff: noqa: RUF001 (DeepSeek's markers have full-width bars and U+2581)
 """Grammar-constrained decoding with llguidance (see docs/constrained-decoding.md for the choice).
 
 Design notes: docs/worker.md.
@@ -15,6 +14,8 @@ from urllib.parse import unquote
 import torch
 
 from worker.errors import InvalidRequest
+from worker.formats.declaration import TaggedCall
+from worker.formats.registry import CALL_GRAMMARS, call_grammar
 from worker.sampling.grammar_forms import (
     choice_grammar,
     gbnf_grammar,
@@ -39,7 +40,7 @@ class GrammarSpec:
     choices: tuple[str, ...] = ()  # choice: the strings
     functions: tuple[tuple[str, dict[str, Any]], ...] = ()  # tool_call: (name, parameters schema)
     parallel: bool = False  # tool_call: allow several calls
-    call_format: str = "hermes"  # tool_call: the family's call format (see CALL_FORMATS)
+    call_format: str = "hermes"  # tool_call: the family's call format (worker/formats/ declares each)
     param: str = "response_format"  # the request field to name in errors
 
 
@@ -127,62 +128,6 @@ def tool_call_schema(
     return schema
 
 
-# Each family's forced call: (before, after) the JSON of a call ("{name}" is the function's name;
-# without it the JSON is {"name", "arguments"}), markers in <...> are special tokens where the
-# vocabulary has them as one token. Formats that tag arguments one by one: TAGGED_FORMATS.
-CALL_FORMATS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "hermes": (("<tool_call>", "\n"), ("\n", "</tool_call>")),
-    "llama3_json": ((), ()),
-    "mistral": (("[TOOL_CALLS]", "["), ("]",)),
-    "mistral_v11": (("[TOOL_CALLS]", "{name}", "[ARGS]"), ()),
-    "openai": (
-        ("<|channel|>", "commentary to=functions.{name} ", "<|constrain|>", "json", "<|message|>"),
-        ("<|call|>",),
-    ),
-    "deepseek_v3": (
-        (
-            "<｜tool▁calls▁begin｜>",
-            "<｜tool▁call▁begin｜>",
-            "function",
-            "<｜tool▁sep｜>",
-            "{name}\n```json\n",
-        ),
-        ("\n```", "<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"),
-    ),
-    "deepseek_v31": (
-        ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "{name}", "<｜tool▁sep｜>"),
-        ("<｜tool▁call▁end｜>", "<｜tool▁calls▁end｜>"),
-    ),
-    "phi4_mini_json": (("functools[",), ("]",)),
-    "granite": (("<|tool_call|>", "["), ("]",)),
-}
-
-
-# Formats that tag arguments one by one: (call start, parameter start, between key and value, parameter
-# end, call end, separator between calls); "{name}"/"{key}" are filled in. A value is forced as the
-# JSON of its property's schema (each parser reads a value as JSON when it is JSON).
-TAGGED_FORMATS: dict[str, tuple[str, str, str, str, str, str]] = {
-    "qwen3_coder": (
-        "<tool_call>\n<function={name}>\n",
-        "<parameter={key}>\n",
-        "",
-        "\n</parameter>\n",
-        "</function>\n</tool_call>",
-        "\n",
-    ),
-    "glm45": (
-        "<tool_call>{name}\n",
-        "<arg_key>{key}</arg_key>\n<arg_value>",
-        "",
-        "</arg_value>\n",
-        "</tool_call>",
-        "\n",
-    ),
-    "pythonic": ("{name}(", "{key}=", "", "", ")", ", "),
-}
-TAGGED_MARKERS = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
-
-
 def _pieces(parts: tuple[str, ...], name: str, specials: Mapping[str, int]) -> str:
     """Lark for a marker sequence: a special token as ``<[id]>``, text as a quoted literal."""
     out = []
@@ -194,22 +139,19 @@ def _pieces(parts: tuple[str, ...], name: str, specials: Mapping[str, int]) -> s
 
 def call_markers() -> set[str]:
     """Every marker of every forced-call format (for looking up which are single tokens)."""
-    fixed = {part for before, after in CALL_FORMATS.values() for part in before + after if "{" not in part}
-    return fixed | set(TAGGED_MARKERS)
+    return {marker for grammar in CALL_GRAMMARS.values() for marker in grammar.markers}
 
 
-def _tagged_lark(spec: GrammarSpec, specials: Mapping[str, int]) -> str:
+def _tagged_lark(spec: GrammarSpec, form: TaggedCall, specials: Mapping[str, int]) -> str:
     """A forced call in a tagged format: the required parameters in order, then each optional one
-    or not (pythonic: all of them), every value the JSON of its property's schema."""
-    start, key_start, between, key_end, end, separator = TAGGED_FORMATS[spec.call_format]
-    comma = spec.call_format == "pythonic"
+    or not (``every_parameter``: all of them), every value the JSON of its property's schema."""
     rules = []
     for i, (name, params) in enumerate(spec.functions):
         root_defs: dict[str, Any] = {}
         embedded = embed_schema(params, f"t{i}_", root_defs) if params else {}
         properties = embedded.get("properties") or {}
         required = [k for k in embedded.get("required") or [] if k in properties]
-        if comma:  # Python's argument list: every parameter given (no dangling comma to manage)
+        if form.every_parameter:
             required = list(properties)
         order = required + [k for k in properties if k not in required]
         parts = []
@@ -218,26 +160,28 @@ def _tagged_lark(spec: GrammarSpec, specials: Mapping[str, int]) -> str:
             if root_defs:
                 schema = {**schema, "$defs": root_defs}
             rules.append(f"v{i}_{j}: %json {json.dumps({**schema, 'x-guidance': COMPACT})}\n")
-            lead = ", " if comma and j else ""
-            piece = f"{text_lark(lead + key_start.replace('{key}', key) + between, specials)} v{i}_{j}"
-            piece += f" {text_lark(key_end, specials)}" if key_end else ""
+            lead = form.parameter_separator if j else ""
+            piece = f"{text_lark(lead + form.key_start.replace('{key}', key), specials)} v{i}_{j}"
+            piece += f" {text_lark(form.key_end, specials)}" if form.key_end else ""
             parts.append(piece if key in required else f"({piece})?")
         body = " ".join(parts) if parts else '""'
-        head = text_lark(start.replace("{name}", name), specials)
-        rules.append(f"call{i}: {head} {body} {text_lark(end, specials)}\n")
+        head = text_lark(form.start.replace("{name}", name), specials)
+        rules.append(f"call{i}: {head} {body} {text_lark(form.end, specials)}\n")
     call = " | ".join(f"call{i}" for i in range(len(spec.functions)))
-    sep = text_lark(separator, specials)
-    many = f"call ({sep} call)*" if spec.parallel else "call"
-    top = f'"[" {many} "]"' if spec.call_format == "pythonic" else many
+    sep = text_lark(form.separator, specials)
+    top = f"call ({sep} call)*" if spec.parallel else "call"
+    opening, closing = form.around
+    if opening or closing:
+        top = f"{json.dumps(opening)} {top} {json.dumps(closing)}"
     return f"start: {top}\ncall: {call}\n" + "".join(rules)
 
 
 def _tool_call_lark(spec: GrammarSpec, specials: Mapping[str, int]) -> str:
-    if spec.call_format in TAGGED_FORMATS:
-        return _tagged_lark(spec, specials)
-    before, after = CALL_FORMATS.get(spec.call_format, CALL_FORMATS["hermes"])
+    form = call_grammar(spec.call_format)
+    if isinstance(form, TaggedCall):
+        return _tagged_lark(spec, form, specials)
+    before, after, key = form.before, form.after, form.key
     named = any("{name}" in part for part in before)
-    key = "parameters" if spec.call_format == "llama3_json" else "arguments"
     rules = []
     for i, (name, params) in enumerate(spec.functions):
         if named:
@@ -250,7 +194,7 @@ def _tool_call_lark(spec: GrammarSpec, specials: Mapping[str, int]) -> str:
         rules.append(f"call{i}: {_pieces(before, name, specials)} body{i} {_pieces(after, name, specials)}\n")
         rules.append(f"body{i}: %json {body}\n")
     call = " | ".join(f"call{i}" for i in range(len(spec.functions)))
-    separator = '"\\n"' if spec.call_format == "hermes" else '""'
+    separator = json.dumps(form.separator)
     start = f"call ({separator} call)*" if spec.parallel else "call"
     return f"start: {start}\ncall: {call}\n" + "".join(rules)
 

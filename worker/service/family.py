@@ -1,4 +1,3 @@
-# ruff: noqa: RUF001 (DeepSeek's markers have full-width bars and U+2581)
 """The model family's formats, chosen once at load from its ``model_type`` and what its chat template
 renders (probed with a sentinel tool and call, as llama.cpp does): parsers, the thinking switch,
 where earlier reasoning goes, the tool-call id rule, extra stop tokens, special-token decoding.
@@ -13,6 +12,8 @@ import string
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from worker.formats.declaration import ReasoningFormat, ToolFormat
+from worker.formats.registry import REASONING_FORMATS, TOOL_FORMATS
 from worker.model.mistral_tokenizer import mistral_common_of
 from worker.service.mistral_prompt import mistral_thinks
 from worker.service.template_fixes import fix_template
@@ -24,23 +25,6 @@ PROBE_DESCRIPTION = "sluice probe description"
 PROBE_ID = "sluiceab1"  # nine alphanumerics: what Mistral's templates require
 PROBE_ARG = "sluice_probe_value"
 PROBE_THOUGHT = "sluice probe thought"
-# Each parser's markers: when one is a special token, the text must keep special tokens.
-PARSER_MARKERS: dict[str, tuple[str, ...]] = {
-    "hermes": ("<tool_call>", "</tool_call>"),
-    "llama3_json": ("<|python_tag|>",),
-    "mistral": ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "[THINK]", "[/THINK]"),
-    "deepseek_v3": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"),
-    "deepseek_v31": ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>"),
-    "openai": ("<|channel|>", "<|message|>", "<|end|>", "<|start|>"),
-    "openai_gptoss": ("<|channel|>", "<|message|>"),
-    "granite": ("<|tool_call|>",),
-    "glm45": ("<tool_call>", "<arg_key>"),
-    "qwen3_coder": ("<tool_call>",),
-}
-
-
-# Families whose template does not render earlier calls (so the probe cannot see the format).
-MODEL_TYPE_CALLS = {"granite": "granite"}
 
 
 @dataclass(frozen=True)
@@ -48,8 +32,8 @@ class FamilyProfile:
     """How one model's prompts are rendered and its output parsed."""
 
     family: str  # what was recognised ("unknown": today's behaviour)
-    tool_parser: str = "hermes"  # worker.output.formats.registry names ("hermes": also bare JSON)
-    call_grammar: str = "hermes"  # the forced-call format (worker.sampling.grammar)
+    tool_parser: str = "hermes"  # a worker/formats/ name ("hermes": also bare JSON)
+    call_grammar: str = "hermes"  # the forced-call grammar: the format's or its variant's name
     reasoning_parser: str | None = None
     thinking_switch: str = "enable_thinking"  # the template variable that turns thinking on/off
     reasoning_field: str = "reasoning_content"  # where the template reads earlier reasoning
@@ -129,21 +113,27 @@ def _call_turn(
     ]
 
 
+# The formats in the order their probes are tried (worker/formats/declaration.py: CallProbe).
+_CALL_PROBES = sorted(TOOL_FORMATS.values(), key=lambda tool: (tool.probe.rank, tool.name))
+_THINKING_PROBES = sorted(REASONING_FORMATS.values(), key=lambda thinking: (thinking.rank, thinking.name))
+
+
 def _call_format(rendered: str) -> str | None:
-    """The tool-call parser whose format a rendered assistant call is in."""
-    checks = [
-        ("to=functions.", "openai"),
-        ("<｜tool▁calls▁begin｜>", "deepseek_v3" if "function<｜tool▁sep｜>" in rendered else "deepseek_v31"),
-        ("[TOOL_CALLS]", "mistral"),
-        ("<function=", "qwen3_coder"),
-        ("<arg_key>", "glm45"),
-        ("<|tool_call|>", "granite"),
-        ("functools[", "phi4_mini_json"),
-        ("<tool_call>", "hermes"),
-        (f"{PROBE_TOOL}(", "pythonic"),
-        ('"parameters"', "llama3_json"),
-    ]
-    return next((parser for marker, parser in checks if marker in rendered), None)
+    """The tool-call format a rendered assistant call is in: the first whose probe markers all show."""
+    return next(
+        (
+            tool.name
+            for tool in _CALL_PROBES
+            if all(marker.replace("{tool}", PROBE_TOOL) in rendered for marker in tool.probe.markers)
+        ),
+        None,
+    )
+
+
+def _model_type_calls(model_type: str) -> str:
+    """The format a model type writes when its template renders no earlier call (hermes otherwise)."""
+    base = model_type.split("moe")[0]
+    return next((tool.name for tool in TOOL_FORMATS.values() if base in tool.model_types), "hermes")
 
 
 def _is_special(tokenizer: Any, marker: str) -> bool:
@@ -153,21 +143,29 @@ def _is_special(tokenizer: Any, marker: str) -> bool:
     return bool(token is not None and getattr(token, "special", False) and token.content == marker)
 
 
-def _reasoning(model_type: str, template: str, probe: _Probe, tokenizer: Any) -> str | None:
+def _reasoning(model_type: str, template: str, tokenizer: Any) -> str | None:
+    """The thinking format the model type, template and vocabulary show (None: it does not think)."""
     vocab = tokenizer.get_vocab()
-    if "<|channel|>" in template and "<|channel|>" in vocab:
-        return "openai_gptoss"
-    if "[THINK]" in template:
-        return "mistral"
-    if "<think>" not in template and "<think>" not in vocab:
-        return None
-    if model_type.startswith("granite"):
-        return "granite"
-    if model_type.startswith("glm"):
-        return "glm45"
-    if model_type.startswith("deepseek") or "｜Assistant｜" in template:
-        return "deepseek_r1"
-    return "qwen3"
+    return next(
+        (thinking.name for thinking in _THINKING_PROBES if thinking.shown(model_type, template, vocab)), None
+    )
+
+
+def _declared(tool_parser: str, reasoning: str | None) -> list[ToolFormat | ReasoningFormat]:
+    """The chosen formats' declarations (a name no file declares has none)."""
+    found = (REASONING_FORMATS.get(reasoning or ""), TOOL_FORMATS.get(tool_parser))
+    return [declared for declared in found if declared is not None]
+
+
+def _markers(tool_parser: str, reasoning: str | None) -> tuple[str, ...]:
+    """The markers the chosen formats' parsers read."""
+    return tuple(marker for declared in _declared(tool_parser, reasoning) for marker in declared.markers)
+
+
+def _stop_tokens(tool_parser: str, reasoning: str | None) -> tuple[str, ...]:
+    """The tokens besides EOS that end a turn in the chosen formats."""
+    stops = (token for declared in _declared(tool_parser, reasoning) for token in declared.stop_tokens)
+    return tuple(dict.fromkeys(stops))
 
 
 def _thinking_switch(probe: _Probe) -> str:
@@ -199,15 +197,17 @@ def _mistral_common_profile(mistral: Any, tokenizer: Any) -> FamilyProfile:
     encoded by mistral-common, worker/service/mistral_prompt.py)."""
     inner = mistral.instruct_tokenizer.tokenizer
     specials = inner._special_tokens_reverse_vocab
-    named = "[ARGS]" in specials and inner.version.value not in ("v1", "v2", "v3", "v7")
+    named = TOOL_FORMATS["mistral"].variant  # v11 and later: [TOOL_CALLS]NAME[ARGS]{...}
+    assert named is not None
+    v11 = named.marker in specials and inner.version.value not in ("v1", "v2", "v3", "v7")
     return FamilyProfile(
         family="mistral",
         tool_parser="mistral",
-        call_grammar="mistral_v11" if named else "mistral",
+        call_grammar=named.name if v11 else "mistral",
         reasoning_parser="mistral" if mistral_thinks(mistral) else None,
         template_tools=True,
         nine_char_ids=True,
-        keep_special_tokens=any(_is_special(tokenizer, m) for m in PARSER_MARKERS["mistral"]),
+        keep_special_tokens=any(_is_special(tokenizer, m) for m in _markers("mistral", "mistral")),
     )
 
 
@@ -255,21 +255,16 @@ def choose_profile(
     sluice_ids_work = bool(probe.render(turn, tools=[_TOOL]))
     detected = _call_format(call) if PROBE_ARG in call else None
     # A template that renders no earlier call says nothing of the format: the model type may.
-    tool_parser = detected or MODEL_TYPE_CALLS.get(model_type.split("moe")[0], "hermes")
+    tool_parser = detected or _model_type_calls(model_type)
     if tool_call_parser not in ("auto", "none"):
         tool_parser = tool_call_parser
-    reasoning = _reasoning(model_type, source, probe, tokenizer) if source or model_type else None
+    reasoning = _reasoning(model_type, source, tokenizer) if source or model_type else None
     if reasoning_parser != "auto":
         reasoning = None if reasoning_parser == "none" else reasoning_parser
     grammar = tool_parser
-    if tool_parser == "mistral" and "[ARGS]" in (call or source):
-        grammar = "mistral_v11"
-    markers = PARSER_MARKERS.get(tool_parser, ()) + PARSER_MARKERS.get(reasoning or "", ())
-    stops: tuple[str, ...] = ()
-    if reasoning == "openai_gptoss" or tool_parser == "openai":
-        stops = ("<|call|>",)
-    elif tool_parser == "llama3_json":
-        stops = ("<|eom_id|>",)  # Llama 3.x ends a built-in tool's call with it (awaiting the result)
+    variant = TOOL_FORMATS[tool_parser].variant if tool_parser in TOOL_FORMATS else None
+    if variant is not None and variant.marker in (call or source):
+        grammar = variant.name
     family = detected or reasoning or "unknown"
     profile = FamilyProfile(
         family=family,
@@ -284,8 +279,8 @@ def choose_profile(
         template_tools=PROBE_DESCRIPTION in with_tools or tools_in_system,
         tools_in_system=tools_in_system,
         nine_char_ids=bool(call) and not sluice_ids_work,
-        stop_tokens=stops,
-        keep_special_tokens=any(_is_special(tokenizer, m) for m in markers),
+        stop_tokens=_stop_tokens(tool_parser, reasoning),
+        keep_special_tokens=any(_is_special(tokenizer, m) for m in _markers(tool_parser, reasoning)),
         template=template,
         template_patched=fixed != source,
         default_kwargs=dict(default_kwargs or {}),

@@ -29,9 +29,9 @@ from worker.engine.pooling import PoolingEngine
 from worker.engine.prepare import Prepared
 from worker.engine.process import EngineClient
 from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, WorkerError
+from worker.formats.registry import thinking_open_marker
 from worker.model.load_progress import LoadProgress, wait_for_load
 from worker.model.loader import LoadedModel
-from worker.output.formats.registry import thinking_open_marker
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.convert import (
     MAX_N,

@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from worker.output.formats.registry import TOOL_PARSERS, reasoning_stage, tool_call_stream
-from worker.output.tool_calls import CallPiece, ContentPiece
+from worker.formats.base import CallPiece, ContentPiece
+from worker.formats.registry import REASONING_PARSERS, TOOL_PARSERS, reasoning_stage, tool_call_stream
 
 
 def run_tools(parser_name: str, text: str, cuts: list[int]) -> tuple[str, list[tuple[str, dict]]]:
@@ -174,6 +174,7 @@ def run_reasoning(name: str, text: str, cuts: list[int], starts: bool = False) -
 REASONING = [
     ("qwen3", "<think>\nhmm\n</think>\n\nHello!", False),
     ("deepseek_r1", "hmm\n</think>\n\nHello!", True),
+    ("glm45", "<think>hmm</think>Hello!", False),
     ("mistral", "[THINK]hmm[/THINK]Hello!", False),
     ("granite", "<think>hmm</think><response>Hello!</response>", False),
     (
@@ -182,6 +183,14 @@ REASONING = [
         False,
     ),
 ]
+
+
+def test_every_declared_format_has_cases_here() -> None:
+    """A new format file (worker/formats/) needs its calls, malformed text and thinking tested here."""
+    assert {p for p, _ in CALLS} == set(TOOL_PARSERS)
+    # Hermes's malformed blocks are tested in test_output_parsers.py.
+    assert {p for p, _ in MALFORMED} | {"hermes"} == set(TOOL_PARSERS)
+    assert {name for name, _, _ in REASONING} == set(REASONING_PARSERS)
 
 
 @pytest.mark.parametrize(("name", "text", "starts"), REASONING)

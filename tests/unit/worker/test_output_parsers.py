@@ -9,10 +9,11 @@ import random
 import pytest
 from transformers import AutoTokenizer
 
+from worker.formats.base import CallPiece, ContentPiece
+from worker.formats.hermes import ToolCallParser
+from worker.formats.think import ReasoningParser
 from worker.output.choice_output import ChoiceOutput
 from worker.output.detokenizer import IncrementalDetokenizer
-from worker.output.reasoning import ReasoningParser
-from worker.output.tool_calls import CallPiece, ContentPiece, ToolCallParser
 from worker.types import ContentDelta, OutputOptions, ReasoningDelta, ToolCallDelta
 
 TOOL_TEXTS = [

@@ -1,14 +1,14 @@
-"""Separates a reasoning model's thinking (between ``<think>`` and ``</think>``) from its answer.
-
-Design notes: docs/worker.md.
-"""
+"""The reasoning stage of the formats that think in a marked block (``<think>``…``</think>``,
+Mistral's ``[THINK]``): separates the thinking from the answer. Design notes: docs/worker.md."""
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Container
 from dataclasses import dataclass
 
-from worker.output.markers import split_at_marker
+from worker.formats.declaration import ReasoningFormat, ThinkingShown
+from worker.formats.markers import split_at_marker
 
 OPEN = "<think>"
 CLOSE = "</think>"
@@ -30,6 +30,11 @@ class ThinkMarkers:
     close: str = CLOSE
     answer_open: str = ""
     answer_close: str = ""
+
+
+def thinks(template: str, vocab: Container[str]) -> bool:
+    """Whether a model writes ``<think>`` blocks: its chat template or its vocabulary has the marker."""
+    return OPEN in template or OPEN in vocab
 
 
 class ReasoningParser:
@@ -104,3 +109,18 @@ def _merge(pieces: list[tuple[str, str]]) -> list[tuple[str, str]]:
         else:
             merged.append((kind, text))
     return merged
+
+
+def think_format(
+    name: str, shown: ThinkingShown, rank: int, block: ThinkMarkers = ThinkMarkers(), special: bool = False
+) -> ReasoningFormat:
+    """The declaration of a format that thinks in ``block``; ``special``: its markers may be special
+    tokens (decoding then keeps them for the parser)."""
+    return ReasoningFormat(
+        name=name,
+        stage=lambda starts_thinking: ReasoningParser(starts_thinking, block),
+        open_marker=block.open,
+        shown=shown,
+        rank=rank,
+        markers=(block.open, block.close) if special else (),
+    )

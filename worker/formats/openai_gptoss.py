@@ -1,21 +1,21 @@
 """gpt-oss's harmony format: messages ``<|channel|>NAME<|message|>BODY<|end|>``, chained with
 ``<|start|>assistant``. ``analysis`` is reasoning, ``final`` the answer, and a message ``to=functions.X``
-a call: the channel parser passes it on whole for :data:`HARMONY` (the tool-call syntax) to read."""
+a call: the channel stage passes it on whole for the ``openai`` tool-call format (openai.py) to read."""
 
 from __future__ import annotations
 
 import enum
 import re
 
-from worker.output.formats.base import CallSyntax, ParsedCall, arguments_json
-from worker.output.markers import split_at_first
+from worker.formats.declaration import ReasoningFormat
+from worker.formats.markers import split_at_first
 
 START = "<|start|>"
 CHANNEL = "<|channel|>"
 MESSAGE = "<|message|>"
 ENDS = ("<|end|>", "<|call|>", "<|return|>")
 CALL = "<|call|>"
-_RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
+RECIPIENT = re.compile(r"to=functions\.([^\s<]+)")
 
 
 class _State(enum.Enum):
@@ -43,7 +43,7 @@ class HarmonyChannels:
         return after.split()[0] if after.split() else ""
 
     def _is_call(self) -> bool:
-        return _RECIPIENT.search(self._header) is not None
+        return RECIPIENT.search(self._header) is not None
 
     def push(self, text: str) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
@@ -104,13 +104,12 @@ def _could_be_header(text: str) -> bool:
     return any(stripped.startswith(m) or m.startswith(stripped) for m in (START, CHANNEL))
 
 
-def parse_harmony_call(text: str) -> list[ParsedCall] | None:
-    header, found, body = text.partition(MESSAGE)
-    match = _RECIPIENT.search(header)
-    if not found or match is None:
-        return None
-    arguments = arguments_json(body.strip() or "{}")
-    return [ParsedCall(match.group(1), arguments)] if arguments is not None else None
-
-
-HARMONY = CallSyntax(start=CHANNEL, end=CALL, parse=parse_harmony_call)
+REASONING_FORMAT = ReasoningFormat(
+    name="openai_gptoss",
+    stage=lambda starts_thinking: HarmonyChannels(),
+    open_marker="",  # a prompt never opens a channel's message for the model
+    shown=lambda model_type, template, vocab: CHANNEL in template and CHANNEL in vocab,
+    rank=0,
+    markers=(CHANNEL, MESSAGE),
+    stop_tokens=(CALL,),
+)

@@ -1,12 +1,14 @@
 # ruff: noqa: RUF001, RUF002 (DeepSeek's markers have full-width bars and U+2581)
-"""DeepSeek's calls between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``: V3/R1 write
-``function<｜tool▁sep｜>NAME`` and a json code block, V3.1 writes ``NAME<｜tool▁sep｜>{...}``."""
+"""DeepSeek V3's (and R1's) calls between ``<｜tool▁calls▁begin｜>`` and ``<｜tool▁calls▁end｜>``:
+``function<｜tool▁sep｜>NAME`` and a json code block. The parser also reads V3.1's form
+(``NAME<｜tool▁sep｜>{...}``, deepseek_v31.py)."""
 
 from __future__ import annotations
 
 import json
 
-from worker.output.formats.base import CallSyntax, ParsedCall, arguments_json
+from worker.formats.base import CallSyntax, ParsedCall, SectionParser, arguments_json
+from worker.formats.declaration import CallProbe, JsonCall, ToolFormat
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -44,3 +46,14 @@ def parse_deepseek(text: str) -> list[ParsedCall] | None:
 
 
 DEEPSEEK = CallSyntax(start=CALLS_BEGIN, end=CALLS_END, parse=parse_deepseek)
+MARKERS = (CALLS_BEGIN, CALL_BEGIN, SEP)
+
+TOOL_FORMAT = ToolFormat(
+    name="deepseek_v3",
+    parser=lambda: SectionParser(DEEPSEEK),
+    grammar=JsonCall(
+        (CALLS_BEGIN, CALL_BEGIN, "function", SEP, "{name}\n```json\n"), ("\n```", CALL_END, CALLS_END)
+    ),
+    probe=CallProbe((CALLS_BEGIN, "function" + SEP)),
+    markers=MARKERS,
+)

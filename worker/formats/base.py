@@ -1,8 +1,7 @@
 # ruff: noqa: RUF002 (DeepSeek's markers have full-width bars and U+2581)
-"""The one tool-call parser protocol, and the streaming parser for formats whose calls sit in a
-marked section (``[TOOL_CALLS]…``, ``<｜tool▁calls▁begin｜>…``): the section is held until it is
-complete, then parsed whole, so the result never depends on how the text was split.
-"""
+"""What every format's parser speaks (pieces, the tool-call and reasoning protocols), and the
+streaming parser for calls in a marked section (``[TOOL_CALLS]…``, ``<｜tool▁calls▁begin｜>…``):
+held until complete, then parsed whole, so the result never depends on how the text was split."""
 
 from __future__ import annotations
 
@@ -12,8 +11,37 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from sluice.ids import new_tool_call_id
-from worker.output.markers import split_at_marker
-from worker.output.tool_calls import CallPiece, ContentPiece, Piece, merge_pieces
+from worker.formats.markers import split_at_marker
+
+
+@dataclass(frozen=True)
+class ContentPiece:
+    text: str
+
+
+@dataclass(frozen=True)
+class CallPiece:
+    tool_index: int
+    arguments: str
+    call_id: str = ""
+    name: str = ""
+
+
+Piece = ContentPiece | CallPiece
+
+
+def merge_pieces(pieces: list[Piece]) -> list[Piece]:
+    """Joins neighbouring content pieces and drops empty ones."""
+    merged: list[Piece] = []
+    for piece in pieces:
+        if isinstance(piece, ContentPiece):
+            if not piece.text:
+                continue
+            if merged and isinstance(merged[-1], ContentPiece):
+                merged[-1] = ContentPiece(merged[-1].text + piece.text)
+                continue
+        merged.append(piece)
+    return merged
 
 
 @dataclass(frozen=True)
@@ -30,6 +58,17 @@ class ToolCallStream(Protocol):
     def push(self, text: str) -> list[Piece]: ...
 
     def finish(self) -> list[Piece]: ...
+
+
+class ReasoningStage(Protocol):
+    """Splits text into ("reasoning" | "content", text) pieces; ``in_thinking`` for token counts."""
+
+    @property
+    def in_thinking(self) -> bool: ...
+
+    def push(self, text: str) -> list[tuple[str, str]]: ...
+
+    def finish(self) -> list[tuple[str, str]]: ...
 
 
 Parse = Callable[[str], list[ParsedCall] | None]

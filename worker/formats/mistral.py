@@ -1,11 +1,14 @@
 """Mistral's calls: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]`` (tokenizer v7 and before) and
-``[TOOL_CALLS]NAME[ARGS]{...}`` or ``[TOOL_CALLS]NAME[CALL_ID]id[ARGS]{...}`` (v11, v13), repeated."""
+``[TOOL_CALLS]NAME[ARGS]{...}`` or ``[TOOL_CALLS]NAME[CALL_ID]id[ARGS]{...}`` (v11, v13), repeated;
+its reasoning models think in ``[THINK]``…``[/THINK]``."""
 
 from __future__ import annotations
 
 import json
 
-from worker.output.formats.base import CallSyntax, ParsedCall, arguments_json, json_call_list
+from worker.formats.base import CallSyntax, ParsedCall, SectionParser, arguments_json, json_call_list
+from worker.formats.declaration import CallProbe, GrammarVariant, JsonCall, ToolFormat
+from worker.formats.think import ThinkMarkers, think_format
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -48,3 +51,20 @@ def parse_mistral(text: str) -> list[ParsedCall] | None:
 
 # Each v11+ call opens with [TOOL_CALLS], so one cut short (max_tokens) leaves the earlier ones calls.
 MISTRAL = CallSyntax(start=TOOL_CALLS, parse=parse_mistral, repeats=True)
+
+TOOL_FORMAT = ToolFormat(
+    name="mistral",
+    parser=lambda: SectionParser(MISTRAL),
+    grammar=JsonCall((TOOL_CALLS, "["), ("]",)),
+    # v11 and later name the call before its arguments.
+    variant=GrammarVariant("mistral_v11", ARGS, JsonCall((TOOL_CALLS, "{name}", ARGS), ())),
+    probe=CallProbe((TOOL_CALLS,)),
+    markers=(TOOL_CALLS, ARGS, CALL_ID),
+)
+REASONING_FORMAT = think_format(
+    "mistral",
+    lambda model_type, template, vocab: "[THINK]" in template,
+    rank=1,
+    block=ThinkMarkers("[THINK]", "[/THINK]"),
+    special=True,
+)

@@ -1,37 +1,21 @@
-"""Streams tool calls out of generated text as typed deltas.
-
-Design notes: docs/worker.md.
-"""
+"""Hermes (Qwen2.5, Qwen3 and Sluice's built-in tool prompt): ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`` blocks after any content, or a bare JSON call when the answer starts with ``{``;
+the JSON is scanned as it streams. Design notes: docs/worker.md."""
 
 from __future__ import annotations
 
 import enum
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from sluice.ids import new_tool_call_id
-from worker.output.markers import split_at_marker
+from worker.formats.base import CallPiece, ContentPiece, Piece, merge_pieces
+from worker.formats.declaration import CallProbe, JsonCall, ToolFormat
+from worker.formats.markers import split_at_marker
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
 ARGUMENT_KEYS = ("arguments", "parameters")
-
-
-@dataclass(frozen=True)
-class ContentPiece:
-    text: str
-
-
-@dataclass(frozen=True)
-class CallPiece:
-    tool_index: int
-    arguments: str
-    call_id: str = ""
-    name: str = ""
-
-
-Piece = ContentPiece | CallPiece
 
 
 _ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r", "t": "\t"}
@@ -314,15 +298,11 @@ class ToolCallParser:
         self._scanner = None
 
 
-def merge_pieces(pieces: list[Piece]) -> list[Piece]:
-    """Joins neighbouring content pieces and drops empty ones."""
-    merged: list[Piece] = []
-    for piece in pieces:
-        if isinstance(piece, ContentPiece):
-            if not piece.text:
-                continue
-            if merged and isinstance(merged[-1], ContentPiece):
-                merged[-1] = ContentPiece(merged[-1].text + piece.text)
-                continue
-        merged.append(piece)
-    return merged
+TOOL_FORMAT = ToolFormat(
+    name="hermes",
+    parser=ToolCallParser,
+    grammar=JsonCall((OPEN, "\n"), ("\n", CLOSE), separator="\n"),
+    # Qwen3-Coder's and GLM's calls open with <tool_call> too: theirs are tried first.
+    probe=CallProbe((OPEN,), rank=1),
+    markers=(OPEN, CLOSE),
+)

@@ -8,9 +8,10 @@ import json
 from collections.abc import Callable
 
 from sluice.ids import new_tool_call_id
-from worker.output.formats.base import CallSyntax, ParsedCall, SectionParser, ToolCallStream, json_call
-from worker.output.formats.pythonic import python_literal
-from worker.output.tool_calls import Piece, ToolCallParser
+from worker.formats.base import CallSyntax, ParsedCall, Piece, SectionParser, ToolCallStream, json_call
+from worker.formats.declaration import CallProbe, JsonCall, ToolFormat
+from worker.formats.hermes import ToolCallParser
+from worker.formats.pythonic import python_literal
 
 PYTHON_TAG = "<|python_tag|>"
 
@@ -78,3 +79,13 @@ class LlamaCalls:
             pieces = self._chosen.finish()
         self.calls = self._chosen.calls
         return pieces
+
+
+TOOL_FORMAT = ToolFormat(
+    name="llama3_json",
+    parser=LlamaCalls,
+    grammar=JsonCall((), (), key="parameters"),
+    probe=CallProbe(('"parameters"',), rank=3),  # every tool definition has the key too: the last guess
+    markers=(PYTHON_TAG,),
+    stop_tokens=("<|eom_id|>",),  # ends a built-in tool's call (the turn awaits the result)
+)

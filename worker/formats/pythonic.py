@@ -9,7 +9,8 @@ import ast
 import json
 from typing import Any
 
-from worker.output.formats.base import CallSyntax, ParsedCall
+from worker.formats.base import CallSyntax, ParsedCall, SectionParser
+from worker.formats.declaration import CallProbe, TaggedCall, ToolFormat
 
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 
@@ -46,3 +47,14 @@ def parse_pythonic(text: str) -> list[ParsedCall] | None:
 
 
 PYTHONIC = CallSyntax(start="[", parse=parse_pythonic, at_start=True, start_in_body=True)
+
+TOOL_FORMAT = ToolFormat(
+    name="pythonic",
+    parser=lambda: SectionParser(PYTHONIC),
+    # Python's argument list: every parameter given, so no separator is left dangling.
+    grammar=TaggedCall(
+        "{name}(", "{key}=", "", ")", ", ", parameter_separator=", ", every_parameter=True, around=("[", "]")
+    ),
+    probe=CallProbe(("{tool}(",), rank=2),  # a template's tool listing may show signatures too
+    markers=(),
+)

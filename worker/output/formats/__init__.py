@@ -1,1 +1,0 @@
-"""Tool-call and reasoning formats of the open-model families, one module per format family."""
