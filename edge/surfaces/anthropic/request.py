@@ -24,7 +24,8 @@ from edge.surfaces.shared.rewrite import (
     validate_at,
 )
 from edge.surfaces.shared.sampling import SamplingExtensions
-from edge.surfaces.shared.validation import invalid, missing, validate_body
+from edge.surfaces.shared.validation import in_range, invalid, missing, validate_body
+from sluice.limits import TOP_P
 
 MAX_TOP_K = 2**31 - 1
 # Prompt-caching hints: this server caches prompt prefixes by itself.
@@ -116,8 +117,8 @@ class MessagesRequest(SamplingExtensions):
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0, le=1)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range, inside the contract's
+    top_p: float | None = in_range(TOP_P)
     top_k: int | None = Field(default=None, ge=1, le=MAX_TOP_K)  # Anthropic's bound (not vLLM's -1/0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None

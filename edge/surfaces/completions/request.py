@@ -12,8 +12,6 @@ from pydantic import Field, StrictBool, StrictInt, field_validator
 from edge.surfaces.shared.sampling import SamplingRequest, check_sampling_limits
 from edge.surfaces.shared.structured import StructuredRequest
 from edge.surfaces.shared.validation import (
-    INT32_MAX,
-    MAX_N,
     RequestLimits,
     active_limits,
     bad,
@@ -21,6 +19,7 @@ from edge.surfaces.shared.validation import (
     text_or_tokens_shapes,
     validate_body,
 )
+from sluice.limits import INT32_MAX, MAX_N
 
 # One worker call is opened per prompt; this bounds the fan-out of one request.
 MAX_PROMPTS = 128

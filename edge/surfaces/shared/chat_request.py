@@ -19,8 +19,6 @@ from edge.surfaces.shared.images import Image, decode_data_url, is_remote
 from edge.surfaces.shared.sampling import SamplingRequest, check_max_tokens, check_sampling_limits
 from edge.surfaces.shared.structured import StructuredForm, StructuredRequest
 from edge.surfaces.shared.validation import (
-    INT32_MAX,
-    MAX_TOP_LOGPROBS,
     RequestLimits,
     active_limits,
     bad,
@@ -28,6 +26,7 @@ from edge.surfaces.shared.validation import (
     missing,
     validate_body,
 )
+from sluice.limits import INT32_MAX, MAX_TOP_LOGPROBS
 
 _FUNCTION_NAME = "^[A-Za-z0-9_.\\-]{1,64}$"  # also the OpenAPI document's pattern (ECMA syntax)
 

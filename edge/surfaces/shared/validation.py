@@ -14,17 +14,9 @@ from pydantic import BaseModel, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
 from edge.errors import InvalidRequestError, UnprocessableEntityError
-
-# The largest value of a proto ``int32`` field (max_tokens, token ids, logprobs ...): a larger
-# number cannot travel to the worker, so the schema refuses it with a 400 naming the field.
-INT32_MAX = 2**31 - 1
+from sluice.limits import INT32_MAX, MAX_N, MAX_TOP_LOGPROBS, Range
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
-
-
-# Hard ceilings of the request schema; operator limits may only lower them.
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -86,6 +78,19 @@ def text_or_tokens_shapes(most: int) -> Any:
         | Annotated[list[_Text], Field(min_length=1, max_length=most)]
         | _TokenIds
         | Annotated[list[_TokenIds], Field(min_length=1, max_length=most)]
+    )
+
+
+def in_range(accepted: Range, **field: Any) -> Any:
+    """An optional number field accepting the contract's range ``accepted`` (:mod:`sluice.limits`):
+    ``temperature: float | None = in_range(TEMPERATURE)``; ``field``: more of ``Field``'s arguments."""
+    low_open = accepted.low_open
+    return Field(
+        default=None,
+        ge=None if low_open else accepted.low,
+        gt=accepted.low if low_open else None,
+        le=accepted.high,
+        **field,
     )
 
 
