@@ -12,6 +12,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER
+from edge.requests.errors import ErrorResponse
 from edge.routes.bodies import Health, ModelList, ModelObject, Readiness
 from edge.surfaces.anthropic.request import CountTokensRequest, MessagesRequest
 from edge.surfaces.anthropic.response import (
@@ -38,7 +39,6 @@ from edge.surfaces.responses.response import ResponseObject, ResponseStreamEvent
 from edge.surfaces.scores.request import RerankRequest, ScoreRequest
 from edge.surfaces.scores.response import RerankResponse, ScoreList
 from edge.surfaces.shared.chat_request import ChatCompletionRequest
-from edge.surfaces.shared.errors import ErrorResponse
 from edge.surfaces.tokenize.request import DetokenizeRequest, TokenizeRequest
 from edge.surfaces.tokenize.response import DetokenizeResult, TokenizeResult
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from edge.cors import parse_origins
 from edge.event_loop import EVENT_LOOPS, uvloop_available
-from edge.surfaces.shared.validation import RequestLimits
+from edge.requests.limits import RequestLimits
 from edge.workers.addresses import split_host_port
 from edge.workers.routing import RoutingPolicy
 from sluice.limits import MAX_N, MAX_TOP_LOGPROBS

@@ -11,7 +11,8 @@ from typing import Any, Literal
 from pydantic import Field, StrictBool, field_validator
 
 from edge.errors import InvalidRequestError
-from edge.surfaces.shared.base import RequestModel
+from edge.requests.models import RequestModel
+from edge.requests.validation import in_range, invalid, missing, validate_body
 from edge.surfaces.shared.chat_request import FunctionDefinition
 from edge.surfaces.shared.rewrite import (
     ParsedRequest,
@@ -24,7 +25,6 @@ from edge.surfaces.shared.rewrite import (
     validate_at,
 )
 from edge.surfaces.shared.sampling import SamplingExtensions
-from edge.surfaces.shared.validation import in_range, invalid, missing, validate_body
 from sluice.limits import TOP_P
 
 MAX_TOP_K = 2**31 - 1

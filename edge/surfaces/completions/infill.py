@@ -9,12 +9,13 @@ from typing import Any
 from pydantic import Field, StrictBool
 
 from edge.errors import EdgeError, InvalidRequestError
+from edge.requests.limits import RequestLimits
+from edge.requests.models import RequestModel, ResponseModel
+from edge.requests.validation import bad, in_range, validate_body
 from edge.streaming import sse
 from edge.surfaces.answer import Framing
 from edge.surfaces.completions.request import CompletionRequest, parse_completion_request
-from edge.surfaces.shared.base import RequestModel, ResponseModel
 from edge.surfaces.shared.sampling import SamplingExtensions
-from edge.surfaces.shared.validation import RequestLimits, bad, in_range, validate_body
 from sluice.limits import INT32_MAX, PENALTY, REPETITION_PENALTY, TEMPERATURE, TOP_P
 from sluice.v1 import worker_pb2
 

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.validation import invalid, text_or_tokens_shapes, validate_body
+from edge.requests.models import RequestModel
+from edge.requests.validation import invalid, text_or_tokens_shapes, validate_body
 from sluice.limits import INT32_MAX
 from sluice.v1 import worker_pb2
 

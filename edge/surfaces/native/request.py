@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, field_validator
 
-from edge.surfaces.shared.base import RequestModel
+from edge.requests.models import RequestModel
+from edge.requests.validation import bad, in_range, validate_body
 from edge.surfaces.shared.rewrite import (
     ParsedRequest,
     add_chat_tools,
@@ -21,7 +22,6 @@ from edge.surfaces.shared.rewrite import (
     validate_at,
 )
 from edge.surfaces.shared.sampling import SamplingExtensions
-from edge.surfaces.shared.validation import bad, in_range, validate_body
 from sluice.limits import REPETITION_PENALTY, TEMPERATURE, TOP_P
 
 _SEED_MAX = 2**64 - 1

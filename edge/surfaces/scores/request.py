@@ -6,8 +6,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, field_validator
 
-from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.validation import bad, invalid, validate_body
+from edge.requests.models import RequestModel
+from edge.requests.validation import bad, invalid, validate_body
 from sluice.v1 import worker_pb2
 
 # The most documents (or pairs) one request may score (the worker's bound too).

@@ -6,8 +6,9 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, StrictBool, field_validator
 
-from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.validation import RequestLimits, bad, in_range, invalid
+from edge.requests.limits import RequestLimits
+from edge.requests.models import RequestModel
+from edge.requests.validation import bad, in_range, invalid
 from sluice.limits import (
     INT32_MAX,
     LOGIT_BIAS,

@@ -10,12 +10,12 @@ import pytest
 from jsonschema import Draft202012Validator
 
 from edge.errors import InvalidRequestError
+from edge.requests.models import strict_fields
 from edge.surfaces.anthropic.request import parse_messages_request
 from edge.surfaces.completions.request import parse_completion_request
 from edge.surfaces.completions.translate import to_generate_requests
 from edge.surfaces.native.request import parse_native_request
 from edge.surfaces.responses.request import parse_responses_request
-from edge.surfaces.shared.base import strict_fields
 from edge.surfaces.shared.chat_request import parse_chat_request
 from edge.surfaces.shared.worker_request import to_generate_request
 from sluice.v1 import worker_pb2

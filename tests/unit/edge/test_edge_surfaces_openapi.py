@@ -10,11 +10,11 @@ from surface_fakes import counter_ids, finished_with, progress, reasoning, refus
 
 from edge.errors import DeadlineExceededError, InvalidRequestError, NotFoundError
 from edge.openapi import REF, openapi_document
+from edge.requests.errors import anthropic_error, native_error_body
 from edge.surfaces.anthropic.translate import MessagesTranslator
 from edge.surfaces.native.translate import NativeTranslator
 from edge.surfaces.responses.request import parse_responses_request
 from edge.surfaces.responses.translate import ResponsesTranslator
-from edge.surfaces.shared.errors import anthropic_error, native_error_body
 from sluice.v1 import worker_pb2
 
 DOC = openapi_document()
