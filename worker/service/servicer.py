@@ -163,6 +163,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             chat_formats=formats,
             task=loaded.task,
             accepts_images=serving.renderer.accepts_images,
+            max_n=serving.max_n if loaded.task == "generate" else 0,
         )
         return pb.ListModelsResponse(models=[info], worker_id=self.worker_id)
 
