@@ -14,6 +14,9 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 MAX_BAD_WORDS = 256
 MAX_STOP_STRINGS = 16
+# The most inputs (embeddings) or pairs (scores, rerank documents) one pooling call may carry
+# (OpenAI's embeddings limit).
+MAX_POOLED_INPUTS = 2048
 # The largest value of a proto ``int32`` field (max_tokens, token ids, logprobs ...).
 INT32_MAX = 2**31 - 1
 

@@ -16,7 +16,13 @@ from worker.errors import InvalidRequest
 from worker.service.convert import sampling_options
 
 REPO = Path(__file__).resolve().parents[2]
-CONTRACT = {"MAX_N", "MAX_TOP_LOGPROBS", "MAX_BAD_WORDS", "MAX_STOP_STRINGS", "INT32_MAX", "MAX_TEMPERATURE"}
+CONTRACT = {
+    *(name for name in vars(limits) if name.isupper()),
+    # the names they had on one side or the other
+    "MAX_TEMPERATURE",
+    "MAX_INPUTS",
+    "MAX_PAIRS",
+}
 
 
 def assigned_names(path: Path) -> set[str]:
