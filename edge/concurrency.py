@@ -19,7 +19,7 @@ GENERATION_ENDPOINTS = frozenset(
     {
         "chat.chat_completions",
         "completions.completions",
-        "completions.infill",
+        "infill.infill",
         "responses.create_response",
         "messages.create_message",
         "native.chat",

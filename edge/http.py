@@ -15,12 +15,12 @@ from quart import has_request_context, request
 from quart.wrappers import Response
 
 from edge.errors import EdgeError, InvalidRequestError
+from edge.requests.errors import error_body
+from edge.requests.limits import request_limits
+from edge.requests.models import strict_fields
 from edge.settings import Settings
 from edge.state import begin_request, current_request, current_state
 from edge.streaming.sse import dumps
-from edge.surfaces.shared.base import strict_fields
-from edge.surfaces.shared.errors import error_body
-from edge.surfaces.shared.validation import request_limits
 from edge.workers.pool import WorkerPool
 
 # A caller's X-Request-ID is echoed only if it is short and header-safe.
@@ -49,7 +49,7 @@ async def assign_request_id() -> None:
 
 async def refuse_unknown_fields() -> None:
     """Before each request under ``--strict-fields``: a body field no request model knows is a 400
-    naming it (:class:`~edge.surfaces.shared.base.RequestModel`)."""
+    naming it (:class:`~edge.requests.models.RequestModel`)."""
     strict_fields.set(True)
 
 
@@ -82,7 +82,7 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 
 def error_response(error: EdgeError) -> Response:
     """The error body of the request's surface (OpenAI's, Anthropic's for ``/v1/messages``,
-    the native one for ``/api/v1/*``: :mod:`edge.surfaces.shared.errors`) with the error's status
+    the native one for ``/api/v1/*``: :mod:`edge.requests.errors`) with the error's status
     and headers (``Retry-After``)."""
     body = error_body(request.path, error) if has_request_context() else error.payload()
     return json_response(body, status=error.http_status, headers=error.headers())

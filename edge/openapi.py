@@ -1,89 +1,26 @@
-"""The edge's OpenAPI 3.1 document (``GET /openapi.json``): component schemas generated from the
-pydantic request and response models of every surface, paths listed here by hand (a test checks
-that every served route is documented and that the document validates).
+"""The edge's OpenAPI 3.1 document (``GET /openapi.json``), generated from the routes: each view
+declares its operation with :func:`documented` (the pydantic models it takes and answers with), the
+app's URL rules give the paths and methods, and the models' schemas are the components.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import Any
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
+from quart import Quart
 
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER
-from edge.routes.bodies import Health, ModelList, ModelObject, Readiness
-from edge.surfaces.anthropic.request import CountTokensRequest, MessagesRequest
-from edge.surfaces.anthropic.response import (
-    AnthropicErrorResponse,
-    AnthropicMessage,
-    AnthropicStreamEvent,
-    InputTokens,
-)
-from edge.surfaces.chat.response import ChatCompletion, ChatCompletionChunk
-from edge.surfaces.completions.infill import InfillRequest, InfillResult
-from edge.surfaces.completions.request import CompletionRequest
-from edge.surfaces.completions.response import TextCompletion, TextCompletionChunk
-from edge.surfaces.embeddings.request import EmbeddingRequest
-from edge.surfaces.embeddings.response import EmbeddingList
-from edge.surfaces.native.request import NativeChatRequest
-from edge.surfaces.native.response import (
-    NativeChatResult,
-    NativeErrorResponse,
-    NativeModelList,
-    NativeStreamEvent,
-)
-from edge.surfaces.responses.request import ResponsesRequest
-from edge.surfaces.responses.response import ResponseObject, ResponseStreamEvent
-from edge.surfaces.scores.request import RerankRequest, ScoreRequest
-from edge.surfaces.scores.response import RerankResponse, ScoreList
-from edge.surfaces.shared.chat_request import ChatCompletionRequest
-from edge.surfaces.shared.errors import ErrorResponse
-from edge.surfaces.tokenize.request import DetokenizeRequest, TokenizeRequest
-from edge.surfaces.tokenize.response import DetokenizeResult, TokenizeResult
+from edge.requests.errors import ErrorResponse
 
 REF = "#/components/schemas/{model}"
-REQUEST_MODELS: tuple[type[BaseModel], ...] = (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ResponsesRequest,
-    MessagesRequest,
-    NativeChatRequest,
-    EmbeddingRequest,
-    RerankRequest,
-    ScoreRequest,
-    CountTokensRequest,
-    TokenizeRequest,
-    DetokenizeRequest,
-    InfillRequest,
-)
-RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
-    ErrorResponse,
-    ChatCompletion,
-    ChatCompletionChunk,
-    TextCompletion,
-    TextCompletionChunk,
-    ModelObject,
-    ModelList,
-    Health,
-    Readiness,
-    ResponseObject,
-    ResponseStreamEvent,
-    AnthropicMessage,
-    AnthropicStreamEvent,
-    AnthropicErrorResponse,
-    NativeChatResult,
-    NativeStreamEvent,
-    NativeErrorResponse,
-    NativeModelList,
-    EmbeddingList,
-    RerankResponse,
-    ScoreList,
-    InputTokens,
-    TokenizeResult,
-    DetokenizeResult,
-    InfillResult,
-)
+# Who may call: the API key as a bearer token, or also in Anthropic's header.
+BEARER = ("bearerAuth",)
+BEARER_OR_KEY = ("bearerAuth", "apiKeyHeader")
 
 _ERRORS = {
     "400": "Invalid request: bad JSON, wrong Content-Type, or a field missing or out of range "
@@ -99,6 +36,8 @@ _ERRORS = {
     "504": "The request's deadline passed before it started.",
 }
 _RETRY_STATUSES = {"429", "503"}
+_GENERATION_STATUSES = ("400", "401", "404", "413", "422", "429", "500", "503", "504")
+_UNARY_STATUSES = ("400", "401", "404", "413", "422", "500", "503")
 # Seconds as edge.deadlines parses them: a plain decimal number (no sign, exponent, inf or nan);
 # it must also be positive, which the descriptions say.
 _SECONDS_PATTERN = "^[0-9]{1,9}(\\.[0-9]{1,9})?$"
@@ -134,19 +73,23 @@ _REQUEST_HEADERS: list[dict[str, Any]] = [
         "schema": {"type": "string"},
     }
 ]
+_SSE_SCHEMA = {"type": "string", "description": "Server-Sent Events; see the response description."}
+
+
+class Operation(Protocol):
+    """What one route declares: its OpenAPI operation object and the models that object names."""
+
+    def operation(self) -> dict[str, Any]: ...
+
+    def models(self) -> tuple[type[BaseModel], ...]: ...
 
 
 def schema_ref(model: type[BaseModel]) -> dict[str, str]:
     return {"$ref": REF.format(model=model.__name__)}
 
 
-def component_schemas() -> dict[str, Any]:
-    """``components/schemas``: every request and response model and the models they use."""
-    _, top = models_json_schema(
-        [(model, "validation") for model in (*REQUEST_MODELS, *RESPONSE_MODELS)], ref_template=REF
-    )
-    schemas: dict[str, Any] = top["$defs"]
-    return schemas
+def _security(schemes: tuple[str, ...]) -> list[dict[str, list[str]]]:
+    return [{scheme: []} for scheme in schemes]
 
 
 def _headers(*names: str) -> dict[str, Any]:
@@ -175,150 +118,263 @@ def _json(model: type[BaseModel], description: str, *headers: str) -> dict[str, 
     }
 
 
-def _generation(
-    summary: str, request: type[BaseModel], answer: type[BaseModel], chunk: type[BaseModel]
-) -> dict[str, Any]:
+def _streamed(answer: type[BaseModel], stream: str, event: type[BaseModel]) -> dict[str, Any]:
+    """The 200 of a route that answers one JSON ``answer`` or, with ``stream: true``, a stream of
+    ``event`` data described by ``stream``."""
     ok = _json(
         answer,
         f"With `stream: false` (the default): one `{answer.__name__}` (`application/json`). "
-        "With `stream: true`: `text/event-stream`, one `data: <chunk JSON>` event per chunk "
-        f"(`{chunk.__name__}`), ending with `data: [DONE]`; a failure after the stream began is "
-        "an `event: error` whose data is an `ErrorResponse`, then `data: [DONE]`; `: heartbeat` "
-        "comments keep an idle stream open.",
+        f"With `stream: true`: `text/event-stream`, {stream}",
         "X-Sluice-Worker-ID",
     )
     ok["headers"].update(_headers("Cache-Control"))
-    ok["content"]["text/event-stream"] = {
-        "schema": {"type": "string", "description": "Server-Sent Events; see the response description."},
-        "x-sse-data-schema": schema_ref(chunk),
-    }
-    statuses = ("400", "401", "404", "413", "422", "429", "500", "503", "504")
-    return _post(summary, request, ok, _error_responses(*statuses), [{"bearerAuth": []}], _REQUEST_HEADERS)
-
-
-_SURFACE_STREAMS = {
-    "responses": "one named event per typed Responses event (`event: response.output_text.delta`, "
-    "data: a `ResponseStreamEvent` with its `sequence_number`), from `response.created` to "
-    "`response.completed` (or `response.incomplete`); a failure after the stream began is an "
-    "`error` event then `response.failed`; no `[DONE]`; `: heartbeat` comments keep it open.",
-    "messages": "Anthropic's events (`message_start`, `content_block_start`, `content_block_delta`, "
-    "`content_block_stop`, `message_delta`, `message_stop`; data: `AnthropicStreamEvent`); a failure "
-    "after the stream began is one `error` event (data: `AnthropicErrorResponse`); `ping` events keep "
-    "an idle stream open.",
-    "native": "named events from `chat.start` to `chat.end` (data: `NativeStreamEvent`; `chat.end`'s "
-    "`result` is the non-streaming body); a failure is an `error` event, then `chat.end`; "
-    "`: heartbeat` comments keep it open.",
-}
-
-
-def _surface_generation(
-    summary: str,
-    request: type[BaseModel],
-    answer: type[BaseModel],
-    event: type[BaseModel],
-    error: type[BaseModel],
-    stream: str,
-    security: list[dict[str, list[str]]],
-) -> dict[str, Any]:
-    """A generation route of a named-event surface (Responses, Anthropic, native)."""
-    ok = _json(
-        answer,
-        f"With `stream: false` (the default): one `{answer.__name__}` (`application/json`). "
-        f"With `stream: true`: `text/event-stream`, {_SURFACE_STREAMS[stream]}",
-        "X-Sluice-Worker-ID",
-    )
-    ok["headers"].update(_headers("Cache-Control"))
-    ok["content"]["text/event-stream"] = {
-        "schema": {"type": "string", "description": "Server-Sent Events; see the response description."},
-        "x-sse-data-schema": schema_ref(event),
-    }
-    statuses = ("400", "401", "404", "413", "422", "429", "500", "503", "504")
-    return _post(summary, request, ok, _error_responses(*statuses, model=error), security)
-
-
-def _unary(
-    summary: str,
-    request: type[BaseModel],
-    answer: type[BaseModel],
-    security: list[dict[str, list[str]]],
-    error: type[BaseModel] = ErrorResponse,
-    *,
-    pooled: bool = False,
-) -> dict[str, Any]:
-    """A route answered by one unary worker call (no stream): the tokenizer routes, and with
-    ``pooled`` the routes the pooling workers serve (embeddings, rerank, score: the timeout headers,
-    429 and 504 too)."""
-    statuses = ("400", "401", "404", "413", "422", "500", "503") + (("429", "504") if pooled else ())
-    ok = _json(answer, f"One `{answer.__name__}`.", "X-Sluice-Worker-ID")
-    parameters = _REQUEST_HEADERS if pooled else None
-    return _post(summary, request, ok, _error_responses(*statuses, model=error), security, parameters)
+    ok["content"]["text/event-stream"] = {"schema": _SSE_SCHEMA, "x-sse-data-schema": schema_ref(event)}
+    return ok
 
 
 def _post(
     summary: str,
     request: type[BaseModel],
-    ok: dict[str, Any],
-    errors: dict[str, Any],
-    security: list[dict[str, list[str]]],
+    responses: dict[str, Any],
+    security: tuple[str, ...],
     parameters: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """A POST operation taking a JSON ``request`` body: its 200 answer ``ok`` and its ``errors``."""
-    operation: dict[str, Any] = {"summary": summary, "security": security}
+    """A POST operation taking a JSON ``request`` body."""
+    operation: dict[str, Any] = {"summary": summary, "security": _security(security)}
     if parameters is not None:
         operation["parameters"] = parameters
     operation["requestBody"] = {
         "required": True,
         "content": {"application/json": {"schema": schema_ref(request)}},
     }
-    operation["responses"] = {"200": ok, **errors}
-    return {"post": operation}
+    operation["responses"] = responses
+    return operation
 
 
-def _generation_llama_cpp() -> dict[str, Any]:
-    """``/infill``: llama.cpp's fill-in-the-middle body and answer."""
-    route = _unary("Fill-in-the-middle, llama.cpp's shape", InfillRequest, InfillResult, [{"bearerAuth": []}])
-    ok = route["post"]["responses"]["200"]
-    ok["description"] = (
-        "With `stream: false` (the default): one `InfillResult`. With `stream: true`: "
-        '`text/event-stream`, one `data: {"content": ..., "stop": false}` event per delta, then '
-        "`data: <InfillResult>` (`stop: true`, empty `content`); no `[DONE]`."
-    )
-    ok["content"]["text/event-stream"] = {
-        "schema": {"type": "string", "description": "Server-Sent Events; see the response description."},
-        "x-sse-data-schema": schema_ref(InfillResult),
-    }
-    route["post"]["responses"].update(_error_responses("429", "504"))
-    return route
+@dataclass(frozen=True)
+class Generation:
+    """A generation route of an OpenAI surface: one JSON ``answer``, or ``chunk``s as ``data:``
+    events ending with ``[DONE]``; the deadline headers; every error a generation can meet."""
+
+    summary: str
+    request: type[BaseModel]
+    answer: type[BaseModel]
+    chunk: type[BaseModel]
+
+    def operation(self) -> dict[str, Any]:
+        stream = (
+            f"one `data: <chunk JSON>` event per chunk (`{self.chunk.__name__}`), ending with "
+            "`data: [DONE]`; a failure after the stream began is an `event: error` whose data is an "
+            "`ErrorResponse`, then `data: [DONE]`; `: heartbeat` comments keep an idle stream open."
+        )
+        ok = _streamed(self.answer, stream, self.chunk)
+        responses = {"200": ok, **_error_responses(*_GENERATION_STATUSES)}
+        return _post(self.summary, self.request, responses, BEARER, _REQUEST_HEADERS)
+
+    def models(self) -> tuple[type[BaseModel], ...]:
+        return (self.request, self.answer, self.chunk, ErrorResponse)
 
 
-def _pooled(summary: str, request: type[BaseModel], answer: type[BaseModel]) -> dict[str, Any]:
-    """A one-answer route served by the pooling workers (embeddings, rerank, score)."""
-    return _unary(summary, request, answer, [{"bearerAuth": []}], pooled=True)
+@dataclass(frozen=True)
+class NamedEventGeneration:
+    """A generation route of a surface with its own named events (Responses, Anthropic, native):
+    ``stream`` says how its stream runs; ``error`` is its error body."""
+
+    summary: str
+    request: type[BaseModel]
+    answer: type[BaseModel]
+    event: type[BaseModel]
+    stream: str
+    error: type[BaseModel] = ErrorResponse
+    security: tuple[str, ...] = BEARER
+
+    def operation(self) -> dict[str, Any]:
+        ok = _streamed(self.answer, self.stream, self.event)
+        responses = {"200": ok, **_error_responses(*_GENERATION_STATUSES, model=self.error)}
+        return _post(self.summary, self.request, responses, self.security)
+
+    def models(self) -> tuple[type[BaseModel], ...]:
+        return (self.request, self.answer, self.event, self.error)
 
 
-_RERANK = (
-    "Rerank documents by relevance to a query (Jina's and Cohere's shape, as vLLM serves it); "
-    "needs a worker started with --task score or embed"
-)
+@dataclass(frozen=True)
+class Unary:
+    """A route answered by one unary worker call (no stream): the tokenizer routes, and with
+    ``pooled`` the routes the pooling workers serve (embeddings, rerank, score: the timeout headers,
+    429 and 504 too)."""
+
+    summary: str
+    request: type[BaseModel]
+    answer: type[BaseModel]
+    error: type[BaseModel] = ErrorResponse
+    security: tuple[str, ...] = BEARER
+    pooled: bool = False
+
+    def operation(self) -> dict[str, Any]:
+        statuses = _UNARY_STATUSES + (("429", "504") if self.pooled else ())
+        ok = _json(self.answer, f"One `{self.answer.__name__}`.", "X-Sluice-Worker-ID")
+        responses = {"200": ok, **_error_responses(*statuses, model=self.error)}
+        parameters = _REQUEST_HEADERS if self.pooled else None
+        return _post(self.summary, self.request, responses, self.security, parameters)
+
+    def models(self) -> tuple[type[BaseModel], ...]:
+        return (self.request, self.answer, self.error)
 
 
-def _playground(summary: str) -> dict[str, Any]:
-    return {
-        "get": {
-            "summary": summary,
-            "responses": {
-                "200": {
-                    "description": "The playground page (its script and style sheet are under /static/).",
-                    "content": {"text/html": {"schema": {"type": "string"}}},
-                }
-            },
+@dataclass(frozen=True)
+class LlamaCppGeneration:
+    """``/infill``: llama.cpp's body and answer, streamed as llama.cpp streams (no ``[DONE]``)."""
+
+    summary: str
+    request: type[BaseModel]
+    answer: type[BaseModel]
+
+    def operation(self) -> dict[str, Any]:
+        operation = Unary(self.summary, self.request, self.answer).operation()
+        ok = operation["responses"]["200"]
+        ok["description"] = (
+            f"With `stream: false` (the default): one `{self.answer.__name__}`. With `stream: true`: "
+            '`text/event-stream`, one `data: {"content": ..., "stop": false}` event per delta, then '
+            f"`data: <{self.answer.__name__}>` (`stop: true`, empty `content`); no `[DONE]`."
+        )
+        ok["content"]["text/event-stream"] = {
+            "schema": _SSE_SCHEMA,
+            "x-sse-data-schema": schema_ref(self.answer),
         }
-    }
+        operation["responses"].update(_error_responses("429", "504"))
+        return operation
+
+    def models(self) -> tuple[type[BaseModel], ...]:
+        return (self.request, self.answer, ErrorResponse)
 
 
-@functools.cache
-def openapi_document() -> dict[str, Any]:
-    """The whole document (built once; treat it as read-only)."""
+@dataclass(frozen=True)
+class Read:
+    """A GET answered with one JSON ``answer`` (the model lists); ``path_parameters``: each path
+    variable's description."""
+
+    summary: str
+    answer: type[BaseModel]
+    description: str
+    statuses: tuple[str, ...] = ("401", "503")
+    error: type[BaseModel] = ErrorResponse
+    security: tuple[str, ...] = BEARER
+    path_parameters: Mapping[str, str] = field(default_factory=dict)
+
+    def operation(self) -> dict[str, Any]:
+        operation: dict[str, Any] = {"summary": self.summary, "security": _security(self.security)}
+        if self.path_parameters:
+            operation["parameters"] = [
+                {
+                    "name": name,
+                    "in": "path",
+                    "required": True,
+                    "description": text,
+                    "schema": {"type": "string"},
+                }
+                for name, text in self.path_parameters.items()
+            ]
+        operation["responses"] = {
+            "200": _json(self.answer, self.description, "X-Sluice-Worker-ID"),
+            **_error_responses(*self.statuses, model=self.error),
+        }
+        return operation
+
+    def models(self) -> tuple[type[BaseModel], ...]:
+        return (self.answer, self.error)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """An open GET answered with JSON (health, readiness): ``answers`` maps each status to its
+    model and description."""
+
+    summary: str
+    answers: Mapping[str, tuple[type[BaseModel], str]]
+
+    def operation(self) -> dict[str, Any]:
+        responses = {status: _json(model, text) for status, (model, text) in self.answers.items()}
+        return {"summary": self.summary, "responses": responses}
+
+    def models(self) -> tuple[type[BaseModel], ...]:
+        return tuple(model for model, _ in self.answers.values())
+
+
+@dataclass(frozen=True)
+class Page:
+    """An open GET whose 200 is a body of ``media_type`` with no model (metrics, a page, this
+    document)."""
+
+    summary: str
+    media_type: str
+    description: str
+    kind: str = "string"
+
+    def operation(self) -> dict[str, Any]:
+        content = {self.media_type: {"schema": {"type": self.kind}}}
+        return {
+            "summary": self.summary,
+            "responses": {"200": {"description": self.description, "content": content}},
+        }
+
+    def models(self) -> tuple[type[BaseModel], ...]:
+        return ()
+
+
+View = TypeVar("View", bound=Callable[..., Any])
+# View function -> its operation by path (None: every path the view serves).
+_DECLARED: dict[Callable[..., Any], dict[str | None, Operation]] = {}
+
+
+def documented(operation: Operation, *, path: str | None = None) -> Callable[[View], View]:
+    """Declares a view's operation, for every path it serves or only for ``path`` (as written in
+    its route); put it under the route decorators."""
+
+    def declare(view: View) -> View:
+        _DECLARED.setdefault(view, {})[path] = operation
+        return view
+
+    return declare
+
+
+def operations(app: Quart) -> Iterator[tuple[str, str, Operation]]:
+    """``(OpenAPI path, method, operation)`` of every route of ``app`` in the order it was added
+    (its static files left out); raises ``LookupError`` naming a route that declares none."""
+    for rule in app.url_map.iter_rules():
+        if rule.endpoint == "static":
+            continue
+        declared = _DECLARED.get(app.view_functions[rule.endpoint], {})
+        operation = declared.get(rule.rule) or declared.get(None)
+        if operation is None:
+            raise LookupError(
+                f"the route {rule.rule} ({rule.endpoint}) declares no operation: add @documented"
+            )
+        path = re.sub(r"<(?:[a-z]+:)?([a-z_]+)>", r"{\1}", rule.rule)
+        for method in sorted(set(rule.methods or ()) - {"HEAD", "OPTIONS"}):
+            yield path, method.lower(), operation
+
+
+def component_schemas(models: list[type[BaseModel]]) -> dict[str, Any]:
+    """``components/schemas``: ``models`` and the models they use."""
+    _, top = models_json_schema([(model, "validation") for model in models], ref_template=REF)
+    schemas: dict[str, Any] = top["$defs"]
+    return schemas
+
+
+def openapi_document(app: Quart) -> dict[str, Any]:
+    """The whole document of ``app``'s routes (built once per app; treat it as read-only)."""
+    document: dict[str, Any] | None = app.extensions.get("sluice.openapi")
+    if document is None:
+        document = app.extensions["sluice.openapi"] = _document(app)
+    return document
+
+
+def _document(app: Quart) -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    models: dict[type[BaseModel], None] = {}
+    for path, method, operation in operations(app):
+        paths.setdefault(path, {})[method] = operation.operation()
+        models.update(dict.fromkeys(operation.models()))
     return {
         "openapi": "3.1.0",
         "info": {
@@ -327,154 +383,9 @@ def openapi_document() -> dict[str, Any]:
             "description": "OpenAI-compatible HTTP API in front of Sluice gRPC workers. "
             "See docs/http.md for where it differs from OpenAI.",
         },
-        "paths": {
-            "/v1/chat/completions": _generation(
-                "Chat completion", ChatCompletionRequest, ChatCompletion, ChatCompletionChunk
-            ),
-            "/v1/completions": _generation(
-                "Text completion (legacy)", CompletionRequest, TextCompletion, TextCompletionChunk
-            ),
-            "/v1/embeddings": _pooled(
-                "Embeddings (OpenAI); needs a worker started with --task embed",
-                EmbeddingRequest,
-                EmbeddingList,
-            ),
-            "/rerank": _pooled(_RERANK, RerankRequest, RerankResponse),
-            "/v1/rerank": _pooled(_RERANK, RerankRequest, RerankResponse),
-            "/v2/rerank": _pooled(_RERANK, RerankRequest, RerankResponse),
-            "/v1/score": _pooled(
-                "Scores of text pairs (vLLM's); needs a worker started with --task score or embed",
-                ScoreRequest,
-                ScoreList,
-            ),
-            "/v1/responses": _surface_generation(
-                "OpenAI Responses API (stateless)",
-                ResponsesRequest,
-                ResponseObject,
-                ResponseStreamEvent,
-                ErrorResponse,
-                "responses",
-                [{"bearerAuth": []}],
-            ),
-            "/v1/messages": _surface_generation(
-                "Anthropic Messages",
-                MessagesRequest,
-                AnthropicMessage,
-                AnthropicStreamEvent,
-                AnthropicErrorResponse,
-                "messages",
-                [{"bearerAuth": []}, {"apiKeyHeader": []}],
-            ),
-            "/v1/messages/count_tokens": _unary(
-                "Anthropic token counting: the prompt tokens of a Messages body",
-                CountTokensRequest,
-                InputTokens,
-                [{"bearerAuth": []}, {"apiKeyHeader": []}],
-                AnthropicErrorResponse,
-            ),
-            "/tokenize": _unary(
-                "Token ids of a prompt or a chat (vLLM's shape)",
-                TokenizeRequest,
-                TokenizeResult,
-                [{"bearerAuth": []}],
-            ),
-            "/detokenize": _unary(
-                "The text of token ids (vLLM's shape)",
-                DetokenizeRequest,
-                DetokenizeResult,
-                [{"bearerAuth": []}],
-            ),
-            "/infill": _generation_llama_cpp(),
-            "/api/v1/chat": _surface_generation(
-                "Native chat with a stream of named events",
-                NativeChatRequest,
-                NativeChatResult,
-                NativeStreamEvent,
-                NativeErrorResponse,
-                "native",
-                [{"bearerAuth": []}, {"apiKeyHeader": []}],
-            ),
-            "/api/v1/models": {
-                "get": {
-                    "summary": "The loaded models, native shape",
-                    "security": [{"bearerAuth": []}, {"apiKeyHeader": []}],
-                    "responses": {
-                        "200": _json(NativeModelList, "The model list.", "X-Sluice-Worker-ID"),
-                        **_error_responses("401", "503", model=NativeErrorResponse),
-                    },
-                }
-            },
-            "/v1/models": {
-                "get": {
-                    "summary": "The models the workers serve",
-                    "security": [{"bearerAuth": []}],
-                    "responses": {
-                        "200": _json(ModelList, "The model list.", "X-Sluice-Worker-ID"),
-                        **_error_responses("401", "503"),
-                    },
-                }
-            },
-            "/v1/models/{model_id}": {
-                "get": {
-                    "summary": "One model",
-                    "security": [{"bearerAuth": []}],
-                    "parameters": [
-                        {
-                            "name": "model_id",
-                            "in": "path",
-                            "required": True,
-                            "description": "The model id; it may contain '/'.",
-                            "schema": {"type": "string"},
-                        }
-                    ],
-                    "responses": {
-                        "200": _json(ModelObject, "The model.", "X-Sluice-Worker-ID"),
-                        **_error_responses("401", "404", "503"),
-                    },
-                }
-            },
-            "/health": {
-                "get": {
-                    "summary": "Liveness: 200 while the process serves",
-                    "responses": {"200": _json(Health, "Alive.")},
-                }
-            },
-            "/ready": {
-                "get": {
-                    "summary": "Readiness: 200 when a worker is SERVING",
-                    "responses": {
-                        "200": _json(Readiness, "At least one worker is serving."),
-                        "503": _json(Readiness, "No worker is serving (the body has an `error`)."),
-                    },
-                }
-            },
-            "/metrics": {
-                "get": {
-                    "summary": "Prometheus metrics of the edge (no API key needed)",
-                    "responses": {
-                        "200": {
-                            "description": "The Prometheus text exposition format 0.0.4.",
-                            "content": {"text/plain": {"schema": {"type": "string"}}},
-                        }
-                    },
-                }
-            },
-            "/": _playground("The browser playground (docs/playground.md); no API key needed"),
-            "/playground": _playground("The browser playground (the same page as /)"),
-            "/openapi.json": {
-                "get": {
-                    "summary": "This document",
-                    "responses": {
-                        "200": {
-                            "description": "The OpenAPI 3.1 document.",
-                            "content": {"application/json": {"schema": {"type": "object"}}},
-                        }
-                    },
-                }
-            },
-        },
+        "paths": paths,
         "components": {
-            "schemas": component_schemas(),
+            "schemas": component_schemas(list(models)),
             "headers": {
                 "X-Request-ID": {
                     "description": "The caller's X-Request-ID (1-128 header-safe characters), else a new id.",

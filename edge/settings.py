@@ -13,9 +13,10 @@ from typing import Any
 
 from edge.cors import parse_origins
 from edge.event_loop import EVENT_LOOPS, uvloop_available
-from edge.surfaces.shared.validation import RequestLimits
+from edge.requests.limits import RequestLimits
 from edge.workers.addresses import split_host_port
 from edge.workers.routing import RoutingPolicy
+from sluice.limits import MAX_N, MAX_TOP_LOGPROBS
 from sluice.logs import LOG_FORMATS
 from sluice.settings import describe, int_at_least, optional_text, parse_settings, seconds, setting, text
 
@@ -181,14 +182,21 @@ class Settings:
         int_at_least(1),
         "most characters of message text (chat) or prompt (completions) in one request",
     )
-    max_n: int = setting(128, int_at_least(1), "largest n (choices per prompt), at most 128")
+    max_n: int = setting(
+        MAX_N,
+        int_at_least(1),
+        f"largest n (choices per prompt), at most {MAX_N}; above what the model's workers serve "
+        "(their --max-running) is refused too",
+    )
     max_tokens_limit: int = setting(
         0,
         int_at_least(0),
         "largest max_tokens / max_completion_tokens a request may set; 0 = no edge limit",
     )
     max_top_logprobs: int = setting(
-        20, int_at_least(0), "largest top_logprobs (chat) or logprobs (completions), at most 20"
+        MAX_TOP_LOGPROBS,
+        int_at_least(0),
+        f"largest top_logprobs (chat) or logprobs (completions), at most {MAX_TOP_LOGPROBS}",
     )
     max_images: int = setting(8, int_at_least(0), "most image parts in one request (0 = no images)")
     max_image_bytes: int = setting(

@@ -12,6 +12,7 @@ from edge.routes.playground import blueprint as playground_blueprint
 from edge.surfaces.anthropic.route import blueprint as messages_blueprint
 from edge.surfaces.chat.route import blueprint as chat_blueprint
 from edge.surfaces.completions.route import blueprint as completions_blueprint
+from edge.surfaces.completions.route import infill_blueprint
 from edge.surfaces.embeddings.route import blueprint as embeddings_blueprint
 from edge.surfaces.native.route import blueprint as native_blueprint
 from edge.surfaces.responses.route import blueprint as responses_blueprint
@@ -20,17 +21,18 @@ from edge.surfaces.tokenize.route import blueprint as tokenize_blueprint
 
 
 def register_routes(app: Quart) -> None:
-    """Registers every blueprint on ``app``."""
+    """Registers every blueprint on ``app``, in the order the OpenAPI document lists their routes."""
     app.register_blueprint(chat_blueprint)
     app.register_blueprint(completions_blueprint)
-    app.register_blueprint(responses_blueprint)
-    app.register_blueprint(messages_blueprint)
-    app.register_blueprint(native_blueprint)
     app.register_blueprint(embeddings_blueprint)
     app.register_blueprint(scores_blueprint)
+    app.register_blueprint(responses_blueprint)
+    app.register_blueprint(messages_blueprint)
     app.register_blueprint(tokenize_blueprint)
+    app.register_blueprint(infill_blueprint)
+    app.register_blueprint(native_blueprint)
     app.register_blueprint(models_blueprint)
     app.register_blueprint(health_blueprint)
     app.register_blueprint(metrics_blueprint)
-    app.register_blueprint(openapi_blueprint)
     app.register_blueprint(playground_blueprint)
+    app.register_blueprint(openapi_blueprint)

@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import Field
 
-from edge.surfaces.shared.base import ResponseModel
-from edge.surfaces.shared.errors import ErrorBody
+from edge.requests.errors import ErrorBody
+from edge.requests.models import ResponseModel
 
 
 class ChatFormats(ResponseModel):

@@ -7,6 +7,8 @@ from quart.wrappers import Response
 
 from edge.errors import ServiceUnavailableError
 from edge.http import json_response
+from edge.openapi import Probe, documented
+from edge.routes.bodies import Health, Readiness
 from edge.state import current_state
 from edge.workers.worker import WorkerHealth
 
@@ -14,6 +16,7 @@ blueprint = Blueprint("health", __name__)
 
 
 @blueprint.get("/health")
+@documented(Probe("Liveness: 200 while the process serves", {"200": (Health, "Alive.")}))
 async def health() -> Response:
     """Always 200 while the process serves: liveness must not depend on workers."""
     return json_response({"status": "ok"})
@@ -33,6 +36,15 @@ def worker_state(check: WorkerHealth) -> dict[str, object]:
 
 
 @blueprint.get("/ready")
+@documented(
+    Probe(
+        "Readiness: 200 when a worker is SERVING",
+        {
+            "200": (Readiness, "At least one worker is serving."),
+            "503": (Readiness, "No worker is serving (the body has an `error`)."),
+        },
+    )
+)
 async def ready() -> Response:
     """200 when the pool holds a SERVING worker (its background health checks), else 503 with
     an OpenAI error; both list every worker's state. Asks no worker itself.

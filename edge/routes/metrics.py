@@ -10,6 +10,7 @@ from __future__ import annotations
 from quart import Blueprint
 from quart.wrappers import Response
 
+from edge.openapi import Page, documented
 from edge.state import current_state
 from sluice.prometheus import CONTENT_TYPE
 
@@ -17,6 +18,13 @@ blueprint = Blueprint("metrics", __name__)
 
 
 @blueprint.get("/metrics")
+@documented(
+    Page(
+        "Prometheus metrics of the edge (no API key needed)",
+        "text/plain",
+        "The Prometheus text exposition format 0.0.4.",
+    )
+)
 async def metrics() -> Response:
     """The exposition text; worker health is asked of the pool at each scrape."""
     state = current_state()

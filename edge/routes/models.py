@@ -13,6 +13,8 @@ from quart.wrappers import Response
 
 from edge.errors import NotFoundError
 from edge.http import current_pool, json_response, worker_header
+from edge.openapi import Read, documented
+from edge.routes.bodies import ModelList, ModelObject
 from sluice.v1 import worker_pb2
 
 blueprint = Blueprint("models", __name__)
@@ -43,6 +45,7 @@ def model_object(model: worker_pb2.ModelInfo) -> dict[str, Any]:
 
 
 @blueprint.get("/v1/models")
+@documented(Read("The models the workers serve", ModelList, "The model list."))
 async def list_models() -> Response:
     listing = await current_pool().list_models()
     return json_response(
@@ -52,6 +55,15 @@ async def list_models() -> Response:
 
 
 @blueprint.get("/v1/models/<path:model_id>")
+@documented(
+    Read(
+        "One model",
+        ModelObject,
+        "The model.",
+        ("401", "404", "503"),
+        path_parameters={"model_id": "The model id; it may contain '/'."},
+    )
+)
 async def retrieve_model(model_id: str) -> Response:
     listing = await current_pool().list_models()
     for model in listing.models:

@@ -18,6 +18,7 @@ from quart.wrappers import Response
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER, EventGuard, request_limits
 from edge.drain import shutting_down_error
 from edge.http import current_request_id, worker_header
+from edge.requests.validation import bad
 from edge.state import current_request, current_state
 from edge.streaming.connections import scope_chunked_body, scope_transport
 from edge.streaming.pump import Finish, OnEvent, PumpClock, StreamFraming, StreamPump
@@ -55,6 +56,7 @@ async def open_calls(
         # Make a keep-alive client reconnect, so its retry can reach another replica.
         error.extra_headers["Connection"] = "close"
         raise error
+    await check_choices(requests)
     limits = request_limits(
         request.headers.get(TIMEOUT_HEADER), request.headers.get(IDLE_TIMEOUT_HEADER), state.settings
     )
@@ -96,6 +98,22 @@ async def open_calls(
         group.cancel()
         raise asyncio.CancelledError
     return group
+
+
+async def check_choices(requests: Sequence[worker_pb2.GenerateRequest]) -> None:
+    """A 400 naming ``n`` when it asks for more choices than any worker of the model serves (their
+    ListModels ``max_n``: the contract's bound and their ``--max-running``), before any call opens."""
+    n = max((r.sampling.n for r in requests if r.sampling.HasField("n")), default=1)
+    if n <= 1:
+        return
+    model = requests[0].model
+    most = await current_state().pool.most_choices(model)
+    if most is not None and n > most:
+        raise bad(
+            "n",
+            f"must be at most {most}, the most choices the workers of the model {model!r} serve "
+            f"(their --max-running), got {n}",
+        )
 
 
 def response_headers(group: CallGroup) -> dict[str, str]:

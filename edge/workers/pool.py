@@ -333,9 +333,23 @@ class WorkerPool(HealthChecks):
 
     async def accepts_images(self, model: str) -> bool:
         """Whether ``model`` (any, when empty) takes images, as its generating workers' ListModels
-        answers say (``accepts_images``; asked here of the available workers not asked yet).
-        False only when workers known to serve it all say no; True when none is known to (the
-        call itself then fails as it would without images: 404, 503)."""
+        answers say (``accepts_images``). False only when workers known to serve it all say no;
+        True when none is known to (the call itself then fails as it would without images: 404, 503)."""
+        served = await self._generating(model)
+        return not served or any(m.accepts_images for m in served)
+
+    async def most_choices(self, model: str) -> int | None:
+        """The largest ``n`` a worker generating with ``model`` (any, when empty) serves, as their
+        ListModels answers say (``max_n``: the contract's bound and their --max-running). None when
+        none is known to serve it or one does not say (0: the worker then decides itself)."""
+        served = await self._generating(model)
+        if not served or any(m.max_n == 0 for m in served):
+            return None
+        return max(m.max_n for m in served)
+
+    async def _generating(self, model: str) -> list[worker_pb2.ModelInfo]:
+        """What the available workers say of ``model`` (any, when empty) where they generate with it
+        (ListModels, asked here of the available workers not asked yet)."""
         self._ensure_started()
         if self._dns is not None and not self._workers:
             await self.wait_first_round()
@@ -343,13 +357,12 @@ class WorkerPool(HealthChecks):
         unknown = [w for w in workers if w.models is None]
         if unknown:
             await self._learn_models(unknown)
-        served = [
+        return [
             m
             for w in workers
             for m in w.models or ()
             if (m.task or "generate") == "generate" and model in ("", m.id)
         ]
-        return not served or any(m.accepts_images for m in served)
 
     async def _learn_models(self, workers: list[Worker]) -> None:
         """Asks each of ``workers`` what it serves (ListModels), at once; a worker that does not

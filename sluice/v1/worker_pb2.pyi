@@ -577,7 +577,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "created", "owned_by", "context_length", "source", "chat_formats", "task", "accepts_images")
+    __slots__ = ("id", "created", "owned_by", "context_length", "source", "chat_formats", "task", "accepts_images", "max_n")
     ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     OWNED_BY_FIELD_NUMBER: _ClassVar[int]
@@ -586,6 +586,7 @@ class ModelInfo(_message.Message):
     CHAT_FORMATS_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_IMAGES_FIELD_NUMBER: _ClassVar[int]
+    MAX_N_FIELD_NUMBER: _ClassVar[int]
     id: str
     created: int
     owned_by: str
@@ -594,7 +595,8 @@ class ModelInfo(_message.Message):
     chat_formats: ChatFormats
     task: str
     accepts_images: bool
-    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ..., context_length: _Optional[int] = ..., source: _Optional[str] = ..., chat_formats: _Optional[_Union[ChatFormats, _Mapping]] = ..., task: _Optional[str] = ..., accepts_images: _Optional[bool] = ...) -> None: ...
+    max_n: int
+    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ..., context_length: _Optional[int] = ..., source: _Optional[str] = ..., chat_formats: _Optional[_Union[ChatFormats, _Mapping]] = ..., task: _Optional[str] = ..., accepts_images: _Optional[bool] = ..., max_n: _Optional[int] = ...) -> None: ...
 
 class ChatFormats(_message.Message):
     __slots__ = ("family", "tool_call_parser", "reasoning_parser", "thinking_switch")

@@ -7,12 +7,13 @@ import random
 import time
 
 import grpc
+import httpx
 import pytest
 
 from sluice.status import read_details
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from tests.processes import WorkerProcess
+from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -73,6 +74,19 @@ def test_request_larger_than_the_cache_bound_is_refused_naming_max_tokens(small_
         list(pb_grpc.WorkerStub(channel).Generate(chat("hi", max_tokens=3000)))
     details = read_details(info.value)
     assert details.code == grpc.StatusCode.INVALID_ARGUMENT and details.param == "max_tokens"
+
+
+def test_the_edge_refuses_n_above_what_the_worker_serves_naming_n_and_the_limit(small_worker, tmp_path):
+    with grpc.insecure_channel(small_worker.address) as channel:
+        (model,) = pb_grpc.WorkerStub(channel).ListModels(pb.ListModelsRequest()).models
+    assert model.max_n == 1  # --max-running 1
+    with EdgeProcess([small_worker.address], log_dir=tmp_path) as edge:
+        body = {"model": model.id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        reply = httpx.post(f"{edge.base_url}/v1/chat/completions", json={**body, "n": 2}, timeout=30)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert (error["param"], error["code"]) == ("n", "invalid_value")
+        assert "'n'" in error["message"] and "at most 1" in error["message"], error["message"]
 
 
 def test_metrics_report_ttft_histogram_and_cache(default_worker):

@@ -169,22 +169,82 @@ def test_sluice_imports_no_service(service: str) -> None:
 
 
 def graph_of(package: str) -> dict[str, set[str]]:
-    """Module -> the modules of the same top-level package it imports."""
+    """Module -> the modules of the same top-level package it imports, with the packages above each
+    (importing ``a.b.c`` runs ``a/b/__init__.py`` first)."""
     known = modules(package)
     return {
-        name: {target for target, _ in imports(path, name) if target in known and target != name}
+        name: {
+            above
+            for target, _ in imports(path, name)
+            if target in known
+            for above in packages_and_module(target)
+            if above in known and above != name
+        }
         for name, path in known.items()
     }
 
 
+def packages_and_module(module: str) -> list[str]:
+    """``a.b.c`` -> ``[a, a.b, a.b.c]``."""
+    parts = module.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
 @pytest.mark.parametrize("package", ["edge", "sluice", "tools"])
 def test_no_import_circle_among_other_packages(package: str) -> None:
-    # A package's __init__ importing its own modules is not a circle of the code's own making.
+    # A module's import of its own package runs nothing (Python ran the package first); a package
+    # whose __init__ imports its modules runs them, so that edge counts.
     graph = {
-        name: {t for t in targets if not (name == t.rpartition(".")[0] and (REPO / package).exists())}
+        name: {t for t in targets if not name.startswith(t + ".")}
         for name, targets in graph_of(package).items()
     }
     assert find_cycle(graph) is None, f"import circle: {find_cycle(graph)}"
+
+
+# The edge's modules below its surfaces and routes: what every request goes through, the app's own
+# helpers and settings, the OpenAPI document (the routes declare their operations to it). They
+# serve the surfaces and the routes, and reach neither, even indirectly.
+EDGE_BELOW_SURFACES = ("edge.http", "edge.settings", "edge.requests", "edge.openapi")
+EDGE_ABOVE = ("edge.surfaces", "edge.routes")
+
+
+def within(module: str, units: tuple[str, ...]) -> bool:
+    return any(module == unit or module.startswith(unit + ".") for unit in units)
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Every module ``start`` imports, directly or through others: module -> the one that imports it.
+    A module's import of its own package runs nothing (the package ran first), so it is not followed."""
+    via: dict[str, str] = {}
+    pending = [start]
+    while pending:
+        source = pending.pop()
+        for target in graph.get(source, ()):
+            if source.startswith(target + ".") or target in via or target == start:
+                continue
+            via[target] = source
+            pending.append(target)
+    return via
+
+
+def test_edge_core_reaches_no_surface_and_no_route() -> None:
+    graph = graph_of("edge")
+    wrong = sorted(
+        f"{name} -> ... {via[target]} -> {target}"
+        for name in graph
+        if within(name, EDGE_BELOW_SURFACES)
+        for via in [reachable(graph, name)]
+        for target in via
+        if within(target, EDGE_ABOVE)
+    )
+    assert not wrong, f"below the surfaces, these reach a surface or a route: {wrong}"
+
+
+def test_reachable_follows_imports_but_not_a_modules_own_package() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "p.m": {"p"}, "p": {"p.m", "q"}}
+    assert reachable(graph, "a") == {"b": "a", "c": "b"}
+    assert reachable(graph, "p.m") == {}
+    assert reachable(graph, "p") == {"p.m": "p", "q": "p"}
 
 
 def test_edge_surfaces_import_no_other_surface() -> None:

@@ -6,11 +6,23 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sluice.limits import (
+    LOGIT_BIAS,
+    MAX_BAD_WORDS,
+    MAX_N,
+    MAX_STOP_STRINGS,
+    MAX_TOP_LOGPROBS,
+    MIN_P,
+    PENALTY,
+    REPETITION_PENALTY,
+    TEMPERATURE,
+    TOP_P,
+    Range,
+)
 from sluice.v1 import worker_pb2 as pb
 from worker.errors import InvalidRequest, ModelNotFound
 from worker.sampling.grammar import GrammarSpec
@@ -32,10 +44,6 @@ from worker.types import (
     Usage,
 )
 
-MAX_STOP_STRINGS = 16
-MAX_BAD_WORDS = 256
-MAX_TOP_LOGPROBS = 20
-MAX_N = 16
 # Nesting bound of the caller's JSON (tool parameters, response schemas, template variables):
 # deeper documents are refused before the chat template, llguidance or Python's recursion
 # limit meet them. Schemas generated from real models nest far less.
@@ -338,10 +346,9 @@ def _parts(message: pb.ChatMessage, index: int) -> tuple[str | ImageData, ...]:
     return tuple(parts)
 
 
-def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool = False) -> float:
-    if math.isnan(value) or value > high or value < low or (low_open and value == low):
-        bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
-        raise InvalidRequest(f"{name} must be in {bound}, got {value:g}", param=name)
+def _check_range(name: str, value: float, accepted: Range) -> float:
+    if value not in accepted:
+        raise InvalidRequest(f"{name} must be in {accepted}, got {value:g}", param=name)
     return value
 
 
@@ -461,7 +468,7 @@ def sampling_options(
     bias = []
     for token, value in sorted(params.logit_bias.items()):
         _check_token("logit_bias", token, vocab_size)
-        bias.append((token, _check_range("logit_bias", value, -100.0, 100.0)))
+        bias.append((token, _check_range("logit_bias", value, LOGIT_BIAS)))
     bad_words = _bad_words(params.bad_words, encode)
     allowed = tuple(
         sorted({_check_token("allowed_token_ids", t, vocab_size) for t in params.allowed_token_ids})
@@ -469,24 +476,20 @@ def sampling_options(
     if allowed and set(allowed) <= {word[0] for word in bad_words if len(word) == 1}:
         raise InvalidRequest("bad_words ban every one of allowed_token_ids", param="bad_words")
     return SamplingOptions(
-        temperature=_check_range("temperature", params.temperature, 0.0, 2.0)
+        temperature=_check_range("temperature", params.temperature, TEMPERATURE)
         if params.HasField("temperature")
         else 1.0,
-        top_p=_check_range("top_p", params.top_p, 0.0, 1.0, low_open=True)
-        if params.HasField("top_p")
-        else 1.0,
+        top_p=_check_range("top_p", params.top_p, TOP_P) if params.HasField("top_p") else 1.0,
         top_k=max(top_k, 0),
-        min_p=_check_range("min_p", params.min_p, 0.0, 1.0) if params.HasField("min_p") else 0.0,
+        min_p=_check_range("min_p", params.min_p, MIN_P) if params.HasField("min_p") else 0.0,
         seed=params.seed if params.HasField("seed") else None,
-        presence_penalty=_check_range("presence_penalty", params.presence_penalty, -2.0, 2.0)
+        presence_penalty=_check_range("presence_penalty", params.presence_penalty, PENALTY)
         if params.HasField("presence_penalty")
         else 0.0,
-        frequency_penalty=_check_range("frequency_penalty", params.frequency_penalty, -2.0, 2.0)
+        frequency_penalty=_check_range("frequency_penalty", params.frequency_penalty, PENALTY)
         if params.HasField("frequency_penalty")
         else 0.0,
-        repetition_penalty=_check_range(
-            "repetition_penalty", params.repetition_penalty, 0.0, 10.0, low_open=True
-        )
+        repetition_penalty=_check_range("repetition_penalty", params.repetition_penalty, REPETITION_PENALTY)
         if params.HasField("repetition_penalty")
         else 1.0,
         logit_bias=tuple(bias),

@@ -11,14 +11,12 @@ from typing import Any
 
 import torch
 
+from sluice.limits import MAX_POOLED_INPUTS
 from sluice.v1 import worker_pb2 as pb
 from worker.errors import InvalidRequest, ModelNotFound, WrongTask
 from worker.model.loader import LoadedModel
 from worker.model.pooling import finish_vectors
 from worker.model.pooling_runner import PoolingInput
-
-# The most inputs (or pairs) one call may carry (OpenAI's embeddings limit).
-MAX_INPUTS = 2048
 
 
 @dataclass(frozen=True)
@@ -142,8 +140,8 @@ def _encode(tokenizer: Any, text: str, where: str) -> list[int]:
 
 
 def _check_count(count: int, param: str) -> None:
-    if not 1 <= count <= MAX_INPUTS:
-        raise InvalidRequest(f"{param}: give 1 to {MAX_INPUTS}, got {count}", param=param)
+    if not 1 <= count <= MAX_POOLED_INPUTS:
+        raise InvalidRequest(f"{param}: give 1 to {MAX_POOLED_INPUTS}, got {count}", param=param)
 
 
 def _check_length(tokens: int, limit: int, where: str) -> None:

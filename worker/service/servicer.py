@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 import grpc
 import torch
 
+from sluice.limits import MAX_N
 from sluice.logs import request_id_var
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
@@ -34,7 +35,6 @@ from worker.model.load_progress import LoadProgress, wait_for_load
 from worker.model.loader import LoadedModel
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.convert import (
-    MAX_N,
     ParsedRequest,
     TokenizeCall,
     check_resumed_tokens,
@@ -75,6 +75,11 @@ class ServingModel:
     grammars: GrammarCompiler | None
     max_running: int
     default_max_tokens: int | None = None
+
+    @property
+    def max_n(self) -> int:
+        """The most choices one request may ask for here (``ModelInfo.max_n``): each takes a slot."""
+        return min(MAX_N, self.max_running)
 
     @property
     def generator(self) -> Engine | EngineClient:
@@ -158,6 +163,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             chat_formats=formats,
             task=loaded.task,
             accepts_images=serving.renderer.accepts_images,
+            max_n=serving.max_n if loaded.task == "generate" else 0,
         )
         return pb.ListModelsResponse(models=[info], worker_id=self.worker_id)
 
@@ -371,7 +377,7 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         prompt_tokens=len(prompt_ids),
         context_length=serving.loaded.context_length,
         vocab_size=serving.renderer.vocab_size,
-        max_n=min(MAX_N, serving.max_running),
+        max_n=serving.max_n,
         default_max_tokens=serving.default_max_tokens,
         encode=serving.renderer.encode,
     )

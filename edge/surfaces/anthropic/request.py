@@ -11,7 +11,8 @@ from typing import Any, Literal
 from pydantic import Field, StrictBool, field_validator
 
 from edge.errors import InvalidRequestError
-from edge.surfaces.shared.base import RequestModel
+from edge.requests.models import RequestModel
+from edge.requests.validation import in_range, invalid, missing, validate_body
 from edge.surfaces.shared.chat_request import FunctionDefinition
 from edge.surfaces.shared.rewrite import (
     ParsedRequest,
@@ -24,7 +25,7 @@ from edge.surfaces.shared.rewrite import (
     validate_at,
 )
 from edge.surfaces.shared.sampling import SamplingExtensions
-from edge.surfaces.shared.validation import invalid, missing, validate_body
+from sluice.limits import TOP_P
 
 MAX_TOP_K = 2**31 - 1
 # Prompt-caching hints: this server caches prompt prefixes by itself.
@@ -116,8 +117,8 @@ class MessagesRequest(SamplingExtensions):
     messages: list[InputMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     stop_sequences: list[str] | None = None
-    temperature: float | None = Field(default=None, ge=0, le=1)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: float | None = Field(default=None, ge=0, le=1)  # Anthropic's range, inside the contract's
+    top_p: float | None = in_range(TOP_P)
     top_k: int | None = Field(default=None, ge=1, le=MAX_TOP_K)  # Anthropic's bound (not vLLM's -1/0)
     tools: list[dict[str, Any]] | None = None
     tool_choice: ToolChoice | None = None

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from edge.surfaces.shared.base import ResponseModel
+from edge.requests.models import ResponseModel
 
 
 class AnthropicTextBlock(ResponseModel):

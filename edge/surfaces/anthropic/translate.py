@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge.errors import EdgeError
-from edge.surfaces.shared.errors import anthropic_error
+from edge.requests.errors import anthropic_error
 from edge.surfaces.shared.finish import finish_names
 from edge.surfaces.shared.ids import new_id
 from edge.surfaces.shared.segments import Segments

@@ -9,12 +9,14 @@ from typing import Any
 from pydantic import Field, StrictBool
 
 from edge.errors import EdgeError, InvalidRequestError
+from edge.requests.limits import RequestLimits
+from edge.requests.models import RequestModel, ResponseModel
+from edge.requests.validation import bad, in_range, validate_body
 from edge.streaming import sse
 from edge.surfaces.answer import Framing
 from edge.surfaces.completions.request import CompletionRequest, parse_completion_request
-from edge.surfaces.shared.base import RequestModel, ResponseModel
 from edge.surfaces.shared.sampling import SamplingExtensions
-from edge.surfaces.shared.validation import INT32_MAX, RequestLimits, bad, validate_body
+from sluice.limits import INT32_MAX, PENALTY, REPETITION_PENALTY, TEMPERATURE, TOP_P
 from sluice.v1 import worker_pb2
 
 #: llama.cpp's stream: ``data:`` objects, the last with ``stop: true``; no ``[DONE]``.
@@ -41,14 +43,14 @@ class InfillRequest(SamplingExtensions):
     )
     prompt: str = Field(default="", description="The start of the middle: appended to the prefix.")
     n_predict: int = Field(default=-1, ge=-1, le=INT32_MAX, description="Most tokens; -1 = no limit.")
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: float | None = in_range(TEMPERATURE)
+    top_p: float | None = in_range(TOP_P)
     seed: int | None = Field(default=None, ge=-1, le=2**64 - 1, description="-1 = random.")
     stop: list[str] | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    repeat_penalty: float | None = Field(
-        default=None, gt=0, le=10, description="llama.cpp's name of repetition_penalty."
+    presence_penalty: float | None = in_range(PENALTY)
+    frequency_penalty: float | None = in_range(PENALTY)
+    repeat_penalty: float | None = in_range(
+        REPETITION_PENALTY, description="llama.cpp's name of repetition_penalty."
     )
     stream: StrictBool = False
 

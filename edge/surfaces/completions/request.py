@@ -9,18 +9,11 @@ from typing import Any
 
 from pydantic import Field, StrictBool, StrictInt, field_validator
 
+from edge.requests.limits import RequestLimits, active_limits
+from edge.requests.validation import bad, invalid, text_or_tokens_shapes, validate_body
 from edge.surfaces.shared.sampling import SamplingRequest, check_sampling_limits
 from edge.surfaces.shared.structured import StructuredRequest
-from edge.surfaces.shared.validation import (
-    INT32_MAX,
-    MAX_N,
-    RequestLimits,
-    active_limits,
-    bad,
-    invalid,
-    text_or_tokens_shapes,
-    validate_body,
-)
+from sluice.limits import INT32_MAX, MAX_N
 
 # One worker call is opened per prompt; this bounds the fan-out of one request.
 MAX_PROMPTS = 128

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from edge.surfaces.shared.base import ResponseModel
+from edge.requests.models import ResponseModel
 from edge.surfaces.shared.finish import FinishReason
 from edge.surfaces.shared.usage import Usage
 

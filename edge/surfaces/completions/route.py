@@ -9,16 +9,28 @@ from quart.wrappers import Response
 
 from edge.errors import InvalidRequestError
 from edge.http import current_request_id, current_settings, read_json_body
+from edge.openapi import Generation, LlamaCppGeneration, documented
 from edge.surfaces.answer import generate, generate_openai
-from edge.surfaces.completions.infill import LLAMA_CPP, InfillTranslator, infill_error, parse_infill_request
-from edge.surfaces.completions.request import parse_completion_request
+from edge.surfaces.completions.infill import (
+    LLAMA_CPP,
+    InfillRequest,
+    InfillResult,
+    InfillTranslator,
+    infill_error,
+    parse_infill_request,
+)
+from edge.surfaces.completions.request import CompletionRequest, parse_completion_request
+from edge.surfaces.completions.response import TextCompletion, TextCompletionChunk
 from edge.surfaces.completions.translate import CompletionsTranslator, to_generate_requests
 from edge.surfaces.shared.structured import naming_form
 
 blueprint = Blueprint("completions", __name__)
+# llama.cpp's surface, on the completions path: its own blueprint, listed with the tokenizer routes.
+infill_blueprint = Blueprint("infill", __name__)
 
 
 @blueprint.post("/v1/completions")
+@documented(Generation("Text completion (legacy)", CompletionRequest, TextCompletion, TextCompletionChunk))
 async def completions() -> Response:
     completion = parse_completion_request(await read_json_body(), current_settings().limits)
     with naming_form(completion.structured_form()):
@@ -33,7 +45,8 @@ async def completions() -> Response:
         )
 
 
-@blueprint.post("/infill")
+@infill_blueprint.post("/infill")
+@documented(LlamaCppGeneration("Fill-in-the-middle, llama.cpp's shape", InfillRequest, InfillResult))
 async def infill() -> Response:
     completion = parse_infill_request(await read_json_body(), current_settings().limits)
     try:

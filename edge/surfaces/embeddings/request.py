@@ -7,15 +7,15 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
-from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.validation import INT32_MAX, invalid, text_or_tokens_shapes, validate_body
+from edge.requests.models import RequestModel
+from edge.requests.validation import invalid, text_or_tokens_shapes, validate_body
+from sluice.limits import INT32_MAX, MAX_POOLED_INPUTS
 from sluice.v1 import worker_pb2
 
 # OpenAI's bound on the inputs of one request (the worker's too).
-MAX_INPUTS = 2048
 
 EmbeddingInput = str | list[int]
-_InputShapes = text_or_tokens_shapes(MAX_INPUTS)
+_InputShapes = text_or_tokens_shapes(MAX_POOLED_INPUTS)
 
 
 class EmbeddingRequest(RequestModel):
@@ -45,8 +45,8 @@ def normalize_input(value: Any) -> list[EmbeddingInput]:
         value = [value]
     if not isinstance(value, list) or not value:
         raise invalid("must be a string, a list of strings, a list of token ids or a list of such lists")
-    if len(value) > MAX_INPUTS:
-        raise invalid(f"at most {MAX_INPUTS} inputs per request, got {len(value)}")
+    if len(value) > MAX_POOLED_INPUTS:
+        raise invalid(f"at most {MAX_POOLED_INPUTS} inputs per request, got {len(value)}")
     for index, item in enumerate(value):
         if isinstance(item, str):
             if not item:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from edge.surfaces.shared.base import ResponseModel
+from edge.requests.models import ResponseModel
 from sluice.v1 import worker_pb2
 
 

@@ -9,7 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field, StrictBool, field_validator
 
-from edge.surfaces.shared.base import RequestModel
+from edge.requests.models import RequestModel
+from edge.requests.validation import bad, in_range, validate_body
 from edge.surfaces.shared.rewrite import (
     ParsedRequest,
     add_chat_tools,
@@ -21,7 +22,7 @@ from edge.surfaces.shared.rewrite import (
     validate_at,
 )
 from edge.surfaces.shared.sampling import SamplingExtensions
-from edge.surfaces.shared.validation import bad, validate_body
+from sluice.limits import REPETITION_PENALTY, TEMPERATURE, TOP_P
 
 _SEED_MAX = 2**64 - 1
 
@@ -58,10 +59,10 @@ class NativeChatRequest(SamplingExtensions):
     model: str
     input: str | list[Any]
     system_prompt: str | None = None
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: float | None = in_range(TEMPERATURE)
+    top_p: float | None = in_range(TOP_P)
     # vLLM's repetition_penalty under the native name (either may be given, not both).
-    repeat_penalty: float | None = Field(default=None, gt=0, le=10)
+    repeat_penalty: float | None = in_range(REPETITION_PENALTY)
     seed: int | None = Field(default=None, ge=0, le=_SEED_MAX)
     stop: list[str] | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)

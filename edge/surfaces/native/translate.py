@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edge.errors import EdgeError
-from edge.surfaces.shared.errors import native_error
+from edge.requests.errors import native_error
 from edge.surfaces.shared.finish import finish_names
 from edge.surfaces.shared.segments import Segments
 from edge.surfaces.shared.usage import UsageTracker

@@ -10,7 +10,8 @@ from typing import Any, Literal
 from pydantic import Field, StrictBool, field_validator
 
 from edge.errors import InvalidRequestError
-from edge.surfaces.shared.base import RequestModel
+from edge.requests.models import RequestModel
+from edge.requests.validation import bad, in_range, validate_body
 from edge.surfaces.shared.chat_request import JsonSchemaFormat
 from edge.surfaces.shared.rewrite import (
     ParsedRequest,
@@ -24,9 +25,7 @@ from edge.surfaces.shared.rewrite import (
     validate_at,
 )
 from edge.surfaces.shared.sampling import SamplingExtensions
-from edge.surfaces.shared.validation import bad, validate_body
-
-MAX_TEMPERATURE = 2.0
+from sluice.limits import TEMPERATURE, TOP_P
 
 
 class InputText(RequestModel):
@@ -111,8 +110,8 @@ class ResponsesRequest(SamplingExtensions):
     parallel_tool_calls: StrictBool | None = None
     text: TextOptions | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: float | None = in_range(TEMPERATURE)
+    top_p: float | None = in_range(TOP_P)
     reasoning: ReasoningOptions | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None

@@ -6,12 +6,10 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictBool, field_validator
 
-from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.validation import bad, invalid, validate_body
+from edge.requests.models import RequestModel
+from edge.requests.validation import bad, invalid, validate_body
+from sluice.limits import MAX_POOLED_INPUTS
 from sluice.v1 import worker_pb2
-
-# The most documents (or pairs) one request may score (the worker's bound too).
-MAX_PAIRS = 2048
 
 _Text = Annotated[str, Field(min_length=1)]
 
@@ -27,7 +25,7 @@ class RerankRequest(RequestModel):
 
     model: str = Field(default="", description="Empty: any worker that scores.")
     query: _Text
-    documents: Annotated[list[_Text | RerankDocument], Field(min_length=1, max_length=MAX_PAIRS)]
+    documents: Annotated[list[_Text | RerankDocument], Field(min_length=1, max_length=MAX_POOLED_INPUTS)]
     top_n: int | None = Field(default=None, ge=0, description="The best this many (0 or absent: all).")
     return_documents: StrictBool = True
     # Cohere v2 sends it; every document is scored whole (a too-long one is refused).
@@ -43,8 +41,8 @@ class ScoreRequest(RequestModel):
     two lists paired in order."""
 
     model: str = Field(default="", description="Empty: any worker that scores.")
-    text_1: _Text | Annotated[list[_Text], Field(min_length=1, max_length=MAX_PAIRS)]
-    text_2: _Text | Annotated[list[_Text], Field(min_length=1, max_length=MAX_PAIRS)]
+    text_1: _Text | Annotated[list[_Text], Field(min_length=1, max_length=MAX_POOLED_INPUTS)]
+    text_2: _Text | Annotated[list[_Text], Field(min_length=1, max_length=MAX_POOLED_INPUTS)]
 
     @field_validator("text_1", "text_2", mode="before")
     @classmethod

@@ -7,8 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from edge.requests.models import ResponseModel
 from edge.surfaces.scores.request import RerankRequest
-from edge.surfaces.shared.base import ResponseModel
 from edge.surfaces.shared.ids import new_id
 from sluice.v1 import worker_pb2
 

@@ -7,8 +7,15 @@ from quart import Blueprint
 from quart.wrappers import Response
 
 from edge.http import current_request_id, read_json_body
-from edge.surfaces.scores.request import parse_rerank_request, parse_score_request, to_score_request
-from edge.surfaces.scores.response import rerank_response, score_list
+from edge.openapi import Unary, documented
+from edge.surfaces.scores.request import (
+    RerankRequest,
+    ScoreRequest,
+    parse_rerank_request,
+    parse_score_request,
+    to_score_request,
+)
+from edge.surfaces.scores.response import RerankResponse, ScoreList, rerank_response, score_list
 from edge.surfaces.shared import pooled
 
 blueprint = Blueprint("scores", __name__)
@@ -16,6 +23,15 @@ blueprint = Blueprint("scores", __name__)
 RERANK_PATHS = {"/rerank": "rerank", "/v1/rerank": "rerank_v1", "/v2/rerank": "rerank_v2"}
 
 
+@documented(
+    Unary(
+        "Rerank documents by relevance to a query (Jina's and Cohere's shape, as vLLM serves it); "
+        "needs a worker started with --task score or embed",
+        RerankRequest,
+        RerankResponse,
+        pooled=True,
+    )
+)
 async def rerank() -> Response:
     request = parse_rerank_request(await read_json_body())
     pairs = [(request.query, text) for text in request.texts]
@@ -28,6 +44,14 @@ for _path, _endpoint in RERANK_PATHS.items():
 
 
 @blueprint.post("/v1/score")
+@documented(
+    Unary(
+        "Scores of text pairs (vLLM's); needs a worker started with --task score or embed",
+        ScoreRequest,
+        ScoreList,
+        pooled=True,
+    )
+)
 async def score() -> Response:
     request, pairs = parse_score_request(await read_json_body())
     reply, worker_id = await pooled.score(to_score_request(request.model, pairs, current_request_id()))

@@ -1,1 +1,2 @@
-"""What the surfaces share: model bases, validation, the chat request, ids, finish names, usage, errors."""
+"""What the surfaces share: the sampling fields, the chat request and its rewrites, ids, finish names,
+usage (the bases, validation and error bodies are below the surfaces, in :mod:`edge.requests`)."""

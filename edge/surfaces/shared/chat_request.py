@@ -1,7 +1,7 @@
 """The OpenAI chat completions request: the chat surface's body, and the one request form the
 Responses, Anthropic and native surfaces are rewritten into (:mod:`edge.surfaces.shared.rewrite`).
 
-:func:`parse_chat_request` validates a decoded body fully (:mod:`edge.surfaces.shared.validation`).
+:func:`parse_chat_request` validates a decoded body fully (:mod:`edge.requests.validation`).
 """
 
 from __future__ import annotations
@@ -14,20 +14,13 @@ from pydantic import ConfigDict, Discriminator, Field, PrivateAttr, StrictBool, 
 from pydantic_core import PydanticCustomError
 
 from edge.errors import InvalidRequestError
-from edge.surfaces.shared.base import RequestModel
+from edge.requests.limits import RequestLimits, active_limits
+from edge.requests.models import RequestModel
+from edge.requests.validation import bad, invalid, missing, validate_body
 from edge.surfaces.shared.images import Image, decode_data_url, is_remote
 from edge.surfaces.shared.sampling import SamplingRequest, check_max_tokens, check_sampling_limits
 from edge.surfaces.shared.structured import StructuredForm, StructuredRequest
-from edge.surfaces.shared.validation import (
-    INT32_MAX,
-    MAX_TOP_LOGPROBS,
-    RequestLimits,
-    active_limits,
-    bad,
-    invalid,
-    missing,
-    validate_body,
-)
+from sluice.limits import INT32_MAX, MAX_TOP_LOGPROBS
 
 _FUNCTION_NAME = "^[A-Za-z0-9_.\\-]{1,64}$"  # also the OpenAPI document's pattern (ECMA syntax)
 

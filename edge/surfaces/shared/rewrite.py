@@ -12,14 +12,14 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import BaseModel, StrictBool
 
 from edge.errors import EdgeError, InvalidRequestError
-from edge.surfaces.shared.base import RequestModel
+from edge.requests.models import RequestModel
+from edge.requests.validation import bad, invalid, validate_body
 from edge.surfaces.shared.chat_request import (
     ChatCompletionRequest,
     FunctionDefinition,
     parse_chat_request,
     placed_param,
 )
-from edge.surfaces.shared.validation import bad, invalid, validate_body
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
 RequestT = TypeVar("RequestT", bound=RequestModel)

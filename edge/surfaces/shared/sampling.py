@@ -6,13 +6,19 @@ from typing import Annotated, Any
 
 from pydantic import AfterValidator, Field, StrictBool, field_validator
 
-from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.validation import (
+from edge.requests.limits import RequestLimits
+from edge.requests.models import RequestModel
+from edge.requests.validation import bad, in_range, invalid
+from sluice.limits import (
     INT32_MAX,
+    LOGIT_BIAS,
+    MAX_BAD_WORDS,
     MAX_N,
-    RequestLimits,
-    bad,
-    invalid,
+    MIN_P,
+    PENALTY,
+    REPETITION_PENALTY,
+    TEMPERATURE,
+    TOP_P,
 )
 
 # Seeds: any int64 (OpenAI) or uint64 (the proto) value.
@@ -42,7 +48,6 @@ def _not_blank(word: str) -> str:
 
 
 _Word = Annotated[str, AfterValidator(_not_blank), Field(json_schema_extra={"pattern": r"\S"})]
-MAX_BAD_WORDS = 256
 
 
 class SamplingExtensions(RequestModel):
@@ -52,13 +57,11 @@ class SamplingExtensions(RequestModel):
     top_k: int | None = Field(
         default=None, ge=-1, le=INT32_MAX, description="Sample from the k likeliest tokens; -1 or 0: off."
     )
-    min_p: float | None = Field(
-        default=None, ge=0, le=1, description="Drop tokens less likely than min_p times the likeliest."
+    min_p: float | None = in_range(
+        MIN_P, description="Drop tokens less likely than min_p times the likeliest."
     )
-    repetition_penalty: float | None = Field(
-        default=None,
-        gt=0,
-        le=10,
+    repetition_penalty: float | None = in_range(
+        REPETITION_PENALTY,
         description="Divide positive (multiply negative) logits of prompt and output tokens; 1: off.",
     )
     stop_token_ids: list[_TokenId] | None = Field(
@@ -110,21 +113,21 @@ class SamplingRequest(SamplingExtensions):
     """Fields shared by chat and text completions requests."""
 
     model: str
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, ge=0, le=1)
+    temperature: float | None = in_range(TEMPERATURE)
+    top_p: float | None = in_range(TOP_P)
     n: int | None = Field(default=None, ge=1, le=MAX_N)
     stop: list[str] | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     seed: int | None = Field(default=None, ge=_SEED_MIN, le=_SEED_MAX)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = in_range(PENALTY)
+    frequency_penalty: float | None = in_range(PENALTY)
     logit_bias: dict[str, float] | None = Field(
         default=None,
         json_schema_extra={
             "propertyNames": {"pattern": "^[0-9]{1,10}$"},
-            "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+            "additionalProperties": {"type": "number", "minimum": LOGIT_BIAS.low, "maximum": LOGIT_BIAS.high},
         },
     )
     user: str | None = None
@@ -140,8 +143,8 @@ class SamplingRequest(SamplingExtensions):
         for key, bias in (value or {}).items():
             if not (key.isascii() and key.isdigit()) or not 0 <= int(key) <= INT32_MAX:
                 raise invalid(f"key {key!r} is not a token id")
-            if not -100 <= bias <= 100:
-                raise invalid(f"bias {bias} for token {key} is not in [-100, 100]")
+            if bias not in LOGIT_BIAS:
+                raise invalid(f"bias {bias} for token {key} is not in {LOGIT_BIAS}")
         return value
 
     @property

@@ -15,8 +15,8 @@ from typing import Any
 from pydantic import Field, StrictBool
 
 from edge.errors import InvalidRequestError
-from edge.surfaces.shared.base import RequestModel
-from edge.surfaces.shared.validation import bad
+from edge.requests.models import RequestModel
+from edge.requests.validation import bad
 from sluice.v1 import worker_pb2
 
 

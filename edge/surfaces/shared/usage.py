@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge.surfaces.shared.base import ResponseModel
+from edge.requests.models import ResponseModel
 from sluice.v1 import worker_pb2
 
 

@@ -7,10 +7,12 @@ from typing import Annotated, Any
 
 from pydantic import Field, StrictBool
 
-from edge.surfaces.shared.base import RequestModel
+from edge.requests.limits import RequestLimits, active_limits
+from edge.requests.models import RequestModel
+from edge.requests.validation import bad, validate_body
 from edge.surfaces.shared.chat_request import ChatCompletionRequest, parse_chat_request
-from edge.surfaces.shared.validation import INT32_MAX, RequestLimits, active_limits, bad, validate_body
 from edge.surfaces.shared.worker_request import to_generate_request
+from sluice.limits import INT32_MAX
 from sluice.v1 import worker_pb2
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from edge.surfaces.shared.base import ResponseModel
+from edge.requests.models import ResponseModel
 
 
 class TokenizeResult(ResponseModel):

@@ -93,6 +93,7 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
     worker_id: str = "worker-a"
     models: list[str] = field(default_factory=lambda: ["SmolLM2-135M-Instruct"])
     accepts_images: bool = False  # what its ListModels says of every model
+    max_n: int = 0  # the most choices its ListModels says it serves (0: says nothing)
     requests: list[worker_pb2.GenerateRequest] = field(default_factory=list)
     metadata: list[dict[str, str | bytes]] = field(default_factory=list)
     calls_started: int = 0
@@ -129,7 +130,11 @@ class FakeWorker(worker_pb2_grpc.WorkerServicer):
         return worker_pb2.ListModelsResponse(
             models=[
                 worker_pb2.ModelInfo(
-                    id=m, created=1700000000, owned_by="sluice", accepts_images=self.accepts_images
+                    id=m,
+                    created=1700000000,
+                    owned_by="sluice",
+                    accepts_images=self.accepts_images,
+                    max_n=self.max_n,
                 )
                 for m in self.models
             ],

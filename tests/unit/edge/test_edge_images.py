@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from edge.errors import InvalidRequestError
+from edge.requests.limits import RequestLimits
 from edge.surfaces.anthropic.request import parse_messages_request
 from edge.surfaces.native.request import parse_native_request
 from edge.surfaces.responses.request import parse_responses_request
 from edge.surfaces.shared.chat_request import ChatCompletionRequest, parse_chat_request
 from edge.surfaces.shared.images import decode_base64_image, decode_data_url
-from edge.surfaces.shared.validation import RequestLimits
 from edge.surfaces.shared.worker_request import to_generate_request
 from sluice.v1 import worker_pb2
 from tests.images import GIF_HEAD, JPEG_HEAD, WEBP_HEAD, b64, data_url, tiny_png
@@ -219,7 +219,7 @@ def test_anthropic_errors_name_the_block_where_chat_and_surface_paths_agree(syst
 
 
 def test_anthropic_url_sources_are_kept_for_the_fetch_when_allowed() -> None:
-    from edge.surfaces.shared.validation import request_limits
+    from edge.requests.limits import request_limits
 
     token = request_limits.set(RequestLimits(allow_image_urls=True))
     try:

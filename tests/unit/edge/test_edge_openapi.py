@@ -13,13 +13,14 @@ from pydantic.json_schema import models_json_schema
 
 from edge.app import create_app
 from edge.errors import InvalidRequestError
-from edge.openapi import REF, REQUEST_MODELS, RESPONSE_MODELS, openapi_document
+from edge.openapi import REF, Page, documented, openapi_document, operations
 from edge.settings import Settings
 from edge.surfaces.chat.translate import ChatTranslator
 from edge.surfaces.completions.translate import CompletionsTranslator
 from sluice.v1 import worker_pb2
 
-DOC = openapi_document()
+APP = create_app(Settings(workers=("127.0.0.1:1",)))
+DOC = openapi_document(APP)
 
 
 def validator(name: str) -> Draft202012Validator:
@@ -46,13 +47,29 @@ def test_every_served_route_is_documented() -> None:
     assert served == documented
 
 
-def test_component_schemas_are_the_pydantic_models() -> None:
-    _, generated = models_json_schema(
-        [(model, "validation") for model in (*REQUEST_MODELS, *RESPONSE_MODELS)], ref_template=REF
-    )
+def test_a_route_without_a_declared_operation_fails_the_document() -> None:
+    app = create_app(Settings(workers=("127.0.0.1:1",)))
+
+    @app.get("/undocumented")
+    async def undocumented() -> str:
+        return "?"
+
+    with pytest.raises(LookupError, match="/undocumented"):
+        openapi_document(app)
+    documented(Page("A page", "text/plain", "Some text."))(undocumented)
+    assert openapi_document(app)["paths"]["/undocumented"]["get"]["summary"] == "A page"
+
+
+def test_component_schemas_are_the_pydantic_models_the_routes_declare() -> None:
+    models = list(dict.fromkeys(model for _, _, operation in operations(APP) for model in operation.models()))
+    _, generated = models_json_schema([(model, "validation") for model in models], ref_template=REF)
     assert DOC["components"]["schemas"] == generated["$defs"]
-    for model in (*REQUEST_MODELS, *RESPONSE_MODELS):
+    for model in models:
         assert model.__name__ in DOC["components"]["schemas"]
+    for path, item in DOC["paths"].items():
+        if "post" in item:  # every body a route takes is its request model's
+            ref = item["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+            assert ref.rpartition("/")[2].endswith("Request"), path
     chat = DOC["paths"]["/v1/chat/completions"]["post"]
     assert chat["requestBody"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/ChatCompletionRequest"

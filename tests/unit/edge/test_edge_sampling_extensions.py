@@ -9,13 +9,16 @@ from typing import Any
 import pytest
 from jsonschema import Draft202012Validator
 
+from edge.app import create_app
 from edge.errors import InvalidRequestError
+from edge.openapi import REF, openapi_document
+from edge.requests.models import strict_fields
+from edge.settings import Settings
 from edge.surfaces.anthropic.request import parse_messages_request
 from edge.surfaces.completions.request import parse_completion_request
 from edge.surfaces.completions.translate import to_generate_requests
 from edge.surfaces.native.request import parse_native_request
 from edge.surfaces.responses.request import parse_responses_request
-from edge.surfaces.shared.base import strict_fields
 from edge.surfaces.shared.chat_request import parse_chat_request
 from edge.surfaces.shared.worker_request import to_generate_request
 from sluice.v1 import worker_pb2
@@ -227,10 +230,7 @@ def test_strict_fields_still_give_the_refused_chat_fields_their_own_error(strict
 
 @pytest.mark.parametrize("name", ["ChatCompletionRequest", "CompletionRequest"])
 def test_the_openapi_document_lists_the_extensions(name: str) -> None:
-    from edge.app import create_app  # noqa: F401 (edge.openapi is imported after the routes)
-    from edge.openapi import REF, openapi_document
-
-    document = openapi_document()
+    document = openapi_document(create_app(Settings(workers=("127.0.0.1:1",))))
     schema = document["components"]["schemas"][name]["properties"]
     for field in EXTENSIONS:
         assert field in schema, field

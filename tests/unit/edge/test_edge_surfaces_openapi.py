@@ -8,16 +8,18 @@ from edge_fakes import content, started
 from jsonschema import Draft202012Validator
 from surface_fakes import counter_ids, finished_with, progress, reasoning, refusal, tool_call, usage_with
 
+from edge.app import create_app
 from edge.errors import DeadlineExceededError, InvalidRequestError, NotFoundError
 from edge.openapi import REF, openapi_document
+from edge.requests.errors import anthropic_error, native_error_body
+from edge.settings import Settings
 from edge.surfaces.anthropic.translate import MessagesTranslator
 from edge.surfaces.native.translate import NativeTranslator
 from edge.surfaces.responses.request import parse_responses_request
 from edge.surfaces.responses.translate import ResponsesTranslator
-from edge.surfaces.shared.errors import anthropic_error, native_error_body
 from sluice.v1 import worker_pb2
 
-DOC = openapi_document()
+DOC = openapi_document(create_app(Settings(workers=("127.0.0.1:1",))))
 EVENTS = [
     started(prompt_tokens=9),
     progress(0.5),

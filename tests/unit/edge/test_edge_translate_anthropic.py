@@ -9,9 +9,9 @@ from edge_fakes import content, started
 from surface_fakes import counter_ids, finished_with, reasoning, tool_call, usage_with
 
 from edge.errors import InvalidRequestError, RateLimitError, StreamIdleTimeoutError
+from edge.requests.limits import RequestLimits, request_limits
 from edge.surfaces.anthropic.request import parse_messages_request
 from edge.surfaces.anthropic.translate import MessagesTranslator
-from edge.surfaces.shared.validation import RequestLimits, request_limits
 from sluice.v1 import worker_pb2
 
 

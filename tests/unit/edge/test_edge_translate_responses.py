@@ -9,9 +9,9 @@ from edge_fakes import content, started
 from surface_fakes import counter_ids, finished_with, reasoning, refusal, tool_call, usage_with
 
 from edge.errors import DeadlineExceededError, InvalidRequestError
+from edge.requests.limits import RequestLimits, request_limits
 from edge.surfaces.responses.request import parse_responses_request
 from edge.surfaces.responses.translate import ResponsesTranslator
-from edge.surfaces.shared.validation import RequestLimits, request_limits
 from sluice.v1 import worker_pb2
 
 ECHO = {"instructions": None, "tools": []}

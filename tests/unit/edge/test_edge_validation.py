@@ -9,10 +9,10 @@ import pytest
 from edge_fakes import FakeWorker, content, finished, run, running_edge, running_worker, started, usage
 
 from edge.errors import InvalidRequestError, UnprocessableEntityError
+from edge.requests.limits import RequestLimits, request_limits
 from edge.settings import Settings
 from edge.surfaces.completions.request import parse_completion_request
 from edge.surfaces.shared.chat_request import parse_chat_request
-from edge.surfaces.shared.validation import RequestLimits, request_limits
 
 OK: dict[str, Any] = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 TOOLS = [{"type": "function", "function": {"name": "w"}}]

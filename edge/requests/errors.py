@@ -10,7 +10,7 @@ from typing import Any
 from pydantic import Field
 
 from edge.errors import EdgeError
-from edge.surfaces.shared.base import ResponseModel
+from edge.requests.models import ResponseModel
 
 ANTHROPIC_PREFIX = "/v1/messages"
 NATIVE_PREFIX = "/api/v1/"

@@ -1,76 +1,19 @@
 """What every request body goes through: JSON-object check, Unicode check, the pydantic
-model, and one 400 naming the first bad field (``param``: ``messages[0].role``).
-
-Also the operator's per-request limits (:class:`RequestLimits`) shared by every surface.
+model, and one 400 naming the first bad field (``param``: ``messages[0].role``); the fields
+bounded by the contract's ranges (:mod:`sluice.limits`).
 """
 
 from __future__ import annotations
 
-from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, Field, ValidationError
 from pydantic_core import PydanticCustomError
 
 from edge.errors import InvalidRequestError, UnprocessableEntityError
-
-# The largest value of a proto ``int32`` field (max_tokens, token ids, logprobs ...): a larger
-# number cannot travel to the worker, so the schema refuses it with a 400 naming the field.
-INT32_MAX = 2**31 - 1
+from sluice.limits import INT32_MAX, Range
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
-
-
-# Hard ceilings of the request schema; operator limits may only lower them.
-MAX_N = 128
-MAX_TOP_LOGPROBS = 20
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """Per-request bounds an operator tunes (``--max-messages`` and friends, see docs/http.md).
-
-    ``max_prompt_chars`` counts the characters of every message's text
-    (``content``, ``reasoning_content``, tool-call ``arguments``) of a chat
-    request, or of every prompt of a completions request (a token-id prompt
-    counts one per id). ``max_images`` bounds the image parts of one request, ``max_image_bytes``
-    each image's decoded size; ``allow_image_urls`` lets ``http(s)`` image URLs through to the
-    fetch (else they are a 400). ``max_tokens`` bounds ``max_tokens`` and
-    ``max_completion_tokens`` when a request sets them; 0 means no bound at
-    the edge (the worker still bounds them by the context length). ``n`` is
-    per prompt. ``__post_init__`` raises ``ValueError`` naming a bad field.
-    """
-
-    max_messages: int = 1024
-    max_prompt_chars: int = 1_000_000
-    max_n: int = MAX_N
-    max_tokens: int = 0
-    max_top_logprobs: int = MAX_TOP_LOGPROBS
-    max_images: int = 8
-    max_image_bytes: int = 4 * 1024 * 1024
-    allow_image_urls: bool = False
-
-    def __post_init__(self) -> None:
-        for name, low, high in (
-            ("max_messages", 1, None),
-            ("max_prompt_chars", 1, None),
-            ("max_n", 1, MAX_N),
-            ("max_tokens", 0, None),
-            ("max_top_logprobs", 0, MAX_TOP_LOGPROBS),
-            ("max_images", 0, None),
-            ("max_image_bytes", 1, None),
-        ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}: must be an integer >= {low}, got {value!r}")
-            if high is not None and value > high:
-                raise ValueError(f"{name}: must be at most {high}, got {value}")
-
-
-DEFAULT_LIMITS = RequestLimits()
-# The limits of the request being parsed; the edge app sets it per request (None: the defaults).
-request_limits: ContextVar[RequestLimits | None] = ContextVar("sluice_request_limits", default=None)
 
 
 _TokenIds = Annotated[list[Annotated[int, Field(ge=0, le=INT32_MAX)]], Field(min_length=1)]
@@ -89,9 +32,17 @@ def text_or_tokens_shapes(most: int) -> Any:
     )
 
 
-def active_limits() -> RequestLimits:
-    """The limits set for this context, else :data:`DEFAULT_LIMITS`."""
-    return request_limits.get() or DEFAULT_LIMITS
+def in_range(accepted: Range, **field: Any) -> Any:
+    """An optional number field accepting the contract's range ``accepted`` (:mod:`sluice.limits`):
+    ``temperature: float | None = in_range(TEMPERATURE)``; ``field``: more of ``Field``'s arguments."""
+    low_open = accepted.low_open
+    return Field(
+        default=None,
+        ge=None if low_open else accepted.low,
+        gt=accepted.low if low_open else None,
+        le=accepted.high,
+        **field,
+    )
 
 
 def invalid(message: str) -> PydanticCustomError:
@@ -189,7 +140,7 @@ def _to_invalid_request(error: ValidationError) -> InvalidRequestError:
     first = error.errors(include_url=False)[0]
     param = _param_path(tuple(first["loc"])) or None
     kind = first["type"]
-    if kind == "unknown_field":  # --strict-fields (edge.surfaces.shared.base)
+    if kind == "unknown_field":  # --strict-fields (edge.requests.models)
         param = _param_path((*first["loc"], first["ctx"]["field"]))
         return InvalidRequestError(
             f"Unrecognized request argument supplied: '{param}'.", param=param, code="unknown_parameter"
