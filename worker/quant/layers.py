@@ -318,14 +318,19 @@ class Fp8Linear(torch.nn.Module):
 QuantizedLinear = Int8Linear | Int4Linear | Fp8Linear
 
 
-def quantize_weight(scheme: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
-    """A quantized layer of ``scheme`` (``int8``, ``int4`` or ``fp8``) for a float ``weight``."""
+def quantize_weight(
+    scheme: str, weight: torch.Tensor, bias: torch.Tensor | None = None, *, batch_copy: bool = True
+) -> QuantizedLinear:
+    """A quantized layer of ``scheme`` (``int8``, ``int4`` or ``fp8``) for a float ``weight``;
+    ``batch_copy``: an int8/int4 layer's float16 copy for batches (:class:`BatchCopy`)."""
     if scheme == "int8":
-        return Int8Linear.from_float(weight, bias)
+        return Int8Linear.from_float(weight, bias, batch_copy=batch_copy)
     if scheme == "int4":
-        if weight.shape[1] % INT4_GROUP:  # no whole groups: the next best thing
-            return Int8Linear.from_float(weight, bias)
-        return Int4Linear.from_float(weight, bias)
+        # No whole groups, or on the CPU an output width its int4 packing refuses (it wants a
+        # multiple of 16): the next best thing.
+        if weight.shape[1] % INT4_GROUP or (_uses_cpu_kernels(weight) and weight.shape[0] % 16):
+            return Int8Linear.from_float(weight, bias, batch_copy=batch_copy)
+        return Int4Linear.from_float(weight, bias, batch_copy=batch_copy)
     if scheme == "fp8":
         return Fp8Linear.from_float(weight, bias)
     raise QuantizationError(f"unknown quantization scheme {scheme!r}")
