@@ -365,8 +365,10 @@ def row_invariant_linears(model: torch.nn.Module) -> list[str]:
     """Sets every int4/int8 layer of ``model`` to compute on torch's weight-only CPU kernels at
     every batch size (dropping the float copies for batches: their kernels, like float ``F.linear``,
     round a row differently depending on how many rows come with it, while the int4/int8 kernels
-    compute each row alike); returns the names of the linear layers left that are not on those
-    kernels (empty: the model's linear layers are batch-invariant)."""
+    compute each row alike); returns the names of the products left that are not on those
+    kernels (empty: the model's products are batch-invariant): other linear layers, and any float
+    matrix parameter outside an embedding table (an MoE block's 3-D experts or its router, which
+    worker/quant/moe.py puts on the kernels)."""
     others: list[str] = []
     for name, module in model.named_modules():
         if isinstance(module, (Int4Linear, Int8Linear)) and _uses_cpu_kernels(
@@ -378,6 +380,12 @@ def row_invariant_linears(model: torch.nn.Module) -> list[str]:
             or "Linear" in type(module).__name__
         ):
             others.append(name)
+        elif not isinstance(module, torch.nn.Embedding):
+            others += [
+                f"{name}.{key}" if name else key
+                for key, parameter in module.named_parameters(recurse=False)
+                if parameter.dim() >= 2 and parameter.is_floating_point()
+            ]
     return others
 
 

@@ -141,3 +141,12 @@ def test_windows_softcap_and_sinks_keep_steps_batch_invariant(family: str, monke
     generated, reference = alone(runner)
     for step, (got, want) in enumerate(zip(crowded(runner, generated), reference, strict=True)):
         assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
+
+
+def test_a_float_matrix_outside_the_kernels_is_refused_by_name():
+    """A product the check does not know (here a 3-D float parameter without transformers'
+    experts flags) would round a row by its batch: refused, named, rather than served."""
+    model = tiny_int4_model().model
+    model.model.layers[0].mlp.register_parameter("mixer", torch.nn.Parameter(torch.randn(2, 8, 8)))
+    with pytest.raises(ModelLoadError, match=r"--batch-invariant needs .*layers\.0\.mlp\.mixer"):
+        ModelRunner(loaded(model), num_blocks=8, block_size=BLOCK, batch_invariant=True)
