@@ -167,3 +167,31 @@ def test_a_float_matrix_outside_the_kernels_is_refused_by_name():
     model.model.layers[0].mlp.register_parameter("mixer", torch.nn.Parameter(torch.randn(2, 8, 8)))
     with pytest.raises(ModelLoadError, match=r"--batch-invariant needs .*layers\.0\.mlp\.mixer"):
         ModelRunner(loaded(model), num_blocks=8, block_size=BLOCK, batch_invariant=True)
+
+
+def test_sink_rows_round_alike_whatever_the_tiles_size(monkeypatch):
+    """gpt-oss's sinks: an elementwise op over a tile rounds the elements of its vector part and
+    of its scalar tail differently (torch.sigmoid: ~4% of values differ by an ulp), and the tile's
+    token count decides which tokens fall in the tail. Injected here as a sigmoid that moves every
+    element of whole 32-element blocks by one ulp (AVX-512's split); a prompt's rows, the
+    attention's output (``o_proj``'s input) included, must not change when a companion joins its
+    step."""
+    sigmoid = torch.sigmoid
+
+    def split_sigmoid(x: torch.Tensor) -> torch.Tensor:
+        out = sigmoid(x).reshape(-1)
+        vector = out.numel() // 32 * 32
+        out[:vector] = torch.nextafter(out[:vector], torch.tensor(float("inf")))
+        return out.view(x.shape)
+
+    monkeypatch.setattr(torch, "sigmoid", split_sigmoid)
+    runner = ModelRunner(tiny_family_int4("gpt_oss"), num_blocks=300, block_size=BLOCK, batch_invariant=True)
+    probe = RowProbe(runner)
+    prompt = PROMPT[:20]  # 20 tokens x 4 heads: 64 elements in blocks, the last 4 tokens in the tail
+    with probe.recording("alone", table(0)):
+        runner.execute([Work(prompt, 0, table(0), True)])
+    with probe.recording("crowded", table(1)):  # 33 tokens: the prompt's tail now in a block
+        runner.execute([Work(prompt, 0, table(1), True), Work(COMPANIONS[0][:13], 0, table(2), True)])
+    probe.close()
+    difference = probe.first_difference("alone", "crowded")
+    assert difference is None, str(difference)
