@@ -386,9 +386,16 @@ def _invariant(
         if variant.softcap is not None:
             scores = torch.tanh(scores / variant.softcap).mul_(variant.softcap)
         scores = scores.masked_fill_(tile.masked_for(variant.window), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        if sinks is not None:  # see variants.softmax_attention
-            probs = probs * torch.sigmoid(torch.logsumexp(scores, dim=-1, keepdim=True) - sinks)
-        probs = probs.to(values.dtype).view(n * kv_heads, group, width)
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            # The sink logit as one more lane after the padded row, in the softmax's denominator
+            # only: the softmax's own pass over each row computes it, where an elementwise op over
+            # the tile (variants.softmax_attention's sigmoid) would round a token's entries by
+            # whether they fall in the op's vector part or its scalar tail, which the tile's
+            # token count decides.
+            lanes = torch.cat([scores, sinks.to(scores.dtype).expand(n, kv_heads, group, 1)], dim=-1)
+            probs = torch.softmax(lanes, dim=-1)[..., :width]
+        probs = probs.to(values.dtype).contiguous().view(n * kv_heads, group, width)
         out[tile.first : tile.last] = torch.bmm(probs, values.reshape(-1, width, dim)).view(n, heads, dim)
     return out

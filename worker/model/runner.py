@@ -28,6 +28,7 @@ from worker.model.step_inputs import (
 )
 from worker.model.vision import VisionEncoder, mrope_positions, vision_spec
 from worker.quant.layers import row_invariant_linears
+from worker.quant.moe import model_scheme, row_invariant_moe
 from worker.types import FastPath, SampledLogprobs
 
 
@@ -44,14 +45,18 @@ def _image_spans(flat: FlatTokens, work: Sequence[Work]) -> torch.Tensor:
 
 def check_batch_invariant(loaded: LoadedModel) -> None:
     """Raises :class:`ModelLoadError` unless ``loaded`` can run batch-invariant steps (the module
-    docstring), and drops the quantized layers' float copies for batches (their kernels are not)."""
+    docstring), and drops the quantized layers' float copies for batches (their kernels are not);
+    an MoE block's float experts and router go on the same kernels (worker/quant/moe.py)."""
     if loaded.device.type != "cpu":
         raise ModelLoadError("--batch-invariant runs on the CPU only for now", param="batch_invariant")
+    scheme = model_scheme(loaded.model)
+    if scheme is not None:  # a float model is refused below
+        row_invariant_moe(loaded.model, scheme)
     float_layers = row_invariant_linears(loaded.model)
     if float_layers:
         raise ModelLoadError(
             "--batch-invariant needs every linear layer on the int4 or int8 weight-only kernels "
-            f"(--quantization int4 or int8); float layers: {', '.join(float_layers[:3])}",
+            f"(--quantization int4 or int8); float products: {', '.join(float_layers[:3])}",
             param="batch_invariant",
         )
 

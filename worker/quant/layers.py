@@ -318,14 +318,19 @@ class Fp8Linear(torch.nn.Module):
 QuantizedLinear = Int8Linear | Int4Linear | Fp8Linear
 
 
-def quantize_weight(scheme: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantizedLinear:
-    """A quantized layer of ``scheme`` (``int8``, ``int4`` or ``fp8``) for a float ``weight``."""
+def quantize_weight(
+    scheme: str, weight: torch.Tensor, bias: torch.Tensor | None = None, *, batch_copy: bool = True
+) -> QuantizedLinear:
+    """A quantized layer of ``scheme`` (``int8``, ``int4`` or ``fp8``) for a float ``weight``;
+    ``batch_copy``: an int8/int4 layer's float16 copy for batches (:class:`BatchCopy`)."""
     if scheme == "int8":
-        return Int8Linear.from_float(weight, bias)
+        return Int8Linear.from_float(weight, bias, batch_copy=batch_copy)
     if scheme == "int4":
-        if weight.shape[1] % INT4_GROUP:  # no whole groups: the next best thing
-            return Int8Linear.from_float(weight, bias)
-        return Int4Linear.from_float(weight, bias)
+        # No whole groups, or on the CPU an output width its int4 packing refuses (it wants a
+        # multiple of 16): the next best thing.
+        if weight.shape[1] % INT4_GROUP or (_uses_cpu_kernels(weight) and weight.shape[0] % 16):
+            return Int8Linear.from_float(weight, bias, batch_copy=batch_copy)
+        return Int4Linear.from_float(weight, bias, batch_copy=batch_copy)
     if scheme == "fp8":
         return Fp8Linear.from_float(weight, bias)
     raise QuantizationError(f"unknown quantization scheme {scheme!r}")
@@ -360,8 +365,10 @@ def row_invariant_linears(model: torch.nn.Module) -> list[str]:
     """Sets every int4/int8 layer of ``model`` to compute on torch's weight-only CPU kernels at
     every batch size (dropping the float copies for batches: their kernels, like float ``F.linear``,
     round a row differently depending on how many rows come with it, while the int4/int8 kernels
-    compute each row alike); returns the names of the linear layers left that are not on those
-    kernels (empty: the model's linear layers are batch-invariant)."""
+    compute each row alike); returns the names of the products left that are not on those
+    kernels (empty: the model's products are batch-invariant): other linear layers, and any float
+    matrix parameter outside an embedding table (an MoE block's 3-D experts or its router, which
+    worker/quant/moe.py puts on the kernels)."""
     others: list[str] = []
     for name, module in model.named_modules():
         if isinstance(module, (Int4Linear, Int8Linear)) and _uses_cpu_kernels(
@@ -373,6 +380,12 @@ def row_invariant_linears(model: torch.nn.Module) -> list[str]:
             or "Linear" in type(module).__name__
         ):
             others.append(name)
+        elif not isinstance(module, torch.nn.Embedding):
+            others += [
+                f"{name}.{key}" if name else key
+                for key, parameter in module.named_parameters(recurse=False)
+                if parameter.dim() >= 2 and parameter.is_floating_point()
+            ]
     return others
 
 

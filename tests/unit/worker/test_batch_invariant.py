@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tests.invariance_probe import Difference, RowProbe
 from tests.tiny_families import eager_reference, tiny_config, tiny_model
 from tests.unit.worker.test_model_families import check_against_reference, run_scenario
 from tests.unit.worker.test_paged_runner import loaded
@@ -134,10 +135,63 @@ def test_windows_softcap_and_sinks_in_batch_invariant_steps_equal_eager(family: 
     check_against_reference(reference, run_scenario(runner))
 
 
+def step_of(difference: Difference) -> str:
+    """Which step of :func:`alone` computed the differing position (0: the prompt's step)."""
+    return f"step {max(0, difference.position - len(PROMPT) + 1)}, {difference}"
+
+
 @pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
 def test_windows_softcap_and_sinks_keep_steps_batch_invariant(family: str, monkeypatch) -> None:
+    """Every module's input and output row for the sequence is the same bits alone and crowded (stricter
+    than the logits, which bfloat16 rounding makes differ seldom and late: a float32 MoE expert
+    product rounded by its batch differed here at 30 positions while the logits matched), and a
+    failure names the first module that differs."""
     monkeypatch.setattr(paged, "INVARIANT_TILE_BYTES", 64 << 10)
     runner = ModelRunner(tiny_family_int4(family), num_blocks=300, block_size=BLOCK, batch_invariant=True)
-    generated, reference = alone(runner)
-    for step, (got, want) in enumerate(zip(crowded(runner, generated), reference, strict=True)):
-        assert torch.equal(got, want), f"step {step}: max difference {(got - want).abs().max().item()}"
+    probe = RowProbe(runner)
+    with probe.recording("alone", table(0)):
+        generated, reference = alone(runner)
+    with probe.recording("crowded", table(4)):
+        got = crowded(runner, generated)
+    probe.close()
+    difference = probe.first_difference("alone", "crowded")
+    assert difference is None, step_of(difference)
+    for step, (row, want) in enumerate(zip(got, reference, strict=True)):
+        assert torch.equal(row, want), f"step {step}: max difference {(row - want).abs().max().item()}"
+
+
+def test_a_float_matrix_outside_the_kernels_is_refused_by_name():
+    """A product the check does not know (here a 3-D float parameter without transformers'
+    experts flags) would round a row by its batch: refused, named, rather than served."""
+    model = tiny_int4_model().model
+    model.model.layers[0].mlp.register_parameter("mixer", torch.nn.Parameter(torch.randn(2, 8, 8)))
+    with pytest.raises(ModelLoadError, match=r"--batch-invariant needs .*layers\.0\.mlp\.mixer"):
+        ModelRunner(loaded(model), num_blocks=8, block_size=BLOCK, batch_invariant=True)
+
+
+def test_sink_rows_round_alike_whatever_the_tiles_size(monkeypatch):
+    """gpt-oss's sinks: an elementwise op over a tile rounds the elements of its vector part and
+    of its scalar tail differently (torch.sigmoid: ~4% of values differ by an ulp), and the tile's
+    token count decides which tokens fall in the tail. Injected here as a sigmoid that moves every
+    element of whole 32-element blocks by one ulp (AVX-512's split); a prompt's rows, the
+    attention's output (``o_proj``'s input) included, must not change when a companion joins its
+    step."""
+    sigmoid = torch.sigmoid
+
+    def split_sigmoid(x: torch.Tensor) -> torch.Tensor:
+        out = sigmoid(x).reshape(-1)
+        vector = out.numel() // 32 * 32
+        out[:vector] = torch.nextafter(out[:vector], torch.tensor(float("inf")))
+        return out.view(x.shape)
+
+    monkeypatch.setattr(torch, "sigmoid", split_sigmoid)
+    runner = ModelRunner(tiny_family_int4("gpt_oss"), num_blocks=300, block_size=BLOCK, batch_invariant=True)
+    probe = RowProbe(runner)
+    prompt = PROMPT[:20]  # 20 tokens x 4 heads: 64 elements in blocks, the last 4 tokens in the tail
+    with probe.recording("alone", table(0)):
+        runner.execute([Work(prompt, 0, table(0), True)])
+    with probe.recording("crowded", table(1)):  # 33 tokens: the prompt's tail now in a block
+        runner.execute([Work(prompt, 0, table(1), True), Work(COMPANIONS[0][:13], 0, table(2), True)])
+    probe.close()
+    difference = probe.first_difference("alone", "crowded")
+    assert difference is None, str(difference)

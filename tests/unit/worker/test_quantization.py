@@ -28,6 +28,7 @@ from worker.quant.layers import (
     Int8Linear,
     cpu_kernels_available,
     quantize_linears,
+    quantize_weight,
 )
 from worker.quant.loading import unpermuted_rows
 
@@ -213,3 +214,13 @@ def test_default_gguf_loads_its_own_blocks_without_a_float_conversion(tmp_path):
     with torch.inference_mode():
         best = model(input_ids=ids).logits[0, -1].argmax()
     assert loaded.tokenizer.decode(best).strip() == "Paris"
+
+
+def test_int4_falls_back_to_int8_where_the_cpu_packing_wants_16_outputs():
+    """The CPU int4 packing refuses an output width that is not a multiple of 16 (a 4-expert
+    router); such a layer gets the int8 kernel, as one without whole input groups does."""
+    layer = quantize_weight("int4", random_weight(4, 64))
+    assert isinstance(layer, Int8Linear)
+    x = torch.randn(3, 64)
+    assert relative_error(layer(x), x @ random_weight(4, 64).t()) < 0.02
+    assert isinstance(quantize_weight("int4", torch.randn(16, 64)), Int4Linear)
