@@ -17,9 +17,10 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER_LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("worker.__main__", "worker.server", "worker.metrics"),),  # the composition root
     (("worker.service",),),
-    (("worker.engine",),),
+    (("worker.engine",), ("worker.prompts",)),  # the service renders prompts, the engine gets ids
     (("worker.output",), ("worker.sampling",), ("worker.model",)),
     (("worker.attention",), ("worker.quant",)),
+    (("worker.device",),),  # host <-> device copies, read by attention, model and sampling
     (("worker.config", "worker.errors", "worker.types"),),  # settings and the shared vocabulary
     (("worker.formats",),),  # the model families' text formats, read by settings, output, sampling, service
 )
