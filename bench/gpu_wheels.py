@@ -37,7 +37,7 @@ MISSING = (
     "grpcio-status",
     "googleapis-common-protos",
     "pytest-asyncio",
-    "pillow",  # images (worker/service/images.py), imported when the worker starts
+    "pillow",  # images (worker/prompts/images.py), imported when the worker starts
 )
 # What it has at other versions than this code needs: the protobuf and grpcio the committed stubs were
 # generated for (their generated code refuses an older runtime), and the transformers the tests here

@@ -24,7 +24,7 @@ async def bind_request_id() -> None:
 
 
 async def log_request(response: Response) -> Response:
-    """Quart hook: one line per answered request (see the module docstring)."""
+    """Quart hook: one line per answered request (docs/edge-internals.md, "Request logs")."""
     state = current_request()
     elapsed = time.monotonic() - state.started_at if state is not None else 0.0
     level = logging.INFO if request.path.startswith("/v1/") else logging.DEBUG

@@ -42,11 +42,11 @@ from worker.model.runner import ModelRunner
 from worker.model.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner, prefill_tokens
 from worker.model.vision import vision_spec
 from worker.output.processor import TextRules
+from worker.prompts.family import FamilyProfile, choose_profile
+from worker.prompts.images import ImageProcessing
+from worker.prompts.prompt import PromptRenderer
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.drain import DrainingWorker
-from worker.service.family import FamilyProfile, choose_profile
-from worker.service.images import ImageProcessing
-from worker.service.prompt import PromptRenderer
 from worker.service.servicer import ServingModel, WorkerService
 from worker.service.wire_decoding import add_worker_service
 
@@ -105,7 +105,7 @@ def eos_token_ids(loaded_model: object, tokenizer: object) -> set[int]:
 
 
 def family_profile(config: WorkerConfig, model: object, tokenizer: object) -> FamilyProfile:
-    """The model family's formats (worker.service.family), from the settings and the template."""
+    """The model family's formats (worker.prompts.family), from the settings and the template."""
     model_type = str(getattr(getattr(model, "config", None), "model_type", "") or "")
     template = Path(config.chat_template).read_text() if config.chat_template else None
     return choose_profile(

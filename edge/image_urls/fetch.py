@@ -1,7 +1,7 @@
 """One image fetched from an ``http(s)`` URL (``--allow-image-urls``): the host resolved, every
 address checked (:mod:`edge.image_urls.policy`), the connection made to a checked address (so a
 second DNS answer cannot swap in another), redirects followed only through the same checks, the
-body bounded in bytes and the whole fetch in time. Notes: docs/edge-internals.md, "Image URLs"."""
+body bounded in bytes and the whole fetch in time. Notes: docs/edge-internals.md, "Images"."""
 
 from __future__ import annotations
 

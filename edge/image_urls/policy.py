@@ -1,6 +1,6 @@
 """Which addresses the edge may fetch an image from: public unicast ones only, so that an image URL
 cannot make the edge reach loopback, private, link-local (cloud metadata) or other internal services.
-Design notes: docs/edge-internals.md, "Image URLs"."""
+Design notes: docs/edge-internals.md, "Images"."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ _TEXT_KINDS = frozenset({"content", "reasoning", "refusal"})
 
 
 def merge_into(waiting: worker_pb2.GenerateResponse, event: worker_pb2.GenerateResponse) -> bool:
-    """Merges ``event`` into ``waiting`` when the rules in the module docstring allow it;
+    """Merges ``event`` into ``waiting`` when the rules in docs/edge-internals.md,
+    "Coalescing", allow it;
     returns whether it did (``waiting`` is unchanged when it did not)."""
     kind = event.WhichOneof("event")
     if kind != waiting.WhichOneof("event"):

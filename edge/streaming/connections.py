@@ -74,7 +74,8 @@ def _connection_of(send: Callable[..., Any]) -> tuple[asyncio.StreamWriter | Non
 
 class ChunkedBody:
     """The body of one HTTP/1.1 response written straight to its connection, one chunk of the
-    chunked transfer coding per :meth:`write` (see the module docstring)."""
+    chunked transfer coding per :meth:`write` (docs/edge-internals.md,
+    "Client connections")."""
 
     def __init__(self, writer: asyncio.StreamWriter, connection: h11.Connection) -> None:
         self._writer = writer

@@ -99,8 +99,8 @@ class PumpClock:
 
 
 class StreamPump:
-    """The body of one streamed response; see the module docstring. Iterate it once (Quart does),
-    then :meth:`aclose` it (Quart does, however the iteration ended)."""
+    """The body of one streamed response (docs/edge-internals.md, "The stream pump"). Iterate it
+    once (Quart does), then :meth:`aclose` it (Quart does, however the iteration ended)."""
 
     def __init__(
         self,

@@ -59,7 +59,7 @@ class _Choice:
 
 class ResumableStream:
     """A :class:`GenerateStream` that survives its worker's death (same interface: ``first``,
-    iterate once, ``cancel``); see the module docstring.
+    iterate once, ``cancel``); see docs/edge-internals.md, "Stream migration".
 
     ``deadline`` is the request's total deadline (``time.monotonic()`` clock): no new call opens
     after it.

@@ -5,6 +5,7 @@ floor) imports neither service. docs/architecture.md draws the layers."""
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,9 +18,10 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER_LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("worker.__main__", "worker.server", "worker.metrics"),),  # the composition root
     (("worker.service",),),
-    (("worker.engine",),),
+    (("worker.engine",), ("worker.prompts",)),  # the service renders prompts, the engine gets ids
     (("worker.output",), ("worker.sampling",), ("worker.model",)),
     (("worker.attention",), ("worker.quant",)),
+    (("worker.device",),),  # host <-> device copies, read by attention, model and sampling
     (("worker.config", "worker.errors", "worker.types"),),  # settings and the shared vocabulary
     (("worker.formats",),),  # the model families' text formats, read by settings, output, sampling, service
 )
@@ -320,3 +322,32 @@ def test_architecture_doc_names_every_worker_module() -> None:
             continue
         missing.append(relative)
     assert not missing, f"docs/architecture.md's worker table should name: {missing}"
+
+
+# ``docs/worker.md, "Section"`` or ``docs/worker.md ("Section")``, possibly across a line break.
+DOC_SECTION_REFERENCE = re.compile(r'docs/([\w-]+\.md),?\s+\(?"([^"]+)"')
+
+
+def doc_headings(doc: str) -> list[str]:
+    """The headings of one file under docs/, without their ``#`` marks."""
+    text = (REPO / "docs" / doc).read_text(encoding="utf-8")
+    return [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+
+
+@pytest.mark.parametrize("package", ["worker", "edge", "sluice"])
+def test_code_points_to_sections_that_exist(package: str) -> None:
+    # Design notes live in docs/; a pointer to them names a heading there (a heading may go on,
+    # as "Steps that overlap (`--overlap-steps`)" does), never the module's own docstring, which
+    # holds a few lines only (test_module_docstrings_are_short).
+    dangling = []
+    for name, path in modules(package).items():
+        text = path.read_text(encoding="utf-8")
+        if "module docstring" in text:
+            dangling.append(f"{name}: 'the module docstring'")
+        for doc, section in DOC_SECTION_REFERENCE.findall(text):
+            section = " ".join(section.split())
+            if not (REPO / "docs" / doc).exists() or not any(
+                heading.startswith(section) for heading in doc_headings(doc)
+            ):
+                dangling.append(f'{name}: docs/{doc}, "{section}"')
+    assert not dangling, f"point these to a section of docs/ that holds the notes: {dangling}"

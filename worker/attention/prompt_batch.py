@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker.attention.staging import staged
+from worker.device.staging import staged
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Mistral's own tokenizer files (``tekken.json``): whichever class transformers picks for them (a
 mistral-common backend, which the detokenizer and grammars cannot use, or a converted fast tokenizer),
 the worker serves the fast tokenizer and keeps mistral-common's beside it: mistral-common encodes the
-chats (worker/service/mistral_prompt.py), the reference for Mistral's models."""
+chats (worker/prompts/mistral_prompt.py), the reference for Mistral's models."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import torch
 from worker.attention import paged
 from worker.attention.decode_kernel import decode_kernel, kernel_problem
 from worker.attention.kv_pool import KVPool, KVShape, kv_shape
-from worker.attention.staging import fence
+from worker.device.staging import fence
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from worker.attention.staging import staged
+from worker.device.staging import staged
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from worker.attention.staging import fence, staged, to_host
+from worker.device.staging import fence, staged, to_host
 from worker.sampling.grammar import TokenConstraint
 from worker.types import SampledLogprobs, SamplingOptions
 

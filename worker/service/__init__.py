@@ -1,1 +1,1 @@
-"""The gRPC face of the worker: the servicer, protobuf <-> worker types, prompt rendering, drain."""
+"""The gRPC face of the worker: the servicer, protobuf <-> worker types, wire decoding, pooling, drain."""

@@ -25,9 +25,9 @@ from sluice.limits import (
 )
 from sluice.v1 import worker_pb2 as pb
 from worker.errors import InvalidRequest, ModelNotFound
+from worker.prompts.images import ImageData
+from worker.prompts.prompt import CHAT_ROLES, ChatMessage, ChatPrompt, RawPrompt
 from worker.sampling.grammar import GrammarSpec
-from worker.service.images import ImageData
-from worker.service.prompt import CHAT_ROLES, ChatMessage, ChatPrompt, RawPrompt
 from worker.types import (
     ContentDelta,
     Event,

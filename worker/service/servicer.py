@@ -33,6 +33,7 @@ from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, Worker
 from worker.formats.registry import thinking_open_marker
 from worker.model.load_progress import LoadProgress, wait_for_load
 from worker.model.loader import LoadedModel
+from worker.prompts.prompt import PromptRenderer
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.convert import (
     ParsedRequest,
@@ -53,7 +54,6 @@ from worker.service.pooling import (
     prepare_score,
     score_response,
 )
-from worker.service.prompt import PromptRenderer
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
 
 # Template rendering, tokenization and grammar compilation of a large request take long enough to

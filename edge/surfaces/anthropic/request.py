@@ -108,7 +108,7 @@ class Metadata(RequestModel):
 
 
 class MessagesRequest(SamplingExtensions):
-    """A ``POST /v1/messages`` body, shape-checked (see the module docstring)."""
+    """A ``POST /v1/messages`` body, shape-checked (docs/edge-internals.md, "Anthropic request")."""
 
     ignored_fields = frozenset({"service_tier"})
 

@@ -32,7 +32,8 @@ def stop_reason(finished: worker_pb2.Finished | None) -> tuple[str, str | None]:
 
 
 def parse_input(arguments: str) -> dict[str, Any]:
-    """A tool call's ``input``: its arguments as a JSON object (see the module docstring)."""
+    """A tool call's ``input``: its arguments as a JSON object (docs/edge-internals.md, "Anthropic
+    translation")."""
     try:
         value = json.loads(arguments) if arguments.strip() else {}
     except ValueError:
@@ -51,7 +52,8 @@ class _Block:
 
 @dataclass
 class MessagesTranslator:
-    """Turns one call's events into Anthropic stream events and the final message (module docstring)."""
+    """Turns one call's events into Anthropic stream events and the final message
+    (docs/edge-internals.md, "Anthropic translation")."""
 
     message_id: str
     model: str

@@ -26,7 +26,7 @@ _PromptShapes = text_or_tokens_shapes(MAX_PROMPTS)
 
 
 class CompletionRequest(SamplingRequest, StructuredRequest):
-    """A validated ``POST /v1/completions`` body (see the module docstring)."""
+    """A validated ``POST /v1/completions`` body (docs/edge-internals.md, "Completions request")."""
 
     ignored_fields = frozenset({"service_tier", "prompt_cache_key", "safety_identifier"})
 

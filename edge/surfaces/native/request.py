@@ -54,7 +54,7 @@ def _tagged(part: Any, at: str) -> Any:
 
 
 class NativeChatRequest(SamplingExtensions):
-    """A ``POST /api/v1/chat`` body, shape-checked (see the module docstring)."""
+    """A ``POST /api/v1/chat`` body, shape-checked (docs/edge-internals.md, "Native request")."""
 
     model: str
     input: str | list[Any]

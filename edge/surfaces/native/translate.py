@@ -68,7 +68,8 @@ class _ToolCall:
 
 @dataclass
 class NativeTranslator:
-    """Turns one call's events into native stream events and the final result (module docstring).
+    """Turns one call's events into native stream events and the final result
+    (docs/edge-internals.md, "Native translation").
 
     ``tools`` maps each offered tool's name to its parameter schema (``None``: no schema).
     """

@@ -98,7 +98,7 @@ class ReasoningOptions(RequestModel):
 
 
 class ResponsesRequest(SamplingExtensions):
-    """A ``POST /v1/responses`` body, shape-checked (see the module docstring)."""
+    """A ``POST /v1/responses`` body, shape-checked (docs/edge-internals.md, "Responses request")."""
 
     ignored_fields = frozenset({"service_tier", "prompt_cache_key", "safety_identifier"})
 

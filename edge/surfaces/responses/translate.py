@@ -47,7 +47,8 @@ class _Item:
 
 @dataclass
 class ResponsesTranslator:
-    """Turns one call's events into Responses stream events and the final Response (module docstring).
+    """Turns one call's events into Responses stream events and the final Response
+    (docs/edge-internals.md, "Responses translation").
 
     ``echo`` holds the request fields a Response repeats
     (:meth:`~edge.surfaces.responses.request.ParsedResponsesRequest.echo`).

@@ -259,7 +259,7 @@ def _document_chat_rules(schema: dict[str, Any]) -> None:
 
 
 class ChatCompletionRequest(SamplingRequest, StructuredRequest):
-    """A validated ``POST /v1/chat/completions`` body (see the module docstring)."""
+    """A validated ``POST /v1/chat/completions`` body (docs/edge-internals.md, "Request validation")."""
 
     model_config = ConfigDict(json_schema_extra=_document_chat_rules)
     # OpenAI's fields with no effect here (docs/http.md), and those parse_chat_request refuses itself.

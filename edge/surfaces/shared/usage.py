@@ -42,7 +42,7 @@ class _Call:
 
 @dataclass
 class UsageTracker:
-    """Usage accounting for one response; see the module docstring.
+    """Usage accounting for one response (docs/edge-internals.md, "Usage accounting").
 
     ``call`` is the index of the worker call an event came from (always 0 for
     chat; the prompt's index for a multi-prompt completion).

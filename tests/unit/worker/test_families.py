@@ -15,9 +15,9 @@ import pytest
 from tools.fixtures import DEFAULT_DIR, fetch_all
 from worker.output.choice_output import ChoiceOutput
 from worker.output.detokenizer import IncrementalDetokenizer
+from worker.prompts.family import FamilyProfile, choose_profile
+from worker.prompts.prompt import ChatMessage, ChatPrompt, PromptRenderer
 from worker.sampling.grammar import GrammarCompiler, GrammarSpec
-from worker.service.family import FamilyProfile, choose_profile
-from worker.service.prompt import ChatMessage, ChatPrompt, PromptRenderer
 from worker.types import ContentDelta, OutputOptions, ReasoningDelta, ToolCallDelta
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "templates"

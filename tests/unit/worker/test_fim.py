@@ -9,8 +9,8 @@ import pytest
 
 from tools.fixtures import DEFAULT_DIR, fetch_tokenizer
 from worker.errors import InvalidRequest
-from worker.service.fim import FimTokens, find_fim_tokens
-from worker.service.prompt import ChatMessage, ChatPrompt, PromptRenderer, RawPrompt
+from worker.prompts.fim import FimTokens, find_fim_tokens
+from worker.prompts.prompt import ChatMessage, ChatPrompt, PromptRenderer, RawPrompt
 
 _TOKENIZERS: dict[str, Any] = {}
 

@@ -16,8 +16,8 @@ from worker.config import ENV_PREFIX, WorkerConfig
 from worker.formats.base import CallPiece, ContentPiece
 from worker.formats.declaration import CallGrammar, JsonCall, ReasoningFormat, TaggedCall, ToolFormat
 from worker.formats.registry import REASONING_FORMATS, TOOL_FORMATS, call_grammar
+from worker.prompts.family import PROBE_TOOL, _call_format
 from worker.sampling.grammar import call_markers
-from worker.service.family import PROBE_TOOL, _call_format
 
 # The modules that are shared by formats rather than formats themselves.
 HELPERS = {"base", "declaration", "markers", "registry", "tagged", "think"}

@@ -13,9 +13,9 @@ from worker.attention.paged import chunk_mask
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.scheduler import Sequence
 from worker.errors import InvalidRequest, WorkerError
+from worker.prompts.images import ImageData, decode_image, image_key
+from worker.prompts.prompt import PromptRenderer
 from worker.service.convert import parse_request
-from worker.service.images import ImageData, decode_image, image_key
-from worker.service.prompt import PromptRenderer
 from worker.types import PromptImage
 
 MODEL = "m"

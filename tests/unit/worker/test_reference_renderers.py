@@ -1,5 +1,5 @@
 """The template matrix against the families' reference renderers: the worker's prompt ids for each
-scenario equal harmony's encoder for gpt-oss (its template patched by worker/service/template_fixes.py)
+scenario equal harmony's encoder for gpt-oss (its template patched by worker/prompts/template_fixes.py)
 and mistral-common's request encoding for Mistral's tekken tokenizers."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.unit.worker.test_families import BY_NAME, SCENARIOS, WEATHER, fixture_dir, setup
-from worker.service.prompt import ChatMessage, ChatPrompt, PromptRenderer
+from worker.prompts.prompt import ChatMessage, ChatPrompt, PromptRenderer
 
 __all__ = ["fixture_dir"]  # the session fixture, shared with test_families
 
@@ -120,7 +120,7 @@ def tekken(fixture_dir: Path, version: str) -> tuple[Any, Any]:
     from transformers import AutoTokenizer
 
     from worker.model.mistral_tokenizer import with_mistral_common
-    from worker.service.family import choose_profile
+    from worker.prompts.family import choose_profile
 
     if version not in _TEKKEN:
         folder = fixture_dir / f"mistral_tekken_{version}"
@@ -134,7 +134,7 @@ _TEKKEN: dict[str, tuple[Any, Any]] = {}
 
 def openai_messages(prompt: ChatPrompt, thinks: bool) -> list[dict[str, Any]]:
     """The scenario as an OpenAI request body's messages, ids as Mistral's nine alphanumerics."""
-    from worker.service.family import nine_char_id
+    from worker.prompts.family import nine_char_id
 
     messages: list[dict[str, Any]] = []
     for m in prompt.messages:
@@ -167,7 +167,7 @@ def test_mistral_prompts_equal_mistral_commons_encoding(
     from mistral_common.protocol.instruct.request import ChatCompletionRequest
 
     from worker.model.mistral_tokenizer import mistral_common_of
-    from worker.service.mistral_prompt import mistral_thinks
+    from worker.prompts.mistral_prompt import mistral_thinks
 
     tok, profile = tekken(fixture_dir, version)
     assert (profile.family, profile.tool_parser, profile.nine_char_ids) == ("mistral", "mistral", True)
@@ -208,7 +208,7 @@ def test_mistral_calls_and_reasoning_parse_back_at_any_split(fixture_dir: Path, 
     and parsers in random groups of the real token ids gives back the calls and the reasoning."""
     from tests.unit.worker.test_families import parse_generated
     from worker.model.mistral_tokenizer import mistral_common_of
-    from worker.service.mistral_prompt import mistral_thinks
+    from worker.prompts.mistral_prompt import mistral_thinks
 
     tok, profile = tekken(fixture_dir, version)
     mistral = mistral_common_of(tok)

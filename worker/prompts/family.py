@@ -15,8 +15,8 @@ from typing import Any
 from worker.formats.declaration import ReasoningFormat, ToolFormat
 from worker.formats.registry import REASONING_FORMATS, TOOL_FORMATS
 from worker.model.mistral_tokenizer import mistral_common_of
-from worker.service.mistral_prompt import mistral_thinks
-from worker.service.template_fixes import fix_template
+from worker.prompts.mistral_prompt import mistral_thinks
+from worker.prompts.template_fixes import fix_template
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ class FamilyProfile:
     stop_tokens: tuple[str, ...] = ()
     keep_special_tokens: bool = False
     template: str | None = None  # a --chat-template file's text, or the patched template
-    template_patched: bool = False  # known defects fixed (worker.service.template_fixes)
+    template_patched: bool = False  # known defects fixed (worker.prompts.template_fixes)
     default_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
@@ -194,7 +194,7 @@ def _reasoning_field(probe: _Probe, arguments_as_text: bool) -> str:
 
 def _mistral_common_profile(mistral: Any, tokenizer: Any) -> FamilyProfile:
     """A tekken tokenizer's formats, from its mistral-common version and special tokens (its chats are
-    encoded by mistral-common, worker/service/mistral_prompt.py)."""
+    encoded by mistral-common, worker/prompts/mistral_prompt.py)."""
     inner = mistral.instruct_tokenizer.tokenizer
     specials = inner._special_tokens_reverse_vocab
     named = TOOL_FORMATS["mistral"].variant  # v11 and later: [TOOL_CALLS]NAME[ARGS]{...}

@@ -12,7 +12,7 @@ from worker.errors import InvalidRequest
 
 
 class Message(Protocol):
-    """What is read of a chat message (worker.service.prompt.ChatMessage)."""
+    """What is read of a chat message (worker.prompts.prompt.ChatMessage)."""
 
     @property
     def role(self) -> str: ...

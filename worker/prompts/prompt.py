@@ -10,10 +10,10 @@ from jinja2 import TemplateError
 
 from worker.errors import InvalidRequest
 from worker.model.mistral_tokenizer import mistral_common_of
-from worker.service.family import FamilyProfile, nine_char_id
-from worker.service.fim import FimTokens, find_fim_tokens
-from worker.service.images import ImageData, ImageProcessing
-from worker.service.mistral_prompt import encode_mistral_chat
+from worker.prompts.family import FamilyProfile, nine_char_id
+from worker.prompts.fim import FimTokens, find_fim_tokens
+from worker.prompts.images import ImageData, ImageProcessing
+from worker.prompts.mistral_prompt import encode_mistral_chat
 from worker.types import PromptImage
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
