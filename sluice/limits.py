@@ -1,6 +1,6 @@
 """The request contract's limits, one value each: the edge's request models refuse what lies outside
 them (a 400 naming the field) and the worker's conversion refuses the same (``INVALID_ARGUMENT``),
-so the two sides cannot disagree. docs/grpc.md, "Sampling parameters", lists them.
+so the two sides cannot disagree. docs/grpc.md, "Sampling fields", lists them.
 """
 
 from __future__ import annotations
