@@ -1,9 +1,8 @@
 """The one settings system of both services: a frozen dataclass whose fields are made with
 :func:`setting`. Flags, ``<PREFIX>_<FLAG>`` environment variables, ``--help``, docs/configuration.md
 and the deploy checks all derive from those fields (:func:`parse_settings`, :func:`describe`).
-A boolean setting is a switch (``--name``, ``--no-name``, or ``--name on|off``). A setting made with
-``testing=True`` is a test double (a fake model, a slowed step): ``--help`` lists it in a group of its
-own, "testing and benchmarks only", and docs/configuration.md in a table of its own."""
+A boolean setting is a switch (``--name``, ``--no-name``, or ``--name on|off``); a ``testing=True``
+one is a test double, listed apart (:data:`TESTING_GROUP`)."""
 
 from __future__ import annotations
 
