@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install fixtures browser-deps run test lint protos bench bench-edge chaos fuzz clean gpu-wheels gpu-check
+.PHONY: install fixtures browser-deps run test lint protos bench bench-edge bench-speculative bench-quant chaos fuzz clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -66,6 +66,16 @@ bench: install
 bench-edge: install
 	$(PY) bench/load_edge.py
 	$(PY) bench/bench_edge_overhead.py --rounds 3
+
+# Speculative decoding (n-gram lookup) in process, then through the edge with every row speculating.
+bench-speculative: install
+	$(PY) bench/bench_speculative.py
+	$(PY) bench/bench_speculative_edge.py
+
+# Weight-only quantization on the CPU: the kernels and decode steps, then the quality against float32.
+bench-quant: install
+	$(PY) bench/bench_quant.py
+	$(PY) bench/bench_quant_quality.py
 
 # Three minutes of worker kills/stops/restarts, client disconnects, slow readers and bad
 # bodies against two fake-token workers behind one edge; exits 1 if a check fails (docs/testing.md).

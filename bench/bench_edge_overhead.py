@@ -427,7 +427,7 @@ def parse_list(kind: Callable[[str], float], text: str) -> list:
 
 
 def add_window_args(parser: argparse.ArgumentParser, *, concurrency: str, step_ms: str, rounds: int) -> None:
-    """The options of the stack and its measurement windows (shared with bench_relay_floor.py)."""
+    """The options of the stack and its measurement windows ."""
     parser.add_argument("--concurrency", default=concurrency, help="comma-separated stream counts")
     parser.add_argument("--step-ms", default=step_ms, help="comma-separated fake pacings (0 = full speed)")
     parser.add_argument("--rounds", type=int, default=rounds, help="rounds per level, each path once a round")

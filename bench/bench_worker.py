@@ -5,7 +5,7 @@ Usage::
     python bench/bench_worker.py                      # starts a worker with the default model
     python bench/bench_worker.py --peer               # ... and compares with the peer
     python bench/bench_worker.py --worker 127.0.0.1:50051 --concurrency 1,16
-    python bench/bench_worker.py --peer --worker-args="--cpu-linear torch"   # torch's default kernels
+    python bench/bench_worker.py --peer --worker-args="--stream-interval 4"   # a worker setting
 
 For each concurrency level C, C streams start at once; request i asks for
 64 + (37 * i mod 65) tokens (64 to 128) at temperature 1 for one of a few
@@ -405,7 +405,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="runs of each level; the median is reported")
     parser.add_argument("--cache-dir", help="the worker's converted-model cache")
     parser.add_argument(
-        "--worker-args", default="", help='more flags for the started worker, e.g. "--cpu-linear torch"'
+        "--worker-args", default="", help='more flags for the started worker, e.g. "--stream-interval 4"'
     )
     parser.add_argument(
         "--constrained", action="store_true", help="also run the load under a JSON-schema grammar"

@@ -116,7 +116,8 @@ class Settings:
         0.02,
         _AT_LEAST_0,
         "shortest gap, seconds, between two output writes of one stream; deltas arriving "
-        "sooner are merged into the next chunk (0 = write each at once)",
+        "sooner are merged into the next chunk (0 = write each at once, for the smoothest "
+        "streams at the most CPU per token; docs/operations.md)",
         flag="stream-write-interval",
     )
     worker_connect_timeout_s: float = setting(
@@ -244,7 +245,9 @@ class Settings:
     event_loop: str = setting(
         "auto",
         text,
-        "the event loop of each edge process: auto (uvloop where installed, else asyncio), uvloop or asyncio",
+        "the event loop of each edge process: auto (uvloop where installed, else asyncio), uvloop (refuse "
+        "to start without it) or asyncio (the standard library's loop, when uvloop is suspected of a "
+        "fault; slower, docs/operations.md)",
     )
     allowed_origins: tuple[str, ...] = setting(
         (),
@@ -388,6 +391,7 @@ def _combine(values: dict[str, Any], sources: Mapping[str, str]) -> dict[str, An
     return values
 
 
-def describe_settings() -> list[tuple[str, str, object, str]]:
-    """Every edge setting as ``(flag, env var, default, help)``, in ``--help`` order."""
-    return describe(Settings, ENV_PREFIX)
+def describe_settings(*, testing: bool | None = None) -> list[tuple[str, str, object, str]]:
+    """Every edge setting as ``(flag, env var, default, help)``, in field order; ``testing``:
+    None for all, False for the production settings, True for the test doubles (none yet)."""
+    return describe(Settings, ENV_PREFIX, testing=testing)

@@ -1,7 +1,8 @@
 """The one settings system of both services: a frozen dataclass whose fields are made with
 :func:`setting`. Flags, ``<PREFIX>_<FLAG>`` environment variables, ``--help``, docs/configuration.md
 and the deploy checks all derive from those fields (:func:`parse_settings`, :func:`describe`).
-A boolean setting is a switch (``--name``, ``--no-name``, or ``--name on|off``)."""
+A boolean setting is a switch (``--name``, ``--no-name``, or ``--name on|off``); a ``testing=True``
+one is a test double, listed apart (:data:`TESTING_GROUP`)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,11 @@ class SettingSpec:
     shown_default: str | None = None
     flag: str | None = None  # the flag's name without ``--`` when it is not the field's name
     secret: bool = False  # never echo the value
+    testing: bool = False  # a test double: listed apart from the production settings
+
+
+#: The ``--help`` group and docs/configuration.md section of the ``testing=True`` settings.
+TESTING_GROUP = "testing and benchmarks only"
 
 
 def setting(
@@ -39,10 +45,13 @@ def setting(
     shown_default: str | None = None,
     flag: str | None = None,
     secret: bool = False,
+    testing: bool = False,
 ) -> Any:
-    """A dataclass field that is also a flag and a variable; a bool default makes it a switch."""
+    """A dataclass field that is also a flag and a variable; a bool default makes it a switch.
+    ``testing``: a test double, never for production (listed apart, see :data:`TESTING_GROUP`)."""
     switch = isinstance(default, bool)
-    spec = SettingSpec(on_off if switch else (parse or text), help, switch, shown_default, flag, secret)
+    parser = on_off if switch else (parse or text)
+    spec = SettingSpec(parser, help, switch, shown_default, flag, secret, testing)
     return dataclasses.field(default=default, repr=not secret, metadata={_SPEC: spec})
 
 
@@ -78,10 +87,15 @@ def settings_of(cls: type, prefix: str) -> list[Setting]:
     ]
 
 
-def describe(cls: type, prefix: str) -> list[tuple[str, str, object, str]]:
+def describe(cls: type, prefix: str, *, testing: bool | None = None) -> list[tuple[str, str, object, str]]:
     """Every setting as ``(flag, env var, default, help)``: docs/configuration.md and deploy checks.
-    A default computed from other settings is its description (a string)."""
-    return [(s.flag, s.env, s.spec.shown_default or s.default, s.spec.help) for s in settings_of(cls, prefix)]
+    A default computed from other settings is its description (a string). ``testing``: None for
+    all, False for the production settings only, True for the test doubles only."""
+    return [
+        (s.flag, s.env, s.spec.shown_default or s.default, s.spec.help)
+        for s in settings_of(cls, prefix)
+        if testing is None or s.spec.testing == testing
+    ]
 
 
 def build_parser(cls: type, prefix: str, prog: str, description: str) -> argparse.ArgumentParser:
@@ -91,17 +105,21 @@ def build_parser(cls: type, prefix: str, prog: str, description: str) -> argpars
         description=f"{description} Every flag can also be set as {prefix}<FLAG> "
         f"(e.g. {prefix}PORT); flags win. A switch takes --name, --no-name or --name on|off.",
     )
+    testing = parser.add_argument_group(
+        TESTING_GROUP, "test doubles for the test suite and the benchmarks; never set them in production"
+    )
     for item in settings_of(cls, prefix):
+        group = testing if item.spec.testing else parser
         shown = item.spec.shown_default
         if shown is None and item.default not in (None, "", (), dataclasses.MISSING):
             shown = ("on" if item.default else "off") if item.spec.switch else str(item.default)
         suffix = f" (default: {shown})" if shown is not None else ""
         help_text = (item.spec.help + suffix).replace("%", "%%")  # argparse formats help with %
         if item.spec.switch:
-            parser.add_argument(
+            group.add_argument(
                 item.flag, dest=item.dest, nargs="?", const="on", metavar="on|off", help=help_text
             )
-            parser.add_argument(
+            group.add_argument(
                 "--no-" + item.flag[2:],
                 dest=item.dest,
                 action="store_const",
@@ -111,7 +129,7 @@ def build_parser(cls: type, prefix: str, prog: str, description: str) -> argpars
         else:
             last_word = item.flag[2:].rsplit("-", 1)[-1].upper()
             metavar = "N" if item.type_name.startswith("int") and last_word != "PORT" else last_word
-            parser.add_argument(item.flag, dest=item.dest, default=None, metavar=metavar, help=help_text)
+            group.add_argument(item.flag, dest=item.dest, default=None, metavar=metavar, help=help_text)
     return parser
 
 

@@ -1,6 +1,7 @@
 """Multi-turn chat conversations through an edge, with the prompt tokens each turn had cached.
 
-Shared by the routing integration test and ``bench/bench_routing.py``. Each
+Used by the routing integration test (and by the retired ``bench/bench_routing.py``,
+docs/benchmarks.md "Retired scripts"). Each
 conversation has the same short system prompt, a long first question of its
 own and short follow-ups; every turn sends the whole conversation so far (the
 assistant's real answers included), as chat clients do, so turn ``k``'s

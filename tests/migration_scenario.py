@@ -1,9 +1,9 @@
 """A worker SIGKILLed under streams that all run on it, behind an edge with a second worker.
 
-Shared by the integration test (``tests/integration/test_stream_migration.py``,
-a few short streams) and the benchmark script (``bench/bench_migration.py``,
-the issue's bar: 6 greedy streams of 400 tokens). Both run real worker and edge
-processes on 127.0.0.1 and read the streams with the official ``openai`` SDK.
+Used by the integration test (``tests/integration/test_stream_migration.py``,
+a few short streams) and once by the retired benchmark script (``bench/bench_migration.py``,
+the issue's bar: 6 greedy streams of 400 tokens; docs/benchmarks.md "Retired scripts"). Both
+run real worker and edge processes on 127.0.0.1 and read the streams with the official ``openai`` SDK.
 
 The scenario: the streams run once undisturbed (the reference texts); then
 worker B is paused (SIGSTOP) until the edge ejects it, so every new stream goes

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from edge.settings import describe_settings as edge_settings
+from sluice.settings import TESTING_GROUP
 from worker.config import describe_settings as worker_settings
 
 DOC_PATH = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
@@ -69,22 +70,41 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def rows() -> list[tuple[str, str, str, str, str]]:
-    """``(service, flag, env var, default, meaning)`` for every setting, worker first."""
+TESTING_HEADER = f"""
+## {TESTING_GROUP.capitalize()}
+
+Test doubles that the test suite and the benchmarks start workers with (a fake
+model, a slowed step). They parse like every other setting, and `--help` lists
+them in a group of their own; never set them in production.
+
+| service | flag | environment variable | default | meaning |
+| --- | --- | --- | --- | --- |
+"""
+
+
+def rows(*, testing: bool = False) -> list[tuple[str, str, str, str, str]]:
+    """``(service, flag, env var, default, meaning)``, worker first: the production settings, or
+    with ``testing`` the test doubles."""
     table: list[tuple[str, str, str, str, str]] = []
-    for service, settings in (("worker", worker_settings()), ("edge", edge_settings())):
+    for service, settings in (
+        ("worker", worker_settings(testing=testing)),
+        ("edge", edge_settings(testing=testing)),
+    ):
         for flag, env, default, help_text in settings:
             table.append((service, flag, env, format_default(default), help_text))
     return table
 
 
+def _table(table: list[tuple[str, str, str, str, str]]) -> str:
+    return "".join(
+        f"| {service} | `{flag}` | `{env}` | {_cell(default)} | {_cell(meaning)} |\n"
+        for service, flag, env, default, meaning in table
+    )
+
+
 def render() -> str:
     """The full text of docs/configuration.md."""
-    lines = [
-        f"| {service} | `{flag}` | `{env}` | {_cell(default)} | {_cell(meaning)} |"
-        for service, flag, env, default, meaning in rows()
-    ]
-    return HEADER + "\n".join(lines) + "\n"
+    return HEADER + _table(rows()) + TESTING_HEADER + _table(rows(testing=True))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -134,11 +134,6 @@ class WorkerConfig:
         choice("auto", "float32", "bfloat16", "float16"),
         "auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16",
     )
-    cpu_linear: str = setting(
-        "onednn",
-        choice("onednn", "torch"),
-        "on the CPU: onednn (linear weights packed once for oneDNN, faster) or torch (torch's default BLAS)",
-    )
     quantization: str = setting(
         "auto",
         choice("auto", "none", "int8", "int4", "fp8"),
@@ -196,19 +191,22 @@ class WorkerConfig:
         False,
         help="run the engine (model, scheduler, sampler) in a process of its own, so that gRPC, "
         "prompts and output processing never wait for its interpreter (generation only; "
-        "docs/worker.md)",
+        "docs/worker.md); try it on a GPU host with a core to spare at many concurrent streams, "
+        "where the serving process's interpreter bounds the pace (docs/operations.md)",
     )
     fused_kernels: bool = setting(
         True,
         help="on CUDA: RMSNorm, SiLU-mul and rotary as one Triton kernel each, in the model classes "
-        "whose own modules a check at start-up shows they match (docs/worker.md)",
+        "whose own modules a check at start-up shows they match (docs/worker.md); turn off to rule "
+        "them out when a model's output on CUDA looks wrong (docs/operations.md)",
     )
     overlap_steps: str = setting(
         "auto",
         choice("auto", "on", "off"),
         "read each step's drawn tokens while the next step's forward runs on the device, instead of "
         'between steps (docs/worker.md, "Steps that overlap"); auto: on CUDA unless --speculative; '
-        "on: everywhere (the CPU gains nothing: its forward is done when it returns)",
+        "on: everywhere (the CPU gains nothing: its forward is done when it returns); off: new "
+        "streams' first token sooner at the cost of the running streams' pace (docs/operations.md)",
     )
     require_cuda_graphs: bool = setting(
         False,
@@ -220,7 +218,8 @@ class WorkerConfig:
         int_at_least(1, 64),
         "engine steps between a stream's messages: its tokens of that many steps travel together "
         "(its first token and its end go at once); above 1 it cuts the per-message work of many "
-        "concurrent streams, at the cost of burstier streams (docs/benchmarks.md)",
+        "concurrent streams, at the cost of burstier streams; raise it when throughput matters more "
+        "than smooth streams (docs/operations.md)",
     )
     prefix_caching: bool = setting(
         True,
@@ -331,13 +330,18 @@ class WorkerConfig:
     default_chat_template_kwargs: str = setting(
         "{}", _json_object, "JSON object of chat template variables; a request's own win"
     )
+    # Test doubles: --help and docs/configuration.md list them apart ("testing and benchmarks only").
     fake_tokens: bool = setting(
         False,
+        testing=True,
         help="benchmarking the edge only: run no model and stream a fixed passage through the normal "
         "serving path (only the tokenizer of --model is loaded)",
     )
     fake_step_ms: float = setting(
-        0.0, _milliseconds, "with --fake-tokens: milliseconds each fake forward takes (0 = full speed)"
+        0.0,
+        _milliseconds,
+        "with --fake-tokens: milliseconds each fake forward takes (0 = full speed)",
+        testing=True,
     )
     fake_vocab: int = setting(
         0,
@@ -345,12 +349,14 @@ class WorkerConfig:
         "with --fake-tokens: logits this wide (0 = the tokenizer's); a narrow width makes the sampler's "
         "tensor math negligible, so a benchmark times the host's work (the passage is then remapped "
         "onto the width's ordinary tokens)",
+        testing=True,
     )
     fake_load_seconds: float = setting(
         0.0,
         seconds(),
         "with --fake-tokens: seconds the fake model load takes, reported as load progress "
         "(tests of what callers see while a worker starts)",
+        testing=True,
     )
 
     @property
@@ -403,6 +409,7 @@ def parse_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] |
     return parse_settings(WorkerConfig, ENV_PREFIX, argv, env, prog=PROG, description=DESCRIPTION)
 
 
-def describe_settings() -> list[tuple[str, str, object, str]]:
-    """Every worker setting as ``(flag, env var, default, help)``, in ``--help`` order."""
-    return describe(WorkerConfig, ENV_PREFIX)
+def describe_settings(*, testing: bool | None = None) -> list[tuple[str, str, object, str]]:
+    """Every worker setting as ``(flag, env var, default, help)``, in field order; ``testing``:
+    None for all, False for the production settings, True for the test doubles."""
+    return describe(WorkerConfig, ENV_PREFIX, testing=testing)

@@ -153,7 +153,6 @@ def build_serving(
             device=config.device,
             dtype=config.dtype,
             cache_dir=config.cache_dir,
-            cpu_linear=config.cpu_linear,
             quantization=config.quantization,
             batch_hint=cpu_batch_hint(config),
             task=config.task,

@@ -6,8 +6,8 @@ With gRPC's default reconnect backoff (1 s growing by 1.6x, up to 120 s) the
 edge's channel would by then wait 10 to 17 s between connection attempts, on
 top of the pool's own re-check interval; the pool's fresh channel per re-check
 (edge/workers/pool.py) takes the worker back at the first re-check after it
-answers. bench/bench_reconnect.py measures 60 s and 180 s outages (figures in
-docs/operations.md).
+answers. The retired bench/bench_reconnect.py measured 60 s and 180 s outages (figures in
+docs/operations.md; docs/benchmarks.md "Retired scripts").
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 - Multi-turn conversations stay on the worker that served their first turn,
   and the worker's own ``cached_tokens`` shows the later turns served mostly
   from its prefix cache (the full 20 x 4 figure, for both policies, is
-  ``bench/bench_routing.py``).
+  the retired ``bench/bench_routing.py``, docs/operations.md).
 - Every worker started with ``--metrics-names both`` shows the endpoint
   picker's gauges under vLLM's names beside Sluice's own.
 - A storm of invalid requests that the workers themselves reject

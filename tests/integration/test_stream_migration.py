@@ -9,7 +9,8 @@ run once undisturbed, then all on worker A, which is killed mid-stream
 must get a complete stream (finish reason, usage, no error event) whose text
 equals the undisturbed run's, token for token. The
 streams are short here to keep the test quick on two cores;
-``bench/bench_migration.py`` runs the full bar (6 streams of 400 tokens).
+The retired ``bench/bench_migration.py`` ran the full bar (6 streams of 400 tokens; figures in
+docs/operations.md, "A stream survives its worker's death").
 """
 
 from __future__ import annotations

@@ -6,7 +6,15 @@ from dataclasses import dataclass
 
 import pytest
 
-from sluice.settings import describe, int_at_least, parse_settings, seconds, setting
+from sluice.settings import (
+    TESTING_GROUP,
+    build_parser,
+    describe,
+    int_at_least,
+    parse_settings,
+    seconds,
+    setting,
+)
 
 
 @dataclass(frozen=True)
@@ -17,6 +25,7 @@ class Example:
     fast: bool = setting(False, help="go fast")
     careful: bool = setting(True, help="be careful")
     token: str = setting("", str, "a secret", secret=True)
+    slow_ms: float = setting(0.0, seconds(), "a test double", testing=True)
 
     def __post_init__(self) -> None:
         if self.token == "bad-token":
@@ -77,5 +86,16 @@ def test_a_bad_value_exits_2_naming_where_it_came_from(argv, env, message, capsy
 def test_the_table_describes_every_setting_and_hides_secrets_from_repr():
     rows = {flag: (env, default) for flag, env, default, _help in describe(Example, "EX_")}
     assert rows["--wait"] == ("EX_WAIT", 1.5) and rows["--fast"] == ("EX_FAST", False)
-    assert list(rows) == ["--name", "--count", "--wait", "--fast", "--careful", "--token"]
+    assert list(rows) == ["--name", "--count", "--wait", "--fast", "--careful", "--token", "--slow-ms"]
     assert "hunter2" not in repr(parse(["--name", "x", "--token", "hunter2"]))
+
+
+def test_test_doubles_are_listed_apart_and_still_parse():
+    production = [flag for flag, *_ in describe(Example, "EX_", testing=False)]
+    assert "--slow-ms" not in production and "--fast" in production
+    assert [flag for flag, *_ in describe(Example, "EX_", testing=True)] == ["--slow-ms"]
+    help_text = build_parser(Example, "EX_", "example", "An example.").format_help()
+    main, _, group = help_text.partition(TESTING_GROUP + ":")
+    assert "--slow-ms" in group and "--fast" in main and "--fast" not in group
+    assert parse(["--name", "x", "--slow-ms", "2"]).slow_ms == 2.0
+    assert parse(["--name", "x"], {"EX_SLOW_MS": "3"}).slow_ms == 3.0

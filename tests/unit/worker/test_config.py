@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.settings import settings_of
+from sluice.settings import TESTING_GROUP, settings_of
 from worker.config import (
     DEFAULT_CACHE_DIR,
     ENV_PREFIX,
@@ -37,6 +37,24 @@ def test_every_field_is_a_flag_and_a_variable_with_its_default():
     assert [f for f, *_ in describe_settings()] == [
         "--" + f.name.replace("_", "-") for f in dataclasses.fields(WorkerConfig)
     ]
+
+
+def test_the_test_doubles_are_listed_apart_from_the_production_settings():
+    doubles = ["--fake-tokens", "--fake-step-ms", "--fake-vocab", "--fake-load-seconds"]
+    assert [flag for flag, *_ in describe_settings(testing=True)] == doubles
+    production = [flag for flag, *_ in describe_settings(testing=False)]
+    assert not set(doubles) & set(production)
+    assert not [flag for flag in production if flag.startswith("--fake")]
+    _main, _, group = build_parser().format_help().partition(TESTING_GROUP + ":")
+    assert all(flag in group for flag in doubles)
+    assert parse_config(["--fake-tokens", "--fake-step-ms", "5"], environ={}).fake_step_ms == 5.0
+
+
+def test_the_removed_cpu_linear_switch_is_refused(capsys):
+    """oneDNN-packed weights won (docs/benchmarks.md); ``--cpu-linear torch`` is gone."""
+    with pytest.raises(SystemExit):
+        parse_config(["--cpu-linear", "torch"], environ={})
+    assert "unrecognized arguments: --cpu-linear" in capsys.readouterr().err
 
 
 def test_no_flags_and_no_environment_give_the_dataclass_defaults():

@@ -8,7 +8,6 @@ import weakref
 import pytest
 import torch
 
-from worker.config import parse_config
 from worker.model.loader import load_model
 from worker.model.packed_linear import PackedLinear, pack_linears, packing_supported
 
@@ -89,15 +88,3 @@ def test_loaded_model_is_packed_and_gives_the_same_logits(tiny_model_dir):
         want, got = plain.model(input_ids=ids).logits, packed.model(input_ids=ids).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))
-
-
-def test_cpu_linear_setting():
-    assert parse_config([], environ={}).cpu_linear == "onednn"
-    assert parse_config(["--cpu-linear", "torch"], environ={}).cpu_linear == "torch"
-    assert parse_config([], environ={"SLUICE_WORKER_CPU_LINEAR": "torch"}).cpu_linear == "torch"
-
-
-def test_bad_cpu_linear_names_the_flag(capsys):
-    with pytest.raises(SystemExit):
-        parse_config(["--cpu-linear", "mkl"], environ={})
-    assert "--cpu-linear: must be one of onednn, torch; got 'mkl'" in capsys.readouterr().err
