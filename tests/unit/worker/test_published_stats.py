@@ -7,6 +7,8 @@ after the end. The engine runs the fake runner (no model); most tests drive its 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -14,9 +16,12 @@ from typing import Any
 
 import pytest
 
+from worker.engine import process
 from worker.engine.core import Engine
+from worker.engine.process_messages import Outputs, StatsReport
+from worker.engine.stats import EngineStats
 from worker.model.fake_runner import FakeRunner, load_fake_model
-from worker.server import eos_token_ids
+from worker.server import eos_token_ids, metrics_text
 from worker.types import ChoiceEnded, ContentDelta, CoreOutput, GenerationRequest, NewToken, SamplingOptions
 
 # Long enough that no copy is taken because one is due: each copy a test sees has another cause.
@@ -77,6 +82,25 @@ def step_until_the_end(engine: Engine, ended: Callable[[], bool]) -> None:
     raise AssertionError("the request never ended")
 
 
+def test_a_scrape_never_waits_for_the_engines_lock(fake: Any) -> None:
+    """``/metrics`` while the step loop holds the engine's lock (as it does to plan, or while a
+    draft model proposes): it answers from the published copy."""
+    engine = engine_on(fake)
+    serving = SimpleNamespace(engine=engine, loaded=SimpleNamespace(model_id="m"))
+    config = SimpleNamespace(metrics_names="sluice", fake_tokens=True)
+    answered = threading.Event()
+    texts: list[str | None] = []
+
+    def scrape() -> None:
+        texts.append(metrics_text(serving, config))  # type: ignore[arg-type]
+        answered.set()
+
+    with engine._cv:  # the step loop's lock, held
+        threading.Thread(target=scrape, daemon=True).start()
+        assert answered.wait(30), "the scrape waited for the engine's lock"
+    assert texts[0] is not None and "sluice_worker_queue_depth" in texts[0]
+
+
 def test_a_request_ends_after_the_copy_that_counts_it(fake: Any) -> None:
     engine = engine_on(fake)
     loop = RecordingLoop()
@@ -86,6 +110,34 @@ def test_a_request_ends_after_the_copy_that_counts_it(fake: Any) -> None:
     stats = engine.latest_stats()
     assert stats.counters.requests_finished == 1 and stats.running_requests == 0
     assert stats.counters.generated_tokens == 3
+
+
+def test_in_the_engine_process_the_copy_that_counts_an_end_comes_no_later_than_the_end(fake: Any) -> None:
+    """Whether the step's outputs carry the copy or the outbox's thread sent it first."""
+    engine = engine_on(fake)
+    ours, theirs = multiprocessing.Pipe()
+    outbox = process._StatsOutbox(process._Sender(ours))
+    engine.published.listen(outbox.offer)
+    loop = process._PipeLoop(outbox)
+    prepared = engine.prepare(request("a"))
+    engine.enqueue(prepared, "a", process._RemoteSink("a", loop))  # type: ignore[arg-type]
+    seen: list[EngineStats] = []
+
+    def ended() -> bool:
+        while theirs.poll():
+            message = theirs.recv()
+            if isinstance(message, StatsReport):
+                seen.append(message.stats)
+            elif isinstance(message, Outputs):
+                if message.stats is not None:
+                    seen.append(message.stats)
+                if any(ends(outputs) for _, outputs in message.batches):
+                    return True
+        return False
+
+    step_until_the_end(engine, ended)
+    assert seen and seen[-1].counters.requests_finished == 1
+    assert seen[-1].counters.generated_tokens == 3
 
 
 def test_an_idle_engine_publishes_what_changed(fake: Any) -> None:
