@@ -19,7 +19,7 @@ import pytest
 from worker.engine import process
 from worker.engine.core import Engine
 from worker.engine.process_messages import Outputs, StatsReport
-from worker.engine.stats import EngineStats
+from worker.engine.stats import EngineCounters, EngineStats
 from worker.model.fake_runner import FakeRunner, load_fake_model
 from worker.server import eos_token_ids, metrics_text
 from worker.types import ChoiceEnded, ContentDelta, CoreOutput, GenerationRequest, NewToken, SamplingOptions
@@ -141,26 +141,32 @@ def test_in_the_engine_process_the_copy_that_counts_an_end_comes_no_later_than_t
 
 
 def test_an_idle_engine_publishes_what_changed(fake: Any) -> None:
-    """A cancelled request, and one its resumed tokens ended before it was queued, are counted in
+    """A cancelled request, then one its resumed tokens ended before it was queued, are counted in
     the copy once the engine has nothing to do (none is ever due here)."""
     engine = engine_on(fake)
     engine.start()
-    try:
 
-        async def cancel_one_and_end_one() -> None:
-            stream = engine.submit(request("long", max_tokens=400))
-            async for event in stream:
-                if isinstance(event, ContentDelta):
-                    break
-            stream.cancel()  # the caller went away: the request is aborted
-            engine.submit(request("resumed", max_tokens=2, resumed_token_ids=(5, 6)))
-
-        asyncio.run(cancel_one_and_end_one())
-        counters = lambda: engine.latest_stats().counters  # noqa: E731
+    def published(check: Callable[[EngineCounters], bool]) -> None:
         deadline = time.monotonic() + 30
-        while (counters().requests_cancelled, counters().requests_finished) != (1, 1):
-            assert time.monotonic() < deadline, counters()
+        while not check(engine.latest_stats().counters):
+            assert time.monotonic() < deadline, engine.latest_stats()
             time.sleep(0.01)
+
+    async def cancel_one() -> None:
+        stream = engine.submit(request("long", max_tokens=400))
+        async for event in stream:
+            if isinstance(event, ContentDelta):
+                break
+        stream.cancel()  # the caller went away: the request is aborted
+
+    async def end_one_before_it_is_queued() -> None:
+        engine.submit(request("resumed", max_tokens=2, resumed_token_ids=(5, 6)))
+
+    try:
+        asyncio.run(cancel_one())
+        published(lambda counters: counters.requests_cancelled == 1)
         assert engine.latest_stats().running_requests == 0
+        asyncio.run(end_one_before_it_is_queued())
+        published(lambda counters: counters.requests_finished == 1)
     finally:
         engine.stop()
