@@ -1,11 +1,6 @@
-"""The engine process's intake (``--engine-process``): each submitted request is prepared (its
-grammar compiled: tens of milliseconds holding the GIL) on a small thread pool, off the pipe's only
-reader, so that aborts, stops and other requests never wait behind a preparation.
-
-An abort or a stop that arrives while its request is still being prepared is held for it and applied
-in order once the preparation ends: an abort keeps the request out of the queue (its acknowledgement
-says so), a stop applies right after it is queued. What a single reader would have done in order
-still happens in that order for each request.
+"""The engine process's intake (``--engine-process``): requests prepared (grammars compiled) on a small
+pool off the pipe's only reader; an abort or stop that arrives while its request is being prepared is
+held and applied in order after it.
 
 Design notes: docs/worker.md ("The engine in its own process").
 """
@@ -32,7 +27,10 @@ ABORTED_WHILE_PREPARED = "generation failed: the request was aborted while it wa
 
 class Intake:
     """Prepares and queues the serving process's requests in ``engine``; each one's :class:`Acked`
-    goes to ``answer`` and its outputs to the sink ``sink(key)`` makes."""
+    goes to ``answer`` and its outputs to the sink ``sink(key)`` makes. An abort that arrives while
+    its request is prepared keeps it out of the queue (its answer refuses it); a stop applies right
+    after it is queued: each request hears its controls in the order a single reader would apply
+    them."""
 
     def __init__(
         self,

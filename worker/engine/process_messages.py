@@ -1,12 +1,7 @@
 """The messages of the engine process's pipe (worker/engine/process.py): one frozen dataclass per kind,
-each side dispatching with ``match``. ``ToEngine`` goes from the serving process to the engine
-process, ``FromEngine`` back.
+each side dispatching with ``match``; ``ToEngine`` goes to the engine process, ``FromEngine`` back.
 
-They live here rather than in ``worker/types.py``: that module is the worker's shared vocabulary at
-the bottom of its layers, and these messages carry engine-level things (the engine's stats, the
-loaded model's facts) that only the two ends of this pipe speak.
-
-Design notes: docs/worker.md ("The engine in its own process").
+Design notes (and why not ``worker/types.py``): docs/worker.md ("The engine in its own process").
 """
 
 from __future__ import annotations
