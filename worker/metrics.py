@@ -242,20 +242,16 @@ def render(
 
 
 async def serve_metrics(sock: socket.socket, text: Callable[[], str | None]) -> asyncio.Server:
-    """Serves ``GET /metrics`` on the listening ``sock``; ``text()`` None (no model yet) is a 503."""
+    """Serves ``GET /metrics`` on the listening ``sock``; ``text()`` None (no model yet) is a 503, and
+    a ``text()`` that raises a 500 (a scrape always gets an answer). ``text`` runs on the event loop:
+    it must not wait (the engine's published stats, never its lock)."""
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request_line = await asyncio.wait_for(reader.readline(), 5)
             while (await asyncio.wait_for(reader.readline(), 5)) not in (b"\r\n", b"\n", b""):
                 pass
-            parts = request_line.decode("latin-1").split()
-            if len(parts) < 2 or parts[0] != "GET" or parts[1].split("?")[0] != "/metrics":
-                status, body, ctype = "404 Not Found", b"not found\n", "text/plain"
-            elif (exposition := text()) is None:
-                status, body, ctype = "503 Service Unavailable", b"the model is loading\n", "text/plain"
-            else:
-                status, body, ctype = "200 OK", exposition.encode(), CONTENT_TYPE
+            status, body, ctype = _answer(request_line, text)
             writer.write(
                 f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
                 "Connection: close\r\n\r\n".encode()
@@ -268,3 +264,18 @@ async def serve_metrics(sock: socket.socket, text: Callable[[], str | None]) -> 
             writer.close()
 
     return await asyncio.start_server(handle, sock=sock)
+
+
+def _answer(request_line: bytes, text: Callable[[], str | None]) -> tuple[str, bytes, str]:
+    """(status, body, content type) for one request line."""
+    parts = request_line.decode("latin-1").split()
+    if len(parts) < 2 or parts[0] != "GET" or parts[1].split("?")[0] != "/metrics":
+        return "404 Not Found", b"not found\n", "text/plain"
+    try:
+        exposition = text()
+    except Exception as error:
+        log.exception("rendering the metrics failed")
+        return "500 Internal Server Error", f"{type(error).__name__}\n".encode(), "text/plain"
+    if exposition is None:
+        return "503 Service Unavailable", b"the model is loading\n", "text/plain"
+    return "200 OK", exposition.encode(), CONTENT_TYPE

@@ -310,6 +310,19 @@ def pooling_serving(
     return ServingModel(loaded, engine, PromptRenderer(loaded.tokenizer, profile), None, rows)
 
 
+def metrics_text(serving: ServingModel | None, config: WorkerConfig) -> str | None:
+    """The ``/metrics`` exposition (None while the model loads: a 503), from the stats the engine
+    last published: on the event loop, so it never waits for the engine's lock or its process."""
+    if serving is None:
+        return None
+    return metrics.render(
+        serving.engine.latest_stats(),
+        serving.loaded.model_id,
+        metrics.MetricNames(config.metrics_names),
+        fake_tokens=config.fake_tokens,
+    )
+
+
 async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit status (2: a port is taken, 1: the model
     did not load, 3: the device failed). ``metrics_socket``: the claimed /metrics socket (None: off)."""
@@ -342,18 +355,10 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
     await _set_health(health_service, health_pb2.HealthCheckResponse.NOT_SERVING)
     serving: ServingModel | None = None
 
-    def metrics_text() -> str | None:
-        if serving is None:
-            return None  # 503 while the model loads
-        return metrics.render(
-            serving.engine.stats(),
-            serving.loaded.model_id,
-            metrics.MetricNames(config.metrics_names),
-            fake_tokens=config.fake_tokens,
-        )
-
     metrics_server = (
-        None if metrics_socket is None else await metrics.serve_metrics(metrics_socket, metrics_text)
+        None
+        if metrics_socket is None
+        else await metrics.serve_metrics(metrics_socket, lambda: metrics_text(serving, config))
     )
     metrics_where = f":{config.resolved_metrics_port}" if metrics_server is not None else "off"
     log.info(

@@ -1,7 +1,7 @@
 """``--engine-process``: the worker's gRPC contract with the engine in a process of its own (the
 default model's worker tests, run again against such a worker, whose steps also overlap:
-``--overlap-steps on``), a grammar, the queue bound, the engine process dying mid-stream, and a
-drain that stops it."""
+``--overlap-steps on``), a grammar, the queue bound, the engine process dying mid-stream, a drain
+that stops it, and /metrics answering while the engine process does not."""
 
 from __future__ import annotations
 
@@ -163,3 +163,30 @@ def test_a_full_queue_is_refused_and_a_drain_stops_the_engine_process(
         while alive(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not alive(pid)
+
+
+def test_metrics_answer_while_the_engine_process_does_not(model_cache: Path, tmp_path: Path) -> None:
+    """A scrape reads the stats the engine process last published and never asks it: frozen
+    (SIGSTOP), it still gets an answer at once (the stats sent when it became ready), and health
+    answers too. A scrape after a stream's end counts that stream (its end carried them)."""
+    worker = WorkerProcess(
+        cache_dir=model_cache, log_dir=tmp_path, extra=["--engine-process", "--fake-tokens"]
+    )
+    with worker, grpc.insecure_channel(worker.address) as channel:
+        pid = engine_pid(worker)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            frozen = worker.metrics()
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert (
+            frozen["sluice_worker_requests_finished_total"] == 0
+            and frozen["sluice_worker_kv_cache_blocks"] > 0
+        )
+        assert health.status == health_pb2.HealthCheckResponse.SERVING
+        events = list(pb_grpc.WorkerStub(channel).Generate(chat("hi", max_tokens=5)))
+        assert events[-2].finished.completion_tokens == 5
+        after = worker.metrics()
+        assert after["sluice_worker_requests_finished_total"] == 1
+        assert after["sluice_worker_generated_tokens_total"] == 5

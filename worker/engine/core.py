@@ -24,7 +24,7 @@ from worker.engine.prepare import Prepared, RequestPreparer
 from worker.engine.request_stream import RequestStream, StreamOpener
 from worker.engine.scheduler import Scheduler, SchedulingFailed, Sequence, StepPlan, Work
 from worker.engine.speculation import RowSpeculation, Speculation
-from worker.engine.stats import EngineCounters, EngineStats
+from worker.engine.stats import EngineCounters, EngineStats, PublishedStats
 from worker.errors import NotReady
 from worker.model.device import bind_device
 from worker.model.runner import ModelRunner
@@ -225,6 +225,7 @@ class Engine:
         self._thread = threading.Thread(target=self._loop, name="sluice-engine", daemon=True)
         self._ids = itertools.count()
         self.counters = EngineCounters()
+        self.published = PublishedStats(self.stats)  # what /metrics reads: never this lock
 
     # ------------------------------------------------------------ control
 
@@ -275,6 +276,7 @@ class Engine:
         with self._cv:
             self.counters.requests_submitted += 1
             self.counters.requests_finished += 1
+            self._cv.notify_all()  # an idle loop publishes its stats again
 
     def enqueue(self, prepared: Prepared, key: str, stream: OutputSink) -> None:
         """Puts a prepared request in the scheduler's queue under ``key``; its outputs go to
@@ -339,6 +341,10 @@ class Engine:
                 speculative_proposer=self._speculation.proposer if self._speculation else None,
                 counters=replace(self.counters, time_to_first_token=self.counters.time_to_first_token.copy()),
             )
+
+    def latest_stats(self) -> EngineStats:
+        """The stats the step loop last published (:class:`PublishedStats`): never waits for it."""
+        return self.published.latest
 
     # --------------------------------------------------------------- loop
 
@@ -477,6 +483,7 @@ class Engine:
         returns the waiting requests whose ``queued`` progress event is due."""
         with self._cv:
             while not (self._stopping or self._control or self._scheduler.waiting or self._scheduler.running):
+                self.published.refresh()  # idle: the published stats are exact
                 self._cv.wait()
             if self._stopping:
                 return None
@@ -484,6 +491,7 @@ class Engine:
             plan = self._scheduler.schedule()
             for state in plan.admitted:
                 self._progress_due.pop(state.key, None)
+            self.published.refresh_if_due()
             return plan, self._queued_progress_due()
 
     def _queued_progress_due(self) -> list[_RequestState]:
@@ -891,6 +899,8 @@ class Engine:
                 out = _paced(state, out, self._stream_interval)
             if out is not None:
                 batches.append((state.stream, out))
+        if any(state.removed for state in states):  # a scrape after a request's end counts it
+            self.published.refresh()
         deliver(batches)
 
 

@@ -107,6 +107,11 @@ class PoolingEngine:
                 counters=replace(self.counters, time_to_first_token=self.counters.time_to_first_token.copy()),
             )
 
+    def latest_stats(self) -> EngineStats:
+        """What ``/metrics`` reads: :meth:`stats` (this engine's lock is held only to plan a step and to
+        count, never across a forward, so a scrape does not wait for a step)."""
+        return self.stats()
+
     # --------------------------------------------------------------- loop
 
     def _plan(self) -> list[tuple[_Job, int]] | None:

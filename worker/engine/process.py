@@ -17,15 +17,34 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from sluice.heap import freeze_startup_heap
 from sluice.logs import configure_logging
 from worker.config import WorkerConfig
-from worker.engine.core import DeviceFailure, Engine, deliver, ended_outputs
+from worker.engine.core import Engine, deliver, ended_outputs
+from worker.engine.failures import EngineFailure
 from worker.engine.prepare import Prepared
+from worker.engine.process_intake import Intake
+from worker.engine.process_messages import (
+    Abort,
+    Acked,
+    EngineFailed,
+    FromEngine,
+    LoadFailed,
+    Loading,
+    ModelConfig,
+    ModelFacts,
+    Outputs,
+    Ready,
+    Refusal,
+    StatsReport,
+    Stop,
+    StopChoices,
+    Submit,
+    ToEngine,
+)
 from worker.engine.request_stream import RequestStream, StreamOpener
 from worker.engine.stats import EngineStats
 from worker.errors import GenerationFailed, WorkerError
@@ -36,28 +55,13 @@ from worker.types import CoreFailure, CoreOutput, FinishReason, GenerationReques
 
 log = logging.getLogger(__name__)
 
-# How long a stats call waits for the engine process before answering with the last stats it had.
-STATS_WAIT_S = 2.0
 # How long a stopping engine process may take before it is terminated.
 STOP_WAIT_S = 10.0
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """What the serving process keeps of the model: its configs (family, vision, end tokens)."""
-
-    config: Any
-    generation_config: Any = None
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the engine process hands the serving process once loaded: the model without its weights
-    (tokenizer, configs, processor), its end tokens and the engine's running limit."""
-
-    loaded: LoadedModel
-    eos_token_ids: frozenset[int]
-    max_running: int
+# The exit status of an engine process whose pipe's reader failed (the serving process sees it go).
+EXIT_PIPE_FAILED = 1
+# What a stream hears when the engine can no longer be reached (or its device failed).
+ENGINE_STOPPED = "generation failed: the worker's engine stopped"
+DEVICE_FAILED = "generation failed: the worker's device failed"
 
 
 class _Sender:
@@ -67,26 +71,74 @@ class _Sender:
         self._connection = connection
         self._lock = threading.Lock()
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def send(self, message: ToEngine | FromEngine) -> None:
         with self._lock:
             self._connection.send(message)
 
+    def send_built(self, build: Callable[[], ToEngine | FromEngine | None]) -> None:
+        """Sends what ``build()`` returns (nothing for None), built under the send lock: what it reads
+        reaches the pipe in the order it was read."""
+        with self._lock:
+            message = build()
+            if message is not None:
+                self._connection.send(message)
+
 
 # ------------------------------------------------------------------ the engine process
+
+
+class _StatsOutbox:
+    """The engine's published stats on their way to the serving process. The engine's loop offers
+    each new copy (:class:`worker.engine.stats.PublishedStats`: a lock and an event, nothing more on
+    its thread); a thread of this outbox sends it, unless a step's outputs leave first and carry it.
+    A copy and the outputs go out under one lock, so the copy counting a request's end (published
+    before that end is delivered) never reaches the serving process after the end."""
+
+    def __init__(self, sender: _Sender):
+        self._sender = sender
+        self._lock = threading.Lock()
+        self._pending: EngineStats | None = None
+        self._wake = threading.Event()
+        threading.Thread(target=self._forward, name="sluice-engine-stats", daemon=True).start()
+
+    def offer(self, stats: EngineStats) -> None:
+        with self._lock:
+            self._pending = stats
+        self._wake.set()
+
+    def send_outputs(self, batches: list[tuple[str, list[CoreOutput]]]) -> None:
+        self._sender.send_built(lambda: Outputs(batches, self._take()))
+
+    def _take(self) -> EngineStats | None:
+        with self._lock:
+            stats, self._pending = self._pending, None
+        return stats
+
+    def _report(self) -> StatsReport | None:
+        stats = self._take()
+        return None if stats is None else StatsReport(stats)
+
+    def _forward(self) -> None:
+        while self._wake.wait():
+            self._wake.clear()
+            try:
+                self._sender.send_built(self._report)
+            except (OSError, ValueError):  # the pipe is closed: the engine process is ending
+                return
 
 
 class _PipeLoop:
     """Stands in for an event loop in :func:`worker.engine.core.deliver`: a step's outputs for every
     request go to the serving process as one message."""
 
-    def __init__(self, sender: _Sender):
-        self._sender = sender
+    def __init__(self, outbox: _StatsOutbox):
+        self._outbox = outbox
 
     def call_soon_threadsafe(self, _: Callable[..., Any], items: list[tuple[Any, list[CoreOutput]]]) -> None:
         self.send(items)
 
     def send(self, items: list[tuple[Any, list[CoreOutput]]]) -> None:
-        self._sender.send(("out", [(sink.key, outputs) for sink, outputs in items]))
+        self._outbox.send_outputs([(sink.key, outputs) for sink, outputs in items])
 
 
 class _RemoteSink:
@@ -113,7 +165,7 @@ class _SentProgress(LoadProgress):
 
     def advance(self, fraction: float) -> None:
         super().advance(fraction)
-        self._sender.send(("progress", self.fraction))
+        self._sender.send(Loading(self.fraction))
 
 
 def _facts(loaded: LoadedModel, eos: Iterable[int], max_running: int) -> ModelFacts:
@@ -127,95 +179,96 @@ def _facts(loaded: LoadedModel, eos: Iterable[int], max_running: int) -> ModelFa
 
 def engine_main(connection: Connection, config: WorkerConfig, build: Callable[..., Any]) -> None:
     """The engine process: loads the model with ``build`` (``worker.server.build_serving``), reports
-    ``ready`` with its facts, then serves the serving process's requests until told to stop or the
-    pipe closes (the serving process is gone). Signals are the serving process's to handle: it
-    drains, then stops this one."""
+    :class:`Ready` with its facts, then serves the serving process's requests until told to stop or
+    the pipe closes (the serving process is gone); exits with :data:`EXIT_PIPE_FAILED` when a
+    message cannot be read. Signals are the serving process's to handle: it drains, then stops
+    this one."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.log_level, config.log_format, worker_id=config.resolved_worker_id)
     sender = _Sender(connection)
+    engine = _load(sender, config, build)
+    if engine is None:
+        return
+    outbox = _StatsOutbox(sender)
+    engine.published.listen(outbox.offer)
+    loop = _PipeLoop(outbox)
+    intake = Intake(engine, sender.send, lambda key: _RemoteSink(key, loop))
+    try:
+        served = _serve(connection, intake)
+    finally:
+        intake.close()
+        engine.stop()
+    if not served:
+        raise SystemExit(EXIT_PIPE_FAILED)
+
+
+def _load(sender: _Sender, config: WorkerConfig, build: Callable[..., Any]) -> Engine | None:
+    """Loads the model and reports :class:`Ready` (the engine running), or :class:`LoadFailed`
+    (None)."""
 
     def device_failed(failure: BaseException) -> None:
-        sender.send(("device_failed", str(failure)))
+        sender.send(EngineFailed(str(failure)))
 
     try:
         serving = build(config, _SentProgress(sender), on_device_failure=device_failed)
     except ModelLoadError as error:
-        sender.send(("load_failed", error.message))
-        return
+        sender.send(LoadFailed(error.message))
+        return None
     except Exception as error:
         log.exception("loading the model failed")
-        sender.send(("load_failed", f"loading the model failed: {type(error).__name__}: {error}"))
-        return
+        sender.send(LoadFailed(f"loading the model failed: {type(error).__name__}: {error}"))
+        return None
     engine = serving.engine
     if not isinstance(engine, Engine):
         task = serving.loaded.task
-        sender.send(("load_failed", f"--engine-process serves generation only; this model's task is {task}"))
-        return
+        sender.send(LoadFailed(f"--engine-process serves generation only; this model's task is {task}"))
+        return None
     freeze_startup_heap(log, "engine process")  # before any request can arrive
     try:
-        sender.send(("ready", _facts(serving.loaded, engine.eos_token_ids, serving.max_running)))
+        facts = _facts(serving.loaded, engine.eos_token_ids, serving.max_running)
+        sender.send(Ready(facts, engine.latest_stats()))
     except Exception as error:  # pickling: the tokenizer or processor cannot cross to the serving process
         log.exception("handing the model's tokenizer and configs to the serving process failed")
         engine.stop()
         why = f"{type(error).__name__}: {error}"
         sender.send(
-            ("load_failed", f"--engine-process: the model's tokenizer or processor cannot be sent ({why})")
+            LoadFailed(f"--engine-process: the model's tokenizer or processor cannot be sent ({why})")
         )
-        return
-    loop = _PipeLoop(sender)
-    try:
-        _serve(connection, sender, engine, loop)
-    finally:
-        engine.stop()
+        return None
+    return engine
 
 
-def _serve(connection: Connection, sender: _Sender, engine: Engine, loop: _PipeLoop) -> None:
+def _serve(connection: Connection, intake: Intake) -> bool:
+    """Hands the serving process's messages to ``intake`` until told to stop or the pipe closes
+    (True), or until a message cannot be read (False: what followed it cannot be trusted)."""
     while True:
         try:
             message = connection.recv()
         except (EOFError, OSError):
             log.info("the serving process is gone; the engine stops")
-            return
-        if message[0] == "stop":
-            return
+            return True
+        except Exception:
+            log.critical(
+                "a message from the serving process could not be read; the engine stops", exc_info=True
+            )
+            return False
+        if isinstance(message, Stop):
+            return True
         try:
-            _handle(message, sender, engine, loop)
+            _dispatch(message, intake)
         except Exception:  # one message's bug must not stop the engine
-            log.exception("handling the serving process's %r message failed", message[0])
+            log.exception("handling the serving process's %s failed", type(message).__name__)
 
 
-def _handle(message: tuple[Any, ...], sender: _Sender, engine: Engine, loop: _PipeLoop) -> None:
-    kind = message[0]
-    if kind == "submit":
-        _, key, request = message
-        sender.send(("ack", key, *_admit(engine, loop, key, request)))
-    elif kind == "abort":
-        engine.abort(message[1], failed=message[2])
-    elif kind == "stop_choices":
-        engine.stop_choices(message[1], message[2])
-    elif kind == "stats":
-        sender.send(("stats", message[1], engine.stats()))
-
-
-def _admit(
-    engine: Engine, loop: _PipeLoop, key: str, request: GenerationRequest
-) -> tuple[tuple[type[WorkerError], str, str | None, float | None] | None, FinishReason | None]:
-    """Prepares and queues a request: (the error that refused it, or None; how its resumed tokens
-    already ended it, or None)."""
-    try:
-        prepared = engine.prepare(request)
-        if prepared.ended is not None:
-            engine.count_ended()
-            return None, prepared.ended
-        engine.enqueue(prepared, key, _RemoteSink(key, loop))
-    except WorkerError as error:
-        kind = type(error) if type(error).__init__ is WorkerError.__init__ else GenerationFailed
-        return (kind, error.message, error.param, error.retry_after_seconds), None
-    except Exception as error:
-        log.exception("queueing %s failed", key)
-        return (GenerationFailed, f"generation failed: {type(error).__name__}", None, None), None
-    return None, None
+def _dispatch(message: ToEngine, intake: Intake) -> None:
+    match message:
+        case Submit(key, request):
+            intake.submit(key, request)
+        case Abort() | StopChoices():
+            intake.control(message)
+        case _:
+            log.error("the serving process sent an unexpected message: %r", type(message).__name__)
 
 
 # ------------------------------------------------------------------ the serving process
@@ -223,13 +276,19 @@ def _admit(
 
 class EngineClient:
     """The serving process's engine: :class:`Engine`'s API over the pipe to the engine process.
-    Output processing (detokenizing, stop strings, parsing) runs here, on each stream's loop."""
+    Output processing (detokenizing, stop strings, parsing) runs here, on each stream's loop.
+
+    Every stream ends: when the pipe's reader stops for any reason (the engine process exited, a
+    message could not be read, :meth:`stop`) or the device fails, each open stream hears a failure
+    and later requests are refused; unless it was stopped, the worker's device-failure hook runs
+    (NOT_SERVING, then a non-zero exit)."""
 
     def __init__(
         self,
         process: multiprocessing.process.BaseProcess,
         connection: Connection,
         facts: ModelFacts,
+        stats: EngineStats,
         rules: TextRules,
         on_device_failure: Callable[[BaseException], None] | None,
     ):
@@ -239,12 +298,11 @@ class EngineClient:
         self._opener = StreamOpener(facts.loaded.tokenizer, rules)
         self._on_device_failure = on_device_failure
         self.device_failure: BaseException | None = None
+        self._gone: str | None = None  # why the engine can no longer be reached
         self._ids = itertools.count()
         self._streams: weakref.WeakValueDictionary[str, RequestStream] = weakref.WeakValueDictionary()
         self._acks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[FinishReason | None]]] = {}
-        self._stats: EngineStats | None = None
-        self._stats_asked: dict[int, threading.Event] = {}
-        self._stats_tokens = itertools.count()
+        self._stats = stats
         self._lock = threading.Lock()
         self._stopping = False
         self._reader = threading.Thread(target=self._read, name="sluice-engine-pipe", daemon=True)
@@ -271,12 +329,14 @@ class EngineClient:
         future: asyncio.Future[FinishReason | None] = loop.create_future()
         with self._lock:
             if self.device_failure is not None:
-                raise GenerationFailed("generation failed: the worker's device failed")
+                raise GenerationFailed(DEVICE_FAILED)
+            if self._gone is not None:
+                raise GenerationFailed(ENGINE_STOPPED)
             self._acks[key] = (loop, future)
             self._streams[key] = stream
         stream.put([Progress("queued", 0.0)])  # before anything the engine sends for it
         try:
-            self._sender.send(("submit", key, request))
+            self._sender.send(Submit(key, request))
             ended = await future
         except BaseException as error:
             with self._lock:
@@ -294,36 +354,30 @@ class EngineClient:
         return stream
 
     def abort(self, key: str, *, failed: bool = False) -> None:
-        self._send(("abort", key, failed))
+        self._send(Abort(key, failed))
 
     def stop_choices(self, key: str, choices: Iterable[int]) -> None:
-        self._send(("stop_choices", key, tuple(choices)))
+        self._send(StopChoices(key, tuple(choices)))
 
-    def stats(self) -> EngineStats:
-        """The engine process's stats (the last ones it sent, if it does not answer in time)."""
-        token = next(self._stats_tokens)
-        answered = threading.Event()
-        with self._lock:
-            self._stats_asked[token] = answered
-        if self._send(("stats", token)):
-            answered.wait(STATS_WAIT_S)
-        with self._lock:
-            self._stats_asked.pop(token, None)
-            if self._stats is None:
-                raise GenerationFailed("the engine process has not reported its stats")
-            return self._stats
+    def latest_stats(self) -> EngineStats:
+        """The last stats the engine process published (it sends them on its own: with the outputs
+        of a step that ends a request, whenever it runs out of work, and at least every
+        :data:`~worker.engine.stats.STATS_INTERVAL_S` while it steps). Never waits for it."""
+        return self._stats
 
     def stop(self, timeout: float = STOP_WAIT_S) -> None:
-        """Stops the engine process (it finishes its step and exits), terminating it if it does not."""
+        """Stops the engine process (it finishes its step and exits), terminating it if it does not;
+        any stream still open then ends with a failure."""
         self._stopping = True
-        self._send(("stop",))
+        self._send(Stop())
         self._process.join(timeout)
         if self._process.is_alive():
             log.warning("the engine process did not stop in %.0f s; terminating it", timeout)
             self._process.terminate()
             self._process.join(timeout)
+        self._reader.join(timeout)
 
-    def _send(self, message: tuple[Any, ...]) -> bool:
+    def _send(self, message: ToEngine) -> bool:
         try:
             self._sender.send(message)
         except (OSError, ValueError):  # the engine process is gone: the reader says so
@@ -333,36 +387,48 @@ class EngineClient:
     # -------------------------------------------------------------- the reader thread
 
     def _read(self) -> None:
+        """The pipe's reader: handles the engine process's messages until the pipe closes or a
+        message cannot be read; then every open stream ends (:meth:`_unreachable`)."""
+        why = "the engine process's pipe reader failed"  # the exception is logged as the thread ends
+        try:
+            why = self._read_messages()
+        finally:
+            self._unreachable(why)
+
+    def _read_messages(self) -> str:
+        """Handles messages until the pipe cannot be read any more; returns why."""
         while True:
             try:
                 message = self._connection.recv()
             except (EOFError, OSError):
                 if not self._stopping:
                     self._process.join(1.0)
-                    self._lost(f"the engine process exited (status {self._process.exitcode})")
-                return
+                return f"the engine process exited (status {self._process.exitcode})"
+            except Exception as error:  # a message that cannot be decoded: what follows is not trusted
+                log.exception("a message from the engine process could not be read")
+                return f"a message from the engine process could not be read ({type(error).__name__})"
             try:
                 self._handle(message)
             except Exception:  # one message's bug must not stop every stream's outputs
-                log.exception("handling the engine process's %r message failed", message[0])
+                log.exception("handling the engine process's %s failed", type(message).__name__)
 
-    def _handle(self, message: tuple[Any, ...]) -> None:
-        kind = message[0]
-        if kind == "out":
-            streams = self._streams
-            deliver((stream, outputs) for key, outputs in message[1] if (stream := streams.get(key)))
-        elif kind == "ack":
-            self._settle(*message[1:])
-        elif kind == "stats":
-            with self._lock:
-                self._stats = message[2]
-                answered = self._stats_asked.get(message[1])
-            if answered is not None:
-                answered.set()
-        elif kind == "device_failed":
-            self._failed(DeviceFailure(message[1]))
+    def _handle(self, message: FromEngine) -> None:
+        match message:
+            case Outputs(batches, stats):
+                if stats is not None:  # before the outputs: a scrape after an end counts it
+                    self._stats = stats
+                streams = self._streams
+                deliver((stream, outputs) for key, outputs in batches if (stream := streams.get(key)))
+            case Acked(key, refusal, ended):
+                self._settle(key, refusal, ended)
+            case StatsReport(stats):
+                self._stats = stats
+            case EngineFailed(why):
+                self._failed(EngineFailure(why))
+            case _:
+                log.error("the engine process sent an unexpected message: %r", type(message).__name__)
 
-    def _settle(self, key: str, error: tuple[Any, ...] | None, ended: FinishReason | None) -> None:
+    def _settle(self, key: str, refusal: Refusal | None, ended: FinishReason | None) -> None:
         with self._lock:
             loop, future = self._acks.pop(key, (None, None))
         if loop is None or future is None:
@@ -371,37 +437,46 @@ class EngineClient:
         def settle() -> None:
             if future.done():
                 return
-            if error is None:
+            if refusal is None:
                 future.set_result(ended)
             else:
-                kind, text, param, retry = error
-                future.set_exception(kind(text, param=param, retry_after_seconds=retry))
+                future.set_exception(refusal.error())
 
         with contextlib.suppress(RuntimeError):  # its loop is closed: nobody waits for it
             loop.call_soon_threadsafe(settle)
 
-    def _lost(self, why: str) -> None:
-        """The engine process is gone: every request fails, and the worker reports its device failed."""
-        log.critical("%s: failing every request", why)
+    def _unreachable(self, why: str) -> None:
+        """The pipe's reader stopped: every open stream and waiting request fails, later ones are
+        refused; unless the engine was stopped, the worker reports its device failed."""
+        with self._lock:
+            self._gone = why
+        if self._stopping:
+            self._end_streams(ENGINE_STOPPED)
+        else:
+            log.critical("%s: failing every request", why)
+            self._failed(EngineFailure(why), ENGINE_STOPPED)
+
+    def _end_streams(self, message: str) -> None:
+        """Ends every open stream and waiting request with a failure (a stream that already ended
+        ignores it). Called once nothing more can come for them."""
         with self._lock:
             streams = list(self._streams.values())
-            acks = list(self._acks.items())
-        deliver(
-            (stream, [CoreFailure("generation failed: the worker's engine stopped")]) for stream in streams
-        )
-        for key, _ in acks:
-            self._settle(
-                key, (GenerationFailed, "generation failed: the worker's engine stopped", None, None), None
-            )
-        self._failed(DeviceFailure(why))
+            acks = list(self._acks)
+        deliver((stream, [CoreFailure(message)]) for stream in streams)
+        for key in acks:
+            self._settle(key, Refusal(GenerationFailed, message), None)
 
-    def _failed(self, failure: DeviceFailure) -> None:
+    def _failed(self, failure: EngineFailure, message: str = DEVICE_FAILED) -> None:
+        """The engine cannot go on: the worker's hook hears of it (once: it goes NOT_SERVING before
+        a caller hears a failure), then every open stream ends with ``message`` (the engine process
+        has failed them already, unless it is gone)."""
         with self._lock:
-            if self.device_failure is not None:
-                return
-            self.device_failure = failure
-        if self._on_device_failure is not None:
+            first = self.device_failure is None
+            if first:
+                self.device_failure = failure
+        if first and self._on_device_failure is not None:
             self._on_device_failure(failure)
+        self._end_streams(message)
 
 
 def start_engine_process(
@@ -429,11 +504,19 @@ def start_engine_process(
             raise ModelLoadError(
                 f"the engine process exited while loading (status {process.exitcode})"
             ) from None
-        if message[0] == "progress":
-            progress.advance(message[1])
-        elif message[0] == "load_failed":
+        except Exception as error:
+            process.terminate()
             process.join(STOP_WAIT_S)
-            raise ModelLoadError(message[1])
-        elif message[0] == "ready":
-            facts: ModelFacts = message[1]
-            return EngineClient(process, ours, facts, rules, on_device_failure), facts
+            raise ModelLoadError(
+                f"a message from the engine process could not be read ({type(error).__name__}: {error})"
+            ) from error
+        match message:
+            case Loading(fraction):
+                progress.advance(fraction)
+            case LoadFailed(why):
+                process.join(STOP_WAIT_S)
+                raise ModelLoadError(why)
+            case Ready(facts, stats):
+                return EngineClient(process, ours, facts, stats, rules, on_device_failure), facts
+            case _:
+                log.error("the engine process sent an unexpected message while loading: %r", message)

@@ -1,11 +1,24 @@
-"""The engine's counters and the stats snapshot that metrics and tests read (:meth:`Engine.stats`)."""
+"""The engine's counters, the stats snapshot that metrics and tests read (:meth:`Engine.stats`), and
+the copy of it the engine publishes for readers that must never wait for a step (``/metrics``).
+
+Design notes: docs/worker.md (``worker/metrics.py``).
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sluice.prometheus import Histogram
 from worker.types import FastPath
+
+log = logging.getLogger(__name__)
+
+# While the engine steps, its published stats are at most this old (it also publishes them before it
+# hands out a request's end, and whenever it runs out of work).
+STATS_INTERVAL_S = 0.1
 
 
 @dataclass
@@ -53,3 +66,35 @@ class EngineStats:
     def kv_cache_usage(self) -> float:
         """The fraction of the KV cache's blocks in use, 0..1 (0 when it has none)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+class PublishedStats:
+    """The last stats snapshot an engine published, read without the engine's lock: a ``/metrics``
+    scrape never waits for a step. Only the engine's own thread refreshes it; listeners hear of each
+    new copy there, so they must be quick (the engine process hands it to a sending thread)."""
+
+    def __init__(self, snapshot: Callable[[], EngineStats], interval_s: float = STATS_INTERVAL_S):
+        """``snapshot``: the engine's exact stats (taken once now, then at each refresh)."""
+        self._snapshot = snapshot
+        self.interval_s = interval_s
+        self._listeners: list[Callable[[EngineStats], None]] = []
+        self._taken = time.monotonic()
+        self.latest = snapshot()
+
+    def listen(self, listener: Callable[[EngineStats], None]) -> None:
+        """Calls ``listener(copy)`` with each later copy, on the engine's thread."""
+        self._listeners.append(listener)
+
+    def refresh(self) -> None:
+        """Takes a new copy (on the engine's thread)."""
+        self.latest, self._taken = self._snapshot(), time.monotonic()
+        for listener in self._listeners:
+            try:
+                listener(self.latest)
+            except Exception:  # a listener's bug must not stop the engine's loop
+                log.exception("a stats listener failed")
+
+    def refresh_if_due(self) -> None:
+        """Takes a new copy if the last one is ``interval_s`` old."""
+        if time.monotonic() - self._taken >= self.interval_s:
+            self.refresh()

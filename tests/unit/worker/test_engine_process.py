@@ -1,11 +1,19 @@
 """The engine process's pieces without processes (the processes themselves:
 tests/integration/test_engine_process.py): how a refusal crosses the pipe, one message of outputs per
-step, the model handed over without its weights."""
+step, the model handed over without its weights, requests prepared off the pipe's reader (an abort
+that arrives meanwhile applies in order), and the stats the engine process publishes on its own.
+Every way the pipe can end: test_engine_process_ends.py."""
 
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
 import pickle
+import queue
+import threading
 import time
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -15,25 +23,59 @@ import torch
 
 from worker.engine import process
 from worker.engine.prepare import Prepared
+from worker.engine.process_intake import ABORTED_WHILE_PREPARED, Intake
+from worker.engine.process_messages import (
+    Abort,
+    Acked,
+    EngineFailed,
+    Outputs,
+    Refusal,
+    StatsReport,
+    Stop,
+    StopChoices,
+    Submit,
+)
+from worker.engine.stats import EngineCounters, EngineStats
 from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, QueueFull, WorkerError
 from worker.model.loader import LoadedModel
-from worker.types import FinishReason, NewToken
+from worker.output.processor import TextRules
+from worker.types import FinishReason, GenerationRequest, NewToken, SamplingOptions
+
+STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, EngineCounters())
 
 
 class Recorder:
-    def __init__(self) -> None:
-        self.sent: list[tuple[Any, ...]] = []
+    """A pipe end's sender that keeps what is sent."""
 
-    def send(self, message: tuple[Any, ...]) -> None:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, message: Any) -> None:
         self.sent.append(message)
 
+    def send_built(self, build: Any) -> None:
+        if (message := build()) is not None:
+            self.sent.append(message)
 
-def engine_that(prepare: Any = None, enqueue: Any = None) -> Any:
+
+def engine_that(prepare: Any = None, enqueue: Any = None, **more: Any) -> Any:
     return SimpleNamespace(
         prepare=prepare or (lambda request: Prepared(request, [])),
         enqueue=enqueue or (lambda prepared, key, sink: None),
         count_ended=lambda: None,
+        **more,
     )
+
+
+def answered(engine: Any, key: str = "k") -> Acked:
+    """The answer of an :class:`Intake` over ``engine`` to one submitted request."""
+    answers: queue.Queue[Acked] = queue.Queue()
+    intake = Intake(engine, answers.put, lambda key: SimpleNamespace(key=key))
+    intake.submit(key, None)  # type: ignore[arg-type]
+    try:
+        return answers.get(timeout=30)
+    finally:
+        intake.close()
 
 
 def rebuilt(error: BaseException) -> WorkerError:
@@ -42,11 +84,9 @@ def rebuilt(error: BaseException) -> WorkerError:
     def refuse(request: object) -> Prepared:
         raise error
 
-    refusal, ended = process._admit(engine_that(prepare=refuse), None, "k", None)  # type: ignore[arg-type]
-    assert refusal is not None and ended is None
-    pickled = pickle.loads(pickle.dumps(refusal))
-    kind, message, param, retry = pickled
-    return kind(message, param=param, retry_after_seconds=retry)  # type: ignore[no-any-return]
+    answer = answered(engine_that(prepare=refuse))
+    assert answer.refusal is not None and answer.ended is None
+    return pickle.loads(pickle.dumps(answer)).refusal.error()  # type: ignore[no-any-return]
 
 
 def test_a_refusal_keeps_its_kind_message_and_parameter() -> None:
@@ -72,19 +112,19 @@ def test_a_request_its_resumed_tokens_ended_is_not_queued() -> None:
         prepare=lambda request: Prepared(request, [], FinishReason.LENGTH),
         enqueue=lambda prepared, key, sink: queued.append(key),
     )
-    assert process._admit(engine, None, "k", None) == (None, FinishReason.LENGTH)  # type: ignore[arg-type]
+    assert answered(engine) == Acked("k", None, FinishReason.LENGTH)
     assert queued == []
 
 
 def test_a_steps_outputs_for_every_request_are_one_message() -> None:
     recorder = Recorder()
-    loop = process._PipeLoop(recorder)  # type: ignore[arg-type]
+    loop = process._PipeLoop(process._StatsOutbox(recorder))  # type: ignore[arg-type]
     sinks = [process._RemoteSink(f"r{i}", loop) for i in range(3)]
     token = NewToken(0, 7, 0.0)
     loop.call_soon_threadsafe(print, [(sink, [token]) for sink in sinks])
-    assert recorder.sent == [("out", [("r0", [token]), ("r1", [token]), ("r2", [token])])]
+    assert recorder.sent == [Outputs([("r0", [token]), ("r1", [token]), ("r2", [token])])]
     sinks[1].put([token])
-    assert recorder.sent[-1] == ("out", [("r1", [token])])
+    assert recorder.sent[-1] == Outputs([("r1", [token])])
 
 
 def test_the_model_goes_over_without_its_weights() -> None:
@@ -129,32 +169,171 @@ def test_a_vision_models_processor_crosses_as_its_folder(tmp_path: Path) -> None
     assert np.array_equal(want["pixel_values"], got["pixel_values"]) and want["input_ids"] == got["input_ids"]
 
 
-def test_a_message_the_reader_cannot_handle_does_not_stop_it() -> None:
-    """One bad message from the engine process is logged; the next ones are still handled (else
-    every stream would wait forever)."""
-    import multiprocessing
-
-    from worker.engine.stats import EngineCounters, EngineStats
-    from worker.output.processor import TextRules
-
-    ours, theirs = multiprocessing.Pipe()
+def client_on(connection: Any, stats: EngineStats = STATS) -> process.EngineClient:
+    """An engine client on ``connection`` (no engine process behind it, no tokenizer)."""
     fake_process = SimpleNamespace(
-        join=lambda timeout=None: None, exitcode=None, is_alive=lambda: False, pid=1
+        join=lambda timeout=None: None, exitcode=None, is_alive=lambda: False, pid=1, terminate=lambda: None
     )
     loaded = LoadedModel(None, object(), "m", "s", 64, torch.device("cpu"), torch.float32, 0.0)  # type: ignore[arg-type]
-    client = process.EngineClient(
+    return process.EngineClient(
         fake_process,  # type: ignore[arg-type]
-        ours,
+        connection,
         process.ModelFacts(loaded, frozenset(), 1),
+        stats,
         TextRules((), ""),
         None,
     )
-    theirs.send(("ack",))  # malformed: no key
-    stats = EngineStats(1, 2, 3, 4, 5, 6, 7, EngineCounters())
-    theirs.send(("stats", -1, stats))
-    client._stopping = True
-    deadline = time.monotonic() + 5
-    while client._stats is None and time.monotonic() < deadline:
+
+
+def stats_with(finished: int) -> EngineStats:
+    return EngineStats(1, 2, 3, 4, 5, 6, 7, EngineCounters(requests_finished=finished))
+
+
+def test_a_message_the_reader_cannot_handle_does_not_stop_it() -> None:
+    """One bad message from the engine process is logged; the next ones are still handled (else
+    every stream would wait forever)."""
+    ours, theirs = multiprocessing.Pipe()
+    client = client_on(ours)
+    theirs.send(Outputs(None))  # type: ignore[arg-type]  # its handling raises
+    theirs.send(StatsReport(stats_with(3)))
+    deadline = time.monotonic() + 30
+    while client.latest_stats() != stats_with(3) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert client._stats == stats
+    assert client.latest_stats() == stats_with(3)
+    client._stopping = True
     theirs.close()
+
+
+def test_a_scrape_never_waits_for_the_engine_process() -> None:
+    """The serving process reads the stats the engine process last published: the ones it sent when
+    ready until others come, never asking for them (nobody reads the pipe here, and nothing is
+    sent); a step's outputs carry newer ones before the outputs are delivered."""
+    ours, theirs = multiprocessing.Pipe()
+    client = client_on(ours, stats_with(0))
+    assert client.latest_stats() == stats_with(0)
+    assert not theirs.poll()  # the client asked nothing
+    theirs.send(Outputs([], stats_with(1)))
+    deadline = time.monotonic() + 30
+    while client.latest_stats() != stats_with(1) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert client.latest_stats() == stats_with(1)
+    client._stopping = True
+    theirs.close()
+
+
+def test_typed_messages_cross_the_pipe_as_they_are() -> None:
+    messages = [
+        Submit("k", GenerationRequest("r", (1, 2), SamplingOptions(), 0.0)),
+        Abort("k", failed=True),
+        StopChoices("k", (0, 2)),
+        Stop(),
+        Acked("k", Refusal(QueueFull, "full", None, 1.5)),
+        Outputs([("k", [NewToken(0, 7, 0.0)])], stats_with(2)),
+        StatsReport(stats_with(2)),
+        EngineFailed("CUDA error"),
+    ]
+    ours, theirs = multiprocessing.Pipe()
+    for message in messages:
+        ours.send(message)
+        assert theirs.recv() == message
+
+
+# ------------------------------------------------------------------ preparing off the pipe's reader
+
+
+class PreparingEngine:
+    """An engine whose preparation of request ``slow`` waits until released; it records the order in
+    which requests are queued, aborted and stopped."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.calls: list[tuple[str, str]] = []
+        self.called = threading.Condition()
+
+    def _record(self, what: str, key: str) -> None:
+        with self.called:
+            self.calls.append((what, key))
+            self.called.notify_all()
+
+    def wait_for(self, call: tuple[str, str]) -> bool:
+        with self.called:
+            return self.called.wait_for(lambda: call in self.calls, timeout=30)
+
+    def prepare(self, request: GenerationRequest) -> Prepared:
+        if request.request_id == "slow":
+            assert self.release.wait(60), "never released"
+        return Prepared(request, [])
+
+    def enqueue(self, prepared: Prepared, key: str, sink: object) -> None:
+        self._record("enqueue", key)
+
+    def abort(self, key: str, *, failed: bool = False) -> None:
+        self._record("abort", key)
+
+    def stop_choices(self, key: str, choices: tuple[int, ...]) -> None:
+        self._record("stop", key)
+
+    def count_ended(self) -> None:
+        pass
+
+
+def a_request(name: str) -> GenerationRequest:
+    return GenerationRequest(name, (1, 2), SamplingOptions(), 0.0)
+
+
+@contextlib.contextmanager
+def serving(engine: PreparingEngine) -> Iterator[tuple[Connection, queue.Queue[Acked]]]:
+    """The engine process's pipe reader (``_serve``) over ``engine``, on a thread: yields the serving
+    process's end of the pipe and the answers the intake sent."""
+    ours, theirs = multiprocessing.Pipe()
+    answers: queue.Queue[Acked] = queue.Queue()
+    intake = Intake(engine, answers.put, lambda key: SimpleNamespace(key=key))  # type: ignore[arg-type]
+    reader = threading.Thread(target=process._serve, args=(theirs, intake), daemon=True)
+    reader.start()
+    try:
+        yield ours, answers
+    finally:
+        engine.release.set()
+        ours.send(Stop())
+        reader.join(30)
+        intake.close()
+
+
+def test_a_request_being_prepared_does_not_hold_up_the_pipe() -> None:
+    """While one request's grammar compiles, the reader goes on: another request's abort applies
+    and another request is prepared and queued."""
+    engine = PreparingEngine()
+    with serving(engine) as (pipe, answers):
+        pipe.send(Submit("slow", a_request("slow")))
+        pipe.send(Abort("running"))
+        pipe.send(Submit("quick", a_request("quick")))
+        assert engine.wait_for(("abort", "running")), "the abort waited for the preparation"
+        assert answers.get(timeout=30) == Acked("quick")
+        assert ("enqueue", "slow") not in engine.calls
+        engine.release.set()
+        assert answers.get(timeout=30) == Acked("slow")
+
+
+def test_an_abort_that_arrives_while_its_request_is_prepared_is_not_lost() -> None:
+    """The request is never queued (it would run with nobody reading it) and its acknowledgement
+    says it was aborted; a stop that arrives meanwhile applies once its request is queued."""
+    engine = PreparingEngine()
+    with serving(engine) as (pipe, answers):
+        pipe.send(Submit("slow", a_request("slow")))
+        pipe.send(Abort("slow"))
+        pipe.send(Abort("other"))  # the reader has passed the abort of "slow" once this applies
+        assert engine.wait_for(("abort", "other"))
+        engine.release.set()
+        answer = answers.get(timeout=30)
+        assert answer.key == "slow" and answer.refusal is not None
+        assert answer.refusal.message == ABORTED_WHILE_PREPARED
+        assert [call for call in engine.calls if call[1] == "slow"] == []
+    engine = PreparingEngine()
+    with serving(engine) as (pipe, answers):
+        pipe.send(Submit("slow", a_request("slow")))
+        pipe.send(StopChoices("slow", (0,)))
+        pipe.send(Abort("other"))
+        assert engine.wait_for(("abort", "other"))
+        engine.release.set()
+        assert answers.get(timeout=30) == Acked("slow")
+        assert [call for call in engine.calls if call[1] == "slow"] == [("enqueue", "slow"), ("stop", "slow")]

@@ -110,3 +110,44 @@ def test_every_setting_value_is_a_metric_names_choice(value):
     from worker.config import parse_config
 
     assert MetricNames(parse_config(["--metrics-names", value], environ={}).metrics_names) == value
+
+
+def test_every_scrape_gets_an_answer():
+    """200 with the exposition, 404 elsewhere, 503 while the model loads, and 500 (not a connection
+    closed with no answer) when rendering fails."""
+    import asyncio
+    import socket
+
+    from worker.metrics import serve_metrics
+
+    def failing() -> str | None:
+        raise RuntimeError("no stats")
+
+    async def status(text, path: str = "/metrics") -> str:  # type: ignore[no-untyped-def]
+        listener = socket.socket()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        server = await serve_metrics(listener, text)
+        try:
+            reader, writer = await asyncio.open_connection(*listener.getsockname())
+            writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            answer = await reader.read()
+            writer.close()
+            return answer.decode().split("\r\n", 1)[0]
+        finally:
+            server.close()
+
+    async def scrapes() -> list[str]:
+        return [
+            await status(lambda: "up 1\n"),
+            await status(lambda: "up 1\n", "/other"),
+            await status(lambda: None),
+            await status(failing),
+        ]
+
+    assert asyncio.run(scrapes()) == [
+        "HTTP/1.1 200 OK",
+        "HTTP/1.1 404 Not Found",
+        "HTTP/1.1 503 Service Unavailable",
+        "HTTP/1.1 500 Internal Server Error",
+    ]
