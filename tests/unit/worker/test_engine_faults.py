@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from tests.unit.worker.test_engine import greedy, make_engine
+from tests.unit.worker.test_speculation import engine as speculating_engine
 from worker.engine import core
 from worker.engine.core import Engine
 from worker.engine.failures import DeviceFailure, EngineFailure
@@ -78,16 +79,7 @@ class RaisingProposer(Speculation):
 
 
 def test_a_proposer_that_raises_for_one_row_costs_that_row_its_proposals_only(loaded) -> None:
-    eng = make_engine(loaded, prefill_budget_tokens=64)
-    eng.stop()
-    eng = Engine(
-        eng._runner,
-        loaded.tokenizer,
-        eos_token_ids=eng.eos_token_ids,
-        context_length=loaded.context_length,
-        speculation=RaisingProposer(tokens=3, min_n=1, max_n=2),
-    )
-    eng.start()
+    eng = speculating_engine(loaded, speculation=RaisingProposer(tokens=3, min_n=1, max_n=2))
     prompts = {"bad": [999, 5, 6, 5, 6, 5], "good": [7, 8, 7, 8, 7], "plain": [9, 10, 11]}
 
     async def all_of() -> list[list]:
@@ -126,16 +118,7 @@ class BlockingDraft:
 
 def test_a_draft_forward_runs_without_the_engine_lock(loaded) -> None:
     draft = BlockingDraft()
-    base = make_engine(loaded, prefill_budget_tokens=64)
-    base.stop()
-    eng = Engine(
-        base._runner,
-        loaded.tokenizer,
-        eos_token_ids=base.eos_token_ids,
-        context_length=loaded.context_length,
-        speculation=Speculation(tokens=3, min_n=1, max_n=2, draft=draft),  # type: ignore[arg-type]
-    )
-    eng.start()
+    eng = speculating_engine(loaded, speculation=Speculation(tokens=3, min_n=1, max_n=2, draft=draft))  # type: ignore[arg-type]
 
     def watcher() -> None:
         draft.entered.wait(HANG_S)
