@@ -337,11 +337,16 @@ def test_logit_bias_is_honoured(client, reference, tokenizer):
 
 
 def test_worker_refusals_reach_the_client_with_their_param(client):
-    # n is checked by the worker (at most 16 choices), after the edge's own checks passed.
+    # Only the worker knows how long the rendered prompt is: max_tokens past the context is its
+    # refusal, after the edge's own checks passed. n past the contract's limit is the edge's.
     for stream in (False, True):
         with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(**{**SHORT, "max_tokens": 10**6}, stream=stream)
+        assert caught.value.param == "max_tokens" and caught.value.code == "invalid_parameter"
+        assert "context length" in str(caught.value)
+        with pytest.raises(openai.BadRequestError) as caught:
             client.chat.completions.create(**SHORT, n=17, stream=stream)
-        assert caught.value.param == "n" and caught.value.code == "invalid_parameter"
+        assert caught.value.param == "n"
 
 
 def test_vllm_extensions_ignore_eos_and_min_tokens(client):
