@@ -83,7 +83,11 @@ def test_keys_are_never_logged_even_at_debug(keyed_edge: EdgeProcess, tiny_worke
             )
             assert refused.status_code == 401
             assert all(secret not in refused.text for secret in (*GOOD_KEYS, *BAD_TOKENS))
-    time.sleep(0.5)  # both processes log unbuffered; let the last lines land
+    # Both processes log unbuffered; wait for the edge's line about the last refused request.
+    deadline = time.monotonic() + 30
+    while f"{marker}-bad" not in keyed_edge.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, "the edge never logged the refused requests"
+        time.sleep(0.05)
     for process in (keyed_edge, tiny_worker):
         text = process.log_path.read_text(errors="replace")
         assert "DEBUG" in text  # the log really was at DEBUG
