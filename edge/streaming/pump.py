@@ -14,9 +14,9 @@ from typing import Any, Protocol
 from edge.deadlines import TimeLimits, deadline_error, idle_timeout_error
 from edge.errors import GENERIC_INTERNAL_MESSAGE, EdgeError, InternalError
 from edge.streaming import sse
-from edge.streaming.coalesce import merge_into
 from edge.streaming.connections import ChunkedBody, ClientTransport
 from edge.workers.call_group import Call, CallGroup
+from sluice.coalesce import merge_into
 from sluice.v1 import worker_pb2
 
 log = logging.getLogger("sluice.edge")
