@@ -6,18 +6,18 @@ Design notes: docs/edge-internals.md.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Sequence
 
 from edge.deadlines import TimeLimits
 from edge.errors import EdgeError
-from edge.workers.migration import MigrationPolicy, ResumableStream
-from edge.workers.pool import GenerateStream, WorkerPool
+from edge.workers.call import WorkerCall
+from edge.workers.migration import MigrationPolicy
+from edge.workers.pool import WorkerPool
 from sluice.v1 import worker_pb2
 
 Event = tuple[int, worker_pb2.GenerateResponse]
-# One open call: a plain stream, or one that moves to another worker if its worker dies.
-Call = GenerateStream | ResumableStream
+# One open call (it moves to another worker if its worker dies, when its policy allows).
+Call = WorkerCall
 
 
 def _abandon(tasks: Sequence[asyncio.Future[Call]]) -> None:
@@ -29,7 +29,7 @@ def _abandon(tasks: Sequence[asyncio.Future[Call]]) -> None:
 
 
 def _cancel_opened(task: asyncio.Future[Call]) -> None:
-    """Cancels the call a settled ``pool.generate`` task opened, if it opened one."""
+    """Cancels the call a settled ``WorkerCall.open`` task opened, if it opened one."""
     if not task.cancelled() and task.exception() is None:
         task.result().cancel()
 
@@ -67,9 +67,8 @@ class CallGroup:
         migration: MigrationPolicy | None = None,
         load_events: bool = False,
     ) -> CallGroup:
-        """Opens one call per request, concurrently, and waits for every first event
-        (``load_events``: see :meth:`WorkerPool.generate`; with it a first event may be a
-        MODEL_LOAD progress event rather than ``started``).
+        """Opens one call per request (:meth:`WorkerCall.open`, with ``migration`` and
+        ``load_events``), concurrently, and waits for every first event.
 
         The first call to fail before its first event fails the whole group at
         once: the other calls are cancelled (opened or still opening) and that
@@ -79,20 +78,10 @@ class CallGroup:
         if its worker dies mid-stream, within ``timeout_s``; such requests
         should ask for ``return_token_ids``.
         """
-        deadline = time.monotonic() + timeout_s
 
-        async def open_one(request: worker_pb2.GenerateRequest) -> Call:
-            stream = await pool.generate(request, request_id, timeout_s, metadata, load_events=load_events)
-            if migration is None or not migration.enabled:
-                return stream
-            return ResumableStream(
-                pool,
-                stream,
-                request,
-                request_id=request_id,
-                deadline=deadline,
-                metadata=metadata,
-                policy=migration,
+        async def open_one(request: worker_pb2.GenerateRequest) -> WorkerCall:
+            return await WorkerCall.open(
+                pool, request, request_id, timeout_s, metadata, migration=migration, load_events=load_events
             )
 
         if len(requests) == 1:
