@@ -6,23 +6,24 @@ Design notes: docs/edge-internals.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from edge.deadlines import TimeLimits, deadline_error, idle_timeout_error
 from edge.errors import GENERIC_INTERNAL_MESSAGE, EdgeError, InternalError
 from edge.streaming import sse
-from edge.streaming.coalesce import merge_into
 from edge.streaming.connections import ChunkedBody, ClientTransport
-from edge.workers.call_group import Call, CallGroup
+from edge.workers.call_group import CallGroup
+from sluice.coalesce import merge_into
 from sluice.v1 import worker_pb2
 
 log = logging.getLogger("sluice.edge")
 stream_log = logging.getLogger("sluice.edge.stream")
 
-# Events read since the last write after which a stream's readers wait for the writer. Merged
+# Events read since the last write after which a stream's reader waits for the writer. Merged
 # deltas count once per event read, so this bounds both memory and the text of one write.
 MAX_PENDING_EVENTS = 256
 # Worker events that are model output (a choice's end included): the first write carrying one
@@ -132,9 +133,9 @@ class StreamPump:
         # Read, not yet written: (call index, event), merged where the rules allow.
         self._pending: list[tuple[int, worker_pb2.GenerateResponse]] = []
         self._pending_reads = 0
-        self._readers: list[asyncio.Task[None]] = []
-        self._readers_left = 0
-        self._readers_waiting_for_space = 0
+        self._reader: asyncio.Task[None] | None = None
+        self._reading = False  # the calls have not all ended
+        self._waiting_for_space = False  # the reader waits for the writer, not for the workers
         self._space: asyncio.Future[None] | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._failure: EdgeError | None = None  # a call failed
@@ -217,7 +218,7 @@ class StreamPump:
 
     async def aclose(self) -> None:
         """Ends the stream: cancels every worker call (a no-op once they ended), stops the timer
-        and the readers, settles the metrics. Idempotent; Quart calls it however the body ended."""
+        and the reader, settles the metrics. Idempotent; Quart calls it however the body ended."""
         if self._closed:
             return
         self._closed = True
@@ -237,7 +238,7 @@ class StreamPump:
         stream whose calls all ended already finishes normally."""
         if self._stop_error is not None or self._failure is not None or self._closed:
             return
-        if self._loop is not None and self._readers_left == 0:
+        if self._loop is not None and not self._reading:
             return
         self._stop_error = error
         self._cancel_calls()
@@ -250,23 +251,23 @@ class StreamPump:
         now = loop.time()
         self._last_event = self._last_write = now
         self._writer = asyncio.current_task()
-        streams: Sequence[Call] = self._group.streams
-        self._readers_left = len(streams)
-        self._readers = [loop.create_task(self._read(i, s)) for i, s in enumerate(streams)]
+        self._reading = True
+        self._reader = loop.create_task(self._read())
         self._metrics.stream_opened(self._framing.surface)
         self._drain.add(self)
         self._arm(now)
         return loop
 
-    async def _read(self, index: int, stream: Call) -> None:
-        """One call's reader: events into the pending list until the call ends."""
+    async def _read(self) -> None:
+        """The reader: the call group's events into the pending list until every call ended."""
         loop = self._loop
         assert loop is not None
         try:
-            async for event in stream:
-                self._push(index, event, loop)
-                if self._pending_reads >= MAX_PENDING_EVENTS:
-                    await self._wait_for_space(loop)
+            async with contextlib.aclosing(self._group.events()) as events:
+                async for index, event in events:
+                    self._push(index, event, loop)
+                    if self._pending_reads >= MAX_PENDING_EVENTS:
+                        await self._wait_for_space(loop)
         except EdgeError as error:
             self._fail(error)
             return
@@ -276,9 +277,8 @@ class StreamPump:
             log.exception("request %s: reading a worker call failed", self._request_id)
             self._fail(InternalError(GENERIC_INTERNAL_MESSAGE), logged=True)
             return
-        self._readers_left -= 1
-        if self._readers_left == 0:
-            self._wake()
+        self._reading = False
+        self._wake()
 
     def _push(self, index: int, event: worker_pb2.GenerateResponse, loop: asyncio.AbstractEventLoop) -> None:
         self._last_event = loop.time()
@@ -296,11 +296,11 @@ class StreamPump:
         """Waits until the writer took the pending events; the wait is not worker idle time."""
         if self._space is None or self._space.done():
             self._space = loop.create_future()
-        self._readers_waiting_for_space += 1
+        self._waiting_for_space = True
         try:
             await asyncio.shield(self._space)
         finally:
-            self._readers_waiting_for_space -= 1
+            self._waiting_for_space = False
             self._last_event = loop.time()
 
     def _fail(self, error: EdgeError, *, logged: bool = False) -> None:
@@ -333,7 +333,7 @@ class StreamPump:
                 self._fail(InternalError(GENERIC_INTERNAL_MESSAGE), logged=True)
         chunks_written = len(parts)
         error = self._failure or self._stop_error
-        if self._readers_left == 0 and error is None:
+        if not self._reading and error is None:
             try:
                 finish = [encode(chunk) for chunk in self._finish()]
             except Exception:
@@ -363,7 +363,7 @@ class StreamPump:
         """Whether the pending events wait for the write interval: the last write that carried
         output was less than ``write_interval_s`` ago, so what arrives until then goes out with
         them, merged. The first output, the end of the stream and errors never wait."""
-        urgent = self._readers_left == 0 or self._failure is not None or self._stop_error is not None
+        urgent = not self._reading or self._failure is not None or self._stop_error is not None
         if self._hold is not None:
             if not urgent:
                 return True
@@ -406,10 +406,8 @@ class StreamPump:
 
     def _cancel_calls(self) -> None:
         self._group.cancel()
-        current = asyncio.current_task()
-        for reader in self._readers:
-            if reader is not current:
-                reader.cancel()
+        if self._reader is not None and self._reader is not asyncio.current_task():
+            self._reader.cancel()
 
     def _shutdown(self) -> None:
         if self._timer is not None:
@@ -427,7 +425,7 @@ class StreamPump:
         """(Re)schedules the one timer for the earliest moment something may be due."""
         clock = self._clock
         due = clock.deadline
-        if self._readers_left and not self._readers_waiting_for_space:
+        if self._reading and not self._waiting_for_space:
             due = min(due, self._last_event + clock.limits.idle_s)
         if self._writing_since is not None:
             due = min(due, self._writing_since + clock.write_timeout_s)
@@ -449,10 +447,10 @@ class StreamPump:
         if self._writing_since is not None and now >= self._writing_since + clock.write_timeout_s:
             self._on_stalled_write()
             return
-        if self._readers_left and not self._ended:
+        if self._reading and not self._ended:
             if now >= clock.deadline:
                 self.stop(deadline_error(clock.limits))
-            elif not self._readers_waiting_for_space and now >= self._last_event + clock.limits.idle_s:
+            elif not self._waiting_for_space and now >= self._last_event + clock.limits.idle_s:
                 self.stop(idle_timeout_error(clock.limits))
         if self._writing_since is None and now >= self._last_write + clock.heartbeat_s and not self._ended:
             self._heartbeat_due = True

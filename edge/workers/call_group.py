@@ -6,21 +6,34 @@ Design notes: docs/edge-internals.md.
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from typing import Protocol
 
 from edge.deadlines import TimeLimits
 from edge.errors import EdgeError
-from edge.workers.migration import MigrationPolicy, ResumableStream
-from edge.workers.pool import GenerateStream, WorkerPool
+from edge.workers.call import WorkerCall
+from edge.workers.migration import MigrationPolicy
+from edge.workers.pool import WorkerPool
 from sluice.v1 import worker_pb2
 
 Event = tuple[int, worker_pb2.GenerateResponse]
-# One open call: a plain stream, or one that moves to another worker if its worker dies.
-Call = GenerateStream | ResumableStream
 
 
-def _abandon(tasks: Sequence[asyncio.Future[Call]]) -> None:
+class Call(Protocol):
+    """One open call of a group (a :class:`WorkerCall`; the tests bring fakes): its first event,
+    the id of the worker that took it, its events (the first one included), and ``cancel``."""
+
+    first: worker_pb2.GenerateResponse
+
+    @property
+    def worker_id(self) -> str: ...
+
+    def __aiter__(self) -> AsyncIterator[worker_pb2.GenerateResponse]: ...
+
+    def cancel(self) -> None: ...
+
+
+def _abandon(tasks: Sequence[asyncio.Future[WorkerCall]]) -> None:
     """Stops the attempts still running and closes every call already opened (a task that
     is still settling closes its call as soon as it does)."""
     for task in tasks:
@@ -28,26 +41,22 @@ def _abandon(tasks: Sequence[asyncio.Future[Call]]) -> None:
         task.add_done_callback(_cancel_opened)
 
 
-def _cancel_opened(task: asyncio.Future[Call]) -> None:
-    """Cancels the call a settled ``pool.generate`` task opened, if it opened one."""
+def _cancel_opened(task: asyncio.Future[WorkerCall]) -> None:
+    """Cancels the call a settled ``WorkerCall.open`` task opened, if it opened one."""
     if not task.cancelled() and task.exception() is None:
         task.result().cancel()
 
 
 class CallGroup:
-    """Open calls whose first events have arrived; build one with :meth:`open`."""
+    """Open calls whose first events have arrived; build one with :meth:`open`, read it with
+    :meth:`events`."""
 
-    def __init__(self, streams: Sequence[Call]) -> None:
-        self._streams = list(streams)
+    def __init__(self, calls: Sequence[Call]) -> None:
+        self._calls = list(calls)
         # The request's time limits and total deadline (event loop clock), set by whoever
         # opened the group for a request (edge.surfaces.generation.open_calls).
         self.limits: TimeLimits | None = None
         self.deadline: float | None = None
-
-    @property
-    def streams(self) -> list[Call]:
-        """The calls, in request order (each yields its first event again when iterated)."""
-        return self._streams
 
     def time_limits(self) -> TimeLimits:
         """The request's :attr:`limits`; raises ``RuntimeError`` when nobody set them."""
@@ -67,9 +76,8 @@ class CallGroup:
         migration: MigrationPolicy | None = None,
         load_events: bool = False,
     ) -> CallGroup:
-        """Opens one call per request, concurrently, and waits for every first event
-        (``load_events``: see :meth:`WorkerPool.generate`; with it a first event may be a
-        MODEL_LOAD progress event rather than ``started``).
+        """Opens one call per request (:meth:`WorkerCall.open`, with ``migration`` and
+        ``load_events``), concurrently, and waits for every first event.
 
         The first call to fail before its first event fails the whole group at
         once: the other calls are cancelled (opened or still opening) and that
@@ -79,20 +87,10 @@ class CallGroup:
         if its worker dies mid-stream, within ``timeout_s``; such requests
         should ask for ``return_token_ids``.
         """
-        deadline = time.monotonic() + timeout_s
 
-        async def open_one(request: worker_pb2.GenerateRequest) -> Call:
-            stream = await pool.generate(request, request_id, timeout_s, metadata, load_events=load_events)
-            if migration is None or not migration.enabled:
-                return stream
-            return ResumableStream(
-                pool,
-                stream,
-                request,
-                request_id=request_id,
-                deadline=deadline,
-                metadata=metadata,
-                policy=migration,
+        async def open_one(request: worker_pb2.GenerateRequest) -> WorkerCall:
+            return await WorkerCall.open(
+                pool, request, request_id, timeout_s, metadata, migration=migration, load_events=load_events
             )
 
         if len(requests) == 1:
@@ -113,59 +111,67 @@ class CallGroup:
     def started(self, call: int) -> worker_pb2.Started:
         """The ``started`` event of call ``call`` (its first event; empty when the first event
         was a model-load progress event, see :meth:`open`)."""
-        return self._streams[call].first.started
+        return self._calls[call].first.started
 
     @property
     def worker_ids(self) -> list[str]:
         """The distinct ids of the workers serving the calls, in call order."""
-        ids = (stream.worker_id for stream in self._streams)
+        ids = (call.worker_id for call in self._calls)
         return list(dict.fromkeys(i for i in ids if i))
 
     def cancel(self) -> None:
         """Cancels every call still running; idempotent, never raises."""
-        for stream in self._streams:
-            stream.cancel()
+        for call in self._calls:
+            call.cancel()
 
-    def events(self) -> AsyncIterator[Event]:
-        """Every event of every call (first events included) as ``(call index, event)``.
+    def events(self) -> AsyncGenerator[Event, None]:
+        """Every event of every call (first events included) as ``(call index, event)``: the one
+        read of a response's calls (the stream pump's, or a non-streamed answer's).
 
-        Ends when every call ended OK; raises the first call failure as an
-        :class:`EdgeError` (the other calls are then cancelled).
+        The order within one call is kept; calls interleave as their events arrive, and the calls
+        are read at most two events per call ahead of the caller (flow control holds the rest in
+        the workers).
+        Ends when every call ended OK; raises the first call failure as an :class:`EdgeError`, after
+        the events read before it (every call is cancelled at the failure). Closing the iterator
+        (or cancelling its reader) cancels every call.
         """
-        if len(self._streams) == 1:
+        if len(self._calls) == 1:
             return self._single()
         return self._merged()
 
-    async def _single(self) -> AsyncIterator[Event]:
+    async def _single(self) -> AsyncGenerator[Event, None]:
         try:
-            async for event in self._streams[0]:
+            async for event in self._calls[0]:
                 yield 0, event
         finally:
             self.cancel()
 
-    async def _merged(self) -> AsyncIterator[Event]:
-        queue: asyncio.Queue[Event | tuple[int, None] | BaseException] = asyncio.Queue()
+    async def _merged(self) -> AsyncGenerator[Event, None]:
+        # One slot per call: a reader that finds the queue full waits with the event it read, so a
+        # slow caller stops the reads (at most two events per call read and not yet taken).
+        queue: asyncio.Queue[tuple[int, worker_pb2.GenerateResponse | None]] = asyncio.Queue(len(self._calls))
+        failures: list[Exception] = []  # the first one is raised; the others follow from it
 
-        async def pump(index: int, stream: Call) -> None:
+        async def read(index: int, call: Call) -> None:
             try:
-                async for event in stream:
-                    queue.put_nowait((index, event))
-                queue.put_nowait((index, None))
-            except Exception as error:  # handed to the reader, which raises it
-                queue.put_nowait(error)
+                async for event in call:
+                    await queue.put((index, event))
+            except Exception as error:  # handed to the caller, which raises it
+                failures.append(error)
+                self.cancel()  # the other calls end now, as the request does
+            await queue.put((index, None))
 
-        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self._streams)]
+        tasks = [asyncio.create_task(read(i, call)) for i, call in enumerate(self._calls)]
         try:
             running = len(tasks)
             while running:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                index, event = item
-                if event is None:
-                    running -= 1
+                index, event = await queue.get()
+                if event is not None:
+                    yield index, event
                     continue
-                yield index, event
+                if failures:
+                    raise failures[0]
+                running -= 1
         finally:
             self.cancel()
             for task in tasks:

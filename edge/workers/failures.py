@@ -1,4 +1,5 @@
-"""Which failed worker calls count against the worker (circuit breaking), and which never do.
+"""Which failed worker calls count against the worker (circuit breaking), and which never do; which
+go to the next worker when they fail before their first event.
 
 Design notes: docs/edge-internals.md.
 """
@@ -13,6 +14,9 @@ import grpc
 # request that trips a model failure does not take a healthy worker out; few enough that a
 # worker failing every call stops taking traffic within a handful of requests.
 WORKER_FAULTS_TO_EJECT = 3
+# A call that fails with one of these before its first event is tried on the next worker: the worker
+# is down, starting or draining (UNAVAILABLE), or its queue is full (RESOURCE_EXHAUSTED).
+RETRY_ELSEWHERE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 
 
 class CallFailure(enum.Enum):

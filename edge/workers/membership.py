@@ -64,7 +64,7 @@ class Membership:
         ]
 
     def release(self, worker: Worker) -> None:
-        """A call on ``worker`` ended (called once per call by :class:`GenerateStream`)."""
+        """A call on ``worker`` ended (called once per call by :class:`edge.workers.call.WorkerCall`)."""
         worker.outstanding -= 1
         if worker.removed and worker.outstanding == 0:
             self._poke()  # the loop closes its channel

@@ -1,32 +1,31 @@
-"""The edge's worker pool: a call goes to the best available worker (fewest outstanding calls,
-round-robin ties, or the routing policy's pick) and moves to the next one only before its
-first event; plus the fleet-wide queries (models, health). docs/edge-internals.md, "The worker pool".
+"""The edge's worker pool: where a call may go (the best available worker: fewest outstanding calls,
+round-robin ties, or the routing policy's pick) and what each call tells about its worker; plus the
+fleet-wide queries (models, health) and the one-message calls. A ``Generate`` call's attempts are
+:mod:`edge.workers.call`'s. docs/edge-internals.md, "The worker pool".
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import TypeVar
-
-import grpc
 
 from edge.errors import EdgeError, InvalidRequestError, NotFoundError, ServiceUnavailableError, from_grpc
 from edge.workers.addresses import resolve
-from edge.workers.health import NO_WORKER_MESSAGE, HealthChecks
+from edge.workers.failures import RETRY_ELSEWHERE
+from edge.workers.health import HealthChecks
 from edge.workers.membership import ClientFactory, Resolver
-from edge.workers.routing import PrefixAffinity, RoutingPolicy, prefix_blocks
-from edge.workers.worker import ModelListing, Worker, WorkerHealth, WorkerStatus, is_model_load
+from edge.workers.routing import PrefixAffinity, PrefixBlock, RoutingPolicy, prefix_blocks
+from edge.workers.worker import ModelListing, Worker, WorkerHealth, WorkerStatus
 from sluice.client import GenerateCall, WorkerCallError, WorkerClient
 from sluice.v1 import worker_pb2
 
 log = logging.getLogger("sluice.edge")
 
-_RETRY_BEFORE_FIRST_EVENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 # The worker tasks (ModelInfo.task, the worker's --task) that serve each pooled call.
 # The tasks whose workers answer each one-message call (tokenizing needs only the model's tokenizer).
 POOLED_TASKS = {
@@ -37,63 +36,13 @@ POOLED_TASKS = {
 _Reply = TypeVar("_Reply")
 
 
-class GenerateStream:
-    """An open ``Generate`` call on one worker whose first event has arrived.
+@dataclass(frozen=True)
+class Placement:
+    """Where a ``Generate`` call may go: the workers to try, best first, and the request's prompt
+    blocks (what the routing policy records for the worker that takes it)."""
 
-    Iterate it once: it yields every event, :attr:`first` included, ends when
-    the call ends OK and raises :class:`EdgeError` when the call fails. Call
-    :meth:`cancel` when done with it (a ``finally``): it cancels the call if
-    it is still running and releases the worker's outstanding slot; it is
-    idempotent and never raises.
-    """
-
-    def __init__(
-        self, call: GenerateCall, worker: Worker, first: worker_pb2.GenerateResponse, pool: WorkerPool
-    ) -> None:
-        self._call = call
-        self._worker = worker
-        self._pool = pool
-        self.first = first
-        self._released = False
-
-    @property
-    def worker_address(self) -> str:
-        return self._worker.address
-
-    @property
-    def worker_id(self) -> str:
-        """The serving worker's id: from its ``started`` event, else as the pool knows it ("")."""
-        return self.first.started.worker_id or self._worker.worker_id or ""
-
-    def __aiter__(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        return self._events()
-
-    async def _events(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        try:
-            yield self.first
-            while (event := await self._call.read()) is not None:
-                yield event
-            self._pool.note_call_success(self._worker)
-        except WorkerCallError as error:
-            # A worker that dies mid-stream is ejected now, not at its next health check.
-            self._pool.note_call_failure(self._worker, error)
-            raise from_grpc(error) from None
-        finally:
-            # Covers the caller being cancelled inside read(): the call must not outlive it.
-            self.cancel()
-
-    def cancel(self) -> None:
-        self._call.cancel()  # no-op once the call has ended
-        if not self._released:
-            self._released = True
-            self._pool.release(self._worker)
-
-    def __del__(self) -> None:
-        # Safety net: a response body that never started (client gone before the
-        # first byte) is dropped without running its generator's finally.
-        if not self._released:
-            with contextlib.suppress(Exception):  # e.g. the loop is already closed at exit
-                self.cancel()
+    workers: list[Worker]
+    blocks: list[PrefixBlock]
 
 
 class WorkerPool(HealthChecks):
@@ -149,39 +98,24 @@ class WorkerPool(HealthChecks):
         loading = [w for w in self._workers.values() if not w.removed and w.status == WorkerStatus.LOADING]
         return sorted(loading, key=lambda w: (-(w.load_fraction or 0.0), w.outstanding))
 
-    async def generate(
-        self,
-        request: worker_pb2.GenerateRequest,
-        request_id: str,
-        timeout_s: float,
-        metadata: Sequence[tuple[str, str | bytes]] = (),
-        *,
-        load_events: bool = False,
-    ) -> GenerateStream:
-        """Opens ``Generate`` on the best worker and waits for its first event.
+    @property
+    def connect_timeout_s(self) -> float:
+        """How long a worker may take to accept a call (send its first event) before it is ejected."""
+        return self._connect_timeout_s
 
-        When no worker serves and ``request.model_load_wait_seconds`` is positive, the
-        workers still loading their model (LOADING) are tried instead: such a worker holds
-        the call until its model is loaded (at most that long), sending MODEL_LOAD progress
-        events. With ``load_events`` the first of those is the stream's first event (the
-        caller shows the load); without, they are read here and the stream starts at
-        ``started``, so a load that does not end in time is still an error before the stream.
+    async def place(self, request: worker_pb2.GenerateRequest) -> Placement:
+        """The workers to try for ``request``, best first (:meth:`_candidates`, with the routing
+        policy's pick), leaving out those known to serve only embeddings or scores.
 
-        ``timeout_s`` is the call's total deadline in seconds, shared by all
-        attempts. Raises :class:`EdgeError` when the call fails before its
-        first event (after trying the other workers for UNAVAILABLE and
-        RESOURCE_EXHAUSTED), and :class:`ServiceUnavailableError` (503,
-        ``Retry-After``) at once when no worker is available. An error a
-        worker answered carries that worker's id (``EdgeError.worker_id``), so
-        the response can name it. If the caller is cancelled meanwhile, the
-        call is cancelled too.
+        When no worker serves and ``request.model_load_wait_seconds`` is positive, the workers
+        still loading their model (LOADING) are the candidates instead: such a worker holds the
+        call until its model is loaded (at most that long), sending MODEL_LOAD progress events.
+        Raises :class:`ServiceUnavailableError` (503, ``Retry-After``) when no worker is available,
+        400 when the available ones serve only other tasks.
         """
         self._ensure_started()
         if self._dns is not None and not self._workers:
             await self.wait_first_round()  # first requests after start-up, before DNS answered
-        deadline = time.monotonic() + timeout_s
-        # The request id travels in the request's own field (GenerateRequest.request_id), once.
-        call_metadata = tuple(metadata)
         blocks = prefix_blocks(request) if self._affinity is not None else []
         preferred = None
         if self._affinity is not None:
@@ -198,86 +132,34 @@ class WorkerPool(HealthChecks):
             candidates = self._loading_candidates()
         if not candidates:
             raise self._none_available()
-        last_error: EdgeError | None = None
-        busy_error: EdgeError | None = None
-        busy_worker: Worker | None = None
-        loop = asyncio.get_running_loop()
-        for worker in candidates:
-            if not (worker.available or worker.status == WorkerStatus.LOADING) or worker.removed:
-                continue  # ejected meanwhile (another request saw it fail)
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            worker.outstanding += 1
-            call = worker.client.generate(request, timeout=remaining, metadata=call_metadata)
-            waited_for_load = False
-            try:
-                async with asyncio.timeout(min(self._connect_timeout_s, remaining)) as first_event:
-                    first = await call.read()
-                    while not load_events and is_model_load(first):
-                        # The worker took the call and holds it until its model is loaded;
-                        # it bounds that wait itself, the request's deadline bounds ours.
-                        waited_for_load = True
-                        first_event.reschedule(loop.time() + max(0.0, deadline - time.monotonic()))
-                        first = await call.read()
-            except WorkerCallError as error:
-                call.cancel()
-                self.release(worker)
-                mapped = from_grpc(error)
-                if error.code() not in _RETRY_BEFORE_FIRST_EVENT or waited_for_load:
-                    # After a wait for a model load, the wait is over: no second wait elsewhere.
-                    # Only the worker's own faults count against it (edge.workers.failures).
-                    self.note_call_failure(worker, error)
-                    mapped.worker_id = await self._learn_worker_id(worker)
-                    raise mapped from None
-                if error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    busy_error, busy_worker = mapped, worker
-                self.note_call_failure(worker, error)
-                last_error = mapped
-                log.info(
-                    "request %s: worker %s refused (%s), trying the next",
-                    request_id,
-                    worker.address,
-                    error.code().name,
-                )
-                continue
-            except TimeoutError:
-                call.cancel()
-                self.release(worker)
-                if deadline - time.monotonic() <= 0:
-                    break  # the request's own deadline, not the worker's fault
-                self._eject(worker, WorkerStatus.UNREACHABLE, "did not accept a call in time")
-                log.warning(
-                    "request %s: worker %s did not accept the call in %.1f s",
-                    request_id,
-                    worker.address,
-                    self._connect_timeout_s,
-                )
-                last_error = ServiceUnavailableError(NO_WORKER_MESSAGE, retry_after=1.0)
-                continue
-            except BaseException:
-                # Cancelled by our caller (client gone) or a bug: never leak the call.
-                call.cancel()
-                self.release(worker)
-                raise
-            if first is None:
-                # The worker closed the call OK without a single event: a contract breach.
-                self.release(worker)
-                raise ServiceUnavailableError("The model worker ended the request without an answer.")
-            if first.WhichOneof("event") == "started":
-                if first.started.worker_id:
-                    worker.worker_id = first.started.worker_id
-                if worker.status == WorkerStatus.LOADING:
-                    self._restore(worker)  # it answered a call: its model is loaded
-            if self._affinity is not None:
-                self._affinity.record(blocks, worker.address)
-            return GenerateStream(call, worker, first, self)
-        if busy_error is not None and busy_worker is not None:
-            busy_error.worker_id = await self._learn_worker_id(busy_worker)
-            raise busy_error
-        if last_error is not None:
-            raise last_error
-        raise ServiceUnavailableError("The request timed out before a worker could take it.", retry_after=1.0)
+        return Placement(candidates, blocks)
+
+    def dial(
+        self,
+        worker: Worker,
+        request: worker_pb2.GenerateRequest,
+        timeout_s: float,
+        metadata: Sequence[tuple[str, str | bytes]],
+    ) -> GenerateCall:
+        """Starts ``Generate`` on ``worker``, taking one of its outstanding slots: :meth:`release`
+        it once the call ended."""
+        worker.outstanding += 1
+        return worker.client.generate(request, timeout=timeout_s, metadata=metadata)
+
+    def accepted(self, worker: Worker, first: worker_pb2.GenerateResponse, placement: Placement) -> None:
+        """``worker`` took a call placed by ``placement`` (its first event is ``first``): learn its
+        id, take it back if it was loading, and let the routing policy remember it."""
+        if first.WhichOneof("event") == "started":
+            if first.started.worker_id:
+                worker.worker_id = first.started.worker_id
+            if worker.status == WorkerStatus.LOADING:
+                self._restore(worker)  # it answered a call: its model is loaded
+        if self._affinity is not None:
+            self._affinity.record(placement.blocks, worker.address)
+
+    def too_slow(self, worker: Worker) -> None:
+        """``worker`` did not accept a call within :attr:`connect_timeout_s`: it is ejected."""
+        self._eject(worker, WorkerStatus.UNREACHABLE, "did not accept a call in time")
 
     async def pooled(
         self,
@@ -320,7 +202,7 @@ class WorkerPool(HealthChecks):
                 self.note_call_failure(worker, error)
                 last_error = from_grpc(error)
                 last_error.worker_id = worker.worker_id
-                if error.code() in _RETRY_BEFORE_FIRST_EVENT:
+                if error.code() in RETRY_ELSEWHERE:
                     continue
                 raise last_error from None
             finally:
@@ -402,7 +284,7 @@ class WorkerPool(HealthChecks):
             code="model_not_supported",
         )
 
-    async def _learn_worker_id(self, worker: Worker) -> str | None:
+    async def learn_worker_id(self, worker: Worker) -> str | None:
         """The worker's id: known from an earlier answer, else asked with ListModels
         (only on error paths; ``None`` when it does not answer in time)."""
         if worker.worker_id is None:

@@ -6,8 +6,9 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from sluice.coalesce import joined, mergeable
 from worker.output.choice_output import ChoiceOutput
 from worker.output.detokenizer import Decoder, IncrementalDetokenizer, TokenTexts
 from worker.output.stop_strings import StopStringMatcher
@@ -31,9 +32,18 @@ from worker.types import (
     SampledLogprobs,
     Timings,
     TokenLogprob,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+
+# The deltas the shared merge rule applies to, by their event name on the wire.
+_DELTA_KINDS: dict[type, str] = {
+    ContentDelta: "content",
+    ReasoningDelta: "reasoning",
+    RefusalDelta: "refusal",
+    ToolCallDelta: "tool_call",
+}
 
 
 @dataclass(frozen=True)
@@ -278,23 +288,15 @@ class RequestOutputProcessor:
 
 
 def coalesce(events: Sequence[Event]) -> list[Event]:
-    """Merges runs of content (or reasoning) deltas of one choice into one delta: what a consumer that
-    fell behind by several steps receives as one message. Order and every other event are kept."""
+    """Merges each run of deltas that the shared rule lets merge (``sluice.coalesce``: one choice's
+    content, reasoning, refusal or tool-call arguments) into one delta: what a consumer that fell
+    behind by several steps receives as one message. Order and every other event are kept."""
     merged: list[Event] = []
     for event in events:
+        kind = _DELTA_KINDS.get(type(event))
         last = merged[-1] if merged else None
-        if (
-            isinstance(event, ContentDelta | ReasoningDelta)
-            and type(last) is type(event)
-            and isinstance(last, ContentDelta | ReasoningDelta)
-            and last.choice_index == event.choice_index
-        ):
-            merged[-1] = type(event)(
-                event.choice_index,
-                last.text + event.text,
-                last.token_ids + event.token_ids,
-                last.logprobs + event.logprobs,
-            )
+        if kind is not None and type(last) is type(event) and mergeable(kind, last, event):
+            merged[-1] = replace(last, **joined(kind, last, event))
         else:
             merged.append(event)
     return merged

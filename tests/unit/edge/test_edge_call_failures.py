@@ -7,6 +7,7 @@ import grpc
 import pytest
 
 from edge.errors import EdgeError, RateLimitError
+from edge.workers.call import WorkerCall
 from edge.workers.failures import WORKER_FAULTS_TO_EJECT, CallFailure, classify
 from edge.workers.worker import WorkerStatus
 from tests.unit.edge.edge_fakes import content, finished, run, started, usage
@@ -51,7 +52,7 @@ def test_a_storm_of_errors_that_are_not_the_workers_never_ejects(code: grpc.Stat
             await pool.health()
             for _ in range(5 * WORKER_FAULTS_TO_EJECT):
                 with pytest.raises(EdgeError):
-                    await pool.generate(REQUEST, "r", 5.0)
+                    await WorkerCall.open(pool, REQUEST, "r", 5.0)
             assert pool._workers["a:1"].status == WorkerStatus.SERVING
             assert pool._workers["a:1"].worker_faults == 0
             assert pool.outstanding() == {"a:1": 0}
@@ -71,7 +72,7 @@ def test_client_errors_mid_stream_never_eject(code: grpc.StatusCode) -> None:
         try:
             await pool.health()
             for _ in range(2 * WORKER_FAULTS_TO_EJECT):
-                stream = await pool.generate(REQUEST, "r", 5.0)
+                stream = await WorkerCall.open(pool, REQUEST, "r", 5.0)
                 with pytest.raises(EdgeError):
                     async for _event in stream:
                         pass
@@ -92,13 +93,13 @@ def test_back_pressure_moves_the_request_on_and_ejects_nobody() -> None:
             await pool.health()
             pool._rotation = iter([0] * 20)  # type: ignore[assignment]  # a:1 is tried first
             for _ in range(2 * WORKER_FAULTS_TO_EJECT):
-                stream = await pool.generate(REQUEST, "r", 5.0)
+                stream = await WorkerCall.open(pool, REQUEST, "r", 5.0)
                 assert stream.worker_address == "b:2"
                 stream.cancel()
             assert pool._workers["a:1"].status == WorkerStatus.SERVING
             fakes.clients["b:2"].script = fakes.clients["a:1"].script
             with pytest.raises(RateLimitError):  # everyone busy: 429, still nobody ejected
-                await pool.generate(REQUEST, "r", 5.0)
+                await WorkerCall.open(pool, REQUEST, "r", 5.0)
             assert all(w.status == WorkerStatus.SERVING for w in pool._workers.values())
         finally:
             await pool.close()
@@ -117,10 +118,10 @@ def test_worker_faults_in_a_row_eject(code: grpc.StatusCode) -> None:
             await pool.health()
             for _ in range(WORKER_FAULTS_TO_EJECT - 1):
                 with pytest.raises(EdgeError):
-                    await pool.generate(REQUEST, "r", 5.0)
+                    await WorkerCall.open(pool, REQUEST, "r", 5.0)
             assert pool._workers["a:1"].status == WorkerStatus.SERVING  # one bad request is not enough
             with pytest.raises(EdgeError):
-                await pool.generate(REQUEST, "r", 5.0)
+                await WorkerCall.open(pool, REQUEST, "r", 5.0)
             assert pool._workers["a:1"].status == WorkerStatus.UNREACHABLE
         finally:
             await pool.close()
@@ -142,7 +143,7 @@ def test_a_completed_call_clears_the_run_of_worker_faults() -> None:
         try:
             await pool.health()
             for _ in plan:
-                stream = await pool.generate(REQUEST, "r", 5.0)
+                stream = await WorkerCall.open(pool, REQUEST, "r", 5.0)
                 try:
                     async for _event in stream:
                         pass

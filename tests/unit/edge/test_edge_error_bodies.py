@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import httpx
@@ -31,6 +31,9 @@ from edge.app import create_app
 from edge.errors import GENERIC_INTERNAL_MESSAGE
 from edge.settings import Settings
 from edge.surfaces.chat import translate
+from edge.workers.pool import Placement
+from edge.workers.worker import Worker
+from sluice.client import WorkerClient
 from sluice.status import ErrorDetails
 from sluice.v1 import worker_pb2
 
@@ -56,35 +59,46 @@ def error_of(text: str) -> dict[str, Any]:
     return error
 
 
-class _BrokenStream:
-    """A started call whose next read fails with an unexpected exception."""
+class _BrokenCall:
+    """A gRPC call whose first event arrives and whose next read fails with an unexpected exception."""
 
     def __init__(self) -> None:
-        self.first = worker_pb2.GenerateResponse(started=worker_pb2.Started(model="m", worker_id="w", n=1))
-        self.worker_address = ADDRESS
-        self.worker_id = "w"
+        self.reads = 0
 
-    def __aiter__(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        return self._events()
-
-    async def _events(self) -> AsyncIterator[worker_pb2.GenerateResponse]:
-        yield self.first
+    async def read(self) -> worker_pb2.GenerateResponse:
+        self.reads += 1
+        if self.reads == 1:
+            return worker_pb2.GenerateResponse(started=worker_pb2.Started(model="m", worker_id="w", n=1))
         raise RuntimeError(f"{SECRET} lost the channel to {ADDRESS}")
 
-    def cancel(self) -> None:
-        pass
+    def cancel(self) -> bool:
+        return False
 
 
 class _BrokenPool:
-    """A pool that fails in ways no edge code expects."""
+    """A pool that fails in ways no edge code expects (the parts of it a worker call uses)."""
+
+    connect_timeout_s = 5.0
 
     def __init__(self, stream_first: bool) -> None:
         self.stream_first = stream_first
 
-    async def generate(self, *args: Any, **kwargs: Any) -> Any:
+    async def place(self, request: Any) -> Placement:
         if self.stream_first:
-            return _BrokenStream()
+            return Placement([Worker(ADDRESS, cast(WorkerClient, None), static=True)], [])
         raise RuntimeError(f"{SECRET}: bad channel to {ADDRESS}")
+
+    def dial(self, *args: Any) -> _BrokenCall:
+        return _BrokenCall()
+
+    def accepted(self, *args: Any) -> None:
+        pass
+
+    def release(self, worker: Worker) -> None:
+        pass
+
+    def note_call_success(self, worker: Worker) -> None:
+        pass
 
     async def list_models(self) -> Any:
         raise KeyError(f"{SECRET} {ADDRESS}")

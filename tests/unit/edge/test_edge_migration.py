@@ -1,8 +1,8 @@
-"""Stream migration (edge/workers/migration.py) with fake workers: what is resent, what the caller reads."""
+"""Stream migration (edge/workers/call.py's WorkerCall, edge/workers/migration.py's policy and
+delivery record) with fake workers: what is resent, what the caller reads."""
 
 from __future__ import annotations
 
-import time
 from typing import Any, cast
 
 import grpc
@@ -10,7 +10,8 @@ import pytest
 
 from edge.errors import EdgeError, InternalError, ServiceUnavailableError
 from edge.settings import Settings
-from edge.workers.migration import MigrationPolicy, ResumableStream
+from edge.workers.call import WorkerCall
+from edge.workers.migration import MigrationPolicy
 from edge.workers.pool import WorkerPool
 from sluice.client import WorkerClient
 from sluice.v1 import worker_pb2
@@ -64,15 +65,8 @@ def read_all(
     metrics = Counted()
 
     async def go() -> tuple[list[worker_pb2.GenerateResponse], EdgeError | None]:
-        first = await pool.generate(request, "req", 30.0)
-        stream = ResumableStream(
-            pool,
-            first,
-            request,
-            request_id="req",
-            deadline=time.monotonic() + 30,
-            metadata=(),
-            policy=MigrationPolicy(max_migrations, metrics),
+        stream = await WorkerCall.open(
+            pool, request, "req", 30.0, migration=MigrationPolicy(max_migrations, metrics)
         )
         events: list[worker_pb2.GenerateResponse] = []
         try:
@@ -191,3 +185,37 @@ def test_settings_turn_migration_off_and_bound_it() -> None:
     for bad in (["--migrate-streams", "maybe"], ["--max-stream-migrations", "17"]):
         with pytest.raises(SystemExit):
             Settings.from_args(["--workers", "a:1", *bad], env={})
+
+
+def test_a_moved_call_holds_one_worker_slot_at_a_time() -> None:
+    pool, _clients = pool_of(
+        {
+            "a:1": [[started(), content("a", token_ids=(1,)), DIED]],
+            "b:1": [[started(), content("b", token_ids=(2,)), finished(tokens=2), usage(completion=2)]],
+        }
+    )
+    slots: list[dict[str, int]] = []
+
+    async def go() -> str:
+        call = await WorkerCall.open(pool, request(), "req", 30.0, migration=MigrationPolicy(2))
+        text = ""
+        async for event in call:
+            text += event.content.text
+            slots.append({w.address: w.outstanding for w in pool._workers.values()})
+        await pool.close()
+        return text
+
+    assert run(go()) == "ab"
+    assert slots[0] == {"a:1": 1, "b:1": 0} and slots[-1] == {"a:1": 0, "b:1": 1}
+    assert all(sum(s.values()) == 1 for s in slots)
+    assert all(w.outstanding == 0 for w in pool._workers.values())  # released at the end
+
+
+def test_without_migration_nothing_is_held_and_a_dead_worker_s_failure_stands() -> None:
+    script = [started(), content("a", token_ids=(1,)), content("b", token_ids=()), progress(), DIED]
+    pool, clients = pool_of({"a:1": [script], "b:1": []})
+    events, error, metrics = read_all(pool, request(), max_migrations=0)
+    assert isinstance(error, ServiceUnavailableError)
+    # "b" waits for no ids: it comes before the progress event that followed it.
+    assert [e.WhichOneof("event") for e in events] == ["started", "content", "content", "progress"]
+    assert metrics.outcomes == [] and clients["b:1"].requests == []

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from edge.settings import Settings
+from edge.workers.call import WorkerCall
 from edge.workers.routing import (
     BALANCE_ABS_THRESHOLD,
     PrefixAffinity,
@@ -117,7 +118,7 @@ def test_the_pool_keeps_conversations_on_their_workers() -> None:
     fakes = Fakes()
 
     async def served(pool: Any, request: worker_pb2.GenerateRequest) -> str:
-        stream = await pool.generate(request, "r", 5.0)
+        stream = await WorkerCall.open(pool, request, "r", 5.0)
         async for _event in stream:
             pass
         return str(stream.worker_address)

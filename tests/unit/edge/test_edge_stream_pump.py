@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import pytest
@@ -103,6 +103,7 @@ def make_pump(
     metrics: FakeMetrics | None = None,
     drain: FakeDrain | None = None,
     write_interval_s: float = 0.0,
+    group: CallGroup | None = None,
 ) -> tuple[StreamPump, ChatTranslator]:
     builder = ChatTranslator("chatcmpl-1", 1, "m", include_usage=True)
     loop = asyncio.get_running_loop()
@@ -114,7 +115,7 @@ def make_pump(
         write_interval_s=write_interval_s,
     )
     pump = StreamPump(
-        CallGroup(streams),  # type: ignore[arg-type]
+        group or CallGroup(streams),
         lambda _call, event: builder.on_event(0, event),
         builder.finish,
         framing,
@@ -192,6 +193,41 @@ def test_a_slow_writer_bounds_what_the_reader_takes() -> None:
         assert stream.reads == 2 * MAX_PENDING_EVENTS
         await pump.aclose()
         assert stream.cancelled
+
+    run(body())
+
+
+def test_a_slow_writer_bounds_what_several_calls_read() -> None:
+    async def body() -> None:
+        calls = [FakeStream(), FakeStream()]
+        pump, _ = make_pump(calls)
+        await anext(pump)
+        for call in calls:
+            call.put(*(content("x") for _ in range(2 * MAX_PENDING_EVENTS)))
+        await asyncio.sleep(0.05)
+        # The pump's reader stops at the bound; the group reads at most two events per call beyond it.
+        assert MAX_PENDING_EVENTS <= sum(call.reads for call in calls) <= MAX_PENDING_EVENTS + 4
+        await pump.aclose()
+        assert all(call.cancelled for call in calls)
+
+    run(body())
+
+
+def test_the_pump_writes_what_the_call_group_reads() -> None:
+    class OneRead(CallGroup):
+        """A group whose one read of its calls is scripted: the pump has no other way to them."""
+
+        def events(self) -> AsyncGenerator[tuple[int, worker_pb2.GenerateResponse], None]:
+            async def read() -> AsyncGenerator[tuple[int, worker_pb2.GenerateResponse], None]:
+                for event in (started(), content("through "), content("the group"), finished(), usage()):
+                    yield 0, event
+
+            return read()
+
+    async def body() -> None:
+        pump, _ = make_pump([], group=OneRead([FakeStream()]))
+        text = "".join(d.get("content", "") for w in await drain_pump(pump) for d in deltas(w))
+        assert text == "through the group"
 
     run(body())
 

@@ -12,6 +12,7 @@ import pytest
 
 from edge.errors import EdgeError, RateLimitError, ServiceUnavailableError
 from edge.workers.addresses import format_address, split_host_port
+from edge.workers.call import WorkerCall
 from edge.workers.pool import WorkerPool
 from edge.workers.worker import EJECT_BACKOFF_INITIAL_S, WorkerStatus, eject_backoff_s
 from sluice.client import ServingStatus, WorkerCallError, WorkerClient
@@ -195,7 +196,7 @@ def test_health_loop_ejects_then_takes_back_with_backoff() -> None:
             assert states == {"a:1": "NOT_SERVING", "b:2": "SERVING"}
             # Ejected: re-checked with backoff, never given a call meanwhile.
             for _ in range(4):
-                stream = await pool.generate(REQUEST, "r", 5.0)
+                stream = await WorkerCall.open(pool, REQUEST, "r", 5.0)
                 assert stream.worker_address == "b:2"
                 stream.cancel()
             checks_before = fakes.clients["a:1"].health_checks
@@ -204,7 +205,7 @@ def test_health_loop_ejects_then_takes_back_with_backoff() -> None:
             assert 1 <= rechecks <= 3, rechecks  # 0.5 s, 1 s, ... not every 0.2 s
             fakes.clients["a:1"].health_status = ServingStatus.SERVING
             await wait_for(lambda: pool._workers["a:1"].status == WorkerStatus.SERVING, within_s=5)
-            assert {(await pool.generate(REQUEST, "r", 5.0)).worker_address for _ in range(4)} == {
+            assert {(await WorkerCall.open(pool, REQUEST, "r", 5.0)).worker_address for _ in range(4)} == {
                 "a:1",
                 "b:2",
             }
@@ -261,7 +262,7 @@ def test_a_channel_is_kept_when_it_carries_calls_or_is_not_backing_off(case: str
         client = fakes.clients["a:1"]
         if case == "a call is open on it":
             client.script = lambda: [started(), HANG]
-            stream = await pool.generate(REQUEST, "r", 30.0)
+            stream = await WorkerCall.open(pool, REQUEST, "r", 30.0)
             client.channel_backing_off = True
             client.health_status = failure(grpc.StatusCode.UNAVAILABLE)
         else:
@@ -293,7 +294,7 @@ def test_unavailable_before_first_event_moves_on_and_ejects() -> None:
             await pool.health()  # both SERVING
             addresses = []
             for _ in range(4):
-                stream = await pool.generate(REQUEST, "r", 5.0)
+                stream = await WorkerCall.open(pool, REQUEST, "r", 5.0)
                 addresses.append(stream.worker_address)
                 kinds = [e.WhichOneof("event") async for e in stream]  # read to the end
                 assert kinds[0] == "started" and kinds[-1] == "usage"
@@ -316,7 +317,7 @@ def test_draining_worker_is_marked_not_serving() -> None:
         try:
             await pool.health()
             pool._rotation = iter([0] * 10)  # type: ignore[assignment]  # a:1 first
-            assert (await pool.generate(REQUEST, "r", 5.0)).worker_address == "b:2"
+            assert (await WorkerCall.open(pool, REQUEST, "r", 5.0)).worker_address == "b:2"
             assert pool._workers["a:1"].status == WorkerStatus.NOT_SERVING
         finally:
             await pool.close()
@@ -334,7 +335,7 @@ def test_busy_worker_moves_on_without_ejection() -> None:
         try:
             await pool.health()
             with pytest.raises(RateLimitError) as caught:
-                await pool.generate(REQUEST, "r", 5.0)
+                await WorkerCall.open(pool, REQUEST, "r", 5.0)
             assert caught.value.worker_id is not None  # the response names the busy worker
             assert all(len(f.calls) == 1 for f in fakes.clients.values())
             assert all(w.status == WorkerStatus.SERVING for w in pool._workers.values())
@@ -356,7 +357,7 @@ def test_every_worker_known_down_is_503_at_once() -> None:
             loop = asyncio.get_running_loop()
             start = loop.time()
             with pytest.raises(ServiceUnavailableError) as caught:
-                await pool.generate(REQUEST, "r", 5.0)
+                await WorkerCall.open(pool, REQUEST, "r", 5.0)
             assert loop.time() - start < 1.0  # answered at once: no worker was tried or waited for
             assert caught.value.retry_after is not None and 1.0 <= caught.value.retry_after <= 3.0
             assert not any(f.calls for f in fakes.clients.values())  # nothing was even tried
@@ -375,7 +376,7 @@ def test_failure_after_first_event_raises_and_ejects() -> None:
         pool = make_pool(["a:1"], fakes, health_interval_s=60.0)
         fakes.clients["a:1"].script = lambda: [started(), content("x"), failure(grpc.StatusCode.UNAVAILABLE)]
         try:
-            stream = await pool.generate(REQUEST, "r", 5.0)
+            stream = await WorkerCall.open(pool, REQUEST, "r", 5.0)
             seen = []
             with pytest.raises(EdgeError) as caught:
                 async for event in stream:
@@ -399,7 +400,7 @@ def test_worker_that_does_not_accept_in_time_is_ejected() -> None:
         try:
             await pool.health()
             pool._rotation = iter([0] * 10)  # type: ignore[assignment]  # a:1 first
-            assert (await pool.generate(REQUEST, "r", 5.0)).worker_address == "b:2"
+            assert (await WorkerCall.open(pool, REQUEST, "r", 5.0)).worker_address == "b:2"
             assert fakes.clients["a:1"].calls[0].cancelled
             assert pool._workers["a:1"].status == WorkerStatus.UNREACHABLE
         finally:
@@ -415,7 +416,7 @@ def test_cancelled_caller_cancels_the_attempt_and_releases_the_slot() -> None:
         pool = make_pool(["a:1"], fakes, connect_timeout_s=30.0)
         fakes.clients["a:1"].script = lambda: [HANG]
         try:
-            task = asyncio.create_task(pool.generate(REQUEST, "r", 60.0))
+            task = asyncio.create_task(WorkerCall.open(pool, REQUEST, "r", 60.0))
             await wait_for(lambda: bool(fakes.clients["a:1"].calls))
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -453,7 +454,7 @@ def test_dns_adds_and_removes_workers_and_survives_resolution_failures() -> None
             assert asked[0] == ("workers.svc", 5)
             # 10.0.0.1 leaves the answer while a call runs on it: no new calls, closed when idle.
             pool._rotation = iter([1] * 10)  # type: ignore[assignment]
-            busy = await pool.generate(REQUEST, "r", 5.0)
+            busy = await WorkerCall.open(pool, REQUEST, "r", 5.0)
             assert busy.worker_address == "10.0.0.1:5"
             answers[0] = ["10.0.0.2:5"]
             await wait_for(lambda: pool._workers["10.0.0.1:5"].removed)
@@ -482,7 +483,7 @@ def test_dns_only_pool_with_nothing_resolved_answers_503() -> None:
         pool = make_pool([], dns_name="nothing.invalid:5", resolver=resolver)
         try:
             with pytest.raises(ServiceUnavailableError):
-                await pool.generate(REQUEST, "r", 5.0)
+                await WorkerCall.open(pool, REQUEST, "r", 5.0)
             assert await pool.health() == []
         finally:
             await pool.close()
@@ -552,10 +553,10 @@ def test_a_loading_worker_is_told_apart_from_draining_and_waited_for() -> None:
             assert states == {"a:1": ("LOADING", 0.4), "b:2": ("NOT_SERVING", None)}
             # A request that may not wait gets today's 503 at once, with nothing tried.
             with pytest.raises(ServiceUnavailableError):
-                await pool.generate(waiting(0), "r", 5.0)
+                await WorkerCall.open(pool, waiting(0), "r", 5.0)
             assert not fakes.clients["a:1"].calls and not fakes.clients["b:2"].calls
             # One that may wait goes to the loading worker; the load events are read here.
-            stream = await pool.generate(waiting(30), "r", 5.0)
+            stream = await WorkerCall.open(pool, waiting(30), "r", 5.0)
             assert stream.worker_address == "a:1" and stream.first.WhichOneof("event") == "started"
             assert [e.WhichOneof("event") async for e in stream] == ["started", "finished"]
             assert pool._workers["a:1"].status == WorkerStatus.SERVING  # it answered: loaded
@@ -576,7 +577,7 @@ def test_load_events_can_start_the_stream() -> None:
         fakes.clients["a:1"].script = lambda: [load_progress(0.5), started(), finished()]
         try:
             await pool.health()
-            stream = await pool.generate(waiting(30), "r", 5.0, load_events=True)
+            stream = await WorkerCall.open(pool, waiting(30), "r", 5.0, load_events=True)
             assert stream.first.WhichOneof("event") == "progress"
             assert [e.WhichOneof("event") async for e in stream] == ["progress", "started", "finished"]
         finally:
@@ -597,7 +598,7 @@ def test_a_load_that_outlasts_the_wait_is_503_and_not_waited_for_twice() -> None
         try:
             await pool.health()
             with pytest.raises(ServiceUnavailableError):
-                await pool.generate(waiting(30), "r", 5.0)
+                await WorkerCall.open(pool, waiting(30), "r", 5.0)
             assert sum(len(f.calls) for f in fakes.clients.values()) == 1
             assert {h.status for h in pool.snapshot()} == {"LOADING"}
             assert pool.outstanding() == {"a:1": 0, "b:2": 0}

@@ -1,8 +1,9 @@
-"""The merge rules for pending worker events (edge/streaming/coalesce.py)."""
+"""The one merge rule for a stream's consecutive deltas (sluice/coalesce.py), on the wire messages the
+edge merges; the worker's side of it is tests/unit/worker/test_output_coalesce.py."""
 
 from __future__ import annotations
 
-from edge.streaming.coalesce import merge_into
+from sluice.coalesce import merge_into
 from sluice.v1 import worker_pb2 as pb
 
 
@@ -13,9 +14,13 @@ def content(text: str, index: int = 0, ids: tuple[int, ...] = (), logprobs: int 
     )
 
 
-def tool(index: int, args: str, *, id: str = "", name: str = "", choice: int = 0) -> pb.GenerateResponse:
+def tool(
+    index: int, args: str, *, id: str = "", name: str = "", choice: int = 0, ids: tuple[int, ...] = ()
+) -> pb.GenerateResponse:
     return pb.GenerateResponse(
-        tool_call=pb.ToolCallDelta(choice_index=choice, tool_index=index, id=id, name=name, arguments=args)
+        tool_call=pb.ToolCallDelta(
+            choice_index=choice, tool_index=index, id=id, name=name, arguments=args, token_ids=ids
+        )
     )
 
 
@@ -62,3 +67,18 @@ def test_tool_call_argument_fragments_merge_but_a_new_call_keeps_its_own_first_d
     assert not merge_into(first, tool(0, "x", choice=1))
     assert not merge_into(first, tool(0, "x", id="call_3"))
     assert first.tool_call.arguments == '{"city": "Oslo"}'
+
+
+def test_a_delta_without_ids_never_merges_into_one_that_carries_ids() -> None:
+    # Ids travel on the last delta of their tokens: "b" belongs to tokens whose ids come later, so
+    # merged into "a" (which carries ids) a migrated stream would think "b" delivered and resend it.
+    waiting = content("a", ids=(1,))
+    assert not merge_into(waiting, content("b"))
+    assert waiting.content.text == "a"
+    assert not merge_into(tool(0, "{", ids=(1,)), tool(0, "}"))
+    # The other way round, and with no ids at all, they merge.
+    held = content("a")
+    assert merge_into(held, content("b", ids=(2,)))
+    assert held.content.text == "ab" and list(held.content.token_ids) == [2]
+    plain = content("a")
+    assert merge_into(plain, content("b")) and plain.content.text == "ab"
