@@ -54,17 +54,18 @@ def minilm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def default_worker(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
-    """A real worker process serving the default model."""
+    """A real worker process serving the default model, shared by every module that asks for it
+    (a test leaves it idle and serving; one that needs other flags or stops it starts its own)."""
     with WorkerProcess(cache_dir=model_cache, log_dir=tmp_path_factory.mktemp("worker-log")) as worker:
         yield worker
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def default_edge(
     default_worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EdgeProcess]:
-    """A real edge process in front of ``default_worker``."""
+    """A real edge process in front of ``default_worker``, shared like it."""
     with EdgeProcess([default_worker.address], log_dir=tmp_path_factory.mktemp("edge-log")) as edge:
         yield edge

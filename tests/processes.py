@@ -155,8 +155,11 @@ class WorkerProcess(_Process):
         model: str | None = None,
         extra: list[str] | None = None,
         default_metrics_port: bool = False,
+        torch_threads: int = 1,
     ):
-        """``default_metrics_port``: pass no --metrics-port (the worker's default, --port + 1000)."""
+        """``default_metrics_port``: pass no --metrics-port (the worker's default, --port + 1000).
+        ``torch_threads``: the worker's ``--torch-threads`` unless ``extra`` names it (see
+        docs/testing.md, "Processes": one thread, as the test process and the edge share the cores)."""
         if default_metrics_port:
             self.port = free_port_pair(METRICS_PORT_OFFSET)
             self.metrics_port = self.port + METRICS_PORT_OFFSET
@@ -172,6 +175,8 @@ class WorkerProcess(_Process):
         )
         if model:
             args += ["--model", model]
+        if "--torch-threads" not in (extra or []):
+            args += ["--torch-threads", str(torch_threads)]
         super().__init__(args + (extra or []), log_dir)
 
     @property

@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.processes import WorkerProcess
+from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.e2e
 
@@ -22,20 +22,22 @@ GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def default_worker(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+def float_edge(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProcess]:
     """The default model pinned to float32: these tests compare a 4-row batch's greedy text with one
     row's, and a quantized worker multiplies 1-3 rows and 4+ rows with different kernels (the same
     weights, rounded differently: docs/quantization.md), so a near-tie could pick another token."""
     extra = ["--quantization", "none"]
-    with WorkerProcess(
-        cache_dir=model_cache, log_dir=tmp_path_factory.mktemp("worker-log"), extra=extra
-    ) as worker:
-        yield worker
+    logs = tmp_path_factory.mktemp("float-logs")
+    with (
+        WorkerProcess(cache_dir=model_cache, log_dir=logs, extra=extra) as worker,
+        EdgeProcess([worker.address], log_dir=logs) as edge,
+    ):
+        yield edge
 
 
 @pytest.fixture(scope="module")
-def client(default_edge) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{default_edge.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(float_edge: EdgeProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{float_edge.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")

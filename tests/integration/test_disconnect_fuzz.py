@@ -44,7 +44,7 @@ SEED = int(os.environ.get("SLUICE_FUZZ_SEED", "20240611"))
 def worker(
     model_cache: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WorkerProcess]:
-    extra = ["--max-running", "16", "--torch-threads", "1"]
+    extra = ["--max-running", "16"]
     log_dir = tmp_path_factory.mktemp("fuzz-worker")
     with WorkerProcess(
         cache_dir=model_cache, log_dir=log_dir, model=str(tiny_model_dir), extra=extra

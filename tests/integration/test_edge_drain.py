@@ -35,7 +35,7 @@ def worker(
     long_tiny_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerProcess]:
-    extra = ["--max-running", "4", "--torch-threads", "1"]
+    extra = ["--max-running", "4"]
     log_dir = tmp_path_factory.mktemp("drain-worker")
     model = str(long_tiny_model_dir)
     with WorkerProcess(cache_dir=model_cache, log_dir=log_dir, model=model, extra=extra) as process:

@@ -36,7 +36,7 @@ def tiny_worker(
     model_cache: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WorkerProcess]:
     log_dir = tmp_path_factory.mktemp("security-worker")
-    extra = ["--log-level", "DEBUG", "--torch-threads", "1"]
+    extra = ["--log-level", "DEBUG"]
     with WorkerProcess(
         cache_dir=model_cache, log_dir=log_dir, model=str(tiny_model_dir), extra=extra
     ) as worker:
@@ -176,9 +176,7 @@ def test_a_worker_that_dies_mid_stream_and_a_dead_address_give_clean_errors(
 ) -> None:
     dead = f"127.0.0.1:{free_port()}"
     with (
-        WorkerProcess(
-            cache_dir=model_cache, log_dir=tmp_path, model=str(tiny_model_dir), extra=["--torch-threads", "1"]
-        ) as victim,
+        WorkerProcess(cache_dir=model_cache, log_dir=tmp_path, model=str(tiny_model_dir)) as victim,
         EdgeProcess([victim.address, dead], log_dir=tmp_path, extra=FAST_STOP) as edge,
     ):
         model = httpx.get(f"{edge.base_url}/v1/models", timeout=10).json()["data"][0]["id"]

@@ -37,7 +37,7 @@ def worker(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerProcess]:
     """Two sequences at a time, so a third request waits in the queue."""
-    extra = ["--max-running", "2", "--torch-threads", "1"]
+    extra = ["--max-running", "2"]
     log_dir = tmp_path_factory.mktemp("streams-worker")
     model = str(long_tiny_model_dir)
     with WorkerProcess(cache_dir=model_cache, log_dir=log_dir, model=model, extra=extra) as process:

@@ -88,7 +88,7 @@ def json_services(
     model_cache: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[WorkerProcess, EdgeProcess]]:
     log_dir = tmp_path_factory.mktemp("json-logs")
-    worker_extra = ["--log-format", "json", "--worker-id", "worker-json-1", "--torch-threads", "1"]
+    worker_extra = ["--log-format", "json", "--worker-id", "worker-json-1"]
     with (
         WorkerProcess(
             cache_dir=model_cache, log_dir=log_dir, model=str(tiny_model_dir), extra=worker_extra

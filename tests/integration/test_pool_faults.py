@@ -21,7 +21,7 @@ from tests.processes import EdgeProcess, LiveEdgeProcess, WorkerProcess, free_po
 
 pytestmark = pytest.mark.integration
 
-WORKER_FLAGS = ["--torch-threads", "1", "--max-running", "8", "--served-model-name", "long-tiny"]
+WORKER_FLAGS = ["--max-running", "8", "--served-model-name", "long-tiny"]
 # Without stream migration: a killed worker's streams end with the error event (with migration,
 # its default, they move to the other worker: tests/integration/test_stream_migration.py).
 # least-outstanding: these scenarios send the same prompt again and again and count on the load,

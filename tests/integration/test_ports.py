@@ -64,7 +64,7 @@ def test_two_workers_differing_only_in_port_both_serve_with_metrics(
                 cache_dir=model_cache,
                 log_dir=tmp_path / name,
                 model=str(tiny_model_dir),
-                extra=["--torch-threads", "1", "--served-model-name", "tiny"],
+                extra=["--served-model-name", "tiny"],
                 default_metrics_port=True,
             )
         )

@@ -44,7 +44,7 @@ def test_a_worker_back_after_a_long_outage_serves_within_the_bar(
         cache_dir=model_cache,
         log_dir=tmp_path,
         model=str(tiny_model_dir),
-        extra=["--torch-threads", "1", "--served-model-name", "tiny"],
+        extra=["--served-model-name", "tiny"],
     )
     with worker, EdgeProcess([worker.address], log_dir=tmp_path) as edge:
         with httpx.Client(base_url=edge.base_url, timeout=30) as client:

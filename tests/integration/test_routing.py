@@ -27,7 +27,7 @@ from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-WORKER_FLAGS = ["--torch-threads", "1", "--metrics-names", "both"]
+WORKER_FLAGS = ["--metrics-names", "both"]
 PICKER_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
 

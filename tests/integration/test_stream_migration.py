@@ -44,8 +44,6 @@ def two_workers(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             "8",
             "--batch-invariant",
             "on",
-            "--torch-threads",
-            "1",
         ]
         workers.append(WorkerProcess(cache_dir=model_cache, log_dir=logs / worker_id, extra=extra))
     try:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.integration
 
 def worker_with_grace(model: Path, cache: Path, log_dir: Path, grace_s: float) -> WorkerProcess:
     """A worker to use in ``with`` (stopped on the way out if a test failed before it exited)."""
-    extra = ["--torch-threads", "1", "--grace-period", str(grace_s)]
+    extra = ["--grace-period", str(grace_s)]
     return WorkerProcess(cache_dir=cache, log_dir=log_dir, model=str(model), extra=extra)
 
 
