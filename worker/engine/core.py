@@ -22,7 +22,7 @@ from worker.engine.failures import DeviceFailure, EngineFailure, failure_message
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.prepare import Prepared, RequestPreparer
 from worker.engine.request_stream import RequestStream, StreamOpener
-from worker.engine.scheduler import Scheduler, SchedulingFailed, Sequence, StepPlan, Work
+from worker.engine.scheduler import Scheduler, SchedulingFailed, SeqState, StepPlan, Work
 from worker.engine.speculation import RowSpeculation, Speculation
 from worker.engine.stats import EngineCounters, EngineStats, PublishedStats
 from worker.errors import NotReady
@@ -35,10 +35,10 @@ from worker.output.processor import TextRules
 from worker.sampling.grammar import GrammarCompiler
 from worker.sampling.sampler import Draw, GrammarFailure, Sample, SequenceSampling, draw_batch
 from worker.types import (
-    Admitted,
     ChoiceEnded,
     CoreFailure,
     CoreOutput,
+    Dequeued,
     FinishReason,
     GenerationRequest,
     NewToken,
@@ -65,7 +65,7 @@ class _Choice:
     key: RowKey
     index: int
     sampling: SequenceSampling
-    seq: Sequence
+    seq: SeqState
     acceptance: RowSpeculation = field(default_factory=RowSpeculation)  # its speculation's state
 
     @property
@@ -91,7 +91,7 @@ class _RequestState:
         return self.key
 
     @property
-    def sequences(self) -> list[Sequence]:
+    def sequences(self) -> list[SeqState]:
         return [choice.seq for choice in self.choices]
 
     @property
@@ -138,7 +138,7 @@ class OutputSink(Protocol):
 
 def ended_outputs(ended: FinishReason | None) -> list[CoreOutput]:
     """The outputs of a request that its resumed tokens already ended (no step runs for it)."""
-    return [Admitted(time.monotonic(), 0), ChoiceEnded(0, ended or FinishReason.STOP)]
+    return [Dequeued(time.monotonic(), 0), ChoiceEnded(0, ended or FinishReason.STOP)]
 
 
 def deliver(batches: Iterable[tuple[OutputSink, list[CoreOutput]]]) -> None:
@@ -267,7 +267,7 @@ class Engine:
         self.enqueue(prepared, key, stream)
         return stream
 
-    async def admit(self, request: Prepared) -> RequestStream:
+    async def queue(self, request: Prepared) -> RequestStream:
         """:meth:`submit` as the service calls it (an engine in its own process answers later)."""
         return self.submit(request)
 
@@ -291,7 +291,7 @@ class Engine:
                 (key, i),
                 i,
                 sampling,
-                Sequence(
+                SeqState(
                     list(req.prefill_token_ids), len(prompt), longest, awaits_prompt=i > 0, images=req.images
                 ),
             )
@@ -416,7 +416,7 @@ class Engine:
     def _step_requests(self, plan: StepPlan[_RequestState]) -> list[_RequestState]:
         """The requests a step touched: planned, admitted, or with a token in the draw in flight."""
         owners = {id(c.seq): s for s in self._scheduler.running for c in s.choices}
-        states = [*plan.admitted, *(owners[id(w.seq)] for w in plan.work if id(w.seq) in owners)]
+        states = [*plan.started, *(owners[id(w.seq)] for w in plan.work if id(w.seq) in owners)]
         if self._in_flight is not None:
             states += [state for state, _ in self._in_flight.rows]
         return list({id(s): s for s in states}.values())
@@ -489,7 +489,7 @@ class Engine:
                 return None
             self._apply_control()
             plan = self._scheduler.schedule()
-            for state in plan.admitted:
+            for state in plan.started:
                 self._progress_due.pop(state.key, None)
             self.published.refresh_if_due()
             return plan, self._queued_progress_due()
@@ -540,12 +540,12 @@ class Engine:
         self.counters.steps += 1
         outputs: dict[str, list[CoreOutput]] = {}
         if plan.preempted:
-            readmitted = {id(s) for s in plan.admitted}  # preempted and admitted again in this plan
+            readmitted = {id(s) for s in plan.started}  # preempted and admitted again in this plan
             self._preempted([s for s in plan.preempted if id(s) not in readmitted])
         owners = {id(c.seq): (s, c) for s in [*self._scheduler.running] for c in s.choices}
-        for state in plan.admitted:
+        for state in plan.started:
             state.preempted = False
-        fresh = [s for s in plan.admitted if not s.started]
+        fresh = [s for s in plan.started if not s.started]
         if fresh:
             self._start(fresh, outputs)
         work = plan.work
@@ -584,7 +584,7 @@ class Engine:
             if state.request.sampling.prompt_logprobs is not None:
                 self._score(state, now, cached, outputs)
             elif state.needs_kv:
-                outputs.setdefault(state.key, []).append(Admitted(now, cached))
+                outputs.setdefault(state.key, []).append(Dequeued(now, cached))
 
     def _run(
         self,
@@ -688,7 +688,7 @@ class Engine:
             self._fail(state, failure_message(exc), outputs)
             return
         out = outputs.setdefault(state.key, [])
-        out += [Admitted(now, cached), PromptScored(tuple(entries))]
+        out += [Dequeued(now, cached), PromptScored(tuple(entries))]
         if state.request.sampling.max_tokens == 0:
             with self._cv:
                 for choice in state.choices:
@@ -771,7 +771,7 @@ class Engine:
                 self._fail(state, failed[state.key], outputs)
         return states
 
-    def _propose(self, state: _RequestState, seq: Sequence, room: int) -> list[int]:
+    def _propose(self, state: _RequestState, seq: SeqState, room: int) -> list[int]:
         """The scheduler's proposer (called under the lock): an eligible choice's proposals once it
         has generated (its first token comes from the prompt's forward). A draft model's forward runs
         with the lock released; a proposer that raises costs this row its proposals for this step."""

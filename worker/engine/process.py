@@ -316,7 +316,7 @@ class EngineClient:
         """The engine process prepares requests (their sampling state lives there): nothing to do."""
         return Prepared(request, [])
 
-    async def admit(self, prepared: Prepared) -> RequestStream:
+    async def queue(self, prepared: Prepared) -> RequestStream:
         """Sends the request to the engine process and waits for it to be queued; raises what refused
         it there (QueueFull, InvalidRequest)."""
         request = prepared.request

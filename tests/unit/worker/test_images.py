@@ -11,7 +11,7 @@ from PIL import Image
 from sluice.v1 import worker_pb2 as pb
 from worker.attention.paged import chunk_mask
 from worker.engine.kv_blocks import BlockManager
-from worker.engine.scheduler import Sequence
+from worker.engine.scheduler import SeqState
 from worker.errors import InvalidRequest, WorkerError
 from worker.prompts.images import ImageData, decode_image, image_key
 from worker.prompts.prompt import PromptRenderer
@@ -106,8 +106,8 @@ def test_image_keys_follow_the_bytes() -> None:
     assert image_key(b"abc") != image_key(b"abd")
 
 
-def sequence(images: tuple[PromptImage, ...], length: int = 20) -> Sequence:
-    return Sequence(list(range(100, 100 + length)), length, length + 4, images=images)
+def sequence(images: tuple[PromptImage, ...], length: int = 20) -> SeqState:
+    return SeqState(list(range(100, 100 + length)), length, length + 4, images=images)
 
 
 def test_chunks_never_end_inside_an_image() -> None:
