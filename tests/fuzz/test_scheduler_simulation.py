@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from worker.engine.kv_blocks import BlockManager
-from worker.engine.scheduler import Scheduler, SeqState, StepPlan, Work
+from worker.engine.scheduler import Scheduler, SeqState, StepPlan
 from worker.errors import InvalidRequest, QueueFull
+from worker.model.step_inputs import Work
 from worker.types import PromptImage
 
 SCALE = float(os.environ.get("SLUICE_FUZZ_SCALE", "1"))
@@ -182,7 +183,7 @@ class Simulation:
         """The forward, then the previous draw read (overlap), then the commit, then the draws."""
         self.resolve()  # a row it ends goes no further: its forward's work is dropped
         work = [w for w in work if not w.seq.finished and self.owner[id(w.seq)].request_id not in self.ended]
-        sampled = [item for item in work if item.samples]  # read before the commit moves ``computed``
+        sampled = [item for item in work if item.sample]  # read before the commit moves ``computed``
         for item in work:
             self.write(item)
             if not item.proposals:

@@ -22,15 +22,13 @@ from worker.engine.failures import DeviceFailure, EngineFailure, failure_message
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.prepare import Prepared, RequestPreparer
 from worker.engine.request_stream import RequestStream, StreamOpener
-from worker.engine.scheduler import Scheduler, SchedulingFailed, SeqState, StepPlan, Work
+from worker.engine.scheduler import Scheduler, SchedulingFailed, SeqState, StepPlan
 from worker.engine.speculation import RowSpeculation, Speculation
 from worker.engine.stats import EngineCounters, EngineStats, PublishedStats
 from worker.errors import NotReady
 from worker.model.device import bind_device
 from worker.model.runner import ModelRunner
-from worker.model.step_inputs import ChunkImage
-from worker.model.step_inputs import Work as RunnerWork
-from worker.model.vision import mrope_delta
+from worker.model.step_inputs import Work
 from worker.output.processor import TextRules
 from worker.sampling.grammar import GrammarCompiler
 from worker.sampling.sampler import Draw, GrammarFailure, Sample, SequenceSampling, draw_batch
@@ -598,10 +596,10 @@ class Engine:
         if all(w.count == 1 and not w.proposals for w in work):
             self.counters.decode_only_steps += 1
         fed = self._in_flight.draw.chosen if self._in_flight is not None else None
-        sampling = [w for w in work if w.samples]  # the logits' rows, read before anything ends
+        sampling = [w for w in work if w.sample]  # the logits' rows, read before anything ends
         error: Exception | None = None
         try:
-            logits = self._runner.execute([_runner_work(w) for w in work], fed)
+            logits = self._runner.execute(work, fed)
         except Exception as exc:
             raise_if_device_failed(exc)
             error = exc
@@ -621,8 +619,8 @@ class Engine:
             if not work:
                 return resolved
             try:
-                sampling = [w for w in work if w.samples]
-                logits = self._runner.execute([_runner_work(w) for w in work])
+                sampling = [w for w in work if w.sample]
+                logits = self._runner.execute(work)
             except Exception as again:
                 raise_if_device_failed(again)
                 log.exception("decode forward failed")
@@ -633,7 +631,7 @@ class Engine:
         # it got after each chunk that did not finish it. A verified row commits once its accepted
         # tokens are known (:meth:`_verify`).
         going = {id(w) for w in work}
-        chunked = [owners[id(w.seq)] + (w.seq,) for w in work if not w.samples and w.seq.generated == 0]
+        chunked = [owners[id(w.seq)] + (w.seq,) for w in work if not w.sample and w.seq.generated == 0]
         with self._cv:
             for item in work:
                 if not item.proposals:
@@ -919,39 +917,6 @@ def _paced(state: _RequestState, outputs: list[CoreOutput], interval: int) -> li
     state.held, state.held_steps = [], 0
     state.streamed = state.streamed or any(type(o) is NewToken for o in outputs)
     return outputs
-
-
-def _runner_work(work: Work) -> RunnerWork:
-    seq = work.seq
-    start, end = seq.computed, seq.computed + work.count
-    if not seq.images:  # the common row: no image parts, no M-RoPE offsets
-        tokens = seq.tokens[start:end]
-        if work.proposals:
-            tokens += work.proposals
-        return RunnerWork(tokens, start, seq.blocks.table, work.samples, seq.generated, len(work.proposals))
-    grids = tuple(
-        (image.start, (image.grid[0], image.grid[1], image.grid[2])) for image in seq.images if image.grid
-    )
-    return RunnerWork(
-        [*seq.tokens[start:end], *work.proposals],
-        start,
-        seq.blocks.table,
-        work.samples,
-        seq.generated,
-        len(work.proposals),
-        tuple(
-            ChunkImage(
-                image.inputs,
-                image.placeholders(image.start, start),
-                image.placeholders(start, end),
-                (image.start, image.end),
-            )
-            for image in seq.images
-            if image.start < end and start < image.end
-        ),
-        grids,
-        mrope_delta(grids),
-    )
 
 
 def _failed(outputs: list[CoreOutput]) -> bool:

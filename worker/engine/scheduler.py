@@ -13,6 +13,7 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 
 from worker.engine.kv_blocks import BlockManager, SequenceBlocks
 from worker.errors import InvalidRequest, QueueFull
+from worker.model.step_inputs import Work, work_of
 from worker.types import PromptImage
 
 
@@ -51,6 +52,11 @@ class SeqState:
         return count
 
     @property
+    def table(self) -> list[int]:
+        """Its block table (the pool blocks its tokens' KV goes to, in order)."""
+        return self.blocks.table
+
+    @property
     def pending(self) -> int:
         """Known tokens without KV yet (1 for a decoding sequence)."""
         return len(self.tokens) - self.computed
@@ -74,20 +80,6 @@ class Schedulable(Protocol):
 
 
 T = TypeVar("T", bound=Schedulable)
-
-
-@dataclass(frozen=True)
-class Work:
-    """Compute ``count`` tokens of ``seq`` from ``seq.computed`` on (its table covers them), then
-    its ``proposals`` (speculative tokens to verify, after a decoding sequence's last token)."""
-
-    seq: SeqState
-    count: int
-    proposals: tuple[int, ...] = ()
-
-    @property
-    def samples(self) -> bool:
-        return self.seq.computed + self.count == len(self.seq.tokens)
 
 
 @dataclass
@@ -291,7 +283,7 @@ class Scheduler(Generic[T]):
                 if victim is item:
                     return budget, False
                 self._preempt(victim, plan)
-            plan.work.append(Work(seq, count))
+            plan.work.append(work_of(seq, count))
             if seq.pending > 1:
                 budget -= count
         return budget, True
@@ -311,7 +303,7 @@ class Scheduler(Generic[T]):
                     continue
                 proposals = self._proposals(item, seq, budget)
                 if proposals:
-                    plan.work[index] = Work(seq, 1, proposals)
+                    plan.work[index] = work_of(seq, 1, proposals)
                     budget -= 1 + len(proposals)
 
     def _proposals(self, item: T, seq: SeqState, budget: int) -> tuple[int, ...]:
@@ -345,7 +337,7 @@ class Scheduler(Generic[T]):
                 count = seq.chunk(min(seq.pending, self.prefill_budget_tokens))
             if not self.blocks.ensure(seq.blocks, seq.computed + count):
                 return budget, False
-            plan.work.append(Work(seq, count))
+            plan.work.append(work_of(seq, count))
             own = True
             if seq.pending > 1:
                 budget -= count

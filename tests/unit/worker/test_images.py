@@ -161,7 +161,8 @@ def test_mrope_positions_equal_transformers_rope_index() -> None:
     """Two images (a wide and a tall grid) between text, against Qwen2-VL's own get_rope_index."""
     import transformers
 
-    from worker.model.vision import mrope_delta, mrope_positions
+    from worker.model.step_inputs import mrope_delta
+    from worker.model.vision import mrope_positions
 
     config = transformers.Qwen2VLConfig(
         text_config={"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 64},

@@ -35,7 +35,7 @@ def run_step(s: Scheduler[Item]):
     """Plans a step and does what the engine does after a forward: commit, then one sample for each
     sequence that reached its end."""
     plan = s.schedule()
-    sampled = [w.seq for w in plan.work if w.samples]
+    sampled = [w.seq for w in plan.work if w.sample]
     for work in plan.work:
         s.committed(work)
     for seq in sampled:
