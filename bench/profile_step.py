@@ -152,10 +152,10 @@ def model_step_times(model: str, device: str, rows_list: list[int], tokens: int,
     timed(engine, "_step", sinks["step"], cpu["step"])
     timed(engine, "_next_plan", sinks["plan"])
     timed(ModelRunner, "execute", sinks["launch"], cpu["launch"])
-    timed(engine, "_resolve", sinks["read"])  # reading a draw (with the overlap: during the next forward)
-    timed(engine, "_publish", sinks["publish"])
+    timed(engine._update, "resolve", sinks["read"])  # reading a draw (with the overlap: during the next forward)
+    timed(engine._update, "publish", sinks["publish"])
     timed(RequestStream, "_process", sinks["process"], cpu["process"])
-    sample = engine._sample
+    sample = engine._update.sample
     wait_sink, sample_sink = sinks["wait"], sinks["sample"]
 
     def waited_sample(*args: Any, **kwargs: Any) -> Any:
@@ -169,7 +169,7 @@ def model_step_times(model: str, device: str, rows_list: list[int], tokens: int,
             wait_sink.append(middle - start)
             sample_sink.append(time.perf_counter() - middle)
 
-    engine._sample = waited_sample  # type: ignore[method-assign]
+    engine._update.sample = waited_sample  # type: ignore[method-assign]
     try:
         for rows in rows_list:
             asyncio.run(run(engine, rows, 16))  # warm-up at this size

@@ -12,8 +12,9 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from worker.engine.core import Engine, OutputSink
+from worker.engine.core import Engine
 from worker.engine.process_messages import Abort, Acked, Refusal, StopChoices
+from worker.engine.sink import OutputSink
 from worker.errors import GenerationFailed, WorkerError
 from worker.types import GenerationRequest
 

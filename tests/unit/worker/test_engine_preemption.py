@@ -116,7 +116,7 @@ def test_progress_bookkeeping_is_empty_once_everything_finished_under_preemption
                 await drain(stream)
         assert engine.counters.preemptions > 0 and readmitted > 0
         assert engine.counters.requests_finished == 3
-        assert engine._progress_due == {}
+        assert engine._ledger.progress_due == {}
 
     asyncio.run(scenario())
 

@@ -67,7 +67,7 @@ def test_a_preempted_request_hands_over_its_kept_tokens_before_it_waits(fake, ov
         )
         old, new = preempt_the_newer(engine)
         waiting = engine._scheduler.waiting[0]
-        assert waiting.key == new.key and waiting.held == []
+        assert waiting.key == new.key and waiting.pacing.held == []
         await asyncio.sleep(0)
         handed = []
         while not new._queue.empty():
