@@ -12,7 +12,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ import torch
 from worker.engine import sink
 from worker.engine.failures import Containment, EngineFailure, failure_message, raise_if_device_failed
 from worker.engine.kv_blocks import BlockManager
+from worker.engine.options import EngineOptions
 from worker.engine.prepare import Prepared, RequestPreparer
 from worker.engine.request_stream import RequestStream, StreamOpener
 from worker.engine.requests import Control, Ledger, Outputs, Owners, RequestState, failed, unique
@@ -48,47 +48,38 @@ class Engine:
         *,
         eos_token_ids: Iterable[int],
         context_length: int,
-        max_running: int = 16,
-        max_queue: int = 256,
-        prefill_budget_tokens: int = 1024,
-        prefix_caching: bool = True,
-        blocked_phrases: tuple[str, ...] = (),
-        refusal_message: str = "I can't help with that.",
+        options: EngineOptions | None = None,
         grammars: GrammarCompiler | None = None,
         on_device_failure: Callable[[BaseException], None] | None = None,
         speculation: Speculation | None = None,
-        stream_interval: int = 1,
-        overlap: bool = False,
     ):
         """The KV pool's size and block size are the runner's (``num_blocks``, ``block_size``);
         ``on_device_failure`` is called (on the engine thread) once the engine cannot go on (its
         device failed, or :class:`EngineFailure`: docs/worker.md, "Failure isolation");
         ``speculation``: speculative decoding (n-gram or draft proposals, every row verified as
-        one-token steps would draw it; None: off); ``stream_interval``: a stream's tokens are handed
-        over every that many steps (its first token and its end at once), which cuts the per-message
-        work of many concurrent streams; ``overlap``: a step's draw is read while the next step's
-        forward runs (docs/worker.md, "Steps that overlap"; not with speculation)."""
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval must be at least 1, got {stream_interval}")
-        if overlap and speculation is not None:
+        one-token steps would draw it; None: off; not with ``options.overlap``)."""
+        options = options or EngineOptions()
+        if options.overlap and speculation is not None:
             raise ValueError("overlapping steps cannot be combined with speculative decoding")
         self._runner = runner
         self._eos = frozenset(eos_token_ids)
         self._context_length = context_length
-        self._streams = StreamOpener(tokenizer, TextRules(tuple(blocked_phrases), refusal_message))
+        self._streams = StreamOpener(tokenizer, TextRules(options.blocked_phrases, options.refusal_message))
         self._preparer = RequestPreparer(
             eos_token_ids=self._eos,
             context_length=context_length,
             scores_prompts=runner.scores_prompts,
             grammars=grammars,
         )
-        self.blocks = BlockManager(runner.num_blocks, runner.block_size, prefix_caching=prefix_caching)
+        self.blocks = BlockManager(
+            runner.num_blocks, runner.block_size, prefix_caching=options.prefix_caching
+        )
         self._speculation = speculation
         self._scheduler: Scheduler[RequestState] = Scheduler(
             self.blocks,
-            max_running=max_running,
-            max_queue=max_queue,
-            prefill_budget_tokens=prefill_budget_tokens,
+            max_running=options.max_running,
+            max_queue=options.max_queue,
+            prefill_budget_tokens=options.prefill_budget_tokens,
             propose=self._propose if speculation is not None else None,
             speculate_max_rows=speculation.max_rows if speculation is not None else None,
         )
@@ -103,8 +94,8 @@ class Engine:
             eos=self._eos,
             context_length=context_length,
             speculation=speculation,
-            stream_interval=stream_interval,
-            overlap=overlap,
+            stream_interval=options.stream_interval,
+            overlap=options.overlap,
         )
         self._failures = Containment(self._ledger, self._update, on_device_failure)
         self._thread = threading.Thread(target=self._loop, name="sluice-engine", daemon=True)
@@ -189,26 +180,10 @@ class Engine:
             self._cv.notify_all()
 
     def stats(self) -> EngineStats:
+        """A snapshot of the engine's state and counters (:meth:`EngineStats.of`)."""
         with self._cv:
-            running = list(self._scheduler.running)
-            sequences = [c.seq for r in running for c in r.choices if not c.finished]
-            blocks = self.blocks
-            return EngineStats(
-                waiting_requests=len(self._scheduler.waiting),
-                running_requests=len(running),
-                running_sequences=len(sequences),
-                live_caches=sum(1 for seq in sequences if seq.blocks.table),
-                cache_tokens=sum(seq.computed for seq in sequences),
-                cache_bytes=self._runner.pool_bytes,
-                reserved_tokens=blocks.used * blocks.block_size,
-                kv_block_size=blocks.block_size,
-                kv_blocks_total=blocks.num_blocks,
-                kv_blocks_used=blocks.used,
-                fast_path=getattr(self._runner, "fast_path", None),
-                graph_replays=getattr(getattr(self._runner, "graphs", None), "replays", 0),
-                speculative_proposer=self._speculation.proposer if self._speculation else None,
-                counters=replace(self.counters, time_to_first_token=self.counters.time_to_first_token.copy()),
-            )
+            proposer = self._speculation.proposer if self._speculation else None
+            return EngineStats.of(self._scheduler, self._runner, proposer, self.counters)
 
     def latest_stats(self) -> EngineStats:
         """The stats the step loop last published (:class:`PublishedStats`): never waits for it."""

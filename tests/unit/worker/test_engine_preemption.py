@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.engine.request_stream import RequestStream
 from worker.model.fake_runner import FakeRunner, load_fake_model
 from worker.model.loader import load_model
@@ -39,7 +40,7 @@ def engine_on(runner, loaded, **options) -> Engine:
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
-        **settings,
+        options=EngineOptions(**settings),
     )
 
 

@@ -20,6 +20,7 @@ from dataclasses import replace
 import pytest
 
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.errors import InvalidRequest
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
@@ -70,9 +71,8 @@ def engine(loaded, compiler):
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
-        max_running=8,
         # Small: a resumed request's prompt plus tokens is computed in several chunks.
-        prefill_budget_tokens=16,
+        options=EngineOptions(max_running=8, prefill_budget_tokens=16),
         grammars=compiler,
     )
     eng.start()

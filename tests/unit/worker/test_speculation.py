@@ -18,6 +18,7 @@ from tests.unit.worker.test_engine import request
 from worker.config import parse_config
 from worker.engine.core import Engine
 from worker.engine.kv_blocks import BlockManager
+from worker.engine.options import EngineOptions
 from worker.engine.scheduler import Scheduler, SeqState
 from worker.engine.speculation import PAUSE_TOKENS, WINDOW_TOKENS, RowSpeculation, Speculation
 from worker.model.draft import DraftCache, DraftModel
@@ -186,7 +187,7 @@ def engine(
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
         speculation=speculation,
-        **{**settings, **options},
+        options=EngineOptions(**{**settings, **options}),
     )
     eng.start()
     return eng
