@@ -329,7 +329,7 @@ class Engine:
         """Execute, then update: the step's forward, then its rows' draws; raises
         :class:`DeviceFailure` when the device failed. The previous step's draw, if still in flight,
         is read while this forward runs (:meth:`Update.resolve`); returns the requests it was for."""
-        if all(w.count == 1 and not w.proposals for w in work):
+        if all(w.count == 1 and not w.proposed for w in work):
             self.counters.decode_only_steps += 1
         in_flight = self._update.in_flight
         sampling = [w for w in work if w.sample]  # the logits' rows, read before anything ends

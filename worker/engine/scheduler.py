@@ -204,7 +204,7 @@ class Scheduler(Generic[T]):
         seq = work.seq
         seq.computed += work.count + accepted
         self.blocks.commit(seq.blocks, seq.cache_keys, seq.computed)
-        if work.proposals:
+        if work.proposed:
             self.blocks.truncate(seq.blocks, seq.computed)
 
     def _free(self, item: T) -> None:

@@ -71,7 +71,7 @@ class Update:
         chunked = [owners[id(w.seq)] + (w.seq,) for w in work if not w.sample and w.seq.generated == 0]
         with self._ledger.cv:
             for item in work:
-                if not item.proposals:
+                if not item.proposed:
                     self._ledger.scheduler.committed(item)
         if chunked:
             sink.deliver(
@@ -100,11 +100,11 @@ class Update:
         row = 0
         for item in sampling:
             if id(item) not in going:  # computed, but its request ended meanwhile
-                row += 1 + len(item.proposals)
+                row += 1 + item.proposed
                 continue
-            if item.proposals:
+            if item.proposed:
                 verified.append((item, row))
-                row += 1 + len(item.proposals)
+                row += 1 + item.proposed
                 continue
             state, choice = owners[id(item.seq)]
             rows.append((state, choice))
