@@ -28,6 +28,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from worker.engine.core import Engine  # noqa: E402
+from worker.engine.options import EngineOptions  # noqa: E402
 from worker.engine.speculation import Speculation  # noqa: E402
 from worker.model.loader import load_model  # noqa: E402
 from worker.model.runner import ModelRunner  # noqa: E402
@@ -52,9 +53,7 @@ def engine(loaded, speculation: Speculation | None, streams: int, invariant: boo
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
-        max_running=streams,
-        max_queue=4 * streams,
-        prefill_budget_tokens=512,
+        options=EngineOptions(max_running=streams, max_queue=4 * streams, prefill_budget_tokens=512),
         speculation=speculation,
     )
     eng.start()

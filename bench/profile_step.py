@@ -41,6 +41,7 @@ import torch  # noqa: E402
 from worker import config as worker_config  # noqa: E402
 from worker.engine import core as engine_module  # noqa: E402
 from worker.engine.core import Engine  # noqa: E402
+from worker.engine.options import EngineOptions  # noqa: E402
 from worker.model.fake_runner import FakeRunner, load_fake_model  # noqa: E402
 from worker.server import eos_token_ids  # noqa: E402
 from worker.types import GenerationRequest, SamplingOptions  # noqa: E402
@@ -152,10 +153,12 @@ def model_step_times(model: str, device: str, rows_list: list[int], tokens: int,
     timed(engine, "_step", sinks["step"], cpu["step"])
     timed(engine, "_next_plan", sinks["plan"])
     timed(ModelRunner, "execute", sinks["launch"], cpu["launch"])
-    timed(engine, "_resolve", sinks["read"])  # reading a draw (with the overlap: during the next forward)
-    timed(engine, "_publish", sinks["publish"])
+    timed(
+        engine._update, "resolve", sinks["read"]
+    )  # reading a draw (with the overlap: during the next forward)
+    timed(engine._update, "publish", sinks["publish"])
     timed(RequestStream, "_process", sinks["process"], cpu["process"])
-    sample = engine._sample
+    sample = engine._update.sample
     wait_sink, sample_sink = sinks["wait"], sinks["sample"]
 
     def waited_sample(*args: Any, **kwargs: Any) -> Any:
@@ -169,7 +172,7 @@ def model_step_times(model: str, device: str, rows_list: list[int], tokens: int,
             wait_sink.append(middle - start)
             sample_sink.append(time.perf_counter() - middle)
 
-    engine._sample = waited_sample  # type: ignore[method-assign]
+    engine._update.sample = waited_sample  # type: ignore[method-assign]
     try:
         for rows in rows_list:
             asyncio.run(run(engine, rows, 16))  # warm-up at this size
@@ -294,8 +297,7 @@ def main() -> None:
                 loaded.tokenizer,
                 eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
                 context_length=loaded.context_length,
-                max_running=max(rows, 1),
-                **({"overlap": True} if args.overlap else {}),  # older engines have no such option
+                options=EngineOptions(max_running=max(rows, 1), overlap=args.overlap),
             )
             timed(engine, "_step", steps, engine_cpu)
             stream_class = getattr(engine_module, "RequestStream", None)

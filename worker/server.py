@@ -29,6 +29,7 @@ from sluice.v1 import worker_pb2
 from worker import metrics
 from worker.config import WorkerConfig
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.engine.pooling import PoolingEngine
 from worker.engine.process import start_engine_process
 from worker.engine.speculation import Speculation
@@ -174,17 +175,19 @@ def build_serving(
         loaded.tokenizer,
         eos_token_ids=eos,
         context_length=loaded.context_length,
-        max_running=limits.max_running,
-        max_queue=config.max_queue,
-        prefill_budget_tokens=limits.prefill_tokens,
-        prefix_caching=config.prefix_caching,
-        blocked_phrases=config.blocked_phrases,
-        refusal_message=config.refusal_message,
+        options=EngineOptions(
+            max_running=limits.max_running,
+            max_queue=config.max_queue,
+            prefill_budget_tokens=limits.prefill_tokens,
+            prefix_caching=config.prefix_caching,
+            blocked_phrases=config.blocked_phrases,
+            refusal_message=config.refusal_message,
+            stream_interval=config.stream_interval,
+            overlap=overlap,
+        ),
         grammars=grammars,
         on_device_failure=on_device_failure,
         speculation=speculation,
-        stream_interval=config.stream_interval,
-        overlap=overlap,
     )
     engine.start()
     progress.advance(1.0)

@@ -261,8 +261,9 @@ class SampledLogprobs:
 
 
 @dataclass(frozen=True)
-class Admitted:
-    """The request's prefill ran: when, and how many prompt tokens came from the prefix cache."""
+class Dequeued:
+    """The request left the queue for its first step (its prompt starts): when, and how many prompt
+    tokens came from the prefix cache."""
 
     time: float
     cached_tokens: int
@@ -308,4 +309,4 @@ class CoreFailure:
 
 
 # What the core hands a request's output processor, in order, once per step.
-CoreOutput = Progress | Admitted | PromptScored | NewToken | ChoiceEnded | CoreFailure
+CoreOutput = Progress | Dequeued | PromptScored | NewToken | ChoiceEnded | CoreFailure

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import pytest
 
 from worker.engine.kv_blocks import BlockManager
-from worker.engine.scheduler import Scheduler, Sequence, StepPlan, Work
+from worker.engine.scheduler import Scheduler, SeqState, StepPlan
 from worker.errors import InvalidRequest, QueueFull
+from worker.model.step_inputs import Work
 from worker.types import PromptImage
 
 SCALE = float(os.environ.get("SLUICE_FUZZ_SCALE", "1"))
@@ -33,11 +34,11 @@ IMAGE_KEYS = (-11, -12)  # two images at most: the same one comes back often, th
 @dataclass(eq=False)
 class Request:
     request_id: str
-    sequences: list[Sequence] = field(default_factory=list)
+    sequences: list[SeqState] = field(default_factory=list)
     needs_kv: bool = True
 
 
-class Poisoned(Sequence):
+class Poisoned(SeqState):
     """A sequence whose cache keys raise: its request's admission raises (a bug planning it alone)."""
 
     @property
@@ -86,7 +87,7 @@ class Simulation:
         self.ended: set[str] = set()  # finished or cancelled (out of the scheduler)
         self.failed: set[str] = set()  # in a plan's failed list
         self.admitted: set[str] = set()  # admitted at least once
-        self.in_flight: list[tuple[Sequence, int]] = []  # overlap: each drawn row and its placeholder's place
+        self.in_flight: list[tuple[SeqState, int]] = []  # overlap: each drawn row and its placeholder's place
 
     # ------------------------------------------------------------------ requests
 
@@ -122,7 +123,7 @@ class Simulation:
         poisoned = self.rng.random() < 0.01
         needs_kv = poisoned or self.rng.random() < 0.97
         self.ids += 1
-        kinds = [Poisoned if poisoned and i == 0 else Sequence for i in range(n)]
+        kinds = [Poisoned if poisoned and i == 0 else SeqState for i in range(n)]
         request = Request(
             f"r{self.ids}",
             [
@@ -136,7 +137,7 @@ class Simulation:
             self.known[request.request_id] = request
             self.owner.update((id(seq), request) for seq in request.sequences)
 
-    def propose(self, request: Request, seq: Sequence, room: int) -> list[int]:
+    def propose(self, request: Request, seq: SeqState, room: int) -> list[int]:
         """Random proposals after a row's first token, sometimes more than ``room`` (cut by the scheduler)."""
         if seq.generated == 0 or self.rng.random() < 0.3:
             return []
@@ -167,8 +168,8 @@ class Simulation:
         plan = self.scheduler.schedule()
         self.check_plan(plan)
         self.failed.update(request.request_id for request, _ in plan.failed)
-        self.admitted.update(request.request_id for request in plan.admitted)
-        for request in plan.admitted:
+        self.admitted.update(request.request_id for request in plan.started)
+        for request in plan.started:
             if not request.needs_kv:  # a scoring-only request ends at admission
                 for seq in request.sequences:
                     self.scheduler.finish(seq)
@@ -182,7 +183,7 @@ class Simulation:
         """The forward, then the previous draw read (overlap), then the commit, then the draws."""
         self.resolve()  # a row it ends goes no further: its forward's work is dropped
         work = [w for w in work if not w.seq.finished and self.owner[id(w.seq)].request_id not in self.ended]
-        sampled = [item for item in work if item.samples]  # read before the commit moves ``computed``
+        sampled = [item for item in work if item.sample]  # read before the commit moves ``computed``
         for item in work:
             self.write(item)
             if not item.proposals:
@@ -207,7 +208,7 @@ class Simulation:
             assert blocks._refs[block] == 1 and block not in blocks._by_block, "a step wrote a shared block"
             self.pool[block][place % size] = value
 
-    def draw(self, seq: Sequence) -> None:
+    def draw(self, seq: SeqState) -> None:
         """The row's next token (the prompt's end: its waiting siblings' first ones too); with overlap a
         placeholder until :meth:`resolve`."""
         rows = [seq]
@@ -247,7 +248,7 @@ class Simulation:
         if not self.maybe_finish(seq):
             self.scheduler.committed(work, accepted=kept)
 
-    def maybe_finish(self, seq: Sequence) -> bool:
+    def maybe_finish(self, seq: SeqState) -> bool:
         if len(seq.tokens) >= seq.max_length or self.rng.random() < 0.03:
             self.scheduler.finish(seq)
             return True
@@ -259,7 +260,7 @@ class Simulation:
         """The plan, before anything runs."""
         scheduler = self.scheduler
         if scheduler.waiting or scheduler.running:
-            assert plan.work or plan.admitted or plan.failed, "work is waiting but the step planned nothing"
+            assert plan.work or plan.started or plan.failed, "work is waiting but the step planned nothing"
         running = {id(seq) for request in scheduler.running for seq in request.sequences}
         planned = [id(w.seq) for w in plan.work]
         assert len(planned) == len(set(planned)), "a sequence was planned twice"
@@ -334,7 +335,7 @@ class Simulation:
 
     def check_cached_tokens(self, plan: StepPlan[Request]) -> None:
         """A first admission reports as cached the prompt tokens it reused (what it attached)."""
-        for request in plan.admitted:
+        for request in plan.started:
             if request.needs_kv and request.request_id not in self.admitted:
                 seq = request.sequences[0]
                 assert seq.cached_tokens == min(seq.computed, seq.prompt_length), (
@@ -368,7 +369,7 @@ class Simulation:
         for block, entry in blocks._by_block.items():
             assert self.pool[block] == list(entry.key[1]), "a cached block holds other keys than its entry's"
 
-    def check_kv(self, seq: Sequence) -> None:
+    def check_kv(self, seq: SeqState) -> None:
         """Every computed token's slot holds that token's key (an image's key inside its span)."""
         size = self.block_size
         for place in range(seq.computed):
@@ -376,9 +377,9 @@ class Simulation:
             assert slot == key(seq, place), "a sequence's KV is not its tokens' (a wrong prefix reused)"
 
 
-def key(seq: Sequence, place: int) -> int:
+def key(seq: SeqState, place: int) -> int:
     """What the KV at ``place`` is computed from: the image inside an image's span, else the token
-    (worked out here, not by ``Sequence.cache_keys``, which is under test)."""
+    (worked out here, not by ``SeqState.cache_keys``, which is under test)."""
     return next((image.key for image in seq.images if image.start <= place < image.end), seq.tokens[place])
 
 
@@ -416,10 +417,10 @@ class HoldsBackTheNewest(Scheduler[Request]):
 class AdmitsNothingWhileRunning(Scheduler[Request]):
     """Broken on purpose: admits nothing while any request runs."""
 
-    def _admit(self, item, budget, plan):  # type: ignore[no-untyped-def]
+    def _start(self, item, budget, plan):  # type: ignore[no-untyped-def]
         if self.running:
             return budget, False
-        return super()._admit(item, budget, plan)
+        return super()._start(item, budget, plan)
 
 
 @pytest.mark.parametrize(

@@ -1,2 +1,3 @@
-"""Continuous batching: the step loop (``core.py``), the scheduler and KV block bookkeeping, and each
-request's way in (``prepare.py``) and out (``request_stream.py``)."""
+"""Continuous batching: the step loop (``core.py``: schedule, execute, ``update.py``), the scheduler
+and KV block bookkeeping, and each request's way in (``prepare.py``) and out (``sink.py``,
+``request_stream.py``)."""

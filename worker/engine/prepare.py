@@ -89,7 +89,7 @@ class RequestPreparer:
                     f"the resumed tokens do not follow the request's grammar: {error}", param="resume"
                 )
         # The same token-level ends, in the same order, as the last resumed token would have met in
-        # _advance (a stop token is never among them: it is never delivered).
+        # Update._stop (a stop token is never among them: it is never delivered).
         if sampling.constraint is not None and sampling.constraint.finished:
             return FinishReason.STOP
         if sampling.generated >= opts.max_tokens or len(request.prefill_token_ids) >= self._context_length:

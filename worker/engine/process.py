@@ -23,7 +23,7 @@ from typing import Any
 from sluice.heap import freeze_startup_heap
 from sluice.logs import configure_logging
 from worker.config import WorkerConfig
-from worker.engine.core import Engine, deliver, ended_outputs
+from worker.engine.core import Engine
 from worker.engine.failures import EngineFailure
 from worker.engine.prepare import Prepared
 from worker.engine.process_intake import Intake
@@ -46,6 +46,7 @@ from worker.engine.process_messages import (
     ToEngine,
 )
 from worker.engine.request_stream import RequestStream, StreamOpener
+from worker.engine.sink import deliver, ended_outputs
 from worker.engine.stats import EngineStats
 from worker.errors import GenerationFailed, WorkerError
 from worker.model.load_progress import LoadProgress
@@ -128,7 +129,7 @@ class _StatsOutbox:
 
 
 class _PipeLoop:
-    """Stands in for an event loop in :func:`worker.engine.core.deliver`: a step's outputs for every
+    """Stands in for an event loop in :func:`worker.engine.sink.deliver`: a step's outputs for every
     request go to the serving process as one message."""
 
     def __init__(self, outbox: _StatsOutbox):
@@ -142,7 +143,7 @@ class _PipeLoop:
 
 
 class _RemoteSink:
-    """A request's outputs, for the serving process (:class:`worker.engine.core.OutputSink`)."""
+    """A request's outputs, for the serving process (:class:`worker.engine.sink.OutputSink`)."""
 
     def __init__(self, key: str, loop: _PipeLoop):
         self.key = key
@@ -316,7 +317,7 @@ class EngineClient:
         """The engine process prepares requests (their sampling state lives there): nothing to do."""
         return Prepared(request, [])
 
-    async def admit(self, prepared: Prepared) -> RequestStream:
+    async def queue(self, prepared: Prepared) -> RequestStream:
         """Sends the request to the engine process and waits for it to be queued; raises what refused
         it there (QueueFull, InvalidRequest)."""
         request = prepared.request

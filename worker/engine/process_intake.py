@@ -12,8 +12,9 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-from worker.engine.core import Engine, OutputSink
+from worker.engine.core import Engine
 from worker.engine.process_messages import Abort, Acked, Refusal, StopChoices
+from worker.engine.sink import OutputSink
 from worker.errors import GenerationFailed, WorkerError
 from worker.types import GenerationRequest
 
@@ -67,7 +68,7 @@ class Intake:
 
     def _take_in(self, key: str, request: GenerationRequest) -> None:
         try:
-            answer = self._admit(key, request)
+            answer = self._queue(key, request)
         except Exception:  # a bug here must still answer, or the caller waits for ever
             log.exception("queueing %s failed", key)
             answer = Acked(key, Refusal(GenerationFailed, "generation failed: queueing it failed"))
@@ -76,7 +77,7 @@ class Intake:
         except (OSError, ValueError):
             log.info("the answer to %s could not be sent: the serving process is gone", key)
 
-    def _admit(self, key: str, request: GenerationRequest) -> Acked:
+    def _queue(self, key: str, request: GenerationRequest) -> Acked:
         """Prepares and queues the request, then applies what arrived for it meanwhile, in order."""
         try:
             prepared = self._engine.prepare(request)

@@ -1,4 +1,4 @@
-"""Admission, chunked prefill and preemption over the paged KV cache: pure Python, no torch.
+"""Starting queued requests, chunked prefill and preemption over the paged KV cache.
 
 Design notes: docs/worker.md.
 """
@@ -13,11 +13,12 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 
 from worker.engine.kv_blocks import BlockManager, SequenceBlocks
 from worker.errors import InvalidRequest, QueueFull
+from worker.model.step_inputs import Work, work_of
 from worker.types import PromptImage
 
 
 @dataclass(eq=False)
-class Sequence:
+class SeqState:
     """One choice's tokens and KV blocks. ``tokens`` grows by one per sample (the engine appends)."""
 
     tokens: list[int]
@@ -27,8 +28,8 @@ class Sequence:
     computed: int = 0  # leading tokens whose KV is in the pool
     finished: bool = False
     awaits_prompt: bool = False  # an n > 1 sibling before the first sequence's prompt is done
-    cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its first admission
-    admitted: bool = False  # admitted at least once (a preempted sequence is admitted again)
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its first start
+    started: bool = False  # started at least once (a preempted sequence starts again)
     images: tuple[PromptImage, ...] = ()  # a vision-language prompt's images (their placeholder spans)
 
     @property
@@ -51,6 +52,11 @@ class Sequence:
         return count
 
     @property
+    def table(self) -> list[int]:
+        """Its block table (the pool blocks its tokens' KV goes to, in order)."""
+        return self.blocks.table
+
+    @property
     def pending(self) -> int:
         """Known tokens without KV yet (1 for a decoding sequence)."""
         return len(self.tokens) - self.computed
@@ -65,7 +71,7 @@ class Schedulable(Protocol):
     def request_id(self) -> str: ...
 
     @property
-    def sequences(self) -> list[Sequence]: ...
+    def sequences(self) -> list[SeqState]: ...
 
     @property
     def needs_kv(self) -> bool:
@@ -76,38 +82,25 @@ class Schedulable(Protocol):
 T = TypeVar("T", bound=Schedulable)
 
 
-@dataclass(frozen=True)
-class Work:
-    """Compute ``count`` tokens of ``seq`` from ``seq.computed`` on (its table covers them), then
-    its ``proposals`` (speculative tokens to verify, after a decoding sequence's last token)."""
-
-    seq: Sequence
-    count: int
-    proposals: tuple[int, ...] = ()
-
-    @property
-    def samples(self) -> bool:
-        return self.seq.computed + self.count == len(self.seq.tokens)
-
-
 @dataclass
 class StepPlan(Generic[T]):
-    """One step: the work of every sequence that runs, the requests that joined the batch (first
-    time or after a preemption), those preempted, and those whose planning raised (to fail alone)."""
+    """One step: the work of every sequence that runs, the requests that started (left the queue
+    for the batch, first time or after a preemption), those preempted, and those whose planning
+    raised (to fail alone)."""
 
     work: list[Work] = field(default_factory=list)
-    admitted: list[T] = field(default_factory=list)
+    started: list[T] = field(default_factory=list)
     preempted: list[T] = field(default_factory=list)
     failed: list[tuple[T, Exception]] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
-        return not self.work and not self.admitted
+        return not self.work and not self.started
 
 
 class SchedulingFailed(Exception):
     """:meth:`Scheduler.schedule` raised (``error``, also the ``__cause__``). ``failed``: the requests
-    the call had already taken out of the queue because their own admission raised, with their
+    the call had already taken out of the queue because their own start raised, with their
     errors, as the plan's ``failed`` would have listed them; the caller must fail them too."""
 
     def __init__(self, failed: list[tuple[Any, Exception]], error: Exception):
@@ -117,7 +110,7 @@ class SchedulingFailed(Exception):
 
 
 # A running request's decoding sequence and the most tokens it may propose: its proposals (or []).
-Proposer = Callable[[T, Sequence, int], list[int]]
+Proposer = Callable[[T, SeqState, int], list[int]]
 
 
 class Scheduler(Generic[T]):
@@ -135,7 +128,7 @@ class Scheduler(Generic[T]):
     ):
         """``propose``: speculative decoding's proposals for decoding sequences (None: off); they
         take what the step's token budget and free blocks have left after the running sequences
-        and admissions (a row's own token counts too), so they delay or preempt nobody; and only
+        and starts (a row's own token counts too), so they delay or preempt nobody; and only
         in steps where at most ``speculate_max_rows`` sequences decode (None: any number)."""
         self.propose = propose
         self.speculate_max_rows = speculate_max_rows
@@ -160,7 +153,7 @@ class Scheduler(Generic[T]):
         Raises InvalidRequest when the request could never fit the pool on its
         own, and QueueFull (with a retry hint) when the queue is at its bound.
         """
-        if len(item.sequences) > self.max_running:  # it could never be admitted: nothing behind it would be
+        if len(item.sequences) > self.max_running:  # it could never start: nothing behind it would
             raise InvalidRequest(
                 f"the request asks for {len(item.sequences)} choices; this worker runs at most "
                 f"{self.max_running} sequences at once; lower n",
@@ -174,7 +167,7 @@ class Scheduler(Generic[T]):
                 f"this worker's {self.capacity_tokens}; lower max_tokens or n",
                 param="max_tokens",
             )
-        # Requests the next step will admit into free slots are not waiting for a slot: only the rest
+        # Requests the next step will start into free slots are not waiting for a slot: only the rest
         # count against the queue's bound (so the bound does not depend on when the step runs).
         free_slots = max(0, self.max_running - self.running_sequences)
         if len(self.waiting) >= self.max_queue + free_slots:
@@ -198,7 +191,7 @@ class Scheduler(Generic[T]):
                 return item
         return None
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: SeqState) -> None:
         """A sequence ended: its blocks go back (registered prefix blocks stay reusable)."""
         seq.finished = True
         self.blocks.free(seq.blocks)
@@ -211,7 +204,7 @@ class Scheduler(Generic[T]):
         seq = work.seq
         seq.computed += work.count + accepted
         self.blocks.commit(seq.blocks, seq.cache_keys, seq.computed)
-        if work.proposals:
+        if work.proposed:
             self.blocks.truncate(seq.blocks, seq.computed)
 
     def _free(self, item: T) -> None:
@@ -220,14 +213,14 @@ class Scheduler(Generic[T]):
             seq.computed = 0
 
     def schedule(self) -> StepPlan[T]:
-        """Plans the next step: the running requests (oldest first), then admissions, then
-        proposals. A request whose own admission raises leaves the queue for ``plan.failed``;
+        """Plans the next step: the running requests (oldest first), then starts, then
+        proposals. A request whose own start raises leaves the queue for ``plan.failed``;
         when planning raises otherwise, :class:`SchedulingFailed` carries those requests (they are
         neither waiting nor running any more, so the caller fails them with the rest)."""
         plan: StepPlan[T] = StepPlan()
         try:
             budget = self._plan_running(plan)
-            budget = self._admit_waiting(plan, budget)
+            budget = self._start_waiting(plan, budget)
             if self.propose is not None:
                 self._speculate(plan, budget)
         except Exception as error:
@@ -250,8 +243,8 @@ class Scheduler(Generic[T]):
             index += 1
         return budget
 
-    def _admit_waiting(self, plan: StepPlan[T], budget: int) -> int:
-        """Admits waiting requests in order while slots, budget and free blocks allow; returns the
+    def _start_waiting(self, plan: StepPlan[T], budget: int) -> int:
+        """Starts waiting requests in order while slots, budget and free blocks allow; returns the
         budget left."""
         while self.waiting and (budget > 0 or not plan.work):
             head = self.waiting[0]
@@ -259,7 +252,7 @@ class Scheduler(Generic[T]):
                 break
             planned = len(plan.work)
             try:
-                budget, ok = self._admit(head, budget, plan)
+                budget, ok = self._start(head, budget, plan)
             except Exception as error:  # this request alone cannot be planned
                 self.waiting.popleft()
                 plan.failed.append((head, error))  # listed first: reported even if freeing raises
@@ -272,7 +265,7 @@ class Scheduler(Generic[T]):
                 break
             self.waiting.popleft()
             self.running.append(head)
-            plan.admitted.append(head)
+            plan.started.append(head)
         return budget
 
     def _plan(self, item: T, budget: int, plan: StepPlan[T]) -> tuple[int, bool]:
@@ -290,14 +283,14 @@ class Scheduler(Generic[T]):
                 if victim is item:
                     return budget, False
                 self._preempt(victim, plan)
-            plan.work.append(Work(seq, count))
+            plan.work.append(work_of(seq, count))
             if seq.pending > 1:
                 budget -= count
         return budget, True
 
     def _speculate(self, plan: StepPlan[T], budget: int) -> None:
         """Gives the planned decoding sequences their proposals, oldest first, from what the budget
-        and the free blocks have left once every running sequence and admission is planned."""
+        and the free blocks have left once every running sequence and start is planned."""
         assert self.propose is not None
         decoding = sum(1 for work in plan.work if work.count == 1)
         if self.speculate_max_rows is not None and decoding > self.speculate_max_rows:
@@ -310,10 +303,10 @@ class Scheduler(Generic[T]):
                     continue
                 proposals = self._proposals(item, seq, budget)
                 if proposals:
-                    plan.work[index] = Work(seq, 1, proposals)
+                    plan.work[index] = work_of(seq, 1, proposals)
                     budget -= 1 + len(proposals)
 
-    def _proposals(self, item: T, seq: Sequence, budget: int) -> tuple[int, ...]:
+    def _proposals(self, item: T, seq: SeqState, budget: int) -> tuple[int, ...]:
         """A decoding sequence's proposals that fit the budget (its own token included), its
         ``max_length`` and the free blocks (they never preempt); their blocks are taken here."""
         room = min(budget - 1, seq.max_length - len(seq.tokens))
@@ -324,9 +317,9 @@ class Scheduler(Generic[T]):
             return ()
         return proposals
 
-    def _admit(self, item: T, budget: int, plan: StepPlan[T]) -> tuple[int, bool]:
+    def _start(self, item: T, budget: int, plan: StepPlan[T]) -> tuple[int, bool]:
         """Plans a waiting request's first step; False (nothing taken) when its blocks are short.
-        Only free blocks count: admission never preempts."""
+        Only free blocks count: a start never preempts."""
         if not item.needs_kv:
             return budget, True
         others = bool(plan.work)  # work planned for other requests before this one
@@ -344,7 +337,7 @@ class Scheduler(Generic[T]):
                 count = seq.chunk(min(seq.pending, self.prefill_budget_tokens))
             if not self.blocks.ensure(seq.blocks, seq.computed + count):
                 return budget, False
-            plan.work.append(Work(seq, count))
+            plan.work.append(work_of(seq, count))
             own = True
             if seq.pending > 1:
                 budget -= count
@@ -357,12 +350,12 @@ class Scheduler(Generic[T]):
         self._free(item)
         self.waiting.appendleft(item)
         plan.preempted.append(item)
-        if item in plan.admitted:
-            plan.admitted.remove(item)
+        if item in plan.started:
+            plan.started.remove(item)
 
 
 class _KeyedTokens(Tokens[int]):
-    """A sequence's tokens as the prefix cache keys them (:attr:`Sequence.cache_keys`), read lazily."""
+    """A sequence's tokens as the prefix cache keys them (:attr:`SeqState.cache_keys`), read lazily."""
 
     def __init__(self, tokens: list[int], images: tuple[PromptImage, ...]):
         self._tokens = tokens
@@ -388,14 +381,14 @@ class _KeyedTokens(Tokens[int]):
 
 
 def _count_cached(item: Schedulable) -> None:
-    """Records, at a request's first admission that succeeds, the prompt tokens its sequences
-    reused from the prefix cache: what they attached (``computed`` until the step commits). An
-    admission that found its blocks short attached and let go again, so it counts nothing."""
+    """Records, at a request's first start that succeeds, the prompt tokens its sequences
+    reused from the prefix cache: what they attached (``computed`` until the step commits). A
+    start that found its blocks short attached and let go again, so it counts nothing."""
     for seq in _live(item):
-        if not seq.awaits_prompt and not seq.admitted:
-            seq.admitted = True
+        if not seq.awaits_prompt and not seq.started:
+            seq.started = True
             seq.cached_tokens = min(seq.computed, seq.prompt_length)
 
 
-def _live(item: Schedulable) -> list[Sequence]:
+def _live(item: Schedulable) -> list[SeqState]:
     return [seq for seq in item.sequences if not seq.finished]

@@ -1,6 +1,6 @@
 """Speculative decoding's engine side: which rows propose, their proposals (n-gram lookup or a draft
 model), and each row's acceptance window (a row whose proposals keep failing pauses). Verification:
-``Engine._verify``."""
+``worker/sampling/verify.py``, driven by ``Update``."""
 
 from __future__ import annotations
 

@@ -9,9 +9,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from sluice.prometheus import Histogram
+from worker.engine.scheduler import Scheduler
 from worker.types import FastPath
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,31 @@ class EngineStats:
     fast_path: FastPath | None = None  # CUDA only: which parts of the decode fast path are on
     graph_replays: int = 0  # decode steps replayed from a CUDA graph
     speculative_proposer: str | None = None  # --speculative's proposer; None: off
+
+    @classmethod
+    def of(
+        cls, scheduler: Scheduler[Any], runner: Any, proposer: str | None, counters: EngineCounters
+    ) -> EngineStats:
+        """A snapshot of an engine's scheduler, runner and counters (under the engine's lock)."""
+        running = list(scheduler.running)
+        sequences = [seq for r in running for seq in r.sequences if not seq.finished]
+        blocks = scheduler.blocks
+        return cls(
+            waiting_requests=len(scheduler.waiting),
+            running_requests=len(running),
+            running_sequences=len(sequences),
+            live_caches=sum(1 for seq in sequences if seq.blocks.table),
+            cache_tokens=sum(seq.computed for seq in sequences),
+            cache_bytes=runner.pool_bytes,
+            reserved_tokens=blocks.used * blocks.block_size,
+            kv_block_size=blocks.block_size,
+            kv_blocks_total=blocks.num_blocks,
+            kv_blocks_used=blocks.used,
+            fast_path=getattr(runner, "fast_path", None),
+            graph_replays=getattr(getattr(runner, "graphs", None), "replays", 0),
+            speculative_proposer=proposer,
+            counters=replace(counters, time_to_first_token=counters.time_to_first_token.copy()),
+        )
 
     @property
     def kv_cache_usage(self) -> float:

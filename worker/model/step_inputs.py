@@ -7,12 +7,13 @@ on the other for its inputs (the role SGLang's ``forward_batch_info`` plays).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
 from worker.device.staging import staged
+from worker.types import PromptImage
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,8 @@ class Work:
     """One sequence's part of a step: compute ``tokens`` at positions ``start..``, whose slots the
     block table covers; ``sample``: the last token's logits are wanted (it ends the known tokens);
     ``proposed``: the last tokens are that many speculative proposals, and the logits of each and of
-    the token before them are wanted (``sample`` is true)."""
+    the token before them are wanted (``sample`` is true). The scheduler plans steps as these
+    (:func:`work_of`); ``seq`` is its sequence, which the engine commits after the forward."""
 
     tokens: Sequence[int]
     start: int
@@ -45,6 +47,65 @@ class Work:
     # columns), and how far they move the positions after them (a decode row's offset).
     grids: tuple[tuple[int, tuple[int, int, int]], ...] = ()
     position_delta: int = 0
+    seq: Any = field(
+        default=None, compare=False, repr=False
+    )  # the planner's sequence (the runner never reads it)
+
+    @property
+    def count(self) -> int:
+        """The sequence's known tokens this computes (its proposals left out)."""
+        return len(self.tokens) - self.proposed
+
+    @property
+    def proposals(self) -> tuple[int, ...]:
+        """The speculative tokens this verifies, after the sequence's last known token."""
+        return tuple(self.tokens[len(self.tokens) - self.proposed :]) if self.proposed else ()
+
+
+class PlannedSequence(Protocol):
+    """What :func:`work_of` reads of a sequence (the scheduler's ``SeqState``)."""
+
+    @property
+    def tokens(self) -> list[int]: ...
+    @property
+    def computed(self) -> int: ...
+    @property
+    def generated(self) -> int: ...
+    @property
+    def table(self) -> list[int]: ...
+    @property
+    def images(self) -> tuple[PromptImage, ...]: ...
+
+
+def work_of(seq: PlannedSequence, count: int, proposals: tuple[int, ...] = ()) -> Work:
+    """``seq``'s part of a step: ``count`` of its tokens from ``computed`` on, then ``proposals``
+    (speculative tokens to verify after a decoding sequence's last token); the images they hold."""
+    start, end = seq.computed, seq.computed + count
+    sample = end == len(seq.tokens)
+    tokens = [*seq.tokens[start:end], *proposals]
+    if not seq.images:  # the common row: no image parts, no M-RoPE offsets
+        return Work(tokens, start, seq.table, sample, seq.generated, len(proposals), seq=seq)
+    grids = tuple(
+        (image.start, (image.grid[0], image.grid[1], image.grid[2])) for image in seq.images if image.grid
+    )
+    chunk = tuple(
+        ChunkImage(
+            image.inputs,
+            image.placeholders(image.start, start),
+            image.placeholders(start, end),
+            (image.start, image.end),
+        )
+        for image in seq.images
+        if image.start < end and start < image.end
+    )
+    return Work(
+        tokens, start, seq.table, sample, seq.generated, len(proposals), chunk, grids, mrope_delta(grids), seq
+    )
+
+
+def mrope_delta(grids: Sequence[tuple[int, tuple[int, int, int]]]) -> int:
+    """How far M-RoPE moves the positions after every image (the decode rows' offset)."""
+    return sum(max(rows, columns) - frames * rows * columns for _, (frames, rows, columns) in grids)
 
 
 def is_decode_row(item: Work) -> bool:

@@ -153,8 +153,3 @@ def mrope_positions(
         out[:, positions >= end] += moved
         shift += moved
     return out
-
-
-def mrope_delta(grids: Sequence[tuple[int, tuple[int, int, int]]]) -> int:
-    """How far M-RoPE moves the positions after every image (the decode rows' offset)."""
-    return sum(max(rows, columns) - frames * rows * columns for _, (frames, rows, columns) in grids)

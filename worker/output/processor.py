@@ -13,11 +13,11 @@ from worker.output.choice_output import ChoiceOutput
 from worker.output.detokenizer import Decoder, IncrementalDetokenizer, TokenTexts
 from worker.output.stop_strings import StopStringMatcher
 from worker.types import (
-    Admitted,
     ChoiceEnded,
     ContentDelta,
     CoreFailure,
     CoreOutput,
+    Dequeued,
     Event,
     Failed,
     Finished,
@@ -106,7 +106,7 @@ class RequestOutputProcessor:
             )
             for i in range(request.sampling.n)
         ]
-        self._admitted_time: float | None = None
+        self._dequeued_time: float | None = None
         self._cached_tokens = 0
         self._done = False
         # A resumed request's events that the earlier call never delivered (see ``_prime``); sent
@@ -179,9 +179,9 @@ class RequestOutputProcessor:
                 self._token(item, out)
             elif isinstance(item, Progress):
                 out.events.append(item)
-            elif isinstance(item, Admitted):
-                if self._admitted_time is None:
-                    self._admitted_time, self._cached_tokens = item.time, item.cached_tokens
+            elif isinstance(item, Dequeued):
+                if self._dequeued_time is None:
+                    self._dequeued_time, self._cached_tokens = item.time, item.cached_tokens
                 else:  # scored first, then prefilled: the prefill's cache hit counts
                     self._cached_tokens = item.cached_tokens
             elif isinstance(item, PromptScored):
@@ -280,7 +280,7 @@ class RequestOutputProcessor:
         arrival = self._request.arrival_time
         first = choice.first_token_time or arrival
         timings = Timings(
-            queue_seconds=max(0.0, (self._admitted_time or arrival) - arrival),
+            queue_seconds=max(0.0, (self._dequeued_time or arrival) - arrival),
             time_to_first_token_seconds=max(0.0, first - arrival),
             decode_seconds=max(0.0, (choice.last_token_time or first) - first),
         )

@@ -222,7 +222,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             parsed = parse_request(request, serving.loaded.model_id)
             engine = serving.generator  # first: a pooling worker refuses naming its task
             prepared = await self._in_thread(_prepare, serving, parsed, request_id, arrival)
-            stream = await engine.admit(prepared.work)
+            stream = await engine.queue(prepared.work)
         except WorkerError as exc:
             log.info("request %s rejected: %s (%s)", request_id, exc.message, exc.code.name)
             await context.abort_with_status(exc.to_status())

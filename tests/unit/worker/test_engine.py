@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
 from worker.sampling.grammar import GrammarCompiler
@@ -49,11 +50,13 @@ def make_engine(
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
-        max_running=max_running,
-        max_queue=1000,
-        prefill_budget_tokens=prefill_budget_tokens,
-        prefix_caching=prefix_caching,
-        overlap=overlap,
+        options=EngineOptions(
+            max_running=max_running,
+            max_queue=1000,
+            prefill_budget_tokens=prefill_budget_tokens,
+            prefix_caching=prefix_caching,
+            overlap=overlap,
+        ),
         grammars=grammars,
     )
     eng.start()

@@ -14,7 +14,7 @@ import pytest
 
 from tests.unit.worker.test_engine import greedy, make_engine
 from tests.unit.worker.test_speculation import engine as speculating_engine
-from worker.engine import core
+from worker.engine import sink
 from worker.engine.core import Engine
 from worker.engine.failures import DeviceFailure, EngineFailure
 from worker.engine.speculation import RowSpeculation, Speculation
@@ -179,7 +179,7 @@ def inject(eng: Engine, where: str, fault: Fault, monkeypatch: pytest.MonkeyPatc
     elif where == "commit":  # the KV commit after a forward (a reference-count bug raises here)
         monkeypatch.setattr(eng._scheduler, "committed", fault.wrap(eng._scheduler.committed))
     elif where == "deliver":  # handing a step's outputs over (a pipe write under --engine-process)
-        monkeypatch.setattr(core, "deliver", fault.wrap(core.deliver))
+        monkeypatch.setattr(sink, "deliver", fault.wrap(sink.deliver))
     elif where == "schedule":  # a scheduler bug
         monkeypatch.setattr(eng._scheduler, "schedule", fault.wrap(eng._scheduler.schedule))
     elif where == "forward":
@@ -235,7 +235,7 @@ def test_a_step_that_raises_fails_its_requests_and_the_loop_goes_on(
 def test_a_failure_that_leaves_the_block_accounting_wrong_stops_the_engine(loaded, monkeypatch) -> None:
     stopped: list[BaseException] = []
     eng = make_engine(loaded, prefill_budget_tokens=64, max_running=2)
-    eng._on_device_failure = stopped.append
+    eng._failures.on_engine_failure = stopped.append
     blocks = eng.blocks
     commit = blocks.commit
     fault = Fault(None)
@@ -274,7 +274,7 @@ def test_every_exit_of_the_loop_ends_every_stream(loaded, monkeypatch, exit_path
     """Running and queued requests alike hear their end, whichever way the loop ends."""
     eng = make_engine(loaded, prefill_budget_tokens=64, max_running=2)
     stopped: list[BaseException] = []
-    eng._on_device_failure = stopped.append
+    eng._failures.on_engine_failure = stopped.append
     if exit_path == "stop":  # stopped from another thread, as a drained worker stops it
         fault = Fault(None)
         inject(eng, "ready", fault, monkeypatch)
@@ -294,7 +294,7 @@ def test_every_exit_of_the_loop_ends_every_stream(loaded, monkeypatch, exit_path
     else:  # the failure handling itself has a bug
         fault = Fault(ValueError("step bug"))
         inject(eng, "ready", fault, monkeypatch)
-        monkeypatch.setattr(eng, "_contain", lambda *_: 1 / 0)
+        monkeypatch.setattr(eng._failures, "contain", lambda *_: 1 / 0)
     try:
         results = run_with_fault(eng, fault, running=2, queued=2)
     finally:

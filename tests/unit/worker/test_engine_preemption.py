@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.engine.request_stream import RequestStream
 from worker.model.fake_runner import FakeRunner, load_fake_model
 from worker.model.loader import load_model
@@ -39,7 +40,7 @@ def engine_on(runner, loaded, **options) -> Engine:
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
-        **settings,
+        options=EngineOptions(**settings),
     )
 
 
@@ -111,12 +112,12 @@ def test_progress_bookkeeping_is_empty_once_everything_finished_under_preemption
             if not (engine._scheduler.waiting or engine._scheduler.running):
                 break
             plan = step(engine)
-            readmitted += len({id(s) for s in plan.preempted} & {id(s) for s in plan.admitted})
+            readmitted += len({id(s) for s in plan.preempted} & {id(s) for s in plan.started})
             for stream in streams:
                 await drain(stream)
         assert engine.counters.preemptions > 0 and readmitted > 0
         assert engine.counters.requests_finished == 3
-        assert engine._progress_due == {}
+        assert engine._ledger.progress_due == {}
 
     asyncio.run(scenario())
 
@@ -161,7 +162,7 @@ def test_a_request_whose_admission_raised_ends_when_planning_then_raises(fake, m
         step(engine)
         doomed = engine.submit(request(list(range(30, 38)), max_tokens=4))
         scheduler = engine._scheduler
-        admit = scheduler._admit
+        admit = scheduler._start
 
         def admission_bug(state, budget, plan):  # type: ignore[no-untyped-def]
             if state.key == doomed.key:
@@ -171,7 +172,7 @@ def test_a_request_whose_admission_raised_ends_when_planning_then_raises(fake, m
         def proposer_bug(state, seq, room):  # type: ignore[no-untyped-def]
             raise RuntimeError("proposer bug")  # after the admissions: the plan is lost
 
-        monkeypatch.setattr(scheduler, "_admit", admission_bug)
+        monkeypatch.setattr(scheduler, "_start", admission_bug)
         monkeypatch.setattr(scheduler, "propose", proposer_bug)
         passes = iter([engine._next_plan])
         monkeypatch.setattr(engine, "_next_plan", lambda: next(passes, lambda: None)())

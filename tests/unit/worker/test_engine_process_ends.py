@@ -118,7 +118,7 @@ def request(index: int) -> Prepared:
 async def every_stream_ends(harness: Harness, end_the_pipe: Callable[[], Any]) -> None:
     """Opens streams, ends the pipe with ``end_the_pipe``, and asserts each stream's last event is
     a failure and a later request is refused."""
-    streams = [await harness.client.admit(request(i)) for i in range(STREAMS)]
+    streams = [await harness.client.queue(request(i)) for i in range(STREAMS)]
     readers = [asyncio.ensure_future(_events(stream)) for stream in streams]
     await asyncio.sleep(0)  # every reader is waiting for its stream
     result = end_the_pipe()
@@ -130,7 +130,7 @@ async def every_stream_ends(harness: Harness, end_the_pipe: Callable[[], Any]) -
         events = reader.result()
         assert isinstance(events[-1], Failed), events
     with pytest.raises(GenerationFailed):
-        await harness.client.admit(request(STREAMS))
+        await harness.client.queue(request(STREAMS))
 
 
 async def _events(stream: Any) -> list[Any]:

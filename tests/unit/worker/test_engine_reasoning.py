@@ -10,6 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.types import (
     ContentDelta,
     Failed,
@@ -60,7 +61,7 @@ def run(tokenizer, text: str, output: OutputOptions, **engine_options) -> list:
         tokenizer,
         eos_token_ids={tokenizer.eos_token_id},
         context_length=4096,
-        **engine_options,
+        options=EngineOptions(**engine_options),
     )  # type: ignore[arg-type]
     engine.start()
     request = GenerationRequest(

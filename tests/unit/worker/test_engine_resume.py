@@ -20,6 +20,7 @@ from dataclasses import replace
 import pytest
 
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.errors import InvalidRequest
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
@@ -28,8 +29,8 @@ from worker.output.processor import RequestOutputProcessor, TextRules
 from worker.sampling.grammar import GrammarCompiler, GrammarSpec
 from worker.server import eos_token_ids
 from worker.types import (
-    Admitted,
     ContentDelta,
+    Dequeued,
     Finished,
     FinishReason,
     GenerationRequest,
@@ -70,9 +71,8 @@ def engine(loaded, compiler):
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
-        max_running=8,
         # Small: a resumed request's prompt plus tokens is computed in several chunks.
-        prefill_budget_tokens=16,
+        options=EngineOptions(max_running=8, prefill_budget_tokens=16),
         grammars=compiler,
     )
     eng.start()
@@ -117,7 +117,7 @@ def per_token_events(loaded, request: GenerationRequest, events: list) -> list:
     finished = next(e for e in events if isinstance(e, Finished))
     processor = RequestOutputProcessor(request, loaded.tokenizer, TokenTexts(loaded.tokenizer), TextRules())
     now = time.monotonic()
-    out = processor.process([Admitted(now, 0)]).events
+    out = processor.process([Dequeued(now, 0)]).events
     for position, token in enumerate(ids):
         last = position == len(ids) - 1 and finished.matched_stop_token_id is None
         end = finished.reason if last and not finished.matched_stop else None
@@ -261,7 +261,7 @@ def test_resume_after_the_tail_was_sent_sends_only_the_finish(loaded):
     request = make_request((1, 2, 3), temperature=0.0, max_tokens=100, output=OutputOptions(tool_calls=True))
 
     def feed(processor: RequestOutputProcessor, tokens: list[int]) -> list:
-        out = processor.process([Admitted(time.monotonic(), 0)]).events
+        out = processor.process([Dequeued(time.monotonic(), 0)]).events
         for token in tokens:
             out += processor.process([NewToken(0, token, time.monotonic())]).events
         end = NewToken(0, stop, time.monotonic(), finish=FinishReason.STOP, stop_token=stop)

@@ -12,6 +12,7 @@ import torch
 
 from worker.config import parse_config
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.errors import InvalidRequest
 from worker.model.fake_runner import PASSAGE, SOURCE_PREFIX, FakeRunner, load_fake_model
 from worker.model.loader import DEFAULT_MODEL_ID, ModelLoadError
@@ -36,8 +37,7 @@ def engine_for(loaded, step_ms: float = 0.0) -> Engine:
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
-        max_running=8,
-        max_queue=100,
+        options=EngineOptions(max_running=8, max_queue=100),
     )
     engine.start()
     return engine

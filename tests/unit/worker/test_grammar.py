@@ -12,6 +12,7 @@ import pytest
 
 from sluice.v1 import worker_pb2 as pb
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.errors import InvalidRequest
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
@@ -75,7 +76,7 @@ def engine(loaded, compiler):
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
-        max_running=8,
+        options=EngineOptions(max_running=8),
         grammars=compiler,
     )
     eng.start()

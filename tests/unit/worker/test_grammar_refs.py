@@ -23,6 +23,7 @@ from pydantic import BaseModel, Field
 
 from sluice.v1 import worker_pb2 as pb
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
 from worker.sampling.grammar import GrammarCompiler, GrammarSpec, embed_schema, tool_call_schema
@@ -275,7 +276,7 @@ def test_random_model_forced_to_call_a_pydantic_tool_writes_valid_arguments(load
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
-        max_running=8,
+        options=EngineOptions(max_running=8),
         grammars=compiler,
     )
     engine.start()

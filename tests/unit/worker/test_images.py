@@ -11,7 +11,7 @@ from PIL import Image
 from sluice.v1 import worker_pb2 as pb
 from worker.attention.paged import chunk_mask
 from worker.engine.kv_blocks import BlockManager
-from worker.engine.scheduler import Sequence
+from worker.engine.scheduler import SeqState
 from worker.errors import InvalidRequest, WorkerError
 from worker.prompts.images import ImageData, decode_image, image_key
 from worker.prompts.prompt import PromptRenderer
@@ -106,8 +106,8 @@ def test_image_keys_follow_the_bytes() -> None:
     assert image_key(b"abc") != image_key(b"abd")
 
 
-def sequence(images: tuple[PromptImage, ...], length: int = 20) -> Sequence:
-    return Sequence(list(range(100, 100 + length)), length, length + 4, images=images)
+def sequence(images: tuple[PromptImage, ...], length: int = 20) -> SeqState:
+    return SeqState(list(range(100, 100 + length)), length, length + 4, images=images)
 
 
 def test_chunks_never_end_inside_an_image() -> None:
@@ -161,7 +161,8 @@ def test_mrope_positions_equal_transformers_rope_index() -> None:
     """Two images (a wide and a tall grid) between text, against Qwen2-VL's own get_rope_index."""
     import transformers
 
-    from worker.model.vision import mrope_delta, mrope_positions
+    from worker.model.step_inputs import mrope_delta
+    from worker.model.vision import mrope_positions
 
     config = transformers.Qwen2VLConfig(
         text_config={"hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "vocab_size": 64},

@@ -20,6 +20,7 @@ import torch
 from tests.unit.worker.test_engine import collect, greedy, make_engine, request, token_ids
 from worker.config import parse_config
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.model.fake_runner import FakeRunner, load_fake_model
 from worker.model.loader import load_model
 from worker.model.step_inputs import fed_ids
@@ -196,7 +197,7 @@ def recorded(loaded: Any, tokens: int, *, overlap: bool) -> list[tuple[str, Any]
     """The forwards and reads of one greedy request of ``tokens`` tokens (:class:`Recording`)."""
     eng = make_engine(loaded, prefill_budget_tokens=64, overlap=overlap)
     recording = Recording(eng._runner)
-    eng._runner = recording  # type: ignore[assignment]
+    eng._runner = eng._update._runner = recording  # type: ignore[assignment]  # it forwards, the update waits
     try:
         asyncio.run(
             collect(eng, request([30, 31, 32, 33], temperature=0.0, max_tokens=tokens, min_tokens=tokens))
@@ -288,5 +289,5 @@ def test_overlap_steps_setting() -> None:
             eos_token_ids=(),
             context_length=128,
             speculation=object(),  # type: ignore[arg-type]
-            overlap=True,
+            options=EngineOptions(overlap=True),
         )

@@ -18,6 +18,7 @@ import pytest
 
 from worker.engine import process
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.engine.process_messages import Outputs, StatsReport
 from worker.engine.stats import EngineCounters, EngineStats
 from worker.model.fake_runner import FakeRunner, load_fake_model
@@ -40,9 +41,7 @@ def engine_on(fake: Any) -> Engine:
         fake.tokenizer,
         eos_token_ids=eos_token_ids(fake.model, fake.tokenizer),
         context_length=fake.context_length,
-        max_running=4,
-        max_queue=100,
-        prefill_budget_tokens=100,
+        options=EngineOptions(max_running=4, max_queue=100, prefill_budget_tokens=100),
     )
     engine.published.interval_s = NEVER_DUE_S
     return engine

@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 import pytest
 
 from worker.engine.kv_blocks import BlockManager
-from worker.engine.scheduler import Scheduler, SchedulingFailed, Sequence
+from worker.engine.scheduler import Scheduler, SchedulingFailed, SeqState
 from worker.errors import InvalidRequest, QueueFull
 
 
 @dataclass(eq=False)
 class Item:
     request_id: str
-    sequences: list[Sequence] = field(default_factory=list)
+    sequences: list[SeqState] = field(default_factory=list)
     needs_kv: bool = True
 
 
@@ -22,7 +22,7 @@ def item(name: str, prompt: int, *, n: int = 1, max_tokens: int = 8) -> Item:
     tokens = [hash((name, i)) % 1000 for i in range(prompt)]
     return Item(
         name,
-        [Sequence(list(tokens), prompt, prompt + max_tokens, awaits_prompt=i > 0) for i in range(n)],
+        [SeqState(list(tokens), prompt, prompt + max_tokens, awaits_prompt=i > 0) for i in range(n)],
     )
 
 
@@ -35,7 +35,7 @@ def run_step(s: Scheduler[Item]):
     """Plans a step and does what the engine does after a forward: commit, then one sample for each
     sequence that reached its end."""
     plan = s.schedule()
-    sampled = [w.seq for w in plan.work if w.samples]
+    sampled = [w.seq for w in plan.work if w.sample]
     for work in plan.work:
         s.committed(work)
     for seq in sampled:
@@ -48,10 +48,10 @@ def test_admits_in_arrival_order_up_to_max_running():
     for name in "abc":
         s.add(item(name, 5))
     plan = run_step(s)
-    assert [i.request_id for i in plan.admitted] == ["a", "b"] and [w.count for w in plan.work] == [5, 5]
+    assert [i.request_id for i in plan.started] == ["a", "b"] and [w.count for w in plan.work] == [5, 5]
     assert [i.request_id for i in s.waiting] == ["c"]
     plan = run_step(s)  # decode rows: one token each
-    assert [w.count for w in plan.work] == [1, 1] and not plan.admitted
+    assert [w.count for w in plan.work] == [1, 1] and not plan.started
 
 
 def test_a_finished_request_frees_its_slot_and_blocks():
@@ -64,7 +64,7 @@ def test_a_finished_request_frees_its_slot_and_blocks():
     assert used == 2  # 5 tokens + the first sample's slot ahead: 2 blocks of 4
     s.finish(first.sequences[0])
     assert s.remove("a") is first and s.blocks.used == 0
-    assert run_step(s).admitted == [second]
+    assert run_step(s).started == [second]
 
 
 def test_queue_bound_raises_queue_full_with_retry_hint():
@@ -101,7 +101,7 @@ def test_the_first_admission_of_a_step_goes_through_even_when_the_budget_is_spen
     s.add(item("a", 6))
     s.add(item("b", 6))
     plan = run_step(s)
-    assert [w.count for w in plan.work] == [4] and [i.request_id for i in plan.admitted] == ["a"]
+    assert [w.count for w in plan.work] == [4] and [i.request_id for i in plan.started] == ["a"]
 
 
 def test_cached_prefix_blocks_are_not_computed_again():
@@ -123,7 +123,7 @@ def test_n_sequences_count_against_max_running_and_siblings_wait_for_the_prompt(
     s.add(item("two", 5, n=2))
     s.add(item("two-more", 5, n=2))
     plan = run_step(s)
-    assert [i.request_id for i in plan.admitted] == ["two"]
+    assert [i.request_id for i in plan.started] == ["two"]
     assert len(plan.work) == 1  # the prompt once; the sibling waits for its first sample
 
 
@@ -146,7 +146,7 @@ def test_when_blocks_run_out_the_newest_request_is_preempted_and_recomputed_late
     # Re-admitted: every known token computed again in one chunk (what the prefix cache kept aside),
     # and the chunk's end sampled the next token.
     seq = new.sequences[0]
-    assert plan.admitted == [new] and seq.computed == len(seq.tokens) - 1
+    assert plan.started == [new] and seq.computed == len(seq.tokens) - 1
 
 
 def test_a_request_that_could_never_fit_the_pool_is_refused_at_once():
@@ -186,7 +186,7 @@ def test_a_preempted_n_request_whose_choices_exceed_the_budget_is_admitted_and_f
     s.add(head)
     s.add(behind)
     plan = run_step(s)
-    assert plan.admitted == [head] and [w.count for w in plan.work] == [8]
+    assert plan.started == [head] and [w.count for w in plan.work] == [8]
     for _ in range(60):
         plan = run_step(s)
         if not s.waiting and all(seq.pending == 1 for seq in head.sequences):
@@ -200,10 +200,10 @@ def test_a_waiting_request_is_refused_for_the_budget_only_when_other_requests_to
     s.add(item("long", 20))
     s.add(started("n3", 10, 2, n=3))
     plan = run_step(s)  # "long" takes the whole budget: "n3" waits in the queue
-    assert [i.request_id for i in plan.admitted] == ["long"] and len(s.waiting) == 1
+    assert [i.request_id for i in plan.started] == ["long"] and len(s.waiting) == 1
     run_step(s)
     plan = run_step(s)  # the last 4 tokens of "long", then 4 of "n3"'s first choice
-    assert [i.request_id for i in plan.admitted] == ["n3"] and [w.count for w in plan.work] == [4, 4]
+    assert [i.request_id for i in plan.started] == ["n3"] and [w.count for w in plan.work] == [4, 4]
 
 
 def test_cached_tokens_are_counted_at_the_first_admission_even_with_generated_tokens():
@@ -243,19 +243,19 @@ def test_cached_tokens_are_the_tokens_reused_by_the_admission_that_succeeds():
     run_step(s)
     again = item("a", 9, max_tokens=2)
     s.add(again)
-    assert run_step(s).admitted == []  # the attached prefix went back: the second "a" waits
-    assert run_step(s).admitted == []  # "b" took a fifth block: one of the prefix's two is gone
+    assert run_step(s).started == []  # the attached prefix went back: the second "a" waits
+    assert run_step(s).started == []  # "b" took a fifth block: one of the prefix's two is gone
     s.finish(holder.sequences[0])
     s.remove("b")
     plan = s.schedule()
     seq = again.sequences[0]
-    assert plan.admitted == [again] and [w.count for w in plan.work] == [5]
+    assert plan.started == [again] and [w.count for w in plan.work] == [5]
     assert seq.computed == 4 and seq.cached_tokens == 4  # reported as reused: what was reused
 
 
 def admission_raises_for(s: Scheduler[Item], bad: Item, monkeypatch: pytest.MonkeyPatch) -> None:
     """Makes ``bad``'s admission take its blocks, then raise (a bug in planning that request)."""
-    admit = s._admit
+    admit = s._start
 
     def failing(request: Item, budget: int, plan):  # type: ignore[no-untyped-def]
         result = admit(request, budget, plan)
@@ -263,7 +263,7 @@ def admission_raises_for(s: Scheduler[Item], bad: Item, monkeypatch: pytest.Monk
             raise ValueError("admission bug")
         return result
 
-    monkeypatch.setattr(s, "_admit", failing)
+    monkeypatch.setattr(s, "_start", failing)
 
 
 def test_a_request_whose_admission_raised_is_named_when_planning_raises_afterwards(monkeypatch):
@@ -274,7 +274,7 @@ def test_a_request_whose_admission_raised_is_named_when_planning_raises_afterwar
     s.add(bad)
     admission_raises_for(s, bad, monkeypatch)
 
-    def proposer_bug(request: Item, seq: Sequence, room: int) -> list[int]:
+    def proposer_bug(request: Item, seq: SeqState, room: int) -> list[int]:
         raise RuntimeError("proposer bug")
 
     s.propose = proposer_bug  # runs after the admissions: the plan, and its failed list, are lost

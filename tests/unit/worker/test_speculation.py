@@ -18,7 +18,8 @@ from tests.unit.worker.test_engine import request
 from worker.config import parse_config
 from worker.engine.core import Engine
 from worker.engine.kv_blocks import BlockManager
-from worker.engine.scheduler import Scheduler, Sequence
+from worker.engine.options import EngineOptions
+from worker.engine.scheduler import Scheduler, SeqState
 from worker.engine.speculation import PAUSE_TOKENS, WINDOW_TOKENS, RowSpeculation, Speculation
 from worker.model.draft import DraftCache, DraftModel
 from worker.model.loader import ModelLoadError, load_model
@@ -103,13 +104,13 @@ def test_a_row_whose_proposals_keep_failing_pauses_then_tries_again():
 @dataclass
 class _Item:
     request_id: str
-    sequences: list[Sequence]
+    sequences: list[SeqState]
     needs_kv: bool = True
 
 
 def test_proposals_count_against_the_budget_and_their_blocks_go_back():
     blocks = BlockManager(8, 4, prefix_caching=False)
-    seq = Sequence([1, 2, 3, 1, 2, 3], 5, 40)
+    seq = SeqState([1, 2, 3, 1, 2, 3], 5, 40)
     seq.blocks.table = [blocks.allocate(), blocks.allocate()]  # 5 tokens computed, the 6th pending
     seq.computed = 5
     scheduler: Scheduler[_Item] = Scheduler(
@@ -139,7 +140,7 @@ def test_steps_with_more_decoding_rows_than_the_limit_do_not_speculate():
             speculate_max_rows=4,
         )
         for row in range(rows):
-            seq = Sequence([1, 2, 3, 1, 2, 3], 5, 40)
+            seq = SeqState([1, 2, 3, 1, 2, 3], 5, 40)
             seq.blocks.table = [blocks.allocate(), blocks.allocate()]
             seq.computed = 5
             scheduler.running.append(_Item(str(row), [seq]))
@@ -186,7 +187,7 @@ def engine(
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
         speculation=speculation,
-        **{**settings, **options},
+        options=EngineOptions(**{**settings, **options}),
     )
     eng.start()
     return eng

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from worker.engine.core import Engine
+from worker.engine.options import EngineOptions
 from worker.engine.speculation import RowSpeculation, Speculation
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
@@ -124,9 +125,7 @@ def engine(loaded, speculation: Speculation | None, grammars: GrammarCompiler | 
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
-        max_running=128,
-        max_queue=4096,
-        prefill_budget_tokens=2048,
+        options=EngineOptions(max_running=128, max_queue=4096, prefill_budget_tokens=2048),
         grammars=grammars,
         speculation=speculation,
     )

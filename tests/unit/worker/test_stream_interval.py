@@ -12,7 +12,7 @@ from tests.unit.worker.test_engine_preemption import engine_on, preempt_the_newe
 from worker.config import parse_config
 from worker.engine.core import Engine
 from worker.model.fake_runner import FakeRunner, load_fake_model
-from worker.types import Admitted, NewToken
+from worker.types import Dequeued, NewToken
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def test_tokens_travel_every_interval_steps_and_the_first_and_last_at_once(fake)
     assert [len(tokens([batch])) for batch in plain] == [1] * 11
     # Step 1: admitted and the first token; then every third step three tokens; the end at once.
     assert [len(tokens([batch])) for batch in paced] == [1, 0, 0, 3, 0, 0, 3, 0, 0, 3, 1]
-    assert any(isinstance(item, Admitted) for item in paced[0])
+    assert any(isinstance(item, Dequeued) for item in paced[0])
     assert paced[-1][-1].finish is not None
     assert [t.token_id for t in tokens(paced)] == [t.token_id for t in tokens(plain)]
 
@@ -67,7 +67,7 @@ def test_a_preempted_request_hands_over_its_kept_tokens_before_it_waits(fake, ov
         )
         old, new = preempt_the_newer(engine)
         waiting = engine._scheduler.waiting[0]
-        assert waiting.key == new.key and waiting.held == []
+        assert waiting.key == new.key and waiting.pacing.held == []
         await asyncio.sleep(0)
         handed = []
         while not new._queue.empty():
