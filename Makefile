@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install fixtures browser-deps run test lint protos bench bench-edge bench-speculative bench-quant chaos fuzz clean gpu-wheels gpu-check
+.PHONY: install fixtures browser-deps run test test-fast lint protos bench bench-edge bench-speculative bench-quant chaos fuzz clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -48,7 +48,12 @@ run: install
 	$(VENV)/bin/sluice serve
 
 test: install fixtures browser-deps
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadscope
+
+# The inner loop: the unit tests that start no process and build no model (under 2 minutes);
+# `make test` runs everything (docs/testing.md).
+test-fast: install fixtures
+	$(PY) -m pytest tests/unit -m "not slow" -q
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -2,12 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.processes import EdgeProcess, WorkerProcess, build_tiny_model
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``make test``'s two pytest-xdist processes, each computes with one torch thread: two
+    processes of two threads on two cores stall each other's parallel regions (docs/testing.md,
+    "Processes")."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

@@ -83,7 +83,10 @@ def browser(chromium: tuple[str, str], tmp_path_factory: pytest.TempPathFactory)
 
 
 def requested_urls(driver: Any) -> list[str]:
-    """Every URL the browser asked for since the last call (Chrome's performance log)."""
+    """Every network URL the browser asked for since the last call (Chrome's performance log).
+
+    Only http(s) and ws(s) URLs count: Chromium's own start page, which a browser just started may
+    still be loading (``chrome://`` and ``data:`` resources), never leaves the browser."""
     urls = []
     for entry in driver.get_log("performance"):
         message = json.loads(entry["message"])["message"]
@@ -91,7 +94,7 @@ def requested_urls(driver: Any) -> list[str]:
             urls.append(message["params"]["request"]["url"])
         elif message["method"] == "Network.webSocketCreated":
             urls.append(message["params"]["url"])
-    return urls
+    return [url for url in urls if url.split(":", 1)[0] in ("http", "https", "ws", "wss")]
 
 
 @pytest.fixture
