@@ -7,6 +7,8 @@ from tests.unit.worker.test_fim import real_tokenizer
 from tools.fixtures import TOKENIZERS
 from worker.output.detokenizer import IncrementalDetokenizer, TokenTexts, fast_decoder
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 SAMPLES = [
     "Hello, world! How are you today?",
     "Ünïcödé: 日本語のテキスト, emoji 🐉🔥 and ñ.",

@@ -20,6 +20,8 @@ from worker.prompts.prompt import ChatMessage, ChatPrompt, PromptRenderer
 from worker.sampling.grammar import GrammarCompiler, GrammarSpec
 from worker.types import ContentDelta, OutputOptions, ReasoningDelta, ToolCallDelta
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 TEMPLATES = Path(__file__).resolve().parents[2] / "fixtures" / "templates"
 # (case, model_type, tokenizer fixture, vendored template or None for the tokenizer's own,
 #  expected tool parser, expected reasoning parser)

@@ -26,6 +26,8 @@ from worker.attention.triton_decode import triton_available
 from worker.model import fused
 from worker.model.runner import ModelRunner
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 

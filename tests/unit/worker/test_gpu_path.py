@@ -32,6 +32,8 @@ from worker.model.fake_runner import FakeRunner, load_fake_model
 from worker.model.loader import ModelLoadError
 from worker.types import FastPath
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 # ------------------------------------------------------------------ 3: loud fallbacks
 
 

@@ -22,6 +22,8 @@ from worker.model.loader import ModelLoadError
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import Work
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 BLOCK = 4
 VOCAB = COMMON["vocab_size"]
 

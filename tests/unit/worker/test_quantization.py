@@ -32,7 +32,10 @@ from worker.quant.layers import (
 )
 from worker.quant.loading import unpermuted_rows
 
-pytestmark = pytest.mark.skipif(not cpu_kernels_available(), reason="no CPU int8/int4 kernels in this torch")
+pytestmark = [
+    pytest.mark.skipif(not cpu_kernels_available(), reason="no CPU int8/int4 kernels in this torch"),
+    pytest.mark.slow,  # left out of make test-fast
+]
 
 CPU = torch.device("cpu")
 

@@ -13,6 +13,8 @@ import pytest
 from tests.unit.worker.test_families import BY_NAME, SCENARIOS, WEATHER, fixture_dir, setup
 from worker.prompts.prompt import ChatMessage, ChatPrompt, PromptRenderer
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 __all__ = ["fixture_dir"]  # the session fixture, shared with test_families
 
 

@@ -29,6 +29,8 @@ from worker.sampling.sampler import SequenceSampling
 from worker.server import DEFAULT_MAX_ROWS, draft_quantization, eos_token_ids, speculation_of
 from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 SPECULATION = Speculation(tokens=4, min_n=1, max_n=3)
 
 

@@ -25,6 +25,8 @@ from worker.sampling.sampler import SequenceSampling, _draw_plain, _draw_sorted
 from worker.server import eos_token_ids
 from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 # ------------------------------------------------------------- the acceptance rule, exactly
 
 

@@ -33,6 +33,8 @@ from worker.attention.triton_decode import (
     triton_available,
 )
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 needs_triton = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
 
 # Zero (padding), one, a block's worth, and lengths that end inside a block.
