@@ -50,10 +50,11 @@ run: install
 test: install fixtures browser-deps
 	$(PY) -m pytest -n 2 --dist loadscope
 
-# The inner loop: the unit tests that start no process and build no model (under 2 minutes);
+# The inner loop: the unit tests that start no process and build no model (under 2 minutes once
+# the default model is converted: the first run of an installation converts it, about 30 s);
 # `make test` runs everything (docs/testing.md).
 test-fast: install fixtures
-	$(PY) -m pytest tests/unit -m "not slow" -q
+	$(PY) -m pytest tests/unit -m "not slow" -q -n 2
 
 lint: install
 	$(VENV)/bin/ruff check .

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import shutil
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,33 +22,66 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
+def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
+    """A folder ``build`` fills once per run: under ``make test``'s pytest-xdist processes one of them
+    builds it (a lock beside it) and every process reads it; in a plain run, this session's own."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        folder = factory.mktemp(name)
+        build(folder)
+        return folder
+    from filelock import FileLock
+
+    root = factory.getbasetemp().parent  # the run's folder, above each process's own
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A cache dir holding the default model converted from its GGUF file (done once per session)."""
+def model_cache() -> Path:
+    """The cache dir ``make run`` uses (``~/.cache/sluice``), holding the default model converted
+    from its GGUF file: converted by the first run of an installation (about 30 s), reused after."""
+    from filelock import FileLock
+
+    from worker.config import DEFAULT_CACHE_DIR
     from worker.model.loader import converted_gguf_folder, default_gguf_path
 
-    cache = tmp_path_factory.mktemp("sluice-cache")
-    converted_gguf_folder(default_gguf_path(), cache)
-    return cache
+    DEFAULT_CACHE_DIR.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(DEFAULT_CACHE_DIR / "tests.lock")):  # one converts, other processes wait
+        converted_gguf_folder(default_gguf_path(), DEFAULT_CACHE_DIR)
+    return DEFAULT_CACHE_DIR
 
 
 @pytest.fixture(scope="session")
 def default_model_dir(model_cache: Path) -> Path:
-    return next((model_cache / "models").iterdir())
+    from worker.model.loader import default_gguf_path, gguf_cache_folder
+
+    return gguf_cache_folder(default_gguf_path(), model_cache)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A tiny random Llama (2 layers, 512 positions) with the default model's real tokenizer and chat
     template, saved with save_pretrained so the worker loads it like any checkpoint."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), default_model_dir)
+    return built_once(
+        tmp_path_factory, "tiny-llama", lambda folder: build_tiny_model(folder, default_model_dir)
+    )
 
 
 @pytest.fixture(scope="session")
 def long_tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """The tiny model with 4096 positions: generating to the end of its context (``ignore_eos``)
     takes seconds, so a test can keep a stream or a worker slot busy and end it by disconnecting."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama-4k"), default_model_dir, positions=4096)
+    return built_once(
+        tmp_path_factory,
+        "tiny-llama-4k",
+        lambda folder: build_tiny_model(folder, default_model_dir, positions=4096),
+    )
 
 
 @pytest.fixture(scope="session")

@@ -26,6 +26,8 @@ from worker.types import (
     Usage,
 )
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dir):

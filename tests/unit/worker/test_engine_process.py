@@ -41,6 +41,8 @@ from worker.model.loader import LoadedModel
 from worker.output.processor import TextRules
 from worker.types import FinishReason, GenerationRequest, NewToken, SamplingOptions
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 STATS = EngineStats(0, 0, 0, 0, 0, 0, 0, EngineCounters())
 
 

@@ -44,6 +44,8 @@ from worker.types import (
     Usage,
 )
 
+pytestmark = pytest.mark.slow  # left out of make test-fast
+
 _DELTAS = (ContentDelta, ReasoningDelta, ToolCallDelta, RefusalDelta)
 # Enums only: a random model's call is short and always complete.
 UNITS = {
