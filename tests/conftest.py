@@ -22,6 +22,29 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(1)
 
 
+# The modules that take longest (a fresh-clone run's --durations, summed per module), or that wait
+# longest on purpose, handed out first: pytest-xdist gives out whole modules in collection order,
+# so one of these left for the end would run alone while the other process idles.
+LONGEST_FIRST = (
+    "tests/integration/test_vision_worker.py",
+    "tests/integration/test_reconnect.py",
+    "tests/integration/test_families_e2e.py",
+    "tests/integration/test_engine_process.py",
+    "tests/unit/worker/test_families.py",
+    "tests/unit/worker/test_fused_kernels.py",
+    "tests/e2e/test_structured_outputs_e2e.py",
+    "tests/integration/test_pool_faults.py",
+    "tests/integration/test_ports.py",
+    "tests/unit/worker/test_speculation.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Runs :data:`LONGEST_FIRST`'s modules first, in that order; the rest keep theirs."""
+    rank = {path: index for index, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 def built_once(factory: pytest.TempPathFactory, name: str, build: Callable[[Path], object]) -> Path:
     """A folder ``build`` fills once per run: under ``make test``'s pytest-xdist processes one of them
     builds it (a lock beside it) and every process reads it; in a plain run, this session's own."""

@@ -62,6 +62,12 @@ CASES = [
     ),
     ("glm-4.6", "glm4_moe", "qwen3", "GLM-4.6", "glm45", "glm45"),
     ("granite-3.3", "granite", "qwen3", "ibm-granite-granite-3.3-2B-Instruct", "granite", "granite"),
+    # The models of 2026, with the closest tokenizer the registries offer and their own templates.
+    ("qwen3.5", "qwen3_5", "qwen3", "Qwen3.5-4B", "qwen3_coder", "qwen3"),
+    ("gemma4", "gemma4_text", "gemma3", "google-gemma-4-31B-it", "gemma4", "gemma4"),
+    ("granite-4.0", "granitemoehybrid", "llama3_1", "ibm-granite-granite-4.0", "hermes", None),
+    ("nemotron-nano-2", "nemotron_h", "qwen3", "NVIDIA-Nemotron-Nano-v2", "nemotron_json", "qwen3"),
+    ("lfm2", "lfm2", "llama3_1", "LFM2-8B-A1B", "lfm2", None),
 ]
 IDS = [case[0] for case in CASES]
 BY_NAME = {case[0]: case for case in CASES}
@@ -186,9 +192,9 @@ def parse_generated(
     return [(n, json.loads(a)) for n, a in calls.values()], reasoning.strip(), content.strip()
 
 
-# Gemma 3 has no tool format; Granite 3.3's template does not render earlier calls.
+# Gemma 3 has no tool format; Granite 3.3's and LFM2's templates do not render earlier calls.
 FORCED = ["qwen3", "gpt-oss", "llama3.1", "deepseek-v3.1"]
-ROUND_TRIPS = [c for c in CASES if c[0] not in ("gemma3", "granite-3.3")]
+ROUND_TRIPS = [c for c in CASES if c[0] not in ("gemma3", "granite-3.3", "lfm2")]
 
 
 @pytest.mark.parametrize("case", ROUND_TRIPS, ids=[c[0] for c in ROUND_TRIPS])
@@ -302,8 +308,14 @@ CHOICE = {
 
 @pytest.mark.parametrize(
     ("name", "parser"),
-    [("qwen3-coder", "auto"), ("glm-4.6", "auto"), ("llama3.2", "pythonic")],
-    ids=["qwen3_coder", "glm45", "pythonic"],
+    [
+        ("qwen3-coder", "auto"),
+        ("glm-4.6", "auto"),
+        ("llama3.2", "pythonic"),
+        ("gemma4", "auto"),
+        ("lfm2", "auto"),
+    ],
+    ids=["qwen3_coder", "glm45", "pythonic", "gemma4", "lfm2"],
 )
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_tagged_forced_call_is_the_familys_format_and_parses(

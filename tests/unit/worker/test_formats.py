@@ -81,6 +81,13 @@ CALLS = [
         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
         "<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
     ),
+    ("gemma4", '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>,days:2}<tool_call|>'),
+    ("gemma4", '<|tool_call>call:get_weather{"city": "Paris", "days": 2}<tool_call|>'),  # forced: JSON values
+    (
+        "nemotron_json",
+        '<TOOLCALL>[{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}]</TOOLCALL>',
+    ),
+    ("lfm2", '<|tool_call_start|>[get_weather(city="Paris", days=2)]<|tool_call_end|>'),
 ]
 
 
@@ -139,6 +146,12 @@ MALFORMED = [
     ("glm45", "<tool_call>two\nlines<arg_key>k</arg_key></tool_call>"),
     ("qwen3_coder", "<tool_call><function=f>junk</function></tool_call>"),
     ("qwen3_coder", "<tool_call><function=f>"),
+    ("gemma4", '<|tool_call>call:f{city:<|"|>Paris}<tool_call|>'),
+    ("gemma4", "<|tool_call>call:f{a:1,}<tool_call|>"),
+    ("gemma4", "<|tool_call>f{a:1}<tool_call|>"),
+    ("gemma4", "<|tool_call>call:f[1]<tool_call|>"),
+    ("nemotron_json", "<TOOLCALL>[{]</TOOLCALL>"),
+    ("lfm2", "<|tool_call_start|>[os.system('x') + 1]<|tool_call_end|>"),
 ]
 
 
@@ -177,6 +190,7 @@ REASONING = [
     ("glm45", "<think>hmm</think>Hello!", False),
     ("mistral", "[THINK]hmm[/THINK]Hello!", False),
     ("granite", "<think>hmm</think><response>Hello!</response>", False),
+    ("gemma4", "<|channel>thought\nhmm<channel|>Hello!", False),
     (
         "openai_gptoss",
         "<|channel|>analysis<|message|>hmm<|end|><|start|>assistant<|channel|>final<|message|>Hello!",
@@ -225,3 +239,29 @@ def test_harmony_recipient_in_the_role_header() -> None:
 
 def test_text_that_is_not_harmony_is_content() -> None:
     assert run_reasoning("openai_gptoss", "Just text.", [3]) == [("content", "Just text.")]
+
+
+def test_gemma4_notation_nested_values_and_parallel_calls() -> None:
+    """Gemma 4's own notation (as its chat template writes arguments): bare keys, ``<|"|>`` strings
+    holding what JSON would escape, nested objects and lists, literals; two calls back to back."""
+    q = '<|"|>'
+    text = (
+        f'<|tool_call>call:search{{query:{q}a "b", c{q},filters:{{tags:[{q}x{q},{q}y{q}],exact:true}},'
+        f"limit:3,cursor:null,ratio:-0.5}}<tool_call|><|tool_call>call:ping{{}}<tool_call|>"
+    )
+    assert every_split("gemma4", text) == (
+        "",
+        [
+            (
+                "search",
+                {
+                    "query": 'a "b", c',
+                    "filters": {"tags": ["x", "y"], "exact": True},
+                    "limit": 3,
+                    "cursor": None,
+                    "ratio": -0.5,
+                },
+            ),
+            ("ping", {}),
+        ],
+    )
