@@ -132,7 +132,7 @@ def _call_format(rendered: str) -> str | None:
 
 def _model_type_calls(model_type: str) -> str:
     """The format a model type writes when its template renders no earlier call (hermes otherwise)."""
-    base = model_type.split("moe")[0]
+    base = model_type.split("moe")[0].rstrip("_")
     return next((tool.name for tool in TOOL_FORMATS.values() if base in tool.model_types), "hermes")
 
 
