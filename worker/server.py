@@ -33,6 +33,7 @@ from worker.engine.options import EngineOptions
 from worker.engine.pooling import PoolingEngine
 from worker.engine.process import start_engine_process
 from worker.engine.speculation import Speculation
+from worker.model.architecture import unexpected_load_error
 from worker.model.device import bind_device
 from worker.model.draft import DraftModel
 from worker.model.fake_runner import fake_slow_load, load_fake_model
@@ -131,8 +132,22 @@ def build_serving(
     on_device_failure: Callable[[BaseException], None] | None = None,
 ) -> ServingModel:
     """Loads the model and starts the engine (blocking; run in a thread), raising ``progress``
-    at the load's stages (1.0 once the engine runs); ``on_device_failure``: see :class:`Engine`."""
-    progress = progress or LoadProgress()
+    at the load's stages (1.0 once the engine runs); ``on_device_failure``: see :class:`Engine`.
+    Raises :class:`ModelLoadError` for every failure, an unexpected exception included (one line
+    naming the architecture: :func:`unexpected_load_error`)."""
+    try:
+        return _build_serving(config, progress or LoadProgress(), on_device_failure)
+    except ModelLoadError:
+        raise
+    except Exception as error:
+        raise unexpected_load_error(error, config.model) from error
+
+
+def _build_serving(
+    config: WorkerConfig,
+    progress: LoadProgress,
+    on_device_failure: Callable[[BaseException], None] | None,
+) -> ServingModel:
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     runner: ModelRunner
@@ -402,8 +417,9 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
             return 0
         try:
             serving = service.serving = loading.result()
-        except ModelLoadError as exc:
-            log.error("%s", exc.message)
+        except Exception as exc:  # ModelLoadError, or a failure outside the load (one line either way)
+            failure = exc if isinstance(exc, ModelLoadError) else unexpected_load_error(exc, config.model)
+            log.error("%s", failure.message)
             await server.stop(0)
             return 1
         freeze_startup_heap(log, "serving process")

@@ -11,6 +11,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
+from transformers import AutoConfig
+
 from worker.model.loader import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,36 @@ class AttentionFeatures:
         if self.sinks:
             parts.append("attention sinks")
         return ", ".join(parts)
+
+
+def architecture_name(config: Any) -> str:
+    """``Gemma4ForCausalLM (gemma4_text)``: a config's architectures and model type, for one-line
+    refusals."""
+    kind = getattr(config, "model_type", "?")
+    names = ", ".join(getattr(config, "architectures", None) or []) or kind
+    return f"{names} ({kind})"
+
+
+def folder_architecture(model: str | None) -> str:
+    """:func:`architecture_name` of the config ``--model`` names (read from disk, never
+    downloaded), or the ``--model`` argument itself when its config cannot be read."""
+    if model is None:
+        return "the default model"
+    try:
+        return architecture_name(AutoConfig.from_pretrained(model, local_files_only=True))
+    except Exception:  # a GGUF file, a missing or unreadable config: name what was asked for
+        return f"--model {model}"
+
+
+def unexpected_load_error(error: Exception, model: str | None) -> ModelLoadError:
+    """The one-line refusal for an exception loading ``model`` did not expect (a bug or an
+    architecture the worker does not know): the architecture, the exception's type and the first
+    line of its message. The traceback goes to the DEBUG log only."""
+    log.debug("loading %s raised", model, exc_info=error)
+    first = (str(error).strip().splitlines() or [""])[0][:300]
+    return ModelLoadError(
+        f"{folder_architecture(model)} cannot be served: loading it raised {type(error).__name__}: {first}"
+    )
 
 
 def _refusal(config: Any) -> str | None:
