@@ -26,6 +26,7 @@ COMMON: dict[str, Any] = {
 WINDOW = 8  # tokens; the tests' prompts are 40+ tokens
 MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
 ALTERNATING = {"sliding_window": WINDOW, "layer_types": ["sliding_attention", "full_attention"]}
+SLIDING, GLOBAL = "sliding_attention", "full_attention"
 
 # family -> (config class, what differs from COMMON)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -48,6 +49,34 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "sliding_window": WINDOW,
             "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
             "query_pre_attn_scalar": 16,
+        },
+    ),
+    # Gemma 4 (E2B/E4B-like): global layers with a wider head than the sliding ones, the last two
+    # layers reading the KV of the last earlier layer of their kind, per-layer embeddings.
+    "gemma4_text": (
+        "Gemma4TextConfig",
+        {
+            "num_hidden_layers": 5,
+            "layer_types": [SLIDING, GLOBAL, SLIDING, SLIDING, GLOBAL],
+            "sliding_window": WINDOW,
+            "global_head_dim": 32,
+            "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 8,
+            "vocab_size_per_layer_input": COMMON["vocab_size"],
+            "final_logit_softcapping": 5.0,
+        },
+    ),
+    # Gemma 4 (26B/31B-like): global layers with their own kv heads, values from the key projection.
+    "gemma4_text_k_eq_v": (
+        "Gemma4TextConfig",
+        {
+            "num_hidden_layers": 3,
+            "layer_types": [SLIDING, SLIDING, GLOBAL],
+            "sliding_window": WINDOW,
+            "global_head_dim": 32,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "hidden_size_per_layer_input": 0,
         },
     ),
     "gpt_oss": ("GptOssConfig", {**MOE, **ALTERNATING}),  # sinks, alternating windows, MoE

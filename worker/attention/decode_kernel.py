@@ -33,11 +33,12 @@ FALLBACK_COST = (
 
 @dataclass(frozen=True)
 class DecodeKernel:
-    """The Triton decode attention for a fixed number of rows: its split plan and the scratch it
-    writes (a captured graph keeps this object, so the scratch lives as long as the graph)."""
+    """The Triton decode attention for a fixed number of rows: per head geometry of the model's
+    layers (``(heads, kv_heads, head_dim)``, which Gemma 4's sliding and global layers differ in) its
+    split plan and the scratch it writes (a captured graph keeps this object, so the scratch lives
+    as long as the graph). Each layer's call picks its own by its query's and pool's shapes."""
 
-    plan: DecodePlan
-    workspace: SplitWorkspace | None
+    parts: dict[tuple[int, int, int], tuple[DecodePlan, SplitWorkspace | None]]
 
     def __call__(
         self,
@@ -49,6 +50,7 @@ class DecodeKernel:
         scale: float,
         variant: LayerVariant = PLAIN,
     ) -> torch.Tensor:
+        plan, workspace = self.parts[(query.shape[1], pool_k.shape[2], query.shape[2])]
         return paged_decode_attention(
             query,
             pool_k,
@@ -56,8 +58,8 @@ class DecodeKernel:
             tables,
             lengths,
             scale,
-            plan=self.plan,
-            workspace=self.workspace,
+            plan=plan,
+            workspace=workspace,
             window=variant.window,
             softcap=variant.softcap,
             sinks=variant.sinks,
@@ -65,50 +67,67 @@ class DecodeKernel:
 
 
 def decode_kernel(
-    batch: int, kv_heads: int, max_blocks: int, block_size: int, query_like: torch.Tensor
+    batch: int, shape: KVShape, max_blocks: int, block_size: int, device: torch.device
 ) -> DecodeKernel:
-    """The Triton decode attention for ``batch`` rows as a :class:`~worker.attention.paged.PagedStep`
-    ``decode_kernel`` (its split plan fixed by the shapes, its scratch allocated once)."""
-    plan = plan_decode(batch, kv_heads, max_blocks, block_size)
-    workspace = allocate_split_workspace(query_like, plan) if plan.split else None
-    return DecodeKernel(plan, workspace)
+    """The Triton decode attention for ``batch`` rows of a model of this ``shape`` as a
+    :class:`~worker.attention.paged.PagedStep` ``decode_kernel`` (each geometry's split plan fixed
+    by the shapes, its scratch allocated once)."""
+    parts: dict[tuple[int, int, int], tuple[DecodePlan, SplitWorkspace | None]] = {}
+    for heads, kv_heads, head_dim in shape.geometries:
+        plan = plan_decode(batch, kv_heads, max_blocks, block_size)
+        like = torch.empty((batch, heads, head_dim), dtype=shape.dtype, device=device)
+        parts[(heads, kv_heads, head_dim)] = (
+            plan,
+            allocate_split_workspace(like, plan) if plan.split else None,
+        )
+    return DecodeKernel(parts)
 
 
 def kernel_problem(
-    shape: KVShape, group: int, block_size: int, device: torch.device, softcap: float | None = None
+    shape: KVShape, block_size: int, device: torch.device, softcap: float | None = None
 ) -> str | None:
     """Why the Triton decode kernel cannot serve decode rows on ``device`` (logged at ERROR with
-    what it costs), or None when it runs and agrees with the torch reference on small cases of this
-    model's shapes, plain and with a window, ``softcap`` and sinks."""
+    what it costs), or None when it runs and agrees with the torch reference on small cases of each
+    of this model's layer geometries, plain and with a window, ``softcap`` and sinks."""
     problem: str | None = "triton is not installed"
     if triton_decode.triton_available():
-        problem = _check(shape, group, block_size, device, softcap)
+        problem = next(
+            (
+                found
+                for geometry in shape.geometries
+                if (found := _check(geometry, shape.dtype, block_size, device, softcap)) is not None
+            ),
+            None,
+        )
     if problem is not None:
         log.error("the Triton decode kernel is off (%s): %s", problem, FALLBACK_COST)
     return problem
 
 
-def kernel_works(
-    shape: KVShape, group: int, block_size: int, device: torch.device, softcap: float | None = None
-) -> bool:
+def kernel_works(shape: KVShape, block_size: int, device: torch.device, softcap: float | None = None) -> bool:
     """Whether the Triton decode kernel runs here and agrees with the reference (:func:`kernel_problem`)."""
-    return kernel_problem(shape, group, block_size, device, softcap) is None
+    return kernel_problem(shape, block_size, device, softcap) is None
 
 
 def _check(
-    shape: KVShape, group: int, block_size: int, device: torch.device, softcap: float | None
+    geometry: tuple[int, int, int],
+    dtype: torch.dtype,
+    block_size: int,
+    device: torch.device,
+    softcap: float | None,
 ) -> str | None:
+    """:func:`kernel_problem` for the layers of one ``(heads, kv_heads, head_dim)``."""
+    heads, kv_heads, head_dim = geometry
     try:
         generator = torch.Generator(device=device).manual_seed(0)
-        heads = shape.kv_heads * group
         size = block_size
-        pool_k = torch.randn((8, size, shape.kv_heads, shape.head_dim), generator=generator, device=device)
+        pool_k = torch.randn((8, size, kv_heads, head_dim), generator=generator, device=device)
         pool_v = torch.randn(pool_k.shape, generator=generator, device=device)
-        query = torch.randn((3, heads, shape.head_dim), generator=generator, device=device)
-        pool_k, pool_v, query = (t.to(shape.dtype) for t in (pool_k, pool_v, query))
+        query = torch.randn((3, heads, head_dim), generator=generator, device=device)
+        pool_k, pool_v, query = (t.to(dtype) for t in (pool_k, pool_v, query))
         tables = torch.tensor([[3, 1, 0], [7, 0, 0], [2, 5, 6]], dtype=torch.int32, device=device)
         lengths = torch.tensor([2 * size + 1, 1, 3 * size], dtype=torch.int32, device=device)
-        scale = shape.head_dim**-0.5
+        scale = head_dim**-0.5
         sinks = torch.randn((heads,), generator=generator, device=device)
         pairs = []
         for v in (PLAIN, LayerVariant(size + 3, softcap, sinks)):

@@ -15,27 +15,109 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class KVShape:
-    """What one token costs in the pool: per layer, ``kv_heads`` keys and values of ``head_dim``."""
+class LayerKV:
+    """One attention layer's geometry: ``heads`` query heads over ``kv_heads`` key and value heads
+    of ``head_dim``; ``source``: the layer whose blocks it reads (itself, or for a layer that reuses
+    an earlier layer's keys and values, as Gemma 4's last layers do, that layer)."""
 
-    num_layers: int
+    heads: int
     kv_heads: int
     head_dim: int
+    source: int
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.heads // self.kv_heads
+
+    @property
+    def geometry(self) -> tuple[int, int, int]:
+        """``(heads, kv_heads, head_dim)``: what a kernel launch for this layer depends on."""
+        return (self.heads, self.kv_heads, self.head_dim)
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The pool's layout: per layer its :class:`LayerKV`; ``dtype`` of every block."""
+
+    layers: tuple[LayerKV, ...]
     dtype: torch.dtype
+
+    @classmethod
+    def uniform(
+        cls, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, group: int = 1
+    ) -> KVShape:
+        """Every layer alike, each with its own blocks."""
+        return cls(tuple(LayerKV(kv_heads * group, kv_heads, head_dim, i) for i in range(num_layers)), dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def geometries(self) -> tuple[tuple[int, int, int], ...]:
+        """The distinct :attr:`LayerKV.geometry` of the layers, in layer order."""
+        return tuple(dict.fromkeys(layer.geometry for layer in self.layers))
+
+    def owns_blocks(self, index: int) -> bool:
+        """Whether layer ``index`` writes blocks of its own (False: it reads its source's)."""
+        return self.layers[index].source == index
 
     @property
     def bytes_per_token(self) -> int:
+        """Keys and values of one token over the layers with blocks of their own."""
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * element
+        return sum(
+            2 * layer.kv_heads * layer.head_dim * element
+            for index, layer in enumerate(self.layers)
+            if self.owns_blocks(index)
+        )
+
+
+def layer_configs(text: Any) -> list[Any]:
+    """Per layer, the config its attention reads: transformers' per-layer view of a heterogeneous
+    config (Gemma 4's ``head_dim`` differs between sliding and global layers; reading it on the
+    config itself raises), else the config for every layer."""
+    layers = int(text.num_hidden_layers)
+    if getattr(text, "is_heterogeneous", False):
+        return [text.per_layer_config[i] for i in range(layers)]
+    return [text] * layers
+
+
+def kv_sources(text: Any) -> list[int]:
+    """Per layer, the layer whose keys and values it attends to: itself, or for the last
+    ``num_kv_shared_layers`` layers (Gemma 4, Gemma 3n) the last earlier layer of the same kind
+    (``layer_types``) that computes its own, as transformers' ``kv_sharing_modes`` pairs them."""
+    layers = int(text.num_hidden_layers)
+    shared = int(getattr(text, "num_kv_shared_layers", 0) or 0)
+    first_shared = layers - shared
+    if not shared:
+        return list(range(layers))
+    if first_shared <= 0:
+        raise ValueError(f"all {layers} layers reuse another layer's KV (num_kv_shared_layers {shared})")
+    kinds = list(text.layer_types)
+    sources = list(range(first_shared))
+    for index in range(first_shared, layers):
+        owners = [i for i in range(first_shared) if kinds[i] == kinds[index]]
+        if not owners:
+            raise ValueError(
+                f"layer {index} ({kinds[index]}) reuses KV that no earlier layer of its kind computes"
+            )
+        sources.append(owners[-1])
+    return sources
 
 
 def kv_shape(config: Any, dtype: torch.dtype) -> KVShape:
-    """The KV layout of a transformers model config (the text config of a multimodal one)."""
+    """The KV layout of a transformers model config (the text config of a multimodal one): each
+    layer's head geometry and where its keys and values live."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = int(text.num_attention_heads)
-    kv_heads = int(getattr(text, "num_key_value_heads", None) or heads)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    return KVShape(int(text.num_hidden_layers), kv_heads, int(head_dim), dtype)
+    layers = []
+    for layer, source in zip(layer_configs(text), kv_sources(text), strict=True):
+        heads = int(layer.num_attention_heads)
+        kv_heads = int(getattr(layer, "num_key_value_heads", None) or heads)
+        head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // heads
+        layers.append(LayerKV(heads, kv_heads, int(head_dim), source))
+    return KVShape(tuple(layers), dtype)
 
 
 def pool_blocks(
@@ -76,15 +158,23 @@ def pool_blocks(
 
 
 class KVPool:
-    """Per-layer key and value blocks, ``[num_blocks, block_size, kv_heads, head_dim]`` each."""
+    """Per layer key and value blocks, ``[num_blocks, block_size, kv_heads, head_dim]`` with that
+    layer's geometry; a layer that reuses another's KV holds that layer's tensors (no memory)."""
 
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, device: torch.device):
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        dims = (num_blocks, block_size, shape.kv_heads, shape.head_dim)
-        self.keys = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
-        self.values = [torch.zeros(dims, dtype=shape.dtype, device=device) for _ in range(shape.num_layers)]
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        for index, layer in enumerate(shape.layers):
+            if shape.owns_blocks(index):
+                dims = (num_blocks, block_size, layer.kv_heads, layer.head_dim)
+                self.keys.append(torch.zeros(dims, dtype=shape.dtype, device=device))
+                self.values.append(torch.zeros(dims, dtype=shape.dtype, device=device))
+            else:  # sources come first: their tensors exist already
+                self.keys.append(self.keys[layer.source])
+                self.values.append(self.values[layer.source])
 
     @property
     def bytes(self) -> int:

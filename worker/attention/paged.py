@@ -26,26 +26,26 @@ NAME = "sluice_paged"
 @dataclass
 class Chunk:
     """Several query tokens of one sequence: flat tokens ``[start, start + count)``, the last
-    ``count`` of the sequence's ``context`` tokens (whose KV is in ``blocks``), for ``group`` query
-    heads per kv head."""
+    ``count`` of the sequence's ``context`` tokens (whose KV is in ``blocks``)."""
 
     start: int
     count: int
     context: int
     blocks: torch.Tensor  # long [ceil(context / block_size)]
-    group: int
     # Position spans ``[start, end)`` whose tokens also see each other's later tokens (a Gemma 3
     # image's placeholders, one bidirectional block); the chunk holds each span's end.
     spans: tuple[tuple[int, int], ...] = ()
-    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    _masks: dict[tuple[int | None, int], torch.Tensor | None] = field(default_factory=dict)
 
-    def mask(self, window: int | None) -> torch.Tensor | None:
-        """:func:`chunk_mask` for a layer with this window, built once per step."""
-        if window not in self._masks:
-            self._masks[window] = chunk_mask(
-                self.count, self.context, self.group, self.blocks.device, window, self.spans
+    def mask(self, window: int | None, group: int) -> torch.Tensor | None:
+        """:func:`chunk_mask` for a layer with this window and ``group`` query heads per kv head
+        (both may differ between layers), built once per step."""
+        key = (window, group)
+        if key not in self._masks:
+            self._masks[key] = chunk_mask(
+                self.count, self.context, group, self.blocks.device, window, self.spans
             )
-        return self._masks[window]
+        return self._masks[key]
 
 
 @dataclass
@@ -252,8 +252,10 @@ def paged_attention_forward(
     tokens = batch * length
     flat_k = key.transpose(1, 2).reshape(tokens, kv_heads, dim).to(pool_k.dtype)
     flat_v = value.transpose(1, 2).reshape(tokens, kv_heads, dim).to(pool_v.dtype)
-    pool_k.view(-1, kv_heads, dim).index_copy_(0, step.slots, flat_k)
-    pool_v.view(-1, kv_heads, dim).index_copy_(0, step.slots, flat_v)
+    # A layer reusing an earlier layer's KV gets that layer's new keys and values, already written.
+    if step.pool.shape.owns_blocks(layer):
+        pool_k.view(-1, kv_heads, dim).index_copy_(0, step.slots, flat_k)
+        pool_v.view(-1, kv_heads, dim).index_copy_(0, step.slots, flat_v)
     flat_q = query.transpose(1, 2).reshape(tokens, heads, dim)
 
     if step.invariant is not None:
@@ -341,7 +343,7 @@ def _chunk(
         pool_k.index_select(0, chunk.blocks).flatten(0, 1)[: chunk.context].transpose(0, 1)
     )  # [kvh, ctx, d]
     values = pool_v.index_select(0, chunk.blocks).flatten(0, 1)[: chunk.context].transpose(0, 1)
-    visible = chunk.mask(variant.window_within(chunk.context))  # [group * count, ctx] or None
+    visible = chunk.mask(variant.window_within(chunk.context), group)  # [group * count, ctx] or None
     if variant.plain_softmax:
         # 4-D [1, heads, tokens, d], as CUDA's flash and memory-efficient SDPA kernels take them (3-D
         # inputs get the math kernel and its float32 scores); each kv head serves its query heads.

@@ -13,6 +13,7 @@ from typing import Any
 
 from transformers import AutoConfig
 
+from worker.attention.kv_pool import kv_sources, layer_configs
 from worker.model.loader import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -120,12 +121,20 @@ def _refusal(config: Any) -> str | None:
         return f"{names} ({kind}) is a hybrid or recurrent model ({what}), which Sluice does not serve yet"
     if getattr(config, "attention_chunk_size", None):
         return f"{names} ({kind}) uses chunked local attention, which the paged KV cache does not support yet"
-    head_dim = getattr(config, "head_dim", None)
-    value_dim = getattr(config, "v_head_dim", None)
-    if head_dim and value_dim and value_dim != head_dim:
-        return (
-            f"{names} ({kind}) has key dim {head_dim} and value dim {value_dim}; the KV pool needs them equal"
-        )
+    if getattr(config, "use_bidirectional_attention", None) == "all":
+        return f"{names} ({kind}) attends bidirectionally (an encoder), which causal serving does not do"
+    for layer in layer_configs(config):
+        head_dim = getattr(layer, "head_dim", None)
+        value_dim = getattr(layer, "v_head_dim", None)
+        if head_dim and value_dim and value_dim != head_dim:
+            return (
+                f"{names} ({kind}) has key dim {head_dim} and value dim {value_dim}; "
+                "the KV pool needs them equal"
+            )
+    try:
+        kv_sources(config)
+    except ValueError as error:
+        return f"{names} ({kind}): {error}"
     return None
 
 

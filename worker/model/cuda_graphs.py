@@ -35,7 +35,6 @@ class GraphedRunner(Protocol):
     block_size: int
     scratch_block: int
     kv_shape: KVShape
-    group: int
     pool: KVPool
 
     def execute(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -83,13 +82,9 @@ class DecodeGraphs:
         pool = torch.cuda.graph_pool_handle()
         model = self.runner.model
         shape = self.runner.kv_shape
-        heads = shape.kv_heads * self.runner.group
         self.slots.fill_(self.scratch_slot)
         for rows in sorted(self.buckets, reverse=True):
-            query_like = torch.empty(
-                (rows, heads, shape.head_dim), dtype=shape.dtype, device=self.runner.device
-            )
-            kernel = decode_kernel(rows, shape.kv_heads, self.width, self.runner.block_size, query_like)
+            kernel = decode_kernel(rows, shape, self.width, self.runner.block_size, self.runner.device)
             step = paged.PagedStep(
                 pool=self.runner.pool,
                 slots=self.slots[:rows],

@@ -91,8 +91,6 @@ class ModelRunner:
         self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
-        heads = int(self.model.config.get_text_config().num_attention_heads)
-        self.group = heads // self.kv_shape.kv_heads
         # One block more than the scheduler hands out: padding rows of a captured decode batch write
         # their keys and values there.
         self.pool = KVPool(self.kv_shape, num_blocks + 1, block_size, self.device)
@@ -111,9 +109,7 @@ class ModelRunner:
         if triton_decode is None:
             if self.device.type == "cuda":
                 softcap = self.attention.softcap
-                self.kernel_problem = kernel_problem(
-                    self.kv_shape, self.group, self.block_size, self.device, softcap
-                )
+                self.kernel_problem = kernel_problem(self.kv_shape, self.block_size, self.device, softcap)
             self._use_kernel = self.device.type == "cuda" and self.kernel_problem is None
         else:
             self._use_kernel = triton_decode
@@ -167,10 +163,7 @@ class ModelRunner:
         step.decode_tables = inputs.tables
         step.decode_lengths = inputs.lengths
         if kernel:
-            shape = self.kv_shape
-            heads = shape.kv_heads * self.group
-            like = torch.empty((rows, heads, shape.head_dim), dtype=shape.dtype, device=self.device)
-            step.decode_kernel = decode_kernel(rows, shape.kv_heads, width, self.block_size, like)
+            step.decode_kernel = decode_kernel(rows, self.kv_shape, width, self.block_size, self.device)
         else:
             step.decode_mask = paged.decode_mask(step.decode_lengths, width * self.block_size)
 
@@ -206,7 +199,6 @@ class ModelRunner:
                     count,
                     context,
                     torch.tensor(list(blocks), dtype=torch.long, device=device),
-                    self.group,
                     spans=tuple(image.span for image in item.images) if bidirectional else (),
                 )
             )
@@ -227,12 +219,12 @@ class ModelRunner:
             table = torch.full((width,), self.scratch_block, dtype=torch.long)
             table[:used] = torch.tensor(list(item.table[:used]), dtype=torch.long)
             tables.append(table.expand(len(item.tokens), width))
-        shape = self.kv_shape
+        widest = max(layer.kv_heads * layer.head_dim for layer in self.kv_shape.layers)
         rows = paged.invariant_rows(
             torch.cat(tables),
             torch.tensor(flat.positions, dtype=torch.long) + 1,
             size,
-            shape.kv_heads * shape.head_dim * self.pool.keys[0].element_size(),
+            widest * self.pool.keys[0].element_size(),
             self.device,
         )
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(self.device), invariant=rows)

@@ -136,16 +136,9 @@ def take_activation_memory(loaded: LoadedModel, tokens: int, block_size: int) ->
     shape = kv_shape(loaded.model.config, loaded.dtype)
     blocks = -(-context // block_size)
     pool = KVPool(shape, blocks, block_size, device)
-    heads = int(loaded.model.config.get_text_config().num_attention_heads)
     work = Work([0] * count, context - count, list(range(blocks)), True)
     flat = FlatTokens.of([work], block_size)
-    chunk = paged.Chunk(
-        0,
-        count,
-        context,
-        torch.arange(blocks, dtype=torch.long, device=device),
-        heads // shape.kv_heads,
-    )
+    chunk = paged.Chunk(0, count, context, torch.arange(blocks, dtype=torch.long, device=device))
     step = paged.PagedStep(pool=pool, slots=flat.slot_tensor(device), chunks=[chunk])
     paged.register()
     loaded.model.set_attn_implementation(paged.NAME)
@@ -154,7 +147,8 @@ def take_activation_memory(loaded: LoadedModel, tokens: int, block_size: int) ->
             input_ids=torch.tensor([flat.ids], dtype=torch.long, device=device),
             position_ids=torch.tensor([flat.positions], dtype=torch.long, device=device),
             use_cache=False,
-            logits_to_keep=1,
+            # A tensor, as serving passes: an int makes Gemma 4 cut its KV-sharing layers' queries.
+            logits_to_keep=torch.tensor([count - 1], dtype=torch.long, device=device),
         )
     del pool, step, chunk
     if device.type == "cuda":

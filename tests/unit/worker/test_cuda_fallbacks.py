@@ -15,9 +15,8 @@ from worker.model import cuda_graphs
 
 def cpu_runner() -> SimpleNamespace:
     return SimpleNamespace(
-        kv_shape=KVShape(num_layers=2, kv_heads=3, head_dim=64, dtype=torch.float32),
+        kv_shape=KVShape.uniform(2, 3, 64, torch.float32, group=3),
         device=torch.device("cpu"),
-        group=3,
         block_size=16,
     )
 
@@ -26,7 +25,7 @@ def test_the_kernel_check_fails_closed_when_the_kernel_cannot_run(caplog):
     # CPU tensors without triton's interpreter: the kernel cannot launch, so the gather path is kept.
     with caplog.at_level(logging.ERROR):
         runner = cpu_runner()
-        assert kernel_works(runner.kv_shape, runner.group, runner.block_size, runner.device) is False
+        assert kernel_works(runner.kv_shape, runner.block_size, runner.device) is False
     assert "decode attention gathers instead" in caplog.text
 
 
@@ -38,9 +37,7 @@ def test_no_graphs_without_triton(monkeypatch, caplog):
 
 
 def test_buckets_cover_every_batch_size_up_to_max_running():
-    runner = SimpleNamespace(
-        device=torch.device("cpu"), block_size=16, scratch_block=9, kv_shape=None, group=1
-    )
+    runner = SimpleNamespace(device=torch.device("cpu"), block_size=16, scratch_block=9, kv_shape=None)
     graphs = cuda_graphs.DecodeGraphs(runner, 100, 4096)  # type: ignore[arg-type]
     assert graphs.buckets[-1] == 100 and graphs.buckets == sorted(graphs.buckets)
     assert all(graphs.fits(rows) for rows in range(1, 101)) and not graphs.fits(101)

@@ -121,12 +121,12 @@ def test_the_sampler_on_cuda_draws_what_it_draws_on_the_cpu(name: str) -> None:
 def test_the_pool_takes_the_set_fraction_of_free_memory() -> None:
     from worker.attention.kv_pool import KVShape, pool_blocks
 
-    shape = KVShape(num_layers=24, kv_heads=32, head_dim=64, dtype=torch.bfloat16)
+    shape = KVShape.uniform(24, 32, 64, torch.bfloat16)
     free, _ = torch.cuda.mem_get_info()
     blocks = pool_blocks(
         shape, 16, torch.device("cuda"), tokens=None, cpu_bytes=1 << 30, gpu_memory_fraction=0.5
     )
-    per_block = 2 * shape.num_layers * 16 * shape.kv_heads * shape.head_dim * 2
+    per_block = 2 * 24 * 16 * 32 * 64 * 2
     assert 0.4 * free <= blocks * per_block <= 0.55 * free
 
 

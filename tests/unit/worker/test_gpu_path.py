@@ -64,9 +64,9 @@ def test_a_missing_triton_is_an_error_line_with_its_cost(monkeypatch, caplog) ->
     from worker.attention import decode_kernel, triton_decode
 
     monkeypatch.setattr(triton_decode, "triton_available", lambda: False)
-    shape = KVShape(num_layers=1, kv_heads=2, head_dim=64, dtype=torch.float32)
+    shape = KVShape.uniform(1, 2, 64, torch.float32, group=2)
     with caplog.at_level(logging.ERROR):
-        assert decode_kernel.kernel_problem(shape, 2, 16, torch.device("cpu")) == "triton is not installed"
+        assert decode_kernel.kernel_problem(shape, 16, torch.device("cpu")) == "triton is not installed"
     [record] = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert "slower" in record.getMessage() and "without CUDA graphs" in record.getMessage()
 
@@ -106,17 +106,17 @@ def test_each_captured_graph_holds_the_split_scratch_it_writes(monkeypatch) -> N
     def model(input_ids: torch.Tensor, **_: Any) -> Any:
         step = paged._current
         assert step is not None
-        seen[input_ids.shape[0]] = weakref.ref(step.decode_kernel.workspace.partial_out)
+        [(_plan, workspace)] = step.decode_kernel.parts.values()
+        seen[input_ids.shape[0]] = weakref.ref(workspace.partial_out)
         return SimpleNamespace(logits=torch.zeros((input_ids.shape[0], 1, 8)))
 
-    shape = KVShape(num_layers=1, kv_heads=1, head_dim=16, dtype=torch.float32)
+    shape = KVShape.uniform(1, 1, 16, torch.float32)
     runner = SimpleNamespace(
         model=model,
         device=torch.device("cpu"),
         block_size=16,
         scratch_block=0,
         kv_shape=shape,
-        group=1,
         pool=KVPool(shape, 2, 16, torch.device("cpu")),
     )
     with fake_cuda_capture(monkeypatch):
@@ -128,8 +128,8 @@ def test_each_captured_graph_holds_the_split_scratch_it_writes(monkeypatch) -> N
     for rows in graphs.buckets:  # small buckets of a long context split K
         workspace = seen[rows]()
         assert workspace is not None, f"the scratch of bucket {rows} was freed while its graph lives"
-        kernel = graphs.captured[rows].kernel
-        assert kernel.workspace is not None and kernel.workspace.partial_out is workspace
+        [(_plan, kept)] = graphs.captured[rows].kernel.parts.values()
+        assert kept is not None and kept.partial_out is workspace
 
 
 # ------------------------------------------------------------------ 5: a failed device
@@ -254,12 +254,12 @@ def test_prompt_chunks_and_the_memory_probe_run_sdpa_on_4d_tensors(monkeypatch) 
         return original(query, *args, **kwargs)
 
     monkeypatch.setattr(paged.F, "scaled_dot_product_attention", recording)
-    shape = KVShape(num_layers=1, kv_heads=2, head_dim=16, dtype=torch.float32)
+    shape = KVShape.uniform(1, 2, 16, torch.float32)
     pool = KVPool(shape, 4, 4, torch.device("cpu"))
     pool.keys[0].normal_()
     pool.values[0].normal_()
     query = torch.randn(5, 4, 16)
-    chunk = paged.Chunk(0, 5, 9, torch.tensor([2, 0, 3]), 2)
+    chunk = paged.Chunk(0, 5, 9, torch.tensor([2, 0, 3]))
     got = paged._chunk(chunk, query, pool.keys[0], pool.values[0], 0.25, PLAIN)
     keys = pool.keys[0][[2, 0, 3]].flatten(0, 1)[:9].repeat_interleave(2, dim=1)  # [9, 4, 16]
     values = pool.values[0][[2, 0, 3]].flatten(0, 1)[:9].repeat_interleave(2, dim=1)

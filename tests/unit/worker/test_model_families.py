@@ -121,7 +121,7 @@ def test_family_over_the_paged_pool_equals_eager(family: str) -> None:
     check_family(family)
 
 
-@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "ministral", "mistral_window"])
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "ministral", "mistral_window", "gemma4_text"])
 def test_prompt_scoring_equals_eager(family: str) -> None:
     """The cacheless forward (prompt logprobs) applies the same windows, softcap and sinks."""
     model = tiny_model(tiny_config(family))
@@ -164,6 +164,35 @@ def test_gpt_oss_sinks_matter() -> None:
         for layer in model.model.layers:
             layer.self_attn.sinks.fill_(-1e4)
         assert not torch.allclose(before, model(input_ids=ids).logits[0, -1], atol=1e-2)
+
+
+def test_gemma4_pool_has_each_layers_geometry_and_shared_layers_hold_no_blocks() -> None:
+    """Sliding layers [blocks, 4, 2, 16], global ones [blocks, 4, 2, 32]; the two KV-sharing layers
+    hold their source's tensors (the last earlier layer of their kind) and cost nothing."""
+    runner = ModelRunner(loaded(tiny_model(tiny_config("gemma4_text"))), num_blocks=8, block_size=BLOCK)
+    pool = runner.pool
+    assert [tuple(keys.shape) for keys in pool.keys] == [
+        (9, BLOCK, 2, 16),
+        (9, BLOCK, 2, 32),
+        (9, BLOCK, 2, 16),
+        (9, BLOCK, 2, 16),
+        (9, BLOCK, 2, 32),
+    ]
+    assert pool.keys[3] is pool.keys[2] and pool.values[3] is pool.values[2]
+    assert pool.keys[4] is pool.keys[1] and pool.values[4] is pool.values[1]
+    assert runner.kv_shape.bytes_per_token == 2 * 4 * (2 * 16 + 2 * 32 + 2 * 16)  # float32, 3 layers
+    assert runner.attention.windows == (WINDOW, None, WINDOW, WINDOW, None)
+
+
+def test_gemma4_global_layers_have_their_own_kv_heads() -> None:
+    runner = ModelRunner(
+        loaded(tiny_model(tiny_config("gemma4_text_k_eq_v"))), num_blocks=8, block_size=BLOCK
+    )
+    assert [(layer.kv_heads, layer.head_dim, layer.group) for layer in runner.kv_shape.layers] == [
+        (2, 16, 2),
+        (2, 16, 2),
+        (1, 32, 4),
+    ]
 
 
 def test_window_at_or_above_the_context_is_no_window() -> None:
