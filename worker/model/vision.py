@@ -28,6 +28,13 @@ SERVED: dict[str, bool] = {
     "qwen2_vl": False,
     "qwen2_5_vl": False,
 }
+# model_type -> the piece missing for a vision-language architecture known not to be served yet.
+MISSING: dict[str, str] = {
+    "gemma4": (
+        "its image (and audio) features are not merged into the paged runner yet (variable-resolution "
+        "patches; per-layer embeddings of the placeholders); its text-only form, gemma4_text, is served"
+    ),
+}
 # Architectures whose rotary positions are 3-D (M-RoPE): an image's tokens take (time, row, column).
 MROPE = frozenset({"qwen2_vl", "qwen2_5_vl"})
 
@@ -56,8 +63,9 @@ def vision_spec(config: Any) -> VisionSpec | None:
     kind = str(getattr(config, "model_type", "?"))
     names = ", ".join(getattr(config, "architectures", None) or []) or kind
     if kind not in SERVED:
+        missing = f": {MISSING[kind]}" if kind in MISSING else ""
         raise ModelLoadError(
-            f"{names} ({kind}) is a vision-language architecture Sluice does not serve yet; "
+            f"{names} ({kind}) is a vision-language architecture Sluice does not serve yet{missing}; "
             f"served: {', '.join(sorted(SERVED))} (docs/models.md)"
         )
     token = getattr(config, "image_token_id", None)
