@@ -1,4 +1,5 @@
-"""Issue 24's bar per family (Qwen3, Llama 3.1, Gemma 3, gpt-oss, Mistral with a tekken.json), through
+"""Issue 24's bar per family (Qwen3, Llama 3.1, Gemma 3, gpt-oss, Mistral with a tekken.json; Gemma 4's
+text model with Gemma 3's tokenizer and template, issue 42), through
 a real worker and edge: a tiny random model saved with the family's real tokenizer and chat template
 scores its prompt and decodes greedily like transformers' eager float32 model, and a forced tool call
 parses (streamed and not) and the conversation goes on with the tool's result."""
@@ -29,6 +30,8 @@ FAMILIES = {
     "qwen3": ("qwen3", "qwen3", None),
     "llama3.1": ("llama", "llama3_1", "meta-llama-Llama-3.1-8B-Instruct"),
     "gemma3": ("gemma3_text", "gemma3", None),
+    # No Gemma 4 tokenizer or template is on the registries: Gemma 3's (the same vocabulary's family).
+    "gemma4": ("gemma4_text", "gemma3", None),
     "gpt-oss": ("gpt_oss", "gptoss", "openai-gpt-oss-120b"),
     "mistral-tekken": ("mistral", "tekken v13", None),  # only a tekken.json, as Mistral ships it
 }
@@ -59,6 +62,7 @@ FORMATS = {
     "qwen3": ("hermes", "qwen3"),
     "llama3.1": ("llama3_json", None),
     "gemma3": ("hermes", None),
+    "gemma4": ("hermes", None),
     "gpt-oss": ("openai", "openai_gptoss"),
     "mistral-tekken": ("mistral", "mistral"),
 }
@@ -93,7 +97,9 @@ def build(folder: Path, family: str) -> tuple[Any, Any]:
         "eos_token_id": tokenizer.eos_token_id,
         "pad_token_id": tokenizer.pad_token_id,
     }
-    config = tiny_config(key, vocab_size=len(tokenizer), **TINY, **ids)
+    # Gemma 4's per-layer embeddings have a vocabulary of their own.
+    per_layer = {"vocab_size_per_layer_input": len(tokenizer)} if key == "gemma4_text" else {}
+    config = tiny_config(key, vocab_size=len(tokenizer), **TINY, **ids, **per_layer)
     model = tiny_model(config)
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(folder)
