@@ -18,6 +18,7 @@ import transformers
 from tests.tiny_families import COMMON, FAMILIES, WINDOW, eager_reference, tiny_config, tiny_model
 from tests.triton_interpreter import interpreted_results, print_results
 from worker.attention.triton_decode import triton_available
+from worker.model import runner_setup
 from worker.model.loader import ModelLoadError
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import Work
@@ -182,6 +183,13 @@ def test_gemma4_pool_has_each_layers_geometry_and_shared_layers_hold_no_blocks()
     assert pool.keys[4] is pool.keys[1] and pool.values[4] is pool.values[1]
     assert runner.kv_shape.bytes_per_token == 2 * 4 * (2 * 16 + 2 * 32 + 2 * 16)  # float32, 3 layers
     assert runner.attention.windows == (WINDOW, None, WINDOW, WINDOW, None)
+
+
+def test_the_start_up_memory_probe_runs_gemma4() -> None:
+    """The probe keeps the last token's logits as serving does (a tensor): with an int,
+    transformers' Gemma 4 cuts its KV-sharing layers' queries to that many tokens, which the
+    step's chunk does not describe."""
+    runner_setup.take_activation_memory(loaded(tiny_model(tiny_config("gemma4_text"))), 24, BLOCK)  # type: ignore[arg-type]
 
 
 def test_gemma4_global_layers_have_their_own_kv_heads() -> None:
