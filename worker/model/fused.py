@@ -278,7 +278,8 @@ def fuse_model(model: nn.Module) -> FusedReport:
                     if kind not in norm_forms:
                         norm_forms[kind] = _norm_form(module)
                     form = norm_forms[kind]
-                    if form is None:
+                    # A class's form fits its instances with a scale (Gemma 4's value norms have none).
+                    if form is None or not isinstance(getattr(module, "weight", None), torch.Tensor):
                         report.kept.append(kind.__name__)
                         continue
                     module.forward = _FusedNorm(module, form[0], form[1], module.forward)  # type: ignore[method-assign]

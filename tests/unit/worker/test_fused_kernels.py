@@ -102,6 +102,8 @@ EXPECTED = {
     "gpt_oss": (True, False, False),  # experts, and its own rotary (halves, not rotate_half)
     "phi3": (True, False, False),  # one gate_up projection; partial rotary
     "glm4_moe": (True, True, True),  # partial rotary: its angles are narrower, the function's own runs
+    # Value norms without a scale (kept), GELU MLPs, a one-tensor rotary function (kept).
+    "gemma4_text": (True, False, False),
 }
 
 
