@@ -66,7 +66,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "final_logit_softcapping": 5.0,
         },
     ),
-    # Gemma 4 (26B/31B-like): global layers with their own kv heads, values from the key projection.
+    # Gemma 4 (26B-like): global layers with their own kv heads, values from the key projection, MoE.
     "gemma4_text_k_eq_v": (
         "Gemma4TextConfig",
         {
@@ -77,6 +77,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             "num_global_key_value_heads": 1,
             "attention_k_eq_v": True,
             "hidden_size_per_layer_input": 0,
+            "enable_moe_block": True,
+            "num_experts": 4,
+            "top_k_experts": 2,
+            "moe_intermediate_size": 32,
         },
     ),
     "gpt_oss": ("GptOssConfig", {**MOE, **ALTERNATING}),  # sinks, alternating windows, MoE
