@@ -1,5 +1,5 @@
 """Issue 24's bar per family (Qwen3, Llama 3.1, Gemma 3, gpt-oss, Mistral with a tekken.json; Gemma 4's
-text model with Gemma 3's tokenizer and template, issue 42), through
+text model with its own template and Gemma 3's tokenizer, issue 42), through
 a real worker and edge: a tiny random model saved with the family's real tokenizer and chat template
 scores its prompt and decodes greedily like transformers' eager float32 model, and a forced tool call
 parses (streamed and not) and the conversation goes on with the tool's result."""
@@ -30,8 +30,8 @@ FAMILIES = {
     "qwen3": ("qwen3", "qwen3", None),
     "llama3.1": ("llama", "llama3_1", "meta-llama-Llama-3.1-8B-Instruct"),
     "gemma3": ("gemma3_text", "gemma3", None),
-    # No Gemma 4 tokenizer or template is on the registries: Gemma 3's (the same vocabulary's family).
-    "gemma4": ("gemma4_text", "gemma3", None),
+    # Its own template; no Gemma 4 tokenizer is on the registries: Gemma 3's (the same vocabulary's).
+    "gemma4": ("gemma4_text", "gemma3", "google-gemma-4-31B-it"),
     "gpt-oss": ("gpt_oss", "gptoss", "openai-gpt-oss-120b"),
     "mistral-tekken": ("mistral", "tekken v13", None),  # only a tekken.json, as Mistral ships it
 }
@@ -62,7 +62,7 @@ FORMATS = {
     "qwen3": ("hermes", "qwen3"),
     "llama3.1": ("llama3_json", None),
     "gemma3": ("hermes", None),
-    "gemma4": ("hermes", None),
+    "gemma4": ("gemma4", "gemma4"),
     "gpt-oss": ("openai", "openai_gptoss"),
     "mistral-tekken": ("mistral", "mistral"),
 }
