@@ -25,6 +25,7 @@ from worker.engine.request_stream import RequestStream, StreamOpener
 from worker.engine.requests import Control, Ledger, Outputs, Owners, RequestState, failed, unique
 from worker.engine.scheduler import Scheduler, SeqState, StepPlan
 from worker.engine.speculation import Speculation
+from worker.engine.state_slots import reuses_prefixes
 from worker.engine.stats import EngineCounters, EngineStats, PublishedStats
 from worker.engine.update import Update
 from worker.errors import NotReady
@@ -72,7 +73,9 @@ class Engine:
             grammars=grammars,
         )
         self.blocks = BlockManager(
-            runner.num_blocks, runner.block_size, prefix_caching=options.prefix_caching
+            runner.num_blocks,
+            runner.block_size,
+            prefix_caching=reuses_prefixes(runner, options.prefix_caching),
         )
         self._speculation = speculation
         self._scheduler: Scheduler[RequestState] = Scheduler(

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 from worker.engine.kv_blocks import BlockManager, SequenceBlocks
+from worker.engine.state_slots import StateSlots
 from worker.errors import InvalidRequest, QueueFull
 from worker.model.step_inputs import Work, work_of
 from worker.types import PromptImage
@@ -31,6 +32,7 @@ class SeqState:
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its first start
     started: bool = False  # started at least once (a preempted sequence starts again)
     images: tuple[PromptImage, ...] = ()  # a vision-language prompt's images (their placeholder spans)
+    state_slot: int = -1  # its slot of a hybrid model's state pool while it runs (-1: none)
 
     @property
     def cache_keys(self) -> Tokens[int]:
@@ -138,6 +140,8 @@ class Scheduler(Generic[T]):
         self.prefill_budget_tokens = prefill_budget_tokens
         self.waiting: deque[T] = deque()
         self.running: list[T] = []
+        # Every planned sequence holds a state slot (a hybrid model's runner reads it; others ignore it).
+        self.states = StateSlots(max_running)
 
     @property
     def running_sequences(self) -> int:
@@ -195,6 +199,7 @@ class Scheduler(Generic[T]):
         """A sequence ended: its blocks go back (registered prefix blocks stay reusable)."""
         seq.finished = True
         self.blocks.free(seq.blocks)
+        self._give_slot(seq)
 
     def committed(self, work: Work, accepted: int = 0) -> None:
         """Records that ``work`` ran: its tokens' KV is in the pool (and whole blocks registered);
@@ -211,6 +216,17 @@ class Scheduler(Generic[T]):
         for seq in item.sequences:
             self.blocks.free(seq.blocks)
             seq.computed = 0
+            self._give_slot(seq)
+
+    def _give_slot(self, seq: SeqState) -> None:
+        self.states.give(seq.state_slot)
+        seq.state_slot = -1
+
+    def _work(self, seq: SeqState, count: int) -> Work:
+        """``seq``'s part of the step (:func:`work_of`), with a state slot taken if it holds none."""
+        if seq.state_slot < 0:
+            seq.state_slot = self.states.take()
+        return work_of(seq, count)
 
     def schedule(self) -> StepPlan[T]:
         """Plans the next step: the running requests (oldest first), then starts, then
@@ -283,7 +299,7 @@ class Scheduler(Generic[T]):
                 if victim is item:
                     return budget, False
                 self._preempt(victim, plan)
-            plan.work.append(work_of(seq, count))
+            plan.work.append(self._work(seq, count))
             if seq.pending > 1:
                 budget -= count
         return budget, True
@@ -337,7 +353,7 @@ class Scheduler(Generic[T]):
                 count = seq.chunk(min(seq.pending, self.prefill_budget_tokens))
             if not self.blocks.ensure(seq.blocks, seq.computed + count):
                 return budget, False
-            plan.work.append(work_of(seq, count))
+            plan.work.append(self._work(seq, count))
             own = True
             if seq.pending > 1:
                 budget -= count

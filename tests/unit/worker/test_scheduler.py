@@ -298,3 +298,28 @@ def test_a_request_whose_admission_raised_is_named_when_freeing_its_blocks_raise
     with pytest.raises(SchedulingFailed) as caught:
         s.schedule()
     assert [request for request, _ in caught.value.failed] == [bad] and not s.waiting
+
+
+def test_each_planned_sequence_holds_a_state_slot_until_it_finishes_or_is_preempted():
+    """A hybrid model's runner reads ``Work.state_slot``: distinct slots for the sequences running
+    together; a preempted request gives its slots back and takes free ones when it starts again;
+    finished and removed sequences give theirs back."""
+    s = scheduler(blocks=6, size=4, max_running=3)
+    old, new = item("old", 8, max_tokens=12), item("new", 8, max_tokens=12)
+    s.add(old)
+    s.add(new)
+    plan = run_step(s)
+    assert sorted(w.state_slot for w in plan.work) == [0, 1] and s.states.free == 1
+    preempted = False
+    while not preempted:
+        plan = run_step(s)
+        preempted = bool(plan.preempted)
+    assert new.sequences[0].state_slot == -1 and s.states.free == 2
+    assert [w.state_slot for w in plan.work] == [old.sequences[0].state_slot]
+    s.finish(old.sequences[0])
+    s.remove("old")
+    assert s.states.free == 3
+    plan = run_step(s)
+    assert plan.started == [new] and plan.work[0].state_slot >= 0 and s.states.free == 2
+    s.remove("new")
+    assert s.states.free == 3
