@@ -272,3 +272,12 @@ def state_pool(model: Any, device: torch.device, dtype: torch.dtype, slots: int)
     pool = StatePool(state_shapes(mixers, hidden, device, dtype), slots, device)
     wrap_mixers(mixers)
     return pool
+
+
+def state_slot_bytes(model: Any, device: torch.device, dtype: torch.dtype) -> int:
+    """One sequence's state over every recurrent layer of ``model`` (0 without recurrent layers)."""
+    mixers = find_mixers(model)
+    if not mixers:
+        return 0
+    hidden = int(model.config.get_text_config().hidden_size)
+    return sum(shape.bytes for shape in state_shapes(mixers, hidden, device, dtype).values())

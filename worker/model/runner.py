@@ -139,6 +139,11 @@ class ModelRunner:
     def pool_bytes(self) -> int:
         return self.pool.bytes
 
+    @property
+    def state_bytes(self) -> int:
+        """The state pool's bytes (0 for a model without recurrent layers)."""
+        return 0 if self.states is None else self.states.bytes
+
     @torch.inference_mode()
     def execute(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> torch.Tensor:
         """Runs every item in one forward; float32 logits [kept rows, vocab] in ``work`` order (one
