@@ -1,7 +1,8 @@
-"""Issue 24's bar per family (Qwen3, Llama 3.1, Gemma 3, gpt-oss, Mistral with a tekken.json), through
-a real worker and edge: a tiny random model saved with the family's real tokenizer and chat template
-scores its prompt and decodes greedily like transformers' eager float32 model, and a forced tool call
-parses (streamed and not) and the conversation goes on with the tool's result."""
+"""Issue 24's bar per family (Qwen3, Llama 3.1, Gemma 3, gpt-oss, Mistral with a tekken.json) and
+issue 42's for the Qwen3.5 hybrid, through a real worker and edge: a tiny random model saved with the
+family's real tokenizer and chat template scores its prompt and decodes greedily like transformers'
+eager float32 model, and a forced tool call parses (streamed and not) and the conversation goes on
+with the tool's result."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ FAMILIES = {
     "gemma3": ("gemma3_text", "gemma3", None),
     "gpt-oss": ("gpt_oss", "gptoss", "openai-gpt-oss-120b"),
     "mistral-tekken": ("mistral", "tekken v13", None),  # only a tekken.json, as Mistral ships it
+    # Issue 42: a hybrid (Gated DeltaNet + attention layers, the state pool) with Qwen3's tokenizer.
+    "qwen3_5": ("qwen3_5_text", "qwen3", None),
 }
 # Tiny widths: the real vocabularies (128k-262k) make the embedding the model's bulk.
 TINY = {
@@ -61,6 +64,7 @@ FORMATS = {
     "gemma3": ("hermes", None),
     "gpt-oss": ("openai", "openai_gptoss"),
     "mistral-tekken": ("mistral", "mistral"),
+    "qwen3_5": ("hermes", "qwen3"),
 }
 
 
@@ -231,15 +235,16 @@ def test_tokenize_counts_the_prompt_a_chat_generation_reports(served: Served) ->
 
 
 def test_suffix_fills_in_the_middle_where_the_vocabulary_has_fim_tokens(served: Served) -> None:
-    """Qwen3's vocabulary has ``<|fim_prefix|>`` and friends, Mistral's tekken ``[PREFIX]`` and
-    ``[SUFFIX]`` (Codestral's suffix-first layout): the prompt is laid out with them (the greedy
-    middle equals the eager model's from that layout), also through llama.cpp's ``/infill``,
-    streamed or not. The other families' vocabularies have none: a 400 naming the field."""
+    """Qwen3's vocabulary (the Qwen3.5 model's here too) has ``<|fim_prefix|>`` and friends,
+    Mistral's tekken ``[PREFIX]`` and ``[SUFFIX]`` (Codestral's suffix-first layout): the prompt is
+    laid out with them (the greedy middle equals the eager model's from that layout), also through
+    llama.cpp's ``/infill``, streamed or not. The other families' vocabularies have none: a 400
+    naming the field."""
     prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
     body = {"prompt": prefix, "suffix": suffix, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     base = served.edge.base_url
     tok = served.tokenizer
-    if served.family == "qwen3":
+    if served.family in ("qwen3", "qwen3_5"):  # the same vocabulary
         layout = f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
         ids = tok(layout, add_special_tokens=False)["input_ids"]
     elif served.family == "mistral-tekken":

@@ -113,9 +113,9 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
     )
     if runner.states is not None:
         log.info(
-            "memory: KV cache %.2f GiB, state cache %.2f GiB (%d slots of %.2f MiB over %d recurrent layers)",
+            "memory: KV cache %.2f GiB, state cache %.1f MiB (%d slots of %.3f MiB over %d recurrent layers)",
             runner.pool_bytes / 2**30,
-            runner.state_bytes / 2**30,
+            runner.state_bytes / 2**20,
             runner.states.slots,
             runner.states.slot_bytes / 2**20,
             len(runner.states.shapes),
