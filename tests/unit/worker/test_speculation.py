@@ -168,6 +168,16 @@ def test_speculation_is_off_by_default_and_runs_on_any_device():
         parse_config(["--ngram-min", "4", "--ngram-max", "2"])
 
 
+def test_a_hybrid_draft_model_is_refused():
+    vocab = SimpleNamespace(get_vocab=lambda: {"a": 0})
+    draft = SimpleNamespace(model=tiny_model(tiny_config("lfm2")), model_id="tiny-lfm2", tokenizer=vocab)
+    with pytest.raises(
+        ModelLoadError, match=r"draft model tiny-lfm2 \(lfm2\) has recurrent layers"
+    ) as raised:
+        DraftModel(draft, draft)  # type: ignore[arg-type]
+    assert raised.value.param == "draft_model"
+
+
 def test_speculation_is_refused_for_a_hybrid_model():
     """Rejected proposals would advance the recurrent states (no snapshot and restore yet)."""
     hybrid = SimpleNamespace(device=torch.device("cpu"), model=tiny_model(tiny_config("lfm2")))
