@@ -39,23 +39,28 @@ def _bytes(dims: tuple[int, ...], dtype: torch.dtype) -> int:
 
 
 class StatePool:
-    """``slots`` sequence slots and one scratch slot (index ``slots``: rows that belong to no
-    sequence, such as the warm-up's, write there) of every recurrent layer's states, keyed by the
-    layer index: ``conv[layer]`` ``[slots + 1, *shape.conv]``, ``recurrent[layer]`` likewise."""
+    """``slots`` sequence slots, one scratch slot (index ``slots``: rows that belong to no
+    sequence, such as the warm-up's, write there) and ``checkpoints`` snapshots (prefix reuse,
+    worker/engine/state_slots.py) of every recurrent layer's states, keyed by the layer index:
+    ``conv[layer]`` ``[slots + 1 + checkpoints, *shape.conv]``, ``recurrent[layer]`` likewise."""
 
-    def __init__(self, shapes: Mapping[int, StateShape], slots: int, device: torch.device):
+    def __init__(
+        self, shapes: Mapping[int, StateShape], slots: int, device: torch.device, checkpoints: int = 0
+    ):
         if slots < 1:
             raise ValueError(f"the state pool needs at least one slot, got {slots}")
         self.shapes = dict(shapes)
         self.slots = slots
         self.scratch = slots
+        self.checkpoints = checkpoints
+        rows = slots + 1 + checkpoints
         self.conv: dict[int, torch.Tensor] = {}
         self.recurrent: dict[int, torch.Tensor] = {}
         for layer, shape in self.shapes.items():
-            self.conv[layer] = torch.zeros((slots + 1, *shape.conv), dtype=shape.conv_dtype, device=device)
+            self.conv[layer] = torch.zeros((rows, *shape.conv), dtype=shape.conv_dtype, device=device)
             if shape.recurrent is not None and shape.recurrent_dtype is not None:
                 self.recurrent[layer] = torch.zeros(
-                    (slots + 1, *shape.recurrent), dtype=shape.recurrent_dtype, device=device
+                    (rows, *shape.recurrent), dtype=shape.recurrent_dtype, device=device
                 )
 
     @property
@@ -65,14 +70,21 @@ class StatePool:
 
     @property
     def bytes(self) -> int:
-        """Every slot's state, the scratch slot included (what the pool allocated)."""
-        return (self.slots + 1) * self.slot_bytes
+        """Every slot's state, the scratch slot and the checkpoints included (what the pool
+        allocated)."""
+        return (self.slots + 1 + self.checkpoints) * self.slot_bytes
 
     def slot_of(self, slot: int) -> int:
         """The pool index of a sequence's slot; -1 (no sequence) is the scratch slot."""
         if slot >= self.slots:
             raise ValueError(f"state slot {slot} is past the pool's {self.slots} slots")
         return self.scratch if slot < 0 else slot
+
+    def checkpoint(self, index: int) -> int:
+        """The pool index of checkpoint ``index``."""
+        if not 0 <= index < self.checkpoints:
+            raise ValueError(f"state checkpoint {index} is past the pool's {self.checkpoints}")
+        return self.slots + 1 + index
 
     def copy(self, source: int, target: int) -> None:
         """Copies every layer's state of slot ``source`` into slot ``target`` (a fork)."""

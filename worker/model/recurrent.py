@@ -264,12 +264,12 @@ def state_step_of(
 
 def state_pool(model: Any, device: torch.device, dtype: torch.dtype, slots: int) -> StatePool | None:
     """The state pool of a hybrid ``model`` (None for a model without recurrent mixers), sized for
-    ``slots`` running sequences, its mixers wrapped to run over it."""
+    ``slots`` running sequences and as many prefix checkpoints, its mixers wrapped to run over it."""
     mixers = find_mixers(model)
     if not mixers:
         return None
     hidden = int(model.config.get_text_config().hidden_size)
-    pool = StatePool(state_shapes(mixers, hidden, device, dtype), slots, device)
+    pool = StatePool(state_shapes(mixers, hidden, device, dtype), slots, device, checkpoints=slots)
     wrap_mixers(mixers)
     return pool
 

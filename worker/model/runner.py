@@ -152,6 +152,25 @@ class ModelRunner:
         step's drawn ids on the device, which the items' placeholder tokens name (:func:`fed_ids`)."""
         if not work:
             raise ValueError("execute needs at least one item")
+        if self.states is None:
+            return self._execute(work, fed)
+        self._copy_states([(item.state_from, item.state_slot, True) for item in work if item.state_from >= 0])
+        logits = self._execute(work, fed)
+        self._copy_states([(item.state_to, item.state_slot, False) for item in work if item.state_to >= 0])
+        return logits
+
+    def _copy_states(self, copies: Sequence[tuple[int, int, bool]]) -> None:
+        """State checkpoint copies ``(checkpoint, state slot, into the slot)``: a resumed prefix's
+        state before the forward, a chunk's end state after it."""
+        assert self.states is not None
+        for checkpoint, slot, restore in copies:
+            stored, live = self.states.checkpoint(checkpoint), self.states.slot_of(slot)
+            if restore:
+                self.states.copy(stored, live)
+            else:
+                self.states.copy(live, stored)
+
+    def _execute(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
         if self.batch_invariant:
             return self._invariant(work, fed)
         if all(is_decode_row(item) for item in work):

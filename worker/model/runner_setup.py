@@ -113,10 +113,12 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
     )
     if runner.states is not None:
         log.info(
-            "memory: KV cache %.2f GiB, state cache %.1f MiB (%d slots of %.3f MiB over %d recurrent layers)",
+            "memory: KV cache %.2f GiB, state cache %.1f MiB (%d slots and %d prefix checkpoints of "
+            "%.3f MiB over %d recurrent layers)",
             runner.pool_bytes / 2**30,
             runner.state_bytes / 2**20,
             runner.states.slots,
+            runner.states.checkpoints,
             runner.states.slot_bytes / 2**20,
             len(runner.states.shapes),
         )
@@ -165,8 +167,9 @@ def state_split(loaded: LoadedModel, config: WorkerConfig) -> tuple[int | None, 
         return config.max_running or CPU_MAX_RUNNING, config.gpu_memory_fraction
     free, _total = torch.cuda.mem_get_info(device)
     budget = free * config.gpu_memory_fraction
-    slots = config.max_running or max(1, min(MAX_RUNNING_CUDA, int(budget * STATE_SHARE) // slot_bytes))
-    return slots, max(0.0, (budget - (slots + 1) * slot_bytes) / free)
+    slots = config.max_running or max(1, min(MAX_RUNNING_CUDA, int(budget * STATE_SHARE) // (2 * slot_bytes)))
+    # Each slot, the scratch slot, and as many prefix checkpoints as slots (recurrent.state_pool).
+    return slots, max(0.0, (budget - (2 * slots + 1) * slot_bytes) / free)
 
 
 @torch.inference_mode()

@@ -53,6 +53,10 @@ class Work:
     # A hybrid model's state slot of the sequence (worker/engine/state_slots.py); -1: none (the
     # rows of the state pool's scratch slot, e.g. the warm-up's).
     state_slot: int = -1
+    # State checkpoints (worker/engine/state_slots.py): copied into the slot before the forward (a
+    # prefix resumed), and the slot copied into after it (a chunk that ends at a boundary); -1: none.
+    state_from: int = -1
+    state_to: int = -1
 
     @property
     def count(self) -> int:

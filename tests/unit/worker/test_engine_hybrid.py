@@ -1,7 +1,8 @@
 """The engine on a tiny random hybrid model (Qwen3.5 text: Gated DeltaNet and attention layers)
 loaded like a real checkpoint: greedy choices equal transformers' ``generate`` with chunked
-prompts, ``n > 1``, preemption (the state rebuilt from position 0), a resumed stream, and a
-repeated prompt (no prefix reuse: its state could not be resumed mid-prompt)."""
+prompts, ``n > 1`` (the second choice resumes from the prompt's state checkpoint), preemption (the
+state rebuilt from position 0), a resumed stream, and a repeated prompt (resumed from the
+checkpoint at its last block boundary: ``cached_tokens`` says so, and the logprobs equal)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import replace
 import pytest
 
 from tests.unit.worker.test_engine import collect, greedy, request, token_ids
+from worker.engine import state_slots
 from worker.engine.core import Engine
 from worker.engine.options import EngineOptions
 from worker.model.loader import load_model
@@ -60,7 +62,19 @@ def run_all(engine: Engine, requests: list) -> list[list]:
     return asyncio.run(together())
 
 
-def test_chunked_prompts_n_choices_and_a_repeated_prompt_equal_generate(loaded):
+def test_chunked_prompts_n_choices_and_a_repeated_prompt_resumed_at_a_checkpoint_equal_generate(
+    loaded, monkeypatch
+):
+    """The 41-token prompt runs in chunks of 16; the second ends at its last block boundary (32),
+    where its state is kept: the second choice and the repeated prompt resume there."""
+    resumed: list[int] = []
+    of = state_slots.Checkpoints.of
+
+    def spy(self: state_slots.Checkpoints, entry: int) -> int:
+        resumed.append(entry)
+        return of(self, entry)
+
+    monkeypatch.setattr(state_slots.Checkpoints, "of", spy)
     eng = make_engine(loaded)
     first, second = list(range(100, 141)), list(range(300, 323))
     try:
@@ -83,7 +97,8 @@ def test_chunked_prompts_n_choices_and_a_repeated_prompt_equal_generate(loaded):
     assert logprobs(events[0], 1) == pytest.approx(want, abs=1e-4)
     assert logprobs(again) == pytest.approx(want, abs=1e-4)
     usage = next(e for e in again if isinstance(e, Usage))
-    assert usage.cached_tokens == 0 and stats.counters.prefix_cache_hit_tokens == 0
+    assert usage.cached_tokens == 32 and stats.counters.prefix_cache_hit_tokens == 32
+    assert len(resumed) == 2 and resumed[0] == resumed[1]  # the second choice, the repeated prompt
     assert stats.state_cache_bytes > 0 and eng._scheduler.states.free == 4
 
 

@@ -135,6 +135,28 @@ def test_prompt_scoring_equals_eager(family: str) -> None:
     torch.testing.assert_close(torch.tensor([s.logprob for s in scored]), expected, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid", "lfm2"])
+def test_a_sequence_resumes_from_a_state_checkpoint(family: str) -> None:
+    """``a``'s state after its first 16 tokens is kept in a checkpoint (``state_to``); ``b``, with the
+    same first 16 tokens, starts at position 16 on ``a``'s blocks and that checkpoint
+    (``state_from``), beside ``a``'s own next chunk, and equals eager on its whole sequence."""
+    model = tiny_model(tiny_config(family))
+    reference = eager_reference(model)
+    runner = ModelRunner(loaded(model), num_blocks=100, block_size=BLOCK, max_sequences=4)
+    a = Sequence(prompt(30, 3), list(range(10)), 0)
+    b = Sequence([*a.tokens[:16], *prompt(11, 8)], [*a.table[:4], 20, 21, 22, 23, 24], 1, computed=16)
+    first = a.work(16)
+    logits = runner.execute([Work(first.tokens, first.start, first.table, False, state_slot=0, state_to=2)])
+    assert logits.shape[0] == 0
+    rest, resumed = a.work(None), b.work(None)
+    both = runner.execute([rest, Work(resumed.tokens, 16, resumed.table, True, state_slot=1, state_from=2)])
+    b.checks.append((26, both[1].clone()))
+    run_steps(runner, [[(b, None)], [(b, None), (a, None)]])  # decode from the resumed state
+    logits = runner.execute([Work(b.tokens[16:27], 16, b.table, True, state_slot=3, state_from=2)])
+    b.checks.append((26, logits[0].clone()))  # again from the checkpoint, in another slot
+    check_against_reference(reference, [b], ATOL.get(family, 1e-3))
+
+
 def test_the_state_matters_across_chunks() -> None:
     """A chunk that continued from a zero state instead of its slot's differs from eager (so the
     scenario above would see a state lost between chunks)."""
@@ -157,8 +179,10 @@ def test_state_pool_size_follows_the_slots() -> None:
     runner = ModelRunner(loaded(model), num_blocks=8, block_size=BLOCK, max_sequences=5)
     assert runner.states is not None
     assert runner.states.slots == 5
-    # three conv layers of [hidden 64, kernel 3] float32 per slot, the scratch slot included
-    assert runner.states.bytes == 6 * 3 * 64 * 3 * 4
+    # three conv layers of [hidden 64, kernel 3] float32 per slot: 5 slots, the scratch slot and
+    # 5 prefix checkpoints
+    assert runner.states.checkpoints == 5
+    assert runner.states.bytes == 11 * 3 * 64 * 3 * 4
     attention_only = ModelRunner(loaded(tiny_model(tiny_config("llama"))), num_blocks=8, block_size=BLOCK)
     assert attention_only.states is None
 
