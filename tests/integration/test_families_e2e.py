@@ -286,3 +286,15 @@ def test_suffix_fills_in_the_middle_where_the_vocabulary_has_fim_tokens(served: 
                 events.append(json.loads(line[len("data: ") :]))
     assert events[-1]["stop"] is True and all(event["stop"] is False for event in events[:-1])
     assert "".join(event["content"] for event in events) == result["content"]
+
+
+def test_a_repeated_prompt_reports_cached_tokens_and_gives_the_same_text(served: Served) -> None:
+    """A second request with the same (chat) prompt reuses its cached prefix (a hybrid model's up to
+    its state checkpoint at the prompt's last block boundary) and answers as the first did."""
+    ids = prompt_ids(served)
+    body = {"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    first, again = complete(served, **body), complete(served, **body)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(ids) // 2
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    want = first["choices"][0]["logprobs"]["token_logprobs"]
+    assert again["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=5e-3)
