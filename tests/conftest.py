@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.processes import EdgeProcess, WorkerProcess, build_tiny_model
+from tests.processes import EdgeProcess, WorkerProcess, build_tiny_hybrid, build_tiny_model
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -93,6 +93,15 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
     template, saved with save_pretrained so the worker loads it like any checkpoint."""
     return built_once(
         tmp_path_factory, "tiny-llama", lambda folder: build_tiny_model(folder, default_model_dir)
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
+    """A tiny random Qwen3.5 text model (Gated DeltaNet and attention layers) with the default
+    model's real tokenizer and chat template, saved with save_pretrained."""
+    return built_once(
+        tmp_path_factory, "tiny-qwen3_5", lambda folder: build_tiny_hybrid(folder, default_model_dir)
     )
 
 

@@ -113,9 +113,71 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Hybrid families (recurrent mixers beside attention layers: worker/model/recurrent.py): four layers
+# mixing both kinds, conv kernel 4, Mamba chunks of 8 tokens so chunked prefill crosses them.
+_DELTANET = {
+    "num_hidden_layers": 4,
+    "layer_types": ["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4,
+}
+_QWEN_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+HYBRID_FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_5_text": ("Qwen3_5TextConfig", _DELTANET),
+    "qwen3_5_moe_text": (
+        "Qwen3_5MoeTextConfig",
+        {**_DELTANET, **_QWEN_MOE, "shared_expert_intermediate_size": 32},
+    ),
+    "qwen3_next": ("Qwen3NextConfig", {**_DELTANET, **_QWEN_MOE, "shared_expert_intermediate_size": 32}),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        {
+            **MOE,
+            "num_hidden_layers": 4,
+            "layer_types": ["mamba", "attention", "mamba", "mamba"],
+            "mamba_n_heads": 8,
+            "mamba_d_head": 16,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 8,
+        },
+    ),
+    "nemotron_h": (
+        "NemotronHConfig",
+        {
+            "layers_block_type": ["mamba", "attention", "mlp", "mamba"],
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 16,
+            "ssm_state_size": 16,
+            "n_groups": 1,
+            "chunk_size": 8,
+        },
+    ),
+    # Every layer runs attention and a Mamba-2 mixer side by side.
+    "falcon_h1": (
+        "FalconH1Config",
+        {
+            "num_hidden_layers": 3,
+            "mamba_d_ssm": 64,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_d_state": 16,
+            "mamba_chunk_size": 8,
+        },
+    ),
+    "lfm2": (
+        "Lfm2Config",
+        {"num_hidden_layers": 4, "layer_types": ["conv", "full_attention", "conv", "conv"]},
+    ),
+}
+
+
 def tiny_config(family: str, **changes: Any) -> PretrainedConfig:
-    """The tiny config of ``family`` (a key of :data:`FAMILIES`), with ``changes``."""
-    class_name, overrides = FAMILIES[family]
+    """The tiny config of ``family`` (a key of :data:`FAMILIES` or :data:`HYBRID_FAMILIES`), with
+    ``changes``."""
+    class_name, overrides = FAMILIES[family] if family in FAMILIES else HYBRID_FAMILIES[family]
     config_class = getattr(transformers, class_name)
     config: PretrainedConfig = config_class(**{**COMMON, **overrides, **changes})
     return config

@@ -144,6 +144,11 @@ class EngineCollector(Collector):
         yield self._gauge("sluice_worker_kv_cache_tokens", "tokens held in the KV cache", s.cache_tokens)
         yield self._gauge("sluice_worker_kv_cache_bytes", "bytes allocated for the KV cache", s.cache_bytes)
         yield self._gauge(
+            "sluice_worker_state_cache_bytes",
+            "bytes allocated for a hybrid model's recurrent states (0 without recurrent layers)",
+            s.state_cache_bytes,
+        )
+        yield self._gauge(
             "sluice_worker_reserved_tokens",
             "prompt + max_tokens reserved by running sequences",
             s.reserved_tokens,

@@ -1,8 +1,9 @@
-"""Issue 24's bar per family (Qwen3, Llama 3.1, Gemma 3, gpt-oss, Mistral with a tekken.json; Gemma 4's
-text model with its own template and Gemma 3's tokenizer, issue 42), through
-a real worker and edge: a tiny random model saved with the family's real tokenizer and chat template
-scores its prompt and decodes greedily like transformers' eager float32 model, and a forced tool call
-parses (streamed and not) and the conversation goes on with the tool's result."""
+"""Issue 24's bar per family (Qwen3, Llama 3.1, Gemma 3, gpt-oss, Mistral with a tekken.json) and
+issue 42's for the models of 2026 (Gemma 4's text model; the Qwen3.5, Qwen3-Next and Granite 4
+hybrids, over the state pool), through a real worker and edge: a tiny random model saved with the
+family's real tokenizer (the closest one the registries offer) and chat template scores its prompt
+and decodes greedily like transformers' eager float32 model, and a forced tool call parses (streamed
+and not) and the conversation goes on with the tool's result."""
 
 from __future__ import annotations
 
@@ -34,6 +35,12 @@ FAMILIES = {
     "gemma4": ("gemma4_text", "gemma3", "google-gemma-4-31B-it"),
     "gpt-oss": ("gpt_oss", "gptoss", "openai-gpt-oss-120b"),
     "mistral-tekken": ("mistral", "tekken v13", None),  # only a tekken.json, as Mistral ships it
+    # Issue 42's hybrids (recurrent layers beside attention layers, over the state pool): Qwen3.5 and
+    # Qwen3-Next (Gated DeltaNet) with Qwen3's tokenizer and Qwen3.5's template, Granite 4 (Mamba-2)
+    # with Llama 3.1's tokenizer and its own template.
+    "qwen3_5": ("qwen3_5_text", "qwen3", "Qwen3.5-4B"),
+    "qwen3_next": ("qwen3_next", "qwen3", "Qwen3.5-4B"),
+    "granite4": ("granitemoehybrid", "llama3_1", "ibm-granite-granite-4.0"),
 }
 # Tiny widths: the real vocabularies (128k-262k) make the embedding the model's bulk.
 TINY = {
@@ -65,6 +72,9 @@ FORMATS = {
     "gemma4": ("gemma4", "gemma4"),
     "gpt-oss": ("openai", "openai_gptoss"),
     "mistral-tekken": ("mistral", "mistral"),
+    "qwen3_5": ("qwen3_coder", "qwen3"),
+    "qwen3_next": ("qwen3_coder", "qwen3"),
+    "granite4": ("hermes", None),
 }
 
 
@@ -237,15 +247,16 @@ def test_tokenize_counts_the_prompt_a_chat_generation_reports(served: Served) ->
 
 
 def test_suffix_fills_in_the_middle_where_the_vocabulary_has_fim_tokens(served: Served) -> None:
-    """Qwen3's vocabulary has ``<|fim_prefix|>`` and friends, Mistral's tekken ``[PREFIX]`` and
-    ``[SUFFIX]`` (Codestral's suffix-first layout): the prompt is laid out with them (the greedy
-    middle equals the eager model's from that layout), also through llama.cpp's ``/infill``,
-    streamed or not. The other families' vocabularies have none: a 400 naming the field."""
+    """Qwen3's vocabulary (the Qwen3.5 model's here too) has ``<|fim_prefix|>`` and friends,
+    Mistral's tekken ``[PREFIX]`` and ``[SUFFIX]`` (Codestral's suffix-first layout): the prompt is
+    laid out with them (the greedy middle equals the eager model's from that layout), also through
+    llama.cpp's ``/infill``, streamed or not. The other families' vocabularies have none: a 400
+    naming the field."""
     prefix, suffix = "def add(a, b):\n    return ", "\n\nprint(add(1, 2))\n"
     body = {"prompt": prefix, "suffix": suffix, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     base = served.edge.base_url
     tok = served.tokenizer
-    if served.family == "qwen3":
+    if served.family in ("qwen3", "qwen3_5", "qwen3_next"):  # the same vocabulary
         layout = f"<|fim_prefix|>{prefix}<|fim_suffix|>{suffix}<|fim_middle|>"
         ids = tok(layout, add_special_tokens=False)["input_ids"]
     elif served.family == "mistral-tekken":
@@ -287,3 +298,15 @@ def test_suffix_fills_in_the_middle_where_the_vocabulary_has_fim_tokens(served: 
                 events.append(json.loads(line[len("data: ") :]))
     assert events[-1]["stop"] is True and all(event["stop"] is False for event in events[:-1])
     assert "".join(event["content"] for event in events) == result["content"]
+
+
+def test_a_repeated_prompt_reports_cached_tokens_and_gives_the_same_text(served: Served) -> None:
+    """A second request with the same (chat) prompt reuses its cached prefix (a hybrid model's up to
+    its state checkpoint at the prompt's last block boundary) and answers as the first did."""
+    ids = prompt_ids(served)
+    body = {"prompt": ids, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    first, again = complete(served, **body), complete(served, **body)
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(ids) // 2
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    want = first["choices"][0]["logprobs"]["token_logprobs"]
+    assert again["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=5e-3)

@@ -25,6 +25,7 @@ from worker.engine.request_stream import RequestStream, StreamOpener
 from worker.engine.requests import Control, Ledger, Outputs, Owners, RequestState, failed, unique
 from worker.engine.scheduler import Scheduler, SeqState, StepPlan
 from worker.engine.speculation import Speculation
+from worker.engine.state_slots import state_checkpoints
 from worker.engine.stats import EngineCounters, EngineStats, PublishedStats
 from worker.engine.update import Update
 from worker.errors import NotReady
@@ -82,6 +83,7 @@ class Engine:
             prefill_budget_tokens=options.prefill_budget_tokens,
             propose=self._propose if speculation is not None else None,
             speculate_max_rows=speculation.max_rows if speculation is not None else None,
+            checkpoints=state_checkpoints(runner),
         )
         self.counters = EngineCounters()
         self._ledger = Ledger(self._scheduler, self.counters)

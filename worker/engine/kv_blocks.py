@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 _ROOT = 0  # the chain id of "no block before this one"
@@ -55,6 +55,10 @@ class BlockManager:
         self._by_id: dict[int, _Entry] = {}
         self._by_block: dict[int, _Entry] = {}
         self._ids = itertools.count(_ROOT + 1)
+        # A hybrid model's state checkpoints (worker/engine/state_slots.py): a prefix is reusable
+        # only up to an entry ``resumable`` accepts, and ``forgotten`` hears of each evicted entry.
+        self.resumable: Callable[[int], bool] | None = None
+        self.forgotten: Callable[[int], None] | None = None
 
     # ------------------------------------------------------------ counts
 
@@ -152,6 +156,15 @@ class BlockManager:
     # ---------------------------------------------------- prefix registry
 
     def _chain(self, tokens: Sequence[int], limit: int) -> list[_Entry]:
+        """Registered entries of the first whole blocks of ``tokens[:limit]``, in order, cut after
+        the last entry ``resumable`` accepts (when set)."""
+        chain = self._whole_chain(tokens, limit)
+        if self.resumable is not None:
+            while chain and not self.resumable(chain[-1].id):
+                chain.pop()
+        return chain
+
+    def _whole_chain(self, tokens: Sequence[int], limit: int) -> list[_Entry]:
         """Registered entries of the first whole blocks of ``tokens[:limit]``, in order."""
         size = self.block_size
         chain: list[_Entry] = []
@@ -223,6 +236,8 @@ class BlockManager:
         self._by_key.pop(entry.key, None)
         self._by_id.pop(entry.id, None)
         self._by_block.pop(entry.block, None)
+        if self.forgotten is not None:
+            self.forgotten(entry.id)
         parent = self._by_id.get(entry.key[0])
         if parent is not None:
             parent.children.discard(entry.id)

@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Tokens
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 from worker.engine.kv_blocks import BlockManager, SequenceBlocks
+from worker.engine.state_slots import Checkpoints, StateSlots
 from worker.errors import InvalidRequest, QueueFull
 from worker.model.step_inputs import Work, work_of
 from worker.types import PromptImage
@@ -31,6 +32,8 @@ class SeqState:
     cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its first start
     started: bool = False  # started at least once (a preempted sequence starts again)
     images: tuple[PromptImage, ...] = ()  # a vision-language prompt's images (their placeholder spans)
+    state_slot: int = -1  # its slot of a hybrid model's state pool while it runs (-1: none)
+    resume_from: int = -1  # the state checkpoint its attached prefix ends at, for its next work
 
     @property
     def cache_keys(self) -> Tokens[int]:
@@ -125,11 +128,14 @@ class Scheduler(Generic[T]):
         prefill_budget_tokens: int,
         propose: Proposer[T] | None = None,
         speculate_max_rows: int | None = None,
+        checkpoints: int = 0,
     ):
         """``propose``: speculative decoding's proposals for decoding sequences (None: off); they
         take what the step's token budget and free blocks have left after the running sequences
         and starts (a row's own token counts too), so they delay or preempt nobody; and only
-        in steps where at most ``speculate_max_rows`` sequences decode (None: any number)."""
+        in steps where at most ``speculate_max_rows`` sequences decode (None: any number).
+        ``checkpoints``: a hybrid model's state checkpoints (0: none; prefixes are then reused only
+        by a model without recurrent state, see :class:`Checkpoints`)."""
         self.propose = propose
         self.speculate_max_rows = speculate_max_rows
         self.blocks = blocks
@@ -138,6 +144,13 @@ class Scheduler(Generic[T]):
         self.prefill_budget_tokens = prefill_budget_tokens
         self.waiting: deque[T] = deque()
         self.running: list[T] = []
+        # Every planned sequence holds a state slot (a hybrid model's runner reads it; others ignore it).
+        self.states = StateSlots(max_running)
+        self.checkpoints: Checkpoints | None = None
+        if checkpoints and blocks.prefix_caching:
+            self.checkpoints = Checkpoints(checkpoints, blocks.block_size)
+            blocks.resumable = self.checkpoints.resumable
+            blocks.forgotten = self.checkpoints.forget
 
     @property
     def running_sequences(self) -> int:
@@ -195,6 +208,7 @@ class Scheduler(Generic[T]):
         """A sequence ended: its blocks go back (registered prefix blocks stay reusable)."""
         seq.finished = True
         self.blocks.free(seq.blocks)
+        self._give_slot(seq)
 
     def committed(self, work: Work, accepted: int = 0) -> None:
         """Records that ``work`` ran: its tokens' KV is in the pool (and whole blocks registered);
@@ -204,6 +218,9 @@ class Scheduler(Generic[T]):
         seq = work.seq
         seq.computed += work.count + accepted
         self.blocks.commit(seq.blocks, seq.cache_keys, seq.computed)
+        if work.state_to >= 0 and self.checkpoints is not None:
+            reached = seq.blocks.registered * self.blocks.block_size == seq.computed
+            self.checkpoints.bind(work.state_to, seq.blocks.chain_id if reached else None)
         if work.proposed:
             self.blocks.truncate(seq.blocks, seq.computed)
 
@@ -211,6 +228,57 @@ class Scheduler(Generic[T]):
         for seq in item.sequences:
             self.blocks.free(seq.blocks)
             seq.computed = 0
+            seq.resume_from = -1
+            self._give_slot(seq)
+
+    def _give_slot(self, seq: SeqState) -> None:
+        self.states.give(seq.state_slot)
+        seq.state_slot = -1
+
+    def _work(self, seq: SeqState, count: int) -> Work:
+        """``seq``'s part of the step (:func:`work_of`), with a state slot taken if it holds none,
+        and the checkpoint its attached prefix resumes from (once)."""
+        if seq.state_slot < 0:
+            seq.state_slot = self.states.take()
+        work = work_of(seq, count)
+        if seq.resume_from >= 0:
+            work = replace(work, state_from=seq.resume_from)
+            seq.resume_from = -1
+        return work
+
+    def _attach(self, seq: SeqState) -> None:
+        """Starts ``seq`` on its longest reusable cached prefix (for a hybrid model, one that ends
+        at a state checkpoint, which its first work resumes from)."""
+        seq.computed = self.blocks.attach_prefix(seq.blocks, seq.cache_keys)
+        if seq.computed and self.checkpoints is not None:
+            seq.resume_from = self.checkpoints.of(seq.blocks.chain_id)
+
+    def _count(self, seq: SeqState, budget: int) -> int:
+        """How many of ``seq``'s tokens its work computes within ``budget``: one for a decoding
+        sequence, else a prompt chunk, cut at the next state checkpoint boundary (hybrid models)."""
+        if seq.pending == 1:
+            return 1
+        count = seq.chunk(min(seq.pending, budget))
+        if count > 0 and self.checkpoints is not None:
+            cut = self.checkpoints.boundary(seq.computed, seq.computed + count, seq.prompt_length)
+            if cut is not None:
+                count = cut - seq.computed
+        return count
+
+    def _checkpoint(self, plan: StepPlan[T]) -> None:
+        """Reserves a state checkpoint for each prompt chunk that ends at a boundary."""
+        if self.checkpoints is None:
+            return
+        self.checkpoints.new_schedule()
+        for index, work in enumerate(plan.work):
+            seq = work.seq
+            end = work.start + work.count
+            if work.proposed or end > seq.prompt_length:
+                continue  # checkpoints are taken in a prompt only
+            if self.checkpoints.is_boundary(end, seq.prompt_length):
+                checkpoint = self.checkpoints.reserve()
+                if checkpoint >= 0:
+                    plan.work[index] = replace(work, state_to=checkpoint)
 
     def schedule(self) -> StepPlan[T]:
         """Plans the next step: the running requests (oldest first), then starts, then
@@ -223,6 +291,7 @@ class Scheduler(Generic[T]):
             budget = self._start_waiting(plan, budget)
             if self.propose is not None:
                 self._speculate(plan, budget)
+            self._checkpoint(plan)
         except Exception as error:
             raise SchedulingFailed(plan.failed, error) from error
         return plan
@@ -274,8 +343,8 @@ class Scheduler(Generic[T]):
             if seq.awaits_prompt:
                 continue
             if not seq.blocks.table and seq.computed == 0:
-                seq.computed = self.blocks.attach_prefix(seq.blocks, seq.cache_keys)
-            count = 1 if seq.pending == 1 else seq.chunk(min(seq.pending, budget))
+                self._attach(seq)
+            count = self._count(seq, budget)
             if count <= 0:
                 continue
             while not self.blocks.ensure(seq.blocks, seq.computed + count):
@@ -283,7 +352,7 @@ class Scheduler(Generic[T]):
                 if victim is item:
                     return budget, False
                 self._preempt(victim, plan)
-            plan.work.append(work_of(seq, count))
+            plan.work.append(self._work(seq, count))
             if seq.pending > 1:
                 budget -= count
         return budget, True
@@ -327,8 +396,8 @@ class Scheduler(Generic[T]):
         for seq in _live(item):
             if seq.awaits_prompt:
                 continue
-            seq.computed = self.blocks.attach_prefix(seq.blocks, seq.cache_keys)
-            count = 1 if seq.pending == 1 else seq.chunk(min(seq.pending, max(budget, 0)))
+            self._attach(seq)
+            count = self._count(seq, max(budget, 0))
             if count <= 0:
                 if own:  # its own sequences took the budget: this one waits as a running sequence
                     continue
@@ -337,7 +406,7 @@ class Scheduler(Generic[T]):
                 count = seq.chunk(min(seq.pending, self.prefill_budget_tokens))
             if not self.blocks.ensure(seq.blocks, seq.computed + count):
                 return budget, False
-            plan.work.append(work_of(seq, count))
+            plan.work.append(self._work(seq, count))
             own = True
             if seq.pending > 1:
                 budget -= count

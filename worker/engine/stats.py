@@ -63,6 +63,7 @@ class EngineStats:
     fast_path: FastPath | None = None  # CUDA only: which parts of the decode fast path are on
     graph_replays: int = 0  # decode steps replayed from a CUDA graph
     speculative_proposer: str | None = None  # --speculative's proposer; None: off
+    state_cache_bytes: int = 0  # a hybrid model's state pool (worker/attention/state_pool.py)
 
     @classmethod
     def of(
@@ -86,6 +87,7 @@ class EngineStats:
             fast_path=getattr(runner, "fast_path", None),
             graph_replays=getattr(getattr(runner, "graphs", None), "replays", 0),
             speculative_proposer=proposer,
+            state_cache_bytes=getattr(runner, "state_bytes", 0),
             counters=replace(counters, time_to_first_token=counters.time_to_first_token.copy()),
         )
 

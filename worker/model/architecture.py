@@ -20,6 +20,12 @@ log = logging.getLogger(__name__)
 
 # Layer kinds that are softmax attention over the model's own keys and values.
 ATTENTION_LAYERS = frozenset({"full_attention", "sliding_attention", "attention"})
+# Hybrid model types served with the state pool (worker/model/recurrent.py), and the layer kinds
+# their configs list besides attention (Nemotron-H's MLP-only and MoE-only layers among them).
+HYBRID_TYPES = frozenset(
+    {"qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "granitemoehybrid", "nemotron_h", "falcon_h1", "lfm2"}
+)
+HYBRID_LAYERS = frozenset({"linear_attention", "mamba", "conv", "hybrid", "mlp", "moe"})
 # Model types with state-space or linear-attention layers (whose state is no KV), by name, for
 # configs that do not list their layer kinds in ``layer_types``.
 RECURRENT_TYPES = frozenset(
@@ -111,8 +117,9 @@ def _refusal(config: Any) -> str | None:
             f"{value_dim}), which the paged KV cache does not support yet"
         )
     layer_types = set(getattr(config, "layer_types", None) or ())
+    served = kind in HYBRID_TYPES and layer_types <= ATTENTION_LAYERS | HYBRID_LAYERS
     others = sorted(layer_types - ATTENTION_LAYERS)
-    if kind in RECURRENT_TYPES or others or getattr(config, "layers_block_type", None):
+    if not served and (kind in RECURRENT_TYPES or others or getattr(config, "layers_block_type", None)):
         what = (
             f"layers of kind {', '.join(others)}"
             if others

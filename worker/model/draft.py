@@ -13,6 +13,7 @@ import torch
 from transformers import DynamicCache
 
 from worker.model.loader import LoadedModel, ModelLoadError
+from worker.model.recurrent import find_mixers
 
 
 @dataclass
@@ -27,10 +28,18 @@ class DraftModel:
     """Greedy proposals of a loaded draft model (:meth:`propose`)."""
 
     def __init__(self, draft: LoadedModel, target: LoadedModel):
-        """Raises :class:`ModelLoadError` naming ``--draft-model`` unless both tokenizers are the same."""
+        """Raises :class:`ModelLoadError` naming ``--draft-model`` unless both tokenizers are the same,
+        or for a hybrid draft (its recurrent states cannot be cut back where proposals diverged)."""
         if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
             raise ModelLoadError(
                 f"the draft model {draft.model_id} does not share the model's tokenizer", param="draft_model"
+            )
+        if find_mixers(draft.model):
+            kind = getattr(draft.model.config.get_text_config(), "model_type", "?")
+            raise ModelLoadError(
+                f"the draft model {draft.model_id} ({kind}) has recurrent layers, whose states cannot be "
+                "cut back where its proposals diverge; use an attention-only draft",
+                param="draft_model",
             )
         self.loaded = draft
         self.vocab = len(target.tokenizer)

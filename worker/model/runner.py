@@ -12,10 +12,12 @@ import torch
 from worker.attention import paged
 from worker.attention.decode_kernel import decode_kernel, kernel_problem
 from worker.attention.kv_pool import KVPool, KVShape, kv_shape
+from worker.attention.state_pool import StatePool
 from worker.device.staging import fence
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError
+from worker.model.recurrent import StateStep, state_pool, state_step, state_step_of
 from worker.model.step_inputs import (
     ChunkImage,
     DecodeInputs,
@@ -72,9 +74,11 @@ class ModelRunner:
         block_size: int,
         batch_invariant: bool = False,
         triton_decode: bool | None = None,
+        max_sequences: int = 16,
     ):
         """``triton_decode``: decode rows on the Triton kernel; None chooses (below), True forces it
-        (tests run it on the CPU through triton's interpreter)."""
+        (tests run it on the CPU through triton's interpreter). ``max_sequences``: the state slots
+        of a hybrid model (one per running sequence: the scheduler's ``max_running``)."""
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -95,10 +99,18 @@ class ModelRunner:
         # their keys and values there.
         self.pool = KVPool(self.kv_shape, num_blocks + 1, block_size, self.device)
         self.scratch_block = num_blocks
+        # A hybrid model's recurrent states (worker/model/recurrent.py; None: attention only).
+        self.states: StatePool | None = state_pool(self.model, self.device, self.dtype, max_sequences)
         self.graphs: DecodeGraphs | None = None  # set once captured (CUDA)
         self.fast_path: FastPath | None = None  # set at start-up on CUDA (a metric)
         self.batch_invariant = batch_invariant
         if batch_invariant:
+            if self.states is not None:
+                raise ModelLoadError(
+                    "--batch-invariant: the recurrent layers of hybrid models have no batch-invariant "
+                    "path yet",
+                    param="batch_invariant",
+                )
             check_batch_invariant(loaded)
             if self.vision is not None:
                 raise ModelLoadError("--batch-invariant serves text-only models", param="batch_invariant")
@@ -123,6 +135,11 @@ class ModelRunner:
     def pool_bytes(self) -> int:
         return self.pool.bytes
 
+    @property
+    def state_bytes(self) -> int:
+        """The state pool's bytes (0 for a model without recurrent layers)."""
+        return 0 if self.states is None else self.states.bytes
+
     @torch.inference_mode()
     def execute(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> torch.Tensor:
         """Runs every item in one forward; float32 logits [kept rows, vocab] in ``work`` order (one
@@ -131,6 +148,25 @@ class ModelRunner:
         step's drawn ids on the device, which the items' placeholder tokens name (:func:`fed_ids`)."""
         if not work:
             raise ValueError("execute needs at least one item")
+        if self.states is None:
+            return self._execute(work, fed)
+        self._copy_states([(item.state_from, item.state_slot, True) for item in work if item.state_from >= 0])
+        logits = self._execute(work, fed)
+        self._copy_states([(item.state_to, item.state_slot, False) for item in work if item.state_to >= 0])
+        return logits
+
+    def _copy_states(self, copies: Sequence[tuple[int, int, bool]]) -> None:
+        """State checkpoint copies ``(checkpoint, state slot, into the slot)``: a resumed prefix's
+        state before the forward, a chunk's end state after it."""
+        assert self.states is not None
+        for checkpoint, slot, restore in copies:
+            stored, live = self.states.checkpoint(checkpoint), self.states.slot_of(slot)
+            if restore:
+                self.states.copy(stored, live)
+            else:
+                self.states.copy(live, stored)
+
+    def _execute(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
         if self.batch_invariant:
             return self._invariant(work, fed)
         if all(is_decode_row(item) for item in work):
@@ -174,7 +210,8 @@ class ModelRunner:
         inputs = decode_inputs(work, self.block_size, self.device, index_type, fed)
         step = paged.PagedStep(pool=self.pool, slots=inputs.slots)
         self._decode_rows(step, work, inputs)
-        with paged.paged_step(step):
+        states = self._state_step(decode=work)
+        with paged.paged_step(step), state_step(states):
             out = self.model(input_ids=inputs.ids, position_ids=inputs.positions, use_cache=False)
         return out.logits[:, -1].float()
 
@@ -206,7 +243,29 @@ class ModelRunner:
         if decode_work:
             step.decode_tokens = torch.tensor(decode_tokens, dtype=torch.long, device=device)
             self._decode_rows(step, decode_work)
-        return self._forward_flat(step, flat, fed, work)
+        states = self._state_step(work, flat.starts, decode_work, decode_tokens)
+        with state_step(states):
+            return self._forward_flat(step, flat, fed, work)
+
+    def _state_step(
+        self,
+        work: Sequence[Work] = (),
+        starts: Sequence[int] = (),
+        decode: Sequence[Work] = (),
+        decode_tokens: Sequence[int] | None = None,
+    ) -> StateStep | None:
+        """The recurrent layers' view of a step (None for a model without them): ``decode`` rows
+        (flat indexes ``decode_tokens``; None: a ``[rows, 1]`` batch) and ``work``'s prompt chunks,
+        which start at ``starts`` in the flat tokens."""
+        if self.states is None:
+            return None
+        chunks = [
+            (first, len(item.tokens), item.state_slot, item.start)
+            for item, first in zip(work, starts, strict=True)
+            if not is_decode_row(item)
+        ]
+        rows = [(item.state_slot, item.start) for item in decode]
+        return state_step_of(self.states, self.device, rows, decode_tokens, chunks)
 
     def _invariant(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
         size = self.block_size

@@ -19,6 +19,7 @@ from worker.model.device import prefer_planless_attention
 from worker.model.fake_runner import DEFAULT_TOKENS, FakeRunner
 from worker.model.fused import fuse_for_serving
 from worker.model.loader import LoadedModel, ModelLoadError
+from worker.model.recurrent import state_slot_bytes
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import FlatTokens, Work
 from worker.types import FastPath
@@ -30,6 +31,9 @@ MAX_RUNNING_CUDA = 512
 TOKENS_PER_SEQUENCE = 256
 CPU_PREFILL_TOKENS = 1024
 CUDA_PREFILL_TOKENS = 2048
+# A hybrid model on CUDA without --max-running: as many state slots as this share of the memory
+# budget holds (at most MAX_RUNNING_CUDA); the KV pool gets the rest.
+STATE_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -88,26 +92,46 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
     if device.type == "cuda":
         take_activation_memory(loaded, budget, config.kv_block_size)
     shape = kv_shape(loaded.model.config, loaded.dtype)
+    state_slots, fraction = state_split(loaded, config)
     blocks = pool_blocks(
         shape,
         config.kv_block_size,
         device,
         tokens=config.max_batch_tokens,
         cpu_bytes=config.kv_cache_bytes,
-        gpu_memory_fraction=config.gpu_memory_fraction,
+        gpu_memory_fraction=fraction,
     )
+    limits = batch_limits(config, device, blocks * config.kv_block_size)
+    if state_slots is not None:
+        limits = BatchLimits(state_slots, limits.prefill_tokens)
     runner = ModelRunner(
-        loaded, num_blocks=blocks, block_size=config.kv_block_size, batch_invariant=config.batch_invariant
+        loaded,
+        num_blocks=blocks,
+        block_size=config.kv_block_size,
+        batch_invariant=config.batch_invariant,
+        max_sequences=limits.max_running,
     )
+    if runner.states is not None:
+        log.info(
+            "memory: KV cache %.2f GiB, state cache %.1f MiB (%d slots and %d prefix checkpoints of "
+            "%.3f MiB over %d recurrent layers)",
+            runner.pool_bytes / 2**30,
+            runner.state_bytes / 2**20,
+            runner.states.slots,
+            runner.states.checkpoints,
+            runner.states.slot_bytes / 2**20,
+            len(runner.states.shapes),
+        )
     if config.require_cuda_graphs and not runner.decode_kernel_enabled:
         raise ModelLoadError(
             f"--require-cuda-graphs: the Triton decode kernel is off ({runner.kernel_problem})",
             param="require_cuda_graphs",
         )
-    limits = batch_limits(config, device, blocks * config.kv_block_size)
     warm_up(runner)
     if device.type == "cuda":
-        if config.cuda_graphs and runner.decode_kernel_enabled:
+        if runner.states is not None:  # the recurrent layers' state slots are no graph inputs yet
+            log.info("CUDA graphs: not captured for a hybrid model (its decode steps run eagerly)")
+        elif config.cuda_graphs and runner.decode_kernel_enabled:
             runner.graphs = capture_decode_graphs(runner, limits.max_running, loaded.context_length)
         runner.fast_path = FastPath(
             kernel=runner.decode_kernel_enabled, graphs=runner.graphs is not None, fused=fused
@@ -123,6 +147,29 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         limits.prefill_tokens,
     )
     return runner, limits
+
+
+def state_split(loaded: LoadedModel, config: WorkerConfig) -> tuple[int | None, float]:
+    """A hybrid model's state slots (None: no recurrent layers) and the memory fraction left to the
+    KV pool on CUDA: --max-running slots, or on CUDA as many as :data:`STATE_SHARE` of the budget
+    holds, or on the CPU :data:`CPU_MAX_RUNNING` (the state pool is allocated beside
+    --kv-cache-bytes there)."""
+    device = loaded.device
+    slot_bytes = state_slot_bytes(loaded.model, device, loaded.dtype)
+    if not slot_bytes:
+        return None, config.gpu_memory_fraction
+    if config.require_cuda_graphs:
+        raise ModelLoadError(
+            "--require-cuda-graphs: a hybrid model's recurrent states are no CUDA graph inputs yet",
+            param="require_cuda_graphs",
+        )
+    if device.type != "cuda":
+        return config.max_running or CPU_MAX_RUNNING, config.gpu_memory_fraction
+    free, _total = torch.cuda.mem_get_info(device)
+    budget = free * config.gpu_memory_fraction
+    slots = config.max_running or max(1, min(MAX_RUNNING_CUDA, int(budget * STATE_SHARE) // (2 * slot_bytes)))
+    # Each slot, the scratch slot, and as many prefix checkpoints as slots (recurrent.state_pool).
+    return slots, max(0.0, (budget - (2 * slots + 1) * slot_bytes) / free)
 
 
 @torch.inference_mode()

@@ -50,6 +50,13 @@ class Work:
     seq: Any = field(
         default=None, compare=False, repr=False
     )  # the planner's sequence (the runner never reads it)
+    # A hybrid model's state slot of the sequence (worker/engine/state_slots.py); -1: none (the
+    # rows of the state pool's scratch slot, e.g. the warm-up's).
+    state_slot: int = -1
+    # State checkpoints (worker/engine/state_slots.py): copied into the slot before the forward (a
+    # prefix resumed), and the slot copied into after it (a chunk that ends at a boundary); -1: none.
+    state_from: int = -1
+    state_to: int = -1
 
     @property
     def count(self) -> int:
@@ -75,6 +82,8 @@ class PlannedSequence(Protocol):
     def table(self) -> list[int]: ...
     @property
     def images(self) -> tuple[PromptImage, ...]: ...
+    @property
+    def state_slot(self) -> int: ...
 
 
 def work_of(seq: PlannedSequence, count: int, proposals: tuple[int, ...] = ()) -> Work:
@@ -84,7 +93,16 @@ def work_of(seq: PlannedSequence, count: int, proposals: tuple[int, ...] = ()) -
     sample = end == len(seq.tokens)
     tokens = [*seq.tokens[start:end], *proposals]
     if not seq.images:  # the common row: no image parts, no M-RoPE offsets
-        return Work(tokens, start, seq.table, sample, seq.generated, len(proposals), seq=seq)
+        return Work(
+            tokens,
+            start,
+            seq.table,
+            sample,
+            seq.generated,
+            len(proposals),
+            seq=seq,
+            state_slot=seq.state_slot,
+        )
     grids = tuple(
         (image.start, (image.grid[0], image.grid[1], image.grid[2])) for image in seq.images if image.grid
     )
@@ -99,7 +117,17 @@ def work_of(seq: PlannedSequence, count: int, proposals: tuple[int, ...] = ()) -
         if image.start < end and start < image.end
     )
     return Work(
-        tokens, start, seq.table, sample, seq.generated, len(proposals), chunk, grids, mrope_delta(grids), seq
+        tokens,
+        start,
+        seq.table,
+        sample,
+        seq.generated,
+        len(proposals),
+        chunk,
+        grids,
+        mrope_delta(grids),
+        seq,
+        seq.state_slot,
     )
 
 
@@ -120,7 +148,15 @@ def token_rows(item: Work) -> list[Work]:
     if not item.proposed:
         return [item]
     return [
-        Work((token,), item.start + i, item.table, True, item.generated, position_delta=item.position_delta)
+        Work(
+            (token,),
+            item.start + i,
+            item.table,
+            True,
+            item.generated,
+            position_delta=item.position_delta,
+            state_slot=item.state_slot,
+        )
         for i, token in enumerate(item.tokens)
     ]
 

@@ -40,6 +40,7 @@ def _stats() -> EngineStats:
         kv_blocks_total=200,
         kv_blocks_used=50,
         speculative_proposer="ngram",
+        state_cache_bytes=2048,
     )
 
 
@@ -58,6 +59,7 @@ def test_sluice_names_keep_their_names_labels_and_kinds():
     assert samples[("sluice_worker_queue_depth", model)] == 3
     assert samples[("sluice_worker_running_requests", model)] == 2
     assert samples[("sluice_worker_reserved_tokens", model)] == 300
+    assert samples[("sluice_worker_state_cache_bytes", model)] == 2048
     assert samples[("sluice_worker_requests_submitted_total", model)] == 5
     assert samples[("sluice_worker_steps_total", model)] == 12
     assert samples[("sluice_worker_preemptions_total", model)] == 2

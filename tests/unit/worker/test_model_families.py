@@ -234,7 +234,7 @@ def test_mla_is_refused_at_load_naming_the_architecture() -> None:
 @pytest.mark.parametrize(
     ("config_class", "changes", "named"),
     [
-        ("Qwen3NextConfig", {"layer_types": ["linear_attention", "full_attention"]}, "linear_attention"),
+        ("FalconMambaConfig", {}, "falcon_mamba"),
         ("JambaConfig", {"attn_layer_period": 2, "attn_layer_offset": 1}, "jamba"),
     ],
 )

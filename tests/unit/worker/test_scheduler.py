@@ -298,3 +298,63 @@ def test_a_request_whose_admission_raised_is_named_when_freeing_its_blocks_raise
     with pytest.raises(SchedulingFailed) as caught:
         s.schedule()
     assert [request for request, _ in caught.value.failed] == [bad] and not s.waiting
+
+
+def test_each_planned_sequence_holds_a_state_slot_until_it_finishes_or_is_preempted():
+    """A hybrid model's runner reads ``Work.state_slot``: distinct slots for the sequences running
+    together; a preempted request gives its slots back and takes free ones when it starts again;
+    finished and removed sequences give theirs back."""
+    s = scheduler(blocks=6, size=4, max_running=3)
+    old, new = item("old", 8, max_tokens=12), item("new", 8, max_tokens=12)
+    s.add(old)
+    s.add(new)
+    plan = run_step(s)
+    assert sorted(w.state_slot for w in plan.work) == [0, 1] and s.states.free == 1
+    preempted = False
+    while not preempted:
+        plan = run_step(s)
+        preempted = bool(plan.preempted)
+    assert new.sequences[0].state_slot == -1 and s.states.free == 2
+    assert [w.state_slot for w in plan.work] == [old.sequences[0].state_slot]
+    s.finish(old.sequences[0])
+    s.remove("old")
+    assert s.states.free == 3
+    plan = run_step(s)
+    assert plan.started == [new] and plan.work[0].state_slot >= 0 and s.states.free == 2
+    s.remove("new")
+    assert s.states.free == 3
+
+
+def test_a_hybrid_prompt_is_cut_at_its_checkpoint_and_a_later_one_resumes_there():
+    """With state checkpoints (a hybrid model), a prompt's chunk ends at its last block boundary
+    (12 of 13 tokens), whose state the step keeps; the same prompt later attaches only that far and
+    resumes from the checkpoint; a prefix whose checkpoint was taken back is not reused at all."""
+    s = scheduler(blocks=64, size=4, checkpoints=1)
+    first = item("a", 13)
+    s.add(first)
+    plan = run_step(s)
+    assert [(w.count, w.state_to) for w in plan.work] == [(12, 0)]
+    plan = run_step(s)
+    assert [(w.start, w.count, w.state_to) for w in plan.work] == [(12, 1, -1)]
+    s.add(again := item("a", 13))
+    plan = run_step(s)
+    [work] = [w for w in plan.work if w.seq is again.sequences[0]]
+    assert (work.start, work.state_from) == (12, 0) and again.sequences[0].cached_tokens == 12
+    s.add(other := item("b", 9))  # its checkpoint (at 8) takes back the only one, a's
+    run_step(s)
+    s.add(third := item("a", 13))
+    plan = run_step(s)
+    [work] = [w for w in plan.work if w.seq is third.sequences[0]]
+    assert (work.start, work.state_from) == (0, -1) and third.sequences[0].cached_tokens == 0
+    assert other.sequences[0].computed > 0
+
+
+def test_an_evicted_prefix_gives_its_checkpoint_back():
+    s = scheduler(blocks=64, size=4, checkpoints=2)
+    s.add(first := item("a", 13))
+    run_step(s)
+    assert s.checkpoints is not None and s.blocks.cached == 3 and s.checkpoints.bound == 1
+    s.finish(first.sequences[0])
+    s.remove("a")
+    s.blocks.clear_cache()
+    assert s.checkpoints.bound == 0

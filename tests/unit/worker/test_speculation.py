@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.tiny_families import tiny_config, tiny_model
 from tests.unit.worker.test_engine import request
 from worker.config import parse_config
 from worker.engine.core import Engine
@@ -154,15 +155,36 @@ def test_steps_with_more_decoding_rows_than_the_limit_do_not_speculate():
 def test_speculation_is_off_by_default_and_runs_on_any_device():
     assert parse_config([]).speculative == "off"
     config = parse_config(["--speculative", "ngram", "--num-speculative-tokens", "5", "--ngram-min", "2"])
-    cpu = SimpleNamespace(device=torch.device("cpu"))
+    llama = tiny_model(tiny_config("llama"))
+    cpu = SimpleNamespace(device=torch.device("cpu"), model=llama)
     assert speculation_of(config, cpu) == Speculation(5, 2, 3, 4, 0.2)  # type: ignore[arg-type]
     limited = parse_config(["--speculative", "ngram", "--speculative-max-rows", "2"])
     assert speculation_of(limited, cpu).max_rows == 2  # type: ignore[arg-type, union-attr]
     assert speculation_of(parse_config([]), cpu) is None  # type: ignore[arg-type]
-    cuda = SimpleNamespace(device=torch.device("cuda"))  # verifying rows are decode rows there too
+    # verifying rows are decode rows on CUDA too
+    cuda = SimpleNamespace(device=torch.device("cuda"), model=llama)
     assert speculation_of(config, cuda) == Speculation(5, 2, 3, 4, 0.2)  # type: ignore[arg-type]
     with pytest.raises(SystemExit):
         parse_config(["--ngram-min", "4", "--ngram-max", "2"])
+
+
+def test_a_hybrid_draft_model_is_refused():
+    vocab = SimpleNamespace(get_vocab=lambda: {"a": 0})
+    draft = SimpleNamespace(model=tiny_model(tiny_config("lfm2")), model_id="tiny-lfm2", tokenizer=vocab)
+    with pytest.raises(
+        ModelLoadError, match=r"draft model tiny-lfm2 \(lfm2\) has recurrent layers"
+    ) as raised:
+        DraftModel(draft, draft)  # type: ignore[arg-type]
+    assert raised.value.param == "draft_model"
+
+
+def test_speculation_is_refused_for_a_hybrid_model():
+    """Rejected proposals would advance the recurrent states (no snapshot and restore yet)."""
+    hybrid = SimpleNamespace(device=torch.device("cpu"), model=tiny_model(tiny_config("lfm2")))
+    config = parse_config(["--speculative", "ngram"])
+    with pytest.raises(ModelLoadError, match=r"--speculative ngram: lfm2 has recurrent layers") as raised:
+        speculation_of(config, hybrid)  # type: ignore[arg-type]
+    assert raised.value.param == "speculative"
 
 
 # ------------------------------------------------------------------ engines
