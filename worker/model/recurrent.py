@@ -1,8 +1,6 @@
 """The recurrent mixers of hybrid models (Gated DeltaNet, Mamba-2, short convolutions) over the
-state pool: each mixer's forward is wrapped, not rewritten. Inside a step, the wrapper calls the
-original forward once for all decode rows together and once per prompt chunk, each time with a
-duck-typed cache (:class:`SlotStates`) holding that group's states from the pool, and writes the
-states back; outside a step (prompt scoring) the original forward runs as transformers wrote it.
+state pool: each mixer's forward is wrapped, not rewritten, and called once for all decode rows and
+once per prompt chunk with a duck-typed cache (:class:`SlotStates`) over that group's slots.
 
 Design notes: docs/worker.md ("The state cache of hybrid models").
 """
