@@ -109,7 +109,9 @@ def build(folder: Path, family: str) -> tuple[Any, Any]:
     }
     # Gemma 4's per-layer embeddings have a vocabulary of their own.
     per_layer = {"vocab_size_per_layer_input": len(tokenizer)} if key == "gemma4_text" else {}
-    config = tiny_config(key, vocab_size=len(tokenizer), **TINY, **ids, **per_layer)
+    # Granite 4's Mamba heads must fill twice TINY's hidden size.
+    narrower = {"mamba_d_head": 8} if key == "granitemoehybrid" else {}
+    config = tiny_config(key, vocab_size=len(tokenizer), **TINY, **ids, **per_layer, **narrower)
     model = tiny_model(config)
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(folder)

@@ -33,7 +33,7 @@ from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, Worker
 from worker.formats.registry import thinking_open_marker
 from worker.model.load_progress import LoadProgress, wait_for_load
 from worker.model.loader import LoadedModel
-from worker.prompts.prompt import PromptRenderer
+from worker.prompts.prompt import ChatPrompt, PromptRenderer
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.convert import (
     ParsedRequest,
@@ -394,9 +394,12 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
     tool_calls = parsed.parse_tool_calls and profile.tool_parser != "none"
     output = OutputOptions(
         tool_calls=tool_calls,
-        reasoning=serving.renderer.thinks,
+        # A raw prompt (completions) is text the caller laid out: its output is text, as in vLLM.
+        reasoning=serving.renderer.thinks and isinstance(parsed.prompt, ChatPrompt),
         keep_reasoning=parsed.enable_thinking is not False,
-        starts_thinking=bool(opened) and prompt_text.rstrip().endswith(opened),
+        # A grammar constrains the output from its first token, so no thinking comes before it: what
+        # it forces is the answer even where the prompt opened a thinking block (Qwen3.5's does).
+        starts_thinking=bool(opened) and grammar is None and prompt_text.rstrip().endswith(opened),
         tool_parser=profile.tool_parser,
         reasoning_parser=reasoning,
         # The markers are needed where a parser reads them; other text keeps skipping special tokens.
