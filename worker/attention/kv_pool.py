@@ -24,6 +24,7 @@ class LayerKV:
     kv_heads: int
     head_dim: int
     source: int
+    attends: bool = True  # False: a hybrid model's recurrent or MLP-only layer, which holds no KV
 
     @property
     def group(self) -> int:
@@ -56,12 +57,14 @@ class KVShape:
 
     @property
     def geometries(self) -> tuple[tuple[int, int, int], ...]:
-        """The distinct :attr:`LayerKV.geometry` of the layers, in layer order."""
-        return tuple(dict.fromkeys(layer.geometry for layer in self.layers))
+        """The distinct :attr:`LayerKV.geometry` of the attention layers, in layer order."""
+        return tuple(dict.fromkeys(layer.geometry for layer in self.layers if layer.attends))
 
     def owns_blocks(self, index: int) -> bool:
-        """Whether layer ``index`` writes blocks of its own (False: it reads its source's)."""
-        return self.layers[index].source == index
+        """Whether layer ``index`` writes blocks of its own (False: it reads its source's, or it is
+        no attention layer)."""
+        layer = self.layers[index]
+        return layer.attends and layer.source == index
 
     @property
     def bytes_per_token(self) -> int:
@@ -107,16 +110,25 @@ def kv_sources(text: Any) -> list[int]:
     return sources
 
 
+# Layer kinds (``layer_types``, Nemotron-H's ``layers_block_type``) that hold no keys or values: a
+# hybrid model's linear-attention, Mamba and short-convolution layers keep a state instead
+# (worker/attention/state_pool.py), and MLP-only layers keep nothing.
+NO_KV_LAYERS = frozenset({"linear_attention", "mamba", "conv", "mlp", "moe"})
+NO_KV_BLOCKS = 1 << 16  # the block count of a model without attention layers (they cost no memory)
+
+
 def kv_shape(config: Any, dtype: torch.dtype) -> KVShape:
     """The KV layout of a transformers model config (the text config of a multimodal one): each
-    layer's head geometry and where its keys and values live."""
+    layer's head geometry, where its keys and values live, and whether it has any."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kinds = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
+    attends = [kind not in NO_KV_LAYERS for kind in kinds] or [True] * int(text.num_hidden_layers)
     layers = []
-    for layer, source in zip(layer_configs(text), kv_sources(text), strict=True):
+    for index, (layer, source) in enumerate(zip(layer_configs(text), kv_sources(text), strict=True)):
         heads = int(layer.num_attention_heads)
         kv_heads = int(getattr(layer, "num_key_value_heads", None) or heads)
         head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // heads
-        layers.append(LayerKV(heads, kv_heads, int(head_dim), source))
+        layers.append(LayerKV(heads, kv_heads, int(head_dim), source, attends[index]))
     return KVShape(tuple(layers), dtype)
 
 
@@ -138,6 +150,11 @@ def pool_blocks(
     block_bytes = shape.bytes_per_token * block_size
     if tokens is not None:
         return max(1, -(-tokens // block_size))
+    if not block_bytes:  # no layer keeps keys and values (an all-recurrent model): blocks are only counts
+        log.info(
+            "KV cache: no attention layers; %d blocks of %d tokens as bookkeeping", NO_KV_BLOCKS, block_size
+        )
+        return NO_KV_BLOCKS
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         budget = int(free * gpu_memory_fraction)
@@ -159,7 +176,8 @@ def pool_blocks(
 
 class KVPool:
     """Per layer key and value blocks, ``[num_blocks, block_size, kv_heads, head_dim]`` with that
-    layer's geometry; a layer that reuses another's KV holds that layer's tensors (no memory)."""
+    layer's geometry; a layer that reuses another's KV holds that layer's tensors (no memory), a
+    layer without attention an empty tensor."""
 
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, device: torch.device):
         self.shape = shape
@@ -168,7 +186,10 @@ class KVPool:
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
         for index, layer in enumerate(shape.layers):
-            if shape.owns_blocks(index):
+            if not layer.attends:  # never read or written: an empty tensor keeps the indexes
+                self.keys.append(torch.empty(0, dtype=shape.dtype, device=device))
+                self.values.append(self.keys[-1])
+            elif shape.owns_blocks(index):
                 dims = (num_blocks, block_size, layer.kv_heads, layer.head_dim)
                 self.keys.append(torch.zeros(dims, dtype=shape.dtype, device=device))
                 self.values.append(torch.zeros(dims, dtype=shape.dtype, device=device))

@@ -187,6 +187,21 @@ def test_state_pool_size_follows_the_slots() -> None:
     assert attention_only.states is None
 
 
+@pytest.mark.parametrize(
+    ("family", "attention"), [("lfm2", [1]), ("nemotron_h", [1]), ("granitemoehybrid", [1])]
+)
+def test_only_attention_layers_hold_kv_blocks(family: str, attention: list[int]) -> None:
+    """A recurrent or MLP-only layer keeps no keys or values: the pool's memory is the attention
+    layers' alone (3 of 4 layers' worth would be wasted otherwise)."""
+    model = tiny_model(tiny_config(family))
+    runner = ModelRunner(loaded(model), num_blocks=8, block_size=BLOCK, max_sequences=2)
+    shape = runner.pool.shape
+    assert [i for i in range(shape.num_layers) if shape.owns_blocks(i)] == attention
+    layer = shape.layers[attention[0]]
+    assert shape.bytes_per_token == len(attention) * 2 * layer.kv_heads * layer.head_dim * 4
+    assert all(runner.pool.keys[i].numel() == 0 for i in range(shape.num_layers) if i not in attention)
+
+
 def test_batch_invariant_mode_is_refused_for_hybrid_models() -> None:
     model = tiny_model(tiny_config("qwen3_5_text"))
     with pytest.raises(ModelLoadError, match="hybrid models have no batch-invariant path"):
