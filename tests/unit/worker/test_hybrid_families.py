@@ -121,6 +121,27 @@ def test_hybrid_family_over_the_pools_equals_eager(family: str) -> None:
     check_family(family)
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid"])
+def test_quantized_hybrid_equals_its_quantized_eager_forward(family: str, scheme: str) -> None:
+    """Weight-only int8/int4 layers inside the mixers (their projections are plain linear layers):
+    the scenario over the pools follows the eager forward of the same quantized weights. The
+    kernels round activations (bfloat16 for a row, a float16 copy for a batch), which moves an
+    attention-only model's logits by 1-1.5 % here and these tiny random hybrids' by 2-7 % (their
+    states carry it on); a state lost or misplaced moves them by far more (the float test above)."""
+    from worker.quant.layers import quantize_linears
+
+    model = tiny_model(tiny_config(family))
+    reference = eager_reference(model)
+    assert quantize_linears(model, scheme) == quantize_linears(reference, scheme) > 0
+    runner = ModelRunner(loaded(model), num_blocks=100, block_size=BLOCK, max_sequences=8)
+    for sequence in run_scenario(runner):
+        with torch.inference_mode():
+            want = reference(input_ids=torch.tensor([sequence.tokens])).logits[0]
+        for position, got in sequence.checks:
+            assert float((got - want[position]).norm() / want[position].norm()) < 0.1, position
+
+
 @pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid", "lfm2"])
 def test_prompt_scoring_equals_eager(family: str) -> None:
     """The cacheless forward (prompt logprobs) runs the mixers as transformers wrote them."""
