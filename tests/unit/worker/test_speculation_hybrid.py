@@ -22,6 +22,7 @@ from tests.unit.worker.test_model_families import BLOCK, VOCAB, loaded
 from tests.unit.worker.test_speculation import engine, prompts, run_batch
 from worker.config import parse_config
 from worker.engine.speculation import RowSpeculation, Speculation
+from worker.model.draft import DraftModel
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import Work
@@ -180,3 +181,22 @@ def test_greedy_and_seeded_tokens_are_the_same_with_speculation(
     counters = stats.counters
     assert 0 < counters.speculative_accepted_tokens < counters.speculative_proposed_tokens
     assert stats.kv_blocks_used == 0 and stats.running_sequences == 0
+
+
+def test_an_attention_draft_model_proposes_for_a_hybrid_target(qwen3_5, tiny_model_dir) -> None:
+    """``--speculative draft`` with the tiny Llama (same tokenizer) drafting for the tiny Qwen3.5:
+    the same greedy tokens as without, its proposals verified."""
+    drafting = load_model(str(tiny_model_dir), device="cpu", dtype="float32")
+    batch = [generation(p, temperature=0.0, max_tokens=12, ignore_eos=True) for p in prompts(2, 13)]
+    plain, fast = (
+        engine(qwen3_5, speculation=None),
+        engine(
+            qwen3_5, speculation=Speculation(tokens=3, min_n=1, max_n=3, draft=DraftModel(drafting, qwen3_5))
+        ),
+    )
+    try:
+        assert run_batch(fast, batch) == run_batch(plain, batch)
+        assert fast.stats().counters.speculative_proposed_tokens > 0
+    finally:
+        plain.stop()
+        fast.stop()
