@@ -40,7 +40,6 @@ from worker.model.fake_runner import fake_slow_load, load_fake_model
 from worker.model.load_progress import LoadProgress
 from worker.model.loader import LoadedModel, ModelLoadError, load_model
 from worker.model.pooling_runner import PoolingRunner
-from worker.model.recurrent import find_mixers
 from worker.model.runner import ModelRunner
 from worker.model.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner, prefill_tokens
 from worker.model.vision import vision_spec
@@ -266,7 +265,6 @@ def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | N
     that does not share the tokenizer or cannot load."""
     if config.speculative == "off":
         return None
-    refuse_hybrid_speculation(config.speculative, loaded)
     draft = None
     if config.speculative == "draft":
         drafting = load_model(
@@ -285,18 +283,6 @@ def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | N
         config.speculative_min_acceptance,
         draft,
     )
-
-
-def refuse_hybrid_speculation(mode: str, loaded: LoadedModel) -> None:
-    """Raises :class:`ModelLoadError` for speculation with a hybrid model: rejected proposals would
-    advance its recurrent states, which have no snapshot and restore yet."""
-    if find_mixers(loaded.model):
-        kind = getattr(loaded.model.config.get_text_config(), "model_type", "?")
-        raise ModelLoadError(
-            f"--speculative {mode}: {kind} has recurrent layers, whose states rejected proposals would "
-            "advance (no state snapshot and restore yet); serve it without --speculative",
-            param="speculative",
-        )
 
 
 def draft_quantization(choice: str, device: torch.device) -> str:

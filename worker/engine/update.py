@@ -256,6 +256,7 @@ class Update:
                 choice.acceptance, len(item.proposals), taken, choice.sampling.generated
             )
             if not choice.finished:
+                self._runner.accepted(item, taken)  # a hybrid model's state goes back to ``taken``
                 with self._ledger.cv:
                     self._ledger.scheduler.committed(item, accepted=taken)
         with self._ledger.cv:

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from worker.attention.state_pool import StatePool, StateShape
 from worker.model.architecture import HYBRID_TYPES
 from worker.model.loader import ModelLoadError
+from worker.model.verify_states import Round, VerifyStates
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +91,15 @@ class SlotStates:
 class StateStep:
     """What the mixers need of a step: the pool, the decode rows (their flat token indexes, None
     when the forward is a ``[rows, 1]`` decode batch; their pool slots; which of them start their
-    sequence) and the prompt chunks ``(flat start, count, pool slot, starts the sequence)``."""
+    sequence) and the prompt chunks ``(flat start, count, pool slot, starts the sequence)``;
+    ``verify``: the decode rows' rounds when some verify proposals (None: one round)."""
 
     pool: StatePool
     decode_tokens: torch.Tensor | None = None
     decode_slots: torch.Tensor | None = None
     decode_fresh: torch.Tensor | None = None  # bool [rows]
     chunks: list[tuple[int, int, int, bool]] = field(default_factory=list)
+    verify: VerifyStates | None = None
 
 
 _current: StateStep | None = None
@@ -178,11 +181,11 @@ def _run_step(
     """The mixer over a step's rows: decode rows as one batch, each chunk alone (our flat layout
     has no padding, so no mask); the states go back to the pool."""
     if step.decode_tokens is None and step.decode_slots is not None:  # a [rows, 1] decode batch
-        return _decode_group(original, layer, step, hidden, step.decode_slots)
+        return _decode_rows(original, layer, step, hidden, step.decode_slots)
     out = torch.empty_like(hidden)
     if step.decode_tokens is not None and step.decode_slots is not None:
         rows = hidden[0, step.decode_tokens][:, None, :]
-        out[0, step.decode_tokens] = _decode_group(original, layer, step, rows, step.decode_slots)[:, 0]
+        out[0, step.decode_tokens] = _decode_rows(original, layer, step, rows, step.decode_slots)[:, 0]
     for start, count, slot, fresh in step.chunks:
         out[:, start : start + count] = _chunk(
             original, layer, step.pool, hidden[:, start : start + count], slot, fresh
@@ -190,27 +193,54 @@ def _run_step(
     return out
 
 
-def _decode_group(
+def _decode_rows(
     original: Callable[..., torch.Tensor],
     layer: int,
     step: StateStep,
     rows: torch.Tensor,
     slots: torch.Tensor,
 ) -> torch.Tensor:
+    """Decode rows ``[rows, 1, H]`` as one group or, when some verify proposals, in rounds: a
+    verifying row's tokens one after another over its slot, each round's verifying states kept
+    (worker/model/verify_states.py)."""
+    if step.verify is None:
+        return _decode_group(original, layer, step.pool, rows, slots, step.decode_fresh)[0]
+    out = torch.empty_like(rows)
+    for round_ in step.verify.rounds:
+        index: torch.Tensor = round_.rows
+        fresh = None if step.decode_fresh is None else step.decode_fresh[index]
+        part, states = _decode_group(original, layer, step.pool, rows[index], slots[index], fresh)
+        out[index] = part
+        _record(step.verify, layer, round_, states)
+    return out
+
+
+def _record(verify: VerifyStates, layer: int, round_: Round, states: SlotStates) -> None:
+    if states.conv is not None:
+        verify.record(layer, round_, states.conv, states.recurrent)
+
+
+def _decode_group(
+    original: Callable[..., torch.Tensor],
+    layer: int,
+    pool: StatePool,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    fresh: torch.Tensor | None,
+) -> tuple[torch.Tensor, SlotStates]:
     """Decode rows ``[rows, 1, H]``: their states gathered (zeroed for a row that starts its
-    sequence), updated by the mixer, scattered back."""
-    pool = step.pool
+    sequence, ``fresh``), updated by the mixer, scattered back; the output and the new states."""
     conv = pool.conv[layer].index_select(0, slots)
     recurrent = pool.recurrent[layer].index_select(0, slots) if layer in pool.recurrent else None
-    if step.decode_fresh is not None:
-        keep = (~step.decode_fresh).to(conv.dtype)
+    if fresh is not None:
+        keep = (~fresh).to(conv.dtype)
         conv.mul_(keep.view(-1, *([1] * (conv.dim() - 1))))
         if recurrent is not None:
-            recurrent.mul_((~step.decode_fresh).to(recurrent.dtype).view(-1, *([1] * (recurrent.dim() - 1))))
+            recurrent.mul_((~fresh).to(recurrent.dtype).view(-1, *([1] * (recurrent.dim() - 1))))
     states = SlotStates(conv, recurrent)
     out = original(rows, cache=states, attention_mask=None)
     _put(pool, layer, slots, states)
-    return out
+    return out, states
 
 
 def _chunk(
@@ -246,11 +276,12 @@ def state_step_of(
     decode: Sequence[tuple[int, int]] = (),
     decode_tokens: Sequence[int] | None = None,
     chunks: Sequence[tuple[int, int, int, int]] = (),
+    verify: VerifyStates | None = None,
 ) -> StateStep:
     """A :class:`StateStep` from host lists: ``decode`` rows ``(state slot, position)``,
     ``decode_tokens`` their flat indexes (None: a ``[rows, 1]`` batch), ``chunks``
-    ``(flat start, count, state slot, position)``."""
-    step = StateStep(pool)
+    ``(flat start, count, state slot, position)``, ``verify`` the decode rows' rounds."""
+    step = StateStep(pool, verify=verify)
     if decode:
         step.decode_slots = torch.tensor(
             [pool.slot_of(s) for s, _ in decode], dtype=torch.long, device=device

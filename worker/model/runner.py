@@ -28,6 +28,7 @@ from worker.model.step_inputs import (
     is_decode_row,
     token_rows,
 )
+from worker.model.verify_states import VerifyStates, verify_states
 from worker.model.vision import VisionEncoder, mrope_positions, vision_spec
 from worker.quant.layers import row_invariant_linears
 from worker.quant.moe import model_scheme, row_invariant_moe
@@ -65,6 +66,8 @@ def check_batch_invariant(loaded: LoadedModel) -> None:
 
 class ModelRunner:
     scores_prompts = True  # ``score`` works (a runner without a model says False)
+    # A hybrid model's last step's verifying rows and their kept states (worker/model/verify_states.py).
+    _verify: VerifyStates | None = None
 
     def __init__(
         self,
@@ -151,9 +154,16 @@ class ModelRunner:
         if self.states is None:
             return self._execute(work, fed)
         self._copy_states([(item.state_from, item.state_slot, True) for item in work if item.state_from >= 0])
+        self._verify = verify_states([item for item in work if is_decode_row(item)], self.states, self.device)
         logits = self._execute(work, fed)
         self._copy_states([(item.state_to, item.state_slot, False) for item in work if item.state_to >= 0])
         return logits
+
+    def accepted(self, item: Work, kept: int) -> None:
+        """The last step's verifying ``item`` kept ``kept`` of its proposals: a hybrid model's slot
+        takes the state after them (rejected proposals must not advance it); nothing otherwise."""
+        if self._verify is not None and self.states is not None:
+            self._verify.keep(self.states, item.state_slot, kept)
 
     def _copy_states(self, copies: Sequence[tuple[int, int, bool]]) -> None:
         """State checkpoint copies ``(checkpoint, state slot, into the slot)``: a resumed prefix's
@@ -265,7 +275,7 @@ class ModelRunner:
             if not is_decode_row(item)
         ]
         rows = [(item.state_slot, item.start) for item in decode]
-        return state_step_of(self.states, self.device, rows, decode_tokens, chunks)
+        return state_step_of(self.states, self.device, rows, decode_tokens, chunks, self._verify)
 
     def _invariant(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
         size = self.block_size

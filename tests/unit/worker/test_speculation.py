@@ -178,15 +178,6 @@ def test_a_hybrid_draft_model_is_refused():
     assert raised.value.param == "draft_model"
 
 
-def test_speculation_is_refused_for_a_hybrid_model():
-    """Rejected proposals would advance the recurrent states (no snapshot and restore yet)."""
-    hybrid = SimpleNamespace(device=torch.device("cpu"), model=tiny_model(tiny_config("lfm2")))
-    config = parse_config(["--speculative", "ngram"])
-    with pytest.raises(ModelLoadError, match=r"--speculative ngram: lfm2 has recurrent layers") as raised:
-        speculation_of(config, hybrid)  # type: ignore[arg-type]
-    assert raised.value.param == "speculative"
-
-
 # ------------------------------------------------------------------ engines
 
 
