@@ -1,9 +1,8 @@
-"""Speculative verification on hybrid models: a verifying row's tokens go through the recurrent
-mixers one position after another (rounds of one-token rows), the state after each of them but the
-last is kept aside, and once the draws are known the sequence's slot takes the state at its accepted
-length, so rejected proposals never count in it.
+"""Speculative verification on hybrid models: a verifying row's tokens pass the recurrent mixers
+one position after another, the state after each is kept aside, and the slot takes the state at the
+accepted length once the draws are known, so rejected proposals never count in it.
 
-Design notes: docs/worker.md ("The state cache of hybrid models", "Speculation").
+Design notes: docs/worker.md ("The state cache of hybrid models").
 """
 
 from __future__ import annotations
