@@ -340,7 +340,9 @@ class Engine:
         if resolved:  # rows the previous draw ended (or failed) go no further
             work = [w for w in work if not (w.seq.finished or owners[id(w.seq)][0].removed)]
         if error is not None:  # the step's decode rows run again on their own, if it had prompt chunks
-            work = self._failures.forward_failed(error, work, owners, outputs)
+            # A hybrid's rows cannot run again: its recurrent layers already moved their states.
+            rerun = getattr(self._runner, "states", None) is None
+            work = self._failures.forward_failed(error, work, owners, outputs, rerun_decodes=rerun)
             sampling = [w for w in work if w.sample]
             logits, error = self._forward(work) if work else (None, None)
             if error is not None:

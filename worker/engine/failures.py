@@ -85,14 +85,15 @@ class Containment:
         self._outputs.publish([state for state, _ in failed], outputs)
 
     def forward_failed(
-        self, error: Exception, work: list[Work], owners: Owners, outputs: Outputs
+        self, error: Exception, work: list[Work], owners: Owners, outputs: Outputs, *, rerun_decodes: bool
     ) -> list[Work]:
         """A failed forward fails its own rows only: a step's prompt chunks' requests when it had
-        decode rows too, which are returned to run again on their own; else every row's."""
+        decode rows too, which are returned to run again on their own if ``rerun_decodes``; else
+        every row's."""
         log.error("forward failed", exc_info=error)
         chunks = [w for w in work if w.count > 1]
         decodes = [w for w in work if w.count == 1]
-        blamed = chunks if chunks and decodes else work
+        blamed = chunks if chunks and decodes and rerun_decodes else work
         self.fail_rows(error, blamed, owners, outputs)
         if blamed is work:
             return []

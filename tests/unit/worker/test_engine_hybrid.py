@@ -18,7 +18,7 @@ from worker.engine.options import EngineOptions
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
 from worker.server import eos_token_ids
-from worker.types import ContentDelta, Usage
+from worker.types import ContentDelta, Failed, Usage
 
 pytestmark = pytest.mark.slow  # left out of make test-fast
 
@@ -130,3 +130,57 @@ def test_a_resumed_stream_rebuilds_the_state_of_its_delivered_tokens(loaded):
     finally:
         eng.stop()
     assert token_ids(events) == expected[4:]
+
+
+class MidForwardFailure:
+    """Wraps the runner: a step holding the start of a prompt beginning with 999 fails after the
+    recurrent layers moved the step's decode rows' states (their rows run, then the step raises), as
+    a failure in a later layer of the real forward would."""
+
+    def __init__(self, inner: ModelRunner):
+        self._inner = inner
+
+    def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+        return getattr(self._inner, name)
+
+    def execute(self, work, fed=None):  # type: ignore[no-untyped-def]
+        if any(item.start == 0 and item.tokens[0] == 999 for item in work):
+            decodes = [item for item in work if item.count == 1]
+            if decodes:
+                self._inner.execute(decodes, None)
+            raise RuntimeError("out of memory in a later layer")
+        return self._inner.execute(work, fed)
+
+
+def test_a_failed_mixed_step_never_runs_a_hybrids_decode_rows_again(loaded) -> None:
+    """An attention model's decode rows run again alone after a mixed step fails (their keys and
+    values are rewritten in place); a hybrid's states moved already, so its rows fail with the step
+    instead of going on from a state one token ahead: no stream ends with tokens other than
+    ``generate``'s."""
+    eng = make_engine(loaded)
+    eng._runner = MidForwardFailure(eng._runner)  # type: ignore[assignment]
+    steady = [5, 6, 7, 8]
+
+    async def run() -> tuple[list, list]:
+        decoding = asyncio.Event()
+
+        async def steady_stream() -> list:
+            events = []
+            async for event in eng.submit(request(steady, temperature=0.0, max_tokens=12, min_tokens=12)):
+                events.append(event)
+                if isinstance(event, ContentDelta):
+                    decoding.set()
+            return events
+
+        task = asyncio.create_task(steady_stream())
+        await decoding.wait()
+        bad = [event async for event in eng.submit(request([999, 3, 4], temperature=0.0, max_tokens=4))]
+        return await task, bad
+
+    try:
+        events, bad = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    finally:
+        eng.stop()
+    assert isinstance(bad[-1], Failed)
+    assert isinstance(events[-1], Failed), "the steady stream went on from a moved state"
+    assert token_ids(events) == greedy(loaded, steady, 12)[: len(token_ids(events))]
