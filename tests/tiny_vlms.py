@@ -274,3 +274,56 @@ def build_tiny_vlm(arch: str, folder: Path) -> Path:
     BUILDERS[arch](folder)
     load_processor(str(folder))  # the folder loads (Qwen2-VL's without a video processor)
     return folder
+
+
+# Vision-language checkpoints served for text alone (worker/model/text_only.py TEXT_ONLY): their
+# language models are the hybrid and Gemma 4 tiny families', beside a tiny vision tower.
+TEXT_ONLY_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "gemma4")
+QWEN3_5_VISION: dict[str, Any] = {
+    **{key: QWEN_VISION[key] for key in ("depth", "num_heads", "patch_size", "spatial_merge_size")},
+    "hidden_size": 32,
+    "intermediate_size": 32,
+    "out_hidden_size": TEXT["hidden_size"],
+    "num_position_embeddings": 16,
+}
+
+
+def _text_only_config(arch: str, tokenizer: Any) -> Any:
+    """The multimodal config of ``arch``: the tiny family's text config with the tokenizer's vocabulary."""
+    from tests.tiny_families import tiny_config
+
+    vocab = {"vocab_size": len(tokenizer), "tie_word_embeddings": True}
+    if arch == "gemma4":
+        text = tiny_config("gemma4_text", **vocab, vocab_size_per_layer_input=len(tokenizer))
+        vision = {**VISION, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 4}
+        del vision["image_size"]
+        return transformers.Gemma4Config(text_config=text.to_dict(), vision_config=vision, audio_config=None)
+    text = tiny_config(f"{arch}_text", **vocab).to_dict()
+    config_class = transformers.Qwen3_5Config if arch == "qwen3_5" else transformers.Qwen3_5MoeConfig
+    tokens = {
+        "image_token_id": tokenizer.convert_tokens_to_ids("<|image_pad|>"),
+        "video_token_id": tokenizer.convert_tokens_to_ids("<|video_pad|>"),
+        "vision_start_token_id": tokenizer.convert_tokens_to_ids("<|vision_start|>"),
+        "vision_end_token_id": tokenizer.convert_tokens_to_ids("<|vision_end|>"),
+    }
+    return config_class(text_config=text, vision_config=QWEN3_5_VISION, tie_word_embeddings=True, **tokens)
+
+
+def build_text_only_vlm(arch: str, folder: Path) -> Path:
+    """A tiny random-weight multimodal checkpoint of ``arch`` (one of :data:`TEXT_ONLY_ARCHITECTURES`:
+    its ``ForConditionalGeneration`` class, a vision tower included) saved with save_pretrained and a
+    real tokenizer (Qwen3's; Gemma 3's for Gemma 4), no processor; returns ``folder``. Seeded."""
+    if arch not in TEXT_ONLY_ARCHITECTURES:
+        raise ValueError(
+            f"no tiny text-only builder for {arch!r}; known: {', '.join(TEXT_ONLY_ARCHITECTURES)}"
+        )
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    tokenizer = AutoTokenizer.from_pretrained(_fixture("gemma3" if arch == "gemma4" else "qwen3"))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForImageTextToText.from_config(_text_only_config(arch, tokenizer))
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -42,11 +42,12 @@ from worker.model.loader import LoadedModel, ModelLoadError, load_model
 from worker.model.pooling_runner import PoolingRunner
 from worker.model.runner import ModelRunner
 from worker.model.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner, prefill_tokens
+from worker.model.text_only import images_not_served
 from worker.model.vision import vision_spec
 from worker.output.processor import TextRules
 from worker.prompts.family import FamilyProfile, choose_profile
 from worker.prompts.images import ImageProcessing
-from worker.prompts.prompt import PromptRenderer
+from worker.prompts.prompt import NO_IMAGES, PromptRenderer
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.drain import DrainingWorker
 from worker.service.servicer import ServingModel, WorkerService
@@ -227,7 +228,8 @@ def prompt_renderer(loaded: LoadedModel, profile: FamilyProfile) -> PromptRender
     """The prompt renderer of a generation model (with its image processing, for a vision model)."""
     spec = vision_spec(loaded.model.config) if loaded.processor is not None else None
     images = ImageProcessing(loaded.processor, spec) if spec is not None else None
-    return PromptRenderer(loaded.tokenizer, profile, images)
+    refused = images_not_served(loaded.model.config)  # a vision-language model served for text alone
+    return PromptRenderer(loaded.tokenizer, profile, images, refused or NO_IMAGES)
 
 
 def serving_in_own_process(

@@ -29,7 +29,8 @@ async def prepare_images(chat: ChatCompletionRequest) -> None:
         param = chat.surface_param(parts[0][0])
         raise InvalidRequestError(
             f"Invalid '{param}': the model {chat.model!r} takes no images (it is not a vision-language "
-            "model); send text only, or choose a model that accepts images.",
+            "model, or one whose images are not served yet); send text only, or choose a model that "
+            "accepts images.",
             param=param,
             code="image_not_supported",
         )

@@ -35,6 +35,7 @@ from worker.errors import WorkerError
 from worker.model.mistral_tokenizer import with_mistral_common
 from worker.model.packed_linear import pack_linears
 from worker.model.pooling import PoolingConfigError, PoolingSpec, detect_task, read_spec
+from worker.model.text_only import serves_images
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
 
@@ -189,7 +190,7 @@ def load_model(
         kernels,
     )
     processor = None
-    if task == "generate" and getattr(hf_model.config, "vision_config", None) is not None:
+    if task == "generate" and serves_images(hf_model.config):
         processor = load_processor(str(folder) if folder is not None else str(model))
     return LoadedModel(
         model=hf_model,

@@ -28,6 +28,7 @@ from worker.model.step_inputs import (
     is_decode_row,
     token_rows,
 )
+from worker.model.text_only import log_text_only
 from worker.model.verify_states import VerifyStates, verify_states
 from worker.model.vision import VisionEncoder, mrope_positions, vision_spec
 from worker.quant.layers import row_invariant_linears
@@ -87,6 +88,7 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.attention = check_attention(self.model, getattr(loaded, "context_length", None))
         spec = vision_spec(self.model.config)  # raises for a vision-language model not served
+        log_text_only(self.model.config)
         paged.register()
         if spec is None:
             self.model.set_attn_implementation(paged.NAME)

@@ -16,6 +16,7 @@ import torch
 
 from worker.model.loader import ModelLoadError
 from worker.model.step_inputs import ChunkImage
+from worker.model.text_only import TEXT_ONLY, images_not_served, is_vision_config
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +28,6 @@ SERVED: dict[str, bool] = {
     "idefics3": False,
     "qwen2_vl": False,
     "qwen2_5_vl": False,
-}
-# model_type -> the piece missing for a vision-language architecture known not to be served yet.
-MISSING: dict[str, str] = {
-    "gemma4": (
-        "its image (and audio) features are not merged into the paged runner yet (variable-resolution "
-        "patches; per-layer embeddings of the placeholders); its text-only form, gemma4_text, is served"
-    ),
 }
 # Architectures whose rotary positions are 3-D (M-RoPE): an image's tokens take (time, row, column).
 MROPE = frozenset({"qwen2_vl", "qwen2_5_vl"})
@@ -51,22 +45,18 @@ class VisionSpec:
     mrope_merge: int | None = None
 
 
-def is_vision_config(config: Any) -> bool:
-    return getattr(config, "vision_config", None) is not None
-
-
 def vision_spec(config: Any) -> VisionSpec | None:
-    """The spec of a served vision-language config, None for a text-only one; raises
-    :class:`ModelLoadError` for a vision-language architecture Sluice does not serve."""
-    if not is_vision_config(config):
+    """The spec of a served vision-language config, None for a text-only one or one served for text
+    alone (:data:`TEXT_ONLY`); raises :class:`ModelLoadError` for another vision-language architecture."""
+    if not is_vision_config(config) or images_not_served(config) is not None:
         return None
     kind = str(getattr(config, "model_type", "?"))
     names = ", ".join(getattr(config, "architectures", None) or []) or kind
     if kind not in SERVED:
-        missing = f": {MISSING[kind]}" if kind in MISSING else ""
         raise ModelLoadError(
-            f"{names} ({kind}) is a vision-language architecture Sluice does not serve yet{missing}; "
-            f"served: {', '.join(sorted(SERVED))} (docs/models.md)"
+            f"{names} ({kind}) is a vision-language architecture Sluice does not serve yet; "
+            f"served: {', '.join(sorted(SERVED))}, and for text alone {', '.join(sorted(TEXT_ONLY))} "
+            "(docs/models.md)"
         )
     token = getattr(config, "image_token_id", None)
     if token is None:

@@ -63,16 +63,26 @@ class RawPrompt:
     suffix: str = ""  # fill-in-the-middle: the text after the gap (``text``/``token_ids`` before it)
 
 
+# Why a model that is no vision-language model refuses a request's image parts.
+NO_IMAGES = "this model takes no images (it is not a vision-language model)"
+
+
 class PromptRenderer:
     """Renders prompts for one tokenizer. ``render`` returns (token ids, prompt text); the same
     call serves Generate and Tokenize, so a chat's count is the prompt Generate computes."""
 
     def __init__(
-        self, tokenizer: Any, profile: FamilyProfile | None = None, images: ImageProcessing | None = None
+        self,
+        tokenizer: Any,
+        profile: FamilyProfile | None = None,
+        images: ImageProcessing | None = None,
+        images_refused: str = NO_IMAGES,
     ):
-        """``images``: a vision-language model's processing (None: the model takes no images)."""
+        """``images``: a vision-language model's processing (None: the model takes no images);
+        ``images_refused``: why not, in the refusal of a request's image parts."""
         self._tokenizer = tokenizer
         self._images = images
+        self._images_refused = images_refused
         self.profile = profile or FamilyProfile("unknown")
         template = self.profile.template or getattr(tokenizer, "chat_template", None)
         self._mistral = mistral_common_of(tokenizer)  # a tekken tokenizer: mistral-common renders
@@ -144,8 +154,7 @@ class PromptRenderer:
                 continue
             if self._images is None:
                 raise InvalidRequest(
-                    f"messages[{i}].parts: this model takes no images (it is not a vision-language model)",
-                    param=f"messages[{i}].parts",
+                    f"messages[{i}].parts: {self._images_refused}", param=f"messages[{i}].parts"
                 )
             if message.role != "user":
                 raise InvalidRequest(

@@ -83,6 +83,10 @@ def _set_parameter(model: torch.nn.Module, path: str, value: torch.Tensor) -> No
 
 
 def _empty_model(config: Any) -> torch.nn.Module:
+    """The causal LM of ``config`` on the meta device; a vision-language config (its weights under
+    the multimodal model's own names) loads in float first."""
+    if getattr(config, "vision_config", None) is not None:
+        raise DirectLoadUnsupported("a vision-language checkpoint is read by its own model class")
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 

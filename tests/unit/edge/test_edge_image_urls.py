@@ -348,6 +348,8 @@ def test_a_model_without_images_is_refused_before_the_worker_is_called() -> None
             assert reply.status_code == 400
             error = reply.json()["error"]
             assert (error["param"], error["code"]) == ("messages[0].content[1]", "image_not_supported")
+            # Also true of a vision-language model served for text alone (Gemma 4, Qwen3.5).
+            assert "or one whose images are not served yet" in error["message"]
             async with httpx.AsyncClient() as client:
                 (listed,) = (await client.get(f"{base}/v1/models")).json()["data"]
             assert "accepts_images" not in listed

@@ -249,25 +249,6 @@ def test_hybrids_are_refused_at_load_naming_the_architecture(
         ModelRunner(loaded(model), num_blocks=4, block_size=BLOCK)
 
 
-def test_gemma4_with_vision_is_refused_in_one_line_naming_the_missing_piece() -> None:
-    vision = {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
-    config = transformers.Gemma4Config(
-        text_config=tiny_config("gemma4_text").to_dict(),
-        vision_config={**vision, "num_key_value_heads": 2, "head_dim": 16},
-        audio_config=None,
-        image_token_id=120,
-    )
-    config.architectures = ["Gemma4ForConditionalGeneration"]
-    model = transformers.AutoModelForImageTextToText.from_config(config).eval()
-    with pytest.raises(ModelLoadError) as refused:
-        ModelRunner(loaded(model), num_blocks=4, block_size=BLOCK)
-    assert "\n" not in refused.value.message
-    assert refused.value.message.startswith(
-        "Gemma4ForConditionalGeneration (gemma4) is a vision-language architecture Sluice does not serve "
-        "yet: its image (and audio) features are not merged"
-    )
-
-
 # Every family's decode rows through the Triton kernel, in one interpreter child process.
 KERNEL_CHECKS = {family: partial(check_family, family, triton_decode=True) for family in FAMILIES}
 
