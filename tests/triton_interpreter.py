@@ -46,7 +46,7 @@ def print_results(checks: Mapping[str, Callable[[], None]]) -> None:
     print(json.dumps(run_checks(checks)))
 
 
-def interpreted_results(module: str, timeout: float = 240) -> dict[str, str | None]:
+def interpreted_results(module: str, timeout: float = 600) -> dict[str, str | None]:
     """Runs ``python -m module`` with the interpreter on; its checks' results."""
     environment = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO_ROOT)}
     completed = subprocess.run(

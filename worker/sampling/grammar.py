@@ -172,7 +172,7 @@ def _tagged_lark(spec: GrammarSpec, form: TaggedCall, specials: Mapping[str, int
     top = f"call ({sep} call)*" if spec.parallel else "call"
     opening, closing = form.around
     if opening or closing:
-        top = f"{json.dumps(opening)} {top} {json.dumps(closing)}"
+        top = f"{text_lark(opening, specials)} {top} {text_lark(closing, specials)}"
     return f"start: {top}\ncall: {call}\n" + "".join(rules)
 
 

@@ -111,7 +111,12 @@ def test_the_grammar_builder_reads_the_declared_grammars() -> None:
             assert set(grammar.markers) <= call_markers()
             if isinstance(grammar, TaggedCall):  # its special-token candidates are in its texts
                 assert all(
-                    m in grammar.start + grammar.key_start + grammar.key_end + grammar.end
+                    m
+                    in grammar.start
+                    + grammar.key_start
+                    + grammar.key_end
+                    + grammar.end
+                    + "".join(grammar.around)
                     for m in grammar.markers
                 )
     assert call_grammar("no_such_format") is TOOL_FORMATS["hermes"].grammar
@@ -124,3 +129,18 @@ def test_each_reasoning_format_declares_a_fresh_stage(name: str) -> None:
     assert stage is not thinking.stage(False)
     assert stage.push("Hello") + stage.finish() == [("content", "Hello")]
     assert not thinking.open_marker or thinking.stage(True).in_thinking
+
+
+def test_markers_around_tagged_calls_are_forced_as_their_special_token() -> None:
+    """LFM2's ``<|tool_call_start|>`` and ``<|tool_call_end|>`` wrap all its calls (``around``): where
+    they are one token, the forced call's grammar names that token, as for the other parts."""
+    from worker.sampling.grammar import GrammarSpec, _tagged_lark
+
+    grammar = call_grammar("lfm2")
+    assert isinstance(grammar, TaggedCall)
+    spec = GrammarSpec(
+        "tool_call", functions=(("f", {"type": "object", "properties": {}}),), call_format="lfm2"
+    )
+    lark = _tagged_lark(spec, grammar, {"<|tool_call_start|>": 5, "<|tool_call_end|>": 6})
+    assert lark.startswith('start: <[5]> "[" call ') and '"]" <[6]>' in lark
+    assert "<|tool_call_start|>" not in lark
