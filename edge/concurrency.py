@@ -12,7 +12,7 @@ from hypercorn.typing import ASGIReceiveCallable, ASGISendCallable, Scope
 from quart import request
 
 from edge.auth import caller_identity
-from edge.errors import RateLimitError
+from edge.errors import BODY_UNREAD, RateLimitError
 
 # Endpoints (blueprint.function) whose requests hold a slot while they run.
 GENERATION_ENDPOINTS = frozenset(
@@ -95,12 +95,14 @@ class ConcurrencyLimiter:
         slot = self.try_acquire(identity)
         if slot is None:
             who = "API key" if identity.startswith("key#") else "client"
-            raise RateLimitError(
+            refused = RateLimitError(
                 f"Too many concurrent requests: at most {self.limit} generation requests may be in "
                 f"flight per {who}. Retry when one has finished.",
                 code="concurrency_limit_exceeded",
                 retry_after=1.0,
             )
+            refused.extra_headers.update(BODY_UNREAD)
+            raise refused
         _extra(request.scope)[_SCOPE_KEY] = slot
 
 

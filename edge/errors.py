@@ -74,6 +74,12 @@ class InvalidRequestError(EdgeError):
     type = "invalid_request_error"
 
 
+# On a refusal sent before the request's body was read (a key or rate check in a ``before_request``
+# hook): hypercorn closes such a connection once the response is out, so the response says so, and
+# a client never sends its next request down a connection that is closing.
+BODY_UNREAD = {"Connection": "close"}
+
+
 class AuthenticationError(EdgeError):
     """A missing or wrong API key (401, OpenAI's ``invalid_api_key``)."""
 
@@ -84,6 +90,7 @@ class AuthenticationError(EdgeError):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.extra_headers["WWW-Authenticate"] = "Bearer"
+        self.extra_headers.update(BODY_UNREAD)
 
 
 class UnprocessableEntityError(EdgeError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -113,6 +114,29 @@ def test_edge_with_keys_answers_401_before_anything_else(caplog: pytest.LogCaptu
     with caplog.at_level(logging.DEBUG):
         run(body())
     assert all(key not in caplog.text for key in KEYS)
+
+
+def test_a_refusal_before_the_body_arrived_closes_the_connection_and_says_so() -> None:
+    """The key check answers from the headers alone; hypercorn then closes a connection whose body it
+    has not read. The 401 says ``Connection: close``, so a client does not send its next request down
+    that connection (the flake this fixed: httpx's "Server disconnected without sending a response"
+    on the request after a 401, when the body came in a later packet than the headers)."""
+    fake = FakeWorker(script=[started(), content("ok"), finished(), usage()])
+
+    async def body() -> None:
+        async with running_worker(fake) as address, running_edge([address], api_keys=KEYS) as base:
+            host, port = base.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: edge\r\nAuthorization: Bearer sk-nope\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+            )  # the body is never sent
+            await writer.drain()
+            head = (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)).decode().lower()
+            assert head.startswith("http/1.1 401") and "connection: close" in head, head
+            writer.close()
+
+    run(body())
 
 
 # ------------------------------------------------------------ per-key concurrency
