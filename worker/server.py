@@ -228,7 +228,8 @@ def prompt_renderer(loaded: LoadedModel, profile: FamilyProfile) -> PromptRender
     """The prompt renderer of a generation model (with its image processing, for a vision model)."""
     spec = vision_spec(loaded.model.config) if loaded.processor is not None else None
     images = ImageProcessing(loaded.processor, spec) if spec is not None else None
-    refused = images_not_served(loaded.model.config)  # a vision-language model served for text alone
+    # A vision-language model served for text alone says so (a fake model has no config).
+    refused = images_not_served(loaded.model.config) if loaded.model is not None else None
     return PromptRenderer(loaded.tokenizer, profile, images, refused or NO_IMAGES)
 
 
