@@ -232,6 +232,7 @@ def test_batch_invariant_mode_is_refused_for_hybrid_models() -> None:
 @pytest.mark.parametrize(
     ("config_class", "changes", "named"),
     [
+        ("FalconMambaConfig", {}, "falcon_mamba"),
         ("JambaConfig", {"attn_layer_period": 2, "attn_layer_offset": 1}, "jamba"),
         ("BambaConfig", {}, "bamba"),
     ],

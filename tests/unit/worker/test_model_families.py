@@ -231,22 +231,7 @@ def test_mla_is_refused_at_load_naming_the_architecture() -> None:
         ModelRunner(loaded(tiny_model(config)), num_blocks=4, block_size=BLOCK)
 
 
-@pytest.mark.parametrize(
-    ("config_class", "changes", "named"),
-    [
-        ("FalconMambaConfig", {}, "falcon_mamba"),
-        ("JambaConfig", {"attn_layer_period": 2, "attn_layer_offset": 1}, "jamba"),
-    ],
-)
-def test_hybrids_are_refused_at_load_naming_the_architecture(
-    config_class: str, changes: dict[str, Any], named: str
-) -> None:
-    config = getattr(transformers, config_class)(**{**COMMON, **changes})
-    model = SimpleNamespace(config=config, modules=lambda: iter(()))
-    with pytest.raises(
-        ModelLoadError, match=rf"\({config.model_type}\) is a hybrid.*{named}|{named}.*hybrid"
-    ):
-        ModelRunner(loaded(model), num_blocks=4, block_size=BLOCK)
+# The unserved hybrids are refused in test_hybrid_families.py.
 
 
 # Every family's decode rows through the Triton kernel, in one interpreter child process.
