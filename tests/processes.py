@@ -17,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.cli import edge_command, worker_command
 from sluice.ports import METRICS_PORT_OFFSET
+from tests.zygote import ForkedProcess, Zygote
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180.0
@@ -65,7 +66,7 @@ class _Process:
         self.args = args
         self.log_path = log_dir / f"{self.name}.log"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
 
     def start(self) -> None:
         """Starts the process and waits until it is ready (raises if it exits or times out)."""
@@ -74,10 +75,18 @@ class _Process:
 
     def launch(self) -> None:
         """Starts the process without waiting for it (a restart appends to the first start's log)."""
-        log = self.log_path.open("ab" if self.proc is not None else "wb")
-        self.proc = subprocess.Popen(
-            self.args, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+        append = self.proc is not None
+        zygote = Zygote.shared()
+        forked = zygote and zygote.start(
+            self.args, env=self.env, cwd=REPO_ROOT, log=self.log_path, append=append
         )
+        if forked:
+            self.proc = forked
+            return
+        with self.log_path.open("ab" if append else "wb") as log:
+            self.proc = subprocess.Popen(
+                self.args, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
 
     def wait_ready(self) -> None:
         """Waits until :meth:`ready` (raises if the process exits or :data:`START_TIMEOUT_S` passes)."""
