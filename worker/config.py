@@ -101,6 +101,42 @@ def _power_of_two(raw: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class LoraModule:
+    """One ``--lora-modules`` entry: ``NAME=PATH`` or vLLM's JSON object form."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def _lora_modules(raw: str) -> tuple[LoraModule, ...]:
+    """``NAME=PATH`` items separated by spaces or commas, or vLLM's JSON form: an object
+    ``{"name", "path", "base_model_name"}`` or a list of them. Raises ValueError naming the item."""
+    text = raw.strip()
+    if not text:
+        return ()
+    if text[0] in "[{":
+        try:
+            items = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from exc
+        items = [items] if isinstance(items, dict) else items
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            raise ValueError("the JSON form is an object or a list of objects")
+        for item in items:
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("path"), str):
+                raise ValueError(f"{json.dumps(item)}: needs string 'name' and 'path'")
+        return tuple(LoraModule(item["name"], item["path"], item.get("base_model_name")) for item in items)
+    modules = []
+    for item in text.replace(",", " ").split():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"{item!r} is not NAME=PATH")
+        modules.append(LoraModule(name, path))
+    return tuple(modules)
+
+
 # -- the settings ----------------------------------------------------------------------------
 
 
@@ -280,6 +316,31 @@ class WorkerConfig:
         int_at_least(1),
         "max_tokens when a request leaves it unset (default: the room left in the context)",
     )
+    enable_lora: bool = setting(
+        False,
+        help="serve LoRA adapters over the model, a request naming one as its model; attention and "
+        'MLP projections, float or --quantization int4/int8 (docs/worker.md, "LoRA adapters")',
+    )
+    lora_modules: tuple[LoraModule, ...] = setting(
+        (),
+        _lora_modules,
+        "with --enable-lora: adapters served from the start, as NAME=PATH items (PEFT folders) "
+        'separated by spaces or commas, or vLLM\'s JSON form (an object {"name", "path", '
+        '"base_model_name"} or a list of them)',
+        shown_default="none",
+    )
+    max_loras: int = setting(
+        1, int_at_least(1, 64), "with --enable-lora: the most distinct adapters one step computes"
+    )
+    max_lora_rank: int = setting(
+        16, int_at_least(1, 512), "with --enable-lora: the highest adapter rank served (larger ones refused)"
+    )
+    max_cpu_loras: int = setting(
+        0,
+        int_at_least(0, 4096),
+        "with --enable-lora: adapters kept read in host memory (the others are read from their "
+        "folders again when a request names them); 0 = --max-loras",
+    )
     blocked_phrases: tuple[str, ...] = setting(
         (),
         comma_list,
@@ -390,8 +451,27 @@ class WorkerConfig:
             found.append("--overlap-steps on cannot be combined with --speculative (rows verify on the host)")
         if self.speculative != "off" and self.fake_tokens:
             found.append("--speculative needs a model; --fake-tokens runs none")
+        found += self._lora_problems()
         if self.resolved_metrics_port == self.port:
             found.append(f"--metrics-port {self.port} is the gRPC --port; give them different ports")
+        return found
+
+    def _lora_problems(self) -> list[str]:
+        if not self.enable_lora:
+            return ["--lora-modules only applies with --enable-lora"] if self.lora_modules else []
+        found = [
+            f"--enable-lora cannot be combined with {flag} yet"
+            for flag, on in (
+                ("--fake-tokens", self.fake_tokens),
+                ("--engine-process", self.engine_process),
+                ("--speculative draft", self.speculative == "draft"),
+                ("--batch-invariant", self.batch_invariant),
+                (f"--task {self.task}", self.task in ("embed", "score")),
+            )
+            if on
+        ]
+        if 0 < self.max_cpu_loras < self.max_loras:
+            found.append(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras {self.max_loras}")
         return found
 
 

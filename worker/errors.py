@@ -76,3 +76,10 @@ class WrongTask(WorkerError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "wrong_task"
+
+
+class LoraNotEnabled(WorkerError):
+    """A LoRA adapter call to a worker started without ``--enable-lora``."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "lora_not_enabled"

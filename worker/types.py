@@ -83,6 +83,19 @@ class PromptImage:
         return sum(max(0, min(end, b) - max(start, a)) for a, b in self.runs or ((self.start, self.end),))
 
 
+@dataclass(frozen=True, eq=False)
+class LoraHandle:
+    """A request's LoRA adapter as the engine sees it: ``name`` as served, ``uid`` unique to one
+    load of it (the prefix cache's keys and the device slots tell adapters apart by it),
+    ``max_active``: ``--max-loras``, the adapters one step may hold; ``weights``: the loaded
+    adapter (worker/lora/adapter.py's ``LoraWeights``; opaque below the model layer)."""
+
+    name: str
+    uid: int
+    max_active: int
+    weights: Any = field(repr=False)
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """A tokenized request, ready for the scheduler."""
@@ -99,6 +112,7 @@ class GenerationRequest:
     # max_tokens, the context length, penalties, seeded draws, the grammar and usage.
     resumed_token_ids: tuple[int, ...] = ()
     images: tuple[PromptImage, ...] = ()  # a vision-language model's images, in prompt order
+    lora: LoraHandle | None = None  # the LoRA adapter the request names; None = the base model
 
     @property
     def prefill_token_ids(self) -> tuple[int, ...]:

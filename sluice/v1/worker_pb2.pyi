@@ -577,7 +577,7 @@ class ListModelsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("id", "created", "owned_by", "context_length", "source", "chat_formats", "task", "accepts_images", "max_n")
+    __slots__ = ("id", "created", "owned_by", "context_length", "source", "chat_formats", "task", "accepts_images", "max_n", "parent")
     ID_FIELD_NUMBER: _ClassVar[int]
     CREATED_FIELD_NUMBER: _ClassVar[int]
     OWNED_BY_FIELD_NUMBER: _ClassVar[int]
@@ -587,6 +587,7 @@ class ModelInfo(_message.Message):
     TASK_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_IMAGES_FIELD_NUMBER: _ClassVar[int]
     MAX_N_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
     id: str
     created: int
     owned_by: str
@@ -596,7 +597,8 @@ class ModelInfo(_message.Message):
     task: str
     accepts_images: bool
     max_n: int
-    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ..., context_length: _Optional[int] = ..., source: _Optional[str] = ..., chat_formats: _Optional[_Union[ChatFormats, _Mapping]] = ..., task: _Optional[str] = ..., accepts_images: _Optional[bool] = ..., max_n: _Optional[int] = ...) -> None: ...
+    parent: str
+    def __init__(self, id: _Optional[str] = ..., created: _Optional[int] = ..., owned_by: _Optional[str] = ..., context_length: _Optional[int] = ..., source: _Optional[str] = ..., chat_formats: _Optional[_Union[ChatFormats, _Mapping]] = ..., task: _Optional[str] = ..., accepts_images: _Optional[bool] = ..., max_n: _Optional[int] = ..., parent: _Optional[str] = ...) -> None: ...
 
 class ChatFormats(_message.Message):
     __slots__ = ("family", "tool_call_parser", "reasoning_parser", "thinking_switch")
@@ -617,3 +619,27 @@ class ListModelsResponse(_message.Message):
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     worker_id: str
     def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+
+class LoadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path", "base_model_name")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    BASE_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    base_model_name: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ..., base_model_name: _Optional[str] = ...) -> None: ...
+
+class UnloadLoraAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoraAdapterResponse(_message.Message):
+    __slots__ = ("lora_name", "worker_id")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    worker_id: str
+    def __init__(self, lora_name: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...

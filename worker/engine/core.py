@@ -314,7 +314,7 @@ class Engine:
         """The prompt's logprobs; a scoring-only request (max_tokens 0) ends here."""
         top_n = state.request.sampling.prompt_logprobs or 0
         try:
-            entries = self._runner.score(state.request.prompt_token_ids, top_n)
+            entries = self._runner.score(state.request.prompt_token_ids, top_n, state.request.lora)
         except Exception as exc:
             raise_if_device_failed(exc)
             log.exception("scoring the prompt of %s failed", state.key)

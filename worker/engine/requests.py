@@ -72,7 +72,12 @@ class RequestState:
                 i,
                 sampling,
                 SeqState(
-                    list(req.prefill_token_ids), prompt, longest, awaits_prompt=i > 0, images=req.images
+                    list(req.prefill_token_ids),
+                    prompt,
+                    longest,
+                    awaits_prompt=i > 0,
+                    images=req.images,
+                    lora=req.lora,
                 ),
             )
             for i, sampling in enumerate(prepared.samplings)

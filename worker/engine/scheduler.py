@@ -6,7 +6,7 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar, overload
@@ -15,7 +15,7 @@ from worker.engine.kv_blocks import BlockManager, SequenceBlocks
 from worker.engine.state_slots import Checkpoints, StateSlots
 from worker.errors import InvalidRequest, QueueFull
 from worker.model.step_inputs import Work, work_of
-from worker.types import PromptImage
+from worker.types import LoraHandle, PromptImage
 
 
 @dataclass(eq=False)
@@ -34,12 +34,17 @@ class SeqState:
     images: tuple[PromptImage, ...] = ()  # a vision-language prompt's images (their placeholder spans)
     state_slot: int = -1  # its slot of a hybrid model's state pool while it runs (-1: none)
     resume_from: int = -1  # the state checkpoint its attached prefix ends at, for its next work
+    lora: LoraHandle | None = None  # its request's LoRA adapter (None: the base model)
 
     @property
     def cache_keys(self) -> Tokens[int]:
         """What the prefix cache keys this sequence's blocks by: its tokens, with each image's
-        placeholders replaced by the image's key (so blocks of one image match only that image)."""
-        return _KeyedTokens(self.tokens, self.images) if self.images else self.tokens
+        placeholders replaced by the image's key (so blocks of one image match only that image),
+        and under a LoRA adapter the first token keyed with the adapter's load (so no prefix
+        computed under one adapter, or the base model, serves another)."""
+        if self.images or self.lora is not None:
+            return _KeyedTokens(self.tokens, self.images, None if self.lora is None else self.lora.uid)
+        return self.tokens
 
     def chunk(self, count: int) -> int:
         """``count`` prompt tokens from ``computed`` on, moved so the chunk never ends inside an image's
@@ -319,6 +324,8 @@ class Scheduler(Generic[T]):
             head = self.waiting[0]
             if len(head.sequences) + self.running_sequences > self.max_running:
                 break
+            if not adapters_fit(head, self.running):
+                break
             planned = len(plan.work)
             try:
                 budget, ok = self._start(head, budget, plan)
@@ -426,9 +433,10 @@ class Scheduler(Generic[T]):
 class _KeyedTokens(Tokens[int]):
     """A sequence's tokens as the prefix cache keys them (:attr:`SeqState.cache_keys`), read lazily."""
 
-    def __init__(self, tokens: list[int], images: tuple[PromptImage, ...]):
+    def __init__(self, tokens: list[int], images: tuple[PromptImage, ...], adapter: int | None = None):
         self._tokens = tokens
         self._images = images
+        self._adapter = adapter  # a LoRA adapter's uid: position 0 is keyed with it
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -437,6 +445,8 @@ class _KeyedTokens(Tokens[int]):
         for image in self._images:
             if image.start <= position < image.end:
                 return image.key
+        if position == 0 and self._adapter is not None:
+            return adapter_key(self._adapter, self._tokens[0])
         return self._tokens[position]
 
     @overload
@@ -447,6 +457,22 @@ class _KeyedTokens(Tokens[int]):
         if isinstance(index, slice):
             return [self._key(p) for p in range(*index.indices(len(self._tokens)))]
         return self._key(index if index >= 0 else index + len(self._tokens))
+
+
+def adapter_key(uid: int, token: int) -> int:
+    """A sequence's first prefix-cache key under LoRA adapter ``uid``: above every token id (below
+    2**32) and apart for each adapter, so its blocks chain apart from the base model's and others'."""
+    return (uid << 32) | token
+
+
+def adapters_fit(item: Schedulable, running: Iterable[Schedulable]) -> bool:
+    """Whether ``item`` can start beside ``running`` within ``--max-loras`` (each step computes
+    every running sequence, so the running set holds at most that many distinct adapters)."""
+    adapter = next((seq.lora for seq in item.sequences), None)
+    if adapter is None:
+        return True
+    held = {seq.lora.uid for other in running for seq in other.sequences if seq.lora is not None}
+    return adapter.uid in held or len(held) < adapter.max_active
 
 
 def _count_cached(item: Schedulable) -> None:

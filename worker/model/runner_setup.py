@@ -111,6 +111,8 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         batch_invariant=config.batch_invariant,
         max_sequences=limits.max_running,
     )
+    if config.enable_lora:  # before the warm-up and graph capture, which then hold the wrapped layers
+        runner.enable_lora(config.max_loras, config.max_lora_rank)
     if runner.states is not None:
         log.info(
             "memory: KV cache %.2f GiB, state cache %.1f MiB (%d slots and %d prefix checkpoints of "
