@@ -234,6 +234,12 @@ class Settings:
         "shared prompt prefix, unless the load is unbalanced; docs/operations.md) or "
         "least-outstanding (fewest calls in flight)",
     )
+    allow_runtime_lora: bool = setting(
+        False,
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies), applied "
+        "to every worker (started with --enable-lora); off: those routes are 404. Behind the API "
+        "keys like every route: give them to operators only (docs/operations.md)",
+    )
     migrate_streams: bool = setting(
         True,
         help="continue a stream on another worker when its worker dies mid-stream (same text for "

@@ -9,6 +9,7 @@ import asyncio
 import enum
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -234,6 +235,15 @@ class EngineCollector(Collector):
         )
         info.add_metric([str(s.kv_block_size), str(s.kv_blocks_total)], 1)
         yield info
+        if s.max_loras:
+            loras = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running and waiting LoRA adapters (value: the scrape's Unix time, as vLLM's).",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            running, waiting = ",".join(s.running_loras), ",".join(s.waiting_loras)
+            loras.add_metric([str(s.max_loras), running, waiting], time.time())
+            yield loras
 
 
 def render(

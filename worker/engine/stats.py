@@ -64,6 +64,11 @@ class EngineStats:
     graph_replays: int = 0  # decode steps replayed from a CUDA graph
     speculative_proposer: str | None = None  # --speculative's proposer; None: off
     state_cache_bytes: int = 0  # a hybrid model's state pool (worker/attention/state_pool.py)
+    # --enable-lora: the most adapters a step holds (0: off), and the adapters of the running and
+    # of the waiting requests, by name (vLLM's lora_requests_info).
+    max_loras: int = 0
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
 
     @classmethod
     def of(
@@ -88,6 +93,9 @@ class EngineStats:
             graph_replays=getattr(getattr(runner, "graphs", None), "replays", 0),
             speculative_proposer=proposer,
             state_cache_bytes=getattr(runner, "state_bytes", 0),
+            max_loras=getattr(getattr(runner, "lora", None), "max_loras", 0),
+            running_loras=_adapters(running),
+            waiting_loras=_adapters(scheduler.waiting),
             counters=replace(counters, time_to_first_token=counters.time_to_first_token.copy()),
         )
 
@@ -95,6 +103,11 @@ class EngineStats:
     def kv_cache_usage(self) -> float:
         """The fraction of the KV cache's blocks in use, 0..1 (0 when it has none)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+def _adapters(requests: Any) -> tuple[str, ...]:
+    """The names of the LoRA adapters ``requests`` use, sorted, each once."""
+    return tuple(sorted({seq.lora.name for r in requests for seq in r.sequences[:1] if seq.lora is not None}))
 
 
 class PublishedStats:

@@ -91,6 +91,18 @@ def test_vllm_names_are_what_the_endpoint_picker_reads():
     assert not any(name.startswith("sluice_") for name, _ in samples)
 
 
+def test_vllm_lora_requests_info_names_running_and_waiting_adapters():
+    from dataclasses import replace
+
+    assert not any(
+        name == "vllm:lora_requests_info" for name, _ in _samples(render(_stats(), "m", MetricNames.VLLM))
+    )
+    stats = replace(_stats(), max_loras=2, running_loras=("a", "b"), waiting_loras=("c",))
+    samples = _samples(render(stats, "m", MetricNames.VLLM))
+    labels = (("max_lora", "2"), ("running_lora_adapters", "a,b"), ("waiting_lora_adapters", "c"))
+    assert samples[("vllm:lora_requests_info", labels)] > 1.7e9  # the scrape's time, as vLLM's
+
+
 def test_both_gives_both_and_fake_workers_say_so():
     text = render(_stats(), "m", MetricNames.BOTH, fake_tokens=True)
     names = {name for name, _ in _samples(text)}

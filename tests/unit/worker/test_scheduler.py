@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.scheduler import Scheduler, SchedulingFailed, SeqState
+from worker.engine.stats import EngineCounters, EngineStats
 from worker.errors import InvalidRequest, QueueFull
 
 
@@ -372,6 +374,10 @@ def test_starts_wait_while_the_running_set_holds_max_loras_adapters():
     plan = run_step(s)  # two of adapter "one": --max-loras 1 holds "two" (and, FIFO, "d") back
     assert [i.request_id for i in plan.started] == ["a", "b"]
     assert {w.lora for w in plan.work} == {one}
+    stats = EngineStats.of(
+        s, SimpleNamespace(pool_bytes=0, lora=SimpleNamespace(max_loras=1)), None, EngineCounters()
+    )
+    assert (stats.max_loras, stats.running_loras, stats.waiting_loras) == (1, ("one",), ("two",))
     for request in list(s.running):
         s.finish(request.sequences[0])
         s.remove(request.request_id)
