@@ -31,6 +31,7 @@ LAZY_IMPORTS = {
     ("worker.__main__", "worker.server"),  # torch loads only once the ports are claimed
     ("worker.attention.triton_decode", "worker.attention.triton_decode_kernels"),  # needs triton
     ("worker.model.fused", "worker.model.fused_kernels"),  # needs triton
+    ("worker.lora.choice", "worker.lora.triton_ops"),  # needs triton
 }
 
 

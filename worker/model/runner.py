@@ -14,6 +14,7 @@ from worker.attention.decode_kernel import decode_kernel, kernel_problem
 from worker.attention.kv_pool import KVPool, KVShape, kv_shape
 from worker.attention.state_pool import StatePool
 from worker.device.staging import fence
+from worker.lora.choice import lora_ops
 from worker.lora.layers import LoraLayers
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
@@ -164,7 +165,7 @@ class ModelRunner:
     def enable_lora(self, max_loras: int, max_rank: int) -> LoraLayers:
         """Wraps the model's attention and MLP projections for LoRA adapters (worker/lora/): each
         step then adds its adapters' products, grouped by adapter, to their rows."""
-        self.lora = LoraLayers(self.model, max_loras, max_rank)
+        self.lora = LoraLayers(self.model, max_loras, max_rank, lora_ops(self.device))
         return self.lora
 
     def _execute_states(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
