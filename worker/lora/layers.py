@@ -18,9 +18,34 @@ from worker.lora.adapter import LoraWeights
 from worker.lora.ops import Group, LoraOps, grouped_torch
 from worker.types import LoraHandle
 
-# A decoder layer's projection: under ``...layers.<n>.`` and not an MoE expert or a vision tower's.
-_DECODER = re.compile(r"(^|\.)layers\.\d+\.")
-_SKIPPED = ("expert", "vision", "visual", "router")
+# A decoder layer's attention or MLP projection: ``…layers.<n>.<block>.<projection>`` with a block
+# and projection named as the transformers families name them; no MoE expert, no vision tower, no
+# recurrent mixer (called on groups of rows, which a step's plan does not describe).
+_DECODER = re.compile(r"(^|\.)layers\.\d+\.(self_attn|attn|attention|mlp|feed_forward)\.(\w+)$")
+_PROJECTIONS = frozenset(
+    [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "qkv_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "gate_up_proj",
+        "dense",
+        "query_key_value",
+        "fc1",
+        "fc2",
+        "c_attn",
+        "c_proj",
+        "c_fc",
+        "out_proj",
+        "wqkv",
+        "wo",
+    ]
+)
+_SKIPPED = ("expert", "vision", "visual")
 
 
 class LoraPlan:
@@ -49,6 +74,11 @@ class LoraLinear(torch.nn.Module):
             "lora_b", torch.zeros(slots, self.out_features, rank, dtype=dtype, device=device)
         )
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base layer's weight, for model code that reads its dtype or device."""
+        return cast(torch.Tensor, self.base.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         plan = self._owner[0].plan
@@ -63,7 +93,8 @@ class LoraLinear(torch.nn.Module):
 
 
 def _wrappable(name: str, module: torch.nn.Module) -> bool:
-    if not _DECODER.search(name) or any(word in name for word in _SKIPPED):
+    match = _DECODER.search(name)
+    if match is None or match.group(3) not in _PROJECTIONS or any(word in name for word in _SKIPPED):
         return False
     return isinstance(getattr(module, "in_features", None), int) and isinstance(
         getattr(module, "out_features", None), int

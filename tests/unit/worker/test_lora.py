@@ -260,3 +260,32 @@ def test_lora_modules_setting_forms():
     ]
     with pytest.raises(SystemExit):
         parse_config(["--enable-lora", "--lora-modules", "a"], {})
+
+
+def test_only_decoder_attention_and_mlp_projections_are_wrapped(float_serving):
+    from torch import nn
+
+    from worker.lora.layers import LoraLayers
+
+    _, _, engine = float_serving
+    assert sorted({name.rsplit(".", 1)[-1] for name in engine._runner.lora.targets}) == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
+    assert len(engine._runner.lora.targets) == 14  # two layers
+
+    def block(**children: nn.Module) -> nn.Module:
+        module = nn.Module()
+        for name, child in children.items():
+            setattr(module, name, child)
+        return module
+
+    layer = block(
+        self_attn=block(q_proj=nn.Linear(4, 4)),
+        linear_attn=block(out_proj=nn.Linear(4, 4)),  # a recurrent mixer's: called on groups of rows
+        mlp=block(experts=nn.ModuleList([block(up_proj=nn.Linear(4, 4))]), up_proj=nn.Linear(4, 8)),
+    )
+    model = block(model=block(layers=nn.ModuleList([layer]), lm_head=nn.Linear(4, 9)))
+    assert sorted(LoraLayers(model, 1, 2).targets) == [
+        "model.layers.0.mlp.up_proj",
+        "model.layers.0.self_attn.q_proj",
+    ]
