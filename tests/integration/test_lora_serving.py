@@ -8,6 +8,8 @@ problem; a request in flight finishes after its adapter is unloaded; vLLM's lora
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 from pathlib import Path
 
 import grpc
@@ -28,14 +30,18 @@ STEPS = 16
 @pytest.fixture(scope="module")
 def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("lora-adapters")
-    return {
+    folders = {
         "alpha": build_adapter(tiny_model_dir, root / "alpha", seed=11),
         "beta": build_adapter(tiny_model_dir, root / "beta", seed=12, rank=4, targets=("q_proj", "v_proj")),
         "gamma": build_adapter(
             tiny_model_dir, root / "gamma", seed=13, targets=("o_proj", "up_proj", "down_proj")
         ),
-        "wide": build_adapter(tiny_model_dir, root / "wide", seed=14, rank=16),
     }
+    # Above --max-lora-rank 8: alpha's folder, its config saying rank 16 (refused before its weights' shapes).
+    folders["wide"] = Path(shutil.copytree(folders["alpha"], root / "wide"))
+    config = json.loads((folders["wide"] / "adapter_config.json").read_text())
+    (folders["wide"] / "adapter_config.json").write_text(json.dumps({**config, "r": 16}))
+    return folders
 
 
 @pytest.fixture(scope="module")
