@@ -90,8 +90,9 @@ def test_a_kernel_that_touches_base_rows_or_differs_is_refused() -> None:
 
 
 @pytest.mark.skipif(not ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
-def test_the_kernels_compile_for_h100() -> None:
+def test_the_kernels_compile_for_h100(monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiles (no launch) both kernels for bf16 activations and adapters on an H100."""
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
