@@ -14,6 +14,7 @@ from quart.wrappers import Response
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from edge.auth import ApiKeyCheck
+from edge.background import BackgroundTasks
 from edge.concurrency import ConcurrencyLimiter, ReleaseSlots
 from edge.cors import Cors
 from edge.drain import Drain
@@ -38,11 +39,14 @@ from edge.metrics import EdgeMetrics
 from edge.routes import register_routes
 from edge.settings import Settings
 from edge.state import EdgeApp, EdgeState
+from edge.store.opening import StoreHandle
 from edge.streaming.connections import ClientConnections
 from edge.workers.pool import WorkerPool
 from sluice.heap import freeze_startup_heap
 
 log = logging.getLogger("sluice.edge")
+# Seconds between two purges of the state store (at most --state-ttl).
+PURGE_INTERVAL_S = 300.0
 
 
 def create_app(settings: Settings) -> EdgeApp:
@@ -70,19 +74,30 @@ def create_app(settings: Settings) -> EdgeApp:
         drain=Drain(),
         limiter=limiter,
         connections=connections,
+        store=StoreHandle(settings.state_dir, settings.state_url, settings.retention),
+        background=BackgroundTasks(),
     )
 
     @app.before_serving
     async def open_pool() -> None:
         # Channels, DNS discovery and the health-check loop start here; close() stops them.
         app.sluice.pool.open()
+        await app.sluice.store.get()  # migrated and purged before the first request
         freeze_startup_heap(log, "edge")
         dns = [f"DNS {settings.worker_dns}"] if settings.worker_dns else []
         log.info("edge ready for workers %s", ", ".join([*settings.workers, *dns]))
 
     @app.after_serving
     async def close_pool() -> None:
+        await app.sluice.background.close()
+        await app.sluice.store.close()
         await app.sluice.pool.close()
+
+    @app.while_serving
+    async def purge_store() -> AsyncGenerator[None, None]:
+        task = asyncio.create_task(_purge_loop(app.sluice))
+        yield
+        task.cancel()
 
     if metrics.multiprocess:
         # A scrape reaches one process: the others keep their live gauges fresh themselves.
@@ -145,6 +160,17 @@ async def _refresh_loop(state: EdgeState) -> None:
         except Exception:  # a metrics hiccup must not end the loop
             log.exception("refreshing the live metrics failed")
         await asyncio.sleep(state.settings.health_interval_s)
+
+
+async def _purge_loop(state: EdgeState) -> None:
+    """Deletes expired responses (and the oldest over the size limit) every few minutes."""
+    interval = min(PURGE_INTERVAL_S, state.settings.state_ttl_s)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await (await state.store.get()).purge()
+        except Exception:  # a database hiccup must not end the loop
+            log.exception("purging the state store failed")
 
 
 def _from_http_exception(error: HTTPException) -> EdgeError:

@@ -14,6 +14,8 @@ from typing import Any
 from edge.cors import parse_origins
 from edge.event_loop import EVENT_LOOPS, uvloop_available
 from edge.requests.limits import RequestLimits
+from edge.store.opening import POSTGRES_SCHEMES
+from edge.store.responses import Retention
 from edge.workers.addresses import split_host_port
 from edge.workers.routing import RoutingPolicy
 from sluice.limits import MAX_N, MAX_TOP_LOGPROBS
@@ -256,6 +258,32 @@ class Settings:
         "* allows any origin, without credentials; none by default",
         shown_default="none",
     )
+    state_dir: str | None = setting(
+        None,
+        optional_text,
+        'folder of the embedded SQLite state store (stored Responses; docs/operations.md, "State"), '
+        "created if missing; unused with --state-url",
+        shown_default="$XDG_STATE_HOME/sluice (~/.local/state/sluice)",
+    )
+    # Never in repr or an error message: the URL may hold a password.
+    state_url: str | None = setting(
+        None,
+        optional_text,
+        "postgresql://user:password@host:port/database: the state store in PostgreSQL instead, shared "
+        "by several edge processes and hosts",
+        secret=True,
+    )
+    state_ttl_s: float = setting(
+        30 * 24 * 3600.0,
+        _POSITIVE,
+        "seconds a stored response is kept after its creation (30 days, as OpenAI)",
+        flag="state-ttl",
+    )
+    state_max_bytes: int = setting(
+        1024**3,
+        int_at_least(0),
+        "most bytes all stored responses may hold; above it the oldest are deleted first (0 = no limit)",
+    )
 
     def __post_init__(self) -> None:
         if not self.workers and not self.worker_dns:
@@ -329,6 +357,12 @@ class Settings:
             raise ValueError(
                 f"max_concurrent_per_key: must be >= 0 (0 = off), got {self.max_concurrent_per_key}"
             )
+        if self.state_url is not None and not self.state_url.startswith(POSTGRES_SCHEMES):
+            raise ValueError("state_url: must start with postgresql:// (the URL is not shown)")
+        if not math.isfinite(self.state_ttl_s) or self.state_ttl_s <= 0:
+            raise ValueError(f"state_ttl_s: must be a positive number of seconds, got {self.state_ttl_s}")
+        if self.state_max_bytes < 0:
+            raise ValueError(f"state_max_bytes: must be >= 0 (0 = no limit), got {self.state_max_bytes}")
         try:
             _ = self.limits  # building them validates them
         except ValueError as error:
@@ -349,6 +383,11 @@ class Settings:
             max_image_bytes=self.max_image_bytes,
             allow_image_urls=self.allow_image_urls,
         )
+
+    @property
+    def retention(self) -> Retention:
+        """How long and how much the state store keeps."""
+        return Retention(ttl_s=self.state_ttl_s, max_bytes=self.state_max_bytes)
 
     @property
     def process_count(self) -> int:

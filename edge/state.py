@@ -12,10 +12,12 @@ from typing import TYPE_CHECKING
 from quart import Quart, current_app, g
 
 if TYPE_CHECKING:
+    from edge.background import BackgroundTasks
     from edge.concurrency import ConcurrencyLimiter
     from edge.drain import Drain
     from edge.metrics import EdgeMetrics
     from edge.settings import Settings
+    from edge.store.opening import StoreHandle
     from edge.streaming.connections import ClientConnections
     from edge.workers.pool import WorkerPool
 
@@ -32,6 +34,8 @@ class EdgeState:
     drain: Drain
     limiter: ConcurrencyLimiter
     connections: ClientConnections
+    store: StoreHandle
+    background: BackgroundTasks
 
 
 class EdgeApp(Quart):
