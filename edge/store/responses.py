@@ -101,13 +101,20 @@ class ResponseStore:
         return changed > 0
 
     async def finish(self, record: StoredResponse) -> bool:
-        """Writes a running response's final state; False when it is no longer running (cancelled,
-        deleted or expired meanwhile), and then nothing changes."""
+        """Writes a running response's new state (final, or ``in_progress`` with its lease); False
+        when it is no longer running (cancelled, deleted or expired meanwhile): nothing changes."""
         response, _, conversation = record._json()
         changed = await self.database.execute(
             "UPDATE responses SET status = ?, response = ?, conversation = ?, size_bytes = ?, "
-            f"lease_until = 0 WHERE id = ? AND status IN {_RUNNING_SQL}",
-            (record.status, response.decode(), conversation.decode(), record.size(), record.id),
+            f"lease_until = ? WHERE id = ? AND status IN {_RUNNING_SQL}",
+            (
+                record.status,
+                response.decode(),
+                conversation.decode(),
+                record.size(),
+                record.lease_until,
+                record.id,
+            ),
         )
         return changed > 0
 
