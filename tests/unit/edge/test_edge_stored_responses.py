@@ -1,16 +1,23 @@
-"""Stored Responses' pure parts: a continuation's prompt, what a record keeps, the input-item pages,
-the owner id of an API key, and the background registry."""
+"""Stored Responses' parts: a continuation's prompt, what a record keeps, the input-item pages, the
+owner id of an API key, the background registry; background runs in in-process edges in front of
+a fake worker (an edge stopping with a run in flight, a cancel through another edge)."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
+from edge_fakes import FakeWorker, Hang, run, running_edge, running_worker, started, wait_for
 
-from edge.auth import ApiKeyCheck, key_id
+from edge.auth import ANONYMOUS, ApiKeyCheck, key_id
 from edge.background import BackgroundTasks
 from edge.errors import InvalidRequestError
+from edge.store.opening import open_store
+from edge.store.responses import Retention, StoredResponse
+from edge.surfaces.responses import background
 from edge.surfaces.responses.request import build_responses_request, validate_responses_request
 from edge.surfaces.responses.route import _page
 from edge.surfaces.responses.stored import numbered, record_of, replayable
@@ -147,3 +154,58 @@ def test_background_tasks_are_cancelled_at_close_and_run_their_cleanup() -> None
 
     asyncio.run(scenario())
     assert sorted(cleaned) == ["a", "b"]
+
+
+# ------------------------------------------------ background runs, in-process edges and fake workers
+
+BACKGROUND = {"model": "SmolLM2-135M-Instruct", "input": "Hi", "background": True}
+
+
+def test_a_background_response_ends_failed_when_its_edge_stops(tmp_path: Path) -> None:
+    fake = FakeWorker(script=[started(), Hang()])
+
+    async def scenario() -> StoredResponse | None:
+        async with running_worker(fake) as address:
+            async with (
+                running_edge([address], state_dir=str(tmp_path)) as base,
+                httpx.AsyncClient() as client,
+            ):
+                job = (await client.post(f"{base}/v1/responses", json=BACKGROUND)).json()
+                assert job["status"] == "queued" and job["background"] is True
+                await wait_for(lambda: fake.calls_started == 1)
+                got = (await client.get(f"{base}/v1/responses/{job['id']}")).json()
+                assert got["status"] == "in_progress"
+            # The edge stopped with the run in flight: its worker call was cancelled.
+            await asyncio.wait_for(fake.cancelled.wait(), 10)
+        store = await open_store(str(tmp_path), None, Retention(3600.0, 0))
+        try:
+            return await store.get(job["id"], ANONYMOUS)
+        finally:
+            await store.database.close()
+
+    record = run(scenario())
+    assert record is not None and record.status == "failed" and not record.abandoned
+    assert record.response["status"] == "failed" and record.response["error"]["message"]
+
+
+def test_a_cancel_through_another_edge_stops_the_run_at_its_next_renewal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(background, "RENEW_S", 0.05)
+    fake = FakeWorker(script=[started(), Hang()])
+
+    async def scenario() -> dict[str, Any]:
+        async with (
+            running_worker(fake) as address,
+            running_edge([address], state_dir=str(tmp_path)) as runner,
+            running_edge([address], state_dir=str(tmp_path)) as other,
+            httpx.AsyncClient() as client,
+        ):
+            job = (await client.post(f"{runner}/v1/responses", json=BACKGROUND)).json()
+            await wait_for(lambda: fake.calls_started == 1)
+            cancelled = (await client.post(f"{other}/v1/responses/{job['id']}/cancel")).json()
+            assert cancelled["status"] == "cancelled"
+            await asyncio.wait_for(fake.cancelled.wait(), 10)  # the runner's edge stopped its call
+            return dict((await client.get(f"{runner}/v1/responses/{job['id']}")).json())
+
+    assert run(scenario())["status"] == "cancelled"
