@@ -34,8 +34,9 @@ from edge.http import (
     refuse_unknown_fields,
     use_request_limits,
 )
-from edge.logs import bind_request_id, log_request
+from edge.logs import begin_request_log, bind_request_id, end_request_log, log_record, log_request
 from edge.metrics import EdgeMetrics
+from edge.request_log import RequestLogger
 from edge.routes import register_routes
 from edge.settings import Settings
 from edge.state import EdgeApp, EdgeState
@@ -76,6 +77,7 @@ def create_app(settings: Settings) -> EdgeApp:
         connections=connections,
         store=StoreHandle(settings.state_dir, settings.state_url, settings.retention),
         background=BackgroundTasks(),
+        request_log=RequestLogger(settings.log_request_text) if settings.log_requests else None,
     )
 
     @app.before_serving
@@ -109,6 +111,8 @@ def create_app(settings: Settings) -> EdgeApp:
 
     app.before_request(assign_request_id)
     app.before_request(bind_request_id)
+    if settings.log_requests:
+        app.before_request(begin_request_log)
     app.before_request(use_request_limits)
     cors = Cors(settings.allowed_origins)
     if cors.enabled:
@@ -124,6 +128,8 @@ def create_app(settings: Settings) -> EdgeApp:
         app.before_request(limiter.before_request)
     app.after_request(metrics.after_request)
     app.after_request(log_request)
+    if settings.log_requests:
+        app.after_request(end_request_log)
 
     @app.after_request
     async def add_request_id(response: Response) -> Response:
@@ -132,6 +138,9 @@ def create_app(settings: Settings) -> EdgeApp:
 
     @app.errorhandler(EdgeError)
     async def handle_edge_error(error: EdgeError) -> Response:
+        record = log_record()
+        if record is not None:
+            record.error = str(error.code or error.type)
         return error_response(error)
 
     @app.errorhandler(HTTPException)

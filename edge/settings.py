@@ -174,6 +174,16 @@ class Settings:
         None, optional_text, "file with one API key per line (added to --api-keys)"
     )
     log_format: str = setting("text", text, "text or json: one JSON object per line")
+    log_requests: bool = setting(
+        False,
+        help="one JSON line per API request on stderr: ids, the API key's id (never the key), model, "
+        'token counts, timings, finish reasons (docs/observability.md, "Request logs")',
+    )
+    log_request_text: int = setting(
+        0,
+        int_at_least(0),
+        "with --log-requests: the first N characters of each prompt and output in its line (0 = none)",
+    )
     max_concurrent_per_key: int = setting(
         0,
         int_at_least(0),
@@ -357,6 +367,10 @@ class Settings:
             raise ValueError(
                 f"max_concurrent_per_key: must be >= 0 (0 = off), got {self.max_concurrent_per_key}"
             )
+        if self.log_request_text < 0:
+            raise ValueError(f"log_request_text: must be >= 0, got {self.log_request_text}")
+        if self.log_request_text and not self.log_requests:
+            raise ValueError("log_request_text: needs --log-requests")
         if self.state_url is not None and not self.state_url.startswith(POSTGRES_SCHEMES):
             raise ValueError("state_url: must start with postgresql:// (the URL is not shown)")
         if not math.isfinite(self.state_ttl_s) or self.state_ttl_s <= 0:

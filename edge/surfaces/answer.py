@@ -15,6 +15,8 @@ from quart.wrappers import Response
 
 from edge.errors import EdgeError
 from edge.http import current_request_id, json_response
+from edge.logs import log_record
+from edge.request_log import RequestRecord
 from edge.state import current_state
 from edge.streaming import sse
 from edge.streaming.pump import StreamFraming
@@ -98,9 +100,14 @@ async def answer(
     on_result: OnResult | None = None,
 ) -> Response:
     """The answer of an opened ``group``: one JSON body (:meth:`Translator.result`) or the stream."""
+    record = log_record()
+    if record is not None:
+        translator = _Logged(translator, record)
     if not stream:
         await collect(group, translator.add)
         result = translator.result()
+        if record is not None:
+            record.response_id = result.get("id")
         if on_result is not None:
             await on_result(result)
         return json_response(result, headers=headers)
@@ -108,6 +115,45 @@ async def answer(
     if on_result is not None:
         finish = _finish_then(translator, on_result)
     return sse_response(group, translator.on_event, finish, headers, framing=framing.for_stream(translator))
+
+
+@dataclass
+class _Logged:
+    """A translator whose events also fill the request's log record (``--log-requests``)."""
+
+    inner: Translator
+    record: RequestRecord
+
+    def on_event(self, call: int, event: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        self.record.on_event(call, event)
+        chunks = self.inner.on_event(call, event)
+        if self.record.response_id is None and chunks:
+            self.record.response_id = _answer_id(chunks[0])
+        return chunks
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self.inner.finish()
+
+    def on_error(self, error: EdgeError) -> list[dict[str, Any]]:
+        return self.inner.on_error(error)
+
+    def add(self, call: int, event: worker_pb2.GenerateResponse) -> None:
+        self.record.on_event(call, event)
+        self.inner.add(call, event)
+
+    def result(self) -> dict[str, Any]:
+        return self.inner.result()
+
+
+def _answer_id(chunk: Any) -> str | None:
+    """The answer's id in a surface's first stream event (a chat chunk's ``id``, the Response's
+    or the Anthropic message's inside its first event)."""
+    if not isinstance(chunk, dict):
+        return None
+    for holder in (chunk, chunk.get("response"), chunk.get("message")):
+        if isinstance(holder, dict) and isinstance(holder.get("id"), str):
+            return str(holder["id"])
+    return None
 
 
 def _finish_then(translator: Translator, on_result: OnResult) -> Callable[[], list[dict[str, Any]]]:
@@ -137,6 +183,9 @@ async def generate(
     """Opens the calls (:func:`~edge.surfaces.generation.open_calls`), builds the translator for
     the model that answers (the worker's name for it, else ``model``) and answers; a failure or
     cancellation before the answer is committed cancels every call."""
+    record = log_record()
+    if record is not None:
+        record.on_requests(requests)
     group = await open_calls(requests, metadata, load_events=load_events)
     try:
         built = translator(group.started(0).model or model)
