@@ -73,7 +73,7 @@ def bob(edge: EdgeProcess) -> openai.OpenAI:
 
 def test_a_stored_response_is_retrieved_listed_and_deleted(alice: openai.OpenAI) -> None:
     created = alice.responses.create(model=MODEL, input="Name a color.", temperature=0, max_output_tokens=4)
-    assert created.store is True and created.status == "incomplete"
+    assert created.store is True and created.status in ("completed", "incomplete")
     got = alice.responses.retrieve(created.id)
     assert got.model_dump() == created.model_dump()
     items = alice.responses.input_items.list(created.id).data
@@ -93,7 +93,7 @@ def test_a_stored_response_is_retrieved_listed_and_deleted(alice: openai.OpenAI)
 
     events = list(alice.responses.create(model=MODEL, input="Hi", max_output_tokens=2, stream=True))
     last = events[-1]
-    assert last.type == "response.incomplete"
+    assert last.type in ("response.completed", "response.incomplete")
     # A stream is stored as its last events are made: a read right after may come a moment early.
     stored = poll(
         lambda: _retrieved(alice, last.response.id), lambda r: r is not None, "the stream is stored", 30
@@ -131,7 +131,13 @@ def test_a_continuation_sends_the_earlier_turn_and_the_prefix_cache_serves_it(al
 
 
 def test_a_background_response_answers_at_once_and_is_polled_to_its_end(alice: openai.OpenAI) -> None:
-    job = alice.responses.create(model=MODEL, input="Name a color.", background=True, max_output_tokens=6)
+    job = alice.responses.create(
+        model=MODEL,
+        input="Name a color.",
+        background=True,
+        max_output_tokens=6,
+        extra_body={"ignore_eos": True},
+    )
     assert job.status == "queued" and job.background is True and job.output == []
     done = poll(
         lambda: alice.responses.retrieve(job.id),
@@ -144,7 +150,7 @@ def test_a_background_response_answers_at_once_and_is_polled_to_its_end(alice: o
     follow = alice.responses.create(
         model=MODEL, input="Another?", previous_response_id=job.id, max_output_tokens=2
     )
-    assert follow.status == "incomplete"
+    assert follow.status in ("completed", "incomplete") and follow.previous_response_id == job.id
 
 
 def test_a_cancelled_background_response_stops_its_worker_call(
