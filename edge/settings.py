@@ -14,6 +14,8 @@ from typing import Any
 from edge.cors import parse_origins
 from edge.event_loop import EVENT_LOOPS, uvloop_available
 from edge.requests.limits import RequestLimits
+from edge.store.opening import POSTGRES_SCHEMES
+from edge.store.responses import Retention
 from edge.workers.addresses import split_host_port
 from edge.workers.routing import RoutingPolicy
 from sluice.limits import MAX_N, MAX_TOP_LOGPROBS
@@ -172,6 +174,16 @@ class Settings:
         None, optional_text, "file with one API key per line (added to --api-keys)"
     )
     log_format: str = setting("text", text, "text or json: one JSON object per line")
+    log_requests: bool = setting(
+        False,
+        help="one JSON line per API request on stderr: ids, the API key's id (never the key), model, "
+        'token counts, timings, finish reasons (docs/observability.md, "Request logs")',
+    )
+    log_request_text: int = setting(
+        0,
+        int_at_least(0),
+        "with --log-requests: the first N characters of each prompt and output in its line (0 = none)",
+    )
     max_concurrent_per_key: int = setting(
         0,
         int_at_least(0),
@@ -262,6 +274,32 @@ class Settings:
         "* allows any origin, without credentials; none by default",
         shown_default="none",
     )
+    state_dir: str | None = setting(
+        None,
+        optional_text,
+        'folder of the embedded SQLite state store (stored Responses; docs/operations.md, "State"), '
+        "created if missing; unused with --state-url",
+        shown_default="$XDG_STATE_HOME/sluice (~/.local/state/sluice)",
+    )
+    # Never in repr or an error message: the URL may hold a password.
+    state_url: str | None = setting(
+        None,
+        optional_text,
+        "postgresql://user:password@host:port/database: the state store in PostgreSQL instead, shared "
+        "by several edge processes and hosts",
+        secret=True,
+    )
+    state_ttl_s: float = setting(
+        30 * 24 * 3600.0,
+        _POSITIVE,
+        "seconds a stored response is kept after its creation (30 days, as OpenAI)",
+        flag="state-ttl",
+    )
+    state_max_bytes: int = setting(
+        1024**3,
+        int_at_least(0),
+        "most bytes all stored responses may hold; above it the oldest are deleted first (0 = no limit)",
+    )
 
     def __post_init__(self) -> None:
         if not self.workers and not self.worker_dns:
@@ -335,6 +373,16 @@ class Settings:
             raise ValueError(
                 f"max_concurrent_per_key: must be >= 0 (0 = off), got {self.max_concurrent_per_key}"
             )
+        if self.log_request_text < 0:
+            raise ValueError(f"log_request_text: must be >= 0, got {self.log_request_text}")
+        if self.log_request_text and not self.log_requests:
+            raise ValueError("log_request_text: needs --log-requests")
+        if self.state_url is not None and not self.state_url.startswith(POSTGRES_SCHEMES):
+            raise ValueError("state_url: must start with postgresql:// (the URL is not shown)")
+        if not math.isfinite(self.state_ttl_s) or self.state_ttl_s <= 0:
+            raise ValueError(f"state_ttl_s: must be a positive number of seconds, got {self.state_ttl_s}")
+        if self.state_max_bytes < 0:
+            raise ValueError(f"state_max_bytes: must be >= 0 (0 = no limit), got {self.state_max_bytes}")
         try:
             _ = self.limits  # building them validates them
         except ValueError as error:
@@ -355,6 +403,11 @@ class Settings:
             max_image_bytes=self.max_image_bytes,
             allow_image_urls=self.allow_image_urls,
         )
+
+    @property
+    def retention(self) -> Retention:
+        """How long and how much the state store keeps."""
+        return Retention(ttl_s=self.state_ttl_s, max_bytes=self.state_max_bytes)
 
     @property
     def process_count(self) -> int:

@@ -19,7 +19,7 @@ from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER, EventGuard, requ
 from edge.drain import shutting_down_error
 from edge.http import current_request_id, worker_header
 from edge.requests.validation import bad
-from edge.state import current_request, current_state
+from edge.state import EdgeState, RequestState, current_request, current_state
 from edge.streaming.connections import scope_chunked_body, scope_transport
 from edge.streaming.pump import Finish, OnEvent, PumpClock, StreamFraming, StreamPump
 from edge.workers.call_group import CallGroup
@@ -130,6 +130,16 @@ async def collect(group: CallGroup, add: Callable[[int, worker_pb2.GenerateRespo
             add(call, event)
 
 
+def _stream_logged(state: EdgeState, request_state: RequestState | None) -> Callable[[str], None] | None:
+    """With ``--log-requests``: writes the request's line when its stream ends."""
+    logger = state.request_log
+    record = request_state.log if request_state is not None else None
+    if logger is None or record is None:
+        return None
+    record.stream = True
+    return lambda outcome: logger.write(record, outcome)
+
+
 def sse_response(
     group: CallGroup,
     on_event: OnEvent,
@@ -168,6 +178,7 @@ def sse_response(
         started_at=request_state.started_at if request_state is not None else time.monotonic(),
         transport=scope_transport(request.scope),
         body=scope_chunked_body(request.scope),
+        on_close=_stream_logged(state, request_state),
     )
     headers = {
         **headers,

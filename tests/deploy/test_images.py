@@ -224,7 +224,7 @@ _OPTIONAL_IMPORTS = {"grpc_tools", "grpc_reflection"}
 
 
 def _closure(requirements: list[Requirement]) -> set[str]:
-    """The distributions these requirements install, following installed metadata."""
+    """The distributions these requirements install (with their extras), following installed metadata."""
     seen: set[str] = set()
     pending = list(requirements)
     while pending:
@@ -233,9 +233,10 @@ def _closure(requirements: list[Requirement]) -> set[str]:
         if name in seen:
             continue
         seen.add(name)
+        extras = requirement.extras or {""}  # psycopg[binary]: what its "binary" extra installs too
         for line in importlib.metadata.requires(requirement.name) or []:
             sub = Requirement(line)
-            if sub.marker is None or sub.marker.evaluate({"extra": ""}):
+            if sub.marker is None or any(sub.marker.evaluate({"extra": extra}) for extra in extras):
                 pending.append(sub)
     return seen
 
