@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sluice.prometheus import Histogram
+from worker.engine.class_stats import ClassStats
 from worker.engine.scheduler import Scheduler
 from worker.types import FastPath
 
@@ -64,6 +65,7 @@ class EngineStats:
     graph_replays: int = 0  # decode steps replayed from a CUDA graph
     speculative_proposer: str | None = None  # --speculative's proposer; None: off
     state_cache_bytes: int = 0  # a hybrid model's state pool (worker/attention/state_pool.py)
+    classes: ClassStats = field(default_factory=ClassStats)  # by priority and tenant (the policy's)
 
     @classmethod
     def of(
@@ -89,6 +91,7 @@ class EngineStats:
             speculative_proposer=proposer,
             state_cache_bytes=getattr(runner, "state_bytes", 0),
             counters=replace(counters, time_to_first_token=counters.time_to_first_token.copy()),
+            classes=scheduler.policy.stats.copy(),
         )
 
     @property

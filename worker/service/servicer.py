@@ -219,7 +219,9 @@ class WorkerService(pb_grpc.WorkerServicer):
             if loading and self.serving is not None:
                 arrival = time.monotonic()  # queue time starts once the model is there
             serving = self._require_serving()
-            parsed = parse_request(request, serving.loaded.model_id)
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            parsed = parse_request(request, serving.loaded.model_id, deadline)
             engine = serving.generator  # first: a pooling worker refuses naming its task
             prepared = await self._in_thread(_prepare, serving, parsed, request_id, arrival)
             stream = await engine.queue(prepared.work)
@@ -415,6 +417,7 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         grammar=grammar,
         resumed_token_ids=parsed.resumed_token_ids,
         images=images,
+        scheduling=parsed.scheduling,
     )
     return _PreparedCall(serving.generator.prepare(request), prompt_ids, prompt_text)
 
