@@ -36,7 +36,7 @@ from edge.http import (
 from edge.logs import bind_request_id, log_request
 from edge.metrics import EdgeMetrics
 from edge.routes import register_routes
-from edge.settings import Settings
+from edge.settings import Settings, api_key_tenants
 from edge.state import EdgeApp, EdgeState
 from edge.streaming.connections import ClientConnections
 from edge.workers.pool import WorkerPool
@@ -102,7 +102,7 @@ def create_app(settings: Settings) -> EdgeApp:
         app.after_request(cors.mark)
     if settings.strict_fields:
         app.before_request(refuse_unknown_fields)
-    api_keys = ApiKeyCheck(settings.api_keys)
+    api_keys = ApiKeyCheck(settings.api_keys, api_key_tenants(settings.api_keys_file))
     if api_keys.enabled:
         app.before_request(api_keys.before_request)
     if limiter.enabled:

@@ -7,7 +7,7 @@ Design notes: docs/edge-internals.md.
 from __future__ import annotations
 
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from quart import g, request
 
@@ -22,10 +22,13 @@ _WRONG = "Incorrect API key provided."
 
 
 class ApiKeyCheck:
-    """Checks bearer tokens against a fixed set of keys."""
+    """Checks bearer tokens against a fixed set of keys, and knows each key's tenant."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
+    def __init__(self, keys: Iterable[str], tenants: Mapping[str, str] | None = None) -> None:
+        """``tenants``: key -> tenant; a key without one is its own tenant, ``key#N`` (its position)."""
+        keys = tuple(keys)
         self._keys = tuple(key.encode("utf-8") for key in keys)
+        self._tenants = tuple((tenants or {}).get(key) or f"key#{index}" for index, key in enumerate(keys))
 
     @property
     def enabled(self) -> bool:
@@ -72,6 +75,14 @@ class ApiKeyCheck:
         )
         if index is not None:
             g.api_key_index = index
+            g.api_key_tenant = self._tenants[index]
+
+
+def caller_tenant() -> str:
+    """The tenant a request counts against on the workers, inside a request context: its API key's
+    (set by the check, never by the caller); empty without API keys (everyone shares one)."""
+    tenant: str = g.get("api_key_tenant", "")
+    return tenant
 
 
 def caller_identity() -> str:
