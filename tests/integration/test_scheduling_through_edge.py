@@ -3,7 +3,8 @@ slots, ``--scheduling-policy fair``, two tenants from the edge's ``--api-keys-fi
 request behind 16 queued priority-5 ones of its tenant gets its first token in under a quarter of
 the time an equal-priority one (first come, first served) takes; a tenant's 4 short requests behind
 another tenant's flood of 16 long ones see a mean time to first token at most 3x their time alone,
-and the flood completes. Queues are observed on the worker's metrics before each measured request."""
+and the flood completes; equal priorities start by the deadline their time limit gives. Queues are
+observed on the worker's metrics before each measured request."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.processes import EdgeProcess, WorkerProcess
 pytestmark = pytest.mark.integration
 
 SLOTS = 4
+firsts: list[tuple[float, int | None]] = []  # when each request's first token came, with its timeout
 MODEL = "SmolLM2-135M-Instruct"  # the fake worker names the default model
 KEYS = {"team-a": "sk-team-a", "team-b": "sk-team-b"}
 
@@ -39,9 +41,10 @@ def fleet(model_cache, tmp_path_factory) -> Iterator[tuple[WorkerProcess, EdgePr
 
 
 async def first_token_and_end(
-    client: httpx.AsyncClient, tenant: str, max_tokens: int, priority: int = 0
+    client: httpx.AsyncClient, tenant: str, max_tokens: int, priority: int = 0, time_limit: int | None = None
 ) -> tuple[float, int]:
-    """Streams one completion: seconds to its first token, and its completion tokens."""
+    """Streams one completion (``time_limit``: its X-Sluice-Timeout): seconds to its first token, and
+    its completion tokens."""
     body = {
         "model": MODEL,
         "prompt": "Tell me about the town.",
@@ -53,6 +56,8 @@ async def first_token_and_end(
     }
     began, first, tokens = time.monotonic(), None, 0
     headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+    if time_limit is not None:
+        headers["X-Sluice-Timeout"] = str(time_limit)
     async with client.stream("POST", "/v1/completions", json=body, headers=headers) as response:
         assert response.status_code == 200, await response.aread()
         async for line in response.aiter_lines():
@@ -61,6 +66,7 @@ async def first_token_and_end(
             if '"completion_tokens":' in line:
                 tokens = int(line.split('"completion_tokens":')[1].split(",")[0].split("}")[0])
     assert first is not None
+    firsts.append((first + began, time_limit))
     return first, tokens
 
 
@@ -130,3 +136,26 @@ def test_a_tenants_short_requests_are_not_queued_behind_another_tenants_flood(fl
     assert (
         after["sluice_worker_preemptions_by_cause_total"] > before["sluice_worker_preemptions_by_cause_total"]
     )
+
+
+async def by_deadline(worker: WorkerProcess, edge: EdgeProcess) -> list[int | None]:
+    """The timeouts of two queued equal-priority requests, in the order their first tokens came."""
+    async with httpx.AsyncClient(base_url=edge.base_url, timeout=120) as client:
+        await queue_reaches(worker, 0, 0)
+        # Slots free 16 steps apart, so the two queued requests start one at a time.
+        running = [
+            asyncio.create_task(first_token_and_end(client, "team-a", 48 + 16 * i)) for i in range(SLOTS)
+        ]
+        await queue_reaches(worker, SLOTS, 0)
+        late = asyncio.create_task(first_token_and_end(client, "team-a", 2, time_limit=600))
+        await queue_reaches(worker, SLOTS, 1)
+        soon = asyncio.create_task(first_token_and_end(client, "team-a", 2, time_limit=60))
+        await queue_reaches(worker, SLOTS, 2)
+        firsts.clear()
+        await asyncio.gather(late, soon, *running)
+    return [timeout for _, timeout in sorted(firsts) if timeout is not None]
+
+
+def test_equal_priorities_start_earliest_deadline_first(fleet):
+    worker, edge = fleet
+    assert asyncio.run(by_deadline(worker, edge)) == [60, 600]
