@@ -52,7 +52,7 @@ _COUNTERS = (
     ),
     (
         "sluice_worker_preemptions",
-        "requests sent back to the queue for KV blocks (recomputed later)",
+        "requests sent back to the queue (recomputed later): KV blocks ran out, or the scheduling policy",
         "preemptions",
     ),
     ("sluice_worker_steps", "engine steps run", "steps"),

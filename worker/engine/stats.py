@@ -35,7 +35,7 @@ class EngineCounters:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    preemptions: int = 0  # requests sent back to the queue for blocks (recomputed later)
+    preemptions: int = 0  # requests sent back to the queue (recomputed later): blocks, or the policy
     steps: int = 0
     decode_only_steps: int = 0  # steps whose every row decodes one token (CUDA: replayed from a graph)
     speculative_proposed_tokens: int = 0  # proposals verified (--speculative)
