@@ -38,9 +38,9 @@ def item(name: str, prompt: int = 5, *, max_tokens: int = 8, **scheduling) -> It
     )
 
 
-def scheduler(policy: str, clock: Clock | None = None, **options) -> Scheduler[Item]:
+def scheduler(policy: str, clock: Clock | None = None, blocks: int = 256, **options) -> Scheduler[Item]:
     settings = {"max_running": 2, "max_queue": 64, "prefill_budget_tokens": 100, **options}
-    return Scheduler(BlockManager(256, 4), policy=make_policy(policy, clock or Clock()), **settings)
+    return Scheduler(BlockManager(blocks, 4), policy=make_policy(policy, clock or Clock()), **settings)
 
 
 def run_step(s: Scheduler[Item]):
@@ -99,6 +99,22 @@ def test_a_higher_priority_request_preempts_the_lowest_running_one_when_no_slot_
     assert s.policy.stats.preemptions == {"priority": 2}
     assert all(not seq.blocks.table for r in s.waiting for seq in r.sequences)
     assert not any(w.seq in s.waiting[0].sequences for w in plan.work), "a preempted request's work stayed"
+
+
+def test_a_higher_priority_request_short_of_blocks_preempts_a_lower_one_for_them():
+    s = scheduler("priority", blocks=6, max_running=4)
+    s.add(item("low", prompt=17, priority=5, max_tokens=4))  # 5 of the 6 blocks once it decodes
+    run_step(s)
+    s.add(item("high", prompt=6, priority=0, max_tokens=2))  # 2 blocks: 1 is free
+    plan = run_step(s)
+    assert names(plan.preempted) == ["low"] and names(plan.started) == ["high"]
+    assert s.policy.stats.preemptions == {"priority": 1}
+    s_fcfs = scheduler("fcfs", blocks=6, max_running=4)
+    s_fcfs.add(item("low", prompt=17, priority=5, max_tokens=4))
+    run_step(s_fcfs)
+    s_fcfs.add(item("high", prompt=6, priority=0, max_tokens=2))
+    plan = run_step(s_fcfs)
+    assert not plan.preempted and not plan.started  # first come, first served: it waits
 
 
 def test_equal_priorities_never_preempt_each_other():
