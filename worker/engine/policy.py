@@ -85,6 +85,7 @@ class Policy:
     no refusals. The base of the others: tickets, a step's measured seconds, the class metrics."""
 
     name = PolicyName.FCFS
+    bills = False  # whether it keeps count of the tokens each tenant is served (:meth:`charge`)
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         self.clock = clock
@@ -128,6 +129,8 @@ class Policy:
     def planned(self, work: Sequence[Any], running: Sequence[Queued]) -> None:
         """A plan was made: remembers when (if it has work) and what each tenant was served."""
         self._busy_since = self.clock() if work else None
+        if not self.bills:
+            return
         owner = {id(seq): item.scheduling.tenant for item in running for seq in item.sequences}
         for w in work:
             count = len(w.tokens) - w.proposed
@@ -215,6 +218,7 @@ class FairPolicy(PriorityPolicy):
     counter); within a tenant, :class:`PriorityPolicy`'s order and preemption."""
 
     name = PolicyName.FAIR
+    bills = True
 
     def __init__(self, clock: Callable[[], float] = time.monotonic):
         super().__init__(clock)
