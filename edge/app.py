@@ -38,7 +38,7 @@ from edge.logs import begin_request_log, bind_request_id, end_request_log, log_r
 from edge.metrics import EdgeMetrics
 from edge.request_log import RequestLogger
 from edge.routes import register_routes
-from edge.settings import Settings
+from edge.settings import Settings, api_key_tenants
 from edge.state import EdgeApp, EdgeState
 from edge.store.opening import StoreHandle
 from edge.streaming.connections import ClientConnections
@@ -121,7 +121,7 @@ def create_app(settings: Settings) -> EdgeApp:
         app.after_request(cors.mark)
     if settings.strict_fields:
         app.before_request(refuse_unknown_fields)
-    api_keys = ApiKeyCheck(settings.api_keys)
+    api_keys = ApiKeyCheck(settings.api_keys, api_key_tenants(settings.api_keys_file))
     if api_keys.enabled:
         app.before_request(api_keys.before_request)
     if limiter.enabled:

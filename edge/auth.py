@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from quart import g, request
 
@@ -31,12 +31,14 @@ def key_id(key: str) -> str:
 
 
 class ApiKeyCheck:
-    """Checks bearer tokens against a fixed set of keys."""
+    """Checks bearer tokens against a fixed set of keys, and knows each key's tenant."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
-        listed = tuple(keys)
-        self._keys = tuple(key.encode("utf-8") for key in listed)
-        self._ids = tuple(key_id(key) for key in listed)
+    def __init__(self, keys: Iterable[str], tenants: Mapping[str, str] | None = None) -> None:
+        """``tenants``: key -> tenant; a key without one is its own tenant, ``key#N`` (its position)."""
+        keys = tuple(keys)
+        self._keys = tuple(key.encode("utf-8") for key in keys)
+        self._tenants = tuple((tenants or {}).get(key) or f"key#{index}" for index, key in enumerate(keys))
+        self._ids = tuple(key_id(key) for key in keys)
 
     @property
     def enabled(self) -> bool:
@@ -85,6 +87,14 @@ class ApiKeyCheck:
         if index is not None:
             g.api_key_index = index
             g.api_key_id = self._ids[index]
+            g.api_key_tenant = self._tenants[index]
+
+
+def caller_tenant() -> str:
+    """The tenant a request counts against on the workers, inside a request context: its API key's
+    (set by the check, never by the caller); empty without API keys (everyone shares one)."""
+    tenant: str = g.get("api_key_tenant", "")
+    return tenant
 
 
 def caller_identity() -> str:

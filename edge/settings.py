@@ -52,13 +52,57 @@ def parse_api_keys(raw: str) -> tuple[str, ...]:
     return _check_keys(part.strip() for part in raw.split(","))
 
 
-def read_api_keys_file(path: str) -> tuple[str, ...]:
-    """One API key per line; blank lines and lines starting with ``#`` are ignored."""
+@dataclass(frozen=True)
+class ApiKeyEntry:
+    """One line of ``--api-keys-file``: a key and the tenant it counts against (None: its own)."""
+
+    key: str
+    tenant: str | None = None
+
+
+# What may follow a key on its line, as name=value.
+_KEY_ATTRIBUTES = ("tenant",)
+MAX_TENANT_CHARS = 256  # the worker's bound (worker/service/convert.py)
+
+
+def read_api_key_entries(path: str) -> tuple[ApiKeyEntry, ...]:
+    """One API key per line, optionally followed by ``tenant=NAME`` (whitespace between); blank lines
+    and lines starting with ``#`` are ignored. Errors name the line, never a key."""
     try:
         content = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot read {path!r}: {error.__class__.__name__}") from None
-    return _check_keys(line.strip() for line in content.splitlines() if not line.lstrip().startswith("#"))
+    entries = []
+    for number, line in enumerate(content.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, *attributes = line.split()
+        values: dict[str, str] = {}
+        for attribute in attributes:
+            name, equals, value = attribute.partition("=")
+            if not equals or name not in _KEY_ATTRIBUTES or not value or name in values:
+                raise ValueError(
+                    f"line {number}: after the key, only {', '.join(_KEY_ATTRIBUTES)}=NAME may follow "
+                    "(a key has no spaces)"
+                )
+            if len(value) > MAX_TENANT_CHARS or not value.isascii():
+                raise ValueError(f"line {number}: a tenant is at most {MAX_TENANT_CHARS} ASCII characters")
+            values[name] = value
+        entries.append(ApiKeyEntry(key, values.get("tenant")))
+    _check_keys(entry.key for entry in entries)
+    return tuple(entries)
+
+
+def read_api_keys_file(path: str) -> tuple[str, ...]:
+    """The keys of ``--api-keys-file`` (:func:`read_api_key_entries`)."""
+    return tuple(entry.key for entry in read_api_key_entries(path))
+
+
+def api_key_tenants(path: str | None) -> dict[str, str]:
+    """Key -> tenant, for the keys of ``--api-keys-file`` that name one."""
+    if path is None:
+        return {}
+    return {entry.key: entry.tenant for entry in read_api_key_entries(path) if entry.tenant is not None}
 
 
 def _check_keys(candidates: Any) -> tuple[str, ...]:
@@ -171,7 +215,11 @@ class Settings:
         secret=True,
     )
     api_keys_file: str | None = setting(
-        None, optional_text, "file with one API key per line (added to --api-keys)"
+        None,
+        optional_text,
+        "file with one API key per line (added to --api-keys), each optionally followed by "
+        "tenant=NAME: the tenant its requests count against on workers run with --scheduling-policy "
+        "fair (a key without one is a tenant of its own)",
     )
     log_format: str = setting("text", text, "text or json: one JSON object per line")
     log_requests: bool = setting(

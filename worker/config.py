@@ -193,6 +193,14 @@ class WorkerConfig:
         shown_default="16 (CPU); from the KV pool (CUDA)",
     )
     max_queue: int = setting(256, int_at_least(1), "requests waiting for a slot")
+    scheduling_policy: str = setting(
+        "fcfs",
+        choice("fcfs", "priority", "fair"),
+        "which waiting request starts first: fcfs (arrival order); priority (the request's priority, "
+        "lower first, preempting lower priorities; then earliest deadline); fair (tenants share slots "
+        "and prompt tokens by tokens served, priority within a tenant) "
+        '(docs/worker.md, "Scheduling policies")',
+    )
     max_prefill_tokens: int | None = setting(
         None,
         int_at_least(1),

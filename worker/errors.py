@@ -40,6 +40,14 @@ class QueueFull(WorkerError):
     reason = "queue_full"
 
 
+class DeadlineUnreachable(WorkerError):
+    """Refused at admission: the request could not finish before its caller's deadline, so it fails
+    now with the status the deadline itself would give."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "deadline_unreachable"
+
+
 class NotReady(WorkerError):
     code = grpc.StatusCode.UNAVAILABLE
     reason = "not_ready"

@@ -202,6 +202,7 @@ def _build_serving(
             refusal_message=config.refusal_message,
             stream_interval=config.stream_interval,
             overlap=overlap,
+            scheduling_policy=config.scheduling_policy,
         ),
         grammars=grammars,
         on_device_failure=on_device_failure,

@@ -97,6 +97,17 @@ class LoraHandle:
 
 
 @dataclass(frozen=True)
+class Scheduling:
+    """Where a request stands in the queue (``--scheduling-policy``, docs/worker.md "Scheduling
+    policies"): its ``priority`` (lower first), its ``tenant`` (the edge's, from the API key) and its
+    ``deadline`` (``time.monotonic()`` when its caller gives up; None: never)."""
+
+    priority: int = 0
+    tenant: str = ""
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A tokenized request, ready for the scheduler."""
 
@@ -113,6 +124,7 @@ class GenerationRequest:
     resumed_token_ids: tuple[int, ...] = ()
     images: tuple[PromptImage, ...] = ()  # a vision-language model's images, in prompt order
     lora: LoraHandle | None = None  # the LoRA adapter the request names; None = the base model
+    scheduling: Scheduling = Scheduling()
 
     @property
     def prefill_token_ids(self) -> tuple[int, ...]:

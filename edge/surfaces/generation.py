@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from quart import request
 from quart.wrappers import Response
 
+from edge.auth import caller_tenant
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER, EventGuard, request_limits
 from edge.drain import shutting_down_error
 from edge.http import current_request_id, worker_header
@@ -65,7 +66,9 @@ async def open_calls(
     migration = MigrationPolicy(
         state.settings.max_stream_migrations if state.settings.migrate_streams else 0, state.metrics
     )
+    tenant = caller_tenant()
     for worker_request in requests:
+        worker_request.tenant = tenant  # the API key's, whatever the body said
         worker_request.stream_progress = True
         worker_request.model_load_wait_seconds = state.settings.wait_for_load_s
         if migration.enabled and resumable_request(worker_request):

@@ -21,7 +21,7 @@ TOOL_CALLS: FinishReason
 CONTENT_FILTER: FinishReason
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "chat", "prompt", "sampling", "response_format", "stream_progress", "return_token_ids", "echo_prompt", "user", "metadata", "model_load_wait_seconds", "resume")
+    __slots__ = ("request_id", "model", "chat", "prompt", "sampling", "response_format", "stream_progress", "return_token_ids", "echo_prompt", "user", "metadata", "model_load_wait_seconds", "resume", "priority", "tenant")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +42,8 @@ class GenerateRequest(_message.Message):
     METADATA_FIELD_NUMBER: _ClassVar[int]
     MODEL_LOAD_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     chat: ChatInput
@@ -55,7 +57,9 @@ class GenerateRequest(_message.Message):
     metadata: _containers.ScalarMap[str, str]
     model_load_wait_seconds: float
     resume: Resume
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[_Union[PromptInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_progress: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., echo_prompt: _Optional[bool] = ..., user: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., model_load_wait_seconds: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+    priority: int
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[_Union[PromptInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_progress: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., echo_prompt: _Optional[bool] = ..., user: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., model_load_wait_seconds: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("choices",)

@@ -55,10 +55,9 @@ class Engine:
         speculation: Speculation | None = None,
     ):
         """The KV pool's size and block size are the runner's (``num_blocks``, ``block_size``);
-        ``on_device_failure`` is called (on the engine thread) once the engine cannot go on (its
-        device failed, or :class:`EngineFailure`: docs/worker.md, "Failure isolation");
-        ``speculation``: speculative decoding (n-gram or draft proposals, every row verified as
-        one-token steps would draw it; None: off; not with ``options.overlap``)."""
+        ``on_device_failure`` is called (on the engine thread) once the engine cannot go on (its device
+        failed, or :class:`EngineFailure`: docs/worker.md, "Failure isolation"); ``speculation``:
+        speculative decoding (every row verified as one-token steps would draw it; None: off)."""
         options = options or EngineOptions()
         if options.overlap and speculation is not None:
             raise ValueError("overlapping steps cannot be combined with speculative decoding")
@@ -84,6 +83,7 @@ class Engine:
             propose=self._propose if speculation is not None else None,
             speculate_max_rows=speculation.max_rows if speculation is not None else None,
             checkpoints=state_checkpoints(runner),
+            policy=options.policy(),
         )
         self.counters = EngineCounters()
         self._ledger = Ledger(self._scheduler, self.counters)

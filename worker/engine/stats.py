@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sluice.prometheus import Histogram
+from worker.engine.class_stats import ClassStats
 from worker.engine.scheduler import Scheduler
 from worker.types import FastPath
 
@@ -34,7 +35,7 @@ class EngineCounters:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    preemptions: int = 0  # requests sent back to the queue for blocks (recomputed later)
+    preemptions: int = 0  # requests sent back to the queue (recomputed later): blocks, or the policy
     steps: int = 0
     decode_only_steps: int = 0  # steps whose every row decodes one token (CUDA: replayed from a graph)
     speculative_proposed_tokens: int = 0  # proposals verified (--speculative)
@@ -69,6 +70,7 @@ class EngineStats:
     max_loras: int = 0
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
+    classes: ClassStats = field(default_factory=ClassStats)  # by priority and tenant (the policy's)
 
     @classmethod
     def of(
@@ -97,6 +99,7 @@ class EngineStats:
             running_loras=_adapters(running),
             waiting_loras=_adapters(scheduler.waiting),
             counters=replace(counters, time_to_first_token=counters.time_to_first_token.copy()),
+            classes=scheduler.policy.stats.copy(),
         )
 
     @property

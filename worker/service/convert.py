@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.limits import (
@@ -39,6 +39,7 @@ from worker.types import (
     ReasoningDelta,
     RefusalDelta,
     SamplingOptions,
+    Scheduling,
     TokenLogprob,
     ToolCallDelta,
     Usage,
@@ -48,6 +49,7 @@ from worker.types import (
 # deeper documents are refused before the chat template, llguidance or Python's recursion
 # limit meet them. Schemas generated from real models nest far less.
 MAX_JSON_DEPTH = 64
+MAX_TENANT_CHARS = 256  # a tenant names a caller's account, not a document
 _TOOL_CHOICE_MODES = frozenset(pb.ToolChoice.Mode.values())
 
 
@@ -63,6 +65,7 @@ class ParsedRequest:
     enable_thinking: bool | None = None
     # ``resume``: the tokens an earlier call delivered, for choice 0 (n == 1 only); () = a new request.
     resumed_token_ids: tuple[int, ...] = ()
+    scheduling: Scheduling = field(default_factory=Scheduling)  # priority, tenant, the call's deadline
 
 
 @dataclass(frozen=True)
@@ -114,7 +117,10 @@ def parse_detokenize_request(request: pb.DetokenizeRequest, served_model: str) -
     return tuple(request.ids)
 
 
-def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedRequest:
+def parse_request(
+    request: pb.GenerateRequest, served_model: str, deadline: float | None = None
+) -> ParsedRequest:
+    """A validated ``GenerateRequest``; ``deadline``: the call's (``time.monotonic()``; None: none)."""
     _check_model(request.model, served_model)
     kind = request.WhichOneof("input")
     prompt: ChatPrompt | RawPrompt
@@ -146,7 +152,14 @@ def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedReque
         grammar=grammar,
         parse_tool_calls=parse_tools,
         enable_thinking=thinking,
+        scheduling=_scheduling(request, deadline),
     )
+
+
+def _scheduling(request: pb.GenerateRequest, deadline: float | None) -> Scheduling:
+    if len(request.tenant) > MAX_TENANT_CHARS:
+        raise InvalidRequest(f"tenant must be at most {MAX_TENANT_CHARS} characters", param="tenant")
+    return Scheduling(priority=request.priority, tenant=request.tenant, deadline=deadline)
 
 
 def _resumed_token_ids(request: pb.GenerateRequest) -> tuple[int, ...]:

@@ -261,7 +261,9 @@ class WorkerService(pb_grpc.WorkerServicer):
                 arrival = time.monotonic()  # queue time starts once the model is there
             serving = self._require_serving()
             adapter = serving.adapter_named(request.model)
-            parsed = parse_request(request, adapter or serving.loaded.model_id)
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            parsed = parse_request(request, adapter or serving.loaded.model_id, deadline)
             engine = serving.generator  # first: a pooling worker refuses naming its task
             prepared = await self._in_thread(_prepare, serving, parsed, request_id, arrival, adapter)
             stream = await engine.queue(prepared.work)
@@ -461,6 +463,7 @@ def _prepare(
         resumed_token_ids=parsed.resumed_token_ids,
         images=images,
         lora=serving.loras.resolve(adapter) if adapter and serving.loras is not None else None,
+        scheduling=parsed.scheduling,
     )
     return _PreparedCall(serving.generator.prepare(request), prompt_ids, prompt_text)
 

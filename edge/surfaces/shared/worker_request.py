@@ -72,6 +72,7 @@ def to_generate_request(request: ChatCompletionRequest, request_id: str) -> work
         return_token_ids=request.stream and request.continuous_usage,
         user=request.user or "",
         metadata=request.metadata or {},
+        priority=request.priority or 0,
     )
     structured = request.structured()
     if structured is not None:

@@ -7,8 +7,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.prometheus import Histogram
+from worker.engine.class_stats import MAX_CLASSES, ClassStats
 from worker.engine.stats import EngineCounters, EngineStats
 from worker.metrics import MetricNames, render
+from worker.types import Scheduling
 
 PICKER_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
@@ -165,3 +167,37 @@ def test_every_scrape_gets_an_answer():
         "HTTP/1.1 503 Service Unavailable",
         "HTTP/1.1 500 Internal Server Error",
     ]
+
+
+def test_scheduling_metrics_are_labelled_by_priority_and_tenant_within_a_bounded_set():
+    classes = ClassStats()
+    for tenant in range(MAX_CLASSES + 10):
+        classes.observe_queue_wait(Scheduling(priority=1, tenant=f"t{tenant}"), 0.5)
+    classes.observe_first_token(Scheduling(priority=-3), 0.2)
+    classes.preempted("priority")
+    classes.preempted("priority")
+    classes.preempted("fairness")
+    classes.deadline_refusals = 4
+    stats = EngineStats(
+        waiting_requests=0,
+        running_requests=0,
+        running_sequences=0,
+        live_caches=0,
+        cache_tokens=0,
+        cache_bytes=0,
+        reserved_tokens=0,
+        counters=EngineCounters(),
+        classes=classes,
+    )
+    samples = _samples(render(stats, "m"))
+    waits = {labels for name, labels in samples if name == "sluice_worker_queue_wait_seconds_count"}
+    assert len(waits) == MAX_CLASSES + 1  # the first pairs, then one "other"
+    other = (("model", "m"), ("priority", "other"), ("tenant", "other"))
+    assert samples[("sluice_worker_queue_wait_seconds_count", other)] == 10
+    first = (("model", "m"), ("priority", "-3"), ("tenant", "default"))
+    assert samples[("sluice_worker_class_time_to_first_token_seconds_sum", first)] == 0.2
+    cause = lambda name: (("cause", name), ("model", "m"))  # noqa: E731
+    assert samples[("sluice_worker_preemptions_by_cause_total", cause("priority"))] == 2
+    assert samples[("sluice_worker_preemptions_by_cause_total", cause("fairness"))] == 1
+    assert samples[("sluice_worker_preemptions_by_cause_total", cause("blocks"))] == 0
+    assert samples[("sluice_worker_deadline_refusals_total", (("model", "m"),))] == 4

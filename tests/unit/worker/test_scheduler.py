@@ -11,6 +11,7 @@ from worker.engine.kv_blocks import BlockManager
 from worker.engine.scheduler import Scheduler, SchedulingFailed, SeqState
 from worker.engine.stats import EngineCounters, EngineStats
 from worker.errors import InvalidRequest, QueueFull
+from worker.types import Scheduling
 
 
 @dataclass(eq=False)
@@ -18,6 +19,7 @@ class Item:
     request_id: str
     sequences: list[SeqState] = field(default_factory=list)
     needs_kv: bool = True
+    scheduling: Scheduling = field(default_factory=Scheduling)
 
 
 def item(name: str, prompt: int, *, n: int = 1, max_tokens: int = 8) -> Item:

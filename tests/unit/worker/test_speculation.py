@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +28,7 @@ from worker.model.runner import ModelRunner
 from worker.sampling.ngram import propose
 from worker.sampling.sampler import SequenceSampling
 from worker.server import DEFAULT_MAX_ROWS, draft_quantization, eos_token_ids, speculation_of
-from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions
+from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions, Scheduling
 
 pytestmark = pytest.mark.slow  # left out of make test-fast
 
@@ -109,6 +109,7 @@ class _Item:
     request_id: str
     sequences: list[SeqState]
     needs_kv: bool = True
+    scheduling: Scheduling = field(default_factory=Scheduling)
 
 
 def test_proposals_count_against_the_budget_and_their_blocks_go_back():
