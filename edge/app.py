@@ -35,6 +35,8 @@ from edge.http import (
 )
 from edge.logs import bind_request_id, log_request
 from edge.metrics import EdgeMetrics
+from edge.rate_limit_redis import RedisCounters
+from edge.rate_limits import CounterStore, LocalCounters, RateLimiter
 from edge.routes import register_routes
 from edge.settings import Settings
 from edge.state import EdgeApp, EdgeState
@@ -61,6 +63,7 @@ def create_app(settings: Settings) -> EdgeApp:
     )
     metrics = EdgeMetrics()
     limiter = ConcurrencyLimiter(settings.max_concurrent_per_key)
+    rate_limits = _rate_limiter(settings, metrics)
     # Outermost ASGI layer: a client that stops reading is disconnected after --write-timeout.
     connections = ClientConnections(app.asgi_app, settings.write_timeout_s)
     app.sluice = EdgeState(
@@ -70,6 +73,7 @@ def create_app(settings: Settings) -> EdgeApp:
         drain=Drain(),
         limiter=limiter,
         connections=connections,
+        rate_limits=rate_limits,
     )
 
     @app.before_serving
@@ -83,6 +87,8 @@ def create_app(settings: Settings) -> EdgeApp:
     @app.after_serving
     async def close_pool() -> None:
         await app.sluice.pool.close()
+        if rate_limits is not None:
+            await rate_limits.store.close()
 
     if metrics.multiprocess:
         # A scrape reaches one process: the others keep their live gauges fresh themselves.
@@ -105,8 +111,13 @@ def create_app(settings: Settings) -> EdgeApp:
     api_keys = ApiKeyCheck(settings.api_keys)
     if api_keys.enabled:
         app.before_request(api_keys.before_request)
+    if rate_limits is not None:
+        app.before_request(rate_limits.identify)
     if limiter.enabled:
         app.before_request(limiter.before_request)
+    if rate_limits is not None:
+        app.before_request(rate_limits.check)
+        app.after_request(rate_limits.after_request)
     app.after_request(metrics.after_request)
     app.after_request(log_request)
 
@@ -136,6 +147,18 @@ def create_app(settings: Settings) -> EdgeApp:
     connections.app = inner
     app.asgi_app = connections  # type: ignore[method-assign]
     return app
+
+
+def _rate_limiter(settings: Settings, metrics: EdgeMetrics) -> RateLimiter | None:
+    """The per-key rate limits of --api-keys-file, counted here or in --rate-limit-redis-url's Redis;
+    None when no key has limits."""
+    positions = {key: index for index, key in enumerate(settings.api_keys)}
+    limits = {positions[key]: (key, lim) for key, lim in settings.key_limits if key in positions}
+    if not limits:
+        return None
+    url = settings.rate_limit_redis_url
+    store: CounterStore = RedisCounters(url) if url else LocalCounters()
+    return RateLimiter(limits, store, metrics)
 
 
 async def _refresh_loop(state: EdgeState) -> None:

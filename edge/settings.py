@@ -7,12 +7,13 @@ import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edge.cors import parse_origins
 from edge.event_loop import EVENT_LOOPS, uvloop_available
+from edge.rate_limits import KEY_FIELDS, KeyLimits
 from edge.requests.limits import RequestLimits
 from edge.workers.addresses import split_host_port
 from edge.workers.routing import RoutingPolicy
@@ -50,13 +51,39 @@ def parse_api_keys(raw: str) -> tuple[str, ...]:
     return _check_keys(part.strip() for part in raw.split(","))
 
 
-def read_api_keys_file(path: str) -> tuple[str, ...]:
-    """One API key per line; blank lines and lines starting with ``#`` are ignored."""
+def read_api_keys_file(path: str) -> tuple[tuple[str, KeyLimits], ...]:
+    """One API key per line, optionally followed by ``name=value`` fields
+    (``requests_per_minute=60 tokens_per_minute=100000``); blank lines and lines starting with ``#``
+    are ignored. Errors name the line, never the key."""
     try:
         content = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot read {path!r}: {error.__class__.__name__}") from None
-    return _check_keys(line.strip() for line in content.splitlines() if not line.lstrip().startswith("#"))
+    entries = []
+    for number, line in enumerate(content.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, *fields = line.split()
+        try:
+            entries.append((key, _key_limits(fields)))
+        except ValueError as error:
+            raise ValueError(f"line {number}: {error}") from None
+    _check_keys(key for key, _ in entries)
+    return tuple(entries)
+
+
+def _key_limits(fields: list[str]) -> KeyLimits:
+    """A key's ``name=value`` fields as its limits (each a whole number >= 1)."""
+    values: dict[str, int] = {}
+    for item in fields:
+        name, equals, raw = item.partition("=")
+        if name not in KEY_FIELDS or not equals:
+            raise ValueError(f"unknown field {name!r} (known: {', '.join(KEY_FIELDS)}, as name=value)")
+        try:
+            values[name] = int_at_least(1)(raw)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+    return KeyLimits(**values)
 
 
 def _check_keys(candidates: Any) -> tuple[str, ...]:
@@ -169,7 +196,17 @@ class Settings:
         secret=True,
     )
     api_keys_file: str | None = setting(
-        None, optional_text, "file with one API key per line (added to --api-keys)"
+        None,
+        optional_text,
+        "file with one API key per line (added to --api-keys), each optionally followed by its limits: "
+        "requests_per_minute=N tokens_per_minute=N (docs/http.md)",
+    )
+    rate_limit_redis_url: str | None = setting(
+        None,
+        optional_text,
+        "redis://host:port[/db] whose counters every edge process and pod shares, for exact fleet-wide "
+        "per-key rate limits; unset: each edge process counts alone (docs/operations.md)",
+        secret=True,
     )
     log_format: str = setting("text", text, "text or json: one JSON object per line")
     max_concurrent_per_key: int = setting(
@@ -257,6 +294,9 @@ class Settings:
         shown_default="none",
     )
 
+    # The limits of --api-keys-file's keys that name some, read with the file (no flag of its own).
+    key_limits: tuple[tuple[str, KeyLimits], ...] = field(default=(), repr=False)
+
     def __post_init__(self) -> None:
         if not self.workers and not self.worker_dns:
             raise ValueError("workers: at least one worker address (host:port) or worker_dns is required")
@@ -325,6 +365,9 @@ class Settings:
             raise ValueError("event_loop: uvloop is not installed (install it, or use auto or asyncio)")
         if not 0 <= self.max_stream_migrations <= 16:
             raise ValueError(f"max_stream_migrations: must be in 0..16, got {self.max_stream_migrations}")
+        url = self.rate_limit_redis_url
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("rate_limit_redis_url: must start with redis://, rediss:// or unix://")
         if self.max_concurrent_per_key < 0:
             raise ValueError(
                 f"max_concurrent_per_key: must be >= 0 (0 = off), got {self.max_concurrent_per_key}"
@@ -381,7 +424,8 @@ def _combine(values: dict[str, Any], sources: Mapping[str, str]) -> dict[str, An
             file_keys = read_api_keys_file(path)
         except ValueError as error:
             raise ValueError(f"{sources['api_keys_file']}: {error}") from None
-        values["api_keys"] = tuple(dict.fromkeys((*values.get("api_keys", ()), *file_keys)))
+        values["api_keys"] = tuple(dict.fromkeys((*values.get("api_keys", ()), *(k for k, _ in file_keys))))
+        values["key_limits"] = tuple((key, limits) for key, limits in file_keys if limits.limited)
     if not values.get("workers") and "worker_dns" not in values:
         raise ValueError(
             f"--workers (or {ENV_PREFIX}WORKERS) is required: host:port[,host:port...], "

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from edge.concurrency import ConcurrencyLimiter
     from edge.drain import Drain
     from edge.metrics import EdgeMetrics
+    from edge.rate_limits import RateLimiter
     from edge.settings import Settings
     from edge.streaming.connections import ClientConnections
     from edge.workers.pool import WorkerPool
@@ -32,6 +33,7 @@ class EdgeState:
     drain: Drain
     limiter: ConcurrencyLimiter
     connections: ClientConnections
+    rate_limits: RateLimiter | None = None
 
 
 class EdgeApp(Quart):
