@@ -84,6 +84,19 @@ class PromptImage:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """A cap on each choice's thinking (vLLM's ``thinking_token_budget``): once ``tokens`` tokens were
+    written inside the family's block (``open_text`` ... ``close_text``), ``close_ids`` are forced
+    and the answer follows. ``starts_thinking``: the prompt opened the block."""
+
+    tokens: int
+    open_text: str
+    close_text: str
+    close_ids: tuple[int, ...]
+    starts_thinking: bool = False
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A tokenized request, ready for the scheduler."""
 
@@ -99,6 +112,7 @@ class GenerationRequest:
     # max_tokens, the context length, penalties, seeded draws, the grammar and usage.
     resumed_token_ids: tuple[int, ...] = ()
     images: tuple[PromptImage, ...] = ()  # a vision-language model's images, in prompt order
+    thinking_budget: ThinkingBudget | None = None  # None: thinking is not capped
 
     @property
     def prefill_token_ids(self) -> tuple[int, ...]:
