@@ -54,6 +54,7 @@ from worker.service.pooling import (
     prepare_score,
     score_response,
 )
+from worker.service.thinking import thinking_budget, with_effort
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
 
 # Template rendering, tokenization and grammar compilation of a large request take long enough to
@@ -361,7 +362,9 @@ def _tokenize(serving: ServingModel, call: TokenizeCall) -> tuple[tuple[int, ...
 def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arrival: float) -> _PreparedCall:
     """Everything blocking before a request can be queued: the chat template, tokenization, option
     checks that need the prompt's length, grammar compilation. Runs in the prepare threads."""
-    prompt_ids, prompt_text, images = serving.renderer.render_with_images(parsed.prompt)
+    profile = serving.renderer.profile
+    prompt = with_effort(parsed.prompt, parsed.reasoning_effort, profile.thinking_switch)
+    prompt_ids, prompt_text, images = serving.renderer.render_with_images(prompt)
     kept = truncated_prompt(parsed.sampling, prompt_ids, serving.loaded.context_length)
     if images and len(kept) < len(prompt_ids):
         raise InvalidRequest(
@@ -382,7 +385,6 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         encode=serving.renderer.encode,
     )
     check_resumed_tokens(parsed.resumed_token_ids, serving.renderer.vocab_size)
-    profile = serving.renderer.profile
     spec = parsed.grammar
     if spec is not None and spec.kind == "tool_call":
         spec = dataclasses.replace(spec, call_format=profile.call_grammar)  # the family's own format
@@ -415,6 +417,17 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         grammar=grammar,
         resumed_token_ids=parsed.resumed_token_ids,
         images=images,
+        # Thinking is parsed (a chat, a model that thinks, no grammar from the first token) and capped.
+        thinking_budget=thinking_budget(
+            parsed.thinking_token_budget,
+            parsed.reasoning_effort,
+            switch=profile.thinking_switch,
+            reasoning_parser=reasoning,
+            starts_thinking=output.starts_thinking,
+            encode=serving.renderer.encode,
+        )
+        if output.reasoning and grammar is None
+        else None,
     )
     return _PreparedCall(serving.generator.prepare(request), prompt_ids, prompt_text)
 

@@ -151,3 +151,29 @@ def test_a_zero_budget_ends_a_block_the_prompt_opened_at_once() -> None:
     assert state.forced() is None and not state.thinking
     fresh = BudgetedThinking(ThinkingBudget(10, "<t>", "</t>", (1,), starts_thinking=True), _decode_chars)
     assert fresh.allowed_prefix() == 9  # speculation never reaches the budget inside one step
+
+
+def test_the_service_turns_a_budget_or_an_effort_into_the_engines_budget() -> None:
+    from sluice.v1 import worker_pb2 as pb
+    from worker.errors import InvalidRequest
+    from worker.prompts.prompt import ChatMessage, ChatPrompt
+    from worker.service.thinking import EFFORT_BUDGETS, thinking_budget, thinking_request, with_effort
+
+    qwen3 = tokenizer_of("qwen3")
+    encode = lambda text: _ids(qwen3, text)  # noqa: E731
+    chat = pb.ChatInput(thinking_token_budget=0, reasoning_effort="high")
+    assert thinking_request(chat) == (0, "high") and thinking_request(pb.ChatInput()) == (None, "")
+    with pytest.raises(InvalidRequest) as refused:
+        thinking_request(pb.ChatInput(reasoning_effort="extreme"))
+    assert refused.value.param == "reasoning_effort"
+    common = {"reasoning_parser": "qwen3", "starts_thinking": False, "encode": encode}
+    given = thinking_budget(0, "high", switch="enable_thinking", **common)  # the budget wins
+    assert given == ThinkingBudget(0, "<think>", "</think>", tuple(encode("</think>")))
+    effort = thinking_budget(None, "low", switch="enable_thinking", **common)
+    assert effort is not None and effort.tokens == EFFORT_BUDGETS["low"]
+    assert thinking_budget(None, "", switch="enable_thinking", **common) is None
+    # gpt-oss has an effort switch of its own: the effort goes to its template, no budget.
+    assert thinking_budget(None, "low", switch="reasoning_effort", **common) is None
+    prompt = ChatPrompt((ChatMessage(role="user", content="Hi"),))
+    assert with_effort(prompt, "low", "reasoning_effort").template_kwargs == {"reasoning_effort": "low"}  # type: ignore[union-attr]
+    assert with_effort(prompt, "low", "enable_thinking") is prompt
