@@ -63,7 +63,7 @@ class ParsedRequest:
     parse_tool_calls: bool = False
     enable_thinking: bool | None = None
     thinking_token_budget: int | None = None  # chat only: each choice's thinking cap
-    reasoning_effort: str = ""  # chat only: one of service/thinking.py's EFFORTS, or ""
+    reasoning_effort: str = ""  # chat only: a key of service/thinking.py EFFORT_BUDGETS, or ""
     # ``resume``: the tokens an earlier call delivered, for choice 0 (n == 1 only); () = a new request.
     resumed_token_ids: tuple[int, ...] = ()
 
