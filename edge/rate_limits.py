@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 from quart import g, request
@@ -244,7 +244,8 @@ class _Ticket:
     subject: str
     limits: KeyLimits
     decision: Decision | None = None
-    meter: TokenMeter | None = field(default=None)
+    checked: bool = False  # the store was asked (None above: it failed)
+    meter: TokenMeter | None = None
 
 
 class RateLimitCounts(Protocol):
@@ -265,10 +266,6 @@ class RateLimiter:
         self._counts = counts
         self._warned_at = -math.inf
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self._subjects)
-
     async def identify(self) -> None:
         """Quart hook (after the key check, before the concurrency limit): notes a limited key's
         request, so that every answer to it has the headers, a refusal by another limit included."""
@@ -282,7 +279,7 @@ class RateLimiter:
         ticket: _Ticket | None = g.get(_TICKET)
         if ticket is None or request.endpoint not in GENERATION_ENDPOINTS:
             return
-        ticket.decision = await self._guarded(ticket, count=True)
+        ticket.decision, ticket.checked = await self._guarded(ticket, count=True), True
         if ticket.decision is not None and ticket.decision.refused:
             self._counts.rate_limited(ticket.decision.refused)
             raise KeyRateLimitError(ticket.decision)
@@ -296,7 +293,7 @@ class RateLimiter:
         ticket: _Ticket | None = g.get(_TICKET)
         if ticket is None:
             return response
-        decision = ticket.decision or await self._guarded(ticket, count=False)
+        decision = ticket.decision if ticket.checked else await self._guarded(ticket, count=False)
         if decision is not None:
             anthropic = request.path == ANTHROPIC_PREFIX or request.path.startswith(ANTHROPIC_PREFIX + "/")
             response.headers.update(rate_limit_headers(decision, anthropic=anthropic))
