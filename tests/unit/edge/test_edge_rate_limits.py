@@ -262,3 +262,26 @@ def test_an_unreachable_shared_counter_admits_requests_unlimited(
         run(body())
     warnings = [r for r in caplog.records if "rate-limit counters unavailable" in r.getMessage()]
     assert len(warnings) == 1
+
+
+def test_a_concurrency_refusal_carries_the_headers_and_spends_no_quota(tmp_path: Path) -> None:
+    fake = FakeWorker(script=[started(), content("x"), Hang()])
+    stream = {**CHAT_BODY, "stream": True}
+
+    async def body() -> None:
+        async with (
+            running_worker(fake) as address,
+            running_edge([address], max_concurrent_per_key=1, **_limited_settings(tmp_path)) as base,
+            httpx.AsyncClient(timeout=10) as client,
+            client.stream(
+                "POST", f"{base}/v1/chat/completions", json=stream, headers=_auth("sk-rpm")
+            ) as held,
+        ):
+            assert held.headers["x-ratelimit-remaining-requests"] == "1"
+            refused = await client.post(
+                f"{base}/v1/chat/completions", json=CHAT_BODY, headers=_auth("sk-rpm")
+            )
+            assert refused.json()["error"]["code"] == "concurrency_limit_exceeded"
+            assert refused.headers["x-ratelimit-remaining-requests"] == "1"  # read, not spent
+
+    run(body())
