@@ -37,6 +37,8 @@ from edge.http import (
 from edge.logs import begin_request_log, bind_request_id, end_request_log, log_record, log_request
 from edge.metrics import EdgeMetrics
 from edge.request_log import RequestLogger
+from edge.rate_limit_redis import RedisCounters
+from edge.rate_limits import CounterStore, LocalCounters, RateLimiter
 from edge.routes import register_routes
 from edge.settings import Settings, api_key_tenants
 from edge.state import EdgeApp, EdgeState
@@ -66,6 +68,7 @@ def create_app(settings: Settings) -> EdgeApp:
     )
     metrics = EdgeMetrics()
     limiter = ConcurrencyLimiter(settings.max_concurrent_per_key)
+    rate_limits = _rate_limiter(settings, metrics)
     # Outermost ASGI layer: a client that stops reading is disconnected after --write-timeout.
     connections = ClientConnections(app.asgi_app, settings.write_timeout_s)
     app.sluice = EdgeState(
@@ -78,6 +81,7 @@ def create_app(settings: Settings) -> EdgeApp:
         store=StoreHandle(settings.state_dir, settings.state_url, settings.retention),
         background=BackgroundTasks(),
         request_log=RequestLogger(settings.log_request_text) if settings.log_requests else None,
+        rate_limits=rate_limits,
     )
 
     @app.before_serving
@@ -94,6 +98,8 @@ def create_app(settings: Settings) -> EdgeApp:
         await app.sluice.background.close()
         await app.sluice.store.close()
         await app.sluice.pool.close()
+        if rate_limits is not None:
+            await rate_limits.store.close()
 
     @app.while_serving
     async def purge_store() -> AsyncGenerator[None, None]:
@@ -124,8 +130,13 @@ def create_app(settings: Settings) -> EdgeApp:
     api_keys = ApiKeyCheck(settings.api_keys, api_key_tenants(settings.api_keys_file))
     if api_keys.enabled:
         app.before_request(api_keys.before_request)
+    if rate_limits is not None:
+        app.before_request(rate_limits.identify)
     if limiter.enabled:
         app.before_request(limiter.before_request)
+    if rate_limits is not None:
+        app.before_request(rate_limits.check)
+        app.after_request(rate_limits.after_request)
     app.after_request(metrics.after_request)
     app.after_request(log_request)
     if settings.log_requests:
@@ -160,6 +171,18 @@ def create_app(settings: Settings) -> EdgeApp:
     connections.app = inner
     app.asgi_app = connections  # type: ignore[method-assign]
     return app
+
+
+def _rate_limiter(settings: Settings, metrics: EdgeMetrics) -> RateLimiter | None:
+    """The per-key rate limits of --api-keys-file, counted here or in --rate-limit-redis-url's Redis;
+    None when no key has limits."""
+    positions = {key: index for index, key in enumerate(settings.api_keys)}
+    limits = {positions[key]: (key, lim) for key, lim in settings.key_limits if key in positions}
+    if not limits:
+        return None
+    url = settings.rate_limit_redis_url
+    store: CounterStore = RedisCounters(url) if url else LocalCounters()
+    return RateLimiter(limits, store, metrics)
 
 
 async def _refresh_loop(state: EdgeState) -> None:

@@ -30,7 +30,9 @@ _ERRORS = {
     "404": "Unknown model (`code: model_not_found`) or route.",
     "413": "The body is larger than the edge's `--max-body-bytes`.",
     "422": "The body is valid JSON but not a JSON object.",
-    "429": "Every worker's queue is full; retry after `Retry-After` seconds.",
+    "429": "Every worker's queue is full, the caller is at its concurrency limit, or its API key spent its "
+    "requests or tokens per minute (`code: rate_limit_exceeded`, with the `x-ratelimit-*` headers); retry "
+    "after `Retry-After` seconds.",
     "500": "An internal error (no detail is shown).",
     "503": "No worker is available; retry after `Retry-After` seconds.",
     "504": "The request's deadline passed before it started.",

@@ -7,12 +7,13 @@ import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edge.cors import parse_origins
 from edge.event_loop import EVENT_LOOPS, uvloop_available
+from edge.rate_limits import KEY_FIELDS, KeyLimits
 from edge.requests.limits import RequestLimits
 from edge.store.opening import POSTGRES_SCHEMES
 from edge.store.responses import Retention
@@ -54,19 +55,20 @@ def parse_api_keys(raw: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ApiKeyEntry:
-    """One line of ``--api-keys-file``: a key and the tenant it counts against (None: its own)."""
+    """One line of ``--api-keys-file``: a key, the tenant it counts against (None: its own) and its
+    rate limits."""
 
     key: str
     tenant: str | None = None
+    limits: KeyLimits = KeyLimits()
 
 
-# What may follow a key on its line, as name=value.
-_KEY_ATTRIBUTES = ("tenant",)
 MAX_TENANT_CHARS = 256  # the worker's bound (worker/service/convert.py)
 
 
 def read_api_key_entries(path: str) -> tuple[ApiKeyEntry, ...]:
-    """One API key per line, optionally followed by ``tenant=NAME`` (whitespace between); blank lines
+    """One API key per line, optionally followed by ``name=value`` fields (whitespace between):
+    ``tenant=NAME`` and the limits ``requests_per_minute=60 tokens_per_minute=100000``; blank lines
     and lines starting with ``#`` are ignored. Errors name the line, never a key."""
     try:
         content = Path(path).read_text(encoding="utf-8")
@@ -76,26 +78,44 @@ def read_api_key_entries(path: str) -> tuple[ApiKeyEntry, ...]:
     for number, line in enumerate(content.splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        key, *attributes = line.split()
-        values: dict[str, str] = {}
-        for attribute in attributes:
-            name, equals, value = attribute.partition("=")
-            if not equals or name not in _KEY_ATTRIBUTES or not value or name in values:
-                raise ValueError(
-                    f"line {number}: after the key, only {', '.join(_KEY_ATTRIBUTES)}=NAME may follow "
-                    "(a key has no spaces)"
-                )
-            if len(value) > MAX_TENANT_CHARS or not value.isascii():
-                raise ValueError(f"line {number}: a tenant is at most {MAX_TENANT_CHARS} ASCII characters")
-            values[name] = value
-        entries.append(ApiKeyEntry(key, values.get("tenant")))
+        key, *fields = line.split()
+        try:
+            entries.append(_entry(key, fields))
+        except ValueError as error:
+            raise ValueError(f"line {number}: {error}") from None
     _check_keys(entry.key for entry in entries)
     return tuple(entries)
 
 
-def read_api_keys_file(path: str) -> tuple[str, ...]:
-    """The keys of ``--api-keys-file`` (:func:`read_api_key_entries`)."""
-    return tuple(entry.key for entry in read_api_key_entries(path))
+def _entry(key: str, fields: list[str]) -> ApiKeyEntry:
+    """A key's ``name=value`` fields: its tenant (at most 256 ASCII characters) and its limits
+    (each a whole number >= 1)."""
+    tenant: str | None = None
+    values: dict[str, int] = {}
+    for item in fields:
+        name, equals, raw = item.partition("=")
+        if not equals or not raw:  # not quoted: a key with a space would show here
+            raise ValueError("after the key, only name=value fields may follow (a key has no spaces)")
+        if name in values or (name == "tenant" and tenant is not None):
+            raise ValueError(f"{name!r} is given twice")
+        if name == "tenant":
+            if len(raw) > MAX_TENANT_CHARS or not raw.isascii():
+                raise ValueError(f"a tenant is at most {MAX_TENANT_CHARS} ASCII characters")
+            tenant = raw
+            continue
+        if name not in KEY_FIELDS:
+            known = ", ".join(("tenant", *KEY_FIELDS))
+            raise ValueError(f"unknown field {name!r} (known: {known}, as name=value)")
+        try:
+            values[name] = int_at_least(1)(raw)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+    return ApiKeyEntry(key, tenant, KeyLimits(**values))
+
+
+def read_api_keys_file(path: str) -> tuple[tuple[str, KeyLimits], ...]:
+    """The keys of ``--api-keys-file`` and their limits (:func:`read_api_key_entries`)."""
+    return tuple((entry.key, entry.limits) for entry in read_api_key_entries(path))
 
 
 def api_key_tenants(path: str | None) -> dict[str, str]:
@@ -218,8 +238,16 @@ class Settings:
         None,
         optional_text,
         "file with one API key per line (added to --api-keys), each optionally followed by "
-        "tenant=NAME: the tenant its requests count against on workers run with --scheduling-policy "
-        "fair (a key without one is a tenant of its own)",
+        "tenant=NAME (the tenant its requests count against on workers run with --scheduling-policy "
+        "fair; a key without one is a tenant of its own) and its limits: requests_per_minute=N "
+        "tokens_per_minute=N (docs/http.md)",
+    )
+    rate_limit_redis_url: str | None = setting(
+        None,
+        optional_text,
+        "redis://host:port[/db] whose counters every edge process and pod shares, for exact fleet-wide "
+        "per-key rate limits; unset: each edge process counts alone (docs/operations.md)",
+        secret=True,
     )
     log_format: str = setting("text", text, "text or json: one JSON object per line")
     log_requests: bool = setting(
@@ -349,6 +377,9 @@ class Settings:
         "most bytes all stored responses may hold; above it the oldest are deleted first (0 = no limit)",
     )
 
+    # The limits of --api-keys-file's keys that name some, read with the file (no flag of its own).
+    key_limits: tuple[tuple[str, KeyLimits], ...] = field(default=(), repr=False)
+
     def __post_init__(self) -> None:
         if not self.workers and not self.worker_dns:
             raise ValueError("workers: at least one worker address (host:port) or worker_dns is required")
@@ -417,6 +448,9 @@ class Settings:
             raise ValueError("event_loop: uvloop is not installed (install it, or use auto or asyncio)")
         if not 0 <= self.max_stream_migrations <= 16:
             raise ValueError(f"max_stream_migrations: must be in 0..16, got {self.max_stream_migrations}")
+        url = self.rate_limit_redis_url
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("rate_limit_redis_url: must start with redis://, rediss:// or unix://")
         if self.max_concurrent_per_key < 0:
             raise ValueError(
                 f"max_concurrent_per_key: must be >= 0 (0 = off), got {self.max_concurrent_per_key}"
@@ -488,7 +522,8 @@ def _combine(values: dict[str, Any], sources: Mapping[str, str]) -> dict[str, An
             file_keys = read_api_keys_file(path)
         except ValueError as error:
             raise ValueError(f"{sources['api_keys_file']}: {error}") from None
-        values["api_keys"] = tuple(dict.fromkeys((*values.get("api_keys", ()), *file_keys)))
+        values["api_keys"] = tuple(dict.fromkeys((*values.get("api_keys", ()), *(k for k, _ in file_keys))))
+        values["key_limits"] = tuple((key, limits) for key, limits in file_keys if limits.limited)
     if not values.get("workers") and "worker_dns" not in values:
         raise ValueError(
             f"--workers (or {ENV_PREFIX}WORKERS) is required: host:port[,host:port...], "

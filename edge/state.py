@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from edge.drain import Drain
     from edge.metrics import EdgeMetrics
     from edge.request_log import RequestLogger, RequestRecord
+    from edge.rate_limits import RateLimiter
     from edge.settings import Settings
     from edge.store.opening import StoreHandle
     from edge.streaming.connections import ClientConnections
@@ -38,6 +39,7 @@ class EdgeState:
     store: StoreHandle
     background: BackgroundTasks
     request_log: RequestLogger | None = None
+    rate_limits: RateLimiter | None = None
 
 
 class EdgeApp(Quart):

@@ -108,6 +108,19 @@ class Scheduling:
 
 
 @dataclass(frozen=True)
+class ThinkingBudget:
+    """A cap on each choice's thinking (vLLM's ``thinking_token_budget``): once ``tokens`` tokens were
+    written inside the family's block (``open_text`` ... ``close_text``), ``close_ids`` are forced
+    and the answer follows. ``starts_thinking``: the prompt opened the block."""
+
+    tokens: int
+    open_text: str
+    close_text: str
+    close_ids: tuple[int, ...]
+    starts_thinking: bool = False
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     """A tokenized request, ready for the scheduler."""
 
@@ -125,6 +138,7 @@ class GenerationRequest:
     images: tuple[PromptImage, ...] = ()  # a vision-language model's images, in prompt order
     lora: LoraHandle | None = None  # the LoRA adapter the request names; None = the base model
     scheduling: Scheduling = Scheduling()
+    thinking_budget: ThinkingBudget | None = None  # None: thinking is not capped
 
     @property
     def prefill_token_ids(self) -> tuple[int, ...]:

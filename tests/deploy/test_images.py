@@ -220,7 +220,9 @@ importlib.import_module("edge.__main__")
 print(json.dumps(sorted({name.split(".")[0] for name in set(sys.modules) - before})))
 """
 # grpc/__init__.py imports these when present and carries on without them.
-_OPTIONAL_IMPORTS = {"grpc_tools", "grpc_reflection"}
+# redis (the edge's shared rate-limit counters) imports xxhash and opentelemetry when they are
+# installed (as the dev extras' packages bring them here) and goes without them in the image.
+_OPTIONAL_IMPORTS = {"grpc_tools", "grpc_reflection", "xxhash", "opentelemetry"}
 
 
 def _closure(requirements: list[Requirement]) -> set[str]:

@@ -28,6 +28,7 @@ from worker.errors import InvalidRequest, ModelNotFound
 from worker.prompts.images import ImageData
 from worker.prompts.prompt import CHAT_ROLES, ChatMessage, ChatPrompt, RawPrompt
 from worker.sampling.grammar import GrammarSpec
+from worker.service.thinking import thinking_request
 from worker.types import (
     ContentDelta,
     Event,
@@ -63,6 +64,8 @@ class ParsedRequest:
     grammar: GrammarSpec | None = None
     parse_tool_calls: bool = False
     enable_thinking: bool | None = None
+    thinking_token_budget: int | None = None  # chat only: each choice's thinking cap
+    reasoning_effort: str = ""  # chat only: a key of service/thinking.py EFFORT_BUDGETS, or ""
     # ``resume``: the tokens an earlier call delivered, for choice 0 (n == 1 only); () = a new request.
     resumed_token_ids: tuple[int, ...] = ()
     scheduling: Scheduling = field(default_factory=Scheduling)  # priority, tenant, the call's deadline
@@ -125,6 +128,7 @@ def parse_request(
     kind = request.WhichOneof("input")
     prompt: ChatPrompt | RawPrompt
     grammar, parse_tools, thinking = _response_format(request.response_format), False, None
+    budget, effort = None, ""
     if kind == "chat":
         prompt = _chat_prompt(request.chat)
         tool_grammar, parse_tools = _tool_choice(request.chat, prompt)
@@ -136,6 +140,7 @@ def parse_request(
                 )
             grammar = tool_grammar
         thinking = request.chat.enable_thinking if request.chat.HasField("enable_thinking") else None
+        budget, effort = thinking_request(request.chat)
     elif kind == "prompt":
         prompt = _raw_prompt(request.prompt)
     else:
@@ -153,6 +158,8 @@ def parse_request(
         parse_tool_calls=parse_tools,
         enable_thinking=thinking,
         scheduling=_scheduling(request, deadline),
+        thinking_token_budget=budget,
+        reasoning_effort=effort,
     )
 
 

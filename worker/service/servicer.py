@@ -55,6 +55,7 @@ from worker.service.pooling import (
     prepare_score,
     score_response,
 )
+from worker.service.thinking import thinking_budget, with_effort
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
 
 # Template rendering, tokenization and grammar compilation of a large request take long enough to
@@ -408,7 +409,9 @@ def _prepare(
     """Everything blocking before a request can be queued: the chat template, tokenization, option
     checks that need the prompt's length, grammar compilation, the LoRA ``adapter`` read in when
     it left host memory. Runs in the prepare threads."""
-    prompt_ids, prompt_text, images = serving.renderer.render_with_images(parsed.prompt)
+    profile = serving.renderer.profile
+    prompt = with_effort(parsed.prompt, parsed.reasoning_effort, profile.thinking_switch)
+    prompt_ids, prompt_text, images = serving.renderer.render_with_images(prompt)
     kept = truncated_prompt(parsed.sampling, prompt_ids, serving.loaded.context_length)
     if images and len(kept) < len(prompt_ids):
         raise InvalidRequest(
@@ -429,7 +432,6 @@ def _prepare(
         encode=serving.renderer.encode,
     )
     check_resumed_tokens(parsed.resumed_token_ids, serving.renderer.vocab_size)
-    profile = serving.renderer.profile
     spec = parsed.grammar
     if spec is not None and spec.kind == "tool_call":
         spec = dataclasses.replace(spec, call_format=profile.call_grammar)  # the family's own format
@@ -464,6 +466,17 @@ def _prepare(
         images=images,
         lora=serving.loras.resolve(adapter) if adapter and serving.loras is not None else None,
         scheduling=parsed.scheduling,
+        # Thinking is parsed (a chat, a model that thinks, no grammar from the first token) and capped.
+        thinking_budget=thinking_budget(
+            parsed.thinking_token_budget,
+            parsed.reasoning_effort,
+            switch=profile.thinking_switch,
+            reasoning_parser=reasoning,
+            starts_thinking=output.starts_thinking,
+            encode=serving.renderer.encode,
+        )
+        if output.reasoning and grammar is None
+        else None,
     )
     return _PreparedCall(serving.generator.prepare(request), prompt_ids, prompt_text)
 

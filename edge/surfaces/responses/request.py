@@ -206,8 +206,9 @@ def build_responses_request(request: ResponsesRequest, history: list[Any]) -> Pa
             chat_body[name] = value
     if request.max_output_tokens is not None:
         chat_body["max_completion_tokens"] = request.max_output_tokens
-    if request.reasoning is not None and request.reasoning.effort == "none":
-        chat_body["reasoning_effort"] = "none"
+    if request.reasoning is not None and request.reasoning.effort is not None:
+        effort = request.reasoning.effort
+        chat_body["reasoning_effort"] = "high" if effort == "xhigh" else effort
     fmt = request.text.format if request.text is not None else None
     if fmt is not None:
         chat_body["response_format"] = _response_format(fmt)
