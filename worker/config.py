@@ -188,8 +188,8 @@ class WorkerConfig:
         "auto",
         choice(*KV_CACHE_DTYPES),
         "how the KV cache stores keys and values: auto (the model's dtype), int8 or fp8 (float8 "
-        "e4m3): one byte per element and a scale per token and head, about twice the tokens in "
-        "the same memory at a small accuracy cost (docs/benchmarks.md)",
+        "e4m3): one byte per element and a scale per token, head and 32 dims, about twice the tokens "
+        "of a bfloat16 cache in the same memory at a small accuracy cost (docs/benchmarks.md)",
     )
     cuda_graphs: bool = setting(
         True,

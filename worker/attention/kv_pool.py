@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from worker.attention.kv_quant import SCALE_DTYPE, KVQuant, kv_quant
+from worker.attention.kv_quant import SCALE_DTYPE, KVQuant, group_dims, kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ def _capacity_note(shape: KVShape) -> str:
 class LayerCache:
     """One layer's blocks as attention writes and reads them: ``keys``/``values`` ``[num_blocks,
     block_size, kv_heads, head_dim]`` in the model's dtype, or an 8-bit cache's codes with their
-    ``key_scales``/``value_scales`` ``[num_blocks, block_size, kv_heads]`` (``quant``)."""
+    ``key_scales``/``value_scales`` ``[num_blocks, block_size, kv_heads, groups]`` (``quant``)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -238,7 +238,7 @@ class LayerCache:
         ):
             quantized, scale = self.quant.quantize(new)
             codes.view(-1, heads, dim).index_copy_(0, slots, quantized)
-            scales.view(-1, heads).index_copy_(0, slots, scale)
+            scales.view(-1, heads, scale.shape[-1]).index_copy_(0, slots, scale)
 
     def stored(self, new: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """What the pool gives back for new keys or values ``[T, kv_heads, d]`` once written, in
@@ -268,8 +268,9 @@ def _allocate(
     values = torch.zeros(dims, dtype=dtype, device=device)
     if quant is None:
         return LayerCache(keys, values)
-    key_scales = torch.zeros(dims[:3], dtype=SCALE_DTYPE, device=device)
-    value_scales = torch.zeros(dims[:3], dtype=SCALE_DTYPE, device=device)
+    scale_dims = (*dims[:3], dims[3] // group_dims(dims[3]))
+    key_scales = torch.zeros(scale_dims, dtype=SCALE_DTYPE, device=device)
+    value_scales = torch.zeros(scale_dims, dtype=SCALE_DTYPE, device=device)
     return LayerCache(keys, values, key_scales, value_scales, quant)
 
 

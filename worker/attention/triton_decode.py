@@ -67,8 +67,9 @@ class SplitWorkspace:
 
 @dataclass(frozen=True)
 class KVScales:
-    """An 8-bit cache's per-token scales, ``[num_blocks, block_size, KVH]`` each, and its codes'
-    kind (``int8``, or ``fp8``: float8 e4m3 bits in ``uint8``; worker/attention/kv_quant.py)."""
+    """An 8-bit cache's scales, ``[num_blocks, block_size, KVH, groups]`` each (a group: the head
+    dim's ``head_dim / groups`` consecutive dims), and its codes' kind (``int8``, or ``fp8``: float8
+    e4m3 bits in ``uint8``; worker/attention/kv_quant.py)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -248,6 +249,7 @@ def paged_decode_attention(
         value_cache.stride(2),
         key_scales.stride(0) if scales is not None else 0,
         key_scales.stride(1) if scales is not None else 0,
+        key_scales.stride(2) if scales is not None else 0,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -269,6 +271,7 @@ def paged_decode_attention(
         IEEE_DOT=query.dtype == torch.float32,
         DOT_IN_FP32=interpret and query.dtype != torch.float32,
         CODES=0 if scales is None else scales.kind,
+        GROUP_DIMS=head_dim if scales is None else head_dim // scales.keys.shape[3],
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
     )
@@ -398,11 +401,16 @@ def _check_cache_dtype(
             f"key_cache/value_cache dtype ({key_cache.dtype}/{value_cache.dtype}) must be {want}"
         )
     if scales is not None and not (
-        scales.keys.shape == scales.values.shape == key_cache.shape[:3]
+        scales.keys.dim() == 4
+        and scales.keys.shape == scales.values.shape
+        and scales.keys.shape[:3] == key_cache.shape[:3]
+        and key_cache.shape[3] % scales.keys.shape[3] == 0
         and scales.keys.stride() == scales.values.stride()
         and scales.keys.stride(-1) == 1
     ):
-        raise ValueError("the scales must be [num_blocks, block_size, KVH] like the caches, contiguous alike")
+        raise ValueError(
+            "the scales must be [num_blocks, block_size, KVH, groups] like the caches, contiguous alike"
+        )
 
 
 def _check_workspace(

@@ -37,6 +37,7 @@ def decode_partition_kernel(
     stride_vh,
     stride_sb,
     stride_st,
+    stride_sh,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -58,6 +59,7 @@ def decode_partition_kernel(
     IEEE_DOT: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     CODES: tl.constexpr,
+    GROUP_DIMS: tl.constexpr,
 ):
     """One program: one sequence, one kv head, all query heads of its group,
     one partition of the context (the whole context when not SPLIT).
@@ -66,9 +68,9 @@ def decode_partition_kernel(
     the cache dtype as on the GPU, then widened to float32, because triton's
     interpreter multiplies bfloat16 operands wrongly (seen with triton 3.9).
 
-    CODES (an 8-bit cache): 0 float blocks; 1 int8 codes, 2 float8 e4m3 bits, each token's head
-    row with its scale (``[num_blocks, block_size, KVH]``): the key scale multiplies the token's
-    score after the dot, the value scale its probability before the second dot.
+    CODES (an 8-bit cache): 0 float blocks; 1 int8 codes, 2 float8 e4m3 bits, with a scale per
+    token, kv head and GROUP_DIMS dims (``[num_blocks, block_size, KVH, groups]``): each tile's
+    codes are widened and scaled in registers, then go into the dots as float blocks would.
 
     HAS_WINDOW: only the last ``window`` tokens are read; HAS_SOFTCAP: scores
     (log2 units) are ``softcap_log2 * tanh(q.k * softcap_scale)``; HAS_SINKS
@@ -143,11 +145,16 @@ def decode_partition_kernel(
             other=0.0,
         )
         if CODES != 0:
-            k = _widen(k, CODES).to(out_ptr.dtype.element_ty)
-            v = _widen(v, CODES).to(out_ptr.dtype.element_ty)
-            scale_offsets = block_ids * stride_sb + in_block * stride_st + kv_head
-            k_scale = tl.load(key_scales_ptr + scale_offsets, mask=token_mask, other=0.0).to(tl.float32)
-            v_scale = tl.load(value_scales_ptr + scale_offsets, mask=token_mask, other=0.0).to(tl.float32)
+            scale_offsets = (
+                block_ids[:, None] * stride_sb
+                + in_block[:, None] * stride_st
+                + kv_head * stride_sh
+                + (dims // GROUP_DIMS)[None, :]
+            )
+            k_scale = tl.load(key_scales_ptr + scale_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+            v_scale = tl.load(value_scales_ptr + scale_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+            k = (_widen(k, CODES) * k_scale).to(out_ptr.dtype.element_ty)
+            v = (_widen(v, CODES) * v_scale).to(out_ptr.dtype.element_ty)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -155,8 +162,6 @@ def decode_partition_kernel(
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        if CODES != 0:
-            scores = scores * k_scale[None, :]
         if HAS_SOFTCAP:
             # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at the limits (exp overflows to inf).
             capped = scores * softcap_scale
@@ -172,10 +177,7 @@ def decode_partition_kernel(
         acc = acc * alpha[:, None]
         # The probabilities go into the second dot in the query's dtype (as
         # flash attention does): half the registers, the tensor cores' rate.
-        p_dot = p
-        if CODES != 0:
-            p_dot = p * v_scale[None, :]
-        p_dot = p_dot.to(out_ptr.dtype.element_ty)
+        p_dot = p.to(out_ptr.dtype.element_ty)
         if DOT_IN_FP32:
             p_dot = p_dot.to(tl.float32)
         if IEEE_DOT:
