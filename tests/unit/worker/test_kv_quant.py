@@ -28,6 +28,7 @@ from worker.attention.triton_decode import (
     triton_available,
 )
 from worker.config import parse_config
+from worker.model import runner_setup
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import Work
 from worker.quant.layers import cpu_kernels_available
@@ -35,6 +36,7 @@ from worker.quant.layers import cpu_kernels_available
 pytestmark = pytest.mark.slow  # left out of make test-fast
 
 CACHES = ("int8", "fp8")
+BLOCK_TOKENS = 16  # --kv-block-size's default
 
 
 def _rows(seed: int = 0) -> torch.Tensor:
@@ -89,6 +91,24 @@ def test_the_pool_holds_about_twice_the_tokens(dtype: torch.dtype, caplog: pytes
             quantized, 16, torch.device("cpu"), tokens=None, cpu_bytes=budget, gpu_memory_fraction=0.9
         )
     assert f"--kv-cache-dtype int8: 12240 bytes per token against {plain.bytes_per_token}" in caplog.text
+
+
+def test_the_setting_reaches_the_pool(caplog: pytest.LogCaptureFixture) -> None:
+    """``--kv-cache-dtype`` through the worker's start-up (runner_setup): the pool holds codes and is
+    sized by their bytes from ``--kv-cache-bytes``, and the start-up log says what it gained."""
+    model = tiny_model(tiny_config("llama"))
+    budget = 1 << 20
+    runners = {}
+    with caplog.at_level(logging.INFO, logger="worker.attention.kv_pool"):
+        for cache in ("auto", "int8"):
+            config = parse_config(["--kv-cache-dtype", cache, "--kv-cache-bytes", str(budget)], environ={})
+            runners[cache], _ = runner_setup.model_runner(loaded(model), config)  # type: ignore[arg-type]
+    assert runners["int8"].pool.keys[0].dtype == torch.int8
+    assert runners["auto"].pool.keys[0].dtype == torch.float32
+    shape = runners["int8"].kv_shape
+    assert runners["int8"].num_blocks == budget // (BLOCK_TOKENS * shape.bytes_per_token)
+    assert runners["int8"].num_blocks >= 3.5 * runners["auto"].num_blocks  # head dim 16: one group
+    assert "--kv-cache-dtype int8: " in caplog.text and "x the tokens" in caplog.text
 
 
 def test_gemma4_layers_keep_their_own_geometry_and_sharing() -> None:
