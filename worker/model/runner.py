@@ -83,10 +83,12 @@ class ModelRunner:
         batch_invariant: bool = False,
         triton_decode: bool | None = None,
         max_sequences: int = 16,
+        kv_cache_dtype: str = "auto",
     ):
         """``triton_decode``: decode rows on the Triton kernel; None chooses (below), True forces it
         (tests run it on the CPU through triton's interpreter). ``max_sequences``: the state slots
-        of a hybrid model (one per running sequence: the scheduler's ``max_running``)."""
+        of a hybrid model (one per running sequence: the scheduler's ``max_running``).
+        ``kv_cache_dtype``: ``--kv-cache-dtype`` (worker/attention/kv_quant.py)."""
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -101,7 +103,7 @@ class ModelRunner:
                 {"": paged.NAME, "text_config": paged.NAME, "vision_config": "sdpa"}
             )
         self.vision = None if spec is None else VisionEncoder(self.model, spec, loaded.device, loaded.dtype)
-        self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype)
+        self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype, kv_cache_dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
         # One block more than the scheduler hands out: padding rows of a captured decode batch write
@@ -314,7 +316,7 @@ class ModelRunner:
             torch.cat(tables),
             torch.tensor(flat.positions, dtype=torch.long) + 1,
             size,
-            widest * self.pool.keys[0].element_size(),
+            widest * torch.empty((), dtype=self.dtype).element_size(),  # gathered in the model's dtype
             self.device,
         )
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(self.device), invariant=rows)
