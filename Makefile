@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install fixtures browser-deps run test test-fast lint protos bench bench-edge bench-speculative bench-quant chaos fuzz clean gpu-wheels gpu-check
+.PHONY: install fixtures browser-deps postgres-deps redis-deps run test test-fast lint protos bench bench-edge bench-speculative bench-quant chaos fuzz clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -44,10 +44,41 @@ browser-deps:
 			"the browser tests will skip"; \
 	fi
 
+# The state-store tests (tests/integration/test_state_store.py, tests/e2e/test_stored_responses.py) start a
+# throwaway server from Debian's PostgreSQL (initdb + postgres, no service); installed like the browser.
+POSTGRES_PACKAGES := postgresql
+
+postgres-deps:
+	@if command -v initdb >/dev/null 2>&1 || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "Installing $(POSTGRES_PACKAGES) for the state-store tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends $(POSTGRES_PACKAGES) >/dev/null; \
+	else \
+		echo "PostgreSQL missing and not installable here (needs root and apt-get):" \
+			"the PostgreSQL state-store tests will skip"; \
+	fi
+
+# The edge's shared rate-limit counters are tested against a real Redis (tests/integration/
+# test_rate_limits.py starts Debian's redis-server on a free port). Installed with apt when missing
+# and run as root (CI); where that cannot be done that test skips, saying why.
+redis-deps:
+	@if command -v redis-server >/dev/null 2>&1; then \
+		:; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "Installing redis-server for the shared rate-limit tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends redis-server >/dev/null; \
+	else \
+		echo "redis-server missing and not installable here (needs root and apt-get):" \
+			"the shared rate-limit test will skip"; \
+	fi
+
 run: install
 	$(VENV)/bin/sluice serve
 
-test: install fixtures browser-deps
+test: install fixtures browser-deps postgres-deps redis-deps
 	$(PY) -m pytest -n 2 --dist loadscope
 
 # The inner loop: the unit tests that start no process and build no model (under 2 minutes once

@@ -27,8 +27,13 @@ COPY --chmod=755 deploy/healthcheck.py /usr/local/bin/sluice-healthcheck
 
 # A fixed numeric uid, so Kubernetes can verify runAsNonRoot. The edge writes no files, except
 # with several processes: their metrics, in a temporary folder (/tmp).
-RUN useradd --system --uid 10001 --user-group --no-create-home sluice
+RUN useradd --system --uid 10001 --user-group --no-create-home sluice \
+    && mkdir -p /var/lib/sluice && chown 10001:10001 /var/lib/sluice
 USER 10001:10001
+# The state store's SQLite file (stored Responses; docs/operations.md, "State"): mount a volume
+# here to keep it, or set SLUICE_EDGE_STATE_URL to share PostgreSQL between edges.
+ENV SLUICE_EDGE_STATE_DIR=/var/lib/sluice
+VOLUME ["/var/lib/sluice"]
 
 # Inside a container the edge must listen on every interface (its own default is 127.0.0.1).
 # One edge process per CPU core the container may use (they share the port; --processes).

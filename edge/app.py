@@ -14,6 +14,7 @@ from quart.wrappers import Response
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from edge.auth import ApiKeyCheck
+from edge.background import BackgroundTasks
 from edge.concurrency import ConcurrencyLimiter, ReleaseSlots
 from edge.cors import Cors
 from edge.drain import Drain
@@ -33,16 +34,22 @@ from edge.http import (
     refuse_unknown_fields,
     use_request_limits,
 )
-from edge.logs import bind_request_id, log_request
+from edge.logs import begin_request_log, bind_request_id, end_request_log, log_record, log_request
 from edge.metrics import EdgeMetrics
+from edge.request_log import RequestLogger
+from edge.rate_limit_redis import RedisCounters
+from edge.rate_limits import CounterStore, LocalCounters, RateLimiter
 from edge.routes import register_routes
-from edge.settings import Settings
+from edge.settings import Settings, api_key_tenants
 from edge.state import EdgeApp, EdgeState
+from edge.store.opening import StoreHandle
 from edge.streaming.connections import ClientConnections
 from edge.workers.pool import WorkerPool
 from sluice.heap import freeze_startup_heap
 
 log = logging.getLogger("sluice.edge")
+# Seconds between two purges of the state store (at most --state-ttl).
+PURGE_INTERVAL_S = 300.0
 
 
 def create_app(settings: Settings) -> EdgeApp:
@@ -61,6 +68,7 @@ def create_app(settings: Settings) -> EdgeApp:
     )
     metrics = EdgeMetrics()
     limiter = ConcurrencyLimiter(settings.max_concurrent_per_key)
+    rate_limits = _rate_limiter(settings, metrics)
     # Outermost ASGI layer: a client that stops reading is disconnected after --write-timeout.
     connections = ClientConnections(app.asgi_app, settings.write_timeout_s)
     app.sluice = EdgeState(
@@ -70,19 +78,34 @@ def create_app(settings: Settings) -> EdgeApp:
         drain=Drain(),
         limiter=limiter,
         connections=connections,
+        store=StoreHandle(settings.state_dir, settings.state_url, settings.retention),
+        background=BackgroundTasks(),
+        request_log=RequestLogger(settings.log_request_text) if settings.log_requests else None,
+        rate_limits=rate_limits,
     )
 
     @app.before_serving
     async def open_pool() -> None:
         # Channels, DNS discovery and the health-check loop start here; close() stops them.
         app.sluice.pool.open()
+        await app.sluice.store.get()  # migrated and purged before the first request
         freeze_startup_heap(log, "edge")
         dns = [f"DNS {settings.worker_dns}"] if settings.worker_dns else []
         log.info("edge ready for workers %s", ", ".join([*settings.workers, *dns]))
 
     @app.after_serving
     async def close_pool() -> None:
+        await app.sluice.background.close()
+        await app.sluice.store.close()
         await app.sluice.pool.close()
+        if rate_limits is not None:
+            await rate_limits.store.close()
+
+    @app.while_serving
+    async def purge_store() -> AsyncGenerator[None, None]:
+        task = asyncio.create_task(_purge_loop(app.sluice))
+        yield
+        task.cancel()
 
     if metrics.multiprocess:
         # A scrape reaches one process: the others keep their live gauges fresh themselves.
@@ -94,6 +117,8 @@ def create_app(settings: Settings) -> EdgeApp:
 
     app.before_request(assign_request_id)
     app.before_request(bind_request_id)
+    if settings.log_requests:
+        app.before_request(begin_request_log)
     app.before_request(use_request_limits)
     cors = Cors(settings.allowed_origins)
     if cors.enabled:
@@ -102,13 +127,20 @@ def create_app(settings: Settings) -> EdgeApp:
         app.after_request(cors.mark)
     if settings.strict_fields:
         app.before_request(refuse_unknown_fields)
-    api_keys = ApiKeyCheck(settings.api_keys)
+    api_keys = ApiKeyCheck(settings.api_keys, api_key_tenants(settings.api_keys_file))
     if api_keys.enabled:
         app.before_request(api_keys.before_request)
+    if rate_limits is not None:
+        app.before_request(rate_limits.identify)
     if limiter.enabled:
         app.before_request(limiter.before_request)
+    if rate_limits is not None:
+        app.before_request(rate_limits.check)
+        app.after_request(rate_limits.after_request)
     app.after_request(metrics.after_request)
     app.after_request(log_request)
+    if settings.log_requests:
+        app.after_request(end_request_log)
 
     @app.after_request
     async def add_request_id(response: Response) -> Response:
@@ -117,6 +149,9 @@ def create_app(settings: Settings) -> EdgeApp:
 
     @app.errorhandler(EdgeError)
     async def handle_edge_error(error: EdgeError) -> Response:
+        record = log_record()
+        if record is not None:
+            record.error = str(error.code or error.type)
         return error_response(error)
 
     @app.errorhandler(HTTPException)
@@ -138,6 +173,18 @@ def create_app(settings: Settings) -> EdgeApp:
     return app
 
 
+def _rate_limiter(settings: Settings, metrics: EdgeMetrics) -> RateLimiter | None:
+    """The per-key rate limits of --api-keys-file, counted here or in --rate-limit-redis-url's Redis;
+    None when no key has limits."""
+    positions = {key: index for index, key in enumerate(settings.api_keys)}
+    limits = {positions[key]: (key, lim) for key, lim in settings.key_limits if key in positions}
+    if not limits:
+        return None
+    url = settings.rate_limit_redis_url
+    store: CounterStore = RedisCounters(url) if url else LocalCounters()
+    return RateLimiter(limits, store, metrics)
+
+
 async def _refresh_loop(state: EdgeState) -> None:
     while True:
         try:
@@ -145,6 +192,17 @@ async def _refresh_loop(state: EdgeState) -> None:
         except Exception:  # a metrics hiccup must not end the loop
             log.exception("refreshing the live metrics failed")
         await asyncio.sleep(state.settings.health_interval_s)
+
+
+async def _purge_loop(state: EdgeState) -> None:
+    """Deletes expired responses (and the oldest over the size limit) every few minutes."""
+    interval = min(PURGE_INTERVAL_S, state.settings.state_ttl_s)
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await (await state.store.get()).purge()
+        except Exception:  # a database hiccup must not end the loop
+            log.exception("purging the state store failed")
 
 
 def _from_http_exception(error: HTTPException) -> EdgeError:

@@ -6,8 +6,9 @@ Design notes: docs/edge-internals.md.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from quart import g, request
 
@@ -19,13 +20,25 @@ _MISSING = (
     "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY), or in an x-api-key header."
 )
 _WRONG = "Incorrect API key provided."
+#: Who owns what a request stores when the edge has no API keys: every caller alike.
+ANONYMOUS = "anonymous"
+
+
+def key_id(key: str) -> str:
+    """A key's stable, non-secret id: the first 16 hex digits of its SHA-256 (stored responses'
+    owner, request logs); the same on every edge and across restarts and key-file reorders."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
 
 
 class ApiKeyCheck:
-    """Checks bearer tokens against a fixed set of keys."""
+    """Checks bearer tokens against a fixed set of keys, and knows each key's tenant."""
 
-    def __init__(self, keys: Iterable[str]) -> None:
+    def __init__(self, keys: Iterable[str], tenants: Mapping[str, str] | None = None) -> None:
+        """``tenants``: key -> tenant; a key without one is its own tenant, ``key#N`` (its position)."""
+        keys = tuple(keys)
         self._keys = tuple(key.encode("utf-8") for key in keys)
+        self._tenants = tuple((tenants or {}).get(key) or f"key#{index}" for index, key in enumerate(keys))
+        self._ids = tuple(key_id(key) for key in keys)
 
     @property
     def enabled(self) -> bool:
@@ -66,12 +79,22 @@ class ApiKeyCheck:
 
     async def before_request(self) -> None:
         """Quart ``before_request`` hook (registered after the request id is assigned);
-        records the matched key's position for :func:`caller_identity`."""
+        records the matched key's position for :func:`caller_identity` and its id for
+        :func:`caller_key_id`."""
         index = self.check(
             request.path, request.headers.get("Authorization"), request.headers.get("x-api-key")
         )
         if index is not None:
             g.api_key_index = index
+            g.api_key_id = self._ids[index]
+            g.api_key_tenant = self._tenants[index]
+
+
+def caller_tenant() -> str:
+    """The tenant a request counts against on the workers, inside a request context: its API key's
+    (set by the check, never by the caller); empty without API keys (everyone shares one)."""
+    tenant: str = g.get("api_key_tenant", "")
+    return tenant
 
 
 def caller_identity() -> str:
@@ -86,3 +109,10 @@ def caller_identity() -> str:
     if index is not None:
         return f"key#{index}"
     return f"client:{request.remote_addr or 'unknown'}"
+
+
+def caller_key_id() -> str:
+    """The id (:func:`key_id`) of the API key the current request was authenticated with, or
+    :data:`ANONYMOUS` when the edge has no keys: the owner of what the request stores."""
+    found: str | None = g.get("api_key_id")
+    return found if found is not None else ANONYMOUS

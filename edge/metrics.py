@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, mult
 from quart import request
 from quart.wrappers import Response
 
+from edge.rate_limits import KINDS as RATE_LIMITS
 from edge.workers.migration import OUTCOMES as MIGRATION_OUTCOMES
 from sluice.prometheus import GAP_BUCKETS, LATENCY_BUCKETS
 
@@ -150,6 +151,13 @@ class EdgeMetrics:
             "generation requests refused (429) by the per-key concurrency limit",
             registry=own,
         )
+        self._rate_limited = Counter(
+            "sluice_edge_rate_limited_requests",
+            "requests refused (429 rate_limit_exceeded) by their API key's per-minute limit, by the limit "
+            "spent: requests or tokens",
+            ["limit"],
+            registry=own,
+        )
         self._migrations = Counter(
             "sluice_edge_stream_migrations",
             "worker calls that failed mid-stream with their worker (UNAVAILABLE), by outcome: resumed "
@@ -169,6 +177,8 @@ class EdgeMetrics:
         self._gap_by_surface: dict[str, Histogram] = {}
         for outcome in MIGRATION_OUTCOMES:
             self._migrations.labels(outcome)
+        for limit in RATE_LIMITS:
+            self._rate_limited.labels(limit)
 
     # ---------------------------------------------------------------- hooks
 
@@ -207,6 +217,11 @@ class EdgeMetrics:
     def stream_error(self, surface: str, kind: str, code: str) -> None:
         """A stream ended with an error event of this type and code."""
         self._stream_errors.labels(surface, kind, code).inc()
+
+    def rate_limited(self, limit: str) -> None:
+        """A request refused because its key spent its ``limit`` (``requests`` or ``tokens``) for
+        the minute."""
+        self._rate_limited.labels(limit).inc()
 
     def stream_migration(self, outcome: str) -> None:
         """A call's worker died mid-stream; ``outcome`` is one of :data:`MIGRATION_OUTCOMES`. Counted

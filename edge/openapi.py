@@ -30,7 +30,9 @@ _ERRORS = {
     "404": "Unknown model (`code: model_not_found`) or route.",
     "413": "The body is larger than the edge's `--max-body-bytes`.",
     "422": "The body is valid JSON but not a JSON object.",
-    "429": "Every worker's queue is full; retry after `Retry-After` seconds.",
+    "429": "Every worker's queue is full, the caller is at its concurrency limit, or its API key spent its "
+    "requests or tokens per minute (`code: rate_limit_exceeded`, with the `x-ratelimit-*` headers); retry "
+    "after `Retry-After` seconds.",
     "500": "An internal error (no detail is shown).",
     "503": "No worker is available; retry after `Retry-After` seconds.",
     "504": "The request's deadline passed before it started.",
@@ -250,8 +252,9 @@ class LlamaCppGeneration:
 
 @dataclass(frozen=True)
 class Read:
-    """A GET answered with one JSON ``answer`` (the model lists); ``path_parameters``: each path
-    variable's description."""
+    """A request without a body answered with one JSON ``answer`` (the model lists; a stored
+    response read, deleted or cancelled); ``path_parameters`` and ``query_parameters``: each
+    parameter's description."""
 
     summary: str
     answer: type[BaseModel]
@@ -260,20 +263,25 @@ class Read:
     error: type[BaseModel] = ErrorResponse
     security: tuple[str, ...] = BEARER
     path_parameters: Mapping[str, str] = field(default_factory=dict)
+    query_parameters: Mapping[str, str] = field(default_factory=dict)
 
     def operation(self) -> dict[str, Any]:
         operation: dict[str, Any] = {"summary": self.summary, "security": _security(self.security)}
-        if self.path_parameters:
-            operation["parameters"] = [
-                {
-                    "name": name,
-                    "in": "path",
-                    "required": True,
-                    "description": text,
-                    "schema": {"type": "string"},
-                }
-                for name, text in self.path_parameters.items()
-            ]
+        parameters = [
+            {"name": name, "in": "path", "required": True, "description": text, "schema": {"type": "string"}}
+            for name, text in self.path_parameters.items()
+        ] + [
+            {
+                "name": name,
+                "in": "query",
+                "required": False,
+                "description": text,
+                "schema": {"type": "string"},
+            }
+            for name, text in self.query_parameters.items()
+        ]
+        if parameters:
+            operation["parameters"] = parameters
         operation["responses"] = {
             "200": _json(self.answer, self.description, "X-Sluice-Worker-ID"),
             **_error_responses(*self.statuses, model=self.error),

@@ -7,13 +7,16 @@ import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from edge.cors import parse_origins
 from edge.event_loop import EVENT_LOOPS, uvloop_available
+from edge.rate_limits import KEY_FIELDS, KeyLimits
 from edge.requests.limits import RequestLimits
+from edge.store.opening import POSTGRES_SCHEMES
+from edge.store.responses import Retention
 from edge.workers.addresses import split_host_port
 from edge.workers.routing import RoutingPolicy
 from sluice.limits import MAX_N, MAX_TOP_LOGPROBS
@@ -50,13 +53,76 @@ def parse_api_keys(raw: str) -> tuple[str, ...]:
     return _check_keys(part.strip() for part in raw.split(","))
 
 
-def read_api_keys_file(path: str) -> tuple[str, ...]:
-    """One API key per line; blank lines and lines starting with ``#`` are ignored."""
+@dataclass(frozen=True)
+class ApiKeyEntry:
+    """One line of ``--api-keys-file``: a key, the tenant it counts against (None: its own) and its
+    rate limits."""
+
+    key: str
+    tenant: str | None = None
+    limits: KeyLimits = KeyLimits()
+
+
+MAX_TENANT_CHARS = 256  # the worker's bound (worker/service/convert.py)
+
+
+def read_api_key_entries(path: str) -> tuple[ApiKeyEntry, ...]:
+    """One API key per line, optionally followed by ``name=value`` fields (whitespace between):
+    ``tenant=NAME`` and the limits ``requests_per_minute=60 tokens_per_minute=100000``; blank lines
+    and lines starting with ``#`` are ignored. Errors name the line, never a key."""
     try:
         content = Path(path).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as error:
         raise ValueError(f"cannot read {path!r}: {error.__class__.__name__}") from None
-    return _check_keys(line.strip() for line in content.splitlines() if not line.lstrip().startswith("#"))
+    entries = []
+    for number, line in enumerate(content.splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        key, *fields = line.split()
+        try:
+            entries.append(_entry(key, fields))
+        except ValueError as error:
+            raise ValueError(f"line {number}: {error}") from None
+    _check_keys(entry.key for entry in entries)
+    return tuple(entries)
+
+
+def _entry(key: str, fields: list[str]) -> ApiKeyEntry:
+    """A key's ``name=value`` fields: its tenant (at most 256 ASCII characters) and its limits
+    (each a whole number >= 1)."""
+    tenant: str | None = None
+    values: dict[str, int] = {}
+    for item in fields:
+        name, equals, raw = item.partition("=")
+        if not equals or not raw:  # not quoted: a key with a space would show here
+            raise ValueError("after the key, only name=value fields may follow (a key has no spaces)")
+        if name in values or (name == "tenant" and tenant is not None):
+            raise ValueError(f"{name!r} is given twice")
+        if name == "tenant":
+            if len(raw) > MAX_TENANT_CHARS or not raw.isascii():
+                raise ValueError(f"a tenant is at most {MAX_TENANT_CHARS} ASCII characters")
+            tenant = raw
+            continue
+        if name not in KEY_FIELDS:
+            known = ", ".join(("tenant", *KEY_FIELDS))
+            raise ValueError(f"unknown field {name!r} (known: {known}, as name=value)")
+        try:
+            values[name] = int_at_least(1)(raw)
+        except ValueError as error:
+            raise ValueError(f"{name}: {error}") from None
+    return ApiKeyEntry(key, tenant, KeyLimits(**values))
+
+
+def read_api_keys_file(path: str) -> tuple[tuple[str, KeyLimits], ...]:
+    """The keys of ``--api-keys-file`` and their limits (:func:`read_api_key_entries`)."""
+    return tuple((entry.key, entry.limits) for entry in read_api_key_entries(path))
+
+
+def api_key_tenants(path: str | None) -> dict[str, str]:
+    """Key -> tenant, for the keys of ``--api-keys-file`` that name one."""
+    if path is None:
+        return {}
+    return {entry.key: entry.tenant for entry in read_api_key_entries(path) if entry.tenant is not None}
 
 
 def _check_keys(candidates: Any) -> tuple[str, ...]:
@@ -169,9 +235,31 @@ class Settings:
         secret=True,
     )
     api_keys_file: str | None = setting(
-        None, optional_text, "file with one API key per line (added to --api-keys)"
+        None,
+        optional_text,
+        "file with one API key per line (added to --api-keys), each optionally followed by "
+        "tenant=NAME (the tenant its requests count against on workers run with --scheduling-policy "
+        "fair; a key without one is a tenant of its own) and its limits: requests_per_minute=N "
+        "tokens_per_minute=N (docs/http.md)",
+    )
+    rate_limit_redis_url: str | None = setting(
+        None,
+        optional_text,
+        "redis://host:port[/db] whose counters every edge process and pod shares, for exact fleet-wide "
+        "per-key rate limits; unset: each edge process counts alone (docs/operations.md)",
+        secret=True,
     )
     log_format: str = setting("text", text, "text or json: one JSON object per line")
+    log_requests: bool = setting(
+        False,
+        help="one JSON line per API request on stderr: ids, the API key's id (never the key), model, "
+        'token counts, timings, finish reasons (docs/observability.md, "Request logs")',
+    )
+    log_request_text: int = setting(
+        0,
+        int_at_least(0),
+        "with --log-requests: the first N characters of each prompt and output in its line (0 = none)",
+    )
     max_concurrent_per_key: int = setting(
         0,
         int_at_least(0),
@@ -234,6 +322,12 @@ class Settings:
         "shared prompt prefix, unless the load is unbalanced; docs/operations.md) or "
         "least-outstanding (fewest calls in flight)",
     )
+    allow_runtime_lora: bool = setting(
+        False,
+        help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies), applied "
+        "to every worker (started with --enable-lora); off: those routes are 404. Behind the API "
+        "keys like every route: give them to operators only (docs/operations.md)",
+    )
     migrate_streams: bool = setting(
         True,
         help="continue a stream on another worker when its worker dies mid-stream (same text for "
@@ -256,6 +350,35 @@ class Settings:
         "* allows any origin, without credentials; none by default",
         shown_default="none",
     )
+    state_dir: str | None = setting(
+        None,
+        optional_text,
+        'folder of the embedded SQLite state store (stored Responses; docs/operations.md, "State"), '
+        "created if missing; unused with --state-url",
+        shown_default="$XDG_STATE_HOME/sluice (~/.local/state/sluice)",
+    )
+    # Never in repr or an error message: the URL may hold a password.
+    state_url: str | None = setting(
+        None,
+        optional_text,
+        "postgresql://user:password@host:port/database: the state store in PostgreSQL instead, shared "
+        "by several edge processes and hosts",
+        secret=True,
+    )
+    state_ttl_s: float = setting(
+        30 * 24 * 3600.0,
+        _POSITIVE,
+        "seconds a stored response is kept after its creation (30 days, as OpenAI)",
+        flag="state-ttl",
+    )
+    state_max_bytes: int = setting(
+        1024**3,
+        int_at_least(0),
+        "most bytes all stored responses may hold; above it the oldest are deleted first (0 = no limit)",
+    )
+
+    # The limits of --api-keys-file's keys that name some, read with the file (no flag of its own).
+    key_limits: tuple[tuple[str, KeyLimits], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if not self.workers and not self.worker_dns:
@@ -325,10 +448,23 @@ class Settings:
             raise ValueError("event_loop: uvloop is not installed (install it, or use auto or asyncio)")
         if not 0 <= self.max_stream_migrations <= 16:
             raise ValueError(f"max_stream_migrations: must be in 0..16, got {self.max_stream_migrations}")
+        url = self.rate_limit_redis_url
+        if url is not None and not url.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("rate_limit_redis_url: must start with redis://, rediss:// or unix://")
         if self.max_concurrent_per_key < 0:
             raise ValueError(
                 f"max_concurrent_per_key: must be >= 0 (0 = off), got {self.max_concurrent_per_key}"
             )
+        if self.log_request_text < 0:
+            raise ValueError(f"log_request_text: must be >= 0, got {self.log_request_text}")
+        if self.log_request_text and not self.log_requests:
+            raise ValueError("log_request_text: needs --log-requests")
+        if self.state_url is not None and not self.state_url.startswith(POSTGRES_SCHEMES):
+            raise ValueError("state_url: must start with postgresql:// (the URL is not shown)")
+        if not math.isfinite(self.state_ttl_s) or self.state_ttl_s <= 0:
+            raise ValueError(f"state_ttl_s: must be a positive number of seconds, got {self.state_ttl_s}")
+        if self.state_max_bytes < 0:
+            raise ValueError(f"state_max_bytes: must be >= 0 (0 = no limit), got {self.state_max_bytes}")
         try:
             _ = self.limits  # building them validates them
         except ValueError as error:
@@ -349,6 +485,11 @@ class Settings:
             max_image_bytes=self.max_image_bytes,
             allow_image_urls=self.allow_image_urls,
         )
+
+    @property
+    def retention(self) -> Retention:
+        """How long and how much the state store keeps."""
+        return Retention(ttl_s=self.state_ttl_s, max_bytes=self.state_max_bytes)
 
     @property
     def process_count(self) -> int:
@@ -381,7 +522,8 @@ def _combine(values: dict[str, Any], sources: Mapping[str, str]) -> dict[str, An
             file_keys = read_api_keys_file(path)
         except ValueError as error:
             raise ValueError(f"{sources['api_keys_file']}: {error}") from None
-        values["api_keys"] = tuple(dict.fromkeys((*values.get("api_keys", ()), *file_keys)))
+        values["api_keys"] = tuple(dict.fromkeys((*values.get("api_keys", ()), *(k for k, _ in file_keys))))
+        values["key_limits"] = tuple((key, limits) for key, limits in file_keys if limits.limited)
     if not values.get("workers") and "worker_dns" not in values:
         raise ValueError(
             f"--workers (or {ENV_PREFIX}WORKERS) is required: host:port[,host:port...], "

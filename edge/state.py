@@ -12,10 +12,14 @@ from typing import TYPE_CHECKING
 from quart import Quart, current_app, g
 
 if TYPE_CHECKING:
+    from edge.background import BackgroundTasks
     from edge.concurrency import ConcurrencyLimiter
     from edge.drain import Drain
     from edge.metrics import EdgeMetrics
+    from edge.request_log import RequestLogger, RequestRecord
+    from edge.rate_limits import RateLimiter
     from edge.settings import Settings
+    from edge.store.opening import StoreHandle
     from edge.streaming.connections import ClientConnections
     from edge.workers.pool import WorkerPool
 
@@ -32,6 +36,10 @@ class EdgeState:
     drain: Drain
     limiter: ConcurrencyLimiter
     connections: ClientConnections
+    store: StoreHandle
+    background: BackgroundTasks
+    request_log: RequestLogger | None = None
+    rate_limits: RateLimiter | None = None
 
 
 class EdgeApp(Quart):
@@ -54,11 +62,12 @@ def current_state() -> EdgeState:
 
 @dataclass
 class RequestState:
-    """One request's id (echoed in ``X-Request-ID``, sent to the worker) and its start time
-    (``time.monotonic()``, the reference of the time to first token)."""
+    """One request's id (echoed in ``X-Request-ID``, sent to the worker), its start time
+    (``time.monotonic()``, the reference of the time to first token) and its log line's record."""
 
     request_id: str
     started_at: float = field(default_factory=time.monotonic)
+    log: RequestRecord | None = None  # with --log-requests, for an API request
 
 
 def begin_request(request_id: str) -> RequestState:

@@ -315,6 +315,21 @@ class WorkerClient:
         """The text of token ids; raises :class:`WorkerCallError`."""
         return await self._unary("Detokenize", request, worker_pb2.DetokenizeResponse, timeout, metadata)
 
+    async def lora_adapter(
+        self,
+        request: worker_pb2.LoadLoraAdapterRequest | worker_pb2.UnloadLoraAdapterRequest,
+        *,
+        timeout: float | None = 60.0,  # noqa: ASYNC109 (a gRPC deadline, as for list_models)
+    ) -> worker_pb2.LoraAdapterResponse:
+        """``LoadLoraAdapter`` or ``UnloadLoraAdapter`` (by the request's type); raises
+        :class:`WorkerCallError`."""
+        rpc = (
+            "LoadLoraAdapter"
+            if isinstance(request, worker_pb2.LoadLoraAdapterRequest)
+            else "UnloadLoraAdapter"
+        )
+        return await self._unary(rpc, request, worker_pb2.LoraAdapterResponse, timeout)
+
     async def _unary(
         self,
         rpc: str,

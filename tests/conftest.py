@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.postgres import INSTALL_HINT, PostgresServer, server_binaries
 from tests.processes import EdgeProcess, WorkerProcess, build_tiny_hybrid, build_tiny_model
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Under ``make test``'s two pytest-xdist processes, each computes with one torch thread: two
     processes of two threads on two cores stall each other's parallel regions (docs/testing.md,
-    "Processes")."""
+    "Processes"). Every edge the tests start (in process or not) keeps its state store in a
+    folder of this run, never in the user's ``~/.local/state``."""
+    state_home = tempfile.mkdtemp(prefix="sluice-test-state-")
+    os.environ["XDG_STATE_HOME"] = state_home
+    atexit.register(shutil.rmtree, state_home, True)
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
@@ -146,3 +153,14 @@ def default_edge(
     """A real edge process in front of ``default_worker``, shared like it."""
     with EdgeProcess([default_worker.address], log_dir=tmp_path_factory.mktemp("edge-log")) as edge:
         yield edge
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    """A real PostgreSQL server (Debian's package, ``make postgres-deps``) for this run: its URL.
+    Skips, saying why, only where the package is not installed."""
+    binaries = server_binaries()
+    if binaries is None:
+        pytest.skip(f"PostgreSQL is not installed: {INSTALL_HINT}")
+    with PostgresServer(binaries) as server:
+        yield server.url

@@ -32,6 +32,8 @@ ENV_PREFIX = "SLUICE_WORKER_"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "sluice"
 PROG = "sluice-worker"
 DESCRIPTION = "Serve one language model over gRPC (sluice.v1.Worker)."
+# --kv-cache-dtype's values (vLLM's names); worker/attention/kv_quant.py stores them.
+KV_CACHE_DTYPES = ("auto", "fp8", "int8")
 
 
 # -- value parsers of the worker's own kinds --------------------------------------------------
@@ -101,6 +103,42 @@ def _power_of_two(raw: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class LoraModule:
+    """One ``--lora-modules`` entry: ``NAME=PATH`` or vLLM's JSON object form."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def _lora_modules(raw: str) -> tuple[LoraModule, ...]:
+    """``NAME=PATH`` items separated by spaces or commas, or vLLM's JSON form: an object
+    ``{"name", "path", "base_model_name"}`` or a list of them. Raises ValueError naming the item."""
+    text = raw.strip()
+    if not text:
+        return ()
+    if text[0] in "[{":
+        try:
+            items = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON: {exc}") from exc
+        items = [items] if isinstance(items, dict) else items
+        if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+            raise ValueError("the JSON form is an object or a list of objects")
+        for item in items:
+            if not isinstance(item.get("name"), str) or not isinstance(item.get("path"), str):
+                raise ValueError(f"{json.dumps(item)}: needs string 'name' and 'path'")
+        return tuple(LoraModule(item["name"], item["path"], item.get("base_model_name")) for item in items)
+    modules = []
+    for item in text.replace(",", " ").split():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"{item!r} is not NAME=PATH")
+        modules.append(LoraModule(name, path))
+    return tuple(modules)
+
+
 # -- the settings ----------------------------------------------------------------------------
 
 
@@ -157,6 +195,14 @@ class WorkerConfig:
         shown_default="16 (CPU); from the KV pool (CUDA)",
     )
     max_queue: int = setting(256, int_at_least(1), "requests waiting for a slot")
+    scheduling_policy: str = setting(
+        "fcfs",
+        choice("fcfs", "priority", "fair"),
+        "which waiting request starts first: fcfs (arrival order); priority (the request's priority, "
+        "lower first, preempting lower priorities; then earliest deadline); fair (tenants share slots "
+        "and prompt tokens by tokens served, priority within a tenant) "
+        '(docs/worker.md, "Scheduling policies")',
+    )
     max_prefill_tokens: int | None = setting(
         None,
         int_at_least(1),
@@ -182,6 +228,13 @@ class WorkerConfig:
         "the KV cache pool takes",
     )
     kv_block_size: int = setting(16, _power_of_two, "tokens per KV cache block (a power of two)")
+    kv_cache_dtype: str = setting(
+        "auto",
+        choice(*KV_CACHE_DTYPES),
+        "how the KV cache stores keys and values: auto (the model's dtype), int8 or fp8 (float8 "
+        "e4m3): one byte per element and a scale per token, head and 32 dims, about twice the tokens "
+        "of a bfloat16 cache in the same memory at a small accuracy cost (docs/benchmarks.md)",
+    )
     cuda_graphs: bool = setting(
         True,
         help="on CUDA: capture decode steps as CUDA graphs at start-up (padded batch-size buckets up to "
@@ -279,6 +332,31 @@ class WorkerConfig:
         None,
         int_at_least(1),
         "max_tokens when a request leaves it unset (default: the room left in the context)",
+    )
+    enable_lora: bool = setting(
+        False,
+        help="serve LoRA adapters over the model, a request naming one as its model; attention and "
+        'MLP projections, float or --quantization int4/int8 (docs/worker.md, "LoRA adapters")',
+    )
+    lora_modules: tuple[LoraModule, ...] = setting(
+        (),
+        _lora_modules,
+        "with --enable-lora: adapters served from the start, as NAME=PATH items (PEFT folders) "
+        'separated by spaces or commas, or vLLM\'s JSON form (an object {"name", "path", '
+        '"base_model_name"} or a list of them)',
+        shown_default="none",
+    )
+    max_loras: int = setting(
+        1, int_at_least(1, 64), "with --enable-lora: the most distinct adapters one step computes"
+    )
+    max_lora_rank: int = setting(
+        16, int_at_least(1, 512), "with --enable-lora: the highest adapter rank served (larger ones refused)"
+    )
+    max_cpu_loras: int = setting(
+        0,
+        int_at_least(0, 4096),
+        "with --enable-lora: adapters kept read in host memory (the others are read from their "
+        "folders again when a request names them); 0 = --max-loras",
     )
     blocked_phrases: tuple[str, ...] = setting(
         (),
@@ -388,10 +466,34 @@ class WorkerConfig:
             found.append(f"--ngram-min {self.ngram_min} is above --ngram-max {self.ngram_max}")
         if self.overlap_steps == "on" and self.speculative != "off":
             found.append("--overlap-steps on cannot be combined with --speculative (rows verify on the host)")
+        if self.kv_cache_dtype != "auto" and (self.fake_tokens or self.task in ("embed", "score")):
+            why = (
+                "--fake-tokens runs no model" if self.fake_tokens else f"--task {self.task} keeps no KV cache"
+            )
+            found.append(f"--kv-cache-dtype {self.kv_cache_dtype} needs a generating model; {why}")
         if self.speculative != "off" and self.fake_tokens:
             found.append("--speculative needs a model; --fake-tokens runs none")
+        found += self._lora_problems()
         if self.resolved_metrics_port == self.port:
             found.append(f"--metrics-port {self.port} is the gRPC --port; give them different ports")
+        return found
+
+    def _lora_problems(self) -> list[str]:
+        if not self.enable_lora:
+            return ["--lora-modules only applies with --enable-lora"] if self.lora_modules else []
+        found = [
+            f"--enable-lora cannot be combined with {flag} yet"
+            for flag, on in (
+                ("--fake-tokens", self.fake_tokens),
+                ("--engine-process", self.engine_process),
+                ("--speculative draft", self.speculative == "draft"),
+                ("--batch-invariant", self.batch_invariant),
+                (f"--task {self.task}", self.task in ("embed", "score")),
+            )
+            if on
+        ]
+        if 0 < self.max_cpu_loras < self.max_loras:
+            found.append(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras {self.max_loras}")
         return found
 
 

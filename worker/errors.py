@@ -40,6 +40,14 @@ class QueueFull(WorkerError):
     reason = "queue_full"
 
 
+class DeadlineUnreachable(WorkerError):
+    """Refused at admission: the request could not finish before its caller's deadline, so it fails
+    now with the status the deadline itself would give."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "deadline_unreachable"
+
+
 class NotReady(WorkerError):
     code = grpc.StatusCode.UNAVAILABLE
     reason = "not_ready"
@@ -76,3 +84,10 @@ class WrongTask(WorkerError):
 
     code = grpc.StatusCode.FAILED_PRECONDITION
     reason = "wrong_task"
+
+
+class LoraNotEnabled(WorkerError):
+    """A LoRA adapter call to a worker started without ``--enable-lora``."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "lora_not_enabled"

@@ -9,6 +9,7 @@ import asyncio
 import enum
 import logging
 import socket
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -52,7 +53,7 @@ _COUNTERS = (
     ),
     (
         "sluice_worker_preemptions",
-        "requests sent back to the queue for KV blocks (recomputed later)",
+        "requests sent back to the queue (recomputed later): KV blocks ran out, or the scheduling policy",
         "preemptions",
     ),
     ("sluice_worker_steps", "engine steps run", "steps"),
@@ -189,8 +190,47 @@ class EngineCollector(Collector):
         )
         histogram.add_metric([self._model_id], buckets=ttft.cumulative(), sum_value=ttft.total)
         yield histogram
+        yield from self._class_families()
         if s.fast_path is not None:
             yield from self._fast_path_families()
+
+    def _class_families(self) -> Iterator[Metric]:
+        """The scheduling policy's metrics: queue wait and time to first token per (priority,
+        tenant), preemptions by cause, refusals for deadlines (docs/observability.md)."""
+        classes = self._stats.classes
+        for name, help_text, family in (
+            (
+                "sluice_worker_queue_wait_seconds",
+                "seconds from admission to a request's first start",
+                classes.queue_wait,
+            ),
+            (
+                "sluice_worker_class_time_to_first_token_seconds",
+                "seconds from arrival to a choice's first token, by priority and tenant",
+                classes.first_token,
+            ),
+        ):
+            histogram = HistogramMetricFamily(name, help_text, labels=["model", "priority", "tenant"])
+            for (priority, tenant), values in sorted(family.items()):
+                histogram.add_metric(
+                    [self._model_id, priority, tenant], buckets=values.cumulative(), sum_value=values.total
+                )
+            yield histogram
+        causes = CounterMetricFamily(
+            "sluice_worker_preemptions_by_cause",
+            "requests sent back to the queue, by cause: blocks, priority, fairness",
+            labels=["model", "cause"],
+        )
+        for cause in ("blocks", "priority", "fairness"):
+            causes.add_metric([self._model_id, cause], classes.preemptions.get(cause, 0))
+        yield causes
+        refusals = CounterMetricFamily(
+            "sluice_worker_deadline_refusals",
+            "requests refused at admission because they could not finish before their deadline",
+            labels=["model"],
+        )
+        refusals.add_metric([self._model_id], classes.deadline_refusals)
+        yield refusals
 
     def _fast_path_families(self) -> Iterator[Metric]:
         """CUDA only: which parts of the decode fast path are on, and the graph replays."""
@@ -234,6 +274,15 @@ class EngineCollector(Collector):
         )
         info.add_metric([str(s.kv_block_size), str(s.kv_blocks_total)], 1)
         yield info
+        if s.max_loras:
+            loras = GaugeMetricFamily(
+                "vllm:lora_requests_info",
+                "Running and waiting LoRA adapters (value: the scrape's Unix time, as vLLM's).",
+                labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+            )
+            running, waiting = ",".join(s.running_loras), ",".join(s.waiting_loras)
+            loras.add_metric([str(s.max_loras), running, waiting], time.time())
+            yield loras
 
 
 def render(

@@ -33,6 +33,7 @@ from worker.engine.options import EngineOptions
 from worker.engine.pooling import PoolingEngine
 from worker.engine.process import start_engine_process
 from worker.engine.speculation import Speculation
+from worker.lora.registry import LoraRegistry, lora_registry
 from worker.model.architecture import unexpected_load_error
 from worker.model.device import bind_device
 from worker.model.draft import DraftModel
@@ -180,6 +181,7 @@ def _build_serving(
         bind_device(loaded.device)  # this thread builds the pool, checks the kernel, captures graphs
         speculation = speculation_of(config, loaded)
         runner, limits = model_runner(loaded, config)
+    loras = served_loras(config, runner, loaded)
     profile = family_profile(config, loaded.model, loaded.tokenizer)
     eos = eos_token_ids(loaded.model, loaded.tokenizer) | stop_token_ids(profile, loaded.tokenizer)
     grammars = GrammarCompiler(loaded.tokenizer, eos)
@@ -200,6 +202,7 @@ def _build_serving(
             refusal_message=config.refusal_message,
             stream_interval=config.stream_interval,
             overlap=overlap,
+            scheduling_policy=config.scheduling_policy,
         ),
         grammars=grammars,
         on_device_failure=on_device_failure,
@@ -214,7 +217,19 @@ def _build_serving(
         grammars,
         limits.max_running,
         config.default_max_tokens,
+        loras,
     )
+
+
+def served_loras(config: WorkerConfig, runner: ModelRunner, loaded: LoadedModel) -> LoraRegistry | None:
+    """``--enable-lora``'s adapters (None without it); a ``--lora-modules`` folder refused stops
+    the start naming it."""
+    if runner.lora is None:
+        return None
+    try:
+        return lora_registry(config, runner.lora.targets, loaded.model_id, loaded.dtype)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc), param="lora_modules") from exc
 
 
 def overlaps(config: WorkerConfig, device: torch.device, speculation: Speculation | None) -> bool:

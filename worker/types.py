@@ -83,6 +83,43 @@ class PromptImage:
         return sum(max(0, min(end, b) - max(start, a)) for a, b in self.runs or ((self.start, self.end),))
 
 
+@dataclass(frozen=True, eq=False)
+class LoraHandle:
+    """A request's LoRA adapter as the engine sees it: ``name`` as served, ``uid`` unique to one
+    load of it (the prefix cache's keys and the device slots tell adapters apart by it),
+    ``max_active``: ``--max-loras``, the adapters one step may hold; ``weights``: the loaded
+    adapter (worker/lora/adapter.py's ``LoraWeights``; opaque below the model layer)."""
+
+    name: str
+    uid: int
+    max_active: int
+    weights: Any = field(repr=False)
+
+
+@dataclass(frozen=True)
+class Scheduling:
+    """Where a request stands in the queue (``--scheduling-policy``, docs/worker.md "Scheduling
+    policies"): its ``priority`` (lower first), its ``tenant`` (the edge's, from the API key) and its
+    ``deadline`` (``time.monotonic()`` when its caller gives up; None: never)."""
+
+    priority: int = 0
+    tenant: str = ""
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class ThinkingBudget:
+    """A cap on each choice's thinking (vLLM's ``thinking_token_budget``): once ``tokens`` tokens were
+    written inside the family's block (``open_text`` ... ``close_text``), ``close_ids`` are forced
+    and the answer follows. ``starts_thinking``: the prompt opened the block."""
+
+    tokens: int
+    open_text: str
+    close_text: str
+    close_ids: tuple[int, ...]
+    starts_thinking: bool = False
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """A tokenized request, ready for the scheduler."""
@@ -99,6 +136,9 @@ class GenerationRequest:
     # max_tokens, the context length, penalties, seeded draws, the grammar and usage.
     resumed_token_ids: tuple[int, ...] = ()
     images: tuple[PromptImage, ...] = ()  # a vision-language model's images, in prompt order
+    lora: LoraHandle | None = None  # the LoRA adapter the request names; None = the base model
+    scheduling: Scheduling = Scheduling()
+    thinking_budget: ThinkingBudget | None = None  # None: thinking is not capped
 
     @property
     def prefill_token_ids(self) -> tuple[int, ...]:

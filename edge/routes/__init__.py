@@ -5,6 +5,7 @@ from __future__ import annotations
 from quart import Quart
 
 from edge.routes.health import blueprint as health_blueprint
+from edge.routes.lora import blueprint as lora_blueprint
 from edge.routes.metrics import blueprint as metrics_blueprint
 from edge.routes.models import blueprint as models_blueprint
 from edge.routes.openapi import blueprint as openapi_blueprint
@@ -32,6 +33,7 @@ def register_routes(app: Quart) -> None:
     app.register_blueprint(infill_blueprint)
     app.register_blueprint(native_blueprint)
     app.register_blueprint(models_blueprint)
+    app.register_blueprint(lora_blueprint)
     app.register_blueprint(health_blueprint)
     app.register_blueprint(metrics_blueprint)
     app.register_blueprint(playground_blueprint)

@@ -31,6 +31,8 @@ class ModelObject(ResponseModel):
     accepts_images: bool | None = Field(
         default=None, description="True for a vision-language model (it takes image parts); absent otherwise."
     )
+    parent: str | None = Field(default=None, description="A LoRA adapter's base model; absent for a model.")
+    root: str | None = Field(default=None, description="A LoRA adapter's folder on the workers' hosts.")
 
 
 class ModelList(ResponseModel):

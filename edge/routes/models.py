@@ -29,6 +29,9 @@ def model_object(model: worker_pb2.ModelInfo) -> dict[str, Any]:
         "created": model.created,
         "owned_by": model.owned_by or "sluice",
     }
+    if model.parent:  # a LoRA adapter: vLLM's card names its base model and its folder
+        shown["parent"] = model.parent
+        shown["root"] = model.source
     if model.task:
         shown["task"] = model.task
     if model.accepts_images:

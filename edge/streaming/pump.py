@@ -117,7 +117,9 @@ class StreamPump:
         started_at: float,
         transport: ClientTransport | None = None,
         body: ChunkedBody | None = None,
+        on_close: Callable[[str], None] | None = None,
     ) -> None:
+        self._on_close = on_close  # told how the stream ended (the request log's line)
         self._group = group
         self._on_event = on_event
         self._finish = finish
@@ -223,6 +225,8 @@ class StreamPump:
             return
         self._closed = True
         self._shutdown()
+        if self._on_close is not None:
+            self._on_close(self._outcome if self._ended else "client disconnected")
         if self._loop is None:
             return  # never started: nothing was counted
         if not self._ended:

@@ -7,7 +7,7 @@ the calls, answers one JSON body or a stream, and cancels the calls if anything 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -15,6 +15,9 @@ from quart.wrappers import Response
 
 from edge.errors import EdgeError
 from edge.http import current_request_id, json_response
+from edge.logs import log_record
+from edge.request_log import RequestRecord
+from edge.state import current_state
 from edge.streaming import sse
 from edge.streaming.pump import StreamFraming
 from edge.surfaces.generation import collect, open_calls, response_headers, sse_response
@@ -82,16 +85,88 @@ def named_events(surface: str, heartbeat: bytes = sse.HEARTBEAT_FRAME) -> Framin
     return Framing(surface, sse.named_frame, sse.named_frame, b"", b"", heartbeat)
 
 
+#: Called with a surface's final answer (stored Responses): awaited before a JSON body is sent; for
+#: a stream, started as its last events are made (a stream that fails or is left is not passed on).
+OnResult = Callable[[dict[str, Any]], Coroutine[Any, Any, None]]
+
+
 async def answer(
-    group: CallGroup, translator: Translator, headers: dict[str, str], *, stream: bool, framing: Framing
+    group: CallGroup,
+    translator: Translator,
+    headers: dict[str, str],
+    *,
+    stream: bool,
+    framing: Framing,
+    on_result: OnResult | None = None,
 ) -> Response:
     """The answer of an opened ``group``: one JSON body (:meth:`Translator.result`) or the stream."""
+    record = log_record()
+    if record is not None:
+        translator = _Logged(translator, record)
     if not stream:
         await collect(group, translator.add)
-        return json_response(translator.result(), headers=headers)
-    return sse_response(
-        group, translator.on_event, translator.finish, headers, framing=framing.for_stream(translator)
-    )
+        result = translator.result()
+        if record is not None:
+            record.response_id = result.get("id")
+        if on_result is not None:
+            await on_result(result)
+        return json_response(result, headers=headers)
+    finish = translator.finish
+    if on_result is not None:
+        finish = _finish_then(translator, on_result)
+    return sse_response(group, translator.on_event, finish, headers, framing=framing.for_stream(translator))
+
+
+@dataclass
+class _Logged:
+    """A translator whose events also fill the request's log record (``--log-requests``)."""
+
+    inner: Translator
+    record: RequestRecord
+
+    def on_event(self, call: int, event: worker_pb2.GenerateResponse) -> list[dict[str, Any]]:
+        self.record.on_event(call, event)
+        chunks = self.inner.on_event(call, event)
+        if self.record.response_id is None and chunks:
+            self.record.response_id = _answer_id(chunks[0])
+        return chunks
+
+    def finish(self) -> list[dict[str, Any]]:
+        return self.inner.finish()
+
+    def on_error(self, error: EdgeError) -> list[dict[str, Any]]:
+        return self.inner.on_error(error)
+
+    def add(self, call: int, event: worker_pb2.GenerateResponse) -> None:
+        self.record.on_event(call, event)
+        self.inner.add(call, event)
+
+    def result(self) -> dict[str, Any]:
+        return self.inner.result()
+
+
+def _answer_id(chunk: Any) -> str | None:
+    """The answer's id in a surface's first stream event (a chat chunk's ``id``, the Response's
+    or the Anthropic message's inside its first event)."""
+    if not isinstance(chunk, dict):
+        return None
+    for holder in (chunk, chunk.get("response"), chunk.get("message")):
+        if isinstance(holder, dict) and isinstance(holder.get("id"), str):
+            return str(holder["id"])
+    return None
+
+
+def _finish_then(translator: Translator, on_result: OnResult) -> Callable[[], list[dict[str, Any]]]:
+    """``translator.finish`` that then starts ``on_result`` with the result, in a task of its own
+    (the stream's body cannot wait for it)."""
+    background, key = current_state().background, f"result {current_request_id()}"
+
+    def finish() -> list[dict[str, Any]]:
+        events = translator.finish()
+        background.spawn(key, on_result(translator.result()))
+        return events
+
+    return finish
 
 
 async def generate(
@@ -103,14 +178,20 @@ async def generate(
     framing: Framing,
     metadata: Sequence[tuple[str, str | bytes]] = (),
     load_events: bool = False,
+    on_result: OnResult | None = None,
 ) -> Response:
     """Opens the calls (:func:`~edge.surfaces.generation.open_calls`), builds the translator for
     the model that answers (the worker's name for it, else ``model``) and answers; a failure or
     cancellation before the answer is committed cancels every call."""
+    record = log_record()
+    if record is not None:
+        record.on_requests(requests)
     group = await open_calls(requests, metadata, load_events=load_events)
     try:
         built = translator(group.started(0).model or model)
-        return await answer(group, built, response_headers(group), stream=stream, framing=framing)
+        return await answer(
+            group, built, response_headers(group), stream=stream, framing=framing, on_result=on_result
+        )
     except BaseException:
         group.cancel()
         raise
@@ -147,6 +228,7 @@ async def generate_rewritten(
     framing: Framing,
     *,
     load_events: bool = False,
+    on_result: OnResult | None = None,
 ) -> Response:
     """:func:`generate` for a surface rewritten as a chat request (Responses, Anthropic, native):
     one worker call, with the request id in its metadata."""
@@ -161,4 +243,23 @@ async def generate_rewritten(
         framing=framing,
         metadata=call_metadata(parsed.chat, request_id),
         load_events=load_events,
+        on_result=on_result,
     )
+
+
+async def run_rewritten(
+    parsed: ParsedRequest[Any], translator: Callable[[str], Translator]
+) -> dict[str, Any]:
+    """A rewritten request run to its end with no HTTP answer (background Responses): the
+    translator's result; raises :class:`~edge.errors.EdgeError` as :func:`generate` would."""
+    request_id = current_request_id()
+    await prepare_images(parsed.chat)
+    worker_request = to_generate_request(parsed.chat, request_id)
+    group = await open_calls([worker_request], call_metadata(parsed.chat, request_id))
+    try:
+        built = translator(group.started(0).model or parsed.chat.model)
+        await collect(group, built.add)
+        return built.result()
+    except BaseException:
+        group.cancel()
+        raise

@@ -15,11 +15,13 @@ from collections.abc import Callable, Sequence
 from quart import request
 from quart.wrappers import Response
 
+from edge.auth import caller_tenant
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER, EventGuard, request_limits
 from edge.drain import shutting_down_error
 from edge.http import current_request_id, worker_header
+from edge.rate_limits import request_meter
 from edge.requests.validation import bad
-from edge.state import current_request, current_state
+from edge.state import EdgeState, RequestState, current_request, current_state
 from edge.streaming.connections import scope_chunked_body, scope_transport
 from edge.streaming.pump import Finish, OnEvent, PumpClock, StreamFraming, StreamPump
 from edge.workers.call_group import CallGroup
@@ -65,11 +67,15 @@ async def open_calls(
     migration = MigrationPolicy(
         state.settings.max_stream_migrations if state.settings.migrate_streams else 0, state.metrics
     )
+    tenant = caller_tenant()
+    meter = request_meter()
     for worker_request in requests:
+        worker_request.tenant = tenant  # the API key's, whatever the body said
         worker_request.stream_progress = True
         worker_request.model_load_wait_seconds = state.settings.wait_for_load_s
-        if migration.enabled and resumable_request(worker_request):
-            # What a call that moves to another worker resumes from (edge.workers.migration).
+        if (migration.enabled and resumable_request(worker_request)) or meter is not None:
+            # What a call that moves to another worker resumes from (edge.workers.migration), and
+            # what a key's tokens per minute count as they stream (edge.rate_limits).
             worker_request.return_token_ids = True
     # The edge's own timer is authoritative (one clear error, from one clock); the gRPC
     # deadline, a little later, is the backstop that also tells the worker when to give up.
@@ -90,6 +96,8 @@ async def open_calls(
             raise guard.deadline_error() from None
         raise
     group.limits, group.deadline = limits, deadline
+    if meter is not None:
+        group.observer = meter.observe
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         # The client went away just as the first event arrived, and the cancellation was
@@ -130,6 +138,16 @@ async def collect(group: CallGroup, add: Callable[[int, worker_pb2.GenerateRespo
             add(call, event)
 
 
+def _stream_logged(state: EdgeState, request_state: RequestState | None) -> Callable[[str], None] | None:
+    """With ``--log-requests``: writes the request's line when its stream ends."""
+    logger = state.request_log
+    record = request_state.log if request_state is not None else None
+    if logger is None or record is None:
+        return None
+    record.stream = True
+    return lambda outcome: logger.write(record, outcome)
+
+
 def sse_response(
     group: CallGroup,
     on_event: OnEvent,
@@ -168,6 +186,7 @@ def sse_response(
         started_at=request_state.started_at if request_state is not None else time.monotonic(),
         transport=scope_transport(request.scope),
         body=scope_chunked_body(request.scope),
+        on_close=_stream_logged(state, request_state),
     )
     headers = {
         **headers,

@@ -6,7 +6,7 @@ Design notes: docs/edge-internals.md.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 from typing import Protocol
 
 from edge.deadlines import TimeLimits
@@ -57,6 +57,8 @@ class CallGroup:
         # opened the group for a request (edge.surfaces.generation.open_calls).
         self.limits: TimeLimits | None = None
         self.deadline: float | None = None
+        # Sees every event as it is read (a rate-limited key's token meter, edge.rate_limits).
+        self.observer: Callable[[int, worker_pb2.GenerateResponse], None] | None = None
 
     def time_limits(self) -> TimeLimits:
         """The request's :attr:`limits`; raises ``RuntimeError`` when nobody set them."""
@@ -142,6 +144,8 @@ class CallGroup:
     async def _single(self) -> AsyncGenerator[Event, None]:
         try:
             async for event in self._calls[0]:
+                if self.observer is not None:
+                    self.observer(0, event)
                 yield 0, event
         finally:
             self.cancel()
@@ -167,6 +171,8 @@ class CallGroup:
             while running:
                 index, event = await queue.get()
                 if event is not None:
+                    if self.observer is not None:
+                        self.observer(index, event)
                     yield index, event
                     continue
                 if failures:

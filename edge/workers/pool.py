@@ -14,6 +14,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
+import grpc
+
 from edge.errors import EdgeError, InvalidRequestError, NotFoundError, ServiceUnavailableError, from_grpc
 from edge.workers.addresses import resolve
 from edge.workers.failures import RETRY_ELSEWHERE
@@ -93,6 +95,15 @@ class WorkerPool(HealthChecks):
         order = {id(w): (i - start) % len(workers) for i, w in enumerate(workers)}
         return sorted(workers, key=lambda w: (w.address != preferred, w.outstanding, order[id(w)]))
 
+    def _holding(self, model: str) -> list[Worker]:
+        """The available workers whose listing has ``model`` as a LoRA adapter (``parent`` set);
+        none for a base model's name or a name no listing has."""
+        return [
+            w
+            for w in self._workers.values()
+            if w.available and any(m.id == model and m.parent for m in w.models or ())
+        ]
+
     def _loading_candidates(self) -> list[Worker]:
         """The workers still loading their model: furthest along first, then fewest calls."""
         loading = [w for w in self._workers.values() if not w.removed and w.status == WorkerStatus.LOADING]
@@ -117,11 +128,14 @@ class WorkerPool(HealthChecks):
         if self._dns is not None and not self._workers:
             await self.wait_first_round()  # first requests after start-up, before DNS answered
         blocks = prefix_blocks(request) if self._affinity is not None else []
+        holding = self._holding(request.model)
         preferred = None
         if self._affinity is not None:
-            load = {w.address: w.outstanding for w in self._workers.values() if w.available}
+            load = {w.address: w.outstanding for w in holding or self._workers.values() if w.available}
             preferred = self._affinity.choose(blocks, load)
         candidates = self._candidates(preferred)
+        if holding:  # a LoRA adapter's request: the workers that have it loaded first
+            candidates.sort(key=lambda w: w not in holding)
         # Workers known (from their ListModels answers) to serve only embeddings or scores are
         # left out; workers not asked yet stay in (their refusal names their task).
         generating = [w for w in candidates if w.models is None or w.serves("", ("generate",))]
@@ -283,6 +297,31 @@ class WorkerPool(HealthChecks):
             param="model",
             code="model_not_supported",
         )
+
+    async def lora_adapter(
+        self, request: worker_pb2.LoadLoraAdapterRequest | worker_pb2.UnloadLoraAdapterRequest
+    ) -> list[str]:
+        """Loads or unloads a LoRA adapter on every available generating worker at once, then asks
+        them what they serve; the ids of the workers that did it. Raises the first worker's
+        mapped error (an unload NOT_FOUND only when no worker had the adapter), 503 for none."""
+        self._ensure_started()
+        workers = [w for w in self._candidates() if w.models is None or w.serves("", ("generate",))]
+        if not workers:
+            raise self._none_available()
+        results = await asyncio.gather(
+            *(w.client.lora_adapter(request) for w in workers), return_exceptions=True
+        )
+        await self._learn_models(workers)
+        done = [r.worker_id for r in results if isinstance(r, worker_pb2.LoraAdapterResponse)]
+        for result in results:
+            if isinstance(result, WorkerCallError):
+                unload = isinstance(request, worker_pb2.UnloadLoraAdapterRequest)
+                if unload and done and result.code() == grpc.StatusCode.NOT_FOUND:
+                    continue
+                raise from_grpc(result)
+            if isinstance(result, BaseException):
+                raise result
+        return done
 
     async def learn_worker_id(self, worker: Worker) -> str | None:
         """The worker's id: known from an earlier answer, else asked with ListModels

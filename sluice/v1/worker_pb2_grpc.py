@@ -64,6 +64,16 @@ class WorkerStub:
                 request_serializer=sluice_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/sluice.v1.Worker/LoadLoraAdapter',
+                request_serializer=sluice_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/sluice.v1.Worker/UnloadLoraAdapter',
+                request_serializer=sluice_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class WorkerServicer:
@@ -77,7 +87,7 @@ class WorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListModels(self, request, context):
-        """Lists the models this worker serves (one today).
+        """Lists the models this worker serves: its model, then each LoRA adapter (`parent` set).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -115,6 +125,23 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """Serves a LoRA adapter folder under a name (a worker started with --enable-lora; else
+        FAILED_PRECONDITION). INVALID_ARGUMENT naming the problem: a bad folder, a rank above
+        --max-lora-rank, target modules the model lacks, another base model's adapter, a name in use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Stops serving a LoRA adapter (NOT_FOUND when none has the name); requests already running
+        with it finish with it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_WorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +174,16 @@ def add_WorkerServicer_to_server(servicer, server):
                     servicer.Detokenize,
                     request_deserializer=sluice_dot_v1_dot_worker__pb2.DetokenizeRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_worker__pb2.DetokenizeResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=sluice_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_worker__pb2.LoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=sluice_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_worker__pb2.LoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +348,60 @@ class Worker:
             '/sluice.v1.Worker/Detokenize',
             sluice_dot_v1_dot_worker__pb2.DetokenizeRequest.SerializeToString,
             sluice_dot_v1_dot_worker__pb2.DetokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Worker/LoadLoraAdapter',
+            sluice_dot_v1_dot_worker__pb2.LoadLoraAdapterRequest.SerializeToString,
+            sluice_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sluice.v1.Worker/UnloadLoraAdapter',
+            sluice_dot_v1_dot_worker__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            sluice_dot_v1_dot_worker__pb2.LoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -30,10 +30,12 @@ BAD_VALUES = {
         "--log-format": "xml",
         "--api-keys": "has space",
         "--api-keys-file": "/nonexistent/sluice-keys",
+        "--state-url": "mysql://db/state",
     },
 }
 # Free text: any string is a valid value. --model is checked when the model loads (the
-# error names the model); the worker's --host when it binds (the error names the address).
+# error names the model); the worker's --host when it binds (the error names the address);
+# the edge's --state-dir when its store opens.
 FREE_TEXT = {
     "worker": {
         "--model",
@@ -45,7 +47,7 @@ FREE_TEXT = {
         "--blocked-phrases",
         "--refusal-message",
     },
-    "edge": set(),
+    "edge": {"--state-dir"},  # a folder, made (or refused, naming it) when the store opens
 }
 
 

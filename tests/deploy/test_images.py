@@ -220,11 +220,13 @@ importlib.import_module("edge.__main__")
 print(json.dumps(sorted({name.split(".")[0] for name in set(sys.modules) - before})))
 """
 # grpc/__init__.py imports these when present and carries on without them.
-_OPTIONAL_IMPORTS = {"grpc_tools", "grpc_reflection"}
+# redis (the edge's shared rate-limit counters) imports xxhash and opentelemetry when they are
+# installed (as the dev extras' packages bring them here) and goes without them in the image.
+_OPTIONAL_IMPORTS = {"grpc_tools", "grpc_reflection", "xxhash", "opentelemetry"}
 
 
 def _closure(requirements: list[Requirement]) -> set[str]:
-    """The distributions these requirements install, following installed metadata."""
+    """The distributions these requirements install (with their extras), following installed metadata."""
     seen: set[str] = set()
     pending = list(requirements)
     while pending:
@@ -233,9 +235,10 @@ def _closure(requirements: list[Requirement]) -> set[str]:
         if name in seen:
             continue
         seen.add(name)
+        extras = requirement.extras or {""}  # psycopg[binary]: what its "binary" extra installs too
         for line in importlib.metadata.requires(requirement.name) or []:
             sub = Requirement(line)
-            if sub.marker is None or sub.marker.evaluate({"extra": ""}):
+            if sub.marker is None or any(sub.marker.evaluate({"extra": extra}) for extra in extras):
                 pending.append(sub)
     return seen
 

@@ -151,10 +151,10 @@ def test_responses_forced_tool_call_and_its_output_sent_back(responses_client):
     assert answer.output_text and answer.usage.output_tokens == 3
 
 
-def test_responses_refuses_state(responses_client):
+def test_responses_unknown_previous_response_is_a_400(responses_client):
     with pytest.raises(openai.BadRequestError) as caught:
         responses_client.responses.create(model=MODEL, input="x", previous_response_id="resp_1")
-    assert caught.value.param == "previous_response_id"
+    assert caught.value.param == "previous_response_id" and caught.value.code == "previous_response_not_found"
 
 
 def test_node_sdk_responses(node_sdk, default_edge, greedy_text):  # noqa: F811

@@ -39,12 +39,17 @@ from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-# (path, method, examples per mode at scale 1): about 210 requests, and 12 to the default model.
+# (path, method, examples per mode at scale 1): about 250 requests, and 12 to the default model.
 OPERATIONS = [
     ("/v1/chat/completions", "POST", 50),
     ("/v1/completions", "POST", 40),
     ("/v1/models", "GET", 5),
     ("/v1/models/{model_id}", "GET", 10),
+    # Stored responses: made-up ids and paging parameters (404s and 400s, never a 5xx).
+    ("/v1/responses/{response_id}", "GET", 5),
+    ("/v1/responses/{response_id}", "DELETE", 5),
+    ("/v1/responses/{response_id}/cancel", "POST", 5),
+    ("/v1/responses/{response_id}/input_items", "GET", 5),
 ]
 MODES = [GenerationMode.POSITIVE, GenerationMode.NEGATIVE]
 # Completion lengths above this (and within any context) are lowered to it in positive examples.
@@ -114,7 +119,8 @@ def fuzz(
     timeout: float = ANSWER_TIMEOUT_S,
 ) -> None:
     operation = api[path][method]
-    sse = chunk_schema(api.raw_schema, path) if method == "POST" else None
+    streams = method == "POST" and "requestBody" in api.raw_schema["paths"][path]["post"]
+    sse = chunk_schema(api.raw_schema, path) if streams else None
 
     @settings(
         max_examples=count,

@@ -3,25 +3,29 @@ arrivals, ``n`` 1-3, stops (also while preempted), cancellations, scoring-only r
 raise, shared prefixes, pools of 6-24 blocks and budgets down to one token; and, by seed, speculative
 proposals (accepted in part, the rest rolled back), prompts with images (their spans keyed by the image
 in the prefix cache) and overlapping steps (a placeholder token until the draw is read, the commit after
-it). Every plan and step is checked (docs/testing.md lists the checks), among them that a decoding
-sequence is never held back and that the head of the queue is admitted when nothing else took the
-budget and slots and free blocks cover it; two schedulers broken on purpose show those checks fail.
-``SLUICE_FUZZ_SCALE`` multiplies the seeds (``make fuzz``)."""
+it); by seed too the scheduling policy (``fcfs``, ``priority``, ``fair``), with random priorities,
+tenants and deadlines (refused at admission by a step clock). Every plan and step is checked
+(docs/testing.md lists the checks), among them that a decoding sequence is never held back, that the
+policy's next request is admitted when nothing else took the budget and slots and free blocks cover it,
+and that no running request has a lower priority than a waiting one it could yield to; schedulers and
+a policy broken on purpose show those checks fail. ``SLUICE_FUZZ_SCALE`` multiplies the seeds."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 
 from worker.engine.kv_blocks import BlockManager
+from worker.engine.policy import FairPolicy, Policy, PolicyName, PriorityPolicy, make_policy
 from worker.engine.scheduler import Scheduler, SeqState, StepPlan
-from worker.errors import InvalidRequest, QueueFull
+from worker.errors import DeadlineUnreachable, InvalidRequest, QueueFull
 from worker.model.step_inputs import Work
-from worker.types import PromptImage
+from worker.types import PromptImage, Scheduling
 
 SCALE = float(os.environ.get("SLUICE_FUZZ_SCALE", "1"))
 SEEDS = range(int(10 * SCALE))
@@ -36,6 +40,7 @@ class Request:
     request_id: str
     sequences: list[SeqState] = field(default_factory=list)
     needs_kv: bool = True
+    scheduling: Scheduling = field(default_factory=Scheduling)
 
 
 class Poisoned(SeqState):
@@ -53,19 +58,27 @@ class Features:
     speculation: bool
     overlap: bool  # never with speculation (the engine refuses the pair)
     images: bool
+    policy: PolicyName  # seeds 0-2 fcfs, 3-5 priority, 6-8 fair, ...
 
     @classmethod
     def of(cls, seed: int) -> Features:
-        return cls(speculation=seed % 3 == 1, overlap=seed % 3 == 2, images=seed % 2 == 1)
+        policy = list(PolicyName)[seed // 3 % 3]
+        return cls(speculation=seed % 3 == 1, overlap=seed % 3 == 2, images=seed % 2 == 1, policy=policy)
 
 
 class Simulation:
     """What the engine does around the scheduler, with random tokens instead of a model; ``pool``
     shadows the KV cache: the key (token or image) each block's slots were last computed for."""
 
-    def __init__(self, seed: int, scheduler_class: type[Scheduler[Request]] = Scheduler):
+    def __init__(
+        self,
+        seed: int,
+        scheduler_class: type[Scheduler[Request]] = Scheduler,
+        policy: Callable[[PolicyName, Callable[[], float]], Policy] = make_policy,
+    ):
         self.rng = random.Random(seed)
         self.features = Features.of(seed)
+        self.steps = 0  # the policy's clock: one second a step
         self.block_size = self.rng.choice([2, 4, 8])
         blocks = BlockManager(
             self.rng.randint(6, 24), self.block_size, prefix_caching=self.rng.random() < 0.8
@@ -78,6 +91,7 @@ class Simulation:
             prefill_budget_tokens=self.rng.choice([1, 3, self.block_size, 16, 64]),
             propose=self.propose if speculate else None,
             speculate_max_rows=self.rng.choice([None, 1, 2, 4]) if speculate else None,
+            policy=policy(self.features.policy, lambda: float(self.steps)),
         )
         self.pool: list[list[int | None]] = [[None] * self.block_size for _ in range(blocks.num_blocks)]
         self.templates = [self.template() for _ in range(3)]
@@ -131,8 +145,13 @@ class Simulation:
                 for i, kind in enumerate(kinds)
             ],
             needs_kv=needs_kv,
+            scheduling=Scheduling(
+                priority=self.rng.randint(0, 3),
+                tenant=self.rng.choice(["t0", "t1", "t2"]),
+                deadline=self.steps + self.rng.randint(2, 300) if self.rng.random() < 0.5 else None,
+            ),
         )
-        with contextlib.suppress(InvalidRequest, QueueFull):
+        with contextlib.suppress(InvalidRequest, QueueFull, DeadlineUnreachable):
             self.scheduler.add(request)
             self.known[request.request_id] = request
             self.owner.update((id(seq), request) for seq in request.sequences)
@@ -177,6 +196,7 @@ class Simulation:
         for request in list(self.scheduler.running):
             self.end_if_done(request)
         self.check_state()
+        self.steps += 1
         return plan
 
     def run(self, work: list[Work]) -> None:
@@ -268,6 +288,7 @@ class Simulation:
             self.check_work(work, running)
         self.check_never_held_back(plan)
         self.check_head_admitted(plan)
+        self.check_priority(plan)
         self.check_speculation(plan)
         self.check_cached_tokens(plan)
         for request, _ in plan.failed:
@@ -309,7 +330,9 @@ class Simulation:
         scheduler = self.scheduler
         if not scheduler.waiting or any(w.seq.pending > 1 for w in plan.work):
             return
-        head = scheduler.waiting[0]
+        head = scheduler.waiting[
+            scheduler.policy.next_index(scheduler.waiting, scheduler.running, scheduler.room)
+        ]
         live = [seq for seq in head.sequences if not seq.finished]
         if len(live) + scheduler.running_sequences > scheduler.max_running:
             return
@@ -318,6 +341,23 @@ class Simulation:
             sum(blocks.blocks_for(len(s.tokens)) for s in live if not s.awaits_prompt) if head.needs_kv else 0
         )
         assert need > blocks.available, "the head of the queue waits though slots and free blocks cover it"
+
+    def check_priority(self, plan: StepPlan[Request]) -> None:
+        """When no prompt chunk took the budget, the policy's next request has no running request of
+        a lower priority left that it could have preempted (under ``fair``: of its own tenant)."""
+        scheduler, policy = self.scheduler, self.scheduler.policy
+        if not isinstance(policy, PriorityPolicy) or not scheduler.waiting:
+            return
+        if any(w.seq.pending > 1 for w in plan.work):
+            return
+        head = scheduler.waiting[policy.next_index(scheduler.waiting, scheduler.running, scheduler.room)]
+        if head in plan.preempted:
+            return  # it yielded in this plan (to a claim of fairness): it is not started again at once
+        rivals = scheduler.running
+        if isinstance(policy, FairPolicy):
+            rivals = [r for r in rivals if r.scheduling.tenant == head.scheduling.tenant]
+        lowest = max((r.scheduling.priority for r in rivals), default=head.scheduling.priority)
+        assert lowest <= head.scheduling.priority, "a waiting request outranks a running one it could preempt"
 
     def check_speculation(self, plan: StepPlan[Request]) -> None:
         """Proposals take only what the chunks left of the budget, and only in small batches."""
@@ -383,9 +423,13 @@ def key(seq: SeqState, place: int) -> int:
     return next((image.key for image in seq.images if image.start <= place < image.end), seq.tokens[place])
 
 
-def simulate(seed: int, scheduler_class: type[Scheduler[Request]] = Scheduler) -> Simulation:
+def simulate(
+    seed: int,
+    scheduler_class: type[Scheduler[Request]] = Scheduler,
+    policy: Callable[[PolicyName, Callable[[], float]], Policy] = make_policy,
+) -> Simulation:
     """``STEPS`` steps with arrivals, then steps until everything finished."""
-    sim = Simulation(seed, scheduler_class)
+    sim = Simulation(seed, scheduler_class, policy)
     for _ in range(STEPS):
         for _ in range(sim.rng.choice([0, 0, 1, 2])):
             sim.arrive()
@@ -442,3 +486,21 @@ def test_the_simulation_catches_a_broken_scheduler_in_most_seeds(
     assert caught > len(BROKEN_SEEDS) / 2, (
         f"{broken.__name__} got past the checks in {len(BROKEN_SEEDS) - caught} seeds"
     )
+
+
+class NeverPreempts(PriorityPolicy):
+    """Broken on purpose: orders by priority but never preempts for it."""
+
+    def victim(self, head, running, room):  # type: ignore[no-untyped-def]
+        return None
+
+
+def test_the_simulation_catches_a_priority_policy_that_never_preempts():
+    caught = 0
+    seeds = [seed for seed in BROKEN_SEEDS if Features.of(seed).policy is PolicyName.PRIORITY] or [3]
+    for seed in seeds:
+        try:
+            simulate(seed, policy=lambda name, clock: NeverPreempts(clock))
+        except AssertionError as failure:
+            caught += str(failure).startswith("a waiting request outranks")
+    assert caught > len(seeds) / 2, f"NeverPreempts got past the checks in {len(seeds) - caught} seeds"

@@ -312,3 +312,18 @@ def test_a_repeated_prompt_reports_cached_tokens_and_gives_the_same_text(served:
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     want = first["choices"][0]["logprobs"]["token_logprobs"]
     assert again["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want, abs=5e-3)
+
+
+def test_a_zero_thinking_budget_leaves_no_reasoning_and_the_answer_follows(served: Served) -> None:
+    """``thinking_token_budget: 0`` (issue 46): where the template opens the thinking block itself
+    (Qwen3.5's, Qwen3-Next's here), the worker closes it with the family's own marker before any
+    thinking, and the random model's tokens are the answer; elsewhere the field changes nothing."""
+    body = {"model": served.model, "messages": QUESTION, "max_tokens": 8, "temperature": 0}
+    body |= {"ignore_eos": True, "thinking_token_budget": 0}
+    response = httpx.post(f"{served.edge.base_url}/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    message = answer["choices"][0]["message"]
+    assert not message.get("reasoning_content") and message["content"]
+    # At most the forced end marker is counted as thinking.
+    assert answer["usage"]["completion_tokens_details"]["reasoning_tokens"] <= 1

@@ -20,7 +20,7 @@ WORKER_LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("worker.service",),),
     (("worker.engine",), ("worker.prompts",)),  # the service renders prompts, the engine gets ids
     (("worker.output",), ("worker.sampling",), ("worker.model",)),
-    (("worker.attention",), ("worker.quant",)),
+    (("worker.attention",), ("worker.quant",), ("worker.lora",)),
     (("worker.device",),),  # host <-> device copies, read by attention, model and sampling
     (("worker.config", "worker.errors", "worker.types"),),  # settings and the shared vocabulary
     (("worker.formats",),),  # the model families' text formats, read by settings, output, sampling, service
@@ -31,6 +31,7 @@ LAZY_IMPORTS = {
     ("worker.__main__", "worker.server"),  # torch loads only once the ports are claimed
     ("worker.attention.triton_decode", "worker.attention.triton_decode_kernels"),  # needs triton
     ("worker.model.fused", "worker.model.fused_kernels"),  # needs triton
+    ("worker.lora.choice", "worker.lora.triton_ops"),  # needs triton
 }
 
 

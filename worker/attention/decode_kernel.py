@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 
 from worker.attention import triton_decode
-from worker.attention.kv_pool import KVShape
+from worker.attention.kv_pool import KVPool, KVShape, LayerCache
 from worker.attention.triton_decode import (
     DecodePlan,
+    KVScales,
     SplitWorkspace,
     allocate_split_workspace,
     paged_decode_attention,
@@ -43,18 +44,17 @@ class DecodeKernel:
     def __call__(
         self,
         query: torch.Tensor,
-        pool_k: torch.Tensor,
-        pool_v: torch.Tensor,
+        cache: LayerCache,
         tables: torch.Tensor,
         lengths: torch.Tensor,
         scale: float,
         variant: LayerVariant = PLAIN,
     ) -> torch.Tensor:
-        plan, workspace = self.parts[(query.shape[1], pool_k.shape[2], query.shape[2])]
+        plan, workspace = self.parts[(query.shape[1], cache.kv_heads, query.shape[2])]
         return paged_decode_attention(
             query,
-            pool_k,
-            pool_v,
+            cache.keys,
+            cache.values,
             tables,
             lengths,
             scale,
@@ -63,7 +63,16 @@ class DecodeKernel:
             window=variant.window,
             softcap=variant.softcap,
             sinks=variant.sinks,
+            scales=_scales(cache),
         )
+
+
+def _scales(cache: LayerCache) -> KVScales | None:
+    """An 8-bit cache's scales and code kind as the kernel takes them (None: a float cache)."""
+    if cache.quant is None:
+        return None
+    assert cache.key_scales is not None and cache.value_scales is not None
+    return KVScales(cache.key_scales, cache.value_scales, cache.quant.name)
 
 
 def decode_kernel(
@@ -95,7 +104,7 @@ def kernel_problem(
             (
                 found
                 for geometry in shape.geometries
-                if (found := _check(geometry, shape.dtype, block_size, device, softcap)) is not None
+                if (found := _check(geometry, shape, block_size, device, softcap)) is not None
             ),
             None,
         )
@@ -111,29 +120,40 @@ def kernel_works(shape: KVShape, block_size: int, device: torch.device, softcap:
 
 def _check(
     geometry: tuple[int, int, int],
-    dtype: torch.dtype,
+    shape: KVShape,
     block_size: int,
     device: torch.device,
     softcap: float | None,
 ) -> str | None:
-    """:func:`kernel_problem` for the layers of one ``(heads, kv_heads, head_dim)``."""
+    """:func:`kernel_problem` for the layers of one ``(heads, kv_heads, head_dim)``, over blocks
+    stored as the pool stores them (an 8-bit cache's codes and scales)."""
     heads, kv_heads, head_dim = geometry
+    dtype = shape.dtype
     try:
         generator = torch.Generator(device=device).manual_seed(0)
         size = block_size
-        pool_k = torch.randn((8, size, kv_heads, head_dim), generator=generator, device=device)
-        pool_v = torch.randn(pool_k.shape, generator=generator, device=device)
-        query = torch.randn((3, heads, head_dim), generator=generator, device=device)
-        pool_k, pool_v, query = (t.to(dtype) for t in (pool_k, pool_v, query))
+        pool = KVPool(
+            KVShape.uniform(1, kv_heads, head_dim, dtype, heads // kv_heads, shape.cache), 8, size, device
+        )
+        cache = pool.layers[0]
+        slots = torch.arange(8 * size, device=device)
+        new_k = torch.randn((8 * size, kv_heads, head_dim), generator=generator, device=device)
+        new_v = torch.randn(new_k.shape, generator=generator, device=device)
+        cache.write(slots, new_k.to(dtype), new_v.to(dtype))
+        pool_k, pool_v = cache.gather(torch.arange(8, device=device), dtype)  # as the reference reads them
+        query = torch.randn((3, heads, head_dim), generator=generator, device=device).to(dtype)
         tables = torch.tensor([[3, 1, 0], [7, 0, 0], [2, 5, 6]], dtype=torch.int32, device=device)
         lengths = torch.tensor([2 * size + 1, 1, 3 * size], dtype=torch.int32, device=device)
         scale = head_dim**-0.5
         sinks = torch.randn((heads,), generator=generator, device=device)
         pairs = []
         for v in (PLAIN, LayerVariant(size + 3, softcap, sinks)):
-            args = (query, pool_k, pool_v, tables, lengths, scale)
-            got = paged_decode_attention(*args, window=v.window, softcap=v.softcap, sinks=v.sinks)
-            want = paged_decode_reference(*args, window=v.window, softcap=v.softcap, sinks=v.sinks)
+            rows = (tables, lengths, scale)
+            kernel = DecodeKernel({geometry: (plan_decode(3, kv_heads, 3, size), None)})
+            got = kernel(query, cache, *rows, variant=v)
+            want = paged_decode_reference(
+                query, pool_k, pool_v, *rows, window=v.window, softcap=v.softcap, sinks=v.sinks
+            )
             pairs.append((got.float(), want.float()))
     except Exception as error:
         log.error("the Triton decode kernel's start-up check raised", exc_info=True)

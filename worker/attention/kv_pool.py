@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from worker.attention.kv_quant import SCALE_DTYPE, KVQuant, group_dims, kv_quant
+
 log = logging.getLogger(__name__)
 
 
@@ -39,17 +41,31 @@ class LayerKV:
 
 @dataclass(frozen=True)
 class KVShape:
-    """The pool's layout: per layer its :class:`LayerKV`; ``dtype`` of every block."""
+    """The pool's layout: per layer its :class:`LayerKV`; ``dtype``: what attention computes in
+    (the model's), and the blocks' unless ``cache`` (``--kv-cache-dtype``) stores 8-bit codes."""
 
     layers: tuple[LayerKV, ...]
     dtype: torch.dtype
+    cache: str = "auto"
 
     @classmethod
     def uniform(
-        cls, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, group: int = 1
+        cls,
+        num_layers: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        group: int = 1,
+        cache: str = "auto",
     ) -> KVShape:
         """Every layer alike, each with its own blocks."""
-        return cls(tuple(LayerKV(kv_heads * group, kv_heads, head_dim, i) for i in range(num_layers)), dtype)
+        layers = tuple(LayerKV(kv_heads * group, kv_heads, head_dim, i) for i in range(num_layers))
+        return cls(layers, dtype, cache)
+
+    @property
+    def quant(self) -> KVQuant | None:
+        """How keys and values are stored (None: in :attr:`dtype`)."""
+        return kv_quant(self.cache)
 
     @property
     def num_layers(self) -> int:
@@ -68,10 +84,14 @@ class KVShape:
 
     @property
     def bytes_per_token(self) -> int:
-        """Keys and values of one token over the layers with blocks of their own."""
+        """Keys and values of one token over the layers with blocks of their own (an 8-bit
+        cache's scales included)."""
+        quant = self.quant
         element = torch.empty((), dtype=self.dtype).element_size()
         return sum(
-            2 * layer.kv_heads * layer.head_dim * element
+            2
+            * layer.kv_heads
+            * (layer.head_dim * element if quant is None else quant.head_bytes(layer.head_dim))
             for index, layer in enumerate(self.layers)
             if self.owns_blocks(index)
         )
@@ -117,9 +137,10 @@ NO_KV_LAYERS = frozenset({"linear_attention", "mamba", "conv", "mlp", "moe"})
 NO_KV_BLOCKS = 1 << 16  # the block count of a model without attention layers (they cost no memory)
 
 
-def kv_shape(config: Any, dtype: torch.dtype) -> KVShape:
+def kv_shape(config: Any, dtype: torch.dtype, cache: str = "auto") -> KVShape:
     """The KV layout of a transformers model config (the text config of a multimodal one): each
-    layer's head geometry, where its keys and values live, and whether it has any."""
+    layer's head geometry, where its keys and values live, and whether it has any; ``cache``: the
+    ``--kv-cache-dtype``."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     kinds = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or ()
     attends = [kind not in NO_KV_LAYERS for kind in kinds] or [True] * int(text.num_hidden_layers)
@@ -129,7 +150,7 @@ def kv_shape(config: Any, dtype: torch.dtype) -> KVShape:
         kv_heads = int(getattr(layer, "num_key_value_heads", None) or heads)
         head_dim = getattr(layer, "head_dim", None) or layer.hidden_size // heads
         layers.append(LayerKV(heads, kv_heads, int(head_dim), source, attends[index]))
-    return KVShape(tuple(layers), dtype)
+    return KVShape(tuple(layers), dtype, cache)
 
 
 def pool_blocks(
@@ -164,38 +185,126 @@ def pool_blocks(
         source = f"--kv-cache-bytes {cpu_bytes}"
     blocks = max(1, budget // block_bytes)
     log.info(
-        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB; %s)",
+        "KV cache: %d blocks of %d tokens (%d tokens, %.2f GiB; %s)%s",
         blocks,
         block_size,
         blocks * block_size,
         blocks * block_bytes / 2**30,
         source,
+        _capacity_note(shape),
     )
     return blocks
 
 
+def _capacity_note(shape: KVShape) -> str:
+    """For an 8-bit cache, what it holds against the model's dtype (the start-up log says it)."""
+    if shape.quant is None:
+        return ""
+    plain = KVShape(shape.layers, shape.dtype).bytes_per_token
+    dtype = str(shape.dtype).removeprefix("torch.")
+    return (
+        f"; --kv-cache-dtype {shape.cache}: {shape.bytes_per_token} bytes per token against "
+        f"{plain} in {dtype}, {plain / shape.bytes_per_token:.2f}x the tokens"
+    )
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's blocks as attention writes and reads them: ``keys``/``values`` ``[num_blocks,
+    block_size, kv_heads, head_dim]`` in the model's dtype, or an 8-bit cache's codes with their
+    ``key_scales``/``value_scales`` ``[num_blocks, block_size, kv_heads, groups]`` (``quant``)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scales: torch.Tensor | None = None
+    value_scales: torch.Tensor | None = None
+    quant: KVQuant | None = None
+
+    @property
+    def kv_heads(self) -> int:
+        return int(self.keys.shape[2])
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Stores new ``keys``/``values`` ``[T, kv_heads, d]`` at pool ``slots`` ``[T]``."""
+        heads, dim = keys.shape[1], keys.shape[2]
+        if self.quant is None:
+            self.keys.view(-1, heads, dim).index_copy_(0, slots, keys.to(self.keys.dtype))
+            self.values.view(-1, heads, dim).index_copy_(0, slots, values.to(self.values.dtype))
+            return
+        assert self.key_scales is not None and self.value_scales is not None
+        for new, codes, scales in (
+            (keys, self.keys, self.key_scales),
+            (values, self.values, self.value_scales),
+        ):
+            quantized, scale = self.quant.quantize(new)
+            codes.view(-1, heads, dim).index_copy_(0, slots, quantized)
+            scales.view(-1, heads, scale.shape[-1]).index_copy_(0, slots, scale)
+
+    def stored(self, new: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """What the pool gives back for new keys or values ``[T, kv_heads, d]`` once written, in
+        ``dtype`` (a whole prompt attends to its own keys as later steps will read them)."""
+        if self.quant is None:
+            return new.to(self.keys.dtype).to(dtype)
+        return self.quant.round_trip(new.to(dtype))
+
+    def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of ``blocks`` (long ``[n]``), ``[n, block_size, kv_heads, d]`` in ``dtype``
+        (index_select, not advanced indexing: about 4x faster on the CPU)."""
+        keys, values = self.keys.index_select(0, blocks), self.values.index_select(0, blocks)
+        if self.quant is None:
+            return keys, values
+        assert self.key_scales is not None and self.value_scales is not None
+        return (
+            self.quant.dequantize(keys, self.key_scales.index_select(0, blocks), dtype),
+            self.quant.dequantize(values, self.value_scales.index_select(0, blocks), dtype),
+        )
+
+
+def _allocate(
+    dims: tuple[int, int, int, int], dtype: torch.dtype, quant: KVQuant | None, device: torch.device
+) -> LayerCache:
+    """One layer's blocks, zeros (padding slots that a mask hides must hold finite values)."""
+    keys = torch.zeros(dims, dtype=dtype, device=device)
+    values = torch.zeros(dims, dtype=dtype, device=device)
+    if quant is None:
+        return LayerCache(keys, values)
+    scale_dims = (*dims[:3], dims[3] // group_dims(dims[3]))
+    key_scales = torch.zeros(scale_dims, dtype=SCALE_DTYPE, device=device)
+    value_scales = torch.zeros(scale_dims, dtype=SCALE_DTYPE, device=device)
+    return LayerCache(keys, values, key_scales, value_scales, quant)
+
+
 class KVPool:
     """Per layer key and value blocks, ``[num_blocks, block_size, kv_heads, head_dim]`` with that
-    layer's geometry; a layer that reuses another's KV holds that layer's tensors (no memory), a
-    layer without attention an empty tensor."""
+    layer's geometry (an 8-bit cache's codes, with their scales); a layer that reuses another's KV
+    holds that layer's tensors (no memory), a layer without attention empty tensors."""
 
     def __init__(self, shape: KVShape, num_blocks: int, block_size: int, device: torch.device):
         self.shape = shape
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.keys: list[torch.Tensor] = []
-        self.values: list[torch.Tensor] = []
+        quant = shape.quant
+        dtype = shape.dtype if quant is None else quant.code_dtype
+        self.layers: list[LayerCache] = []
         for index, layer in enumerate(shape.layers):
-            if not layer.attends:  # never read or written: an empty tensor keeps the indexes
-                self.keys.append(torch.empty(0, dtype=shape.dtype, device=device))
-                self.values.append(self.keys[-1])
+            if not layer.attends:  # never read or written: empty tensors keep the indexes
+                empty = torch.empty((0, 0, 0, 0), dtype=dtype, device=device)
+                self.layers.append(LayerCache(empty, empty))
             elif shape.owns_blocks(index):
                 dims = (num_blocks, block_size, layer.kv_heads, layer.head_dim)
-                self.keys.append(torch.zeros(dims, dtype=shape.dtype, device=device))
-                self.values.append(torch.zeros(dims, dtype=shape.dtype, device=device))
+                self.layers.append(_allocate(dims, dtype, quant, device))
             else:  # sources come first: their tensors exist already
-                self.keys.append(self.keys[layer.source])
-                self.values.append(self.values[layer.source])
+                self.layers.append(self.layers[layer.source])
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """Each layer's key blocks (an 8-bit cache's codes)."""
+        return [layer.keys for layer in self.layers]
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """Each layer's value blocks (an 8-bit cache's codes)."""
+        return [layer.values for layer in self.layers]
 
     @property
     def bytes(self) -> int:

@@ -65,6 +65,22 @@ class SplitWorkspace:
     partial_lse: torch.Tensor
 
 
+@dataclass(frozen=True)
+class KVScales:
+    """An 8-bit cache's scales, ``[num_blocks, block_size, KVH, groups]`` each (a group: the head
+    dim's ``head_dim / groups`` consecutive dims), and its codes' kind (``int8``, or ``fp8``: float8
+    e4m3 bits in ``uint8``; worker/attention/kv_quant.py)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    codes: str
+
+    @property
+    def kind(self) -> int:
+        """The kernel's ``CODES``: 1 int8, 2 float8 e4m3."""
+        return 1 if self.codes == "int8" else 2
+
+
 def plan_decode(
     batch: int,
     kv_heads: int,
@@ -141,6 +157,7 @@ def paged_decode_attention(
     window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over the paged pool.
 
@@ -157,14 +174,15 @@ def paged_decode_attention(
     ``window``: only the last ``window`` tokens of a row are read; ``softcap``:
     scores become ``softcap * tanh(score / softcap)``; ``sinks`` (``[H]``, on
     ``query``'s device): a logit per query head added to the softmax's
-    denominator only (gpt-oss). No host synchronisation, so a call can be captured in a CUDA graph. Needs
+    denominator only (gpt-oss). ``scales``: the caches hold an 8-bit cache's codes, which the
+    kernel widens with these scales. No host synchronisation, so a call can be captured in a CUDA graph. Needs
     CUDA tensors, or CPU tensors in a process that set ``TRITON_INTERPRET=1``
     before importing triton (tests).
     """
     if not triton_available():
         raise RuntimeError("paged_decode_attention needs triton, which is not installed")
     batch, heads, head_dim, kv_heads, block_size = _check_inputs(
-        query, key_cache, value_cache, block_tables, seq_lens, out
+        query, key_cache, value_cache, block_tables, seq_lens, out, scales
     )
     import triton
 
@@ -202,10 +220,14 @@ def paged_decode_attention(
         # Unused by the single pass; any tensor satisfies the signature.
         partial_out = partial_lse = out
 
+    # Unused by a float cache; any tensor satisfies the signature.
+    key_scales, value_scales = (scales.keys, scales.values) if scales is not None else (query, query)
     kernels.decode_partition_kernel[(batch, kv_heads, plan.partitions)](
         query,
         key_cache,
         value_cache,
+        key_scales,
+        value_scales,
         block_tables,
         seq_lens,
         out,
@@ -225,6 +247,9 @@ def paged_decode_attention(
         value_cache.stride(0),
         value_cache.stride(1),
         value_cache.stride(2),
+        key_scales.stride(0) if scales is not None else 0,
+        key_scales.stride(1) if scales is not None else 0,
+        key_scales.stride(2) if scales is not None else 0,
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -245,6 +270,8 @@ def paged_decode_attention(
         HAS_SINKS=sinks is not None,
         IEEE_DOT=query.dtype == torch.float32,
         DOT_IN_FP32=interpret and query.dtype != torch.float32,
+        CODES=0 if scales is None else scales.kind,
+        GROUP_DIMS=head_dim if scales is None else head_dim // scales.keys.shape[3],
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
     )
@@ -319,6 +346,7 @@ def _check_inputs(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     out: torch.Tensor | None,
+    scales: KVScales | None = None,
 ) -> tuple[int, int, int, int, int]:
     """Shape, dtype and layout checks (host metadata only); returns
     ``(B, H, D, KVH, block_size)``."""
@@ -339,11 +367,7 @@ def _check_inputs(
         raise ValueError(f"block_size must be a power of two, got {block_size}")
     if query.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"query dtype {query.dtype} is not float32, float16 or bfloat16")
-    if key_cache.dtype != query.dtype or value_cache.dtype != query.dtype:
-        raise ValueError(
-            f"key_cache/value_cache dtype ({key_cache.dtype}/{value_cache.dtype}) "
-            f"must match query's ({query.dtype})"
-        )
+    _check_cache_dtype(query, key_cache, value_cache, scales)
     if block_tables.dtype != torch.int32 or block_tables.dim() != 2:
         raise ValueError("block_tables must be an int32 [B, max_blocks] tensor")
     if seq_lens.dtype != torch.int32 or seq_lens.shape != (batch,):
@@ -364,6 +388,29 @@ def _check_inputs(
     if len(devices) != 1:
         raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
     return batch, heads, head_dim, kv_heads, block_size
+
+
+def _check_cache_dtype(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, scales: KVScales | None
+) -> None:
+    """A float cache in the query's dtype, or an 8-bit cache's codes with scales laid out as its
+    blocks' first three dimensions."""
+    want = query.dtype if scales is None else (torch.int8 if scales.codes == "int8" else torch.uint8)
+    if key_cache.dtype != want or value_cache.dtype != want:
+        raise ValueError(
+            f"key_cache/value_cache dtype ({key_cache.dtype}/{value_cache.dtype}) must be {want}"
+        )
+    if scales is not None and not (
+        scales.keys.dim() == 4
+        and scales.keys.shape == scales.values.shape
+        and scales.keys.shape[:3] == key_cache.shape[:3]
+        and key_cache.shape[3] % scales.keys.shape[3] == 0
+        and scales.keys.stride() == scales.values.stride()
+        and scales.keys.stride(-1) == 1
+    ):
+        raise ValueError(
+            "the scales must be [num_blocks, block_size, KVH, groups] like the caches, contiguous alike"
+        )
 
 
 def _check_workspace(

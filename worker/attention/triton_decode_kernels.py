@@ -14,6 +14,8 @@ def decode_partition_kernel(
     query_ptr,
     key_cache_ptr,
     value_cache_ptr,
+    key_scales_ptr,
+    value_scales_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     out_ptr,
@@ -33,6 +35,9 @@ def decode_partition_kernel(
     stride_vb,
     stride_vt,
     stride_vh,
+    stride_sb,
+    stride_st,
+    stride_sh,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -53,6 +58,8 @@ def decode_partition_kernel(
     HAS_SINKS: tl.constexpr,
     IEEE_DOT: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    CODES: tl.constexpr,
+    GROUP_DIMS: tl.constexpr,
 ):
     """One program: one sequence, one kv head, all query heads of its group,
     one partition of the context (the whole context when not SPLIT).
@@ -60,6 +67,10 @@ def decode_partition_kernel(
     DOT_IN_FP32 (interpreter only): the operands of the dots are rounded to
     the cache dtype as on the GPU, then widened to float32, because triton's
     interpreter multiplies bfloat16 operands wrongly (seen with triton 3.9).
+
+    CODES (an 8-bit cache): 0 float blocks; 1 int8 codes, 2 float8 e4m3 bits, with a scale per
+    token, kv head and GROUP_DIMS dims (``[num_blocks, block_size, KVH, groups]``): each tile's
+    codes are widened and scaled in registers, then go into the dots as float blocks would.
 
     HAS_WINDOW: only the last ``window`` tokens are read; HAS_SOFTCAP: scores
     (log2 units) are ``softcap_log2 * tanh(q.k * softcap_scale)``; HAS_SINKS
@@ -133,6 +144,17 @@ def decode_partition_kernel(
             mask=kv_mask,
             other=0.0,
         )
+        if CODES != 0:
+            scale_offsets = (
+                block_ids[:, None] * stride_sb
+                + in_block[:, None] * stride_st
+                + kv_head * stride_sh
+                + (dims // GROUP_DIMS)[None, :]
+            )
+            k_scale = tl.load(key_scales_ptr + scale_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+            v_scale = tl.load(value_scales_ptr + scale_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+            k = (_widen(k, CODES) * k_scale).to(out_ptr.dtype.element_ty)
+            v = (_widen(v, CODES) * v_scale).to(out_ptr.dtype.element_ty)
         if DOT_IN_FP32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -153,9 +175,9 @@ def decode_partition_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
-        # The probabilities go into the second dot in the cache's dtype (as
+        # The probabilities go into the second dot in the query's dtype (as
         # flash attention does): half the registers, the tensor cores' rate.
-        p_dot = p.to(value_cache_ptr.dtype.element_ty)
+        p_dot = p.to(out_ptr.dtype.element_ty)
         if DOT_IN_FP32:
             p_dot = p_dot.to(tl.float32)
         if IEEE_DOT:
@@ -196,6 +218,21 @@ def decode_partition_kernel(
             result.to(out_ptr.dtype.element_ty),
             mask=store_mask,
         )
+
+
+@triton.jit
+def _widen(codes, CODES: tl.constexpr):
+    """An 8-bit cache's codes as float32: int8 as they are; float8 e4m3 from its bits (sign, 4
+    exponent bits biased by 7, 3 mantissa bits), built as float32 bits, so exact on any device and
+    in the interpreter alike."""
+    if CODES == 1:
+        return codes.to(tl.float32)
+    bits = codes.to(tl.int32) & 0xFF
+    exponent = (bits >> 3) & 0xF
+    magnitude = (((exponent + 120) << 23) | ((bits & 0x7) << 20)).to(tl.float32, bitcast=True)
+    subnormal = (bits & 0x7).to(tl.float32) * 0.001953125  # m * 2^-9
+    magnitude = tl.where(exponent == 0, subnormal, magnitude)
+    return tl.where((bits & 0x80) != 0, -magnitude, magnitude)
 
 
 @triton.jit

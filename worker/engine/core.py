@@ -55,10 +55,9 @@ class Engine:
         speculation: Speculation | None = None,
     ):
         """The KV pool's size and block size are the runner's (``num_blocks``, ``block_size``);
-        ``on_device_failure`` is called (on the engine thread) once the engine cannot go on (its
-        device failed, or :class:`EngineFailure`: docs/worker.md, "Failure isolation");
-        ``speculation``: speculative decoding (n-gram or draft proposals, every row verified as
-        one-token steps would draw it; None: off; not with ``options.overlap``)."""
+        ``on_device_failure`` is called (on the engine thread) once the engine cannot go on (its device
+        failed, or :class:`EngineFailure`: docs/worker.md, "Failure isolation"); ``speculation``:
+        speculative decoding (every row verified as one-token steps would draw it; None: off)."""
         options = options or EngineOptions()
         if options.overlap and speculation is not None:
             raise ValueError("overlapping steps cannot be combined with speculative decoding")
@@ -84,6 +83,7 @@ class Engine:
             propose=self._propose if speculation is not None else None,
             speculate_max_rows=speculation.max_rows if speculation is not None else None,
             checkpoints=state_checkpoints(runner),
+            policy=options.policy(),
         )
         self.counters = EngineCounters()
         self._ledger = Ledger(self._scheduler, self.counters)
@@ -314,7 +314,7 @@ class Engine:
         """The prompt's logprobs; a scoring-only request (max_tokens 0) ends here."""
         top_n = state.request.sampling.prompt_logprobs or 0
         try:
-            entries = self._runner.score(state.request.prompt_token_ids, top_n)
+            entries = self._runner.score(state.request.prompt_token_ids, top_n, state.request.lora)
         except Exception as exc:
             raise_if_device_failed(exc)
             log.exception("scoring the prompt of %s failed", state.key)

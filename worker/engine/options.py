@@ -1,5 +1,5 @@
 """The engine's settings: its limits (rows, queue, a step's prompt tokens), the prefix cache, the
-text rules of its streams, and how its steps and outputs are paced.
+text rules of its streams, how its steps and outputs are paced, and its scheduling policy.
 
 Design notes: docs/worker.md ("`worker/engine/core.py`").
 """
@@ -7,6 +7,8 @@ Design notes: docs/worker.md ("`worker/engine/core.py`").
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from worker.engine.policy import Policy, PolicyName, make_policy
 
 
 @dataclass(frozen=True)
@@ -23,7 +25,14 @@ class EngineOptions:
     refusal_message: str = "I can't help with that."
     stream_interval: int = 1
     overlap: bool = False
+    scheduling_policy: str = "fcfs"  # --scheduling-policy (worker/engine/policy.py)
 
     def __post_init__(self) -> None:
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}")
+        if self.scheduling_policy not in tuple(PolicyName):
+            raise ValueError(f"scheduling_policy must be one of {', '.join(PolicyName)}")
+
+    def policy(self) -> Policy:
+        """A new scheduler's policy (each scheduler owns one: it keeps counters)."""
+        return make_policy(self.scheduling_policy)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from worker.errors import InvalidRequest
 from worker.sampling.grammar import GrammarCompiler, TokenConstraint
 from worker.sampling.sampler import SequenceSampling, blocked_ids
+from worker.sampling.thinking_budget import BudgetedThinking
 from worker.types import FinishReason, GenerationRequest
 
 
@@ -58,6 +59,7 @@ class RequestPreparer:
                 blocked,
                 seed_offset=i,
                 constraint=self._constraint(request),
+                thinking=self._thinking(request),
             )
             for i in range(opts.n)
         ]
@@ -95,6 +97,16 @@ class RequestPreparer:
         if sampling.generated >= opts.max_tokens or len(request.prefill_token_ids) >= self._context_length:
             return FinishReason.LENGTH
         return None
+
+    def _thinking(self, request: GenerationRequest) -> BudgetedThinking | None:
+        """A choice's thinking budget state; the markers are read in text (the grammars' tokenizer)."""
+        if request.thinking_budget is None:
+            return None
+        if self._grammars is None:
+            raise RuntimeError(
+                "a thinking budget reached an engine without a tokenizer (its grammar compiler)"
+            )
+        return BudgetedThinking(request.thinking_budget, self._grammars.decode)
 
     def _constraint(self, request: GenerationRequest) -> TokenConstraint | None:
         if request.grammar is None:

@@ -18,7 +18,7 @@ from worker.engine.sink import OutputSink, Pacing
 from worker.engine.speculation import RowSpeculation
 from worker.engine.stats import EngineCounters
 from worker.sampling.sampler import Draw, SequenceSampling
-from worker.types import CoreFailure, CoreOutput, GenerationRequest
+from worker.types import CoreFailure, CoreOutput, GenerationRequest, Scheduling
 
 # A request still waiting for a slot hears ``queued`` again this often, so a caller's idle
 # timer (the edge's --idle-timeout) does not mistake a long queue for a dead worker.
@@ -72,7 +72,12 @@ class RequestState:
                 i,
                 sampling,
                 SeqState(
-                    list(req.prefill_token_ids), prompt, longest, awaits_prompt=i > 0, images=req.images
+                    list(req.prefill_token_ids),
+                    prompt,
+                    longest,
+                    awaits_prompt=i > 0,
+                    images=req.images,
+                    lora=req.lora,
                 ),
             )
             for i, sampling in enumerate(prepared.samplings)
@@ -90,6 +95,10 @@ class RequestState:
     @property
     def needs_kv(self) -> bool:
         return self.request.sampling.max_tokens > 0
+
+    @property
+    def scheduling(self) -> Scheduling:
+        return self.request.scheduling
 
     @property
     def prompt_length(self) -> int:

@@ -6,16 +6,17 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass, field, replace
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 from worker.engine.kv_blocks import BlockManager, SequenceBlocks
+from worker.engine.policy import Policy, Room
 from worker.engine.state_slots import Checkpoints, StateSlots
 from worker.errors import InvalidRequest, QueueFull
 from worker.model.step_inputs import Work, work_of
-from worker.types import PromptImage
+from worker.types import LoraHandle, PromptImage, Scheduling
 
 
 @dataclass(eq=False)
@@ -34,12 +35,17 @@ class SeqState:
     images: tuple[PromptImage, ...] = ()  # a vision-language prompt's images (their placeholder spans)
     state_slot: int = -1  # its slot of a hybrid model's state pool while it runs (-1: none)
     resume_from: int = -1  # the state checkpoint its attached prefix ends at, for its next work
+    lora: LoraHandle | None = None  # its request's LoRA adapter (None: the base model)
 
     @property
     def cache_keys(self) -> Tokens[int]:
         """What the prefix cache keys this sequence's blocks by: its tokens, with each image's
-        placeholders replaced by the image's key (so blocks of one image match only that image)."""
-        return _KeyedTokens(self.tokens, self.images) if self.images else self.tokens
+        placeholders replaced by the image's key (so blocks of one image match only that image),
+        and under a LoRA adapter the first token keyed with the adapter's load (so no prefix
+        computed under one adapter, or the base model, serves another)."""
+        if self.images or self.lora is not None:
+            return _KeyedTokens(self.tokens, self.images, None if self.lora is None else self.lora.uid)
+        return self.tokens
 
     def chunk(self, count: int) -> int:
         """``count`` prompt tokens from ``computed`` on, moved so the chunk never ends inside an image's
@@ -81,6 +87,11 @@ class Schedulable(Protocol):
         """False for a request that only scores its prompt (no sequence is computed)."""
         ...
 
+    @property
+    def scheduling(self) -> Scheduling:
+        """Its priority, tenant and deadline, which the policy orders by."""
+        ...
+
 
 T = TypeVar("T", bound=Schedulable)
 
@@ -117,7 +128,8 @@ Proposer = Callable[[T, SeqState, int], list[int]]
 
 
 class Scheduler(Generic[T]):
-    """FCFS continuous batching with chunked prefill and preemption over a block pool."""
+    """Continuous batching with chunked prefill and preemption over a block pool, in the order of a
+    :class:`~worker.engine.policy.Policy` (first come, first served by default)."""
 
     def __init__(
         self,
@@ -129,13 +141,16 @@ class Scheduler(Generic[T]):
         propose: Proposer[T] | None = None,
         speculate_max_rows: int | None = None,
         checkpoints: int = 0,
+        policy: Policy | None = None,
     ):
         """``propose``: speculative decoding's proposals for decoding sequences (None: off); they
         take what the step's token budget and free blocks have left after the running sequences
         and starts (a row's own token counts too), so they delay or preempt nobody; and only
         in steps where at most ``speculate_max_rows`` sequences decode (None: any number).
         ``checkpoints``: a hybrid model's state checkpoints (0: none; prefixes are then reused only
-        by a model without recurrent state, see :class:`Checkpoints`)."""
+        by a model without recurrent state, see :class:`Checkpoints`). ``policy``: which waiting
+        request starts next and which running one yields (None: first come, first served)."""
+        self.policy = policy or Policy()
         self.propose = propose
         self.speculate_max_rows = speculate_max_rows
         self.blocks = blocks
@@ -157,6 +172,10 @@ class Scheduler(Generic[T]):
         return sum(len(_live(item)) for item in self.running)
 
     @property
+    def room(self) -> Room:
+        return Room(self.max_running, self.prefill_budget_tokens)
+
+    @property
     def capacity_tokens(self) -> int:
         return self.blocks.num_blocks * self.blocks.block_size
 
@@ -164,7 +183,8 @@ class Scheduler(Generic[T]):
         """Queues a request.
 
         Raises InvalidRequest when the request could never fit the pool on its
-        own, and QueueFull (with a retry hint) when the queue is at its bound.
+        own, QueueFull (with a retry hint) when the queue is at its bound, and what the policy's
+        ``admit`` raises (DeadlineUnreachable).
         """
         if len(item.sequences) > self.max_running:  # it could never start: nothing behind it would
             raise InvalidRequest(
@@ -188,7 +208,9 @@ class Scheduler(Generic[T]):
                 f"the worker's queue is full ({self.max_queue} requests waiting); retry later",
                 retry_after_seconds=1.0,
             )
+        self.policy.admit(item, self.waiting, self.running, self.room)
         self.waiting.append(item)
+        self.policy.added(item)
 
     def remove(self, request_id: str) -> T | None:
         """Takes a request out wherever it is (queued or running), freeing its blocks; returns it,
@@ -196,11 +218,13 @@ class Scheduler(Generic[T]):
         for index, item in enumerate(self.running):
             if item.request_id == request_id:
                 self._free(item)
+                self.policy.forget(item)
                 return self.running.pop(index)
-        for item in self.waiting:
+        for index, item in enumerate(self.waiting):
             if item.request_id == request_id:
-                self.waiting.remove(item)
+                del self.waiting[index]
                 self._free(item)
+                self.policy.forget(item)
                 return item
         return None
 
@@ -286,7 +310,9 @@ class Scheduler(Generic[T]):
         when planning raises otherwise, :class:`SchedulingFailed` carries those requests (they are
         neither waiting nor running any more, so the caller fails them with the rest)."""
         plan: StepPlan[T] = StepPlan()
+        self.policy.tick()
         try:
+            self.policy.order_running(self.running)
             budget = self._plan_running(plan)
             budget = self._start_waiting(plan, budget)
             if self.propose is not None:
@@ -294,11 +320,12 @@ class Scheduler(Generic[T]):
             self._checkpoint(plan)
         except Exception as error:
             raise SchedulingFailed(plan.failed, error) from error
+        self.policy.planned(plan.work, self.running)
         return plan
 
     def _plan_running(self, plan: StepPlan[T]) -> int:
-        """Plans every running request (oldest first), preempting newer ones for blocks; returns the
-        budget left."""
+        """Plans every running request in the policy's order (first come: oldest first), preempting
+        later ones for blocks; returns the budget left."""
         budget = self.prefill_budget_tokens
         index = 0
         while index < len(self.running):  # a preemption shortens the list from its end
@@ -307,35 +334,71 @@ class Scheduler(Generic[T]):
             budget, ok = self._plan(item, budget, plan)
             if not ok:  # no block even after preempting every newer request: this one waits too
                 del plan.work[planned:]
-                self._preempt(item, plan)
+                self._preempt(item, plan, "blocks")
                 continue
             index += 1
         return budget
 
     def _start_waiting(self, plan: StepPlan[T], budget: int) -> int:
-        """Starts waiting requests in order while slots, budget and free blocks allow; returns the
-        budget left."""
+        """Starts waiting requests in the policy's order while slots, budget and free blocks allow
+        (a request short of slots or blocks may have the policy preempt running ones for it; one
+        preempted so is not started again in this plan); returns the budget left."""
+        yielded: set[int] = set()
         while self.waiting and (budget > 0 or not plan.work):
-            head = self.waiting[0]
-            if len(head.sequences) + self.running_sequences > self.max_running:
+            index = self.policy.next_index(self.waiting, self.running, self.room)
+            head = self.waiting[index]
+            if id(head) in yielded:
                 break
-            planned = len(plan.work)
-            try:
-                budget, ok = self._start(head, budget, plan)
-            except Exception as error:  # this request alone cannot be planned
-                self.waiting.popleft()
-                plan.failed.append((head, error))  # listed first: reported even if freeing raises
-                del plan.work[planned:]
-                self._free(head)
-                continue
-            if not ok:
-                del plan.work[planned:]
-                self._free(head)
+            if not adapters_fit(head, self.running):
                 break
-            self.waiting.popleft()
-            self.running.append(head)
-            plan.started.append(head)
+            started: bool | None = False  # short of slots: it waits unless one yields
+            if len(_live(head)) + self.running_sequences <= self.max_running:
+                budget, started = self._try_start(head, index, budget, plan)
+            if started is False:
+                refund = self._yield_for(head, plan, yielded)
+                if refund is None:
+                    break
+                budget += refund
         return budget
+
+    def _try_start(self, head: T, index: int, budget: int, plan: StepPlan[T]) -> tuple[int, bool | None]:
+        """Starts ``waiting[index]``; returns the budget left and whether it started (None: its own
+        start raised, so it left the queue for ``plan.failed``)."""
+        planned = len(plan.work)
+        first = not any(seq.started for seq in head.sequences)
+        try:
+            budget, ok = self._start(head, budget, plan)
+        except Exception as error:  # this request alone cannot be planned
+            del self.waiting[index]
+            plan.failed.append((head, error))  # listed first: reported even if freeing raises
+            del plan.work[planned:]
+            self.policy.forget(head)
+            self._free(head)
+            return budget, None
+        if not ok:
+            del plan.work[planned:]
+            self._free(head)
+            return budget, False
+        del self.waiting[index]
+        self.running.append(head)
+        plan.started.append(head)
+        if first:
+            self.policy.started(head)
+        return budget, True
+
+    def _yield_for(self, head: T, plan: StepPlan[T], yielded: set[int]) -> int | None:
+        """Preempts the running request the policy names for ``head`` (its planned work dropped);
+        returns the prompt budget that work had taken, or None when the policy names none."""
+        found = self.policy.victim(head, self.running, self.room)
+        if found is None:
+            return None
+        victim, cause = found
+        mine = {id(seq) for seq in victim.sequences}
+        refund = sum(len(w.tokens) - w.proposed for w in plan.work if id(w.seq) in mine and w.seq.pending > 1)
+        plan.work[:] = [w for w in plan.work if id(w.seq) not in mine]
+        self._preempt(victim, plan, cause)
+        yielded.add(id(victim))
+        return refund
 
     def _plan(self, item: T, budget: int, plan: StepPlan[T]) -> tuple[int, bool]:
         """Plans a running request's sequences, preempting newer requests for blocks if needed."""
@@ -351,7 +414,7 @@ class Scheduler(Generic[T]):
                 victim = self.running[-1]
                 if victim is item:
                     return budget, False
-                self._preempt(victim, plan)
+                self._preempt(victim, plan, "blocks")
             plan.work.append(self._work(seq, count))
             if seq.pending > 1:
                 budget -= count
@@ -413,11 +476,13 @@ class Scheduler(Generic[T]):
         _count_cached(item)
         return budget, True
 
-    def _preempt(self, item: T, plan: StepPlan[T]) -> None:
-        """Frees a running request's blocks and puts it back at the front of the queue."""
+    def _preempt(self, item: T, plan: StepPlan[T], cause: str) -> None:
+        """Frees a running request's blocks and puts it back at the front of the queue; ``cause``
+        (blocks, priority, fairness) is counted."""
         self.running.remove(item)
         self._free(item)
         self.waiting.appendleft(item)
+        self.policy.stats.preempted(cause)
         plan.preempted.append(item)
         if item in plan.started:
             plan.started.remove(item)
@@ -426,9 +491,10 @@ class Scheduler(Generic[T]):
 class _KeyedTokens(Tokens[int]):
     """A sequence's tokens as the prefix cache keys them (:attr:`SeqState.cache_keys`), read lazily."""
 
-    def __init__(self, tokens: list[int], images: tuple[PromptImage, ...]):
+    def __init__(self, tokens: list[int], images: tuple[PromptImage, ...], adapter: int | None = None):
         self._tokens = tokens
         self._images = images
+        self._adapter = adapter  # a LoRA adapter's uid: position 0 is keyed with it
 
     def __len__(self) -> int:
         return len(self._tokens)
@@ -437,6 +503,8 @@ class _KeyedTokens(Tokens[int]):
         for image in self._images:
             if image.start <= position < image.end:
                 return image.key
+        if position == 0 and self._adapter is not None:
+            return adapter_key(self._adapter, self._tokens[0])
         return self._tokens[position]
 
     @overload
@@ -447,6 +515,22 @@ class _KeyedTokens(Tokens[int]):
         if isinstance(index, slice):
             return [self._key(p) for p in range(*index.indices(len(self._tokens)))]
         return self._key(index if index >= 0 else index + len(self._tokens))
+
+
+def adapter_key(uid: int, token: int) -> int:
+    """A sequence's first prefix-cache key under LoRA adapter ``uid``: above every token id (below
+    2**32) and apart for each adapter, so its blocks chain apart from the base model's and others'."""
+    return (uid << 32) | token
+
+
+def adapters_fit(item: Schedulable, running: Iterable[Schedulable]) -> bool:
+    """Whether ``item`` can start beside ``running`` within ``--max-loras`` (each step computes
+    every running sequence, so the running set holds at most that many distinct adapters)."""
+    adapter = next((seq.lora for seq in item.sequences), None)
+    if adapter is None:
+        return True
+    held = {seq.lora.uid for other in running for seq in other.sequences if seq.lora is not None}
+    return adapter.uid in held or len(held) < adapter.max_active
 
 
 def _count_cached(item: Schedulable) -> None:

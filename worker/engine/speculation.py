@@ -56,8 +56,11 @@ class Speculation:
         self, sampling: SequenceSampling, acceptance: RowSpeculation, tokens: Sequence[int], room: int
     ) -> list[int]:
         """What the row may verify this step: at most ``room`` tokens, cut before the first one its
-        grammar forbids; none when its request turned speculation off or its acceptance paused it."""
+        grammar forbids; none when its request turned speculation off or its acceptance paused it; few
+        enough that its thinking budget is not reached inside them."""
         limit = min(self.tokens, room)
+        if sampling.thinking is not None:
+            limit = min(limit, sampling.thinking.allowed_prefix())
         if limit <= 0 or not sampling.options.speculative or sampling.generated < acceptance.paused_until:
             return []
         found = self.guesses(sampling, acceptance, tokens, limit)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sluice.prometheus import Histogram
+from worker.engine.class_stats import ClassStats
 from worker.engine.scheduler import Scheduler
 from worker.types import FastPath
 
@@ -34,7 +35,7 @@ class EngineCounters:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     prefix_cache_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    preemptions: int = 0  # requests sent back to the queue for blocks (recomputed later)
+    preemptions: int = 0  # requests sent back to the queue (recomputed later): blocks, or the policy
     steps: int = 0
     decode_only_steps: int = 0  # steps whose every row decodes one token (CUDA: replayed from a graph)
     speculative_proposed_tokens: int = 0  # proposals verified (--speculative)
@@ -64,6 +65,12 @@ class EngineStats:
     graph_replays: int = 0  # decode steps replayed from a CUDA graph
     speculative_proposer: str | None = None  # --speculative's proposer; None: off
     state_cache_bytes: int = 0  # a hybrid model's state pool (worker/attention/state_pool.py)
+    # --enable-lora: the most adapters a step holds (0: off), and the adapters of the running and
+    # of the waiting requests, by name (vLLM's lora_requests_info).
+    max_loras: int = 0
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    classes: ClassStats = field(default_factory=ClassStats)  # by priority and tenant (the policy's)
 
     @classmethod
     def of(
@@ -88,13 +95,22 @@ class EngineStats:
             graph_replays=getattr(getattr(runner, "graphs", None), "replays", 0),
             speculative_proposer=proposer,
             state_cache_bytes=getattr(runner, "state_bytes", 0),
+            max_loras=getattr(getattr(runner, "lora", None), "max_loras", 0),
+            running_loras=_adapters(running),
+            waiting_loras=_adapters(scheduler.waiting),
             counters=replace(counters, time_to_first_token=counters.time_to_first_token.copy()),
+            classes=scheduler.policy.stats.copy(),
         )
 
     @property
     def kv_cache_usage(self) -> float:
         """The fraction of the KV cache's blocks in use, 0..1 (0 when it has none)."""
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+def _adapters(requests: Any) -> tuple[str, ...]:
+    """The names of the LoRA adapters ``requests`` use, sorted, each once."""
+    return tuple(sorted({seq.lora.name for r in requests for seq in r.sequences[:1] if seq.lora is not None}))
 
 
 class PublishedStats:

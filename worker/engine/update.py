@@ -176,7 +176,7 @@ class Update:
         request, in ``failures``), and counts the tokens."""
         now = time.monotonic()
         tokens: list[NewToken] = []
-        first_tokens: list[float] = []  # each first token's time since its request arrived
+        first_tokens: list[tuple[RequestState, float]] = []  # each first token's request, time since arrival
         for (state, choice), place, sample in zip(in_flight.rows, in_flight.places, samples, strict=True):
             if state.removed or state.key in failures or choice.finished:
                 continue
@@ -188,11 +188,12 @@ class Update:
                 continue
             outputs.setdefault(state.key, []).append(tokens[-1])
             if choice.sampling.generated == 1:
-                first_tokens.append(now - state.request.arrival_time)
+                first_tokens.append((state, now - state.request.arrival_time))
         with self._ledger.cv:  # the counters stats() copies, under its lock
             self._ledger.counters.generated_tokens += len(tokens)
-            for seconds in first_tokens:
+            for owner, seconds in first_tokens:
                 self._ledger.counters.time_to_first_token.observe(seconds)
+                self._ledger.scheduler.policy.stats.observe_first_token(owner.scheduling, seconds)
 
     def _advance(
         self, state: RequestState, choice: Choice, place: int, sample: Sample, now: float

@@ -95,3 +95,6 @@ class ReasoningFormat:
     rank: int  # probes are tried lowest rank first
     markers: tuple[str, ...] = ()  # as ToolFormat.markers
     stop_tokens: tuple[str, ...] = ()
+    # The block as the model writes it: its opening, and the text that ends it, forced when a
+    # thinking budget is spent (worker/sampling/thinking_budget.py); ("", ""): no budget applies.
+    block: tuple[str, str] = ("", "")

@@ -112,4 +112,6 @@ REASONING_FORMAT = ReasoningFormat(
     rank=0,
     markers=(CHANNEL, MESSAGE),
     stop_tokens=(CALL,),
+    # An analysis message, ended (a budget spent) by closing it and opening the final answer.
+    block=(f"{CHANNEL}analysis{MESSAGE}", f"<|end|>{START}assistant{CHANNEL}final{MESSAGE}"),
 )

@@ -52,6 +52,11 @@ def thinking_open_marker(name: str) -> str:
     return REASONING_FORMATS.get(name, DEFAULT_REASONING).open_marker
 
 
+def thinking_block(name: str) -> tuple[str, str]:
+    """A thinking format's block as the model writes it: its opening and the text that ends it."""
+    return REASONING_FORMATS.get(name, DEFAULT_REASONING).block
+
+
 def call_grammar(name: str) -> CallGrammar:
     """The forced-call grammar of a format (or variant) name; hermes's for an unknown name."""
     return CALL_GRAMMARS.get(name, DEFAULT_TOOLS.grammar)

@@ -123,4 +123,5 @@ def think_format(
         shown=shown,
         rank=rank,
         markers=(block.open, block.close) if special else (),
+        block=(block.open, block.close),
     )

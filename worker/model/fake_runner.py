@@ -113,7 +113,7 @@ class FakeRunner(ModelRunner):
 
         return wait
 
-    def score(self, prompt: Sequence[int], top_n: int) -> list[SampledLogprobs]:
+    def score(self, prompt: Sequence[int], top_n: int, lora: object = None) -> list[SampledLogprobs]:
         raise NotImplementedError("a fake-tokens worker runs no model, so it cannot score a prompt")
 
     def _logits(self, tokens: list[int]) -> torch.Tensor:

@@ -14,6 +14,8 @@ from worker.attention.decode_kernel import decode_kernel, kernel_problem
 from worker.attention.kv_pool import KVPool, KVShape, kv_shape
 from worker.attention.state_pool import StatePool
 from worker.device.staging import fence
+from worker.lora.choice import lora_ops
+from worker.lora.layers import LoraLayers
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError
@@ -33,7 +35,7 @@ from worker.model.verify_states import VerifyStates, verify_states
 from worker.model.vision import VisionEncoder, mrope_positions, vision_spec
 from worker.quant.layers import row_invariant_linears
 from worker.quant.moe import model_scheme, row_invariant_moe
-from worker.types import FastPath, SampledLogprobs
+from worker.types import FastPath, LoraHandle, SampledLogprobs
 
 
 def _image_spans(flat: FlatTokens, work: Sequence[Work]) -> torch.Tensor:
@@ -69,6 +71,8 @@ class ModelRunner:
     scores_prompts = True  # ``score`` works (a runner without a model says False)
     # A hybrid model's last step's verifying rows and their kept states (worker/model/verify_states.py).
     _verify: VerifyStates | None = None
+    # With --enable-lora: the wrapped projections and the adapters' slots (:meth:`enable_lora`).
+    lora: LoraLayers | None = None
 
     def __init__(
         self,
@@ -79,10 +83,12 @@ class ModelRunner:
         batch_invariant: bool = False,
         triton_decode: bool | None = None,
         max_sequences: int = 16,
+        kv_cache_dtype: str = "auto",
     ):
         """``triton_decode``: decode rows on the Triton kernel; None chooses (below), True forces it
         (tests run it on the CPU through triton's interpreter). ``max_sequences``: the state slots
-        of a hybrid model (one per running sequence: the scheduler's ``max_running``)."""
+        of a hybrid model (one per running sequence: the scheduler's ``max_running``).
+        ``kv_cache_dtype``: ``--kv-cache-dtype`` (worker/attention/kv_quant.py)."""
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -97,7 +103,7 @@ class ModelRunner:
                 {"": paged.NAME, "text_config": paged.NAME, "vision_config": "sdpa"}
             )
         self.vision = None if spec is None else VisionEncoder(self.model, spec, loaded.device, loaded.dtype)
-        self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype)
+        self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype, kv_cache_dtype)
         self.block_size = block_size
         self.num_blocks = num_blocks
         # One block more than the scheduler hands out: padding rows of a captured decode batch write
@@ -153,6 +159,19 @@ class ModelRunner:
         step's drawn ids on the device, which the items' placeholder tokens name (:func:`fed_ids`)."""
         if not work:
             raise ValueError("execute needs at least one item")
+        if self.lora is not None:
+            with self.lora.step([(item.lora, len(item.tokens)) for item in work]):
+                return self._execute_states(work, fed)
+        return self._execute_states(work, fed)
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoraLayers:
+        """Wraps the model's attention and MLP projections for LoRA adapters (worker/lora/): each
+        step then adds its adapters' products, grouped by adapter, to their rows."""
+        self.lora = LoraLayers(self.model, max_loras, max_rank, lora_ops(self.device))
+        return self.lora
+
+    def _execute_states(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`execute` around a hybrid model's state checkpoints (none for other models)."""
         if self.states is None:
             return self._execute(work, fed)
         self._copy_states([(item.state_from, item.state_slot, True) for item in work if item.state_from >= 0])
@@ -216,7 +235,9 @@ class ModelRunner:
             step.decode_mask = paged.decode_mask(step.decode_lengths, width * self.block_size)
 
     def _decode(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
-        if self.graphs is not None and self.graphs.fits(len(work)):
+        # The graphs hold the base model's forward: a step with LoRA rows runs eagerly.
+        eager = self.lora is not None and self.lora.plan is not None
+        if self.graphs is not None and self.graphs.fits(len(work)) and not eager:
             return self.graphs.run(work, fed)
         index_type = torch.int32 if self._use_kernel else torch.long
         inputs = decode_inputs(work, self.block_size, self.device, index_type, fed)
@@ -295,7 +316,7 @@ class ModelRunner:
             torch.cat(tables),
             torch.tensor(flat.positions, dtype=torch.long) + 1,
             size,
-            widest * self.pool.keys[0].element_size(),
+            widest * torch.empty((), dtype=self.dtype).element_size(),  # gathered in the model's dtype
             self.device,
         )
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(self.device), invariant=rows)
@@ -331,12 +352,18 @@ class ModelRunner:
         return out.logits[0].float()
 
     @torch.inference_mode()
-    def score(self, prompt: Sequence[int], top_n: int) -> list[SampledLogprobs]:
+    def score(
+        self, prompt: Sequence[int], top_n: int, lora: LoraHandle | None = None
+    ) -> list[SampledLogprobs]:
         """The logprob of each prompt token after the first given the tokens before it, with the
         ``top_n`` best alternatives, from one forward over the whole prompt (no KV kept, no prefix
-        reused: every position needs its logits)."""
+        reused: every position needs its logits), under ``lora``'s adapter when given."""
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        if self.lora is not None:
+            with self.lora.step([(lora, len(prompt))]):
+                logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
+        else:
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()
         logprobs = torch.log_softmax(logits, dim=-1)
         targets = ids[0, 1:]
         chosen = logprobs.gather(1, targets[:, None])[:, 0].tolist()

@@ -90,8 +90,8 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
     prefer_planless_attention(device)
     fused = device.type == "cuda" and config.fused_kernels and fuse_for_serving(loaded.model)
     if device.type == "cuda":
-        take_activation_memory(loaded, budget, config.kv_block_size)
-    shape = kv_shape(loaded.model.config, loaded.dtype)
+        take_activation_memory(loaded, budget, config.kv_block_size, config.kv_cache_dtype)
+    shape = kv_shape(loaded.model.config, loaded.dtype, config.kv_cache_dtype)
     state_slots, fraction = state_split(loaded, config)
     blocks = pool_blocks(
         shape,
@@ -110,7 +110,10 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         block_size=config.kv_block_size,
         batch_invariant=config.batch_invariant,
         max_sequences=limits.max_running,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
+    if config.enable_lora:  # before the warm-up and graph capture, which then hold the wrapped layers
+        runner.enable_lora(config.max_loras, config.max_lora_rank)
     if runner.states is not None:
         log.info(
             "memory: KV cache %.2f GiB, state cache %.1f MiB (%d slots and %d prefix checkpoints of "
@@ -173,14 +176,14 @@ def state_split(loaded: LoadedModel, config: WorkerConfig) -> tuple[int | None, 
 
 
 @torch.inference_mode()
-def take_activation_memory(loaded: LoadedModel, tokens: int, block_size: int) -> None:
+def take_activation_memory(loaded: LoadedModel, tokens: int, block_size: int, cache: str = "auto") -> None:
     """One forward of a full prefill budget as a prompt chunk continuing a cached prefix, through the
     paged attention in a pool of its own (the path and SDPA kernels serving takes), so the pool is
     sized from what is left."""
     device = loaded.device
     count = max(1, min(tokens, loaded.context_length - block_size))
     context = min(loaded.context_length, count + max(block_size, count))
-    shape = kv_shape(loaded.model.config, loaded.dtype)
+    shape = kv_shape(loaded.model.config, loaded.dtype, cache)
     blocks = -(-context // block_size)
     pool = KVPool(shape, blocks, block_size, device)
     work = Work([0] * count, context - count, list(range(blocks)), True)

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from worker.device.staging import staged
-from worker.types import PromptImage
+from worker.types import LoraHandle, PromptImage
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class Work:
     # prefix resumed), and the slot copied into after it (a chunk that ends at a boundary); -1: none.
     state_from: int = -1
     state_to: int = -1
+    lora: LoraHandle | None = None  # the sequence's LoRA adapter (None: the base model)
 
     @property
     def count(self) -> int:
@@ -84,6 +85,8 @@ class PlannedSequence(Protocol):
     def images(self) -> tuple[PromptImage, ...]: ...
     @property
     def state_slot(self) -> int: ...
+    @property
+    def lora(self) -> LoraHandle | None: ...
 
 
 def work_of(seq: PlannedSequence, count: int, proposals: tuple[int, ...] = ()) -> Work:
@@ -102,6 +105,7 @@ def work_of(seq: PlannedSequence, count: int, proposals: tuple[int, ...] = ()) -
             len(proposals),
             seq=seq,
             state_slot=seq.state_slot,
+            lora=seq.lora,
         )
     grids = tuple(
         (image.start, (image.grid[0], image.grid[1], image.grid[2])) for image in seq.images if image.grid
@@ -128,6 +132,7 @@ def work_of(seq: PlannedSequence, count: int, proposals: tuple[int, ...] = ()) -
         mrope_delta(grids),
         seq,
         seq.state_slot,
+        lora=seq.lora,
     )
 
 

@@ -6,7 +6,7 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -285,6 +285,10 @@ class GrammarCompiler:
         self._marker_ids: dict[str, int] | None = None
         self._added: dict[str, int] | None = None
         self.vocab_size = len(tokenizer)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids``, special tokens included (a thinking budget's markers)."""
+        return str(self._hf_tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
     def _tokenizer(self) -> Any:
         if self._ll_tokenizer is None:

@@ -15,6 +15,7 @@ import torch
 
 from worker.device.staging import fence, staged, to_host
 from worker.sampling.grammar import TokenConstraint
+from worker.sampling.thinking_budget import BudgetedThinking
 from worker.types import SampledLogprobs, SamplingOptions
 
 _MASK64 = (1 << 64) - 1
@@ -41,6 +42,7 @@ class SequenceSampling:
     blocked_before_min: frozenset[int]  # EOS and stop token ids
     seed_offset: int = 0
     constraint: TokenConstraint | None = None
+    thinking: BudgetedThinking | None = None  # a thinking budget's state (thinking_budget.py)
     seed: int = field(init=False)
     output_token_ids: list[int] = field(default_factory=list, init=False)
 
@@ -56,6 +58,12 @@ class SequenceSampling:
         self.output_token_ids.append(token_id)
         if self.constraint is not None:
             self.constraint.advance(token_id)
+        if self.thinking is not None:
+            self.thinking.record(token_id)
+
+    def forced(self) -> int | None:
+        """The token this draw must be (a spent thinking budget's end of the block), or None."""
+        return self.thinking.forced() if self.thinking is not None else None
 
     def banned_now(self) -> list[int]:
         """The ``bad_words`` tokens this draw may not pick: each one-token word, and the last token of
@@ -304,9 +312,10 @@ def _processed(
     allowed = [i for i, r in enumerate(rows) if r.options.allowed_token_ids]
     width = logits.shape[-1]
     banned = [(i, t) for i, r in enumerate(rows) for t in r.banned_now() if t < width]
+    forced = [(i, t) for i, r in enumerate(rows) if (t := r.forced()) is not None]
     if repetition or counted:
         _penalty_state(batch, rows, repetition, counted)
-    if not (bias or repetition or counted or masked or grammar or allowed or banned):
+    if not (bias or repetition or counted or masked or grammar or allowed or banned or forced):
         return logits, []
     logits = logits.clone()
     params = batch.params
@@ -361,6 +370,10 @@ def _processed(
         failed = [grammar[j] for j in failed]
         index = batch.index(grammar)
         logits[index] = _apply_bitmask(logits[index], bitmask)
+    if forced:  # last: a forced token is the draw whatever else masked it
+        forced_rows = staged([i for i, _ in forced], torch.long, device)
+        logits[forced_rows] = float("-inf")
+        logits[forced_rows, staged([t for _, t in forced], torch.long, device)] = 0.0
     return logits, failed
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sluice.limits import (
@@ -28,6 +28,7 @@ from worker.errors import InvalidRequest, ModelNotFound
 from worker.prompts.images import ImageData
 from worker.prompts.prompt import CHAT_ROLES, ChatMessage, ChatPrompt, RawPrompt
 from worker.sampling.grammar import GrammarSpec
+from worker.service.thinking import thinking_request
 from worker.types import (
     ContentDelta,
     Event,
@@ -39,6 +40,7 @@ from worker.types import (
     ReasoningDelta,
     RefusalDelta,
     SamplingOptions,
+    Scheduling,
     TokenLogprob,
     ToolCallDelta,
     Usage,
@@ -48,6 +50,7 @@ from worker.types import (
 # deeper documents are refused before the chat template, llguidance or Python's recursion
 # limit meet them. Schemas generated from real models nest far less.
 MAX_JSON_DEPTH = 64
+MAX_TENANT_CHARS = 256  # a tenant names a caller's account, not a document
 _TOOL_CHOICE_MODES = frozenset(pb.ToolChoice.Mode.values())
 
 
@@ -61,8 +64,11 @@ class ParsedRequest:
     grammar: GrammarSpec | None = None
     parse_tool_calls: bool = False
     enable_thinking: bool | None = None
+    thinking_token_budget: int | None = None  # chat only: each choice's thinking cap
+    reasoning_effort: str = ""  # chat only: a key of service/thinking.py EFFORT_BUDGETS, or ""
     # ``resume``: the tokens an earlier call delivered, for choice 0 (n == 1 only); () = a new request.
     resumed_token_ids: tuple[int, ...] = ()
+    scheduling: Scheduling = field(default_factory=Scheduling)  # priority, tenant, the call's deadline
 
 
 @dataclass(frozen=True)
@@ -114,11 +120,15 @@ def parse_detokenize_request(request: pb.DetokenizeRequest, served_model: str) -
     return tuple(request.ids)
 
 
-def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedRequest:
+def parse_request(
+    request: pb.GenerateRequest, served_model: str, deadline: float | None = None
+) -> ParsedRequest:
+    """A validated ``GenerateRequest``; ``deadline``: the call's (``time.monotonic()``; None: none)."""
     _check_model(request.model, served_model)
     kind = request.WhichOneof("input")
     prompt: ChatPrompt | RawPrompt
     grammar, parse_tools, thinking = _response_format(request.response_format), False, None
+    budget, effort = None, ""
     if kind == "chat":
         prompt = _chat_prompt(request.chat)
         tool_grammar, parse_tools = _tool_choice(request.chat, prompt)
@@ -130,6 +140,7 @@ def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedReque
                 )
             grammar = tool_grammar
         thinking = request.chat.enable_thinking if request.chat.HasField("enable_thinking") else None
+        budget, effort = thinking_request(request.chat)
     elif kind == "prompt":
         prompt = _raw_prompt(request.prompt)
     else:
@@ -146,7 +157,16 @@ def parse_request(request: pb.GenerateRequest, served_model: str) -> ParsedReque
         grammar=grammar,
         parse_tool_calls=parse_tools,
         enable_thinking=thinking,
+        scheduling=_scheduling(request, deadline),
+        thinking_token_budget=budget,
+        reasoning_effort=effort,
     )
+
+
+def _scheduling(request: pb.GenerateRequest, deadline: float | None) -> Scheduling:
+    if len(request.tenant) > MAX_TENANT_CHARS:
+        raise InvalidRequest(f"tenant must be at most {MAX_TENANT_CHARS} characters", param="tenant")
+    return Scheduling(priority=request.priority, tenant=request.tenant, deadline=deadline)
 
 
 def _resumed_token_ids(request: pb.GenerateRequest) -> tuple[int, ...]:

@@ -120,6 +120,16 @@ class DrainingWorker(pb_grpc.WorkerServicer):
     ) -> pb.DetokenizeResponse:
         return await self._service.Detokenize(request, context)
 
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdapterResponse:
+        return await self._service.LoadLoraAdapter(request, context)
+
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdapterResponse:
+        return await self._service.UnloadLoraAdapter(request, context)
+
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:

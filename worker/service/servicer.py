@@ -29,8 +29,9 @@ from worker.engine.core import Engine
 from worker.engine.pooling import PoolingEngine
 from worker.engine.prepare import Prepared
 from worker.engine.process import EngineClient
-from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, WorkerError
+from worker.errors import GenerationFailed, InvalidRequest, LoraNotEnabled, ModelLoading, WorkerError
 from worker.formats.registry import thinking_open_marker
+from worker.lora.registry import LoraRegistry
 from worker.model.load_progress import LoadProgress, wait_for_load
 from worker.model.loader import LoadedModel
 from worker.prompts.prompt import ChatPrompt, PromptRenderer
@@ -54,6 +55,7 @@ from worker.service.pooling import (
     prepare_score,
     score_response,
 )
+from worker.service.thinking import thinking_budget, with_effort
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
 
 # Template rendering, tokenization and grammar compilation of a large request take long enough to
@@ -75,6 +77,14 @@ class ServingModel:
     grammars: GrammarCompiler | None
     max_running: int
     default_max_tokens: int | None = None
+    loras: LoraRegistry | None = None  # --enable-lora's adapters
+
+    def adapter_named(self, model: str) -> str:
+        """The LoRA adapter a request's ``model`` names; "" for the base model's name, none, or a
+        name served by neither (which the request's parsing then refuses as not found)."""
+        if not model or model == self.loaded.model_id or self.loras is None or not self.loras.knows(model):
+            return ""
+        return model
 
     @property
     def max_n(self) -> int:
@@ -165,14 +175,44 @@ class WorkerService(pb_grpc.WorkerServicer):
             accepts_images=serving.renderer.accepts_images,
             max_n=serving.max_n if loaded.task == "generate" else 0,
         )
-        return pb.ListModelsResponse(models=[info], worker_id=self.worker_id)
+        adapters = [
+            _adapter_info(info, name, path) for name, path in (serving.loras.names() if serving.loras else ())
+        ]
+        return pb.ListModelsResponse(models=[info, *adapters], worker_id=self.worker_id)
+
+    async def LoadLoraAdapter(
+        self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdapterResponse:
+        try:
+            loras = _loras(self._require_serving())
+            name, path = request.lora_name, request.lora_path
+            await self._in_thread(loras.load, name, path, request.base_model_name or None)
+        except WorkerError as exc:
+            log.info("LoRA adapter %r not loaded: %s", request.lora_name, exc.message)
+            await context.abort_with_status(exc.to_status())
+            raise  # unreachable: abort_with_status raises
+        log.info("LoRA adapter %r loaded from %s", name, path)
+        return pb.LoraAdapterResponse(lora_name=name, worker_id=self.worker_id)
+
+    async def UnloadLoraAdapter(
+        self, request: pb.UnloadLoraAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> pb.LoraAdapterResponse:
+        try:
+            _loras(self._require_serving()).unload(request.lora_name)
+        except WorkerError as exc:
+            await context.abort_with_status(exc.to_status())
+            raise  # unreachable: abort_with_status raises
+        log.info("LoRA adapter %r unloaded", request.lora_name)
+        return pb.LoraAdapterResponse(lora_name=request.lora_name, worker_id=self.worker_id)
 
     async def Tokenize(
         self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext
     ) -> pb.TokenizeResponse:
         try:
             serving = self._require_serving()
-            call = parse_tokenize_request(request, serving.loaded.model_id)
+            call = parse_tokenize_request(
+                request, serving.adapter_named(request.model) or serving.loaded.model_id
+            )
             ids, strings = await self._in_thread(_tokenize, serving, call)
         except WorkerError as exc:
             await context.abort_with_status(exc.to_status())
@@ -191,7 +231,9 @@ class WorkerService(pb_grpc.WorkerServicer):
     ) -> pb.DetokenizeResponse:
         try:
             serving = self._require_serving()
-            ids = parse_detokenize_request(request, serving.loaded.model_id)
+            ids = parse_detokenize_request(
+                request, serving.adapter_named(request.model) or serving.loaded.model_id
+            )
             skip = request.skip_special_tokens
             text = await self._in_thread(lambda: serving.renderer.decode(ids, skip_special_tokens=skip))
         except WorkerError as exc:
@@ -219,9 +261,12 @@ class WorkerService(pb_grpc.WorkerServicer):
             if loading and self.serving is not None:
                 arrival = time.monotonic()  # queue time starts once the model is there
             serving = self._require_serving()
-            parsed = parse_request(request, serving.loaded.model_id)
+            adapter = serving.adapter_named(request.model)
+            remaining = context.time_remaining()
+            deadline = None if remaining is None else time.monotonic() + remaining
+            parsed = parse_request(request, adapter or serving.loaded.model_id, deadline)
             engine = serving.generator  # first: a pooling worker refuses naming its task
-            prepared = await self._in_thread(_prepare, serving, parsed, request_id, arrival)
+            prepared = await self._in_thread(_prepare, serving, parsed, request_id, arrival, adapter)
             stream = await engine.queue(prepared.work)
         except WorkerError as exc:
             log.info("request %s rejected: %s (%s)", request_id, exc.message, exc.code.name)
@@ -247,7 +292,7 @@ class WorkerService(pb_grpc.WorkerServicer):
             yield pb.GenerateResponse(
                 started=pb.Started(
                     request_id=request_id,
-                    model=serving.loaded.model_id,
+                    model=adapter or serving.loaded.model_id,
                     prompt_tokens=len(prompt_ids),
                     worker_id=self.worker_id,
                     prompt_text=prompt_text if parsed.echo_prompt else "",
@@ -358,10 +403,15 @@ def _tokenize(serving: ServingModel, call: TokenizeCall) -> tuple[tuple[int, ...
     return ids, serving.renderer.token_strings(ids) if call.return_token_strs else []
 
 
-def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arrival: float) -> _PreparedCall:
+def _prepare(
+    serving: ServingModel, parsed: ParsedRequest, request_id: str, arrival: float, adapter: str = ""
+) -> _PreparedCall:
     """Everything blocking before a request can be queued: the chat template, tokenization, option
-    checks that need the prompt's length, grammar compilation. Runs in the prepare threads."""
-    prompt_ids, prompt_text, images = serving.renderer.render_with_images(parsed.prompt)
+    checks that need the prompt's length, grammar compilation, the LoRA ``adapter`` read in when
+    it left host memory. Runs in the prepare threads."""
+    profile = serving.renderer.profile
+    prompt = with_effort(parsed.prompt, parsed.reasoning_effort, profile.thinking_switch)
+    prompt_ids, prompt_text, images = serving.renderer.render_with_images(prompt)
     kept = truncated_prompt(parsed.sampling, prompt_ids, serving.loaded.context_length)
     if images and len(kept) < len(prompt_ids):
         raise InvalidRequest(
@@ -382,7 +432,6 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         encode=serving.renderer.encode,
     )
     check_resumed_tokens(parsed.resumed_token_ids, serving.renderer.vocab_size)
-    profile = serving.renderer.profile
     spec = parsed.grammar
     if spec is not None and spec.kind == "tool_call":
         spec = dataclasses.replace(spec, call_format=profile.call_grammar)  # the family's own format
@@ -415,8 +464,38 @@ def _prepare(serving: ServingModel, parsed: ParsedRequest, request_id: str, arri
         grammar=grammar,
         resumed_token_ids=parsed.resumed_token_ids,
         images=images,
+        lora=serving.loras.resolve(adapter) if adapter and serving.loras is not None else None,
+        scheduling=parsed.scheduling,
+        # Thinking is parsed (a chat, a model that thinks, no grammar from the first token) and capped.
+        thinking_budget=thinking_budget(
+            parsed.thinking_token_budget,
+            parsed.reasoning_effort,
+            switch=profile.thinking_switch,
+            reasoning_parser=reasoning,
+            starts_thinking=output.starts_thinking,
+            encode=serving.renderer.encode,
+        )
+        if output.reasoning and grammar is None
+        else None,
     )
     return _PreparedCall(serving.generator.prepare(request), prompt_ids, prompt_text)
+
+
+def _loras(serving: ServingModel) -> LoraRegistry:
+    """The worker's adapters; raises :class:`LoraNotEnabled` on a worker started without them."""
+    if serving.loras is None:
+        raise LoraNotEnabled(
+            "this worker serves no LoRA adapters; start it with --enable-lora", param="lora_name"
+        )
+    return serving.loras
+
+
+def _adapter_info(base: pb.ModelInfo, name: str, path: str) -> pb.ModelInfo:
+    """An adapter's ``ModelInfo``: its base model's, under its own name, with ``parent`` set."""
+    info = pb.ModelInfo()
+    info.CopyFrom(base)
+    info.id, info.parent, info.source = name, base.id, path
+    return info
 
 
 def _metadata_request_id(context: grpc.aio.ServicerContext) -> str:

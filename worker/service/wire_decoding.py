@@ -46,8 +46,8 @@ def lenient_decoder(message: type[Message]) -> Callable[[bytes], Any]:
 
 
 def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server) -> None:
-    """Registers ``servicer`` (Generate, ListModels, Embed, Score, Tokenize, Detokenize) on ``server``,
-    in place of the generated ``add_WorkerServicer_to_server``."""
+    """Registers ``servicer`` (Generate, ListModels, Embed, Score, Tokenize, Detokenize, the LoRA
+    loads) on ``server``, in place of the generated ``add_WorkerServicer_to_server``."""
 
     async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         if isinstance(request, UndecodableRequest):
@@ -83,6 +83,8 @@ def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server
         "Score": unary(servicer.Score, pb.ScoreRequest),
         "Tokenize": unary(servicer.Tokenize, pb.TokenizeRequest),
         "Detokenize": unary(servicer.Detokenize, pb.DetokenizeRequest),
+        "LoadLoraAdapter": unary(servicer.LoadLoraAdapter, pb.LoadLoraAdapterRequest),
+        "UnloadLoraAdapter": unary(servicer.UnloadLoraAdapter, pb.UnloadLoraAdapterRequest),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
     server.add_registered_method_handlers(SERVICE, handlers)

@@ -180,10 +180,18 @@ def parse_messages_request(
             chat_body["parallel_tool_calls"] = False
     if request.thinking is not None and request.thinking.type == "disabled":
         chat_body["reasoning_effort"] = "none"
+    elif request.thinking is not None and request.thinking.budget_tokens is not None:
+        chat_body["thinking_token_budget"] = request.thinking.budget_tokens
     if request.metadata is not None and request.metadata.user_id:
         chat_body["user"] = request.metadata.user_id
     chat = to_chat_request(
-        chat_body, {"messages": "messages", "max_completion_tokens": "max_tokens", "stop": "stop_sequences"}
+        chat_body,
+        {
+            "messages": "messages",
+            "max_completion_tokens": "max_tokens",
+            "stop": "stop_sequences",
+            "thinking_token_budget": "thinking.budget_tokens",
+        },
     )
     return ParsedMessagesRequest(request, chat)
 

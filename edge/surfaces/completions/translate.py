@@ -39,6 +39,7 @@ def to_generate_requests(request: CompletionRequest, request_id: str) -> list[wo
             echo_prompt=request.echo,
             return_token_ids=request.stream and request.continuous_usage,
             user=request.user or "",
+            priority=request.priority or 0,
         )
         if structured is not None:
             proto.response_format.CopyFrom(structured.proto)

@@ -121,6 +121,8 @@ def parse_native_request(body: Any) -> ParsedNativeRequest:
     add_chat_tools(chat_body, tools, request.tool_choice)
     if request.reasoning is not None:
         chat_body["chat_template_kwargs"] = {"enable_thinking": request.reasoning != "off"}
+    if request.reasoning in ("low", "medium", "high"):  # the family's own effort switch, else a budget
+        chat_body["reasoning_effort"] = request.reasoning
     chat = to_chat_request(
         chat_body, {"messages": "input", "max_completion_tokens": "max_output_tokens", "tools": "tools"}
     )

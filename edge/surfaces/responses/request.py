@@ -129,6 +129,11 @@ class ResponsesRequest(SamplingExtensions):
 class ParsedResponsesRequest(ParsedRequest[ResponsesRequest]):
     """The validated request: its own fields (echoed in the answer) and the equivalent chat request."""
 
+    @property
+    def stored(self) -> bool:
+        """Whether the response is stored (``store`` defaults to true, as OpenAI's)."""
+        return self.request.store is not False
+
     def echo(self) -> dict[str, Any]:
         """The request fields a Response object repeats (``tools``, ``temperature``, ...)."""
         r = self.request
@@ -138,6 +143,9 @@ class ParsedResponsesRequest(ParsedRequest[ResponsesRequest]):
             text_format = fmt.model_dump(by_alias=True, exclude_none=True)
         choice: Any = r.tool_choice if r.tool_choice is not None else "auto"
         return {
+            "background": bool(r.background),
+            "previous_response_id": r.previous_response_id,
+            "store": self.stored,
             "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens,
             "parallel_tool_calls": True if r.parallel_tool_calls is None else r.parallel_tool_calls,
@@ -156,12 +164,38 @@ class ParsedResponsesRequest(ParsedRequest[ResponsesRequest]):
 
 def parse_responses_request(body: Any) -> ParsedResponsesRequest:
     """Validates a decoded ``/v1/responses`` body; raises :class:`InvalidRequestError` naming the field."""
+    return build_responses_request(validate_responses_request(body), [])
+
+
+def validate_responses_request(body: Any) -> ResponsesRequest:
+    """The body's shape checked, and the state options it combines checked together."""
     request = validate_body(ResponsesRequest, body)
-    _refuse_state(request)
+    if request.conversation is not None:
+        raise unsupported(
+            "conversation",
+            "'conversation' is not supported: continue a conversation with 'previous_response_id'.",
+        )
+    if request.background and request.store is False:
+        raise bad("background", "needs 'store' (a background response is read back by polling)")
+    if request.background and request.stream:
+        raise unsupported("stream", "'stream: true' with 'background: true' is not supported; poll instead.")
+    return request
+
+
+def input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
+    """This turn's input as items (a string input is one user message)."""
+    if isinstance(request.input, str):
+        return [{"type": "message", "role": "user", "content": request.input}]
+    return list(request.input)
+
+
+def build_responses_request(request: ResponsesRequest, history: list[Any]) -> ParsedResponsesRequest:
+    """The chat request for ``request`` after the conversation items of ``history`` (a stored
+    response's, for ``previous_response_id``): its instructions, the history, then its input."""
     tools = function_tools(request.tools)
     chat_body: dict[str, Any] = {
         "model": request.model,
-        "messages": _messages(request),
+        "messages": _messages(request, history),
         "stream": request.stream,
         **request.given_extensions(),
     }
@@ -172,8 +206,9 @@ def parse_responses_request(body: Any) -> ParsedResponsesRequest:
             chat_body[name] = value
     if request.max_output_tokens is not None:
         chat_body["max_completion_tokens"] = request.max_output_tokens
-    if request.reasoning is not None and request.reasoning.effort == "none":
-        chat_body["reasoning_effort"] = "none"
+    if request.reasoning is not None and request.reasoning.effort is not None:
+        effort = request.reasoning.effort
+        chat_body["reasoning_effort"] = "high" if effort == "xhigh" else effort
     fmt = request.text.format if request.text is not None else None
     if fmt is not None:
         chat_body["response_format"] = _response_format(fmt)
@@ -186,21 +221,6 @@ def parse_responses_request(body: Any) -> ParsedResponsesRequest:
         },
     )
     return ParsedResponsesRequest(request, chat, tools)
-
-
-def _refuse_state(request: ResponsesRequest) -> None:
-    if request.previous_response_id is not None:
-        raise unsupported(
-            "previous_response_id",
-            "'previous_response_id' is not supported: this server stores no responses. "
-            "Send the whole conversation in 'input'.",
-        )
-    if request.conversation is not None:
-        raise unsupported("conversation", "'conversation' is not supported: this server stores nothing.")
-    if request.store:
-        raise unsupported("store", "'store: true' is not supported: this server stores no responses.")
-    if request.background:
-        raise unsupported("background", "'background: true' is not supported.")
 
 
 def _response_format(fmt: TextFormat) -> dict[str, Any]:
@@ -218,19 +238,19 @@ def _response_format(fmt: TextFormat) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": schema.model_dump(by_alias=True, exclude_none=True)}
 
 
-def _messages(request: ResponsesRequest) -> list[dict[str, Any]]:
-    """The conversation as chat messages: instructions first, then the input items in order;
-    consecutive ``function_call`` items become one assistant message with several calls."""
+def _messages(request: ResponsesRequest, history: list[Any]) -> list[dict[str, Any]]:
+    """The conversation as chat messages: instructions first, then the history's items and the
+    input items in order; consecutive ``function_call`` items become one assistant message with
+    several calls."""
     messages: list[dict[str, Any]] = []
     if request.instructions is not None:
         messages.append({"role": "system", "content": request.instructions})
-    if isinstance(request.input, str):
-        messages.append({"role": "user", "content": request.input})
-        return messages
-    if not request.input:
+    if isinstance(request.input, list) and not request.input:
         raise bad("input", "must hold at least one item")
-    for i, item in enumerate(request.input):
-        where = f"input[{i}]"
+    items = [*history, *input_items(request)]
+    for i, item in enumerate(items):
+        # A history item's place is not the caller's: name the input item it precedes.
+        where = f"input[{max(i - len(history), 0)}]"
         if not isinstance(item, dict):
             raise InvalidRequestError(
                 f"Invalid '{where}': each input item must be an object.", param=where, code="invalid_type"

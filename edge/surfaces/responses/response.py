@@ -86,7 +86,7 @@ class ResponseObject(ResponseModel):
     id: str
     object: Literal["response"]
     created_at: int
-    status: Literal["in_progress", "completed", "incomplete", "failed"]
+    status: Literal["queued", "in_progress", "completed", "incomplete", "failed", "cancelled"]
     background: bool
     error: ResponseError | None
     incomplete_details: dict[str, str] | None = Field(
@@ -94,8 +94,8 @@ class ResponseObject(ResponseModel):
     )
     model: str
     output: list[ResponseMessageItem | ResponseReasoningItem | ResponseFunctionCallItem]
-    previous_response_id: None
-    store: Literal[False]
+    previous_response_id: str | None
+    store: bool
     truncation: Literal["disabled"]
     usage: ResponseUsage | None
     instructions: str | None
@@ -150,3 +150,22 @@ class ResponseStreamEvent(ResponseModel):
     code: str | None = None
     message: str | None = None
     param: str | None = None
+
+
+class ResponseDeleted(ResponseModel):
+    """The answer of ``DELETE /v1/responses/{response_id}``."""
+
+    id: str
+    object: Literal["response.deleted"]
+    deleted: Literal[True]
+
+
+class InputItemList(ResponseModel):
+    """A page of a stored response's input items (``GET /v1/responses/{response_id}/input_items``):
+    the items as sent (a string input as one user message), each with an ``id``."""
+
+    object: Literal["list"]
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool

@@ -1,18 +1,42 @@
-"""``POST /v1/responses``: the OpenAI Responses API, stateless, rewritten as a chat request
-(:mod:`edge.surfaces.responses.request`); named stream events and no ``[DONE]``."""
+"""``/v1/responses``: the OpenAI Responses API rewritten as a chat request
+(:mod:`edge.surfaces.responses.request`), named stream events and no ``[DONE]``; stored responses
+read, listed, deleted and cancelled by the API key that made them."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
-from quart import Blueprint
+from quart import Blueprint, request
 from quart.wrappers import Response
 
-from edge.http import read_json_body
-from edge.openapi import NamedEventGeneration, documented
-from edge.surfaces.answer import generate_rewritten, named_events
-from edge.surfaces.responses.request import ResponsesRequest, parse_responses_request
-from edge.surfaces.responses.response import ResponseObject, ResponseStreamEvent
+from edge.auth import caller_key_id
+from edge.errors import InvalidRequestError, NotFoundError
+from edge.http import json_response, read_json_body
+from edge.openapi import NamedEventGeneration, Read, documented
+from edge.requests.validation import bad
+from edge.state import current_state
+from edge.surfaces.answer import OnResult, generate_rewritten, named_events
+from edge.surfaces.responses import background
+from edge.surfaces.responses.request import (
+    ParsedResponsesRequest,
+    ResponsesRequest,
+    build_responses_request,
+    validate_responses_request,
+)
+from edge.surfaces.responses.response import (
+    InputItemList,
+    ResponseDeleted,
+    ResponseObject,
+    ResponseStreamEvent,
+)
+from edge.surfaces.responses.stored import (
+    current_store,
+    ended,
+    history_of,
+    owned,
+    record_of,
+)
 from edge.surfaces.responses.translate import ResponsesTranslator
 from edge.surfaces.shared.ids import new_id
 
@@ -24,19 +48,159 @@ STREAM = (
     "`error` event then `response.failed`; no `[DONE]`; `: heartbeat` comments keep it open."
 )
 FRAMING = named_events("responses")
+_ID = {"response_id": "The response's id (`resp_...`)."}
+_STATUSES = ("400", "401", "404")
 
 
 @blueprint.post("/v1/responses")
 @documented(
     NamedEventGeneration(
-        "OpenAI Responses API (stateless)", ResponsesRequest, ResponseObject, ResponseStreamEvent, STREAM
+        "OpenAI Responses API: stored (`store`, default true), continued (`previous_response_id`), "
+        "or run in the background (`background: true`, answered at once as `queued`)",
+        ResponsesRequest,
+        ResponseObject,
+        ResponseStreamEvent,
+        STREAM,
     )
 )
 async def create_response() -> Response:
-    parsed = parse_responses_request(await read_json_body())
+    parsed_request = validate_responses_request(await read_json_body())
+    owner = caller_key_id()
+    history = await history_of(parsed_request.previous_response_id, owner)
+    parsed = build_responses_request(parsed_request, history)
+    response_id, created = new_id("resp"), int(time.time())
     echo = parsed.echo()
-    return await generate_rewritten(
-        parsed,
-        lambda model: ResponsesTranslator(new_id("resp"), int(time.time()), model, echo),
-        FRAMING,
+
+    def translator(model: str) -> ResponsesTranslator:
+        return ResponsesTranslator(response_id, created, model, echo)
+
+    if parsed_request.background:
+        queued = translator(parsed.chat.model).response("queued", output=[])
+        await background.start(parsed, translator, queued, owner, history)
+        return json_response(queued)
+    if not parsed.stored:
+        return await generate_rewritten(parsed, translator, FRAMING)
+    return await generate_rewritten(parsed, translator, FRAMING, on_result=_saver(parsed, owner, history))
+
+
+def _saver(parsed: ParsedResponsesRequest, owner: str, history: list[Any]) -> OnResult:
+    """Stores a foreground response's result. The store is taken here, in the request's context: a
+    stream's result comes after its request's context has ended."""
+    handle = current_state().store
+
+    async def save(result: dict[str, Any]) -> None:
+        await (await handle.get()).put(record_of(parsed, result, owner, history))
+
+    return save
+
+
+@blueprint.get("/v1/responses/<response_id>")
+@documented(
+    Read(
+        "A stored response (a background one: poll it until its status is final)",
+        ResponseObject,
+        "The Response as it is now.",
+        _STATUSES,
+        path_parameters=_ID,
+        query_parameters={"stream": "Only `false`: a stored response is not streamed again."},
     )
+)
+async def retrieve_response(response_id: str) -> Response:
+    if request.args.get("stream", "false").lower() not in ("false", "0"):
+        raise InvalidRequestError(
+            "'stream' is not supported here: poll the response instead.",
+            param="stream",
+            code="unsupported_parameter",
+        )
+    return json_response((await owned(response_id, caller_key_id())).response)
+
+
+@blueprint.delete("/v1/responses/<response_id>")
+@documented(
+    Read(
+        "Deletes a stored response (a running background one stops)",
+        ResponseDeleted,
+        "It was deleted.",
+        _STATUSES,
+        path_parameters=_ID,
+    )
+)
+async def delete_response(response_id: str) -> Response:
+    if not await (await current_store()).delete(response_id, caller_key_id()):
+        raise NotFoundError(f"No response found with id '{response_id}'.", param="response_id")
+    current_state().background.cancel(response_id)
+    return json_response({"id": response_id, "object": "response.deleted", "deleted": True})
+
+
+@blueprint.post("/v1/responses/<response_id>/cancel")
+@documented(
+    Read(
+        "Cancels a background response (one already ended is answered as it is)",
+        ResponseObject,
+        "The Response, `status: cancelled` unless it had ended.",
+        _STATUSES,
+        path_parameters=_ID,
+    )
+)
+async def cancel_response(response_id: str) -> Response:
+    owner = caller_key_id()
+    record = await owned(response_id, owner)
+    if not record.background:
+        raise InvalidRequestError(
+            "Only responses created with background=true can be cancelled.", param="response_id"
+        )
+    cancelled = ended(record.response, "cancelled")
+    if await (await current_store()).cancel(response_id, owner, cancelled):
+        current_state().background.cancel(response_id)  # elsewhere: its edge sees it at its renewal
+        return json_response(cancelled)
+    return json_response((await owned(response_id, owner)).response)
+
+
+@blueprint.get("/v1/responses/<response_id>/input_items")
+@documented(
+    Read(
+        "The input items of a stored response (this turn's), a page at a time",
+        InputItemList,
+        "A page of items.",
+        _STATUSES,
+        path_parameters=_ID,
+        query_parameters={
+            "limit": "Items per page, 1-100 (20).",
+            "order": "`desc` (the default: last first) or `asc`.",
+            "after": "An item id: the page starts after it.",
+        },
+    )
+)
+async def list_input_items(response_id: str) -> Response:
+    items = (await owned(response_id, caller_key_id())).input_items
+    return json_response(
+        _page(items, request.args.get("limit"), request.args.get("order"), request.args.get("after"))
+    )
+
+
+def _page(
+    items: list[dict[str, Any]], limit: str | None, order: str | None, after: str | None
+) -> dict[str, Any]:
+    """One page of ``items`` as OpenAI lists them; a 400 naming a bad query parameter."""
+    try:
+        size = 20 if limit is None else int(limit)
+    except ValueError:
+        raise bad("limit", f"must be an integer, got {limit!r}") from None
+    if not 1 <= size <= 100:
+        raise bad("limit", f"must be in 1..100, got {size}")
+    if order not in (None, "asc", "desc"):
+        raise bad("order", f"must be 'asc' or 'desc', got {order!r}")
+    ordered = items if order == "asc" else items[::-1]
+    if after is not None:
+        ids = [item["id"] for item in ordered]
+        if after not in ids:
+            raise bad("after", f"no input item has the id {after!r}")
+        ordered = ordered[ids.index(after) + 1 :]
+    page = ordered[:size]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(ordered) > size,
+    }

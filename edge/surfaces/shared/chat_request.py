@@ -278,8 +278,11 @@ class ChatCompletionRequest(SamplingRequest, StructuredRequest):
     response_format: ResponseFormat | None = None
     metadata: dict[str, str] | None = None
     # Reasoning models: "none" turns thinking off (vLLM's and SGLang's `chat_template_kwargs.enable_thinking`
-    # does the same); other values leave the model's default.
+    # does the same); the others are the family's own effort switch (gpt-oss), else a thinking budget.
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    # vLLM's cap on each choice's thinking tokens: the worker then ends the thinking with the family's
+    # own marker and the answer follows (docs/http.md, "Chat completions request").
+    thinking_token_budget: int | None = Field(default=None, ge=0, le=INT32_MAX)
     # Extra variables for the model's chat template (a vLLM extension).
     chat_template_kwargs: dict[str, Any] | None = None
 

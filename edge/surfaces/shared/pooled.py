@@ -11,6 +11,7 @@ from quart.wrappers import Response
 from edge.deadlines import IDLE_TIMEOUT_HEADER, TIMEOUT_HEADER, request_limits
 from edge.drain import shutting_down_error
 from edge.http import current_request_id, json_response, worker_header
+from edge.rate_limits import request_meter
 from edge.state import current_state
 from sluice.client import WorkerClient
 from sluice.v1 import worker_pb2
@@ -45,6 +46,8 @@ async def _call(kind: str, model: str, send: Any) -> Any:
         request.headers.get(TIMEOUT_HEADER), request.headers.get(IDLE_TIMEOUT_HEADER), state.settings
     )
     reply, worker = await state.pool.pooled(kind, model, send, limits.total_s + _DEADLINE_MARGIN_S)
+    if (meter := request_meter()) is not None:  # a key's tokens per minute count pooled inputs too
+        meter.charge(reply.prompt_tokens)
     return reply, reply.worker_id or worker.worker_id or ""
 
 

@@ -96,6 +96,13 @@ class SamplingExtensions(RequestModel):
     # Run past the model's end-of-sequence token, and generate at least this many tokens.
     ignore_eos: StrictBool | None = None
     min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
+    priority: int | None = Field(
+        default=None,
+        ge=-INT32_MAX - 1,
+        le=INT32_MAX,
+        description="Scheduling priority (vLLM's): lower is served first, default 0; honoured by "
+        "workers run with --scheduling-policy priority or fair, within the caller's tenant under fair.",
+    )
 
     @field_validator("truncate_prompt_tokens")
     @classmethod

@@ -56,8 +56,12 @@ def to_generate_request(request: ChatCompletionRequest, request_id: str) -> work
     thinking = template_kwargs.pop("enable_thinking", None)
     if request.reasoning_effort == "none":
         thinking = False
+    elif request.reasoning_effort is not None:
+        chat.reasoning_effort = request.reasoning_effort
     if isinstance(thinking, bool):
         chat.enable_thinking = thinking
+    if request.thinking_token_budget is not None:
+        chat.thinking_token_budget = request.thinking_token_budget
     if template_kwargs:
         chat.chat_template_kwargs_json = _compact(template_kwargs)
     sampling = sampling_params(request, max_tokens=request.completion_token_limit)
@@ -72,6 +76,7 @@ def to_generate_request(request: ChatCompletionRequest, request_id: str) -> work
         return_token_ids=request.stream and request.continuous_usage,
         user=request.user or "",
         metadata=request.metadata or {},
+        priority=request.priority or 0,
     )
     structured = request.structured()
     if structured is not None:

@@ -67,7 +67,9 @@ def test_component_schemas_are_the_pydantic_models_the_routes_declare() -> None:
     for model in models:
         assert model.__name__ in DOC["components"]["schemas"]
     for path, item in DOC["paths"].items():
-        if "post" in item:  # every body a route takes is its request model's
+        if "post" in item and path.endswith("/cancel"):  # the one POST without a body
+            assert "requestBody" not in item["post"], path
+        elif "post" in item:  # every body a route takes is its request model's
             ref = item["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
             assert ref.rpartition("/")[2].endswith("Request"), path
     chat = DOC["paths"]["/v1/chat/completions"]["post"]

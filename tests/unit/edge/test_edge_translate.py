@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 from edge_fakes import content, finished, started, usage
 
+from edge.errors import InvalidRequestError
 from edge.surfaces.chat.translate import ChatTranslator
 from edge.surfaces.shared.chat_request import parse_chat_request
 from edge.surfaces.shared.worker_request import call_metadata, to_generate_request
@@ -455,3 +457,38 @@ def test_thinking_switches_reach_the_worker() -> None:
     }
     default = to_generate_request(parse_chat_request({"model": "m", "messages": USER}), "r")
     assert not default.chat.HasField("enable_thinking") and not default.chat.chat_template_kwargs_json
+
+
+def test_thinking_budgets_and_efforts_reach_the_worker_from_every_surface() -> None:
+    from edge.surfaces.anthropic.request import parse_messages_request
+    from edge.surfaces.native.request import parse_native_request
+    from edge.surfaces.responses.request import parse_responses_request
+
+    chat = to_generate_request(
+        parse_chat_request(
+            {"model": "m", "messages": USER, "thinking_token_budget": 64, "reasoning_effort": "low"}
+        ),
+        "r",
+    ).chat
+    assert chat.thinking_token_budget == 64 and chat.reasoning_effort == "low"
+    assert not chat.HasField("enable_thinking")
+    plain = to_generate_request(parse_chat_request({"model": "m", "messages": USER}), "r").chat
+    assert not plain.HasField("thinking_token_budget") and plain.reasoning_effort == ""
+    messages = parse_messages_request(
+        {
+            "model": "m",
+            "max_tokens": 16,
+            "messages": USER,
+            "thinking": {"type": "enabled", "budget_tokens": 1024},
+        }
+    )
+    assert to_generate_request(messages.chat, "r").chat.thinking_token_budget == 1024
+    responses = parse_responses_request({"model": "m", "input": "Hi", "reasoning": {"effort": "xhigh"}})
+    assert to_generate_request(responses.chat, "r").chat.reasoning_effort == "high"
+    native = to_generate_request(
+        parse_native_request({"model": "m", "input": "Hi", "reasoning": "medium"}).chat, "r"
+    )
+    assert native.chat.reasoning_effort == "medium" and native.chat.enable_thinking is True
+    with pytest.raises(InvalidRequestError) as refused:
+        parse_chat_request({"model": "m", "messages": USER, "thinking_token_budget": -1})
+    assert refused.value.param == "thinking_token_budget"

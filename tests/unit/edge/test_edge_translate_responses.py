@@ -234,9 +234,9 @@ def test_request_items_become_chat_messages() -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "code"),
     [
-        ({"previous_response_id": "resp_x"}, "previous_response_id", "unsupported_parameter"),
-        ({"store": True}, "store", "unsupported_parameter"),
-        ({"background": True}, "background", "unsupported_parameter"),
+        ({"conversation": "conv_1"}, "conversation", "unsupported_parameter"),
+        ({"background": True, "store": False}, "background", "invalid_value"),
+        ({"background": True, "stream": True}, "stream", "unsupported_parameter"),
         ({"input": 5}, "input", "invalid_value"),
         ({"input": []}, "input", "invalid_value"),
         (

@@ -5,7 +5,7 @@ from sluice.status import read_details
 from sluice.v1 import worker_pb2 as pb
 from worker.errors import InvalidRequest, ModelNotFound, WorkerError
 from worker.service.convert import event_to_proto, parse_request, sampling_options, truncated_prompt
-from worker.types import ContentDelta, Finished, FinishReason, TokenLogprob, TopLogprob, Usage
+from worker.types import ContentDelta, Finished, FinishReason, Scheduling, TokenLogprob, TopLogprob, Usage
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -30,6 +30,13 @@ def test_parses_chat_messages():
         ("system", "be brief"),
         ("user", "hello"),
     ]
+
+
+def test_priority_tenant_and_the_calls_deadline_become_the_requests_scheduling():
+    parsed = parse_request(chat(user(), priority=-4, tenant="team-a"), MODEL, deadline=12.5)
+    assert parsed.scheduling == Scheduling(priority=-4, tenant="team-a", deadline=12.5)
+    assert parse_request(chat(user()), MODEL).scheduling == Scheduling()
+    assert param_of(lambda: parse_request(chat(user(), tenant="x" * 257), MODEL)) == "tenant"
 
 
 @pytest.mark.parametrize(

@@ -260,7 +260,7 @@ def test_prompt_chunks_and_the_memory_probe_run_sdpa_on_4d_tensors(monkeypatch) 
     pool.values[0].normal_()
     query = torch.randn(5, 4, 16)
     chunk = paged.Chunk(0, 5, 9, torch.tensor([2, 0, 3]))
-    got = paged._chunk(chunk, query, pool.keys[0], pool.values[0], 0.25, PLAIN)
+    got = paged._chunk(chunk, query, pool.layers[0], 0.25, PLAIN)
     keys = pool.keys[0][[2, 0, 3]].flatten(0, 1)[:9].repeat_interleave(2, dim=1)  # [9, 4, 16]
     values = pool.values[0][[2, 0, 3]].flatten(0, 1)[:9].repeat_interleave(2, dim=1)
     scores = torch.einsum("qhd,khd->hqk", query, keys) * 0.25

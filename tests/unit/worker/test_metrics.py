@@ -7,8 +7,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from sluice.prometheus import Histogram
+from worker.engine.class_stats import MAX_CLASSES, ClassStats
 from worker.engine.stats import EngineCounters, EngineStats
 from worker.metrics import MetricNames, render
+from worker.types import Scheduling
 
 PICKER_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
@@ -91,6 +93,18 @@ def test_vllm_names_are_what_the_endpoint_picker_reads():
     assert not any(name.startswith("sluice_") for name, _ in samples)
 
 
+def test_vllm_lora_requests_info_names_running_and_waiting_adapters():
+    from dataclasses import replace
+
+    assert not any(
+        name == "vllm:lora_requests_info" for name, _ in _samples(render(_stats(), "m", MetricNames.VLLM))
+    )
+    stats = replace(_stats(), max_loras=2, running_loras=("a", "b"), waiting_loras=("c",))
+    samples = _samples(render(stats, "m", MetricNames.VLLM))
+    labels = (("max_lora", "2"), ("running_lora_adapters", "a,b"), ("waiting_lora_adapters", "c"))
+    assert samples[("vllm:lora_requests_info", labels)] > 1.7e9  # the scrape's time, as vLLM's
+
+
 def test_both_gives_both_and_fake_workers_say_so():
     text = render(_stats(), "m", MetricNames.BOTH, fake_tokens=True)
     names = {name for name, _ in _samples(text)}
@@ -153,3 +167,37 @@ def test_every_scrape_gets_an_answer():
         "HTTP/1.1 503 Service Unavailable",
         "HTTP/1.1 500 Internal Server Error",
     ]
+
+
+def test_scheduling_metrics_are_labelled_by_priority_and_tenant_within_a_bounded_set():
+    classes = ClassStats()
+    for tenant in range(MAX_CLASSES + 10):
+        classes.observe_queue_wait(Scheduling(priority=1, tenant=f"t{tenant}"), 0.5)
+    classes.observe_first_token(Scheduling(priority=-3), 0.2)
+    classes.preempted("priority")
+    classes.preempted("priority")
+    classes.preempted("fairness")
+    classes.deadline_refusals = 4
+    stats = EngineStats(
+        waiting_requests=0,
+        running_requests=0,
+        running_sequences=0,
+        live_caches=0,
+        cache_tokens=0,
+        cache_bytes=0,
+        reserved_tokens=0,
+        counters=EngineCounters(),
+        classes=classes,
+    )
+    samples = _samples(render(stats, "m"))
+    waits = {labels for name, labels in samples if name == "sluice_worker_queue_wait_seconds_count"}
+    assert len(waits) == MAX_CLASSES + 1  # the first pairs, then one "other"
+    other = (("model", "m"), ("priority", "other"), ("tenant", "other"))
+    assert samples[("sluice_worker_queue_wait_seconds_count", other)] == 10
+    first = (("model", "m"), ("priority", "-3"), ("tenant", "default"))
+    assert samples[("sluice_worker_class_time_to_first_token_seconds_sum", first)] == 0.2
+    cause = lambda name: (("cause", name), ("model", "m"))  # noqa: E731
+    assert samples[("sluice_worker_preemptions_by_cause_total", cause("priority"))] == 2
+    assert samples[("sluice_worker_preemptions_by_cause_total", cause("fairness"))] == 1
+    assert samples[("sluice_worker_preemptions_by_cause_total", cause("blocks"))] == 0
+    assert samples[("sluice_worker_deadline_refusals_total", (("model", "m"),))] == 4

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import pytest
 
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.scheduler import Scheduler, SchedulingFailed, SeqState
+from worker.engine.stats import EngineCounters, EngineStats
 from worker.errors import InvalidRequest, QueueFull
+from worker.types import Scheduling
 
 
 @dataclass(eq=False)
@@ -16,6 +19,7 @@ class Item:
     request_id: str
     sequences: list[SeqState] = field(default_factory=list)
     needs_kv: bool = True
+    scheduling: Scheduling = field(default_factory=Scheduling)
 
 
 def item(name: str, prompt: int, *, n: int = 1, max_tokens: int = 8) -> Item:
@@ -358,3 +362,36 @@ def test_an_evicted_prefix_gives_its_checkpoint_back():
     s.remove("a")
     s.blocks.clear_cache()
     assert s.checkpoints.bound == 0
+
+
+def test_starts_wait_while_the_running_set_holds_max_loras_adapters():
+    from worker.types import LoraHandle
+
+    one, two = LoraHandle("one", 1, 1, None), LoraHandle("two", 2, 1, None)
+    s = scheduler(max_running=4)
+    for name, adapter in (("a", one), ("b", one), ("c", two), ("d", None)):
+        request = item(name, 5, max_tokens=1)
+        request.sequences[0].lora = adapter
+        s.add(request)
+    plan = run_step(s)  # two of adapter "one": --max-loras 1 holds "two" (and, FIFO, "d") back
+    assert [i.request_id for i in plan.started] == ["a", "b"]
+    assert {w.lora for w in plan.work} == {one}
+    stats = EngineStats.of(
+        s, SimpleNamespace(pool_bytes=0, lora=SimpleNamespace(max_loras=1)), None, EngineCounters()
+    )
+    assert (stats.max_loras, stats.running_loras, stats.waiting_loras) == (1, ("one",), ("two",))
+    for request in list(s.running):
+        s.finish(request.sequences[0])
+        s.remove(request.request_id)
+    plan = run_step(s)
+    assert [i.request_id for i in plan.started] == ["c", "d"]
+    assert [w.lora for w in plan.work] == [two, None]
+    # A prefix cached under one adapter is not found under another, nor under the base model.
+    blocks = s.blocks
+    prompt = [*range(40, 48), 0]  # two whole blocks, then the token whose logits are wanted
+    seqs = {key: SeqState(list(prompt), 9, 10, lora=key) for key in (one, two, None)}
+    assert blocks.ensure(seqs[one].blocks, 8)
+    blocks.commit(seqs[one].blocks, seqs[one].cache_keys, 8)
+    assert blocks.cached_length(seqs[one].cache_keys) == 8
+    assert blocks.cached_length(seqs[two].cache_keys) == 0
+    assert blocks.cached_length(seqs[None].cache_keys) == 0

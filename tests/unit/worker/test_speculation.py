@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import pytest
@@ -28,7 +28,7 @@ from worker.model.runner import ModelRunner
 from worker.sampling.ngram import propose
 from worker.sampling.sampler import SequenceSampling
 from worker.server import DEFAULT_MAX_ROWS, draft_quantization, eos_token_ids, speculation_of
-from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions
+from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions, Scheduling
 
 pytestmark = pytest.mark.slow  # left out of make test-fast
 
@@ -109,6 +109,7 @@ class _Item:
     request_id: str
     sequences: list[SeqState]
     needs_kv: bool = True
+    scheduling: Scheduling = field(default_factory=Scheduling)
 
 
 def test_proposals_count_against_the_budget_and_their_blocks_go_back():
@@ -188,6 +189,7 @@ def engine(
     pool_tokens: int = 4096,
     block_size: int = 16,
     batch_invariant: bool = False,
+    kv_cache_dtype: str = "auto",
     **options,
 ):
     settings = {"max_running": 4, "max_queue": 100, "prefill_budget_tokens": 64, "prefix_caching": True}
@@ -197,6 +199,7 @@ def engine(
             num_blocks=pool_tokens // block_size,
             block_size=block_size,
             batch_invariant=batch_invariant,
+            kv_cache_dtype=kv_cache_dtype,
         ),
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
@@ -307,6 +310,21 @@ def test_preemption_on_a_tiny_pool_leaves_outputs_and_blocks_exact(tiny):
     for speculation in (SPECULATION, NOISY):
         counters = compare(tiny, [batch], speculation, pool_tokens=96, block_size=4).stats().counters
         assert counters.preemptions > 0 and counters.speculative_accepted_tokens > 0
+
+
+def test_an_int8_cache_under_preemption_prefix_hits_and_speculation_stays_exact(tiny):
+    """--kv-cache-dtype int8 (test_kv_quant.py): verifying rows, recomputed preempted requests and
+    prefix-cache hits read the codes as one-token steps do; no block is left held."""
+    batch = [request(p, temperature=0.0, max_tokens=40, ignore_eos=True) for p in prompts(4, 5)]
+    counters = (
+        compare(tiny, [batch], SPECULATION, pool_tokens=96, block_size=4, kv_cache_dtype="int8")
+        .stats()
+        .counters
+    )
+    assert counters.preemptions > 0 and counters.speculative_accepted_tokens > 0
+    again = [request(p, temperature=0.0, max_tokens=12, ignore_eos=True) for p in prompts(2, 6)]
+    counters = compare(tiny, [again, again], SPECULATION, kv_cache_dtype="int8").stats().counters
+    assert counters.prefix_cache_hit_tokens > 0
 
 
 PARAGRAPH = (

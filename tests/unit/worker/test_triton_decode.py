@@ -317,12 +317,25 @@ def test_cuda_graph_replays_with_new_lengths(split_k: bool, dtype: torch.dtype) 
 
 
 @pytest.mark.skipif(not ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("variants", [False, True], ids=["plain", "window-softcap-sinks"])
-def test_kernels_compile_for_h100(split: bool, variants: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("split", "variants", "codes"),
+    [
+        (False, False, 0),
+        (True, False, 0),
+        (False, True, 0),
+        (True, True, 0),
+        (False, False, 1),  # an int8 cache
+        (True, True, 2),  # an fp8 cache (float8 e4m3 bits)
+    ],
+    ids=["plain", "plain-split", "variants", "variants-split", "int8", "fp8-variants-split"],
+)
+def test_kernels_compile_for_h100(
+    split: bool, variants: bool, codes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Compiles (no launch) the kernels as a bf16 call of the 135M shape
-    would on an H100 (plain, or with a window, a softcap and sinks): catches
-    what the interpreter accepts but the GPU compiler rejects."""
+    would on an H100 (plain, or with a window, a softcap and sinks; on a float,
+    int8 or fp8 cache): catches what the interpreter accepts but the GPU
+    compiler rejects."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -330,10 +343,13 @@ def test_kernels_compile_for_h100(split: bool, variants: bool, monkeypatch: pyte
     from worker.attention import triton_decode_kernels as kernels
 
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset
+    cache = ["*bf16", "*i8", "*u8"][codes]
     pointers = {
         "query_ptr": "*bf16",
-        "key_cache_ptr": "*bf16",
-        "value_cache_ptr": "*bf16",
+        "key_cache_ptr": cache,
+        "value_cache_ptr": cache,
+        "key_scales_ptr": "*bf16",
+        "value_scales_ptr": "*bf16",
         "block_tables_ptr": "*i32",
         "seq_lens_ptr": "*i32",
         "out_ptr": "*bf16",
@@ -357,6 +373,8 @@ def test_kernels_compile_for_h100(split: bool, variants: bool, monkeypatch: pyte
         "HAS_SINKS": variants,
         "IEEE_DOT": False,
         "DOT_IN_FP32": False,
+        "CODES": codes,
+        "GROUP_DIMS": 32 if codes else 64,
     }
     reduce_constants = {"HEAD_DIM": 64, "HEAD_DIM_PAD": 64, "HAS_WINDOW": variants, "HAS_SINKS": variants}
 

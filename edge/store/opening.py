@@ -1,0 +1,56 @@
+"""Which database the store uses: PostgreSQL for ``--state-url``, else SQLite under ``--state-dir``."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+from edge.store.database import Database, SqliteDatabase
+from edge.store.postgres import PostgresDatabase
+from edge.store.responses import ResponseStore, Retention
+
+POSTGRES_SCHEMES = ("postgresql://", "postgres://")
+
+
+def default_state_dir() -> Path:
+    """``$XDG_STATE_HOME/sluice`` (``~/.local/state/sluice`` when unset): ``make run``'s store."""
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "sluice"
+
+
+def connect(state_dir: str | None, state_url: str | None) -> Database:
+    """The database: ``state_url``'s PostgreSQL when given, else the SQLite file in ``state_dir``."""
+    if state_url is not None:
+        return PostgresDatabase(state_url)
+    return SqliteDatabase(Path(state_dir) if state_dir else default_state_dir())
+
+
+async def open_store(state_dir: str | None, state_url: str | None, retention: Retention) -> ResponseStore:
+    """Connects, migrates the schema to the current version and purges what expired."""
+    store = ResponseStore(connect(state_dir, state_url), retention)
+    await store.database.migrate()
+    await store.purge()
+    return store
+
+
+class StoreHandle:
+    """The app's one store, opened on first use (``before_serving`` opens it at start-up, so a bad
+    URL or database stops the edge there) and closed at shutdown."""
+
+    def __init__(self, state_dir: str | None, state_url: str | None, retention: Retention) -> None:
+        self._args = (state_dir, state_url, retention)
+        self._store: ResponseStore | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> ResponseStore:
+        async with self._lock:
+            if self._store is None:
+                self._store = await open_store(*self._args)
+            return self._store
+
+    async def close(self) -> None:
+        async with self._lock:
+            if self._store is not None:
+                await self._store.database.close()
+                self._store = None

@@ -1,0 +1,167 @@
+"""Stored Responses: one row per response, readable only by the key that made it, kept until
+``--state-ttl`` after its creation and within ``--state-max-bytes`` (oldest evicted first)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from edge.store.database import Database
+
+#: A background response's statuses while it runs; the others are final.
+RUNNING = ("queued", "in_progress")
+_COLUMNS = "id, owner, created_at, status, background, lease_until, response, input_items, conversation"
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+@dataclass
+class StoredResponse:
+    """One stored response: the Response object as answered, this turn's input items, and the
+    conversation so far (earlier turns, this input, this output: what a continuation sends)."""
+
+    id: str
+    owner: str
+    created_at: int
+    status: str
+    background: bool
+    response: dict[str, Any]
+    input_items: list[dict[str, Any]]
+    conversation: list[dict[str, Any]]
+    lease_until: int = 0
+
+    @property
+    def abandoned(self) -> bool:
+        """Running, but its edge stopped renewing its lease (it stopped or crashed)."""
+        return self.status in RUNNING and self.lease_until < now_ms()
+
+    def size(self) -> int:
+        """Bytes this row holds (its JSON columns), counted against ``--state-max-bytes``."""
+        return sum(len(part) for part in self._json())
+
+    def _json(self) -> tuple[bytes, bytes, bytes]:
+        return (orjson.dumps(self.response), orjson.dumps(self.input_items), orjson.dumps(self.conversation))
+
+
+@dataclass(frozen=True)
+class Retention:
+    """How long responses are kept (``ttl_s``) and how many bytes they may hold in all
+    (``max_bytes``, 0 = no limit)."""
+
+    ttl_s: float
+    max_bytes: int
+
+
+class ResponseStore:
+    """The ``responses`` table's operations; every read and change names the owner."""
+
+    def __init__(self, database: Database, retention: Retention) -> None:
+        self.database = database
+        self.retention = retention
+
+    async def put(self, record: StoredResponse) -> None:
+        """Inserts ``record`` (expiring ``ttl`` after its creation)."""
+        response, items, conversation = record._json()
+        expires = record.created_at * 1000 + int(self.retention.ttl_s * 1000)
+        await self.database.execute(
+            f"INSERT INTO responses ({_COLUMNS}, expires_at, size_bytes) VALUES ({', '.join('?' * 11)})",
+            (
+                record.id,
+                record.owner,
+                record.created_at,
+                record.status,
+                int(record.background),
+                record.lease_until,
+                response.decode(),
+                items.decode(),
+                conversation.decode(),
+                expires,
+                record.size(),
+            ),
+        )
+
+    async def get(self, response_id: str, owner: str) -> StoredResponse | None:
+        """The owner's unexpired response ``response_id``, else None (another key's too)."""
+        rows = await self.database.fetch(
+            f"SELECT {_COLUMNS} FROM responses WHERE id = ? AND owner = ? AND expires_at > ?",
+            (response_id, owner, now_ms()),
+        )
+        return _record(rows[0]) if rows else None
+
+    async def delete(self, response_id: str, owner: str) -> bool:
+        """Deletes the owner's response; False when there is none."""
+        changed = await self.database.execute(
+            "DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
+        )
+        return changed > 0
+
+    async def finish(self, record: StoredResponse) -> bool:
+        """Writes a running response's new state (final, or ``in_progress`` with its lease); False
+        when it is no longer running (cancelled, deleted or expired meanwhile): nothing changes."""
+        response, _, conversation = record._json()
+        changed = await self.database.execute(
+            "UPDATE responses SET status = ?, response = ?, conversation = ?, size_bytes = ?, "
+            f"lease_until = ? WHERE id = ? AND status IN {_RUNNING_SQL}",
+            (
+                record.status,
+                response.decode(),
+                conversation.decode(),
+                record.size(),
+                record.lease_until,
+                record.id,
+            ),
+        )
+        return changed > 0
+
+    async def cancel(self, response_id: str, owner: str, response: dict[str, Any]) -> bool:
+        """Marks the owner's running background response ``cancelled`` with ``response``; False
+        when it is not running (then nothing changes)."""
+        changed = await self.database.execute(
+            "UPDATE responses SET status = 'cancelled', response = ?, lease_until = 0 "
+            f"WHERE id = ? AND owner = ? AND background = 1 AND status IN {_RUNNING_SQL}",
+            (orjson.dumps(response).decode(), response_id, owner),
+        )
+        return changed > 0
+
+    async def renew(self, response_id: str, lease_until: int) -> bool:
+        """Extends a running response's lease; False when it is no longer running."""
+        changed = await self.database.execute(
+            f"UPDATE responses SET lease_until = ? WHERE id = ? AND status IN {_RUNNING_SQL}",
+            (lease_until, response_id),
+        )
+        return changed > 0
+
+    async def purge(self) -> int:
+        """Deletes the expired responses, then the oldest while all of them hold more than
+        ``max_bytes``; how many were deleted."""
+        deleted = await self.database.execute("DELETE FROM responses WHERE expires_at <= ?", (now_ms(),))
+        if self.retention.max_bytes > 0:
+            deleted += await self.database.execute(
+                "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, SUM(size_bytes) OVER "
+                "(ORDER BY created_at DESC, id DESC) AS kept FROM responses) AS ranked WHERE kept > ?)",
+                (self.retention.max_bytes,),
+            )
+        return deleted
+
+
+_RUNNING_SQL = "(" + ", ".join(f"'{status}'" for status in RUNNING) + ")"
+
+
+def _record(row: tuple[Any, ...]) -> StoredResponse:
+    identifier, owner, created_at, status, background, lease, response, items, conversation = row
+    return StoredResponse(
+        id=identifier,
+        owner=owner,
+        created_at=int(created_at),
+        status=status,
+        background=bool(background),
+        response=orjson.loads(response),
+        input_items=orjson.loads(items),
+        conversation=orjson.loads(conversation),
+        lease_until=int(lease),
+    )

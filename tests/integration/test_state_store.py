@@ -1,0 +1,159 @@
+"""The edge's state store (edge/store/) on embedded SQLite and on a real PostgreSQL server: the
+same schema and migrations, per-owner reads, the running states of a background response, and
+retention by age and by size."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from edge.store.database import SQLITE_FILE, Database, SqliteDatabase
+from edge.store.opening import connect, open_store
+from edge.store.responses import ResponseStore, Retention, StoredResponse, now_ms
+from edge.store.schema import MIGRATIONS
+
+pytestmark = pytest.mark.integration
+DAY_S = 24 * 3600.0
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, str | None]]:
+    """Where a store lives: a fresh SQLite folder, or a fresh database on the session's server."""
+    if request.param == "sqlite":
+        yield {"state_dir": str(tmp_path), "state_url": None}
+        return
+    import psycopg
+
+    server: str = request.getfixturevalue("postgres_url")
+    name = f"t{uuid.uuid4().hex[:12]}"
+    with psycopg.connect(server, autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    yield {"state_dir": None, "state_url": server.rsplit("/", 1)[0] + f"/{name}"}
+
+
+def record(identifier: str, owner: str = "key-a", *, size: int = 0, **fields: Any) -> StoredResponse:
+    values: dict[str, Any] = {
+        "created_at": int(time.time()),
+        "status": "completed",
+        "background": False,
+        "response": {"id": identifier, "text": "x" * size},
+        "input_items": [{"type": "message", "role": "user", "content": "hi"}],
+        "conversation": [{"role": "user", "content": "hi"}],
+    }
+    values.update(fields)
+    return StoredResponse(id=identifier, owner=owner, **values)
+
+
+def opened(place: dict[str, str | None], retention: Retention | None = None) -> ResponseStore:
+    return asyncio.run(
+        open_store(place["state_dir"], place["state_url"], retention or Retention(30 * DAY_S, 0))
+    )
+
+
+def run(store: ResponseStore, work: Any) -> Any:
+    """Runs ``work(store)`` on a fresh event loop, then closes the store's connection."""
+
+    async def go() -> Any:
+        try:
+            return await work(store)
+        finally:
+            await store.database.close()
+
+    return asyncio.run(go())
+
+
+def test_migrations_run_once_and_a_second_edge_finds_them_done(place: dict[str, str | None]) -> None:
+    async def twice() -> list[int]:
+        first: Database = connect(place["state_dir"], place["state_url"])
+        second: Database = connect(place["state_dir"], place["state_url"])
+        try:
+            # Two edges starting together: one migrates, the other waits for its lock and finds it done.
+            return list(await asyncio.gather(first.migrate(), second.migrate()))
+        finally:
+            await first.close()
+            await second.close()
+
+    assert asyncio.run(twice()) == [len(MIGRATIONS)] * 2
+
+
+def test_a_response_is_read_and_deleted_only_by_its_owner(place: dict[str, str | None]) -> None:
+    async def work(store: ResponseStore) -> None:
+        await store.put(record("resp_1", "key-a"))
+        assert await store.get("resp_1", "key-b") is None
+        assert not await store.delete("resp_1", "key-b")
+        got = await store.get("resp_1", "key-a")
+        assert got is not None and got.response == {"id": "resp_1", "text": ""}
+        assert got.conversation == [{"role": "user", "content": "hi"}] and not got.background
+        assert await store.delete("resp_1", "key-a")
+        assert await store.get("resp_1", "key-a") is None
+        assert not await store.delete("resp_1", "key-a")
+
+    run(opened(place), work)
+
+
+def test_a_cancelled_background_response_keeps_its_end_when_the_run_finishes(
+    place: dict[str, str | None],
+) -> None:
+    async def work(store: ResponseStore) -> None:
+        await store.put(record("resp_bg", status="queued", background=True, lease_until=now_ms() + 60_000))
+        assert await store.renew("resp_bg", now_ms() + 60_000)
+        assert not await store.cancel("resp_bg", "key-b", {"status": "cancelled"})
+        assert await store.cancel("resp_bg", "key-a", {"status": "cancelled"})
+        late = record("resp_bg", status="completed", background=True, response={"status": "completed"})
+        assert not await store.finish(late)  # the run ended after the cancel: the cancel stands
+        assert not await store.renew("resp_bg", now_ms() + 60_000)
+        got = await store.get("resp_bg", "key-a")
+        assert got is not None and got.status == "cancelled" and got.response == {"status": "cancelled"}
+        assert not await store.cancel("resp_bg", "key-a", {"status": "cancelled"})
+
+    run(opened(place), work)
+
+
+def test_a_running_response_whose_lease_ran_out_reads_as_abandoned(place: dict[str, str | None]) -> None:
+    async def work(store: ResponseStore) -> None:
+        await store.put(
+            record("resp_live", status="in_progress", background=True, lease_until=now_ms() + 60_000)
+        )
+        await store.put(record("resp_dead", status="in_progress", background=True, lease_until=now_ms() - 1))
+        live, dead = await store.get("resp_live", "key-a"), await store.get("resp_dead", "key-a")
+        assert live is not None and not live.abandoned
+        assert dead is not None and dead.abandoned
+
+    run(opened(place), work)
+
+
+def test_expired_responses_are_neither_read_nor_kept(place: dict[str, str | None]) -> None:
+    async def work(store: ResponseStore) -> None:
+        now = int(time.time())
+        await store.put(record("resp_old", created_at=now - 2 * 3600))
+        await store.put(record("resp_new", created_at=now))
+        assert await store.get("resp_old", "key-a") is None  # past its ttl: never read, even unpurged
+        assert await store.purge() == 1
+        assert await store.get("resp_new", "key-a") is not None
+
+    run(opened(place, Retention(ttl_s=3600.0, max_bytes=0)), work)
+
+
+def test_over_the_size_limit_the_oldest_responses_go_first(place: dict[str, str | None]) -> None:
+    async def work(store: ResponseStore) -> list[str]:
+        now = int(time.time())
+        for age, name in ((30, "resp_a"), (20, "resp_b"), (10, "resp_c")):
+            await store.put(record(name, created_at=now - age, size=1000))
+        assert await store.purge() == 1
+        return [name for name in ("resp_a", "resp_b", "resp_c") if await store.get(name, "key-a")]
+
+    # Each row holds a little over 1000 bytes: two fit in 2500, three do not.
+    assert run(opened(place, Retention(ttl_s=DAY_S, max_bytes=2500)), work) == ["resp_b", "resp_c"]
+
+
+def test_sqlite_keeps_its_file_in_the_state_dir(tmp_path: Path) -> None:
+    store = opened({"state_dir": str(tmp_path / "state"), "state_url": None})
+    assert isinstance(store.database, SqliteDatabase)
+    assert store.database.path == tmp_path / "state" / SQLITE_FILE and store.database.path.exists()
+    run(store, lambda s: asyncio.sleep(0))

@@ -1,0 +1,211 @@
+"""Stored Responses' parts: a continuation's prompt, what a record keeps, the input-item pages, the
+owner id of an API key, the background registry; background runs in in-process edges in front of
+a fake worker (an edge stopping with a run in flight, a cancel through another edge)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from edge_fakes import FakeWorker, Hang, run, running_edge, running_worker, started, wait_for
+
+from edge.auth import ANONYMOUS, ApiKeyCheck, key_id
+from edge.background import BackgroundTasks
+from edge.errors import InvalidRequestError
+from edge.store.opening import open_store
+from edge.store.responses import Retention, StoredResponse
+from edge.surfaces.responses import background
+from edge.surfaces.responses.request import build_responses_request, validate_responses_request
+from edge.surfaces.responses.route import _page
+from edge.surfaces.responses.stored import numbered, record_of, replayable
+
+HISTORY: list[dict[str, Any]] = [
+    {"type": "message", "role": "user", "content": "Name a color."},
+    {
+        "type": "message",
+        "id": "msg_1",
+        "status": "completed",
+        "role": "assistant",
+        "content": [{"type": "output_text", "text": "Blue.", "annotations": [], "logprobs": []}],
+    },
+]
+
+
+def parsed(history: list[Any] | None = None, **fields: Any) -> Any:
+    body = {"model": "m", "input": "Another?", **fields}
+    return build_responses_request(validate_responses_request(body), history or [])
+
+
+def test_a_continuation_sends_this_turns_instructions_then_the_history_then_the_input() -> None:
+    chat = parsed(HISTORY, instructions="Be brief.").chat
+    assert [(m.role, m.content) for m in chat.messages] == [
+        ("system", "Be brief."),
+        ("user", "Name a color."),
+        ("assistant", "Blue."),
+        ("user", "Another?"),
+    ]
+
+
+def test_store_defaults_to_true_and_the_response_echoes_the_state_fields() -> None:
+    assert parsed().echo()["store"] is True
+    echo = parsed(store=False).echo()
+    assert echo["store"] is False and echo["background"] is False and echo["previous_response_id"] is None
+    echo = parsed(background=True, previous_response_id="resp_1").echo()
+    assert echo["background"] is True and echo["previous_response_id"] == "resp_1"
+
+
+def test_a_record_keeps_the_whole_conversation_and_this_turns_numbered_input() -> None:
+    request = parsed(HISTORY)
+    response = {
+        "id": "resp_2",
+        "created_at": 5,
+        "status": "completed",
+        "background": False,
+        "output": [
+            {"type": "message", "role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]}
+        ],
+    }
+    record = record_of(request, response, "owner", HISTORY)
+    assert record.conversation[:2] == HISTORY
+    assert record.conversation[2] == {"type": "message", "role": "user", "content": "Another?"}
+    assert record.conversation[3]["content"] == [{"type": "output_text", "text": "No."}]  # replayable
+    [item] = record.input_items
+    assert item["content"] == [{"type": "input_text", "text": "Another?"}] and item["id"].startswith("msg_")
+    # The stored conversation is a valid history for the next turn.
+    assert parsed(record.conversation).chat.messages[-2].content == "No."
+
+
+def test_replayable_and_numbered_leave_their_input_alone() -> None:
+    output = [{"type": "message", "content": [{"type": "refusal", "refusal": "No."}]}]
+    assert replayable(output)[0]["content"] == [{"type": "output_text", "text": "No."}]
+    assert output[0]["content"] == [{"type": "refusal", "refusal": "No."}]
+    items = [
+        {"role": "assistant", "content": "Hi"},
+        {"type": "function_call_output", "call_id": "c", "output": "x"},
+    ]
+    listed = numbered(items)
+    assert listed[0]["content"] == [{"type": "output_text", "text": "Hi"}] and listed[0]["type"] == "message"
+    assert listed[1]["id"].startswith("item_") and "id" not in items[1]
+
+
+ITEMS = [{"id": f"i{n}"} for n in range(5)]
+
+
+@pytest.mark.parametrize(
+    ("limit", "order", "after", "ids", "more"),
+    [
+        (None, None, None, ["i4", "i3", "i2", "i1", "i0"], False),
+        ("2", None, None, ["i4", "i3"], True),
+        ("2", "asc", "i1", ["i2", "i3"], True),
+        ("5", "asc", "i3", ["i4"], False),
+    ],
+)
+def test_input_items_are_paged_as_openai_pages_them(
+    limit: str | None, order: str | None, after: str | None, ids: list[str], more: bool
+) -> None:
+    page = _page(ITEMS, limit, order, after)
+    assert [item["id"] for item in page["data"]] == ids and page["has_more"] is more
+    assert page["first_id"] == ids[0] and page["last_id"] == ids[-1]
+
+
+@pytest.mark.parametrize(
+    ("limit", "order", "after", "param"),
+    [
+        ("x", None, None, "limit"),
+        ("0", None, None, "limit"),
+        ("101", None, None, "limit"),
+        (None, "up", None, "order"),
+        (None, None, "nope", "after"),
+    ],
+)
+def test_a_bad_page_parameter_is_a_400_naming_it(limit: Any, order: Any, after: Any, param: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        _page(ITEMS, limit, order, after)
+    assert caught.value.param == param
+
+
+def test_a_keys_id_is_stable_and_shows_nothing_of_the_key() -> None:
+    assert key_id("secret-key") == key_id("secret-key") != key_id("secret-kez")
+    assert len(key_id("secret-key")) == 16 and "secret" not in key_id("secret-key")
+    # The id follows the key, not its place in the list.
+    assert ApiKeyCheck(["a", "b"])._ids[1] == ApiKeyCheck(["b"])._ids[0] == key_id("b")
+
+
+def test_background_tasks_are_cancelled_at_close_and_run_their_cleanup() -> None:
+    cleaned: list[str] = []
+
+    async def work(name: str) -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            cleaned.append(name)
+
+    async def scenario() -> None:
+        tasks = BackgroundTasks()
+        tasks.spawn("a", work("a"))
+        tasks.spawn("b", work("b"))
+        await asyncio.sleep(0)
+        assert tasks.cancel("a") and not tasks.cancel("missing")
+        await tasks.close()
+        assert len(tasks) == 0
+
+    asyncio.run(scenario())
+    assert sorted(cleaned) == ["a", "b"]
+
+
+# ------------------------------------------------ background runs, in-process edges and fake workers
+
+BACKGROUND = {"model": "SmolLM2-135M-Instruct", "input": "Hi", "background": True}
+
+
+def test_a_background_response_ends_failed_when_its_edge_stops(tmp_path: Path) -> None:
+    fake = FakeWorker(script=[started(), Hang()])
+
+    async def scenario() -> StoredResponse | None:
+        async with running_worker(fake) as address:
+            async with (
+                running_edge([address], state_dir=str(tmp_path)) as base,
+                httpx.AsyncClient() as client,
+            ):
+                job = (await client.post(f"{base}/v1/responses", json=BACKGROUND)).json()
+                assert job["status"] == "queued" and job["background"] is True
+                await wait_for(lambda: fake.calls_started == 1)
+                got = (await client.get(f"{base}/v1/responses/{job['id']}")).json()
+                assert got["status"] == "in_progress"
+            # The edge stopped with the run in flight: its worker call was cancelled.
+            await asyncio.wait_for(fake.cancelled.wait(), 10)
+        store = await open_store(str(tmp_path), None, Retention(3600.0, 0))
+        try:
+            return await store.get(job["id"], ANONYMOUS)
+        finally:
+            await store.database.close()
+
+    record = run(scenario())
+    assert record is not None and record.status == "failed" and not record.abandoned
+    assert record.response["status"] == "failed" and record.response["error"]["message"]
+
+
+def test_a_cancel_through_another_edge_stops_the_run_at_its_next_renewal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(background, "RENEW_S", 0.05)
+    fake = FakeWorker(script=[started(), Hang()])
+
+    async def scenario() -> dict[str, Any]:
+        async with (
+            running_worker(fake) as address,
+            running_edge([address], state_dir=str(tmp_path)) as runner,
+            running_edge([address], state_dir=str(tmp_path)) as other,
+            httpx.AsyncClient() as client,
+        ):
+            job = (await client.post(f"{runner}/v1/responses", json=BACKGROUND)).json()
+            await wait_for(lambda: fake.calls_started == 1)
+            cancelled = (await client.post(f"{other}/v1/responses/{job['id']}/cancel")).json()
+            assert cancelled["status"] == "cancelled"
+            await asyncio.wait_for(fake.cancelled.wait(), 10)  # the runner's edge stopped its call
+            return dict((await client.get(f"{runner}/v1/responses/{job['id']}")).json())
+
+    assert run(scenario())["status"] == "cancelled"

@@ -1,0 +1,189 @@
+"""The model's attention and MLP projections wrapped for LoRA, the adapters' device slots, and a
+step's plan of which tokens use which slot.
+
+Design notes: docs/worker.md ("LoRA adapters").
+"""
+
+from __future__ import annotations
+
+import re
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import cast
+
+import torch
+
+from worker.lora.adapter import LoraWeights
+from worker.lora.ops import Group, LoraOps, grouped_torch
+from worker.types import LoraHandle
+
+# A decoder layer's attention or MLP projection: ``…layers.<n>.<block>.<projection>`` with a block
+# and projection named as the transformers families name them; no MoE expert, no vision tower, no
+# recurrent mixer (called on groups of rows, which a step's plan does not describe).
+_DECODER = re.compile(r"(^|\.)layers\.\d+\.(self_attn|attn|attention|mlp|feed_forward)\.(\w+)$")
+_PROJECTIONS = frozenset(
+    [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "qkv_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "gate_up_proj",
+        "dense",
+        "query_key_value",
+        "fc1",
+        "fc2",
+        "c_attn",
+        "c_proj",
+        "c_fc",
+        "out_proj",
+        "wqkv",
+        "wo",
+    ]
+)
+_SKIPPED = ("expert", "vision", "visual")
+
+
+class LoraPlan:
+    """A step's tokens by adapter: the groups every wrapped layer adds its product for."""
+
+    def __init__(self, tokens: int, groups: Sequence[Group]):
+        self.tokens = tokens
+        self.groups = tuple(groups)
+
+
+class LoraLinear(torch.nn.Module):
+    """A projection (float, packed or weight-only quantized) plus the LoRA product of the step's
+    adapters: ``y = base(x) + x A_s^T B_s^T`` for the rows of adapter slot ``s``."""
+
+    def __init__(self, base: torch.nn.Module, owner: LoraLayers, slots: int, rank: int):
+        super().__init__()
+        self.base = base
+        self.in_features = int(cast(int, base.in_features))
+        self.out_features = int(cast(int, base.out_features))
+        self._owner = [owner]  # a list: not a submodule
+        self.lora_a: torch.Tensor
+        self.lora_b: torch.Tensor
+        dtype, device = owner.dtype, owner.device
+        self.register_buffer("lora_a", torch.zeros(slots, rank, self.in_features, dtype=dtype, device=device))
+        self.register_buffer(
+            "lora_b", torch.zeros(slots, self.out_features, rank, dtype=dtype, device=device)
+        )
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base layer's weight, for model code that reads its dtype or device."""
+        return cast(torch.Tensor, self.base.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        plan = self._owner[0].plan
+        if plan is None or not plan.groups:
+            return y
+        rows = x.reshape(-1, self.in_features)
+        if rows.shape[0] != plan.tokens:
+            raise RuntimeError(f"a LoRA step planned {plan.tokens} tokens, the layer got {rows.shape[0]}")
+        out = y.reshape(-1, self.out_features)
+        self._owner[0].ops(rows, self.lora_a, self.lora_b, plan.groups, out)
+        return out.view(y.shape) if out.data_ptr() != y.data_ptr() else y
+
+
+def _wrappable(name: str, module: torch.nn.Module) -> bool:
+    match = _DECODER.search(name)
+    if match is None or match.group(3) not in _PROJECTIONS or any(word in name for word in _SKIPPED):
+        return False
+    return isinstance(getattr(module, "in_features", None), int) and isinstance(
+        getattr(module, "out_features", None), int
+    )
+
+
+class LoraLayers:
+    """Every wrapped projection of one model, ``max_loras`` device slots of rank ``max_rank`` each
+    (least recently used refilled first) and the plan of the step running now."""
+
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, ops: LoraOps = grouped_torch):
+        first = next(model.parameters())
+        self.dtype, self.device = first.dtype, first.device
+        self.max_loras, self.max_rank, self.ops = max_loras, max_rank, ops
+        self.plan: LoraPlan | None = None
+        self._slots: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
+        self._ranks: dict[int, int] = {}
+        found = [(name, module) for name, module in model.named_modules() if _wrappable(name, module)]
+        self.layers: dict[str, LoraLinear] = {}
+        for name, module in found:
+            parent_name, _, leaf = name.rpartition(".")
+            wrapped = LoraLinear(module, self, max_loras, max_rank)
+            setattr(model.get_submodule(parent_name), leaf, wrapped)
+            self.layers[name] = wrapped
+        if not self.layers:
+            raise ValueError("the model has no attention or MLP projections to apply LoRA adapters to")
+
+    @property
+    def targets(self) -> dict[str, tuple[int, int]]:
+        """Each wrapped module's path and ``(in, out)`` features (what adapters are checked against)."""
+        return {name: (layer.in_features, layer.out_features) for name, layer in self.layers.items()}
+
+    def slot_of(self, adapter: LoraHandle, keep: set[int]) -> int:
+        """``adapter``'s slot, its weights copied in if it holds none (the least recently used slot
+        not in ``keep``, the uids this step needs, is refilled)."""
+        if adapter.uid in self._slots:
+            self._slots.move_to_end(adapter.uid)
+            return self._slots[adapter.uid]
+        if len(self._slots) < self.max_loras:
+            slot = len(self._slots)
+        else:
+            victim = next((uid for uid in self._slots if uid not in keep), None)
+            if victim is None:
+                raise RuntimeError(f"a step holds more than --max-loras {self.max_loras} adapters")
+            slot = self._slots.pop(victim)
+        self._fill(slot, cast(LoraWeights, adapter.weights))
+        self._slots[adapter.uid] = slot
+        self._ranks[slot] = cast(LoraWeights, adapter.weights).rank
+        return slot
+
+    @torch.no_grad()
+    def _fill(self, slot: int, weights: LoraWeights) -> None:
+        for name, layer in self.layers.items():
+            layer.lora_a[slot].zero_()
+            layer.lora_b[slot].zero_()
+            pair = weights.modules.get(name)
+            if pair is not None:
+                a, b = pair
+                layer.lora_a[slot, : a.shape[0]].copy_(a)
+                layer.lora_b[slot, :, : b.shape[1]].copy_(b)
+
+    def plan_of(self, runs: Sequence[tuple[LoraHandle | None, int]]) -> LoraPlan | None:
+        """The plan of a step whose flat tokens are ``runs`` of ``(adapter or None, count)`` in
+        order; None when no token uses an adapter."""
+        if all(adapter is None for adapter, _ in runs):
+            return None
+        keep = {adapter.uid for adapter, _ in runs if adapter is not None}
+        rows: dict[int, list[int]] = {}
+        start = 0
+        for adapter, count in runs:
+            if adapter is not None:
+                rows.setdefault(self.slot_of(adapter, keep), []).extend(range(start, start + count))
+            start += count
+        groups = [
+            Group(slot, self._ranks[slot], _rows(indexes, self.device)) for slot, indexes in rows.items()
+        ]
+        return LoraPlan(start, groups)
+
+    @contextmanager
+    def step(self, runs: Sequence[tuple[LoraHandle | None, int]]) -> Iterator[LoraPlan | None]:
+        """The wrapped layers add the adapters' products for these runs of tokens while inside."""
+        self.plan = self.plan_of(runs)
+        try:
+            yield self.plan
+        finally:
+            self.plan = None
+
+
+def _rows(indexes: list[int], device: torch.device) -> slice | torch.Tensor:
+    if indexes[-1] - indexes[0] + 1 == len(indexes):
+        return slice(indexes[0], indexes[-1] + 1)
+    return torch.tensor(indexes, dtype=torch.long, device=device)
