@@ -36,9 +36,9 @@ from edge.http import (
 )
 from edge.logs import begin_request_log, bind_request_id, end_request_log, log_record, log_request
 from edge.metrics import EdgeMetrics
-from edge.request_log import RequestLogger
 from edge.rate_limit_redis import RedisCounters
 from edge.rate_limits import CounterStore, LocalCounters, RateLimiter
+from edge.request_log import RequestLogger
 from edge.routes import register_routes
 from edge.settings import Settings, api_key_tenants
 from edge.state import EdgeApp, EdgeState

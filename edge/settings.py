@@ -60,7 +60,7 @@ class ApiKeyEntry:
 
     key: str
     tenant: str | None = None
-    limits: KeyLimits = KeyLimits()
+    limits: KeyLimits = field(default_factory=KeyLimits)
 
 
 MAX_TENANT_CHARS = 256  # the worker's bound (worker/service/convert.py)

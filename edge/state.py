@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from edge.concurrency import ConcurrencyLimiter
     from edge.drain import Drain
     from edge.metrics import EdgeMetrics
-    from edge.request_log import RequestLogger, RequestRecord
     from edge.rate_limits import RateLimiter
+    from edge.request_log import RequestLogger, RequestRecord
     from edge.settings import Settings
     from edge.store.opening import StoreHandle
     from edge.streaming.connections import ClientConnections
