@@ -25,6 +25,7 @@ class RequestTrace:
         self.tracer, self.span = tracer, span
         self.metadata: tuple[tuple[str, str], ...] = tuple(tracer.headers(span).items())
         self.ended = False
+        self.streamed = False  # a stream answers: its end ends the span
 
     def placed(self, worker_address: str, model: str, started_ns: int, *, migration: bool = False) -> None:
         """A ``route`` (or ``migrate``) child span from ``started_ns`` to now, to ``worker_address``."""
@@ -84,13 +85,13 @@ class EdgeTracing:
         _current.set(RequestTrace(self.tracer, span))
 
     async def after(self, response: Response) -> Response:
-        """Records the status; ends the span unless a stream follows (the stream's end
-        ends it: :func:`end_stream`)."""
+        """Records the status; ends the span unless a stream answers (its end ends the span:
+        ``sse_response``'s close hook in edge/surfaces/generation.py)."""
         trace = current_trace()
         if trace is None:
             return response
         trace.span.set_attribute("http.response.status_code", response.status_code)
-        if response.mimetype != "text/event-stream":
+        if not trace.streamed:
             trace.end("completed" if response.status_code < 400 else "error")
         return response
 

@@ -146,6 +146,8 @@ def _stream_logged(state: EdgeState, request_state: RequestState | None) -> Call
     record = request_state.log if request_state is not None else None
     if record is not None:
         record.stream = True
+    if trace is not None:
+        trace.streamed = True
 
     def closed(outcome: str) -> None:
         if logger is not None and record is not None:
