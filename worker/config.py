@@ -24,6 +24,7 @@ from sluice.settings import (
     setting,
     text,
 )
+from sluice.tracing import otlp_endpoint
 from worker.formats.registry import REASONING_PARSERS, TOOL_PARSERS  # vLLM's names, one file each
 
 ENV_PREFIX = "SLUICE_WORKER_"
@@ -391,6 +392,12 @@ class WorkerConfig:
         "text",
         choice("text", "json"),
         "text, or json: one JSON object per line with request_id and worker_id",
+    )
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        otlp_endpoint,
+        "OpenTelemetry traces to this OTLP/HTTP collector (http://host:4318; no path: /v1/traces), "
+        'as service sluice-worker; unset: no tracing (docs/observability.md, "Traces")',
     )
     tool_call_parser: str = setting(
         "auto",

@@ -25,6 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from sluice.client import MAX_MESSAGE_BYTES
 from sluice.heap import freeze_startup_heap
 from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free
+from sluice.tracing import open_tracer
 from sluice.v1 import worker_pb2
 from worker import metrics
 from worker.config import WorkerConfig
@@ -52,6 +53,7 @@ from worker.prompts.prompt import NO_IMAGES, PromptRenderer
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.drain import DrainingWorker
 from worker.service.servicer import ServingModel, WorkerService
+from worker.service.tracing import SERVICE_NAME as TRACE_SERVICE_NAME
 from worker.service.wire_decoding import add_worker_service
 
 log = logging.getLogger(__name__)
@@ -364,6 +366,7 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
     did not load, 3: the device failed). ``metrics_socket``: the claimed /metrics socket (None: off)."""
     load_progress = LoadProgress()
     service = WorkerService(config.resolved_worker_id, load_progress)
+    service.tracer = open_tracer(TRACE_SERVICE_NAME, config.otlp_traces_endpoint)
     served = DrainingWorker(service)
     health_service = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -465,6 +468,8 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
     finally:
         if metrics_server is not None:
             metrics_server.close()
+        if service.tracer is not None:
+            await asyncio.to_thread(service.tracer.close)  # the spans still batched
 
 
 _T = TypeVar("_T")
