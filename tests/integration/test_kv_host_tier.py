@@ -36,7 +36,12 @@ WORDS = (
     "marble",
     "willow",
 )
-FOLLOW_UPS = ("Tell me more.", "And then?", "Say it shorter.")
+# Each turn makes the model copy from its system prompt, so an answer depends on the cached KV.
+FOLLOW_UPS = (
+    "Repeat the first ten words of your instructions.",
+    "Now repeat the last ten words.",
+    "Repeat the first ten words again.",
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +59,7 @@ def system_prompt(index: int) -> str:
 
 def round_robin(address: str) -> tuple[list[list[str]], list[list[tuple[int, int]]]]:
     """Each conversation's answers and, per turn, ``(prompt_tokens, cached_tokens)``, the turns
-    taken round robin over the conversations, one request at a time (greedy, 8 tokens)."""
+    taken round robin over the conversations, one request at a time (greedy, 12 tokens)."""
     messages = [[pb.ChatMessage(role="system", content=system_prompt(i))] for i in range(CONVERSATIONS)]
     answers: list[list[str]] = [[] for _ in range(CONVERSATIONS)]
     usage: list[list[tuple[int, int]]] = [[] for _ in range(CONVERSATIONS)]
@@ -65,7 +70,7 @@ def round_robin(address: str) -> tuple[list[list[str]], list[list[tuple[int, int
                 messages[index].append(pb.ChatMessage(role="user", content=FOLLOW_UPS[turn]))
                 request = pb.GenerateRequest(
                     chat=pb.ChatInput(messages=messages[index]),
-                    sampling=pb.SamplingParams(temperature=0, max_tokens=8),
+                    sampling=pb.SamplingParams(temperature=0, max_tokens=12),
                 )
                 events = list(stub.Generate(request))
                 text = "".join(e.content.text for e in events if e.HasField("content"))
