@@ -44,8 +44,11 @@ from edge.settings import Settings, api_key_tenants
 from edge.state import EdgeApp, EdgeState
 from edge.store.opening import StoreHandle
 from edge.streaming.connections import ClientConnections
+from edge.tracing import SERVICE_NAME as TRACE_SERVICE_NAME
+from edge.tracing import EdgeTracing
 from edge.workers.pool import WorkerPool
 from sluice.heap import freeze_startup_heap
+from sluice.tracing import open_tracer
 
 log = logging.getLogger("sluice.edge")
 # Seconds between two purges of the state store (at most --state-ttl).
@@ -117,6 +120,15 @@ def create_app(settings: Settings) -> EdgeApp:
 
     app.before_request(assign_request_id)
     app.before_request(bind_request_id)
+    tracing = _tracing(settings)
+    if tracing is not None:
+        app.before_request(tracing.begin)
+        app.after_request(tracing.after)
+
+        @app.after_serving
+        async def close_tracer() -> None:
+            await asyncio.to_thread(tracing.tracer.close)  # the spans still batched
+
     if settings.log_requests:
         app.before_request(begin_request_log)
     app.before_request(use_request_limits)
@@ -171,6 +183,12 @@ def create_app(settings: Settings) -> EdgeApp:
     connections.app = inner
     app.asgi_app = connections  # type: ignore[method-assign]
     return app
+
+
+def _tracing(settings: Settings) -> EdgeTracing | None:
+    """The hooks of --otlp-traces-endpoint (None, and opentelemetry not imported, without it)."""
+    tracer = open_tracer(TRACE_SERVICE_NAME, settings.otlp_traces_endpoint)
+    return EdgeTracing(tracer) if tracer is not None else None
 
 
 def _rate_limiter(settings: Settings, metrics: EdgeMetrics) -> RateLimiter | None:

@@ -22,6 +22,7 @@ from edge.workers.routing import RoutingPolicy
 from sluice.limits import MAX_N, MAX_TOP_LOGPROBS
 from sluice.logs import LOG_FORMATS
 from sluice.settings import describe, int_at_least, optional_text, parse_settings, seconds, setting, text
+from sluice.tracing import otlp_endpoint
 
 ENV_PREFIX = "SLUICE_EDGE_"
 PROG = "sluice-edge"
@@ -250,6 +251,12 @@ class Settings:
         secret=True,
     )
     log_format: str = setting("text", text, "text or json: one JSON object per line")
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        otlp_endpoint,
+        "OpenTelemetry traces to this OTLP/HTTP collector (http://host:4318; no path: /v1/traces), "
+        'as service sluice-edge; unset: no tracing (docs/observability.md, "Traces")',
+    )
     log_requests: bool = setting(
         False,
         help="one JSON line per API request on stderr: ids, the API key's id (never the key), model, "

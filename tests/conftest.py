@@ -37,6 +37,7 @@ LONGEST_FIRST = (
     "tests/integration/test_reconnect.py",
     "tests/integration/test_families_e2e.py",
     "tests/integration/test_engine_process.py",
+    "tests/integration/test_kv_host_tier.py",
     "tests/unit/worker/test_families.py",
     "tests/unit/worker/test_fused_kernels.py",
     "tests/e2e/test_structured_outputs_e2e.py",

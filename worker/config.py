@@ -24,6 +24,7 @@ from sluice.settings import (
     setting,
     text,
 )
+from sluice.tracing import otlp_endpoint
 from worker.formats.registry import REASONING_PARSERS, TOOL_PARSERS  # vLLM's names, one file each
 
 ENV_PREFIX = "SLUICE_WORKER_"
@@ -235,6 +236,13 @@ class WorkerConfig:
         "e4m3): one byte per element and a scale per token, head and 32 dims, about twice the tokens "
         "of a bfloat16 cache in the same memory at a small accuracy cost (docs/benchmarks.md)",
     )
+    kv_offload_bytes: int = setting(
+        0,
+        int_at_least(0),
+        "bytes of host memory for the prefix cache's second tier: prefix blocks evicted from the KV "
+        "cache pool are copied there and copied back on a prefix hit, LRU (0: off, the default, since "
+        "on the CPU both tiers are the same memory; not with --engine-process or hybrid models yet)",
+    )
     cuda_graphs: bool = setting(
         True,
         help="on CUDA: capture decode steps as CUDA graphs at start-up (padded batch-size buckets up to "
@@ -392,6 +400,12 @@ class WorkerConfig:
         choice("text", "json"),
         "text, or json: one JSON object per line with request_id and worker_id",
     )
+    otlp_traces_endpoint: str | None = setting(
+        None,
+        otlp_endpoint,
+        "OpenTelemetry traces to this OTLP/HTTP collector (http://host:4318; no path: /v1/traces), "
+        'as service sluice-worker; unset: no tracing (docs/observability.md, "Traces")',
+    )
     tool_call_parser: str = setting(
         "auto",
         choice("auto", "none", *TOOL_PARSERS),
@@ -471,6 +485,12 @@ class WorkerConfig:
                 "--fake-tokens runs no model" if self.fake_tokens else f"--task {self.task} keeps no KV cache"
             )
             found.append(f"--kv-cache-dtype {self.kv_cache_dtype} needs a generating model; {why}")
+        if self.kv_offload_bytes and (self.fake_tokens or self.task in ("embed", "score")):
+            found.append(
+                "--kv-offload-bytes needs a generating model (not --fake-tokens or --task embed/score)"
+            )
+        if self.kv_offload_bytes and self.engine_process:
+            found.append("--kv-offload-bytes cannot be combined with --engine-process yet")
         if self.speculative != "off" and self.fake_tokens:
             found.append("--speculative needs a model; --fake-tokens runs none")
         found += self._lora_problems()

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from sluice.prometheus import CONTENT_TYPE
+from worker.engine.host_tier import TierStats
 from worker.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,35 @@ class EngineCollector(Collector):
         yield from self._class_families()
         if s.fast_path is not None:
             yield from self._fast_path_families()
+        if s.host_tier is not None:
+            yield from self._host_tier_families(s.host_tier)
+
+    def _host_tier_families(self, tier: TierStats) -> Iterator[Metric]:
+        """``--kv-offload-bytes``'s host tier: its blocks, those in use, hits, bytes copied each way."""
+        yield self._gauge("sluice_worker_kv_host_blocks", "blocks of the KV cache's host tier", tier.blocks)
+        yield self._gauge(
+            "sluice_worker_kv_host_blocks_used", "host-tier blocks holding an evicted prefix block", tier.used
+        )
+        for name, help_text, value in (
+            (
+                "sluice_worker_kv_host_hits",
+                "prefix blocks copied back from the host tier for a hit",
+                tier.hits,
+            ),
+            (
+                "sluice_worker_kv_host_bytes_to_host",
+                "bytes copied from the KV cache to its host tier",
+                tier.bytes_to_host,
+            ),
+            (
+                "sluice_worker_kv_host_bytes_to_device",
+                "bytes copied from the host tier back to the KV cache",
+                tier.bytes_to_device,
+            ),
+        ):
+            counter = CounterMetricFamily(name, help_text, labels=["model"])
+            counter.add_metric([self._model_id], value)
+            yield counter
 
     def _class_families(self) -> Iterator[Metric]:
         """The scheduling policy's metrics: queue wait and time to first token per (priority,

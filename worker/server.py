@@ -25,10 +25,13 @@ from grpc_reflection.v1alpha import reflection
 from sluice.client import MAX_MESSAGE_BYTES
 from sluice.heap import freeze_startup_heap
 from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free
+from sluice.tracing import open_tracer
 from sluice.v1 import worker_pb2
 from worker import metrics
+from worker.attention.host_kv import HostKV
 from worker.config import WorkerConfig
 from worker.engine.core import Engine
+from worker.engine.host_tier import HostTier, tiered
 from worker.engine.options import EngineOptions
 from worker.engine.pooling import PoolingEngine
 from worker.engine.process import start_engine_process
@@ -52,6 +55,7 @@ from worker.prompts.prompt import NO_IMAGES, PromptRenderer
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.drain import DrainingWorker
 from worker.service.servicer import ServingModel, WorkerService
+from worker.service.tracing import SERVICE_NAME as TRACE_SERVICE_NAME
 from worker.service.wire_decoding import add_worker_service
 
 log = logging.getLogger(__name__)
@@ -181,6 +185,7 @@ def _build_serving(
         bind_device(loaded.device)  # this thread builds the pool, checks the kernel, captures graphs
         speculation = speculation_of(config, loaded)
         runner, limits = model_runner(loaded, config)
+    tier = host_tier(config, runner)
     loras = served_loras(config, runner, loaded)
     profile = family_profile(config, loaded.model, loaded.tokenizer)
     eos = eos_token_ids(loaded.model, loaded.tokenizer) | stop_token_ids(profile, loaded.tokenizer)
@@ -208,6 +213,7 @@ def _build_serving(
         on_device_failure=on_device_failure,
         speculation=speculation,
     )
+    engine.blocks.tier = tier
     engine.start()
     progress.advance(1.0)
     return ServingModel(
@@ -219,6 +225,25 @@ def _build_serving(
         config.default_max_tokens,
         loras,
     )
+
+
+def host_tier(config: WorkerConfig, runner: ModelRunner) -> HostTier | None:
+    """``--kv-offload-bytes``'s host tier, its queued copies run before each of the runner's forwards
+    (None: off). Refused for a hybrid model (its state checkpoints have no host copies yet)."""
+    if not config.kv_offload_bytes:
+        return None
+    if getattr(runner, "states", None) is not None:
+        raise ModelLoadError("--kv-offload-bytes does not serve hybrid (recurrent-state) models yet")
+    slots = config.kv_offload_bytes // (runner.kv_shape.bytes_per_token * runner.block_size)
+    if slots < 1:
+        raise ModelLoadError(f"--kv-offload-bytes {config.kv_offload_bytes} holds no KV block of this model")
+    host = HostKV(runner.pool, slots)
+    tier = HostTier(slots, host.block_bytes)
+    runner.execute = tiered(runner.execute, tier, host.apply)  # type: ignore[method-assign]
+    log.info(
+        "KV host tier: %d blocks, %.2f GiB (--kv-offload-bytes)", slots, slots * host.block_bytes / 2**30
+    )
+    return tier
 
 
 def served_loras(config: WorkerConfig, runner: ModelRunner, loaded: LoadedModel) -> LoraRegistry | None:
@@ -364,6 +389,7 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
     did not load, 3: the device failed). ``metrics_socket``: the claimed /metrics socket (None: off)."""
     load_progress = LoadProgress()
     service = WorkerService(config.resolved_worker_id, load_progress)
+    service.tracer = open_tracer(TRACE_SERVICE_NAME, config.otlp_traces_endpoint)
     served = DrainingWorker(service)
     health_service = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -465,6 +491,8 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
     finally:
         if metrics_server is not None:
             metrics_server.close()
+        if service.tracer is not None:
+            await asyncio.to_thread(service.tracer.close)  # the spans still batched
 
 
 _T = TypeVar("_T")

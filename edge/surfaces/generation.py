@@ -24,6 +24,7 @@ from edge.requests.validation import bad
 from edge.state import EdgeState, RequestState, current_request, current_state
 from edge.streaming.connections import scope_chunked_body, scope_transport
 from edge.streaming.pump import Finish, OnEvent, PumpClock, StreamFraming, StreamPump
+from edge.tracing import current_trace
 from edge.workers.call_group import CallGroup
 from edge.workers.migration import MigrationPolicy, resumable_request
 from sluice.v1 import worker_pb2
@@ -139,13 +140,22 @@ async def collect(group: CallGroup, add: Callable[[int, worker_pb2.GenerateRespo
 
 
 def _stream_logged(state: EdgeState, request_state: RequestState | None) -> Callable[[str], None] | None:
-    """With ``--log-requests``: writes the request's line when its stream ends."""
-    logger = state.request_log
+    """With ``--log-requests``: writes the request's line when its stream ends; with
+    ``--otlp-traces-endpoint``: ends the request's span then."""
+    logger, trace = state.request_log, current_trace()
     record = request_state.log if request_state is not None else None
-    if logger is None or record is None:
-        return None
-    record.stream = True
-    return lambda outcome: logger.write(record, outcome)
+    if record is not None:
+        record.stream = True
+    if trace is not None:
+        trace.streamed = True
+
+    def closed(outcome: str) -> None:
+        if logger is not None and record is not None:
+            logger.write(record, outcome)
+        if trace is not None:
+            trace.end(outcome)
+
+    return closed if trace is not None or (logger is not None and record is not None) else None
 
 
 def sse_response(

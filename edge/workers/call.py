@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from edge.errors import EdgeError, ServiceUnavailableError, from_grpc
+from edge.tracing import current_trace
 from edge.workers.failures import RETRY_ELSEWHERE
 from edge.workers.health import NO_WORKER_MESSAGE
 from edge.workers.migration import Delivered, MigrationPolicy
@@ -81,6 +82,7 @@ class WorkerCall:
         self._cancelled = False
         self.first = leg.first
         self.migrations = 0
+        self._trace = current_trace()  # the request's span (--otlp-traces-endpoint), for migrations
 
     @classmethod
     async def open(
@@ -109,7 +111,11 @@ class WorkerCall:
         call is cancelled too.
         """
         deadline = time.monotonic() + timeout_s
+        trace, started_ns = current_trace(), time.time_ns()
+        metadata = (*metadata, *trace.metadata) if trace is not None else metadata
         leg = await _open_leg(pool, request, request_id, deadline, metadata, load_events=load_events)
+        if trace is not None:
+            trace.placed(leg.worker.address, request.model, started_ns)
         return cls(
             pool,
             leg,
@@ -206,6 +212,7 @@ class WorkerCall:
             return None
         if self._deadline <= time.monotonic():
             return None
+        trace, started_ns = self._trace, time.time_ns()
         try:
             leg = await _open_leg(
                 self._pool, delivered.resume_request(), self._request_id, self._deadline, self._metadata
@@ -225,6 +232,8 @@ class WorkerCall:
             self._policy.count("failed")
             return None
         delivered.drop_held()  # the new worker sends them again
+        if trace is not None:
+            trace.placed(leg.worker.address, leg.first.started.model, started_ns, migration=True)
         self.migrations += 1
         self._leg = leg
         self._policy.count("resumed")

@@ -28,6 +28,8 @@ KUSTOMIZATIONS = {
 # Each worker pod runs its own edge (an InferencePool endpoint): checked by test_kubernetes_sidecar.py,
 # not by the checks of the two-fleet kustomizations above.
 SIDECAR_KUSTOMIZATION = DEPLOY / "k8s" / "overlays" / "sidecar"
+# Workers autoscaled by KEDA (a ScaledObject, a CRD): checked by test_kubernetes_keda.py.
+KEDA_KUSTOMIZATION = DEPLOY / "k8s" / "overlays" / "keda"
 COMPOSE_FILES = (DEPLOY / "compose.yaml", DEPLOY / "compose.gpu.yaml")
 SERVICES = ("worker", "edge")
 

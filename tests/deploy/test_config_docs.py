@@ -21,6 +21,7 @@ BAD_VALUES = {
         "--log-format": "xml",
         "--fake-tokens": "maybe",
         "--metrics-port": "70000",
+        "--otlp-traces-endpoint": "collector:4318",
     },
     "edge": {
         "--workers": "no-port-here",
@@ -31,6 +32,7 @@ BAD_VALUES = {
         "--api-keys": "has space",
         "--api-keys-file": "/nonexistent/sluice-keys",
         "--state-url": "mysql://db/state",
+        "--otlp-traces-endpoint": "collector:4318",
     },
 }
 # Free text: any string is a valid value. --model is checked when the model loads (the

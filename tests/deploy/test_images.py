@@ -221,8 +221,10 @@ print(json.dumps(sorted({name.split(".")[0] for name in set(sys.modules) - befor
 """
 # grpc/__init__.py imports these when present and carries on without them.
 # redis (the edge's shared rate-limit counters) imports xxhash and opentelemetry when they are
-# installed (as the dev extras' packages bring them here) and goes without them in the image.
-_OPTIONAL_IMPORTS = {"grpc_tools", "grpc_reflection", "xxhash", "opentelemetry"}
+# installed (as the dev extras' packages bring them here) and goes without them in the image;
+# opentelemetry-sdk's resources (the image installs it for --otlp-traces-endpoint) import psutil
+# when it is installed and go without it.
+_OPTIONAL_IMPORTS = {"grpc_tools", "grpc_reflection", "xxhash", "opentelemetry", "psutil"}
 
 
 def _closure(requirements: list[Requirement]) -> set[str]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from worker.engine.host_tier import HostTier
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.policy import FairPolicy, Policy, PolicyName, PriorityPolicy, make_policy
 from worker.engine.scheduler import Scheduler, SeqState, StepPlan
@@ -59,11 +60,19 @@ class Features:
     overlap: bool  # never with speculation (the engine refuses the pair)
     images: bool
     policy: PolicyName  # seeds 0-2 fcfs, 3-5 priority, 6-8 fair, ...
+    host_slots: int  # --kv-offload-bytes: the host tier's blocks (0: off), on every other seed
 
     @classmethod
     def of(cls, seed: int) -> Features:
         policy = list(PolicyName)[seed // 3 % 3]
-        return cls(speculation=seed % 3 == 1, overlap=seed % 3 == 2, images=seed % 2 == 1, policy=policy)
+        slots = 0 if seed % 4 >= 2 else 1 + seed % 11
+        return cls(
+            speculation=seed % 3 == 1,
+            overlap=seed % 3 == 2,
+            images=seed % 2 == 1,
+            policy=policy,
+            host_slots=slots,
+        )
 
 
 class Simulation:
@@ -83,6 +92,12 @@ class Simulation:
         blocks = BlockManager(
             self.rng.randint(6, 24), self.block_size, prefix_caching=self.rng.random() < 0.8
         )
+        if self.features.host_slots:
+            blocks.tier = HostTier(self.features.host_slots, block_bytes=1)
+        # The host tier's slots, shadowed like the pool: copies run (in order) before each forward.
+        self.host: list[list[int | None]] = [
+            [None] * self.block_size for _ in range(self.features.host_slots)
+        ]
         speculate = self.features.speculation
         self.scheduler = scheduler_class(
             blocks,
@@ -202,6 +217,7 @@ class Simulation:
     def run(self, work: list[Work]) -> None:
         """The forward, then the previous draw read (overlap), then the commit, then the draws."""
         self.resolve()  # a row it ends goes no further: its forward's work is dropped
+        self.copy()
         work = [w for w in work if not w.seq.finished and self.owner[id(w.seq)].request_id not in self.ended]
         sampled = [item for item in work if item.sample]  # read before the commit moves ``computed``
         for item in work:
@@ -216,6 +232,15 @@ class Simulation:
                 self.draw(item.seq)
         if not self.features.overlap:
             self.resolve()
+
+    def copy(self) -> None:
+        """The host tier's queued copies, in order, as the runner's wrapper runs them."""
+        tier = self.scheduler.blocks.tier
+        for copy in tier.drain() if tier is not None else []:
+            if copy.to_host:
+                self.host[copy.slot] = list(self.pool[copy.block])
+            else:
+                self.pool[copy.block] = list(self.host[copy.slot])
 
     def write(self, work: Work) -> None:
         """The forward's KV writes: its tokens' (:func:`key`) and its proposals', into blocks the
@@ -408,6 +433,19 @@ class Simulation:
         assert len(free) + len(reusable) + len(held) == blocks.num_blocks
         for block, entry in blocks._by_block.items():
             assert self.pool[block] == list(entry.key[1]), "a cached block holds other keys than its entry's"
+        self.check_host(blocks)
+
+    def check_host(self, blocks: BlockManager) -> None:
+        """Every host-tier entry's slot holds its keys (once its queued copy ran); no slot leaks."""
+        tier = blocks.tier
+        if tier is None:
+            return
+        tables = [seq.blocks for request in self.scheduler.running for seq in request.sequences]
+        assert blocks.audit(tables) is None, blocks.audit(tables)
+        self.copy()  # what the next forward would run first
+        for entry_id, slot in tier._lru.items():
+            entry = blocks._by_id[entry_id]
+            assert self.host[slot] == list(entry.key[1]), "a host slot holds other keys than its entry's"
 
     def check_kv(self, seq: SeqState) -> None:
         """Every computed token's slot holds that token's key (an image's key inside its span)."""

@@ -10,7 +10,10 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from worker.engine.host_tier import HostTier
+
 _ROOT = 0  # the chain id of "no block before this one"
+_ON_HOST = -1  # an entry's block while its copy waits in the host tier
 
 
 class OutOfBlocks(Exception):
@@ -59,6 +62,8 @@ class BlockManager:
         # only up to an entry ``resumable`` accepts, and ``forgotten`` hears of each evicted entry.
         self.resumable: Callable[[int], bool] | None = None
         self.forgotten: Callable[[int], None] | None = None
+        # --kv-offload-bytes (worker/engine/host_tier.py): evicted prefix blocks move there.
+        self.tier: HostTier | None = None
 
     # ------------------------------------------------------------ counts
 
@@ -74,7 +79,7 @@ class BlockManager:
 
     @property
     def cached(self) -> int:
-        """Registered blocks, held or not: the prefix cache's size in blocks."""
+        """Registered blocks, held or not, host-tier ones included: the prefix cache's size in blocks."""
         return len(self._by_id)
 
     def blocks_for(self, tokens: int) -> int:
@@ -88,7 +93,9 @@ class BlockManager:
             block = self._free.popleft()
         elif self._reusable:
             block, _ = self._reusable.popitem(last=False)
-            self._forget(self._by_block[block])
+            entry = self._by_block[block]
+            if not self._demote(entry):
+                self._forget(entry)
         else:
             raise OutOfBlocks
         self._refs[block] = 1
@@ -151,6 +158,8 @@ class BlockManager:
             return f"{len(idle ^ (free | reusable))} block(s) held yet listed free, or idle yet unlisted"
         if not reusable <= self._by_block.keys():
             return "an unregistered block is listed reusable"
+        if self.tier is not None:
+            return self.tier.audit(sum(1 for e in self._by_id.values() if e.block == _ON_HOST))
         return None
 
     # ---------------------------------------------------- prefix registry
@@ -190,11 +199,7 @@ class BlockManager:
             raise RuntimeError("attach_prefix needs a sequence without blocks")
         if not self.prefix_caching:
             return 0
-        chain = self._chain(tokens, len(tokens) - 1)
-        for entry in chain:
-            if self._refs[entry.block] == 0:
-                self._reusable.pop(entry.block, None)
-            self._refs[entry.block] += 1
+        chain = self._take(self._chain(tokens, len(tokens) - 1))
         seq.table = [entry.block for entry in chain]
         seq.chain_id = chain[-1].id if chain else _ROOT
         seq.registered = len(chain)
@@ -227,6 +232,56 @@ class BlockManager:
             seq.chain_id = entry.id
             seq.registered += 1
 
+    def _take(self, chain: list[_Entry]) -> list[_Entry]:
+        """References ``chain``'s blocks, in order, bringing host-tier ones back to new device
+        blocks (their copies queued); cut where a block cannot be found or an entry was evicted."""
+        taken: list[_Entry] = []
+        for entry in chain:
+            if entry.id not in self._by_id:  # evicted with its prefix while blocks were found
+                break
+            if entry.block == _ON_HOST:
+                if not self._fetch(entry):
+                    break
+            else:
+                if self._refs[entry.block] == 0:
+                    self._reusable.pop(entry.block, None)
+                self._refs[entry.block] += 1
+            taken.append(entry)
+        return taken
+
+    def _fetch(self, entry: _Entry) -> bool:
+        """Gives host entry ``entry`` a device block again (referenced once); False when none is
+        available. Its prefix is held already, so no eviction this causes can reach it."""
+        assert self.tier is not None
+        self.tier.pin(entry.id)
+        try:
+            block = self.allocate()
+        except OutOfBlocks:
+            self.tier.unpin(entry.id)
+            return False
+        self.tier.restore(entry.id, block)
+        entry.block = block
+        self._by_block[block] = entry
+        return True
+
+    def _demote(self, entry: _Entry) -> bool:
+        """Moves evicted ``entry`` to the host tier (its block is the caller's now), making room by
+        evicting the tier's oldest entries; False when there is no tier or no room."""
+        tier = self.tier
+        if tier is None:
+            return False
+        while not tier.has_room():
+            oldest = tier.oldest()
+            if oldest is None:
+                return False
+            self._forget(self._by_id[oldest])
+            if entry.id not in self._by_id:  # it was below the evicted prefix: gone with it
+                return True
+        tier.store(entry.id, entry.block)
+        del self._by_block[entry.block]
+        entry.block = _ON_HOST
+        return True
+
     def _forget(self, entry: _Entry) -> None:
         """Unregisters an entry and everything chained below it; unreferenced blocks become free."""
         for child_id in list(entry.children):
@@ -235,12 +290,16 @@ class BlockManager:
                 self._forget(child)
         self._by_key.pop(entry.key, None)
         self._by_id.pop(entry.id, None)
-        self._by_block.pop(entry.block, None)
         if self.forgotten is not None:
             self.forgotten(entry.id)
         parent = self._by_id.get(entry.key[0])
         if parent is not None:
             parent.children.discard(entry.id)
+        if entry.block == _ON_HOST:
+            assert self.tier is not None
+            self.tier.drop(entry.id)
+            return
+        self._by_block.pop(entry.block, None)
         if self._refs[entry.block] == 0 and self._reusable.pop(entry.block, 0) is None:
             self._free.append(entry.block)
 

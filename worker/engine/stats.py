@@ -14,6 +14,7 @@ from typing import Any
 
 from sluice.prometheus import Histogram
 from worker.engine.class_stats import ClassStats
+from worker.engine.host_tier import TierStats
 from worker.engine.scheduler import Scheduler
 from worker.types import FastPath
 
@@ -71,6 +72,7 @@ class EngineStats:
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     classes: ClassStats = field(default_factory=ClassStats)  # by priority and tenant (the policy's)
+    host_tier: TierStats | None = None  # --kv-offload-bytes (None: off)
 
     @classmethod
     def of(
@@ -100,6 +102,7 @@ class EngineStats:
             waiting_loras=_adapters(scheduler.waiting),
             counters=replace(counters, time_to_first_token=counters.time_to_first_token.copy()),
             classes=scheduler.policy.stats.copy(),
+            host_tier=blocks.tier.stats() if blocks.tier is not None else None,
         )
 
     @property

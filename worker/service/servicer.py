@@ -23,6 +23,7 @@ import torch
 
 from sluice.limits import MAX_N
 from sluice.logs import request_id_var
+from sluice.tracing import Tracer
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from worker.engine.core import Engine
@@ -36,6 +37,7 @@ from worker.model.load_progress import LoadProgress, wait_for_load
 from worker.model.loader import LoadedModel
 from worker.prompts.prompt import ChatPrompt, PromptRenderer
 from worker.sampling.grammar import GrammarCompiler
+from worker.service import tracing
 from worker.service.convert import (
     ParsedRequest,
     TokenizeCall,
@@ -118,6 +120,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         self.worker_id = worker_id
         self.serving: ServingModel | None = None
         self.load_progress = load_progress or LoadProgress()
+        self.tracer: Tracer | None = None  # --otlp-traces-endpoint (worker/service/tracing.py)
         self._prepare_pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="sluice-prepare")
 
     def _require_serving(self) -> ServingModel:
@@ -288,6 +291,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         reasons: list[str] = []
         completion_tokens = 0
         outcome = "cancelled by the caller"  # unless the stream ends or fails below
+        trace = tracing.begin(self.tracer, context, request, request_id, arrival)
+        if trace is not None:
+            trace.model, trace.sampling = adapter or serving.loaded.model_id, options
         try:
             yield pb.GenerateResponse(
                 started=pb.Started(
@@ -301,6 +307,8 @@ class WorkerService(pb_grpc.WorkerServicer):
                 )
             )
             async for event in stream:
+                if trace is not None:
+                    trace.observe(event)
                 if isinstance(event, Failed):
                     outcome = "failed"
                     log.error("request %s: generation failed: %s", request_id, event.message)
@@ -334,6 +342,8 @@ class WorkerService(pb_grpc.WorkerServicer):
             # Reached on normal end, on failure and when the caller cancels (the
             # task is cancelled): in every case the engine drops the sequence.
             stream.cancel()
+            if trace is not None:
+                trace.end(outcome)
             log.info(
                 "request %s %s: finish_reasons=%s, completion_tokens=%d, %.3f s",
                 request_id,

@@ -112,6 +112,8 @@ def test_metrics_port_defaults_to_the_grpc_port_plus_1000():
         (["--metrics-port", "-1"], "--metrics-port: must be 0 (off) to 65535"),
         (["--max-running", "x"], "--max-running: must be an integer, got 'x'"),
         (["--grace-period", "inf"], "--grace-period: must be a finite number of seconds"),
+        (["--kv-offload-bytes", "1024", "--engine-process"], "--kv-offload-bytes cannot be combined"),
+        (["--kv-offload-bytes", "1024", "--fake-tokens"], "--kv-offload-bytes needs a generating model"),
     ],
 )
 def test_bad_values_and_combinations_name_the_setting(argv, message, capsys):
