@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -50,11 +51,17 @@ class SqliteDatabase:
         self._connection.execute("PRAGMA journal_mode=WAL")
         # Another process's write holds the lock for milliseconds: wait for it, do not fail.
         self._connection.execute("PRAGMA busy_timeout=10000")
-        self._lock = asyncio.Lock()
+        # Held in the thread, not by the awaiting task: a call cancelled while its statement runs
+        # keeps the connection until the statement ends (two threads on one connection, or a close
+        # under a running statement, crash the process).
+        self._lock = threading.Lock()
 
     async def _run(self, work: Any, *args: Any) -> Any:
-        async with self._lock:
-            return await asyncio.to_thread(work, *args)
+        return await asyncio.to_thread(self._locked, work, *args)
+
+    def _locked(self, work: Any, *args: Any) -> Any:
+        with self._lock:
+            return work(*args)
 
     async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         return int(await self._run(lambda: self._connection.execute(sql, tuple(params)).rowcount))
