@@ -32,22 +32,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.bench_quant_quality import PROMPTS  # the same prompts as the weight-quantization bench
 from worker.attention.kv_pool import KVShape, kv_shape
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import Work
 
 BLOCK = 16
 PROMPT_TOKENS = 16
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a short poem about the sea.",
-    "Explain how a bicycle works in two sentences.",
-    "List three fruits that are red.",
-    "What is 12 times 7?",
-    "Give me a tip for learning to cook.",
-    "Translate 'good morning' into Spanish.",
-    "Why is the sky blue?",
-]
 TEXT = (
     "The river rises in the hills above the town and runs for forty miles before it reaches the sea. "
     "In the spring, when the snow melts, it floods the low fields along its banks, and the farmers move "
