@@ -42,8 +42,9 @@ from edge.request_log import RequestLogger
 from edge.routes import register_routes
 from edge.settings import Settings, api_key_tenants
 from edge.state import EdgeApp, EdgeState
-from edge.store.opening import StoreHandle
+from edge.store.opening import StoreHandle, purge
 from edge.streaming.connections import ClientConnections
+from edge.surfaces.batches.runner import BatchRunner
 from edge.tracing import SERVICE_NAME as TRACE_SERVICE_NAME
 from edge.tracing import EdgeTracing
 from edge.workers.pool import WorkerPool
@@ -92,6 +93,7 @@ def create_app(settings: Settings) -> EdgeApp:
         # Channels, DNS discovery and the health-check loop start here; close() stops them.
         app.sluice.pool.open()
         await app.sluice.store.get()  # migrated and purged before the first request
+        app.sluice.background.spawn("batch runner", BatchRunner(app).run())
         freeze_startup_heap(log, "edge")
         dns = [f"DNS {settings.worker_dns}"] if settings.worker_dns else []
         log.info("edge ready for workers %s", ", ".join([*settings.workers, *dns]))
@@ -218,7 +220,7 @@ async def _purge_loop(state: EdgeState) -> None:
     while True:
         await asyncio.sleep(interval)
         try:
-            await (await state.store.get()).purge()
+            await purge(await state.store.get())
         except Exception:  # a database hiccup must not end the loop
             log.exception("purging the state store failed")
 

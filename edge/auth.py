@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable, Mapping
+from typing import Any, cast
 
 from quart import g, request
 
@@ -22,6 +23,10 @@ _MISSING = (
 _WRONG = "Incorrect API key provided."
 #: Who owns what a request stores when the edge has no API keys: every caller alike.
 ANONYMOUS = "anonymous"
+#: The ASGI scope key of a request the edge sends itself on behalf of a key (a batch line): the
+#: key's id. Only the edge puts keys in a scope: no client can set it.
+ON_BEHALF_OF = "sluice.on_behalf_of"
+_GONE = "The API key that created this batch is no longer accepted."
 
 
 def key_id(key: str) -> str:
@@ -81,9 +86,15 @@ class ApiKeyCheck:
         """Quart ``before_request`` hook (registered after the request id is assigned);
         records the matched key's position for :func:`caller_identity` and its id for
         :func:`caller_key_id`."""
-        index = self.check(
-            request.path, request.headers.get("Authorization"), request.headers.get("x-api-key")
-        )
+        behalf = cast(Mapping[str, Any], request.scope).get(ON_BEHALF_OF)
+        if behalf is not None:
+            index = self._ids.index(behalf) if behalf in self._ids else None
+            if index is None:
+                raise AuthenticationError(_GONE)
+        else:
+            index = self.check(
+                request.path, request.headers.get("Authorization"), request.headers.get("x-api-key")
+            )
         if index is not None:
             g.api_key_index = index
             g.api_key_id = self._ids[index]

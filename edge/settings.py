@@ -19,7 +19,7 @@ from edge.store.opening import POSTGRES_SCHEMES
 from edge.store.responses import Retention
 from edge.workers.addresses import split_host_port
 from edge.workers.routing import RoutingPolicy
-from sluice.limits import MAX_N, MAX_TOP_LOGPROBS
+from sluice.limits import INT32_MAX, MAX_N, MAX_TOP_LOGPROBS
 from sluice.logs import LOG_FORMATS
 from sluice.settings import describe, int_at_least, optional_text, parse_settings, seconds, setting, text
 from sluice.tracing import otlp_endpoint
@@ -382,6 +382,22 @@ class Settings:
         1024**3,
         int_at_least(0),
         "most bytes all stored responses may hold; above it the oldest are deleted first (0 = no limit)",
+    )
+    max_file_bytes: int = setting(
+        100 * 1024 * 1024,
+        int_at_least(1),
+        "largest file /v1/files accepts (a batch's JSONL input), bytes; a larger one is a 400",
+    )
+    batch_concurrency: int = setting(
+        8,
+        int_at_least(1),
+        'batch lines this edge process runs at once (docs/operations.md, "Batches")',
+    )
+    batch_priority: int = setting(
+        INT32_MAX,
+        int_at_least(0),
+        "the scheduling priority batch lines are sent with (lower is served first; the default is "
+        "the lowest, for workers run with --scheduling-policy priority or fair)",
     )
 
     # The limits of --api-keys-file's keys that name some, read with the file (no flag of its own).

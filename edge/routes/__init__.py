@@ -11,10 +11,12 @@ from edge.routes.models import blueprint as models_blueprint
 from edge.routes.openapi import blueprint as openapi_blueprint
 from edge.routes.playground import blueprint as playground_blueprint
 from edge.surfaces.anthropic.route import blueprint as messages_blueprint
+from edge.surfaces.batches.route import blueprint as batches_blueprint
 from edge.surfaces.chat.route import blueprint as chat_blueprint
 from edge.surfaces.completions.route import blueprint as completions_blueprint
 from edge.surfaces.completions.route import infill_blueprint
 from edge.surfaces.embeddings.route import blueprint as embeddings_blueprint
+from edge.surfaces.files.route import blueprint as files_blueprint
 from edge.surfaces.native.route import blueprint as native_blueprint
 from edge.surfaces.responses.route import blueprint as responses_blueprint
 from edge.surfaces.scores.route import blueprint as scores_blueprint
@@ -28,6 +30,8 @@ def register_routes(app: Quart) -> None:
     app.register_blueprint(embeddings_blueprint)
     app.register_blueprint(scores_blueprint)
     app.register_blueprint(responses_blueprint)
+    app.register_blueprint(files_blueprint)
+    app.register_blueprint(batches_blueprint)
     app.register_blueprint(messages_blueprint)
     app.register_blueprint(tokenize_blueprint)
     app.register_blueprint(infill_blueprint)

@@ -6,7 +6,9 @@ import asyncio
 import os
 from pathlib import Path
 
+from edge.store.batches import BatchStore
 from edge.store.database import Database, SqliteDatabase
+from edge.store.files import FileStore
 from edge.store.postgres import PostgresDatabase
 from edge.store.responses import ResponseStore, Retention
 
@@ -30,8 +32,16 @@ async def open_store(state_dir: str | None, state_url: str | None, retention: Re
     """Connects, migrates the schema to the current version and purges what expired."""
     store = ResponseStore(connect(state_dir, state_url), retention)
     await store.database.migrate()
-    await store.purge()
+    await purge(store)
     return store
+
+
+async def purge(store: ResponseStore) -> int:
+    """Deletes what expired: responses (and the oldest over the size limit), files, batches."""
+    ttl_s = store.retention.ttl_s
+    deleted = await store.purge()
+    deleted += await FileStore(store.database, ttl_s).purge()
+    return deleted + await BatchStore(store.database, ttl_s).purge()
 
 
 class StoreHandle:
@@ -48,6 +58,16 @@ class StoreHandle:
             if self._store is None:
                 self._store = await open_store(*self._args)
             return self._store
+
+    async def files(self) -> FileStore:
+        """The Batch API's files, in the same database."""
+        store = await self.get()
+        return FileStore(store.database, store.retention.ttl_s)
+
+    async def batches(self) -> BatchStore:
+        """The Batch API's batches and their lines, in the same database."""
+        store = await self.get()
+        return BatchStore(store.database, store.retention.ttl_s)
 
     async def close(self) -> None:
         async with self._lock:

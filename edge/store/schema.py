@@ -25,4 +25,43 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "CREATE INDEX responses_expires_at ON responses (expires_at)",
         "CREATE INDEX responses_created_at ON responses (created_at)",
     ),
+    (
+        # The Batch API: uploaded and produced files (their JSONL content as text), batches (the
+        # Batch object as answered), and each batch's lines with their claims and results.
+        """CREATE TABLE files (
+            id TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,
+            created_at BIGINT NOT NULL,
+            expires_at BIGINT NOT NULL,
+            purpose TEXT NOT NULL,
+            filename TEXT NOT NULL,
+            bytes BIGINT NOT NULL,
+            content TEXT NOT NULL
+        )""",
+        "CREATE INDEX files_owner ON files (owner, created_at)",
+        """CREATE TABLE batches (
+            id TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,
+            created_at BIGINT NOT NULL,
+            expires_at BIGINT NOT NULL,
+            status TEXT NOT NULL,
+            lease_until BIGINT NOT NULL,
+            batch TEXT NOT NULL
+        )""",
+        "CREATE INDEX batches_owner ON batches (owner, created_at)",
+        "CREATE INDEX batches_status ON batches (status)",
+        """CREATE TABLE batch_lines (
+            batch_id TEXT NOT NULL,
+            line INTEGER NOT NULL,
+            custom_id TEXT NOT NULL,
+            body TEXT NOT NULL,
+            status TEXT NOT NULL,
+            claim TEXT NOT NULL,
+            lease_until BIGINT NOT NULL,
+            ok INTEGER NOT NULL,
+            result TEXT NOT NULL,
+            PRIMARY KEY (batch_id, line)
+        )""",
+        "CREATE INDEX batch_lines_status ON batch_lines (batch_id, status)",
+    ),
 )

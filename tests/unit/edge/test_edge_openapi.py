@@ -69,8 +69,11 @@ def test_component_schemas_are_the_pydantic_models_the_routes_declare() -> None:
     for path, item in DOC["paths"].items():
         if "post" in item and path.endswith("/cancel"):  # the one POST without a body
             assert "requestBody" not in item["post"], path
-        elif "post" in item:  # every body a route takes is its request model's
-            ref = item["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+        elif (
+            "post" in item
+        ):  # every body a route takes is its request model's (JSON, or a file upload's form)
+            (body,) = item["post"]["requestBody"]["content"].values()
+            ref = body["schema"]["$ref"]
             assert ref.rpartition("/")[2].endswith("Request"), path
     chat = DOC["paths"]["/v1/chat/completions"]["post"]
     assert chat["requestBody"]["content"]["application/json"]["schema"] == {

@@ -1,0 +1,225 @@
+"""The Batch API's parts: the input file's line checks, request counts, and the runner in in-process
+edges in front of a fake worker (lines sent through the app's own hooks as their owner, at the
+batch priority, at most ``--batch-concurrency`` at once, given back when refused for load or when
+the edge stops, and finished by the next edge)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from edge_fakes import (
+    FakeWorker,
+    Hang,
+    content,
+    finished,
+    run,
+    running_edge,
+    running_worker,
+    started,
+    usage,
+    wait_for,
+)
+
+from edge.auth import key_id
+from edge.surfaces.batches import lines as batch_lines
+from edge.surfaces.batches import runner as batch_runner
+from edge.surfaces.batches.lines import parse_lines
+from edge.surfaces.batches.objects import request_counts
+from sluice.limits import INT32_MAX
+
+CHAT = "/v1/chat/completions"
+MODEL = "SmolLM2-135M-Instruct"
+ANSWER = [started(), content("Hi"), finished(), usage()]
+
+
+@pytest.fixture(autouse=True)
+def quick_rounds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner looks for work often: a batch's steps follow each other quickly."""
+    monkeypatch.setattr(batch_runner, "POLL_S", 0.02)
+
+
+def line(custom_id: str, **fields: Any) -> dict[str, Any]:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    return {"custom_id": custom_id, "method": "POST", "url": CHAT, "body": body, **fields}
+
+
+def jsonl(*items: Any) -> str:
+    return "".join((item if isinstance(item, str) else json.dumps(item)) + "\n" for item in items)
+
+
+def test_valid_lines_are_parsed_and_blank_lines_skipped() -> None:
+    parsed, errors = parse_lines(jsonl(line("a"), "   ", line("b")), CHAT)
+    assert errors == [] and [(p.custom_id, p.body["model"]) for p in parsed] == [("a", MODEL), ("b", MODEL)]
+
+
+def test_each_bad_line_is_named_with_its_number_code_and_param() -> None:
+    body = line("x")["body"]
+    text = jsonl(
+        line("a"),
+        "{oops",
+        [1, 2],
+        {"method": "POST", "url": CHAT, "body": body},
+        line("a"),
+        line("g", method="GET"),
+        line("u", url="/v1/embeddings"),
+        line("b", body="text"),
+        line("s", body={**body, "stream": True}),
+        line("k", body={**body, "background": True}),
+    )
+    _, errors = parse_lines(text, CHAT)
+    assert [(e["line"], e["code"], e["param"]) for e in errors] == [
+        (2, "invalid_json_line", None),
+        (3, "invalid_request", None),
+        (4, "missing_required_parameter", "custom_id"),
+        (5, "duplicate_custom_id", "custom_id"),
+        (6, "invalid_method", "method"),
+        (7, "invalid_url", "url"),
+        (8, "invalid_request", "body"),
+        (9, "invalid_request", "body.stream"),
+        (10, "invalid_request", "body.background"),
+    ]
+    assert all(e["message"] for e in errors)
+
+
+def test_an_empty_file_and_one_over_the_line_limit_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [e["code"] for e in parse_lines("\n \n", CHAT)[1]] == ["empty_file"]
+    monkeypatch.setattr(batch_lines, "MAX_LINES", 2)
+    _, errors = parse_lines(jsonl(line("a"), line("b"), line("c")), CHAT)
+    assert [(e["code"], e["line"]) for e in errors] == [("too_many_requests", None)]
+
+
+def test_request_counts_count_expired_lines_as_failed_and_skipped_ones_in_the_total() -> None:
+    counts = request_counts({"ok": 3, "failed": 1, "expired": 2, "skipped": 4})
+    assert counts == {"total": 10, "completed": 3, "failed": 3}
+
+
+@contextlib.asynccontextmanager
+async def serving(fake: FakeWorker, **settings: Any) -> AsyncIterator[tuple[str, httpx.AsyncClient]]:
+    """An in-process edge (``settings``) in front of ``fake``: its base URL and a client."""
+    async with (
+        running_worker(fake) as address,
+        running_edge([address], **settings) as base,
+        httpx.AsyncClient() as client,
+    ):
+        yield base, client
+
+
+async def _submit(client: httpx.AsyncClient, base: str, items: list[dict[str, Any]], key: str = "") -> str:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    upload = await client.post(
+        f"{base}/v1/files",
+        files={"file": ("in.jsonl", jsonl(*items).encode())},
+        data={"purpose": "batch"},
+        headers=headers,
+    )
+    assert upload.status_code == 200, upload.text
+    body = {"input_file_id": upload.json()["id"], "endpoint": CHAT, "completion_window": "24h"}
+    created = await client.post(f"{base}/v1/batches", json=body, headers=headers)
+    assert created.status_code == 200, created.text
+    return str(created.json()["id"])
+
+
+async def _batch(client: httpx.AsyncClient, base: str, batch_id: str, key: str = "") -> dict[str, Any]:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    answer: dict[str, Any] = (await client.get(f"{base}/v1/batches/{batch_id}", headers=headers)).json()
+    return answer
+
+
+def test_lines_run_as_their_owner_at_the_batch_priority(tmp_path: Path) -> None:
+    fake = FakeWorker(script=ANSWER)
+    keys = ("key-a", "key-b")
+
+    async def scenario() -> dict[str, Any]:
+        async with serving(fake, state_dir=str(tmp_path), api_keys=keys) as (base, client):
+            items = [line("plain"), line("own", body={**line("x")["body"], "priority": -5})]
+            batch_id = await _submit(client, base, items, key=keys[1])
+            await wait_for(lambda: _ended(client, base, batch_id, keys[1]), 20)
+            return await _batch(client, base, batch_id, keys[1])
+
+    done = run(scenario(), 30)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 2
+    # Sent at the lowest priority (a line's own higher one raised to it), as the owner's tenant.
+    assert [request.priority for request in fake.requests] == [INT32_MAX, INT32_MAX]
+    assert {request.tenant for request in fake.requests} == {"key#1"}
+    assert key_id(keys[1]) != key_id(keys[0])
+
+
+async def _ended(client: httpx.AsyncClient, base: str, batch_id: str, key: str = "") -> bool:
+    status = (await _batch(client, base, batch_id, key))["status"]
+    return status in ("completed", "failed", "cancelled", "expired")
+
+
+def test_at_most_batch_concurrency_lines_run_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rounds = [0]
+    real_round = batch_runner.BatchRunner._round
+
+    async def counted(self: batch_runner.BatchRunner) -> None:
+        await real_round(self)
+        rounds[0] += 1
+
+    monkeypatch.setattr(batch_runner.BatchRunner, "_round", counted)
+    fake = FakeWorker(script=[started(), Hang()])
+
+    async def scenario() -> None:
+        async with serving(fake, state_dir=str(tmp_path), batch_concurrency=2) as (base, client):
+            await _submit(client, base, [line(f"l{n}") for n in range(5)])
+            await wait_for(lambda: fake.calls_started == 2)
+            seen = rounds[0]
+            await wait_for(lambda: rounds[0] >= seen + 5)  # rounds went on with two lines running
+
+    run(scenario(), 30)
+    assert fake.calls_started == 2
+
+
+def test_a_line_refused_for_load_is_given_back_and_runs_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refusals = iter([batch_runner.RETRY_STATUSES[0]])
+    real_send = batch_runner.dispatch.send
+
+    async def send(app: Any, url: str, body: dict[str, Any], owner: str) -> Any:
+        status = next(refusals, None)
+        if status is not None:  # the first send is refused for load, as a rate limit would
+            return batch_runner.dispatch.Answer(status, "req_1", {"error": {"message": "slow down"}})
+        return await real_send(app, url, body, owner)
+
+    monkeypatch.setattr(batch_runner.dispatch, "send", send)
+    fake = FakeWorker(script=ANSWER)
+
+    async def scenario() -> dict[str, Any]:
+        async with serving(fake, state_dir=str(tmp_path)) as (base, client):
+            batch_id = await _submit(client, base, [line("only")])
+            await wait_for(lambda: _ended(client, base, batch_id), 20)
+            return await _batch(client, base, batch_id)
+
+    done = run(scenario(), 30)
+    assert done["status"] == "completed" and done["request_counts"] == {
+        "total": 1,
+        "completed": 1,
+        "failed": 0,
+    }
+    assert done["error_file_id"] is None and fake.calls_started == 1
+
+
+def test_lines_running_when_the_edge_stops_are_finished_by_the_next_edge(tmp_path: Path) -> None:
+    hanging = FakeWorker(script=[started(), Hang()])
+    answering = FakeWorker(script=ANSWER)
+
+    async def scenario() -> dict[str, Any]:
+        stopping = {"graceful_timeout_s": 0.0, "drain_delay_s": 0.0}
+        async with serving(hanging, state_dir=str(tmp_path), **stopping) as (base, client):
+            batch_id = await _submit(client, base, [line("a"), line("b")])
+            await wait_for(lambda: hanging.calls_started == 2)
+        async with serving(answering, state_dir=str(tmp_path)) as (base, client):
+            await wait_for(lambda: _ended(client, base, batch_id), 20)
+            return await _batch(client, base, batch_id)
+
+    done = run(scenario(), 40)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 2
+    assert answering.calls_started == 2  # each line once more, and answered once
