@@ -13,7 +13,9 @@ from typing import Any
 
 import pytest
 
+from edge.store.batches import BatchRecord, BatchStore
 from edge.store.database import SQLITE_FILE, Database, SqliteDatabase
+from edge.store.files import FileStore, StoredFile
 from edge.store.opening import connect, open_store
 from edge.store.responses import ResponseStore, Retention, StoredResponse, now_ms
 from edge.store.schema import MIGRATIONS
@@ -157,3 +159,86 @@ def test_sqlite_keeps_its_file_in_the_state_dir(tmp_path: Path) -> None:
     assert isinstance(store.database, SqliteDatabase)
     assert store.database.path == tmp_path / "state" / SQLITE_FILE and store.database.path.exists()
     run(store, lambda s: asyncio.sleep(0))
+
+
+def _batch_record(batch_id: str, owner: str = "key-a") -> BatchRecord:
+    created = now_ms()
+    return BatchRecord(
+        batch_id, owner, created, created + 3_600_000, "in_progress", 0, {"status": "in_progress"}
+    )
+
+
+def test_each_batch_line_is_claimed_by_one_edge_and_its_result_written_once(
+    place: dict[str, str | None],
+) -> None:
+    async def work() -> None:
+        retention = Retention(DAY_S, 0)
+        first = await open_store(place["state_dir"], place["state_url"], retention)
+        second = await open_store(place["state_dir"], place["state_url"], retention)  # another edge
+        try:
+            stores = [BatchStore(s.database, DAY_S) for s in (first, second)]
+            await stores[0].create(_batch_record("batch_1"))
+            await stores[0].add_lines("batch_1", [(f"c{n}", "{}") for n in range(10)])
+            far = now_ms() + 60_000
+            claimed = await asyncio.gather(
+                *(store.claim_lines("batch_1", f"claim-{i}", 10, far) for i, store in enumerate(stores))
+            )
+            lines = [line for got in claimed for line, _, _ in got]
+            assert sorted(lines) == list(range(1, 11))  # every line once, none twice
+            holder = 0 if claimed[0] and claimed[0][0][0] == 1 else 1
+            assert await stores[0].finish_line("batch_1", 1, f"claim-{holder}", True, "result")
+            assert not await stores[0].finish_line("batch_1", 1, f"claim-{holder}", True, "again")
+            assert not await stores[0].finish_line("batch_1", 2, "claim-other", True, "not its claim")
+            assert (await stores[0].counts("batch_1")) == {"ok": 1, "running": 9}
+        finally:
+            await first.database.close()
+            await second.database.close()
+
+    asyncio.run(work())
+
+
+def test_a_batch_line_given_back_or_left_by_a_stopped_edge_is_claimed_again(
+    place: dict[str, str | None],
+) -> None:
+    async def work(store: ResponseStore) -> None:
+        batches = BatchStore(store.database, DAY_S)
+        await batches.create(_batch_record("batch_2"))
+        await batches.add_lines("batch_2", [("a", "{}"), ("b", "{}")])
+        await batches.claim_lines("batch_2", "released", 1, now_ms() + 60_000)
+        await batches.claim_lines("batch_2", "crashed", 1, now_ms() - 1)  # its lease already lapsed
+        await batches.release_line("batch_2", 1, "released")
+        again = await batches.claim_lines("batch_2", "next", 5, now_ms() + 60_000)
+        assert [(line, custom_id) for line, custom_id, _ in again] == [(1, "a"), (2, "b")]
+        assert not await batches.finish_line("batch_2", 2, "crashed", True, "late")  # taken over
+        results = await batches.results("batch_2")
+        assert [(r.custom_id, r.status) for r in results] == [("a", "running"), ("b", "running")]
+
+    run(opened(place), work)
+
+
+def test_a_batch_moves_only_from_the_status_it_is_known_to_have(place: dict[str, str | None]) -> None:
+    async def work(store: ResponseStore) -> None:
+        batches = BatchStore(store.database, DAY_S)
+        await batches.create(_batch_record("batch_3"))
+        assert await batches.transition("batch_3", ("in_progress",), {"status": "cancelling"})
+        assert not await batches.transition("batch_3", ("in_progress",), {"status": "finalizing"})
+        got = await batches.get("batch_3", "key-a")
+        assert got is not None and got.status == "cancelling" and got.batch == {"status": "cancelling"}
+        assert await batches.get("batch_3", "key-b") is None
+
+    run(opened(place), work)
+
+
+def test_files_are_read_listed_and_deleted_only_by_their_owner(place: dict[str, str | None]) -> None:
+    async def work(store: ResponseStore) -> None:
+        files = FileStore(store.database, DAY_S)
+        made = StoredFile("file-1", "key-a", int(time.time()), files.expiry(), "batch", "in.jsonl", 3)
+        await files.put(made, "{}\n")
+        assert await files.get("file-1", "key-b") is None and await files.content("file-1", "key-b") is None
+        assert await files.get("file-1", "key-a") == made and await files.content("file-1", "key-a") == "{}\n"
+        assert [f.id for f in await files.owned("key-a", "batch")] == ["file-1"]
+        assert await files.owned("key-a", "batch_output") == [] and await files.owned("key-b", None) == []
+        assert not await files.delete("file-1", "key-b") and await files.delete("file-1", "key-a")
+        assert await files.get("file-1", "key-a") is None
+
+    run(opened(place), work)

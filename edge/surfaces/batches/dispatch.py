@@ -27,8 +27,8 @@ class Answer:
 
 
 async def send(app: Quart, url: str, body: dict[str, Any], owner: str) -> Answer:
-    """POSTs ``body`` to ``url`` on ``app`` as ``owner`` (a key id, or None's stand-in
-    ``anonymous``: no key) and reads the whole answer."""
+    """POSTs ``body`` to ``url`` on ``app`` as ``owner`` (a key id; ``anonymous`` on an edge
+    without API keys) and reads the whole answer."""
     payload = orjson.dumps(body)
     scope: dict[str, Any] = {
         "type": "http",

@@ -28,6 +28,7 @@ from edge_fakes import (
 
 from edge.auth import key_id
 from edge.surfaces.batches import lines as batch_lines
+from edge.surfaces.batches import route as batch_route
 from edge.surfaces.batches import runner as batch_runner
 from edge.surfaces.batches.lines import parse_lines
 from edge.surfaces.batches.objects import request_counts
@@ -223,3 +224,28 @@ def test_lines_running_when_the_edge_stops_are_finished_by_the_next_edge(tmp_pat
     done = run(scenario(), 40)
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 2
     assert answering.calls_started == 2  # each line once more, and answered once
+
+
+def test_lines_not_run_when_the_window_ends_expire_into_the_error_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(batch_route, "WINDOW_S", 0)  # the window ends as the batch is created
+    fake = FakeWorker(script=ANSWER)
+
+    async def scenario() -> tuple[dict[str, Any], str]:
+        async with serving(fake, state_dir=str(tmp_path)) as (base, client):
+            batch_id = await _submit(client, base, [line("a"), line("b")])
+            await wait_for(lambda: _ended(client, base, batch_id), 20)
+            done = await _batch(client, base, batch_id)
+            errors = (await client.get(f"{base}/v1/files/{done['error_file_id']}/content")).text
+            return done, errors
+
+    done, errors = run(scenario(), 30)
+    assert done["status"] == "expired" and done["expired_at"] and done["output_file_id"] is None
+    assert done["request_counts"] == {"total": 2, "completed": 0, "failed": 2}
+    ended_lines = [json.loads(text) for text in errors.splitlines()]
+    assert [(e["custom_id"], e["response"], e["error"]["code"]) for e in ended_lines] == [
+        ("a", None, "batch_expired"),
+        ("b", None, "batch_expired"),
+    ]
+    assert fake.calls_started == 0
