@@ -128,7 +128,8 @@ def fuzz(
     timeout: float = ANSWER_TIMEOUT_S,
 ) -> None:
     operation = api[path][method]
-    streams = method == "POST" and "requestBody" in api.raw_schema["paths"][path]["post"]
+    answers = api.raw_schema["paths"][path].get("post", {}).get("responses", {}).get("200", {})
+    streams = method == "POST" and "text/event-stream" in answers.get("content", {})
     sse = chunk_schema(api.raw_schema, path) if streams else None
 
     @settings(
