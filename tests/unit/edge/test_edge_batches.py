@@ -5,6 +5,7 @@ the edge stops, and finished by the next edge)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -181,7 +182,7 @@ def test_at_most_batch_concurrency_lines_run_at_once(tmp_path: Path, monkeypatch
 def test_a_line_refused_for_load_is_given_back_and_runs_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    refusals = iter([batch_runner.RETRY_STATUSES[0]])
+    refusals = iter([429])  # a rate limit, or a worker queue that is full
     real_send = batch_runner.dispatch.send
 
     async def send(app: Any, url: str, body: dict[str, Any], owner: str) -> Any:
@@ -249,3 +250,29 @@ def test_lines_not_run_when_the_window_ends_expire_into_the_error_file(
         ("b", None, "batch_expired"),
     ]
     assert fake.calls_started == 0
+
+
+def test_a_line_whose_send_is_cancelled_at_shutdown_is_given_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_send = batch_runner.dispatch.send
+    sending = asyncio.Event()
+
+    async def stuck(app: Any, url: str, body: dict[str, Any], owner: str) -> Any:
+        sending.set()
+        await asyncio.Event().wait()  # no answer: only the runner's cancellation at shutdown ends it
+
+    fake = FakeWorker(script=ANSWER)
+
+    async def scenario() -> dict[str, Any]:
+        monkeypatch.setattr(batch_runner.dispatch, "send", stuck)
+        async with serving(fake, state_dir=str(tmp_path)) as (base, client):
+            batch_id = await _submit(client, base, [line("a")])
+            await asyncio.wait_for(sending.wait(), 10)
+        monkeypatch.setattr(batch_runner.dispatch, "send", real_send)
+        async with serving(fake, state_dir=str(tmp_path)) as (base, client):
+            await wait_for(lambda: _ended(client, base, batch_id), 20)
+            return await _batch(client, base, batch_id)
+
+    done = run(scenario(), 40)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 1
