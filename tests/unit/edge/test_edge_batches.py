@@ -28,6 +28,9 @@ from edge_fakes import (
 )
 
 from edge.auth import key_id
+from edge.store.batches import BatchStore
+from edge.store.opening import open_store
+from edge.store.responses import Retention
 from edge.surfaces.batches import lines as batch_lines
 from edge.surfaces.batches import route as batch_route
 from edge.surfaces.batches import runner as batch_runner
@@ -276,3 +279,35 @@ def test_a_line_whose_send_is_cancelled_at_shutdown_is_given_back(
 
     done = run(scenario(), 40)
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 1
+
+
+def test_the_lines_of_a_key_no_longer_accepted_fail_with_a_401(tmp_path: Path) -> None:
+    hanging = FakeWorker(script=[started(), Hang()])
+    answering = FakeWorker(script=ANSWER)
+
+    async def scenario() -> list[Any]:
+        stopping = {"graceful_timeout_s": 0.0, "drain_delay_s": 0.0, "batch_concurrency": 1}
+        async with serving(hanging, state_dir=str(tmp_path), api_keys=("key-old",), **stopping) as (
+            base,
+            client,
+        ):
+            batch_id = await _submit(client, base, [line("a"), line("b")], key="key-old")
+            await wait_for(lambda: hanging.calls_started == 1)
+        # The next edge no longer accepts the key: the batch's lines are refused as a client would be.
+        store = await open_store(str(tmp_path), None, Retention(3600.0, 0))
+        try:
+            batches = BatchStore(store.database, 3600.0)
+            async with serving(answering, state_dir=str(tmp_path), api_keys=("key-new",)):
+                await wait_for(lambda: _final_in(batches, batch_id), 20)
+            return [json.loads(result.result) for result in await batches.results(batch_id)]
+        finally:
+            await store.database.close()
+
+    results = run(scenario(), 40)
+    assert [(r["custom_id"], r["response"]["status_code"]) for r in results] == [("a", 401), ("b", 401)]
+    assert answering.calls_started == 0
+
+
+async def _final_in(batches: BatchStore, batch_id: str) -> bool:
+    record = await batches.get(batch_id, None)
+    return record is not None and record.status == "completed"
