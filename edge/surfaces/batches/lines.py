@@ -36,7 +36,9 @@ def parse_lines(content: str, endpoint: str) -> tuple[list[BatchLine], list[dict
     lines: list[BatchLine] = []
     errors: list[dict[str, Any]] = []
     seen: set[str] = set()
-    for number, text in enumerate(content.splitlines(), 1):
+    # Lines end at "\n" (and "\r\n") only: a JSON string may hold U+2028 and the other characters
+    # str.splitlines() would also break at.
+    for number, text in enumerate(content.split("\n"), 1):
         if not text.strip():
             continue
         parsed = _line(text, number, endpoint)

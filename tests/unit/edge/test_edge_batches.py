@@ -63,6 +63,14 @@ def test_valid_lines_are_parsed_and_blank_lines_skipped() -> None:
     assert errors == [] and [(p.custom_id, p.body["model"]) for p in parsed] == [("a", MODEL), ("b", MODEL)]
 
 
+def test_lines_end_only_at_newlines_not_at_the_separators_json_strings_may_hold() -> None:
+    prompt = "one\u2028two\u2029three\x85four"  # valid raw in a JSON string; str.splitlines() breaks there
+    body = {"model": MODEL, "prompt": prompt}
+    text = json.dumps(line("a", body=body), ensure_ascii=False) + "\r\n" + json.dumps(line("b")) + "\n"
+    parsed, errors = parse_lines(text, CHAT)
+    assert errors == [] and [p.custom_id for p in parsed] == ["a", "b"] and parsed[0].body["prompt"] == prompt
+
+
 def test_each_bad_line_is_named_with_its_number_code_and_param() -> None:
     body = line("x")["body"]
     text = jsonl(
