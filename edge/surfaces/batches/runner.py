@@ -111,8 +111,9 @@ class BatchRunner:
         counts = await store.counts(batch.id)
         if counts.get("pending", 0) or counts.get("running", 0):
             return
-        if batch.status == "cancelling":
-            await self._finalize(store, batch)
+        if batch.status == "cancelling":  # one edge writes its files: the one that claims it
+            if await store.claim(batch.id, "cancelling", now_ms() + LEASE_MS):
+                await self._finalize(store, batch)
             return
         finalizing = moved(batch.batch, "finalizing")
         if await store.transition(batch.id, ("in_progress",), finalizing, now_ms() + LEASE_MS):
