@@ -292,11 +292,7 @@ class GrammarCompiler:
 
     def _tokenizer(self) -> Any:
         if self._ll_tokenizer is None:
-            import llguidance.hf
-
-            self._ll_tokenizer = llguidance.hf.from_tokenizer(
-                self._hf_tokenizer, n_vocab=self.vocab_size, eos_token=self._eos[0] if self._eos else None
-            )
+            self._ll_tokenizer = _ll_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos)
         return self._ll_tokenizer
 
     def _specials(self) -> dict[str, int]:
@@ -348,3 +344,17 @@ class GrammarCompiler:
                 f"the grammar failed to compile: {matcher.get_error()}", param="response_format"
             )
         return TokenConstraint(matcher, self.vocab_size)
+
+
+def _ll_tokenizer(hf_tokenizer: Any, vocab_size: int, eos: list[int]) -> Any:
+    """llguidance's table of a fast tokenizer. Its serialized form is read directly when the
+    tokenizer pads and truncates nothing (llguidance's own helper copies the tokenizer first, a
+    pickle round trip costing half a second for a 150k vocabulary)."""
+    import llguidance
+    import llguidance.hf
+
+    backend = getattr(hf_tokenizer, "backend_tokenizer", None)
+    eos_token = eos[0] if eos else getattr(hf_tokenizer, "eos_token_id", None)
+    if backend is None or backend.padding is not None or backend.truncation is not None:
+        return llguidance.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos_token)
+    return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=eos_token)

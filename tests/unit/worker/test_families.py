@@ -96,11 +96,27 @@ def tokenizer(fixture_dir: Path, name: str) -> Any:
     return _TOKENIZERS[name]
 
 
+_PROFILES: dict[str, FamilyProfile] = {}
+_COMPILERS: dict[str, GrammarCompiler] = {}
+
+
 def setup(fixture_dir: Path, case: tuple) -> tuple[Any, FamilyProfile]:
-    _, model_type, tok_name, template, *_ = case
+    """The case's tokenizer and profile, each built once per module (choosing a profile renders the
+    template many times)."""
+    name, model_type, tok_name, template, *_ = case
     tok = tokenizer(fixture_dir, tok_name)
-    text = (TEMPLATES / f"{template}.jinja").read_text() if template else None
-    return tok, choose_profile(model_type, tok, template=text)
+    if name not in _PROFILES:
+        text = (TEMPLATES / f"{template}.jinja").read_text() if template else None
+        _PROFILES[name] = choose_profile(model_type, tok, template=text)
+    return tok, _PROFILES[name]
+
+
+def compiler_for(fixture_dir: Path, tok_name: str) -> GrammarCompiler:
+    """One grammar compiler per tokenizer (its table takes seconds to build for 150k+ tokens)."""
+    if tok_name not in _COMPILERS:
+        tok = tokenizer(fixture_dir, tok_name)
+        _COMPILERS[tok_name] = GrammarCompiler(tok, {tok.eos_token_id})
+    return _COMPILERS[tok_name]
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -258,7 +274,7 @@ def test_a_forced_call_takes_the_familys_own_markers(fixture_dir: Path, case: tu
     """The grammar admits the family's call tokenized as the model would write it, and with Qwen3's
     one-token ``<tool_call>`` the first token it allows is that token (the old bug: spelled out)."""
     tok, profile = setup(fixture_dir, case)
-    compiler = GrammarCompiler(tok, {tok.eos_token_id})
+    compiler = compiler_for(fixture_dir, case[2])
     spec = GrammarSpec(
         "tool_call", functions=(("get_weather", WEATHER["parameters"]),), call_format=profile.call_grammar
     )
@@ -328,7 +344,7 @@ def test_a_tagged_forced_call_is_the_familys_format_and_parses(
     template = (TEMPLATES / f"{case[3]}.jinja").read_text()
     profile = choose_profile(case[1], tok, template=template, tool_call_parser=parser)
     assert profile.call_grammar == (parser if parser != "auto" else case[4])
-    compiler = GrammarCompiler(tok, {tok.eos_token_id})
+    compiler = compiler_for(fixture_dir, case[2])
     spec = GrammarSpec("tool_call", functions=(("get_weather", CHOICE),), call_format=profile.call_grammar)
     constraint = compiler.constraint(compiler.validate(spec))
     rng = random.Random(seed)

@@ -21,7 +21,7 @@ from torch import nn
 
 from tests.tiny_families import eager_reference, tiny_config, tiny_model
 from tests.triton_interpreter import interpreted_results, print_results, ptxas_available
-from tests.unit.worker.test_model_families import BLOCK, check_against_reference, loaded, run_scenario
+from tests.unit.worker.test_model_families import BLOCK, check_against_reference, loaded, run_short_scenario
 from worker.attention.triton_decode import triton_available
 from worker.model import fused
 from worker.model.runner import ModelRunner
@@ -117,7 +117,7 @@ def check_family(family: str) -> None:
     norms, mlps, rotary = EXPECTED[family]
     assert (report.norms > 0, report.mlps > 0, report.rotary > 0) == (norms, mlps, rotary), report.describe()
     runner = ModelRunner(loaded(model), num_blocks=100, block_size=BLOCK)
-    sequences = run_scenario(runner)
+    sequences = run_short_scenario(runner)
     with own_rotary(reference):
         check_against_reference(reference, sequences)
 

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import random
 import time
+from types import SimpleNamespace
+from typing import Any
+from unittest import mock
 
 import jsonschema
 import pytest
@@ -223,3 +227,26 @@ def test_tool_choice_modes():
         and named.grammar.kind == "tool_call"
         and named.prompt.forced_tool == "get_weather"
     )
+
+
+def test_the_token_table_is_llguidances_own_without_the_copy(loaded: Any) -> None:
+    """Read straight from the tokenizer, the table equals llguidance's helper's; a tokenizer set to
+    pad goes through the helper, which copies it, and keeps its padding."""
+    import llguidance.hf
+
+    from worker.sampling.grammar import _ll_tokenizer
+
+    tokenizer = loaded.tokenizer
+    eos = [tokenizer.eos_token_id]
+    direct = _ll_tokenizer(tokenizer, len(tokenizer), eos)
+    helper = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=eos[0])
+    text = 'Hello, world! {"a": [1, 2]} \u00e9t\u00e9'
+    assert direct.tokenize_str(text) == helper.tokenize_str(text)
+    assert direct.vocab_size == helper.vocab_size and direct.eos_token == helper.eos_token
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.enable_padding(length=8)
+    padded = SimpleNamespace(backend_tokenizer=backend, eos_token_id=eos[0])
+    with mock.patch("llguidance.hf.from_tokenizer", return_value="helper") as helper_call:
+        assert _ll_tokenizer(padded, len(tokenizer), eos) == "helper"
+    helper_call.assert_called_once()
+    assert backend.padding is not None
