@@ -141,6 +141,11 @@ class StreamCall:
         self._arrived.set()
         return True
 
+    @property
+    def multiplexed(self) -> bool:
+        """False once the request went as a ``Generate`` call (a worker without GenerateStreams)."""
+        return self._instead is None
+
     def done(self) -> bool:
         return self._instead.done() if self._instead is not None else self._ended
 
