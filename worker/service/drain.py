@@ -148,11 +148,12 @@ class DrainingWorker(pb_grpc.WorkerServicer):
     async def GenerateStreams(
         self, request_iterator: AsyncIterator[pb.StreamsRequest], context: grpc.aio.ServicerContext
     ) -> None:
-        # Each stream is drained as a Generate call is: refused while draining, cut at the end.
-        def stream_events(opened: pb.OpenStream, remaining: Callable[[], float | None]) -> Events:
-            return self._tracked(lambda: self._service.stream_events(opened, remaining))
+        await serve_streams(context, self.stream_events)
 
-        await serve_streams(context, stream_events)
+    def stream_events(self, opened: pb.OpenStream, remaining: Callable[[], float | None]) -> Events:
+        """One stream of ``GenerateStreams``, drained as a ``Generate`` call is: refused while
+        draining, cut when the grace ends."""
+        return self._tracked(lambda: self._service.stream_events(opened, remaining))
 
     async def _tracked(self, start: Callable[[], Events]) -> Events:
         """The events of ``start()``, refused with UNAVAILABLE while draining and cut with

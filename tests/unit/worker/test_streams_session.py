@@ -12,6 +12,7 @@ import grpc
 from sluice.streams import end_error
 from sluice.v1 import worker_pb2 as pb
 from worker.errors import InvalidRequest
+from worker.service.drain import DrainingWorker
 from worker.service.streams import StreamsSession
 
 
@@ -164,3 +165,36 @@ async def test_a_stream_past_its_deadline_ends_with_deadline_exceeded() -> None:
     session.close()
     await asyncio.wait_for(writer, 5)
     assert sent[-1].streams[0].end.code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+
+
+class FakeService:
+    """The servicer's ``stream_events``, fed by fake streams."""
+
+    def __init__(self, streams: dict[int, FakeStream]) -> None:
+        self.streams = streams
+
+    def stream_events(self, opened: pb.OpenStream, remaining: Callable[[], float | None]) -> AsyncGenerator:
+        return self.streams[opened.id].events()
+
+
+@in_loop
+async def test_a_draining_worker_refuses_new_streams_and_cuts_open_ones_when_the_grace_ends() -> None:
+    open_, late = FakeStream(), FakeStream()
+    draining = DrainingWorker(FakeService({1: open_, 2: late}))  # type: ignore[arg-type]
+    session = StreamsSession(draining.stream_events)
+    session.receive(open_message(1))
+    open_.queue.put_nowait(content("a"))
+    await settle()
+    assert draining.in_flight == 1  # a stream counts as a call in flight
+    draining.start_drain()
+    session.receive(open_message(2))
+    await settle()
+    assert draining.cut() == 1
+    await asyncio.wait_for(open_.closed.wait(), 5)  # its request leaves the engine
+    await settle()
+    entries = {entry.id: entry for entry in session.take().streams}
+    assert entries[1].events[0].content.text == "a"
+    for stream_id in (1, 2):
+        error = end_error(entries[stream_id].end)
+        assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE
+    assert late.pulled == 0 and draining.in_flight == 0
