@@ -74,6 +74,15 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
 )
 
+# The multiplexed call's channel (sluice/streams.py): the same settings but gRPC's own window and
+# its probing. Credit holds back each stream there; a 256-byte window would make every message,
+# which carries a step of all the streams, wait for the caller to open the window first.
+STREAMS_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = tuple(
+    option
+    for option in CHANNEL_OPTIONS
+    if option[0] not in ("grpc.http2.bdp_probe", "grpc.http2.lookahead_bytes")
+)
+
 Metadata = Sequence[tuple[str, str | bytes]]
 
 
@@ -175,6 +184,7 @@ class WorkerClient:
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
         self._streams: StreamsChannel | None = None
+        self._streams_channel: grpc.aio.Channel | None = None  # the multiplexed call's own
 
     def _connect(self) -> tuple[worker_pb2_grpc.WorkerStub, health_pb2_grpc.HealthStub]:
         if self._stub is None or self._health is None:
@@ -224,7 +234,7 @@ class WorkerClient:
             raise ValueError(f"open_stream: timeout must be > 0 seconds or None, got {timeout}")
         if self._streams is None:
             self._streams = StreamsChannel(
-                lambda: self._connect()[0],
+                self._streams_stub,
                 lambda request, timeout, metadata: self.generate(request, timeout=timeout, metadata=metadata),
             )
         return self._streams.open(request, timeout, metadata)
@@ -336,6 +346,14 @@ class WorkerClient:
         channel = self._channel
         return channel is not None and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
+    def _streams_stub(self) -> worker_pb2_grpc.WorkerStub:
+        """A stub on the multiplexed call's channel (:data:`STREAMS_CHANNEL_OPTIONS`), made on
+        first use; the client's own options when they are not the defaults."""
+        if self._streams_channel is None:
+            options = STREAMS_CHANNEL_OPTIONS if self._options == CHANNEL_OPTIONS else self._options
+            self._streams_channel = grpc.aio.insecure_channel(self.address, options=options)
+        return worker_pb2_grpc.WorkerStub(self._streams_channel)
+
     async def close(self, grace: float | None = None) -> None:
         """Closes the channel; calls still open are cancelled (after ``grace`` seconds if given).
         Idempotent; the client reconnects if used again."""
@@ -343,6 +361,9 @@ class WorkerClient:
         streams, self._streams = self._streams, None
         if streams is not None:
             streams.close()
+        streams_channel, self._streams_channel = self._streams_channel, None
+        if streams_channel is not None:
+            await streams_channel.close(grace=grace)
         if channel is not None:
             await channel.close(grace=grace)
 

@@ -22,7 +22,14 @@ from sluice.v1 import worker_pb2_grpc
 
 #: Messages a stream may be sent before it is read (``OpenStream.window``): a reader that falls
 #: further behind gets its deltas merged by the worker, and the other streams are not held up.
-WINDOW = 4
+WINDOW = 16
+#: A stream gives credit back in batches of this many messages read, so the worker hears from it
+#: once per this many steps rather than once per step.
+GRANT_EVERY = WINDOW // 2
+#: Credit alone waits this long for more before it is sent (opens and cancellations go at once):
+#: a stream still has half its window, and the worker gets a few messages a step, not one per
+#: stream (each is gRPC's per-message work on both sides).
+CREDIT_DELAY_S = 0.005
 #: A call takes new streams for this long, then a new call does: the old one ends with its last
 #: stream, so no call lives past the worker's connection age and its grace (worker/server.py).
 ROTATE_AFTER_S = 30.0
@@ -68,6 +75,7 @@ class StreamCall:
         self._entries: collections.deque[list[pb.GenerateResponse]] = collections.deque()
         self._current: collections.deque[pb.GenerateResponse] = collections.deque()
         self._arrived = asyncio.Event()
+        self._read_entries = 0  # entries taken since credit was last given back
         self._ended = False
         self._failure: grpc.RpcError | None = None  # how it ended, when not OK
         self._instead: EventCall | None = None
@@ -105,8 +113,10 @@ class StreamCall:
                 return self._current.popleft()
             if self._entries:
                 self._current.extend(self._entries.popleft())
-                if not self._ended:
-                    self._session.grant(self.id)  # the entry left the buffer: one more may come
+                self._read_entries += 1
+                if self._read_entries >= GRANT_EVERY and not self._ended:
+                    self._session.grant(self.id, self._read_entries)  # they left the buffer
+                    self._read_entries = 0
                 continue
             if self._instead is not None:
                 return await self._instead.read()
@@ -183,8 +193,8 @@ class _Session:
         self._outgoing.open.append(open_)
         self._wake.set()
 
-    def grant(self, stream_id: int) -> None:
-        self._outgoing.credit.append(stream_id)
+    def grant(self, stream_id: int, messages: int) -> None:
+        self._outgoing.credit.extend([stream_id] * messages)
         self._wake.set()
 
     def cancel(self, stream_id: int) -> None:
@@ -205,6 +215,8 @@ class _Session:
         with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
             while True:
                 await self._wake.wait()
+                if not (self._outgoing.open or self._outgoing.cancel) and not self.retired:
+                    await asyncio.sleep(CREDIT_DELAY_S)  # credit alone: gather more first
                 self._wake.clear()
                 message, self._outgoing = self._outgoing, pb.StreamsRequest()
                 if message.open or message.cancel or message.credit:

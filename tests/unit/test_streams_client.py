@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from sluice.status import WorkerCallError
-from sluice.streams import EventCall, Metadata, StreamsChannel
+from sluice.streams import GRANT_EVERY, EventCall, Metadata, StreamsChannel
 from sluice.v1 import worker_pb2 as pb
 
 
@@ -107,7 +107,7 @@ async def read_all(stream: EventCall) -> list[str]:
 
 
 @in_loop
-async def test_each_stream_reads_its_own_events_and_grants_credit_as_it_reads() -> None:
+async def test_each_stream_reads_its_own_events_and_gives_credit_back_in_batches() -> None:
     stub = FakeStub()
     channel = channel_of(stub, [])
     first = channel.open(pb.GenerateRequest(request_id="a"), 30.0, [("traceparent", "00-x")])
@@ -117,27 +117,31 @@ async def test_each_stream_reads_its_own_events_and_grants_credit_as_it_reads() 
     assert [o.request.request_id for o in opened] == ["a", "b"]
     assert opened[0].metadata["traceparent"] == "00-x" and opened[0].timeout_seconds == 30.0
     ids = [o.id for o in opened]
-    both = pb.StreamsResponse(
-        streams=[
-            pb.StreamEvents(id=ids[1], events=[text("b1")]),
-            pb.StreamEvents(id=ids[0], events=[text("a1")]),
-        ]
-    )
-    call.responses.put_nowait(both)
-    assert (await first.read()).content.text == "a1"  # type: ignore[union-attr]
-    assert (await second.read()).content.text == "b1"  # type: ignore[union-attr]
-    assert sorted(await written(call, "credit", 2)) == sorted(ids)  # each entry read: one more may come
+    for step in range(GRANT_EVERY):  # one message per step, each with both streams' entries
+        call.responses.put_nowait(
+            pb.StreamsResponse(
+                streams=[
+                    pb.StreamEvents(id=ids[1], events=[text(f"b{step}")]),
+                    pb.StreamEvents(id=ids[0], events=[text(f"a{step}")]),
+                ]
+            )
+        )
+    for step in range(GRANT_EVERY):
+        assert (await first.read()).content.text == f"a{step}"  # type: ignore[union-attr]
+        assert (await second.read()).content.text == f"b{step}"  # type: ignore[union-attr]
+    # Credit comes back in one batch per stream once GRANT_EVERY entries were read.
+    assert sorted(await written(call, "credit", 2 * GRANT_EVERY)) == sorted(ids * GRANT_EVERY)
     call.responses.put_nowait(
         pb.StreamsResponse(
             streams=[
-                pb.StreamEvents(id=ids[0], events=[text("a2")], end=pb.StreamEnd()),
+                pb.StreamEvents(id=ids[0], events=[text("last")], end=pb.StreamEnd()),
                 pb.StreamEvents(id=ids[1], end=pb.StreamEnd()),
             ]
         )
     )
-    assert await read_all(first) == ["a2"]
+    assert await read_all(first) == ["last"]
     assert await read_all(second) == []
-    assert len(call.sent("credit")) == 2  # none for an ended stream
+    assert len(call.sent("credit")) == 2 * GRANT_EVERY  # none for an ended stream
 
 
 @in_loop
