@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from sluice.client import WorkerCallError, WorkerClient
-from sluice.streams import EventCall, StreamCall
+from sluice.streams import WINDOW, EventCall, StreamCall
 from sluice.v1 import worker_pb2 as pb
 from tests.processes import EdgeProcess, WorkerProcess
 from worker.model.fake_runner import PASSAGE
@@ -117,12 +117,12 @@ def test_a_stalled_reader_holds_up_no_other_stream_and_gets_its_deltas_merged(wo
     async def body(client: WorkerClient) -> None:
         stalled = client.open_stream(request(400), timeout=60)
         assert (await stalled.read()).HasField("started")  # type: ignore[union-attr]  # then not read
-        other = await read_all(client.open_stream(request(30), timeout=60))
-        assert other[-2].finished.completion_tokens == 30  # its 30 steps ran while nobody read the first
+        other = await read_all(client.open_stream(request(60), timeout=60))
+        assert other[-2].finished.completion_tokens == 60  # its 60 steps ran while nobody read the first
         contents = [e for e in await read_all(stalled) if e.HasField("content")]
         assert sum(len(e.content.token_ids) for e in contents) == 400  # nothing lost
-        # At most a window of those steps was sent as they came; the rest waited, merged.
-        assert len(contents) <= 400 - 30 + 6
+        # At most a window of those steps was sent as they came (and one held); the rest waited, merged.
+        assert len(contents) <= 400 - 60 + WINDOW + 2
 
     in_client(worker, body)
 
