@@ -1,7 +1,7 @@
 """A client's multiplexed ``GenerateStreams`` calls: many requests to one worker on one call, each
 read as a :class:`StreamCall` that behaves like ``sluice.client.GenerateCall``.
 
-Notes: docs/shared.md, "Multiplexed streams".
+Notes: docs/shared.md; the protocol: docs/grpc.md, "Multiplexed streams".
 """
 
 from __future__ import annotations
