@@ -77,7 +77,7 @@ SETTLE_S = 0.5  # after a window: cancelled requests leave the workers before th
 
 def cpu_of(pid: int, with_children: bool) -> float:
     """CPU seconds of ``pid``, plus those of its children still running when ``with_children``
-    (an edge's processes)."""
+    (an edge's processes, a worker's engine process; not this client's, which are the servers)."""
     total = cpu_seconds(pid)
     for kid in children(pid) if with_children else []:
         with contextlib.suppress(OSError):  # ended meanwhile
@@ -242,12 +242,12 @@ async def measure(
     tasks = [asyncio.create_task(user(i)) for i in range(concurrency)]
     await asyncio.sleep(WARMUP_S)  # every stream under way: the window sees the steady state
     before = replace(counts)
-    cpu_before = {name: cpu_of(pid, name == "edge") for name, pid in pids.items()}
+    cpu_before = {name: cpu_of(pid, name != "client") for name, pid in pids.items()}
     steps_before, tokens_before = worker_counters(workers)
     started = time.monotonic()
     await asyncio.sleep(seconds)
     wall = time.monotonic() - started
-    cpu = {name: cpu_of(pid, name == "edge") - cpu_before[name] for name, pid in pids.items()}
+    cpu = {name: cpu_of(pid, name != "client") - cpu_before[name] for name, pid in pids.items()}
     steps_after, tokens_after = worker_counters(workers)
     result = Measurement(
         path,

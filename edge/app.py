@@ -69,6 +69,7 @@ def create_app(settings: Settings) -> EdgeApp:
         dns_name=settings.worker_dns,
         dns_refresh_interval_s=settings.dns_refresh_interval_s,
         routing=settings.routing,
+        multiplexed=settings.multiplexed_streams,
     )
     metrics = EdgeMetrics()
     limiter = ConcurrencyLimiter(settings.max_concurrent_per_key)

@@ -329,6 +329,12 @@ class Settings:
         "shared prompt prefix, unless the load is unbalanced; docs/operations.md) or "
         "least-outstanding (fewest calls in flight)",
     )
+    multiplexed_streams: bool = setting(
+        True,
+        help="send streams to a worker on one multiplexed GenerateStreams call per worker (one "
+        'message per engine step for all of them; docs/grpc.md, "Multiplexed streams"); off: one '
+        "Generate call per request. A worker without GenerateStreams gets Generate calls either way",
+    )
     allow_runtime_lora: bool = setting(
         False,
         help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies), applied "

@@ -15,7 +15,9 @@ import grpc
 from google.protobuf.message import Message
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from sluice.status import ErrorDetails, read_details
+from sluice.status import ErrorDetails
+from sluice.status import WorkerCallError as WorkerCallError  # its home is sluice.status
+from sluice.streams import EventCall, StreamsChannel
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 
 WORKER_SERVICE = "sluice.v1.Worker"
@@ -72,62 +74,16 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.http2.lookahead_bytes", STREAM_WINDOW_BYTES),
 )
 
+# The multiplexed call's channel (sluice/streams.py): the same settings but gRPC's own window and
+# its probing. Credit holds back each stream there; a 256-byte window would make every message,
+# which carries a step of all the streams, wait for the caller to open the window first.
+STREAMS_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = tuple(
+    option
+    for option in CHANNEL_OPTIONS
+    if option[0] not in ("grpc.http2.bdp_probe", "grpc.http2.lookahead_bytes")
+)
+
 Metadata = Sequence[tuple[str, str | bytes]]
-
-
-class WorkerCallError(grpc.RpcError):
-    """A failed worker call: gRPC code, message and Sluice's structured details.
-
-    It is a ``grpc.RpcError`` with the same ``code()``, ``details()`` and
-    ``trailing_metadata()`` methods as grpc's own errors, so code written for
-    those (``sluice.status.read_details`` included) accepts it unchanged.
-    """
-
-    def __init__(self, status: ErrorDetails, trailing_metadata: Metadata = ()) -> None:
-        super().__init__(f"{status.code.name}: {status.message}")
-        self.status = status
-        self._trailing_metadata = tuple(trailing_metadata)
-
-    @classmethod
-    def from_rpc_error(cls, error: grpc.RpcError) -> WorkerCallError:
-        """Wraps a grpc error (reads its details once, never raises)."""
-        if isinstance(error, WorkerCallError):
-            return error
-        trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-        return cls(read_details(error), tuple(trailing or ()))
-
-    def code(self) -> grpc.StatusCode:
-        """The gRPC status code."""
-        return self.status.code
-
-    def details(self) -> str:
-        """The status message (grpc's name for it)."""
-        return self.status.message
-
-    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
-        """The call's trailing metadata (holds the encoded status details)."""
-        return self._trailing_metadata
-
-    @property
-    def message(self) -> str:
-        return self.status.message
-
-    @property
-    def reason(self) -> str:
-        """The worker's machine code (``invalid_parameter``, ``queue_full``, ``model_loading``,
-        ``not_ready``...); empty when the failure did not come from a Sluice worker (e.g. a
-        transport error)."""
-        return self.status.reason
-
-    @property
-    def param(self) -> str | None:
-        """The offending request field, when one is named."""
-        return self.status.param
-
-    @property
-    def retry_after_seconds(self) -> float | None:
-        """The worker's retry hint (``RESOURCE_EXHAUSTED``, ``UNAVAILABLE``), if any."""
-        return self.status.retry_after_seconds
 
 
 class ServingStatus(enum.StrEnum):
@@ -227,6 +183,8 @@ class WorkerClient:
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
+        self._streams: StreamsChannel | None = None
+        self._streams_channel: grpc.aio.Channel | None = None  # the multiplexed call's own
 
     def _connect(self) -> tuple[worker_pb2_grpc.WorkerStub, health_pb2_grpc.HealthStub]:
         if self._stub is None or self._health is None:
@@ -264,6 +222,22 @@ class WorkerClient:
             request, timeout=timeout, metadata=tuple(metadata), wait_for_ready=wait_for_ready
         )
         return GenerateCall(call)
+
+    def open_stream(
+        self, request: worker_pb2.GenerateRequest, *, timeout: float | None = None, metadata: Metadata = ()
+    ) -> EventCall:
+        """Starts ``request`` on this client's multiplexed ``GenerateStreams`` call (the faster
+        path for many concurrent requests, :mod:`sluice.streams`): its call reads like
+        :meth:`generate`'s. A worker that does not serve ``GenerateStreams`` gets ``Generate``
+        calls instead. ``metadata``: its string values travel with the request."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"open_stream: timeout must be > 0 seconds or None, got {timeout}")
+        if self._streams is None:
+            self._streams = StreamsChannel(
+                self._streams_stub,
+                lambda request, timeout, metadata: self.generate(request, timeout=timeout, metadata=metadata),
+            )
+        return self._streams.open(request, timeout, metadata)
 
     async def list_models(
         self,
@@ -372,10 +346,24 @@ class WorkerClient:
         channel = self._channel
         return channel is not None and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
+    def _streams_stub(self) -> worker_pb2_grpc.WorkerStub:
+        """A stub on the multiplexed call's channel (:data:`STREAMS_CHANNEL_OPTIONS`), made on
+        first use; the client's own options when they are not the defaults."""
+        if self._streams_channel is None:
+            options = STREAMS_CHANNEL_OPTIONS if self._options == CHANNEL_OPTIONS else self._options
+            self._streams_channel = grpc.aio.insecure_channel(self.address, options=options)
+        return worker_pb2_grpc.WorkerStub(self._streams_channel)
+
     async def close(self, grace: float | None = None) -> None:
         """Closes the channel; calls still open are cancelled (after ``grace`` seconds if given).
         Idempotent; the client reconnects if used again."""
         channel, self._channel, self._stub, self._health = self._channel, None, None, None
+        streams, self._streams = self._streams, None
+        if streams is not None:
+            streams.close()
+        streams_channel, self._streams_channel = self._streams_channel, None
+        if streams_channel is not None:
+            await streams_channel.close(grace=grace)
         if channel is not None:
             await channel.close(grace=grace)
 

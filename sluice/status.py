@@ -4,6 +4,7 @@ Notes: docs/shared.md."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -13,6 +14,7 @@ from grpc_status import rpc_status
 
 DOMAIN = "sluice.v1"
 DETAILS_KEY = "grpc-status-details-bin"
+Metadata = Sequence[tuple[str, str | bytes]]
 
 
 @dataclass(frozen=True)
@@ -94,3 +96,58 @@ def _details_bytes(error: grpc.RpcError) -> bytes | None:
 def _rpc_code(code: grpc.StatusCode) -> int:
     name = code.name
     return int(getattr(code_pb2, name, code_pb2.UNKNOWN))
+
+
+class WorkerCallError(grpc.RpcError):
+    """A failed worker call: gRPC code, message and Sluice's structured details.
+
+    It is a ``grpc.RpcError`` with the same ``code()``, ``details()`` and
+    ``trailing_metadata()`` methods as grpc's own errors, so code written for
+    those (``sluice.status.read_details`` included) accepts it unchanged.
+    """
+
+    def __init__(self, status: ErrorDetails, trailing_metadata: Metadata = ()) -> None:
+        super().__init__(f"{status.code.name}: {status.message}")
+        self.status = status
+        self._trailing_metadata = tuple(trailing_metadata)
+
+    @classmethod
+    def from_rpc_error(cls, error: grpc.RpcError) -> WorkerCallError:
+        """Wraps a grpc error (reads its details once, never raises)."""
+        if isinstance(error, WorkerCallError):
+            return error
+        trailing = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
+        return cls(read_details(error), tuple(trailing or ()))
+
+    def code(self) -> grpc.StatusCode:
+        """The gRPC status code."""
+        return self.status.code
+
+    def details(self) -> str:
+        """The status message (grpc's name for it)."""
+        return self.status.message
+
+    def trailing_metadata(self) -> tuple[tuple[str, str | bytes], ...]:
+        """The call's trailing metadata (holds the encoded status details)."""
+        return self._trailing_metadata
+
+    @property
+    def message(self) -> str:
+        return self.status.message
+
+    @property
+    def reason(self) -> str:
+        """The worker's machine code (``invalid_parameter``, ``queue_full``, ``model_loading``,
+        ``not_ready``...); empty when the failure did not come from a Sluice worker (e.g. a
+        transport error)."""
+        return self.status.reason
+
+    @property
+    def param(self) -> str | None:
+        """The offending request field, when one is named."""
+        return self.status.param
+
+    @property
+    def retry_after_seconds(self) -> float | None:
+        """The worker's retry hint (``RESOURCE_EXHAUSTED``, ``UNAVAILABLE``), if any."""
+        return self.status.retry_after_seconds

@@ -22,7 +22,8 @@ from edge.workers.health import NO_WORKER_MESSAGE
 from edge.workers.migration import Delivered, MigrationPolicy
 from edge.workers.pool import WorkerPool
 from edge.workers.worker import Worker, WorkerStatus, is_model_load
-from sluice.client import GenerateCall, WorkerCallError
+from sluice.client import WorkerCallError
+from sluice.streams import EventCall
 from sluice.v1 import worker_pb2
 
 log = logging.getLogger("sluice.edge")
@@ -36,7 +37,7 @@ class _Leg:
     """The call on one worker: the gRPC call, the worker whose outstanding slot it holds, and the
     call's first event."""
 
-    call: GenerateCall
+    call: EventCall
     worker: Worker
     first: worker_pb2.GenerateResponse
     pool: WorkerPool
@@ -297,7 +298,7 @@ async def _open_leg(
 async def _first_event(
     pool: WorkerPool,
     worker: Worker,
-    call: GenerateCall,
+    call: EventCall,
     request_id: str,
     deadline: float,
     refusals: _Refusals,

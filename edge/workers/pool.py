@@ -23,7 +23,8 @@ from edge.workers.health import HealthChecks
 from edge.workers.membership import ClientFactory, Resolver
 from edge.workers.routing import PrefixAffinity, PrefixBlock, RoutingPolicy, prefix_blocks
 from edge.workers.worker import ModelListing, Worker, WorkerHealth, WorkerStatus
-from sluice.client import GenerateCall, WorkerCallError, WorkerClient
+from sluice.client import WorkerCallError, WorkerClient
+from sluice.streams import EventCall
 from sluice.v1 import worker_pb2
 
 log = logging.getLogger("sluice.edge")
@@ -53,6 +54,8 @@ class WorkerPool(HealthChecks):
     ``addresses``: static ``host:port`` workers. ``dns_name``: a ``host:port``
     re-resolved every ``dns_refresh_interval_s``. At least one of the two is
     required. ``routing``: how a worker is chosen (:mod:`edge.workers.routing`).
+    ``multiplexed``: streams go on each worker's one ``GenerateStreams`` call
+    (``WorkerClient.open_stream``) instead of a ``Generate`` call each.
     ``client_factory`` and ``resolver`` exist for tests.
     """
 
@@ -68,6 +71,7 @@ class WorkerPool(HealthChecks):
         client_factory: ClientFactory = WorkerClient,
         resolver: Resolver = resolve,
         routing: RoutingPolicy = RoutingPolicy.LEAST_OUTSTANDING,
+        multiplexed: bool = False,
     ) -> None:
         super().__init__(
             addresses,
@@ -81,6 +85,7 @@ class WorkerPool(HealthChecks):
         self._rotation = itertools.count()
         self._affinity = PrefixAffinity() if routing == RoutingPolicy.PREFIX_AFFINITY else None
         self._connect_timeout_s = connect_timeout_s
+        self._multiplexed = multiplexed
 
     def _candidates(self, preferred: str | None = None) -> list[Worker]:
         """The available workers, best first: ``preferred`` (the routing policy's pick), then
@@ -154,10 +159,12 @@ class WorkerPool(HealthChecks):
         request: worker_pb2.GenerateRequest,
         timeout_s: float,
         metadata: Sequence[tuple[str, str | bytes]],
-    ) -> GenerateCall:
-        """Starts ``Generate`` on ``worker``, taking one of its outstanding slots: :meth:`release`
-        it once the call ended."""
+    ) -> EventCall:
+        """Starts ``request`` on ``worker`` (on its multiplexed call, or as a ``Generate`` call),
+        taking one of its outstanding slots: :meth:`release` it once the call ended."""
         worker.outstanding += 1
+        if self._multiplexed:
+            return worker.client.open_stream(request, timeout=timeout_s, metadata=metadata)
         return worker.client.generate(request, timeout=timeout_s, metadata=metadata)
 
     def accepted(self, worker: Worker, first: worker_pb2.GenerateResponse, placement: Placement) -> None:

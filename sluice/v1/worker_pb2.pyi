@@ -20,6 +20,63 @@ LENGTH: FinishReason
 TOOL_CALLS: FinishReason
 CONTENT_FILTER: FinishReason
 
+class StreamsRequest(_message.Message):
+    __slots__ = ("open", "cancel", "credit")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    CREDIT_FIELD_NUMBER: _ClassVar[int]
+    open: _containers.RepeatedCompositeFieldContainer[OpenStream]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    credit: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, open: _Optional[_Iterable[_Union[OpenStream, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., credit: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class OpenStream(_message.Message):
+    __slots__ = ("id", "request", "timeout_seconds", "metadata", "window")
+    class MetadataEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    request: GenerateRequest
+    timeout_seconds: float
+    metadata: _containers.ScalarMap[str, str]
+    window: int
+    def __init__(self, id: _Optional[int] = ..., request: _Optional[_Union[GenerateRequest, _Mapping]] = ..., timeout_seconds: _Optional[float] = ..., metadata: _Optional[_Mapping[str, str]] = ..., window: _Optional[int] = ...) -> None: ...
+
+class StreamsResponse(_message.Message):
+    __slots__ = ("streams",)
+    STREAMS_FIELD_NUMBER: _ClassVar[int]
+    streams: _containers.RepeatedCompositeFieldContainer[StreamEvents]
+    def __init__(self, streams: _Optional[_Iterable[_Union[StreamEvents, _Mapping]]] = ...) -> None: ...
+
+class StreamEvents(_message.Message):
+    __slots__ = ("id", "events", "end")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    events: _containers.RepeatedCompositeFieldContainer[GenerateResponse]
+    end: StreamEnd
+    def __init__(self, id: _Optional[int] = ..., events: _Optional[_Iterable[_Union[GenerateResponse, _Mapping]]] = ..., end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
+
+class StreamEnd(_message.Message):
+    __slots__ = ("code", "message", "details")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DETAILS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    details: bytes
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., details: _Optional[bytes] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "chat", "prompt", "sampling", "response_format", "stream_progress", "return_token_ids", "echo_prompt", "user", "metadata", "model_load_wait_seconds", "resume", "priority", "tenant")
     class MetadataEntry(_message.Message):

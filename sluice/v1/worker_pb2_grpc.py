@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=sluice_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=sluice_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStreams = channel.stream_stream(
+                '/sluice.v1.Worker/GenerateStreams',
+                request_serializer=sluice_dot_v1_dot_worker__pb2.StreamsRequest.SerializeToString,
+                response_deserializer=sluice_dot_v1_dot_worker__pb2.StreamsResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/sluice.v1.Worker/ListModels',
                 request_serializer=sluice_dot_v1_dot_worker__pb2.ListModelsRequest.SerializeToString,
@@ -81,6 +86,17 @@ class WorkerServicer:
 
     def Generate(self, request, context):
         """Generates one or more completions for a chat conversation or a raw prompt.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStreams(self, request_iterator, context):
+        """Many `Generate` requests on one bidirectional call (the faster path, for a caller with many
+        streams to one worker, such as the edge): the caller opens, cancels and grants credit to
+        streams; the worker sends, per engine step, one message with every open stream's events (each
+        stream's events exactly as `Generate` would send them) and ends each stream with its own status.
+        See `StreamsRequest` and docs/grpc.md, "Multiplexed streams".
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,6 +166,11 @@ def add_WorkerServicer_to_server(servicer, server):
                     request_deserializer=sluice_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=sluice_dot_v1_dot_worker__pb2.GenerateResponse.SerializeToString,
             ),
+            'GenerateStreams': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateStreams,
+                    request_deserializer=sluice_dot_v1_dot_worker__pb2.StreamsRequest.FromString,
+                    response_serializer=sluice_dot_v1_dot_worker__pb2.StreamsResponse.SerializeToString,
+            ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
                     request_deserializer=sluice_dot_v1_dot_worker__pb2.ListModelsRequest.FromString,
@@ -213,6 +234,33 @@ class Worker:
             '/sluice.v1.Worker/Generate',
             sluice_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             sluice_dot_v1_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStreams(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/sluice.v1.Worker/GenerateStreams',
+            sluice_dot_v1_dot_worker__pb2.StreamsRequest.SerializeToString,
+            sluice_dot_v1_dot_worker__pb2.StreamsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -16,8 +16,9 @@ import grpc
 
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from worker.errors import NotReady
+from worker.errors import NotReady, WorkerError
 from worker.service.servicer import WorkerService
+from worker.service.streams import Events, serve_streams
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +134,36 @@ class DrainingWorker(pb_grpc.WorkerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        # WorkerService.Generate's events, tracked; its failures are statuses raised as errors.
+        metadata = tuple(context.invocation_metadata() or ())
+        events = self._tracked(
+            lambda: self._service.generate_events(request, metadata, context.time_remaining)
+        )
+        try:
+            async for event in events:
+                yield event
+        except WorkerError as exc:
+            await context.abort_with_status(exc.to_status())
+
+    async def GenerateStreams(
+        self, request_iterator: AsyncIterator[pb.StreamsRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await serve_streams(context, self.stream_events)
+
+    def stream_events(self, opened: pb.OpenStream, remaining: Callable[[], float | None]) -> Events:
+        """One stream of ``GenerateStreams``, drained as a ``Generate`` call is: refused while
+        draining, cut when the grace ends."""
+        return self._tracked(lambda: self._service.stream_events(opened, remaining))
+
+    async def _tracked(self, start: Callable[[], Events]) -> Events:
+        """The events of ``start()``, refused with UNAVAILABLE while draining and cut with
+        UNAVAILABLE by :meth:`cut` (both raised as :class:`NotReady`)."""
         if self._draining:
-            refusal = NotReady(SHUTTING_DOWN_MESSAGE, retry_after_seconds=_RETRY_AFTER_S)
-            await context.abort_with_status(refusal.to_status())
-            return
+            raise NotReady(SHUTTING_DOWN_MESSAGE, retry_after_seconds=_RETRY_AFTER_S)
         call = _Call(asyncio.current_task())
         self._calls.add(call)
-        # WorkerService.Generate is an async generator function (typed as its iterator).
-        events = cast(AsyncGenerator[pb.GenerateResponse, None], self._service.Generate(request, context))
+        # generate_events is an async generator function (typed as its iterator).
+        events = cast(AsyncGenerator[pb.GenerateResponse, None], start())
         try:
             while not call.cut:
                 call.reading = True
@@ -159,7 +182,7 @@ class DrainingWorker(pb_grpc.WorkerServicer):
                 yield event
             await events.aclose()  # ends the sequence in the engine (the servicer's finally)
             log.info("in-flight call ended: %s", CUT_MESSAGE)
-            await context.abort_with_status(NotReady(CUT_MESSAGE).to_status())
+            raise NotReady(CUT_MESSAGE)
         finally:
             self._calls.discard(call)
             call.done.set()

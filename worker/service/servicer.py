@@ -13,7 +13,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -57,6 +57,7 @@ from worker.service.pooling import (
     prepare_score,
     score_response,
 )
+from worker.service.streams import Events, serve_streams
 from worker.service.thinking import thinking_budget, with_effort
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
 
@@ -253,9 +254,37 @@ class WorkerService(pb_grpc.WorkerServicer):
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
+        events = self.generate_events(
+            request, tuple(context.invocation_metadata() or ()), context.time_remaining
+        )
+        try:
+            async for event in events:
+                yield event
+        except WorkerError as exc:
+            await context.abort_with_status(exc.to_status())
+
+    async def GenerateStreams(
+        self, request_iterator: AsyncIterator[pb.StreamsRequest], context: grpc.aio.ServicerContext
+    ) -> None:
+        await serve_streams(context, self.stream_events)
+
+    def stream_events(self, opened: pb.OpenStream, remaining: Callable[[], float | None]) -> Events:
+        """The events of one stream of ``GenerateStreams`` (see :meth:`generate_events`)."""
+        return self.generate_events(opened.request, tuple(opened.metadata.items()), remaining)
+
+    async def generate_events(
+        self,
+        request: pb.GenerateRequest,
+        metadata: Sequence[tuple[str, str | bytes]],
+        remaining: Callable[[], float | None],
+    ) -> Events:
+        """One ``Generate`` request's events, for ``Generate`` and each stream of
+        ``GenerateStreams`` alike; a failure is raised as the :class:`WorkerError` whose status ends
+        the call (after the events sent before it). ``metadata`` is the call's (request id, trace
+        parent); ``remaining`` says the seconds left before its deadline (None: none)."""
         arrival = time.monotonic()
-        request_id = request.request_id or _metadata_request_id(context) or uuid.uuid4().hex
-        # grpc.aio runs each call in its own task, so this binds the id for this call only.
+        request_id = request.request_id or _metadata_request_id(metadata) or uuid.uuid4().hex
+        # Each call (and each stream) runs in its own task, so this binds the id for it only.
         request_id_var.set(request_id)
         try:
             loading = self.serving is None
@@ -265,16 +294,15 @@ class WorkerService(pb_grpc.WorkerServicer):
                 arrival = time.monotonic()  # queue time starts once the model is there
             serving = self._require_serving()
             adapter = serving.adapter_named(request.model)
-            remaining = context.time_remaining()
-            deadline = None if remaining is None else time.monotonic() + remaining
+            left = remaining()
+            deadline = None if left is None else time.monotonic() + left
             parsed = parse_request(request, adapter or serving.loaded.model_id, deadline)
             engine = serving.generator  # first: a pooling worker refuses naming its task
             prepared = await self._in_thread(_prepare, serving, parsed, request_id, arrival, adapter)
             stream = await engine.queue(prepared.work)
         except WorkerError as exc:
             log.info("request %s rejected: %s (%s)", request_id, exc.message, exc.code.name)
-            await context.abort_with_status(exc.to_status())
-            return
+            raise
         prompt_ids, prompt_text, options = (
             prepared.prompt_ids,
             prepared.prompt_text,
@@ -291,7 +319,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         reasons: list[str] = []
         completion_tokens = 0
         outcome = "cancelled by the caller"  # unless the stream ends or fails below
-        trace = tracing.begin(self.tracer, context, request, request_id, arrival)
+        trace = tracing.begin(self.tracer, metadata, request, request_id, arrival)
         if trace is not None:
             trace.model, trace.sampling = adapter or serving.loaded.model_id, options
         try:
@@ -314,8 +342,7 @@ class WorkerService(pb_grpc.WorkerServicer):
                     log.error("request %s: generation failed: %s", request_id, event.message)
                     if event.usage is not None:
                         yield event_to_proto(event.usage)  # the partial usage, before the status
-                    await context.abort_with_status(GenerationFailed(event.message).to_status())
-                    return
+                    raise GenerationFailed(event.message)
                 if isinstance(event, Finished):
                     reasons.append(event.reason.value)
                     completion_tokens += event.completion_tokens
@@ -326,16 +353,13 @@ class WorkerService(pb_grpc.WorkerServicer):
                 except Exception as error:  # this request's output cannot be sent: it alone fails
                     log.exception("request %s: converting %s failed", request_id, type(event).__name__)
                     outcome = "failed"
-                    await context.abort_with_status(
-                        GenerationFailed(f"output conversion failed: {type(error).__name__}").to_status()
-                    )
-                    return
+                    raise GenerationFailed(f"output conversion failed: {type(error).__name__}") from error
                 yield message
             outcome = "completed"
         except (asyncio.CancelledError, GeneratorExit):
             raise
         except Exception as error:
-            if outcome != "failed":  # abort_with_status raises after a Failed event
+            if outcome != "failed":  # a Failed event or a conversion error raised above
                 outcome = f"failed ({error.__class__.__name__})"
             raise
         finally:
@@ -370,7 +394,11 @@ class WorkerService(pb_grpc.WorkerServicer):
         """One Embed or Score call: checked and tokenized in the prepare threads, batched by the
         pooling engine with the other calls, answered in one message."""
         arrival = time.monotonic()
-        request_id = request.request_id or _metadata_request_id(context) or uuid.uuid4().hex
+        request_id = (
+            request.request_id
+            or _metadata_request_id(tuple(context.invocation_metadata() or ()))
+            or uuid.uuid4().hex
+        )
         request_id_var.set(request_id)
         try:
             serving = self._require_serving()
@@ -508,8 +536,8 @@ def _adapter_info(base: pb.ModelInfo, name: str, path: str) -> pb.ModelInfo:
     return info
 
 
-def _metadata_request_id(context: grpc.aio.ServicerContext) -> str:
-    for key, value in context.invocation_metadata() or ():
+def _metadata_request_id(metadata: Sequence[tuple[str, str | bytes]]) -> str:
+    for key, value in metadata:
         if key == "x-request-id" and isinstance(value, str):
             return value
     return ""

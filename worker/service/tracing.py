@@ -10,8 +10,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import grpc
-
 from sluice.tracing import Tracer, wall_ns
 from sluice.v1 import worker_pb2 as pb
 from worker.types import Finished, SamplingOptions, Usage
@@ -101,17 +99,16 @@ def phases(finished: Sequence[Finished]) -> list[tuple[str, float, float]]:
 
 def begin(
     tracer: Tracer | None,
-    context: grpc.aio.ServicerContext,
+    metadata: Sequence[tuple[str, str | bytes]],
     request: pb.GenerateRequest,
     request_id: str,
     arrival: float,
 ) -> GenerateTrace | None:
-    """A Generate call's trace (None without ``--otlp-traces-endpoint``), the child of the
-    ``traceparent`` in its gRPC metadata."""
+    """A Generate call's (or stream's) trace (None without ``--otlp-traces-endpoint``), the child
+    of the ``traceparent`` in its gRPC metadata (or its stream's)."""
     if tracer is None:
         return None
-    metadata = context.invocation_metadata() or ()
-    carrier = {key: value for key, value in metadata if key in ("traceparent", "tracestate")}
+    carrier = {k: v for k, v in metadata if k in ("traceparent", "tracestate") and isinstance(v, str)}
     operation = "chat" if request.WhichOneof("input") == "chat" else "text_completion"
     return GenerateTrace(tracer, tracer.parent(carrier), request_id, arrival, operation)
 

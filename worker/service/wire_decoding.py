@@ -46,8 +46,8 @@ def lenient_decoder(message: type[Message]) -> Callable[[bytes], Any]:
 
 
 def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server) -> None:
-    """Registers ``servicer`` (Generate, ListModels, Embed, Score, Tokenize, Detokenize, the LoRA
-    loads) on ``server``, in place of the generated ``add_WorkerServicer_to_server``."""
+    """Registers ``servicer`` (Generate, GenerateStreams, ListModels, Embed, Score, Tokenize,
+    Detokenize, the LoRA loads) on ``server``, in place of the generated ``add_WorkerServicer_to_server``."""
 
     async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         if isinstance(request, UndecodableRequest):
@@ -72,7 +72,16 @@ def add_worker_service(servicer: pb_grpc.WorkerServicer, server: grpc.aio.Server
             response_serializer=lambda reply: reply.SerializeToString(),
         )
 
+    async def generate_streams(requests: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> None:
+        # Undecodable messages reach the service, which ends the call with INVALID_ARGUMENT.
+        await servicer.GenerateStreams(requests, context)
+
     handlers = {
+        "GenerateStreams": grpc.stream_stream_rpc_method_handler(
+            generate_streams,
+            request_deserializer=lenient_decoder(pb.StreamsRequest),
+            response_serializer=pb.StreamsResponse.SerializeToString,
+        ),
         "Generate": grpc.unary_stream_rpc_method_handler(
             generate,
             request_deserializer=lenient_decoder(pb.GenerateRequest),

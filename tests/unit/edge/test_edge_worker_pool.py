@@ -68,6 +68,7 @@ class FakeClient:
     channels_dropped: int = 0
     # What ListModels fails with (e.g. UNAVAILABLE model_loading), or None to answer.
     list_error: WorkerCallError | None = None
+    streams_opened: int = 0  # requests opened with open_stream (the multiplexed call)
 
     def connect(self) -> None:
         pass
@@ -90,6 +91,10 @@ class FakeClient:
         call = FakeCall(self.script())
         self.calls.append(call)
         return call
+
+    def open_stream(self, request: Any, *, timeout: float | None = None, metadata: Any = ()) -> FakeCall:
+        self.streams_opened += 1  # on the multiplexed call; read the same way
+        return self.generate(request, timeout=timeout, metadata=metadata)
 
     async def list_models(
         self,
@@ -367,6 +372,23 @@ def test_every_worker_known_down_is_503_at_once() -> None:
             await pool.close()
 
     run(body())
+
+
+@pytest.mark.parametrize("multiplexed", [True, False])
+def test_calls_go_on_the_multiplexed_call_when_the_pool_says_so(multiplexed: bool) -> None:
+    fakes = Fakes()
+
+    async def body() -> None:
+        pool = make_pool(["a:1"], fakes, multiplexed=multiplexed)
+        try:
+            call = await WorkerCall.open(pool, REQUEST, "r", 5.0)
+            assert [event.WhichOneof("event") async for event in call][-1] == "usage"
+        finally:
+            await pool.close()
+
+    asyncio.run(body())
+    client = fakes.clients["a:1"]
+    assert (client.streams_opened, len(client.calls)) == ((1, 1) if multiplexed else (0, 1))
 
 
 def test_failure_after_first_event_raises_and_ejects() -> None:

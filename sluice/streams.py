@@ -1,0 +1,304 @@
+"""A client's multiplexed ``GenerateStreams`` calls: many requests to one worker on one call, each
+read as a :class:`StreamCall` that behaves like ``sluice.client.GenerateCall``.
+
+Notes: docs/shared.md; the protocol: docs/grpc.md, "Multiplexed streams".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
+
+import grpc
+
+from sluice.status import DETAILS_KEY, ErrorDetails, WorkerCallError, read_details
+from sluice.v1 import worker_pb2 as pb
+from sluice.v1 import worker_pb2_grpc
+
+#: Messages a stream may be sent before it is read (``OpenStream.window``): a reader that falls
+#: further behind gets its deltas merged by the worker, and the other streams are not held up.
+WINDOW = 16
+#: A stream gives credit back in batches of this many messages read, so the worker hears from it
+#: once per this many steps rather than once per step.
+GRANT_EVERY = WINDOW // 2
+#: Credit alone waits this long for more before it is sent (opens and cancellations go at once):
+#: a stream still has half its window, and the worker gets a few messages a step, not one per
+#: stream (each is gRPC's per-message work on both sides).
+CREDIT_DELAY_S = 0.005
+#: A call takes new streams for this long, then a new call does: the old one ends with its last
+#: stream, so no call lives past the worker's connection age and its grace (worker/server.py).
+ROTATE_AFTER_S = 30.0
+
+Metadata = Sequence[tuple[str, str | bytes]]
+
+
+class EventCall(Protocol):
+    """What ``GenerateCall`` and :class:`StreamCall` both are: one request's events."""
+
+    async def read(self) -> pb.GenerateResponse | None: ...
+
+    def cancel(self) -> bool: ...
+
+    def done(self) -> bool: ...
+
+
+Fallback = Callable[[pb.GenerateRequest, float | None, Metadata], EventCall]
+
+
+def _error(code: grpc.StatusCode, message: str, details: bytes = b"") -> grpc.RpcError:
+    trailing: tuple[tuple[str, str | bytes], ...] = ((DETAILS_KEY, details),) if details else ()
+    plain = WorkerCallError(ErrorDetails(code, message), trailing)
+    return WorkerCallError(read_details(plain), trailing)
+
+
+def end_error(end: pb.StreamEnd) -> grpc.RpcError | None:
+    """The ``WorkerCallError`` a stream's end says (None for OK), as ``Generate``'s status would."""
+    if end.code == 0:
+        return None
+    codes = {code.value[0]: code for code in grpc.StatusCode}
+    return _error(codes.get(end.code, grpc.StatusCode.UNKNOWN), end.message, end.details)
+
+
+class StreamCall:
+    """One request on a multiplexed call: :meth:`read` its events (None at the end; a failure is
+    raised as ``WorkerCallError``), :meth:`cancel` it when done. A worker that does not serve
+    ``GenerateStreams`` (UNIMPLEMENTED) gets the request as a ``Generate`` call instead."""
+
+    def __init__(self, session: _Session, stream_id: int, open_: pb.OpenStream, fallback: Fallback) -> None:
+        self._session, self.id, self._open, self._fallback = session, stream_id, open_, fallback
+        self._deadline = time.monotonic() + open_.timeout_seconds if open_.timeout_seconds else None
+        self._entries: collections.deque[list[pb.GenerateResponse]] = collections.deque()
+        self._current: collections.deque[pb.GenerateResponse] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._read_entries = 0  # entries taken since credit was last given back
+        self._ended = False
+        self._failure: grpc.RpcError | None = None  # how it ended, when not OK
+        self._instead: EventCall | None = None
+        self._timer = (
+            asyncio.get_running_loop().call_later(open_.timeout_seconds, self._expire)
+            if open_.timeout_seconds
+            else None
+        )
+
+    def deliver(self, entry: pb.StreamEvents) -> None:
+        """The worker sent ``entry`` for this stream (its reader calls this)."""
+        if entry.events:
+            self._entries.append(list(entry.events))
+        if entry.HasField("end"):
+            self._finish(end_error(entry.end))
+        self._arrived.set()
+
+    def fail(self, error: grpc.RpcError) -> None:
+        """The call this stream was on failed: the stream fails with ``error``, or goes on as a
+        ``Generate`` call when the worker does not serve ``GenerateStreams``."""
+        if self._ended:
+            return
+        if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            remaining = None if self._deadline is None else max(0.001, self._deadline - time.monotonic())
+            metadata = tuple(self._open.metadata.items())
+            self._instead = self._fallback(self._open.request, remaining, metadata)
+        else:
+            self._finish(error)
+        self._arrived.set()
+
+    async def read(self) -> pb.GenerateResponse | None:
+        """The next event, or None once the stream ended OK."""
+        while True:
+            if self._current:
+                return self._current.popleft()
+            if self._entries:
+                self._current.extend(self._entries.popleft())
+                self._read_entries += 1
+                if self._read_entries >= GRANT_EVERY and not self._ended:
+                    self._session.grant(self.id, self._read_entries)  # they left the buffer
+                    self._read_entries = 0
+                continue
+            if self._instead is not None:
+                return await self._instead.read()
+            if self._ended:
+                if self._failure is None:
+                    return None
+                raise self._failure
+            self._arrived.clear()
+            try:
+                await self._arrived.wait()
+            except asyncio.CancelledError:
+                self.cancel()  # the reader is gone: so is the request
+                raise
+
+    def __aiter__(self) -> StreamCall:
+        return self
+
+    async def __anext__(self) -> pb.GenerateResponse:
+        event = await self.read()
+        if event is None:
+            raise StopAsyncIteration
+        return event
+
+    def cancel(self) -> bool:
+        """Cancels the stream on the worker; idempotent. False if it had already ended."""
+        if self._instead is not None:
+            return self._instead.cancel()
+        if self._ended:
+            return False
+        self._finish(_error(grpc.StatusCode.CANCELLED, "the call was cancelled by this client"))
+        self._session.cancel(self.id)
+        self._arrived.set()
+        return True
+
+    @property
+    def multiplexed(self) -> bool:
+        """False once the request went as a ``Generate`` call (a worker without GenerateStreams)."""
+        return self._instead is None
+
+    def done(self) -> bool:
+        return self._instead.done() if self._instead is not None else self._ended
+
+    def _finish(self, error: grpc.RpcError | None) -> None:
+        if not self._ended:
+            self._ended, self._failure = True, error
+            if self._timer is not None:
+                self._timer.cancel()
+            self._session.forget(self.id)
+
+    def _expire(self) -> None:
+        """The deadline passed: the stream ends here as a ``Generate`` call's deadline ends it."""
+        if not self._ended and self._instead is None:
+            self._finish(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
+            self._session.cancel(self.id)
+            self._arrived.set()
+
+
+class _Session:
+    """One ``GenerateStreams`` call: its streams, what waits to be sent on it (batched into one
+    message per event-loop turn), a writer and a reader task."""
+
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub) -> None:
+        self.call: Any = stub.GenerateStreams()
+        self.started = time.monotonic()
+        self.retired = False
+        self.streams: dict[int, StreamCall] = {}
+        self._outgoing = pb.StreamsRequest()
+        self._wake = asyncio.Event()
+        self._writer = asyncio.create_task(self._write_loop())
+        self._reader = asyncio.create_task(self._read_loop())
+
+    def open(self, stream: StreamCall, open_: pb.OpenStream) -> None:
+        self.streams[stream.id] = stream
+        self._outgoing.open.append(open_)
+        self._wake.set()
+
+    def grant(self, stream_id: int, messages: int) -> None:
+        self._outgoing.credit.extend([stream_id] * messages)
+        self._wake.set()
+
+    def cancel(self, stream_id: int) -> None:
+        self._outgoing.cancel.append(stream_id)
+        self._wake.set()
+
+    def forget(self, stream_id: int) -> None:
+        self.streams.pop(stream_id, None)
+        if self.retired and not self.streams:
+            self._wake.set()  # the writer half-closes the call
+
+    def retire(self) -> None:
+        """Takes no more streams; ends once its streams have."""
+        self.retired = True
+        self._wake.set()
+
+    async def _write_loop(self) -> None:
+        with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+            while True:
+                await self._wake.wait()
+                if not (self._outgoing.open or self._outgoing.cancel) and not self.retired:
+                    await asyncio.sleep(CREDIT_DELAY_S)  # credit alone: gather more first
+                self._wake.clear()
+                message, self._outgoing = self._outgoing, pb.StreamsRequest()
+                if message.open or message.cancel or message.credit:
+                    await self.call.write(message)
+                if self.retired and not self.streams:
+                    await self.call.done_writing()
+                    return
+
+    async def _read_loop(self) -> None:
+        failure = _error(grpc.StatusCode.UNAVAILABLE, "the worker ended the streams call")
+        try:
+            while True:
+                message = await self.call.read()
+                if message is grpc.aio.EOF:
+                    break
+                for entry in cast(pb.StreamsResponse, message).streams:
+                    stream = self.streams.get(entry.id)
+                    if stream is not None:  # else cancelled meanwhile
+                        stream.deliver(entry)
+        except grpc.aio.AioRpcError as error:
+            failure = WorkerCallError.from_rpc_error(error)
+        finally:
+            self.retired = True
+            for stream in list(self.streams.values()):
+                stream.fail(failure)
+            self.streams.clear()
+            self._writer.cancel()
+
+    def close(self) -> None:
+        self.call.cancel()
+
+
+class StreamsChannel:
+    """The multiplexed calls of one client to one worker: :meth:`open` starts a request on the
+    current call (a new call every :data:`ROTATE_AFTER_S`, or after one failed). ``fallback``
+    starts a ``Generate`` call, used for a worker that does not serve ``GenerateStreams``."""
+
+    def __init__(self, stub: Callable[[], worker_pb2_grpc.WorkerStub], fallback: Fallback) -> None:
+        self._stub, self._fallback = stub, fallback
+        self._session: _Session | None = None
+        self._ids = itertools.count(1)
+        self.unsupported = False  # learnt from the worker's UNIMPLEMENTED
+
+    def open(self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata) -> EventCall:
+        """Starts ``request`` (deadline ``timeout`` seconds, None: none; ``metadata`` as
+        ``Generate``'s call metadata, string values only) and returns its call."""
+        if self.unsupported:
+            return self._fallback(request, timeout, metadata)
+        session = self._current()
+        stream_id = next(self._ids)
+        open_ = pb.OpenStream(
+            id=stream_id,
+            request=request,
+            timeout_seconds=timeout or 0.0,
+            metadata={k: v for k, v in metadata if isinstance(v, str)},
+            window=WINDOW,
+        )
+        stream = StreamCall(session, stream_id, open_, self._unimplemented_aware)
+        session.open(stream, open_)
+        return stream
+
+    def _unimplemented_aware(
+        self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata
+    ) -> EventCall:
+        self.unsupported = True
+        return self._fallback(request, timeout, metadata)
+
+    def _current(self) -> _Session:
+        session = self._session
+        if (
+            session is not None
+            and not session.retired
+            and time.monotonic() - session.started < ROTATE_AFTER_S
+        ):
+            return session
+        if session is not None:
+            session.retire()
+        self._session = _Session(self._stub())
+        return self._session
+
+    def close(self) -> None:
+        """Cancels the current call (its streams fail with CANCELLED)."""
+        if self._session is not None:
+            self._session.close()
+            self._session = None

@@ -1,0 +1,201 @@
+"""The client's multiplexed calls (sluice/streams.py) over a fake bidirectional call: each stream
+reads its own events, credit goes back as entries are read, a failed call fails its streams, and a
+worker without GenerateStreams gets Generate calls."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import grpc
+import pytest
+
+from sluice.status import WorkerCallError
+from sluice.streams import GRANT_EVERY, EventCall, Metadata, StreamsChannel
+from sluice.v1 import worker_pb2 as pb
+
+
+def in_loop(body: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    """A test that runs ``body`` in a fresh event loop."""
+
+    def test() -> None:
+        asyncio.run(body())
+
+    test.__name__, test.__doc__ = body.__name__, body.__doc__
+    return test
+
+
+class FakeBidi:
+    """A ``GenerateStreams`` call: records what the client writes, answers what the test queues."""
+
+    def __init__(self) -> None:
+        self.written: list[pb.StreamsRequest] = []
+        self.responses: asyncio.Queue[pb.StreamsResponse | Exception] = asyncio.Queue()
+        self.wrote = asyncio.Event()
+
+    async def write(self, message: pb.StreamsRequest) -> None:
+        self.written.append(message)
+        self.wrote.set()
+
+    async def read(self) -> pb.StreamsResponse:
+        item = await self.responses.get()
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    async def done_writing(self) -> None:
+        pass
+
+    def cancel(self) -> bool:
+        return True
+
+    def sent(self, field: str) -> list[Any]:
+        return [item for message in self.written for item in getattr(message, field)]
+
+
+class FakeStub:
+    def __init__(self) -> None:
+        self.calls: list[FakeBidi] = []
+
+    def GenerateStreams(self) -> FakeBidi:
+        self.calls.append(FakeBidi())
+        return self.calls[-1]
+
+
+class FakeGenerate:
+    """A ``Generate`` call (the fallback): one content event, then the end."""
+
+    def __init__(self, request: pb.GenerateRequest) -> None:
+        self.request, self.events = request, [pb.GenerateResponse(content=pb.ContentDelta(text="fallback"))]
+
+    async def read(self) -> pb.GenerateResponse | None:
+        return self.events.pop(0) if self.events else None
+
+    def cancel(self) -> bool:
+        return True
+
+    def done(self) -> bool:
+        return not self.events
+
+
+def channel_of(stub: FakeStub, fallbacks: list[FakeGenerate]) -> StreamsChannel:
+    def fallback(request: pb.GenerateRequest, timeout: float | None, metadata: Metadata) -> EventCall:
+        fallbacks.append(FakeGenerate(request))
+        return fallbacks[-1]
+
+    return StreamsChannel(lambda: stub, fallback)  # type: ignore[arg-type, return-value]
+
+
+def text(value: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(content=pb.ContentDelta(text=value))
+
+
+async def written(call: FakeBidi, field: str, count: int) -> list[Any]:
+    """Waits until ``count`` items of ``field`` were written on ``call``."""
+    while len(call.sent(field)) < count:
+        call.wrote.clear()
+        await asyncio.wait_for(call.wrote.wait(), 5)
+    return call.sent(field)
+
+
+async def read_all(stream: EventCall) -> list[str]:
+    texts = []
+    while (event := await stream.read()) is not None:
+        texts.append(event.content.text)
+    return texts
+
+
+@in_loop
+async def test_each_stream_reads_its_own_events_and_gives_credit_back_in_batches() -> None:
+    stub = FakeStub()
+    channel = channel_of(stub, [])
+    first = channel.open(pb.GenerateRequest(request_id="a"), 30.0, [("traceparent", "00-x")])
+    second = channel.open(pb.GenerateRequest(request_id="b"), None, ())
+    call = stub.calls[0]  # one call for both
+    opened = await written(call, "open", 2)
+    assert [o.request.request_id for o in opened] == ["a", "b"]
+    assert opened[0].metadata["traceparent"] == "00-x" and opened[0].timeout_seconds == 30.0
+    ids = [o.id for o in opened]
+    for step in range(GRANT_EVERY):  # one message per step, each with both streams' entries
+        call.responses.put_nowait(
+            pb.StreamsResponse(
+                streams=[
+                    pb.StreamEvents(id=ids[1], events=[text(f"b{step}")]),
+                    pb.StreamEvents(id=ids[0], events=[text(f"a{step}")]),
+                ]
+            )
+        )
+    for step in range(GRANT_EVERY):
+        assert (await first.read()).content.text == f"a{step}"  # type: ignore[union-attr]
+        assert (await second.read()).content.text == f"b{step}"  # type: ignore[union-attr]
+    # Credit comes back in one batch per stream once GRANT_EVERY entries were read.
+    assert sorted(await written(call, "credit", 2 * GRANT_EVERY)) == sorted(ids * GRANT_EVERY)
+    call.responses.put_nowait(
+        pb.StreamsResponse(
+            streams=[
+                pb.StreamEvents(id=ids[0], events=[text("last")], end=pb.StreamEnd()),
+                pb.StreamEvents(id=ids[1], end=pb.StreamEnd()),
+            ]
+        )
+    )
+    assert await read_all(first) == ["last"]
+    assert await read_all(second) == []
+    assert len(call.sent("credit")) == 2 * GRANT_EVERY  # none for an ended stream
+
+
+@in_loop
+async def test_a_stream_ends_with_the_workers_status_for_it() -> None:
+    stub = FakeStub()
+    stream = channel_of(stub, []).open(pb.GenerateRequest(), None, ())
+    call = stub.calls[0]
+    [opened] = await written(call, "open", 1)
+    end = pb.StreamEnd(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message="queue full")
+    call.responses.put_nowait(pb.StreamsResponse(streams=[pb.StreamEvents(id=opened.id, end=end)]))
+    with pytest.raises(WorkerCallError) as failure:
+        await stream.read()
+    assert (
+        failure.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and failure.value.message == "queue full"
+    )
+
+
+@in_loop
+async def test_a_failed_call_fails_its_open_streams_and_the_next_request_opens_a_new_call() -> None:
+    stub = FakeStub()
+    channel = channel_of(stub, [])
+    streams = [channel.open(pb.GenerateRequest(), None, ()) for _ in range(2)]
+    gone = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
+    stub.calls[0].responses.put_nowait(gone)
+    for stream in streams:
+        with pytest.raises(WorkerCallError) as failure:
+            await stream.read()
+        assert failure.value.code() == grpc.StatusCode.UNAVAILABLE
+    channel.open(pb.GenerateRequest(), None, ())
+    assert len(stub.calls) == 2
+
+
+@in_loop
+async def test_a_worker_without_generate_streams_gets_generate_calls() -> None:
+    stub, fallbacks = FakeStub(), []
+    channel = channel_of(stub, fallbacks)
+    stream = channel.open(pb.GenerateRequest(request_id="old"), 30.0, ())
+    unimplemented = grpc.aio.AioRpcError(
+        grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(), "Method not found!"
+    )
+    stub.calls[0].responses.put_nowait(unimplemented)
+    assert await read_all(stream) == ["fallback"]
+    assert fallbacks[0].request.request_id == "old"
+    later = channel.open(pb.GenerateRequest(request_id="later"), None, ())
+    assert await read_all(later) == ["fallback"] and len(stub.calls) == 1  # no second try
+
+
+@in_loop
+async def test_cancelling_a_stream_tells_the_worker_and_ends_its_reads() -> None:
+    stub = FakeStub()
+    stream = channel_of(stub, []).open(pb.GenerateRequest(), None, ())
+    [opened] = await written(stub.calls[0], "open", 1)
+    assert stream.cancel()
+    assert await written(stub.calls[0], "cancel", 1) == [opened.id]
+    with pytest.raises(WorkerCallError) as failure:
+        await stream.read()
+    assert failure.value.code() == grpc.StatusCode.CANCELLED
