@@ -35,6 +35,7 @@ from worker.errors import WorkerError
 from worker.model.mistral_tokenizer import with_mistral_common
 from worker.model.packed_linear import pack_linears
 from worker.model.pooling import PoolingConfigError, PoolingSpec, detect_task, read_spec
+from worker.model.prequantized import PrequantizedLoadError, checkpoint_format, load_prequantized
 from worker.model.text_only import serves_images
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
@@ -151,11 +152,25 @@ def load_model(
         if quantization not in ("auto", "none"):
             raise ModelLoadError(f"--task {task} serves float weights only", param="quantization")
         quantization = "none"
-    scheme = choose_quantization(quantization, torch_device, model_is_default=model is None)
+    try:
+        prequantized = checkpoint_format(folder, quantization, task)
+    except PrequantizedLoadError as exc:
+        raise ModelLoadError(str(exc), param="quantization") from exc
+    scheme = (
+        prequantized.scheme
+        if prequantized
+        else choose_quantization(quantization, torch_device, model_is_default=model is None)
+    )
     report = on_progress or (lambda _fraction: None)
     report(0.05)
     started = time.monotonic()
-    if scheme == "none":
+    if prequantized is not None and folder is not None:
+        try:
+            hf_model = load_prequantized(folder, prequantized, torch_device, torch_dtype)
+        except PrequantizedLoadError as exc:
+            raise ModelLoadError(str(exc), param="quantization") from exc
+        tokenizer = _load_float_tokenizer(folder, model)
+    elif scheme == "none":
         if gguf is not None:
             folder = converted_gguf_folder(gguf, cache)
         hf_model, tokenizer = _load_float(folder, model, torch_dtype, task)
