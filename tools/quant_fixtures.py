@@ -1,10 +1,7 @@
-"""Pre-quantized checkpoints of one tiny random Llama, made by the real tools, and transformers' own
-forward of each (which dequantizes) as the reference the worker is held to.
-
-``make fixtures`` runs it with compressed-tensors (PyPI, installed ``--no-deps`` into its own folder
-beside the fixtures: the project's environment is not changed) on ``PYTHONPATH``; GPTQ is made
-with gptqmodel where it imports. Idempotent; each checkpoint's folder holds ``reference.json``.
-"""
+"""Pre-quantized checkpoints of one tiny random Llama made by the real tools, each with transformers'
+forward of it (which dequantizes) as the reference: ``make fixtures`` runs it with compressed-tensors
+(installed ``--no-deps`` into its own folder) on ``PYTHONPATH``; GPTQ where gptqmodel imports.
+Idempotent; each checkpoint's folder holds ``reference.json``. Notes: docs/testing.md."""
 
 from __future__ import annotations
 
