@@ -37,7 +37,7 @@ from worker.model.packed_linear import pack_linears
 from worker.model.pooling import PoolingConfigError, PoolingSpec, detect_task, read_spec
 from worker.model.prequantized import PrequantizedLoadError, checkpoint_format, load_prequantized
 from worker.model.text_only import serves_images
-from worker.quant.auto_choice import linear_shapes, measure
+from worker.quant.auto_choice import linear_shapes, measure_once
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
 
@@ -166,6 +166,7 @@ def load_model(
             model_is_default=model is None,
             shapes=lambda: _config_shapes(gguf, folder, cache),
             batch_hint=batch_hint,
+            cache=cache,
         )
     )
     report = on_progress or (lambda _fraction: None)
@@ -239,13 +240,15 @@ def choose_quantization(
     model_is_default: bool,
     shapes: Callable[[], list[tuple[int, int]]] = list,
     batch_hint: int = 16,
+    cache: Path | None = None,
 ) -> str:
     """The scheme to load with: ``quantization`` itself, checked against ``device``, or for ``auto``
     the measured choice (docs/quantization.md), logged with its reason.
 
     ``auto``: on the CPU the default model is served quantized where torch has the weight-only
     kernels, int4 or int8 as the faster on this host: both products timed at the model's ``shapes``
-    (a callable, read only then) for one row and ``batch_hint`` rows (worker/quant/auto_choice.py). Other
+    (a callable, read only then) for one row and ``batch_hint`` rows (worker/quant/auto_choice.py),
+    the figures kept in ``cache`` so every later worker on the host chooses alike. Other
     models stay float (their quality under quantization is not measured), as does every model on
     a GPU (the GPU kernels are not measured yet).
     """
@@ -262,7 +265,7 @@ def choose_quantization(
     elif not cpu_kernels_available():
         choice, reason = "none", "this torch build has no CPU int4/int8 weight-only kernels"
     else:
-        choice, reason = _measured(shapes(), batch_hint)
+        choice, reason = _measured(shapes(), batch_hint, cache)
     log.info("--quantization auto: %s (%s)", choice, reason)
     return choice
 
@@ -271,11 +274,11 @@ def choose_quantization(
 AUTO_DEFAULT_MODEL_CPU = "int4"
 
 
-def _measured(shapes: list[tuple[int, int]], batch_hint: int) -> tuple[str, str]:
+def _measured(shapes: list[tuple[int, int]], batch_hint: int, cache: Path | None) -> tuple[str, str]:
     """The faster of int4 and int8 at ``shapes`` on this host, and the figures that chose it."""
     if not shapes:
         return AUTO_DEFAULT_MODEL_CPU, "the model's shapes are unknown: the default model's usual choice"
-    measured = measure(shapes, batch_hint)
+    measured = measure_once(shapes, batch_hint, cache)
     return measured.choice, measured.describe()
 
 

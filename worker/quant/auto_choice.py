@@ -4,9 +4,14 @@ Design notes: docs/worker.md ("Quantization auto on the CPU")."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -87,3 +92,26 @@ def linear_shapes(config: object) -> list[tuple[int, int]]:
     shapes = [(inner, hidden), (hidden, inner)] if hidden else []
     # The int4 layers' own limits (quantize_weight serves int8 elsewhere): whole groups, 16-row packs.
     return [(o, i) for o, i in shapes if i % INT4_GROUP == 0 and o % 16 == 0]
+
+
+def measure_once(shapes: Sequence[tuple[int, int]], batch_hint: int, cache: Path | None) -> Measured:
+    """:func:`measure`, kept in ``cache`` per shapes and torch version: the first worker on a host
+    to measure decides for every later one (workers that resume each other's streams must agree,
+    and two measurements on a busy host may differ). The first file written wins a race."""
+    if cache is None:
+        return measure(shapes, batch_hint)
+    key = hashlib.sha256(json.dumps([list(shapes), batch_hint, torch.__version__]).encode()).hexdigest()[:12]
+    path = cache / f"quantization-auto-{key}.json"
+    if not path.is_file():
+        measured = measure(shapes, batch_hint)
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=cache, delete=False, suffix=".part") as staging:
+            json.dump({"seconds": measured.seconds, "rows": measured.rows, "took": measured.took}, staging)
+        try:
+            os.link(staging.name, path)  # fails where another worker's figures are already there
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(staging.name)
+    saved = json.loads(path.read_text())
+    return Measured(saved["seconds"], tuple(saved["rows"]), saved["took"])
