@@ -51,7 +51,8 @@ fixtures-gptq:
 		BUILD_CUDA_EXT=0 $(GPTQ_VENV)/bin/pip install --quiet --no-deps --no-build-isolation \
 			gptqmodel==7.7.0 defuser optimum && \
 		touch $(GPTQ_VENV)/bin/gptqmodel-ready && chmod +x $(GPTQ_VENV)/bin/gptqmodel-ready; }
-	GPTQMODEL_CPU_WORKERS=2 PYTHONPATH=. $(GPTQ_VENV)/bin/python -m tools.quant_fixtures
+	# From the venv's folder: gptqmodel writes a logs/ folder where it runs.
+	cd $(GPTQ_VENV) && GPTQMODEL_CPU_WORKERS=2 PYTHONPATH=$(CURDIR) bin/python -m tools.quant_fixtures
 
 # The browser tests (tests/browser/) drive Debian's Chromium through its chromedriver; nothing is
 # downloaded at test time. Installed with apt when missing and run as root (CI); where that cannot
