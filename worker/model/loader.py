@@ -35,7 +35,9 @@ from worker.errors import WorkerError
 from worker.model.mistral_tokenizer import with_mistral_common
 from worker.model.packed_linear import pack_linears
 from worker.model.pooling import PoolingConfigError, PoolingSpec, detect_task, read_spec
+from worker.model.prequantized import PrequantizedLoadError, checkpoint_format, load_prequantized
 from worker.model.text_only import serves_images
+from worker.quant.auto_choice import linear_shapes, measure_once
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
 
@@ -151,11 +153,32 @@ def load_model(
         if quantization not in ("auto", "none"):
             raise ModelLoadError(f"--task {task} serves float weights only", param="quantization")
         quantization = "none"
-    scheme = choose_quantization(quantization, torch_device, model_is_default=model is None)
+    try:
+        prequantized = checkpoint_format(folder, quantization, task)
+    except PrequantizedLoadError as exc:
+        raise ModelLoadError(str(exc), param="quantization") from exc
+    scheme = (
+        prequantized.scheme
+        if prequantized
+        else choose_quantization(
+            quantization,
+            torch_device,
+            model_is_default=model is None,
+            shapes=lambda: _config_shapes(gguf, folder, cache),
+            batch_hint=batch_hint,
+            cache=cache,
+        )
+    )
     report = on_progress or (lambda _fraction: None)
     report(0.05)
     started = time.monotonic()
-    if scheme == "none":
+    if prequantized is not None and folder is not None:
+        try:
+            hf_model = load_prequantized(folder, prequantized, torch_device, torch_dtype)
+        except PrequantizedLoadError as exc:
+            raise ModelLoadError(str(exc), param="quantization") from exc
+        tokenizer = _load_float_tokenizer(folder, model)
+    elif scheme == "none":
         if gguf is not None:
             folder = converted_gguf_folder(gguf, cache)
         hf_model, tokenizer = _load_float(folder, model, torch_dtype, task)
@@ -210,13 +233,22 @@ def load_model(
     )
 
 
-def choose_quantization(quantization: str, device: torch.device, *, model_is_default: bool) -> str:
+def choose_quantization(
+    quantization: str,
+    device: torch.device,
+    *,
+    model_is_default: bool,
+    shapes: Callable[[], list[tuple[int, int]]] = list,
+    batch_hint: int = 16,
+    cache: Path | None = None,
+) -> str:
     """The scheme to load with: ``quantization`` itself, checked against ``device``, or for ``auto``
     the measured choice (docs/quantization.md), logged with its reason.
 
-    ``auto``: on the CPU the default model is served int4 (its GGUF's own Q4_1 blocks, Q8_0
-    output layer) where torch has the weight-only kernels: on this project's 2-core machines that
-    decodes faster at 1 and 16 streams with greedy output and perplexity close to float32. Other
+    ``auto``: on the CPU the default model is served quantized where torch has the weight-only
+    kernels, int4 or int8 as the faster on this host: both products timed at the model's ``shapes``
+    (a callable, read only then) for one row and ``batch_hint`` rows (worker/quant/auto_choice.py),
+    the figures kept in ``cache`` so every later worker on the host chooses alike. Other
     models stay float (their quality under quantization is not measured), as does every model on
     a GPU (the GPU kernels are not measured yet).
     """
@@ -233,13 +265,27 @@ def choose_quantization(quantization: str, device: torch.device, *, model_is_def
     elif not cpu_kernels_available():
         choice, reason = "none", "this torch build has no CPU int4/int8 weight-only kernels"
     else:
-        choice, reason = AUTO_DEFAULT_MODEL_CPU, "the default model's measured choice on the CPU"
+        choice, reason = _measured(shapes(), batch_hint, cache)
     log.info("--quantization auto: %s (%s)", choice, reason)
     return choice
 
 
-# What ``auto`` serves the default model with on the CPU (docs/quantization.md has the measurements).
+# What ``auto`` serves the default model with on the CPU where its shapes are unknown.
 AUTO_DEFAULT_MODEL_CPU = "int4"
+
+
+def _measured(shapes: list[tuple[int, int]], batch_hint: int, cache: Path | None) -> tuple[str, str]:
+    """The faster of int4 and int8 at ``shapes`` on this host, and the figures that chose it."""
+    if not shapes:
+        return AUTO_DEFAULT_MODEL_CPU, "the model's shapes are unknown: the default model's usual choice"
+    measured = measure_once(shapes, batch_hint, cache)
+    return measured.choice, measured.describe()
+
+
+def _config_shapes(gguf: Path | None, folder: Path | None, cache: Path) -> list[tuple[int, int]]:
+    """The model's linear shapes from its config (a GGUF file's cached config folder)."""
+    source = gguf_config_folder(gguf, cache) if gguf is not None else folder
+    return [] if source is None else linear_shapes(AutoConfig.from_pretrained(str(source)))
 
 
 # The transformers class each --task loads.

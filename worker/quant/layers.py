@@ -120,7 +120,7 @@ class Int8Linear(torch.nn.Module):
         self.register_buffer("scale_bf16", scale.to(torch.bfloat16).contiguous())
         self.register_buffer("scale", self.scale_bf16.float())
         self.register_buffer("bias", None if bias is None else bias.detach().float())
-        self.batch_copy = BatchCopy.build(self.dequantized(), batch_copy)
+        self.batch_copy = BatchCopy.build(self.dequantized(), True) if batch_copy else None
 
     @classmethod
     def from_float(

@@ -157,6 +157,57 @@ def test_auto_serves_the_default_model_quantized_on_the_cpu_only():
     assert choose_quantization("int8", CPU, model_is_default=False) == "int8"
 
 
+@pytest.mark.parametrize(("int4_s", "int8_s", "chosen"), [(2e-3, 1e-3, "int8"), (1e-3, 2e-3, "int4")])
+def test_auto_on_the_cpu_takes_the_scheme_measured_faster_on_this_host(
+    monkeypatch, caplog, int4_s, int8_s, chosen
+):
+    """The figures (faked here: timing is the host's) decide, not a constant; they are logged."""
+    from worker.model import loader
+    from worker.quant.auto_choice import Measured
+
+    asked: list[tuple[list[tuple[int, int]], int]] = []
+
+    def fake_measure(shapes, batch_hint, cache):
+        asked.append((shapes, batch_hint))
+        return Measured({"int4": int4_s, "int8": int8_s}, (1, 3), 0.02)
+
+    monkeypatch.setattr(loader, "measure_once", fake_measure)
+    with caplog.at_level("INFO", logger="worker.model.loader"):
+        got = choose_quantization(
+            "auto", CPU, model_is_default=True, shapes=lambda: [(128, 64), (64, 128)], batch_hint=16
+        )
+    assert got == chosen and asked == [([(128, 64), (64, 128)], 16)]
+    assert f"--quantization auto: {chosen} (measured on this host" in caplog.text
+    assert "int4 2.000 ms" in caplog.text or "int4 1.000 ms" in caplog.text
+
+
+def test_the_measurement_times_both_schemes_at_the_shapes_given():
+    from worker.quant.auto_choice import linear_shapes, measure
+
+    measured = measure([(32, 64), (64, 32)], batch_hint=16)
+    assert set(measured.seconds) == {"int4", "int8"} and all(s > 0 for s in measured.seconds.values())
+    assert measured.rows == (1, 3) and measured.choice in ("int4", "int8")
+    config = type("Config", (), {"hidden_size": 576, "intermediate_size": 1536})()
+    assert linear_shapes(config) == [(1536, 576), (576, 1536)]
+    assert linear_shapes(type("Config", (), {"hidden_size": 40})()) == []  # no whole int4 groups
+
+
+def test_the_first_measurement_on_a_host_decides_for_every_later_worker(monkeypatch, tmp_path):
+    """Two workers that resume each other's streams must serve the same scheme: the figures are kept
+    in the cache dir and a later start (another process) reads them instead of measuring again."""
+    from worker.quant import auto_choice
+
+    runs = iter([{"int4": 1e-3, "int8": 2e-3}, {"int4": 2e-3, "int8": 1e-3}])
+    monkeypatch.setattr(
+        auto_choice, "measure", lambda shapes, rows: auto_choice.Measured(next(runs), (1, 3), 0.01)
+    )
+    first = auto_choice.measure_once([(64, 32)], 16, tmp_path)
+    again = auto_choice.measure_once([(64, 32)], 16, tmp_path)
+    assert first.choice == again.choice == "int4" and again.seconds == first.seconds
+    assert auto_choice.measure_once([(128, 32)], 16, tmp_path).choice == "int8"  # other shapes: measured
+    assert [p.suffix for p in tmp_path.iterdir()] == [".json", ".json"]  # no staging file left
+
+
 def test_fp8_on_the_cpu_is_refused_naming_the_setting():
     with pytest.raises(ModelLoadError, match="--quantization fp8") as caught:
         choose_quantization("fp8", CPU, model_is_default=True)

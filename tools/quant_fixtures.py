@@ -1,0 +1,170 @@
+"""Pre-quantized checkpoints of one tiny random Llama made by the real tools, each with transformers'
+forward of it (which dequantizes) as the reference: ``make fixtures`` runs it with compressed-tensors
+(installed ``--no-deps`` into its own folder) on ``PYTHONPATH``; GPTQ where gptqmodel imports.
+Idempotent; each checkpoint's folder holds ``reference.json``. Notes: docs/testing.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tools.fixtures import DEFAULT_DIR
+
+ROOT = DEFAULT_DIR / "quantized"
+VOCAB = 128  # tests/tiny_families.py's COMMON; the tokenizer below names each id
+PROMPT = [5, 17, 42, 99, 3, 64, 127, 8, 31, 77, 12, 100, 55, 2, 90, 61]
+NEW_TOKENS = 24
+GROUP = 32
+
+
+def tiny_float(folder: Path) -> Path:
+    """The float checkpoint every format is made from: tests/tiny_families.py's llama (its output
+    layer untied, so the checkpoint holds the layers a tool leaves in float) and a word-level
+    tokenizer naming its 128 ids (``t0``..``t127``; a byte-level decoder, as grammars want one)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tiny_families import tiny_config, tiny_model
+
+    # transformers' usual initializer_range (tiny_families' 0.2 sharpens attention for its own tests, and
+    # its logits of ~10 make every rounding difference between two forwards ten times larger).
+    ids = {"bos_token_id": 1, "eos_token_id": 0}
+    config = tiny_config("llama", vocab_size=VOCAB, tie_word_embeddings=False, initializer_range=0.02, **ids)
+    config.architectures = ["LlamaForCausalLM"]
+    tiny_model(config).save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.ByteLevel()  # its ids' names are ASCII: each decodes to itself
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="t0", bos_token="t1", unk_token="t0")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _calibrate(model: torch.nn.Module) -> None:
+    """Weight-only schemes need no data: each weight's own min and max give its scales, as
+    llm-compressor's min-max observer would."""
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    for module in model.modules():
+        args = getattr(getattr(module, "quantization_scheme", None), "weights", None)
+        if args is None:
+            continue
+        weight = module.weight.data
+        if args.strategy == "group":
+            weight = weight.reshape(weight.shape[0], -1, args.group_size)
+            low, high = weight.amin(-1), weight.amax(-1)
+        else:
+            low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
+        scale, zero = calculate_qparams(low, high, args)
+        module.weight_scale.data = scale.to(module.weight_scale.dtype).reshape(module.weight_scale.shape)
+        module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype).reshape(
+            module.weight_zero_point.shape
+        )
+
+
+def compressed(source: Path, target: Path, preset: str, layout: str) -> None:
+    """``source`` quantized with compressed-tensors' ``preset`` and saved in ``layout``."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationConfig,
+        apply_quantization_config,
+        preset_name_to_scheme,
+    )
+    from transformers import AutoModelForCausalLM
+
+    # In bfloat16, as released checkpoints are: the scales are bfloat16 numbers, as the CPU kernels take them.
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if scheme.weights is not None and scheme.weights.group_size:
+        scheme.weights.group_size = GROUP
+    apply_quantization_config(
+        model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
+    )
+    _calibrate(model)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=layout)
+    compressor.compress_model(model)
+    model.save_pretrained(target)
+    compressor.update_config(str(target))
+
+
+def gptq(source: Path, target: Path) -> None:
+    """``source`` quantized by gptqmodel on the CPU (4 bits, groups of 32, no act-order) from a handful
+    of calibration prompts."""
+    from gptqmodel import GPTQModel, QuantizeConfig
+
+    config = QuantizeConfig(bits=4, group_size=GROUP, desc_act=False, sym=True)
+    model = GPTQModel.load(str(source), config, device="cpu")
+    generator = torch.Generator().manual_seed(0)
+    samples = [{"input_ids": torch.randint(2, VOCAB, (1, 32), generator=generator)} for _ in range(8)]
+    samples = [{**s, "attention_mask": torch.ones_like(s["input_ids"])} for s in samples]
+    model.quantize(samples, batch_size=1)
+    model.save(str(target))
+
+
+@torch.no_grad()
+def reference(folder: Path) -> dict[str, Any]:
+    """transformers' forward of the checkpoint: the prompt's logprobs, 24 greedy tokens and at each
+    the margin between the two best logits (near-ties may flip under other rounding)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT])
+    logprobs = model(ids).logits.float().log_softmax(-1)[0]
+    prompt_logprobs = [logprobs[i - 1, PROMPT[i]].item() for i in range(1, len(PROMPT))]
+    tokens, margins = [], []
+    for _ in range(NEW_TOKENS):
+        last = model(ids).logits[0, -1].float()
+        top = last.topk(2)
+        tokens.append(int(top.indices[0]))
+        margins.append(float(top.values[0] - top.values[1]))
+        ids = torch.cat([ids, top.indices[:1].view(1, 1)], dim=1)
+    return {"prompt": PROMPT, "prompt_logprobs": prompt_logprobs, "tokens": tokens, "margins": margins}
+
+
+def make(name: str, build: Callable[[Path, Path], None], source: Path, root: Path) -> Path | None:
+    """``root/name``: the checkpoint, its tokenizer and ``reference.json`` (made once, atomically)."""
+    target = root / name
+    if (target / "reference.json").is_file():
+        return target
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
+    try:
+        build(source, staging)
+        for extra in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (source / extra).is_file() and not (staging / extra).is_file():
+                shutil.copy(source / extra, staging / extra)
+        (staging / "reference.json").write_text(json.dumps(reference(staging)))
+        staging.rename(target)
+    except ImportError as exc:
+        shutil.rmtree(staging, ignore_errors=True)
+        print(f"{name}: not made ({exc})", file=sys.stderr)
+        return None
+    return target
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", type=Path, default=ROOT)
+    root = parser.parse_args().dir
+    root.mkdir(parents=True, exist_ok=True)
+    source = root / "float"
+    if not (source / "config.json").is_file():
+        tiny_float(Path(tempfile.mkdtemp(prefix=".float-", dir=root))).rename(source)
+    for name, build in [
+        ("fp8_dynamic", lambda s, t: compressed(s, t, "FP8_DYNAMIC", "float-quantized")),
+        ("w4a16", lambda s, t: compressed(s, t, "W4A16", "pack-quantized")),
+        ("gptq", gptq),
+    ]:
+        print(name, make(name, build, source, root))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""A pre-quantized checkpoint's format, read from its config.json's ``quantization_config``:
+compressed-tensors (``float-quantized`` FP8, ``pack-quantized`` int4/int8) and GPTQ; each option
+this worker cannot serve in its own form is refused in one line that names it.
+Design notes: docs/worker.md ("Pre-quantized checkpoints")."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+# The CPU int4 kernel's group sizes (torch's _weight_int4pack_mm_for_cpu).
+INT4_GROUPS = (32, 64, 128, 256)
+
+
+class UnsupportedCheckpoint(ValueError):
+    """A quantized checkpoint's format or option that the worker does not serve."""
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """What a quantized checkpoint holds: ``scheme`` (the worker's layer: ``fp8``, ``int4`` or
+    ``int8``), ``name`` (the format as logged), ``group`` (int4's input columns per scale)."""
+
+    method: str  # compressed-tensors or gptq
+    name: str
+    scheme: str
+    group: int = 0
+    fp8_activations: bool = False  # FP8 dynamic: inputs rounded to e4m3 per token
+    gptq_zero_offset: int = 0  # GPTQ v1 ("gptq") stores each zero point minus one
+
+
+def read_format(folder: Path) -> CheckpointFormat | None:
+    """The folder's quantization format, None for a float checkpoint; raises
+    :class:`UnsupportedCheckpoint` naming the option it cannot serve."""
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        return None
+    quantization = json.loads(config_file.read_text()).get("quantization_config")
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(quantization)
+    if method == "gptq":
+        return _gptq(quantization)
+    raise UnsupportedCheckpoint(
+        f"quantization_config.quant_method {method!r} is not served (compressed-tensors and gptq are)"
+    )
+
+
+def _refuse(option: str, why: str) -> UnsupportedCheckpoint:
+    return UnsupportedCheckpoint(f"quantized checkpoint: {option} is not supported ({why})")
+
+
+def _only_group(quantization: dict[str, Any]) -> dict[str, Any]:
+    """The one config group of a compressed-tensors checkpoint, its wider options checked."""
+    for option in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if quantization.get(option):
+            raise _refuse(option, "only weight quantization is served")
+    groups = quantization.get("config_groups") or {}
+    if len(groups) != 1:
+        raise _refuse(f"config_groups with {len(groups)} groups", "one scheme for every layer is served")
+    group: dict[str, Any] = next(iter(groups.values()))
+    if group.get("output_activations"):
+        raise _refuse("output_activations", "only weight quantization is served")
+    return group
+
+
+def _fp8_activations(activations: dict[str, Any] | None) -> bool:
+    """Whether the inputs are dynamic per-token FP8 (served); other activation schemes are refused."""
+    if not activations:
+        return False
+    if (
+        activations.get("type") == "float"
+        and activations.get("num_bits") == 8
+        and activations.get("dynamic") is True
+        and activations.get("strategy") == "token"
+    ):
+        return True
+    kind = f"{activations.get('type')}{activations.get('num_bits')}"
+    raise _refuse(f"input_activations {kind} (W8A8-style activation quantization)", "weight-only is served")
+
+
+def _compressed_tensors(quantization: dict[str, Any]) -> CheckpointFormat:
+    group = _only_group(quantization)
+    layout = group.get("format") or quantization.get("format")
+    weights = group.get("weights") or {}
+    fp8_inputs = _fp8_activations(group.get("input_activations"))
+    if fp8_inputs and not (layout == "float-quantized" and weights.get("type") == "float"):
+        raise _refuse("input_activations fp8 with integer weights", "fp8 inputs are served with fp8 weights")
+    if weights.get("symmetric") is False:
+        raise _refuse("weights.symmetric: false (asymmetric zero points)", "symmetric schemes are served")
+    if weights.get("actorder"):
+        raise _refuse(f"weights.actorder {weights['actorder']!r}", "act-order needs a column permutation")
+    bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
+    if layout == "float-quantized" and kind == "float" and bits == 8:
+        if strategy not in ("channel", "tensor"):
+            raise _refuse(
+                f"fp8 weights.strategy {strategy!r}", "per-channel and per-tensor scales are served"
+            )
+        name = f"compressed-tensors {layout} fp8 ({strategy}{', dynamic fp8 inputs' if fp8_inputs else ''})"
+        return CheckpointFormat("compressed-tensors", name, "fp8", fp8_activations=fp8_inputs)
+    if layout == "pack-quantized" and kind == "int" and bits == 4:
+        size = int(weights.get("group_size") or 0)
+        if strategy != "group" or size not in INT4_GROUPS:
+            raise _refuse(f"int4 weights.strategy {strategy!r} group_size {size}", f"groups of {INT4_GROUPS}")
+        return CheckpointFormat(
+            "compressed-tensors", f"compressed-tensors {layout} int4 g{size}", "int4", size
+        )
+    if layout == "pack-quantized" and kind == "int" and bits == 8 and strategy == "channel":
+        return CheckpointFormat("compressed-tensors", f"compressed-tensors {layout} int8 (channel)", "int8")
+    raise _refuse(f"format {layout!r} with {kind} weights of {bits} bits ({strategy})", "see docs/models.md")
+
+
+def _gptq(quantization: dict[str, Any]) -> CheckpointFormat:
+    bits = quantization.get("bits")
+    if bits != 4:
+        raise _refuse(f"GPTQ bits {bits}", "4-bit GPTQ is served")
+    if quantization.get("desc_act"):
+        raise _refuse("GPTQ desc_act: true (act-order)", "act-order's g_idx permutation is not applied")
+    layout = quantization.get("checkpoint_format", "gptq")
+    if layout not in ("gptq", "gptq_v2"):
+        raise _refuse(f"GPTQ checkpoint_format {layout!r}", "gptq and gptq_v2 are served")
+    size = int(quantization.get("group_size") or -1)
+    if size not in INT4_GROUPS:
+        raise _refuse(f"GPTQ group_size {size}", f"groups of {INT4_GROUPS} are served")
+    offset = 1 if layout == "gptq" else 0
+    return CheckpointFormat("gptq", f"GPTQ ({layout}) int4 g{size}", "int4", size, gptq_zero_offset=offset)

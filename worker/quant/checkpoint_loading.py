@@ -1,0 +1,143 @@
+"""A pre-quantized checkpoint's tensors mapped straight into the worker's quantized layers (the
+float weights of its quantized layers are never built); the format is checkpoint_formats.py's.
+Design notes: docs/worker.md ("Pre-quantized checkpoints")."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker.quant.checkpoint_formats import CheckpointFormat, UnsupportedCheckpoint
+from worker.quant.fp8_activations import Fp8DynamicLinear
+from worker.quant.layers import Fp8Linear, Int4Linear, Int8Linear, QuantizedLinear
+from worker.quant.loading import _empty_model, _finish, _safetensors_files, _set_module, _set_parameter
+
+log = logging.getLogger(__name__)
+
+# The tensor names of a quantized linear layer, per format (the layer's own ``bias`` aside).
+_PARTS = {
+    "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
+    "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+}
+
+
+def unpack_int32(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """The unsigned ``bits``-bit values packed along the last dimension of ``packed`` (int32, the
+    first value in the lowest bits), as int32."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, dtype=torch.int32, device=packed.device) * bits
+    values = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return values.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)
+
+
+def _int4_layer(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, name: str
+) -> Int4Linear:
+    """An :class:`Int4Linear` of ``q`` (0..15, [out, in]) without the float batch copy."""
+    if q.device.type == "cpu" and q.shape[0] % 16:
+        raise UnsupportedCheckpoint(
+            f"{name}: {q.shape[0]} output rows (the CPU int4 kernel packs 16 at a time)"
+        )
+    return Int4Linear(q, scale, zero, group=group, batch_copy=False)
+
+
+def compressed_tensors_layer(
+    parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: str
+) -> QuantizedLinear:
+    """A layer of compressed-tensors' ``float-quantized`` (fp8 ``weight`` and ``weight_scale``) or
+    ``pack-quantized`` (``weight_packed`` int32, ``weight_scale`` [out, groups], ``weight_shape``)."""
+    scale = parts["weight_scale"].float()
+    if fmt.scheme == "fp8":
+        weight = parts["weight"]
+        if weight.dtype != torch.float8_e4m3fn:
+            raise UnsupportedCheckpoint(f"{name}.weight is {weight.dtype}, not float8_e4m3fn")
+        layer = Fp8DynamicLinear if fmt.fp8_activations else Fp8Linear
+        return layer(weight, scale.reshape(-1).expand(weight.shape[0]).contiguous())
+    out_features, in_features = (int(v) for v in parts["weight_shape"].tolist())
+    bits = 4 if fmt.scheme == "int4" else 8
+    q = unpack_int32(parts["weight_packed"], bits)[:, :in_features]
+    if fmt.scheme == "int8":
+        return Int8Linear((q - 128).to(torch.int8), scale.reshape(out_features), batch_copy=False)
+    scale = scale.t().contiguous()  # [groups, out], the layer's layout
+    return _int4_layer(q, scale, torch.zeros_like(scale), fmt.group, name)
+
+
+def gptq_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: str) -> Int4Linear:
+    """A GPTQ layer: ``qweight`` [in/8, out] and ``qzeros`` [groups, out/8] (int32, 4-bit values),
+    ``scales`` [groups, out]; ``W[n, k] = (q - zero) * scale`` becomes the layer's
+    ``(q - 8) * scale + (8 - zero) * scale``. A ``g_idx`` that is not the plain order is refused."""
+    q = unpack_int32(parts["qweight"].t(), 4).contiguous()  # [out, in]
+    zero = unpack_int32(parts["qzeros"], 4)[:, : q.shape[0]] + fmt.gptq_zero_offset
+    scale = parts["scales"].float()
+    g_idx = parts.get("g_idx")
+    plain = torch.arange(q.shape[1], dtype=torch.int32, device=q.device) // fmt.group
+    if g_idx is not None and not torch.equal(g_idx.to(torch.int32), plain):
+        raise UnsupportedCheckpoint(f"{name}.g_idx reorders the groups (act-order): not served")
+    return _int4_layer(q, scale, (8 - zero.float()) * scale, fmt.group, name)
+
+
+def _quantized_parts(names: set[str], fmt: CheckpointFormat) -> dict[str, str]:
+    """Each checkpoint tensor of a quantized layer -> its layer's path (a float layer has none)."""
+    parts = (*_PARTS[fmt.method], *(("weight",) if fmt.scheme == "fp8" else ()))
+    layers = {
+        name.rpartition(".")[0]
+        for name in names
+        if name.endswith((".weight_packed", ".weight_scale", ".qweight"))
+    }
+    return {
+        name: name.rpartition(".")[0]
+        for name in names
+        if name.rpartition(".")[0] in layers and name.rpartition(".")[2] in parts
+    }
+
+
+def _read(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files (as stored: packed stays packed)."""
+    from safetensors import safe_open
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in _safetensors_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                tensors[key] = handle.get_tensor(key)
+    return tensors
+
+
+def _build_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: str) -> QuantizedLinear:
+    layer: QuantizedLinear
+    if fmt.method == "gptq":
+        layer = gptq_layer(parts, fmt, name)
+    else:
+        layer = compressed_tensors_layer(parts, fmt, name)
+    if "bias" in parts:
+        layer.bias = parts["bias"].float()
+    return layer
+
+
+@torch.no_grad()
+def load_checkpoint_quantized(
+    folder: Path, config: Any, fmt: CheckpointFormat, device: torch.device
+) -> tuple[torch.nn.Module, int]:
+    """The folder's model with each quantized layer in its own form, built on ``device`` (on the CPU
+    the int4 layers pack for torch's kernel); returns it and the count of quantized layers. Layers
+    the checkpoint left in float (often ``lm_head``) stay float32."""
+    tensors = _read(folder)
+    owners = _quantized_parts(set(tensors), fmt)
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for key, path in owners.items():
+        layers.setdefault(path, {})[key.rpartition(".")[2]] = tensors.pop(key).to(device)
+    model = _empty_model(config)
+    for path, parts in layers.items():
+        bias = tensors.pop(f"{path}.bias", None)
+        bias = None if bias is None else bias.to(device)
+        _set_module(model, path, _build_layer(parts if bias is None else {**parts, "bias": bias}, fmt, path))
+    for key, value in tensors.items():
+        _set_parameter(model, key, value.float() if value.is_floating_point() else value)
+    if model.get_submodule("lm_head").weight.device.type == "meta" and getattr(
+        config, "tie_word_embeddings", False
+    ):
+        model.get_submodule("lm_head").weight = model.get_submodule("model.embed_tokens").weight
+    return _finish(model, config), len(layers)
