@@ -274,6 +274,12 @@ class WorkerConfig:
         help="refuse to start (exit status 1) unless the Triton decode kernel and the decode CUDA "
         "graphs are both on, instead of serving on the slower fallback (CUDA only)",
     )
+    require_mixer_kernels: bool = setting(
+        False,
+        help="refuse to start (exit status 1) when a hybrid model's recurrent mixers would run "
+        "transformers' torch forms instead of the flash-linear-attention, causal-conv1d and "
+        "mamba-ssm kernels (the torch forms are what the CPU runs; no effect without recurrent mixers)",
+    )
     stream_interval: int = setting(
         1,
         int_at_least(1, 64),

@@ -8,8 +8,6 @@ Design notes: docs/worker.md ("The state cache of hybrid models").
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,8 +19,6 @@ from worker.attention.state_pool import StatePool, StateShape
 from worker.model.architecture import HYBRID_TYPES
 from worker.model.loader import ModelLoadError
 from worker.model.verify_states import Round, VerifyStates
-
-log = logging.getLogger(__name__)
 
 # transformers 5.24's mixers that keep their state through the Cache's conv/recurrent interface
 # (get_conv_state, get_recurrent_state, update_conv_state, update_recurrent_state,
@@ -304,27 +300,7 @@ def state_pool(model: Any, device: torch.device, dtype: torch.dtype, slots: int)
     hidden = int(model.config.get_text_config().hidden_size)
     pool = StatePool(state_shapes(mixers, hidden, device, dtype), slots, device, checkpoints=slots)
     wrap_mixers(mixers)
-    log.info("recurrent mixers: %s", mixer_kernels())
     return pool
-
-
-# The packages whose kernels transformers' mixers call where they are installed (its own torch
-# forms otherwise): the gated delta rule, the causal short convolution, the Mamba-2 scans.
-KERNEL_PACKAGES = (
-    ("fla", "flash-linear-attention"),
-    ("causal_conv1d", "causal-conv1d"),
-    ("mamba_ssm", "mamba-ssm"),
-)
-
-
-def mixer_kernels() -> str:
-    """Which kernels the mixers run: the installed packages' or transformers' torch forms."""
-    found = [name for module, name in KERNEL_PACKAGES if importlib.util.find_spec(module) is not None]
-    if not found:
-        return (
-            "transformers' torch forms (none of flash-linear-attention, causal-conv1d, mamba-ssm installed)"
-        )
-    return f"the kernels of {', '.join(found)} where a mixer has one, transformers' torch forms elsewhere"
 
 
 def state_slot_bytes(model: Any, device: torch.device, dtype: torch.dtype) -> int:

@@ -73,6 +73,8 @@ class ModelRunner:
     _verify: VerifyStates | None = None
     # With --enable-lora: the wrapped projections and the adapters' slots (:meth:`enable_lora`).
     lora: LoraLayers | None = None
+    # A hybrid model's mixers on their packages' kernels (False: torch forms; None: no mixers), a metric.
+    mixers_on_kernels: bool | None = None
 
     def __init__(
         self,

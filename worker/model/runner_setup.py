@@ -19,6 +19,7 @@ from worker.model.device import prefer_planless_attention
 from worker.model.fake_runner import DEFAULT_TOKENS, FakeRunner
 from worker.model.fused import fuse_for_serving
 from worker.model.loader import LoadedModel, ModelLoadError
+from worker.model.mixer_kernels import checked_mixer_kernels
 from worker.model.recurrent import state_slot_bytes
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import FlatTokens, Work
@@ -86,6 +87,7 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         raise ModelLoadError(
             f"--require-cuda-graphs needs CUDA graphs, but {why}", param="require_cuda_graphs"
         )
+    mixers_on_kernels = checked_mixer_kernels(loaded.model, config.require_mixer_kernels)
     budget = prefill_tokens(config, device)
     prefer_planless_attention(device)
     fused = device.type == "cuda" and config.fused_kernels and fuse_for_serving(loaded.model)
@@ -112,6 +114,7 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         max_sequences=limits.max_running,
         kv_cache_dtype=config.kv_cache_dtype,
     )
+    runner.mixers_on_kernels = mixers_on_kernels
     if config.enable_lora:  # before the warm-up and graph capture, which then hold the wrapped layers
         runner.enable_lora(config.max_loras, config.max_lora_rank)
     if runner.states is not None:

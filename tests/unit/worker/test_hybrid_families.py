@@ -254,15 +254,3 @@ def test_a_hybrid_type_without_known_mixers_is_refused(monkeypatch: pytest.Monke
     monkeypatch.setattr(recurrent, "MIXERS", frozenset({"SomethingElse"}))
     with pytest.raises(ModelLoadError, match=r"\(lfm2\): no recurrent mixer of a known form"):
         ModelRunner(loaded(tiny_model(tiny_config("lfm2"))), num_blocks=4, block_size=BLOCK)
-
-
-def test_the_start_up_names_the_mixers_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """transformers' mixers call flash-linear-attention / causal-conv1d / mamba-ssm where installed
-    (none is here) and their torch forms otherwise: the start-up line says which."""
-    assert "torch forms (none of" in recurrent.mixer_kernels()
-    installed = {"fla", "causal_conv1d"}
-    real = recurrent.importlib.util.find_spec
-    monkeypatch.setattr(
-        recurrent.importlib.util, "find_spec", lambda name: object() if name in installed else real(name)
-    )
-    assert recurrent.mixer_kernels().startswith("the kernels of flash-linear-attention, causal-conv1d")
