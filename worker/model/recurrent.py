@@ -8,6 +8,7 @@ Design notes: docs/worker.md ("The state cache of hybrid models").
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from worker.attention.state_pool import StatePool, StateShape
 from worker.model.architecture import HYBRID_TYPES
 from worker.model.loader import ModelLoadError
+from worker.model.serial_states import serial_tokens
 from worker.model.verify_states import Round, VerifyStates
 
 # transformers 5.24's mixers that keep their state through the Cache's conv/recurrent interface
@@ -88,7 +90,9 @@ class StateStep:
     """What the mixers need of a step: the pool, the decode rows (their flat token indexes, None
     when the forward is a ``[rows, 1]`` decode batch; their pool slots; which of them start their
     sequence) and the prompt chunks ``(flat start, count, pool slot, starts the sequence)``;
-    ``verify``: the decode rows' rounds when some verify proposals (None: one round)."""
+    ``verify``: the decode rows' rounds when some verify proposals (None: one round); ``serial``:
+    every item ``(flat start, count, pool slot, position)`` token by token instead (batch-invariant
+    steps, worker/model/serial_states.py)."""
 
     pool: StatePool
     decode_tokens: torch.Tensor | None = None
@@ -96,6 +100,7 @@ class StateStep:
     decode_fresh: torch.Tensor | None = None  # bool [rows]
     chunks: list[tuple[int, int, int, bool]] = field(default_factory=list)
     verify: VerifyStates | None = None
+    serial: list[tuple[int, int, int, int]] | None = None
 
 
 _current: StateStep | None = None
@@ -176,6 +181,9 @@ def _run_step(
 ) -> torch.Tensor:
     """The mixer over a step's rows: decode rows as one batch, each chunk alone (our flat layout
     has no padding, so no mask); the states go back to the pool."""
+    if step.serial is not None:
+        group = functools.partial(_decode_group, original, layer, step.pool)
+        return serial_tokens(group, layer, step.pool, hidden, step.serial, step.verify)
     if step.decode_tokens is None and step.decode_slots is not None:  # a [rows, 1] decode batch
         return _decode_rows(original, layer, step, hidden, step.decode_slots)
     out = torch.empty_like(hidden)
@@ -289,6 +297,21 @@ def state_step_of(
         (start, count, pool.slot_of(slot), position == 0) for start, count, slot, position in chunks
     ]
     return step
+
+
+def serial_step(
+    pool: StatePool, items: Sequence[tuple[int, int, int, int]], verify: VerifyStates | None
+) -> StateStep:
+    """A batch-invariant step's :class:`StateStep`: ``items`` ``(flat start, count, state slot,
+    position)``, each token alone (worker/model/serial_states.py)."""
+    serial = [(start, count, pool.slot_of(slot), position) for start, count, slot, position in items]
+    return StateStep(pool, verify=verify, serial=serial)
+
+
+def mixer_paths(model: Any) -> tuple[str, ...]:
+    """The module paths of ``model``'s recurrent mixers (each runs one token at a time in a
+    batch-invariant step, so its own products need no row-invariant kernel)."""
+    return tuple(name for name, module in model.named_modules() if type(module).__name__ in MIXERS)
 
 
 def state_pool(model: Any, device: torch.device, dtype: torch.dtype, slots: int) -> StatePool | None:

@@ -223,9 +223,11 @@ def test_only_attention_layers_hold_kv_blocks(family: str, attention: list[int])
     assert all(runner.pool.keys[i].numel() == 0 for i in range(shape.num_layers) if i not in attention)
 
 
-def test_batch_invariant_mode_is_refused_for_hybrid_models() -> None:
+def test_batch_invariant_mode_refuses_a_float_hybrid_naming_its_float_layers() -> None:
+    """As for any model: float linear layers outside the mixers are refused (the mixers' own take
+    one token at a time: test_batch_invariant_hybrid.py)."""
     model = tiny_model(tiny_config("qwen3_5_text"))
-    with pytest.raises(ModelLoadError, match="hybrid models have no batch-invariant path"):
+    with pytest.raises(ModelLoadError, match=r"--batch-invariant needs .*: model\.layers\.0\.mlp\.gate_proj"):
         ModelRunner(loaded(model), num_blocks=8, block_size=BLOCK, batch_invariant=True)
 
 
