@@ -35,6 +35,8 @@ PROG = "sluice-worker"
 DESCRIPTION = "Serve one language model over gRPC (sluice.v1.Worker)."
 # --kv-cache-dtype's values (vLLM's names); worker/attention/kv_quant.py stores them.
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+# --speculative-max-rows when unset, per proposer (measured: docs/benchmarks.md).
+DEFAULT_MAX_ROWS = {"ngram": 4, "draft": 1}
 
 
 # -- value parsers of the worker's own kinds --------------------------------------------------
@@ -456,6 +458,14 @@ class WorkerConfig:
         "(tests of what callers see while a worker starts)",
         testing=True,
     )
+
+    @property
+    def speculative_rows(self) -> int:
+        """The most sequences a speculative step verifies: --speculative-max-rows, or the
+        proposer's default (0: --speculative off)."""
+        if self.speculative == "off":
+            return 0
+        return self.speculative_max_rows or DEFAULT_MAX_ROWS[self.speculative]
 
     @property
     def resolved_worker_id(self) -> str:

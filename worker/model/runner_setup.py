@@ -174,8 +174,10 @@ def state_split(loaded: LoadedModel, config: WorkerConfig) -> tuple[int | None, 
     free, _total = torch.cuda.mem_get_info(device)
     budget = free * config.gpu_memory_fraction
     slots = config.max_running or max(1, min(MAX_RUNNING_CUDA, int(budget * STATE_SHARE) // (2 * slot_bytes)))
-    # Each slot, the scratch slot, and as many prefix checkpoints as slots (recurrent.state_pool).
-    return slots, max(0.0, (budget - (2 * slots + 1) * slot_bytes) / free)
+    # Each slot, the scratch slot, as many prefix checkpoints as slots (recurrent.state_pool), and
+    # the states a speculative step keeps per verified token (verify_states.verify_states).
+    kept = config.speculative_rows * config.num_speculative_tokens
+    return slots, max(0.0, (budget - (2 * slots + 1 + kept) * slot_bytes) / free)
 
 
 @torch.inference_mode()

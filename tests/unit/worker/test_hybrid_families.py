@@ -16,7 +16,8 @@ import transformers
 
 from tests.tiny_families import COMMON, HYBRID_FAMILIES, eager_reference, tiny_config, tiny_model
 from tests.unit.worker.test_model_families import BLOCK, VOCAB, loaded
-from worker.model import recurrent
+from worker.config import parse_config
+from worker.model import recurrent, runner_setup
 from worker.model.loader import ModelLoadError
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import Work
@@ -256,3 +257,21 @@ def test_a_hybrid_type_without_known_mixers_is_refused(monkeypatch: pytest.Monke
     monkeypatch.setattr(recurrent, "MIXERS", frozenset({"SomethingElse"}))
     with pytest.raises(ModelLoadError, match=r"\(lfm2\): no recurrent mixer of a known form"):
         ModelRunner(loaded(tiny_model(tiny_config("lfm2"))), num_blocks=4, block_size=BLOCK)
+
+
+def test_the_kept_verification_states_count_in_the_cuda_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the state pool's share leaves the KV pool the rest: with --speculative, the states a
+    step keeps per verified token (rows x tokens slot states) come out of it too (faked device)."""
+    monkeypatch.setattr(runner_setup, "state_slot_bytes", lambda *args: 1000)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10**9, 10**9))
+    cuda = loaded(None)
+    cuda.device = torch.device("cuda")
+    plain = parse_config(["--max-running", "8"], environ={})
+    ngram = parse_config(["--max-running", "8", "--speculative", "ngram"], environ={})
+    (slots, without), (_, with_kept) = (
+        runner_setup.state_split(cuda, plain),
+        runner_setup.state_split(cuda, ngram),
+    )
+    assert slots == 8
+    kept = 4 * ngram.num_speculative_tokens  # the ngram proposer's default rows
+    assert without - with_kept == pytest.approx(kept * 1000 / 10**9)
