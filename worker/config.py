@@ -35,6 +35,8 @@ PROG = "sluice-worker"
 DESCRIPTION = "Serve one language model over gRPC (sluice.v1.Worker)."
 # --kv-cache-dtype's values (vLLM's names); worker/attention/kv_quant.py stores them.
 KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+# --speculative-max-rows when unset, per proposer (measured: docs/benchmarks.md).
+DEFAULT_MAX_ROWS = {"ngram": 4, "draft": 1}
 
 
 # -- value parsers of the worker's own kinds --------------------------------------------------
@@ -275,6 +277,12 @@ class WorkerConfig:
         help="refuse to start (exit status 1) unless the Triton decode kernel and the decode CUDA "
         "graphs are both on, instead of serving on the slower fallback (CUDA only)",
     )
+    require_mixer_kernels: bool = setting(
+        False,
+        help="refuse to start (exit status 1) when a hybrid model's recurrent mixers would run "
+        "transformers' torch forms instead of the flash-linear-attention, causal-conv1d and "
+        "mamba-ssm kernels (the torch forms are what the CPU runs; no effect without recurrent mixers)",
+    )
     stream_interval: int = setting(
         1,
         int_at_least(1, 64),
@@ -451,6 +459,14 @@ class WorkerConfig:
         "(tests of what callers see while a worker starts)",
         testing=True,
     )
+
+    @property
+    def speculative_rows(self) -> int:
+        """The most sequences a speculative step verifies: --speculative-max-rows, or the
+        proposer's default (0: --speculative off)."""
+        if self.speculative == "off":
+            return 0
+        return self.speculative_max_rows or DEFAULT_MAX_ROWS[self.speculative]
 
     @property
     def resolved_worker_id(self) -> str:

@@ -192,7 +192,7 @@ class EngineCollector(Collector):
         histogram.add_metric([self._model_id], buckets=ttft.cumulative(), sum_value=ttft.total)
         yield histogram
         yield from self._class_families()
-        if s.fast_path is not None:
+        if s.fast_path is not None or s.mixers_on_kernels is not None:
             yield from self._fast_path_families()
         if s.host_tier is not None:
             yield from self._host_tier_families(s.host_tier)
@@ -263,20 +263,27 @@ class EngineCollector(Collector):
         yield refusals
 
     def _fast_path_families(self) -> Iterator[Metric]:
-        """CUDA only: which parts of the decode fast path are on, and the graph replays."""
+        """Which parts of the fast path are on: the CUDA decode path's and the graph replays (CUDA
+        only), a hybrid model's mixer kernels (any device)."""
         s = self._stats
-        assert s.fast_path is not None
         fast = GaugeMetricFamily(
             "sluice_worker_fast_path",
-            "1 when this part of the CUDA decode fast path is on (kernel: the Triton decode attention; "
-            "graphs: decode steps replayed from CUDA graphs; fused: the fused RMSNorm, SiLU-mul and rotary "
-            "kernels); 0: a slower fallback serves",
+            "1 when this part of the fast path is on (kernel: the Triton decode attention; graphs: decode "
+            "steps replayed from CUDA graphs; fused: the fused RMSNorm, SiLU-mul and rotary kernels; these "
+            "three on CUDA only; mixers: a hybrid model's recurrent mixers on the flash-linear-attention, "
+            "causal-conv1d and mamba-ssm kernels); 0: a slower fallback serves (mixers: transformers' torch "
+            "forms)",
             labels=["model", "part"],
         )
-        fast.add_metric([self._model_id, "kernel"], int(s.fast_path.kernel))
-        fast.add_metric([self._model_id, "graphs"], int(s.fast_path.graphs))
-        fast.add_metric([self._model_id, "fused"], int(s.fast_path.fused))
+        if s.fast_path is not None:
+            fast.add_metric([self._model_id, "kernel"], int(s.fast_path.kernel))
+            fast.add_metric([self._model_id, "graphs"], int(s.fast_path.graphs))
+            fast.add_metric([self._model_id, "fused"], int(s.fast_path.fused))
+        if s.mixers_on_kernels is not None:
+            fast.add_metric([self._model_id, "mixers"], int(s.mixers_on_kernels))
         yield fast
+        if s.fast_path is None:
+            return
         replays = CounterMetricFamily(
             "sluice_worker_decode_graph_replays", "decode steps replayed from a CUDA graph", labels=["model"]
         )

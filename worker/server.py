@@ -298,10 +298,6 @@ def serving_in_own_process(
     )
 
 
-# --speculative-max-rows when unset, per proposer (measured: docs/benchmarks.md).
-DEFAULT_MAX_ROWS = {"ngram": 4, "draft": 1}
-
-
 def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | None:
     """``--speculative``'s settings for the engine (None: off), loading the draft model for
     ``draft`` on the model's device and dtype; raises :class:`ModelLoadError` for a draft model
@@ -322,7 +318,7 @@ def speculation_of(config: WorkerConfig, loaded: LoadedModel) -> Speculation | N
         config.num_speculative_tokens,
         config.ngram_min,
         config.ngram_max,
-        config.speculative_max_rows or DEFAULT_MAX_ROWS[config.speculative],
+        config.speculative_rows,
         config.speculative_min_acceptance,
         draft,
     )

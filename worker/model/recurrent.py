@@ -8,8 +8,7 @@ Design notes: docs/worker.md ("The state cache of hybrid models").
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import logging
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,9 +19,8 @@ import torch.nn.functional as F
 from worker.attention.state_pool import StatePool, StateShape
 from worker.model.architecture import HYBRID_TYPES
 from worker.model.loader import ModelLoadError
+from worker.model.serial_states import serial_tokens
 from worker.model.verify_states import Round, VerifyStates
-
-log = logging.getLogger(__name__)
 
 # transformers 5.24's mixers that keep their state through the Cache's conv/recurrent interface
 # (get_conv_state, get_recurrent_state, update_conv_state, update_recurrent_state,
@@ -92,7 +90,9 @@ class StateStep:
     """What the mixers need of a step: the pool, the decode rows (their flat token indexes, None
     when the forward is a ``[rows, 1]`` decode batch; their pool slots; which of them start their
     sequence) and the prompt chunks ``(flat start, count, pool slot, starts the sequence)``;
-    ``verify``: the decode rows' rounds when some verify proposals (None: one round)."""
+    ``verify``: the decode rows' rounds when some verify proposals (None: one round); ``serial``:
+    every item ``(flat start, count, pool slot, position)`` token by token instead (batch-invariant
+    steps, worker/model/serial_states.py)."""
 
     pool: StatePool
     decode_tokens: torch.Tensor | None = None
@@ -100,6 +100,7 @@ class StateStep:
     decode_fresh: torch.Tensor | None = None  # bool [rows]
     chunks: list[tuple[int, int, int, bool]] = field(default_factory=list)
     verify: VerifyStates | None = None
+    serial: list[tuple[int, int, int, int]] | None = None
 
 
 _current: StateStep | None = None
@@ -180,6 +181,9 @@ def _run_step(
 ) -> torch.Tensor:
     """The mixer over a step's rows: decode rows as one batch, each chunk alone (our flat layout
     has no padding, so no mask); the states go back to the pool."""
+    if step.serial is not None:
+        group = functools.partial(_decode_group, original, layer, step.pool)
+        return serial_tokens(group, layer, step.pool, hidden, step.serial, step.verify)
     if step.decode_tokens is None and step.decode_slots is not None:  # a [rows, 1] decode batch
         return _decode_rows(original, layer, step, hidden, step.decode_slots)
     out = torch.empty_like(hidden)
@@ -295,6 +299,21 @@ def state_step_of(
     return step
 
 
+def serial_step(
+    pool: StatePool, items: Sequence[tuple[int, int, int, int]], verify: VerifyStates | None
+) -> StateStep:
+    """A batch-invariant step's :class:`StateStep`: ``items`` ``(flat start, count, state slot,
+    position)``, each token alone (worker/model/serial_states.py)."""
+    serial = [(start, count, pool.slot_of(slot), position) for start, count, slot, position in items]
+    return StateStep(pool, verify=verify, serial=serial)
+
+
+def mixer_paths(model: Any) -> tuple[str, ...]:
+    """The module paths of ``model``'s recurrent mixers (each runs one token at a time in a
+    batch-invariant step, so its own products need no row-invariant kernel)."""
+    return tuple(name for name, module in model.named_modules() if type(module).__name__ in MIXERS)
+
+
 def state_pool(model: Any, device: torch.device, dtype: torch.dtype, slots: int) -> StatePool | None:
     """The state pool of a hybrid ``model`` (None for a model without recurrent mixers), sized for
     ``slots`` running sequences and as many prefix checkpoints, its mixers wrapped to run over it."""
@@ -304,27 +323,7 @@ def state_pool(model: Any, device: torch.device, dtype: torch.dtype, slots: int)
     hidden = int(model.config.get_text_config().hidden_size)
     pool = StatePool(state_shapes(mixers, hidden, device, dtype), slots, device, checkpoints=slots)
     wrap_mixers(mixers)
-    log.info("recurrent mixers: %s", mixer_kernels())
     return pool
-
-
-# The packages whose kernels transformers' mixers call where they are installed (its own torch
-# forms otherwise): the gated delta rule, the causal short convolution, the Mamba-2 scans.
-KERNEL_PACKAGES = (
-    ("fla", "flash-linear-attention"),
-    ("causal_conv1d", "causal-conv1d"),
-    ("mamba_ssm", "mamba-ssm"),
-)
-
-
-def mixer_kernels() -> str:
-    """Which kernels the mixers run: the installed packages' or transformers' torch forms."""
-    found = [name for module, name in KERNEL_PACKAGES if importlib.util.find_spec(module) is not None]
-    if not found:
-        return (
-            "transformers' torch forms (none of flash-linear-attention, causal-conv1d, mamba-ssm installed)"
-        )
-    return f"the kernels of {', '.join(found)} where a mixer has one, transformers' torch forms elsewhere"
 
 
 def state_slot_bytes(model: Any, device: torch.device, dtype: torch.dtype) -> int:

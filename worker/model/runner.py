@@ -19,7 +19,7 @@ from worker.lora.layers import LoraLayers
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
 from worker.model.loader import LoadedModel, ModelLoadError
-from worker.model.recurrent import StateStep, state_pool, state_step, state_step_of
+from worker.model.recurrent import StateStep, mixer_paths, serial_step, state_pool, state_step, state_step_of
 from worker.model.step_inputs import (
     ChunkImage,
     DecodeInputs,
@@ -49,16 +49,21 @@ def _image_spans(flat: FlatTokens, work: Sequence[Work]) -> torch.Tensor:
     return inside
 
 
-def check_batch_invariant(loaded: LoadedModel) -> None:
+def check_batch_invariant(loaded: LoadedModel, exempt: tuple[str, ...] = ()) -> None:
     """Raises :class:`ModelLoadError` unless ``loaded`` can run batch-invariant steps (the module
     docstring), and drops the quantized layers' float copies for batches (their kernels are not);
-    an MoE block's float experts and router go on the same kernels (worker/quant/moe.py)."""
+    an MoE block's float experts and router go on the same kernels (worker/quant/moe.py).
+    ``exempt``: module paths whose products see one token at a time (a hybrid's mixers)."""
     if loaded.device.type != "cpu":
         raise ModelLoadError("--batch-invariant runs on the CPU only for now", param="batch_invariant")
     scheme = model_scheme(loaded.model)
     if scheme is not None:  # a float model is refused below
         row_invariant_moe(loaded.model, scheme)
-    float_layers = row_invariant_linears(loaded.model)
+    float_layers = [
+        name
+        for name in row_invariant_linears(loaded.model)
+        if not name.startswith(tuple(f"{e}." for e in exempt))
+    ]
     if float_layers:
         raise ModelLoadError(
             "--batch-invariant needs every linear layer on the int4 or int8 weight-only kernels "
@@ -73,6 +78,8 @@ class ModelRunner:
     _verify: VerifyStates | None = None
     # With --enable-lora: the wrapped projections and the adapters' slots (:meth:`enable_lora`).
     lora: LoraLayers | None = None
+    # A hybrid model's mixers on their packages' kernels (False: torch forms; None: no mixers), a metric.
+    mixers_on_kernels: bool | None = None
 
     def __init__(
         self,
@@ -116,13 +123,7 @@ class ModelRunner:
         self.fast_path: FastPath | None = None  # set at start-up on CUDA (a metric)
         self.batch_invariant = batch_invariant
         if batch_invariant:
-            if self.states is not None:
-                raise ModelLoadError(
-                    "--batch-invariant: the recurrent layers of hybrid models have no batch-invariant "
-                    "path yet",
-                    param="batch_invariant",
-                )
-            check_batch_invariant(loaded)
+            check_batch_invariant(loaded, mixer_paths(self.model))
             if self.vision is not None:
                 raise ModelLoadError("--batch-invariant serves text-only models", param="batch_invariant")
         # On CUDA, decode rows use the Triton kernel (no gather), graphs or not, once it passed its
@@ -320,7 +321,15 @@ class ModelRunner:
             self.device,
         )
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(self.device), invariant=rows)
-        return self._forward_flat(step, flat, fed)
+        states = None  # a hybrid model's mixers: each token alone (worker/model/serial_states.py)
+        if self.states is not None:
+            items = [
+                (first, len(item.tokens), item.state_slot, item.start)
+                for item, first in zip(work, flat.starts, strict=True)
+            ]
+            states = serial_step(self.states, items, self._verify)
+        with state_step(states):
+            return self._forward_flat(step, flat, fed)
 
     def _forward_flat(
         self, step: paged.PagedStep, flat: FlatTokens, fed: torch.Tensor | None, work: Sequence[Work] = ()

@@ -19,6 +19,7 @@ from worker.model.device import prefer_planless_attention
 from worker.model.fake_runner import DEFAULT_TOKENS, FakeRunner
 from worker.model.fused import fuse_for_serving
 from worker.model.loader import LoadedModel, ModelLoadError
+from worker.model.mixer_kernels import checked_mixer_kernels
 from worker.model.recurrent import state_slot_bytes
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import FlatTokens, Work
@@ -86,6 +87,7 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         raise ModelLoadError(
             f"--require-cuda-graphs needs CUDA graphs, but {why}", param="require_cuda_graphs"
         )
+    mixers_on_kernels = checked_mixer_kernels(loaded.model, config.require_mixer_kernels)
     budget = prefill_tokens(config, device)
     prefer_planless_attention(device)
     fused = device.type == "cuda" and config.fused_kernels and fuse_for_serving(loaded.model)
@@ -112,6 +114,7 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         max_sequences=limits.max_running,
         kv_cache_dtype=config.kv_cache_dtype,
     )
+    runner.mixers_on_kernels = mixers_on_kernels
     if config.enable_lora:  # before the warm-up and graph capture, which then hold the wrapped layers
         runner.enable_lora(config.max_loras, config.max_lora_rank)
     if runner.states is not None:
@@ -171,8 +174,10 @@ def state_split(loaded: LoadedModel, config: WorkerConfig) -> tuple[int | None, 
     free, _total = torch.cuda.mem_get_info(device)
     budget = free * config.gpu_memory_fraction
     slots = config.max_running or max(1, min(MAX_RUNNING_CUDA, int(budget * STATE_SHARE) // (2 * slot_bytes)))
-    # Each slot, the scratch slot, and as many prefix checkpoints as slots (recurrent.state_pool).
-    return slots, max(0.0, (budget - (2 * slots + 1) * slot_bytes) / free)
+    # Each slot, the scratch slot, as many prefix checkpoints as slots (recurrent.state_pool), and
+    # the states a speculative step keeps per verified token (verify_states.verify_states).
+    kept = config.speculative_rows * config.num_speculative_tokens
+    return slots, max(0.0, (budget - (2 * slots + 1 + kept) * slot_bytes) / free)
 
 
 @torch.inference_mode()

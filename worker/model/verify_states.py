@@ -47,6 +47,13 @@ class VerifyStates:
         if recurrent is not None and layer in self.recurrent:
             self.recurrent[layer].index_copy_(0, round_.places, recurrent.index_select(0, round_.record))
 
+    def record_slot(self, layer: int, place: int, pool: StatePool, slot: int) -> None:
+        """Keeps pool slot ``slot``'s state in ``layer`` at ``place`` (a batch-invariant step's
+        verifying token, worker/model/serial_states.py)."""
+        self.conv[layer][place].copy_(pool.conv[layer][slot])
+        if layer in self.recurrent:
+            self.recurrent[layer][place].copy_(pool.recurrent[layer][slot])
+
     def keep(self, pool: StatePool, slot: int, accepted: int) -> None:
         """Sets ``slot``'s state to the one after its verifying item's last known token and its
         first ``accepted`` proposals (all accepted: the slot's state already is that one)."""

@@ -73,7 +73,10 @@ def _set_module(model: torch.nn.Module, path: str, module: torch.nn.Module) -> N
 
 def _set_parameter(model: torch.nn.Module, path: str, value: torch.Tensor) -> None:
     module_path, _, name = path.rpartition(".")
-    module = model.get_submodule(module_path)
+    try:
+        module = model.get_submodule(module_path)
+    except AttributeError:  # a checkpoint name transformers converts at load (fused MoE experts)
+        raise DirectLoadUnsupported(f"{path} is no module path of the model") from None
     if name in module._parameters:
         module._parameters[name] = torch.nn.Parameter(value, requires_grad=False)
     elif name in module._buffers:

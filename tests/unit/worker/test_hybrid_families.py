@@ -16,7 +16,8 @@ import transformers
 
 from tests.tiny_families import COMMON, HYBRID_FAMILIES, eager_reference, tiny_config, tiny_model
 from tests.unit.worker.test_model_families import BLOCK, VOCAB, loaded
-from worker.model import recurrent
+from worker.config import parse_config
+from worker.model import recurrent, runner_setup
 from worker.model.loader import ModelLoadError
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import Work
@@ -223,9 +224,11 @@ def test_only_attention_layers_hold_kv_blocks(family: str, attention: list[int])
     assert all(runner.pool.keys[i].numel() == 0 for i in range(shape.num_layers) if i not in attention)
 
 
-def test_batch_invariant_mode_is_refused_for_hybrid_models() -> None:
+def test_batch_invariant_mode_refuses_a_float_hybrid_naming_its_float_layers() -> None:
+    """As for any model: float linear layers outside the mixers are refused (the mixers' own take
+    one token at a time: test_batch_invariant_hybrid.py)."""
     model = tiny_model(tiny_config("qwen3_5_text"))
-    with pytest.raises(ModelLoadError, match="hybrid models have no batch-invariant path"):
+    with pytest.raises(ModelLoadError, match=r"--batch-invariant needs .*: model\.layers\.0\.mlp\.gate_proj"):
         ModelRunner(loaded(model), num_blocks=8, block_size=BLOCK, batch_invariant=True)
 
 
@@ -256,13 +259,19 @@ def test_a_hybrid_type_without_known_mixers_is_refused(monkeypatch: pytest.Monke
         ModelRunner(loaded(tiny_model(tiny_config("lfm2"))), num_blocks=4, block_size=BLOCK)
 
 
-def test_the_start_up_names_the_mixers_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """transformers' mixers call flash-linear-attention / causal-conv1d / mamba-ssm where installed
-    (none is here) and their torch forms otherwise: the start-up line says which."""
-    assert "torch forms (none of" in recurrent.mixer_kernels()
-    installed = {"fla", "causal_conv1d"}
-    real = recurrent.importlib.util.find_spec
-    monkeypatch.setattr(
-        recurrent.importlib.util, "find_spec", lambda name: object() if name in installed else real(name)
+def test_the_kept_verification_states_count_in_the_cuda_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the state pool's share leaves the KV pool the rest: with --speculative, the states a
+    step keeps per verified token (rows x tokens slot states) come out of it too (faked device)."""
+    monkeypatch.setattr(runner_setup, "state_slot_bytes", lambda *args: 1000)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10**9, 10**9))
+    cuda = loaded(None)
+    cuda.device = torch.device("cuda")
+    plain = parse_config(["--max-running", "8"], environ={})
+    ngram = parse_config(["--max-running", "8", "--speculative", "ngram"], environ={})
+    (slots, without), (_, with_kept) = (
+        runner_setup.state_split(cuda, plain),
+        runner_setup.state_split(cuda, ngram),
     )
-    assert recurrent.mixer_kernels().startswith("the kernels of flash-linear-attention, causal-conv1d")
+    assert slots == 8
+    kept = 4 * ngram.num_speculative_tokens  # the ngram proposer's default rows
+    assert without - with_kept == pytest.approx(kept * 1000 / 10**9)

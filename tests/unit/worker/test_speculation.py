@@ -16,7 +16,7 @@ import torch
 
 from tests.tiny_families import tiny_config, tiny_model
 from tests.unit.worker.test_engine import request
-from worker.config import parse_config
+from worker.config import DEFAULT_MAX_ROWS, parse_config
 from worker.engine.core import Engine
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.options import EngineOptions
@@ -27,7 +27,7 @@ from worker.model.loader import ModelLoadError, load_model
 from worker.model.runner import ModelRunner
 from worker.sampling.ngram import propose
 from worker.sampling.sampler import SequenceSampling
-from worker.server import DEFAULT_MAX_ROWS, draft_quantization, eos_token_ids, speculation_of
+from worker.server import draft_quantization, eos_token_ids, speculation_of
 from worker.types import ContentDelta, Finished, GenerationRequest, SamplingOptions, Scheduling
 
 pytestmark = pytest.mark.slow  # left out of make test-fast
