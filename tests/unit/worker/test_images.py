@@ -190,4 +190,8 @@ def test_mrope_positions_equal_transformers_rope_index() -> None:
     merged = tuple((start, (t, h // 2, w // 2)) for start, (t, h, w) in zip(starts, grids, strict=True))
     assert torch.equal(mrope_positions(merged, 0, len(ids)), expected[:, 0])
     assert torch.equal(mrope_positions(merged, 5, 9), expected[:, 0, 5:14])  # a chunk's slice alone
-    assert mrope_delta(merged) == int(delta)
+    assert mrope_delta(merged, len(ids)) == int(delta)
+    # A one-token chunk runs as a decode row at its 1-D position plus the delta: before, between
+    # and after the images, moved by the images before it alone.
+    for position in (p for p, token in enumerate(ids) if token != 9):
+        assert position + mrope_delta(merged, position) == int(expected[0, 0, position]), position
