@@ -85,14 +85,19 @@ def chat(*parts: str | bytes, max_tokens: int = GREEDY_TOKENS) -> pb.GenerateReq
     )
 
 
+def deltas(events: list[pb.GenerateResponse]) -> list[Any]:
+    """The text deltas in order: content, and reasoning (Qwen3.5's template opens a thinking block)."""
+    return [
+        getattr(e, e.WhichOneof("event")) for e in events if e.WhichOneof("event") in ("content", "reasoning")
+    ]
+
+
 def generated(events: list[pb.GenerateResponse]) -> list[int]:
-    return [token for e in events if e.HasField("content") for token in e.content.token_ids]
+    return [token for delta in deltas(events) for token in delta.token_ids]
 
 
 def logprobs(events: list[pb.GenerateResponse]) -> torch.Tensor:
-    return torch.tensor(
-        [entry.logprob for e in events if e.HasField("content") for entry in e.content.logprobs]
-    )
+    return torch.tensor([entry.logprob for delta in deltas(events) for entry in delta.logprobs])
 
 
 def reference(served: Served, *parts: str | Image.Image) -> tuple[list[int], list[int], torch.Tensor]:
