@@ -16,7 +16,9 @@ from transformers import AutoTokenizer
 from tools.fixtures import DEFAULT_DIR, fetch_tokenizer
 from worker.model.loader import load_processor
 
-ARCHITECTURES = ("llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl")
+TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "templates"  # the families' real templates
+
+ARCHITECTURES = ("llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "gemma4")
 TEXT: dict[str, Any] = {
     "hidden_size": 64,
     "intermediate_size": 64,
@@ -253,32 +255,9 @@ def _qwen_vl(folder: Path, arch: str = "qwen2_vl") -> None:
     )
 
 
-BUILDERS: dict[str, Callable[[Path], None]] = {
-    "llava": _llava,
-    "gemma3": _gemma3,
-    "idefics3": _idefics3,
-    "qwen2_vl": _qwen_vl,
-    "qwen2_5_vl": lambda folder: _qwen_vl(folder, "qwen2_5_vl"),
-}
-
-
-def build_tiny_vlm(arch: str, folder: Path) -> Path:
-    """A tiny random-weight vision-language model of ``arch`` (one of :data:`ARCHITECTURES`) saved
-    in ``folder`` with its processor; returns ``folder``. Seeded: the same weights every time."""
-    if arch not in BUILDERS:
-        raise ValueError(f"no tiny builder for {arch!r}; known: {', '.join(BUILDERS)}")
-    if folder.exists():
-        shutil.rmtree(folder)
-    folder.mkdir(parents=True)
-    torch.manual_seed(0)
-    BUILDERS[arch](folder)
-    load_processor(str(folder))  # the folder loads (Qwen2-VL's without a video processor)
-    return folder
-
-
-# Vision-language checkpoints served for text alone (worker/model/text_only.py TEXT_ONLY): their
-# language models are the hybrid and Gemma 4 tiny families', beside a tiny vision tower.
-TEXT_ONLY_ARCHITECTURES = ("qwen3_5", "qwen3_5_moe", "gemma4")
+# The multimodal checkpoints of the hybrid and Gemma 4 tiny families: their language models beside
+# a tiny vision tower.
+MULTIMODAL_HYBRIDS = ("qwen3_5", "qwen3_5_moe", "gemma4")
 QWEN3_5_VISION: dict[str, Any] = {
     **{key: QWEN_VISION[key] for key in ("depth", "num_heads", "patch_size", "spatial_merge_size")},
     "hidden_size": 32,
@@ -288,7 +267,7 @@ QWEN3_5_VISION: dict[str, Any] = {
 }
 
 
-def _text_only_config(arch: str, tokenizer: Any) -> Any:
+def _multimodal_config(arch: str, tokenizer: Any) -> Any:
     """The multimodal config of ``arch``: the tiny family's text config with the tokenizer's vocabulary."""
     from tests.tiny_families import tiny_config
 
@@ -309,21 +288,109 @@ def _text_only_config(arch: str, tokenizer: Any) -> Any:
     return config_class(text_config=text, vision_config=QWEN3_5_VISION, tie_word_embeddings=True, **tokens)
 
 
-def build_text_only_vlm(arch: str, folder: Path) -> Path:
-    """A tiny random-weight multimodal checkpoint of ``arch`` (one of :data:`TEXT_ONLY_ARCHITECTURES`:
-    its ``ForConditionalGeneration`` class, a vision tower included) saved with save_pretrained and a
-    real tokenizer (Qwen3's; Gemma 3's for Gemma 4), no processor; returns ``folder``. Seeded."""
-    if arch not in TEXT_ONLY_ARCHITECTURES:
-        raise ValueError(
-            f"no tiny text-only builder for {arch!r}; known: {', '.join(TEXT_ONLY_ARCHITECTURES)}"
-        )
+def _qwen3_5(folder: Path, arch: str = "qwen3_5") -> None:
+    """Qwen3.5 (or its MoE): the hybrid tiny family's language model beside a tiny vision tower,
+    with Qwen3-VL's processor (Qwen2-VL's image processor) as the released checkpoints have it."""
+    tokenizer = AutoTokenizer.from_pretrained(_fixture("qwen3"))
+    tokenizer.chat_template = (TEMPLATES / "Qwen3.5-4B.jinja").read_text()
+    model = transformers.AutoModelForImageTextToText.from_config(_multimodal_config(arch, tokenizer))
+    model.config.architectures = [type(model).__name__]
+    with torch.no_grad():  # a merger this small and this random makes every image look alike
+        for parameter in model.model.visual.merger.parameters():
+            torch.nn.init.normal_(parameter, std=0.5)
+    _save(
+        model,
+        folder,
+        {
+            "preprocessor_config.json": {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": "Qwen3VLProcessor",
+                "patch_size": QWEN3_5_VISION["patch_size"],
+                "merge_size": QWEN3_5_VISION["spatial_merge_size"],
+                "temporal_patch_size": 2,
+                "size": {"shortest_edge": 16 * 16, "longest_edge": 32 * 32},
+                **IMAGE_DEFAULTS,
+            },
+            "processor_config.json": {"processor_class": "Qwen3VLProcessor"},
+        },
+        tokenizer,
+    )
+
+
+# Gemma 4's own image and audio markers (its template writes ``<|image|>``), added to Gemma 3's
+# tokenizer (no Gemma 4 tokenizer is on the registries) under the names its processor reads.
+GEMMA4_TOKENS = {
+    "image_token": "<|image|>",
+    "boi_token": "<|image>",
+    "eoi_token": "<image|>",
+    "audio_token": "<|audio|>",
+    "boa_token": "<|audio>",
+    "eoa_token": "<audio|>",
+    "video_token": "<|video|>",
+}
+
+
+def _gemma4(folder: Path) -> None:
+    """Gemma 4: the tiny ``gemma4_text`` family (KV-sharing layers, per-layer embeddings) beside a
+    tiny variable-resolution vision tower, with its own template and processor (no audio tower)."""
+    tokenizer = AutoTokenizer.from_pretrained(_fixture("gemma3"), extra_special_tokens=GEMMA4_TOKENS)
+    tokenizer.chat_template = (TEMPLATES / "google-gemma-4-31B-it.jinja").read_text()
+    config = _multimodal_config("gemma4", tokenizer)
+    config.text_config.use_bidirectional_attention = "vision"  # as the larger checkpoints have it
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in GEMMA4_TOKENS.items()}
+    config.image_token_id, config.boi_token_id, config.eoi_token_id = (
+        ids["image_token"],
+        ids["boi_token"],
+        ids["eoi_token"],
+    )
+    config.audio_token_id, config.boa_token_id = ids["audio_token"], ids["boa_token"]
+    config.eoa_token_index, config.video_token_id = ids["eoa_token"], ids["video_token"]
+    model = transformers.AutoModelForImageTextToText.from_config(config)
+    model.config.architectures = [type(model).__name__]
+    with torch.no_grad():  # the tiny tower's features are small beside the text embeddings
+        torch.nn.init.normal_(model.model.embed_vision.embedding_projection.weight, std=2.0)
+    _save(
+        model,
+        folder,
+        {
+            "preprocessor_config.json": {
+                "image_processor_type": "Gemma4ImageProcessor",
+                "processor_class": "Gemma4Processor",
+                "patch_size": 4,
+                "max_soft_tokens": 70,  # the smallest it takes
+                "pooling_kernel_size": 3,
+                "do_resize": True,
+                "do_rescale": True,
+                "do_normalize": False,
+                "do_convert_rgb": True,
+            },
+            "processor_config.json": {"processor_class": "Gemma4Processor", "image_seq_length": 70},
+        },
+        tokenizer,
+    )
+
+
+BUILDERS: dict[str, Callable[[Path], None]] = {
+    "llava": _llava,
+    "gemma3": _gemma3,
+    "idefics3": _idefics3,
+    "qwen2_vl": _qwen_vl,
+    "qwen2_5_vl": lambda folder: _qwen_vl(folder, "qwen2_5_vl"),
+    "qwen3_5": _qwen3_5,
+    "qwen3_5_moe": lambda folder: _qwen3_5(folder, "qwen3_5_moe"),
+    "gemma4": _gemma4,
+}
+
+
+def build_tiny_vlm(arch: str, folder: Path) -> Path:
+    """A tiny random-weight vision-language model of ``arch`` (one of :data:`ARCHITECTURES`) saved
+    in ``folder`` with its processor; returns ``folder``. Seeded: the same weights every time."""
+    if arch not in BUILDERS:
+        raise ValueError(f"no tiny builder for {arch!r}; known: {', '.join(BUILDERS)}")
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    tokenizer = AutoTokenizer.from_pretrained(_fixture("gemma3" if arch == "gemma4" else "qwen3"))
     torch.manual_seed(0)
-    model = transformers.AutoModelForImageTextToText.from_config(_text_only_config(arch, tokenizer))
-    model.config.architectures = [type(model).__name__]
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
+    BUILDERS[arch](folder)
+    load_processor(str(folder))  # the folder loads (Qwen2-VL's without a video processor)
     return folder

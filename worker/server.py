@@ -46,12 +46,11 @@ from worker.model.loader import LoadedModel, ModelLoadError, load_model
 from worker.model.pooling_runner import PoolingRunner
 from worker.model.runner import ModelRunner
 from worker.model.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner, prefill_tokens
-from worker.model.text_only import images_not_served
 from worker.model.vision import vision_spec
 from worker.output.processor import TextRules
 from worker.prompts.family import FamilyProfile, choose_profile
 from worker.prompts.images import ImageProcessing
-from worker.prompts.prompt import NO_IMAGES, PromptRenderer
+from worker.prompts.prompt import PromptRenderer
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.drain import DrainingWorker
 from worker.service.servicer import ServingModel, WorkerService
@@ -268,9 +267,7 @@ def prompt_renderer(loaded: LoadedModel, profile: FamilyProfile) -> PromptRender
     """The prompt renderer of a generation model (with its image processing, for a vision model)."""
     spec = vision_spec(loaded.model.config) if loaded.processor is not None else None
     images = ImageProcessing(loaded.processor, spec) if spec is not None else None
-    # A vision-language model served for text alone says so (a fake model has no config).
-    refused = images_not_served(loaded.model.config) if loaded.model is not None else None
-    return PromptRenderer(loaded.tokenizer, profile, images, refused or NO_IMAGES)
+    return PromptRenderer(loaded.tokenizer, profile, images)
 
 
 def serving_in_own_process(

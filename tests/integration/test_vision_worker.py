@@ -25,7 +25,7 @@ from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.images import data_url
 from tests.processes import EdgeProcess, WorkerProcess
-from tests.tiny_vlms import build_text_only_vlm, build_tiny_vlm
+from tests.tiny_vlms import build_tiny_vlm
 from worker.model.loader import load_processor
 
 pytestmark = pytest.mark.integration
@@ -85,14 +85,19 @@ def chat(*parts: str | bytes, max_tokens: int = GREEDY_TOKENS) -> pb.GenerateReq
     )
 
 
+def deltas(events: list[pb.GenerateResponse]) -> list[Any]:
+    """The text deltas in order: content, and reasoning (Qwen3.5's template opens a thinking block)."""
+    return [
+        getattr(e, e.WhichOneof("event")) for e in events if e.WhichOneof("event") in ("content", "reasoning")
+    ]
+
+
 def generated(events: list[pb.GenerateResponse]) -> list[int]:
-    return [token for e in events if e.HasField("content") for token in e.content.token_ids]
+    return [token for delta in deltas(events) for token in delta.token_ids]
 
 
 def logprobs(events: list[pb.GenerateResponse]) -> torch.Tensor:
-    return torch.tensor(
-        [entry.logprob for e in events if e.HasField("content") for entry in e.content.logprobs]
-    )
+    return torch.tensor([entry.logprob for delta in deltas(events) for entry in delta.logprobs])
 
 
 def reference(served: Served, *parts: str | Image.Image) -> tuple[list[int], list[int], torch.Tensor]:
@@ -226,35 +231,32 @@ def test_a_text_only_model_refuses_image_parts(tiny_model_dir: Path, tmp_path: P
     assert details.code == grpc.StatusCode.INVALID_ARGUMENT and details.param == "messages[0].parts"
 
 
-def test_a_multimodal_qwen3_5_is_served_for_text_and_refuses_image_parts(tmp_path: Path) -> None:
-    """The Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration, a vision tower beside
-    the hybrid language model): text decodes greedily like the checkpoint's eager forward; an image
-    part is refused saying its images are not served yet; ListModels advertises no images."""
+def test_a_multimodal_qwen3_5_serves_images_over_its_state_cache(tmp_path: Path) -> None:
+    """The Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration: a vision tower beside
+    the hybrid language model, Qwen3-VL's processor, its own template): ListModels advertises images;
+    an image decodes greedily like transformers' ``generate`` with its logprobs; the same image again
+    resumes from a state checkpoint past the image and decodes the same tokens."""
     from transformers import AutoModelForImageTextToText
 
-    folder = build_text_only_vlm("qwen3_5", tmp_path / "qwen3_5")
+    folder = build_tiny_vlm("qwen3_5", tmp_path / "qwen3_5")
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    ids = [(7 * i + 3) % 1000 for i in range(12)]
-    with torch.no_grad():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=GREEDY_TOKENS, do_sample=False)
-    expected = out[0, len(ids) :].tolist()
-    text = pb.GenerateRequest(
-        prompt=pb.PromptInput(token_ids=pb.TokenIds(ids=ids)),
-        sampling=pb.SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True),
-        return_token_ids=True,
-    )
+    image = noise(12)
     with (
         WorkerProcess(cache_dir=tmp_path, log_dir=tmp_path, model=str(folder), extra=WORKER_FLAGS) as worker,
         grpc.insecure_channel(worker.address) as channel,
     ):
-        stub = pb_grpc.WorkerStub(channel)
-        assert not stub.ListModels(pb.ListModelsRequest()).models[0].accepts_images
-        assert generated(list(stub.Generate(text))) == expected
-        with pytest.raises(grpc.RpcError) as info:
-            list(stub.Generate(chat("Look:", encoded(noise(9)))))
-    details = read_details(info.value)
-    assert details.code == grpc.StatusCode.INVALID_ARGUMENT and details.param == "messages[0].parts"
-    assert "this model's images are not served yet (qwen3_5:" in details.message
+        served = Served("qwen3_5", pb_grpc.WorkerStub(channel), load_processor(str(folder)), model, "")
+        assert served.stub.ListModels(pb.ListModelsRequest()).models[0].accepts_images
+        first = list(served.stub.Generate(chat(encoded(image), "What is in this picture?")))
+        again = list(served.stub.Generate(chat(encoded(image), "What is in this picture?")))
+    prompt, expected, expected_logprobs = reference(served, image, "What is in this picture?")
+    start, end = image_span(served, prompt)
+    assert first[0].started.prompt_tokens == len(prompt)
+    assert generated(first) == expected
+    assert torch.allclose(logprobs(first), expected_logprobs, atol=5e-3, rtol=0)
+    assert first[-1].usage.cached_tokens <= start
+    assert again[-1].usage.cached_tokens >= end  # a state checkpoint past the image
+    assert generated(again) == expected
 
 
 def edge_chat(served: Served, image_url: str, text: str) -> httpx.Response:

@@ -35,6 +35,8 @@ class Chunk:
     # Position spans ``[start, end)`` whose tokens also see each other's later tokens (a Gemma 3
     # image's placeholders, one bidirectional block); the chunk holds each span's end.
     spans: tuple[tuple[int, int], ...] = ()
+    # The spans are bidirectional on sliding-window layers only (Gemma 4's "vision" mode).
+    windowed_spans: bool = False
     _masks: dict[tuple[int | None, int], torch.Tensor | None] = field(default_factory=dict)
 
     def mask(self, window: int | None, group: int) -> torch.Tensor | None:
@@ -42,9 +44,8 @@ class Chunk:
         (both may differ between layers), built once per step."""
         key = (window, group)
         if key not in self._masks:
-            self._masks[key] = chunk_mask(
-                self.count, self.context, group, self.blocks.device, window, self.spans
-            )
+            spans = () if self.windowed_spans and window is None else self.spans
+            self._masks[key] = chunk_mask(self.count, self.context, group, self.blocks.device, window, spans)
         return self._masks[key]
 
 

@@ -36,7 +36,6 @@ from worker.model.mistral_tokenizer import with_mistral_common
 from worker.model.packed_linear import pack_linears
 from worker.model.pooling import PoolingConfigError, PoolingSpec, detect_task, read_spec
 from worker.model.prequantized import PrequantizedLoadError, checkpoint_format, load_prequantized
-from worker.model.text_only import serves_images
 from worker.quant.auto_choice import linear_shapes, measure_once
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
@@ -213,7 +212,7 @@ def load_model(
         kernels,
     )
     processor = None
-    if task == "generate" and serves_images(hf_model.config):
+    if task == "generate" and is_vision_config(hf_model.config):
         processor = load_processor(str(folder) if folder is not None else str(model))
     return LoadedModel(
         model=hf_model,
@@ -348,14 +347,20 @@ def _load_quantized(
     return hf_model, tokenizer
 
 
+def is_vision_config(config: Any) -> bool:
+    """The config is a vision-language model's (it has a vision part): loaded with its processor."""
+    return getattr(config, "vision_config", None) is not None
+
+
 def is_vision_folder(target: str) -> bool:
     """The model is a vision-language model (its config has a vision part)."""
-    return getattr(AutoConfig.from_pretrained(target), "vision_config", None) is not None
+    return is_vision_config(AutoConfig.from_pretrained(target))
 
 
 def load_processor(target: str) -> Any:
     """A vision-language model's processor, on its PIL image paths (no torchvision). A processor
-    that also wants a video processor (which needs torchvision) is built without one: images only."""
+    that also wants a video processor (which needs torchvision) is built without one (and without
+    an audio feature extractor): images only."""
     try:
         try:
             return AutoProcessor.from_pretrained(target, backend="pil")
@@ -385,11 +390,14 @@ def _images_only_processor(target: str) -> Any:
             )
 
     tokenizer = AutoTokenizer.from_pretrained(target)
+    # Gemma 4's processor also takes an audio feature extractor: images only, so none.
+    audio = {"feature_extractor": None} if "feature_extractor" in base.get_attributes() else {}
     return ImagesOnly(
         image_processor=AutoImageProcessor.from_pretrained(target, backend="pil"),
         tokenizer=tokenizer,
         video_processor=None,
         chat_template=tokenizer.chat_template,
+        **audio,
     )
 
 

@@ -44,6 +44,11 @@ def packing_supported(dtype: torch.dtype) -> bool:
     return False
 
 
+# Modules whose own forward reads a child projection's ``weight``: a MultiheadAttention (a SigLIP
+# vision tower's pooling head) and Gemma 4's patch embedder (its dtype).
+READS_WEIGHTS = frozenset({"MultiheadAttention", "Gemma4VisionPatchEmbedder"})
+
+
 def pack_linears(model: torch.nn.Module, *, batch_hint: int) -> int:
     """Replaces every ``nn.Linear`` of a CPU ``model`` by a :class:`PackedLinear`; returns how many.
 
@@ -51,12 +56,12 @@ def pack_linears(model: torch.nn.Module, *, batch_hint: int) -> int:
     Returns 0, leaving the model unchanged, where packing is unsupported or gives a wrong result.
     """
     # (parent, attribute) pairs only: holding the layers themselves would keep every original
-    # weight alive until the end, doubling the weights' memory while packing. A MultiheadAttention
-    # (a SigLIP vision tower's pooling head) reads its projection's weight itself: kept.
+    # weight alive until the end, doubling the weights' memory while packing. Modules that read
+    # their projections' weights themselves keep them (:data:`READS_WEIGHTS`).
     slots = [
         (parent, name)
         for parent in model.modules()
-        if not isinstance(parent, torch.nn.MultiheadAttention)
+        if type(parent).__name__ not in READS_WEIGHTS
         for name, child in parent.named_children()
         if isinstance(child, torch.nn.Linear) and child.weight.device.type == "cpu"
     ]

@@ -30,7 +30,6 @@ from worker.model.step_inputs import (
     is_decode_row,
     token_rows,
 )
-from worker.model.text_only import log_text_only
 from worker.model.verify_states import VerifyStates, verify_states
 from worker.model.vision import VisionEncoder, mrope_positions, vision_spec
 from worker.quant.layers import row_invariant_linears
@@ -101,7 +100,6 @@ class ModelRunner:
         self.dtype = loaded.dtype
         self.attention = check_attention(self.model, getattr(loaded, "context_length", None))
         spec = vision_spec(self.model.config)  # raises for a vision-language model not served
-        log_text_only(self.model.config)
         paged.register()
         if spec is None:
             self.model.set_attn_implementation(paged.NAME)
@@ -271,6 +269,7 @@ class ModelRunner:
                     context,
                     torch.tensor(list(blocks), dtype=torch.long, device=device),
                     spans=tuple(image.span for image in item.images) if bidirectional else (),
+                    windowed_spans=bidirectional and bool(self.vision and self.vision.spec.windowed_only),
                 )
             )
         step = paged.PagedStep(pool=self.pool, slots=flat.slot_tensor(device), chunks=chunks)
@@ -344,7 +343,7 @@ class ModelRunner:
         images: list[ChunkImage] = [image for item in work for image in item.images]
         if images:
             assert self.vision is not None
-            inputs = {"inputs_embeds": self.vision.embed(ids, images, _image_spans(flat, work))}
+            inputs = self.vision.inputs(ids, images, _image_spans(flat, work))
         positions = torch.tensor([flat.positions], dtype=torch.long, device=device)
         if any(item.grids for item in work):
             positions = torch.cat(

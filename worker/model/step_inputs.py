@@ -129,16 +129,21 @@ def work_of(seq: PlannedSequence, count: int, proposals: tuple[int, ...] = ()) -
         len(proposals),
         chunk,
         grids,
-        mrope_delta(grids),
+        mrope_delta(grids, start),
         seq,
         seq.state_slot,
         lora=seq.lora,
     )
 
 
-def mrope_delta(grids: Sequence[tuple[int, tuple[int, int, int]]]) -> int:
-    """How far M-RoPE moves the positions after every image (the decode rows' offset)."""
-    return sum(max(rows, columns) - frames * rows * columns for _, (frames, rows, columns) in grids)
+def mrope_delta(grids: Sequence[tuple[int, tuple[int, int, int]]], position: int) -> int:
+    """How far M-RoPE moves ``position`` (a decode row's offset): by the images that end at or
+    before it (a one-token prompt chunk before an image runs as a decode row too, unmoved)."""
+    return sum(
+        max(rows, columns) - frames * rows * columns
+        for start, (frames, rows, columns) in grids
+        if start + frames * rows * columns <= position
+    )
 
 
 def is_decode_row(item: Work) -> bool:

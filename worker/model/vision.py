@@ -14,9 +14,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from worker.model.loader import ModelLoadError
+from worker.model.loader import ModelLoadError, is_vision_config
 from worker.model.step_inputs import ChunkImage
-from worker.model.text_only import TEXT_ONLY, images_not_served, is_vision_config
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +27,13 @@ SERVED: dict[str, bool] = {
     "idefics3": False,
     "qwen2_vl": False,
     "qwen2_5_vl": False,
+    "qwen3_5": False,
+    "qwen3_5_moe": False,
+    "gemma4": False,  # with use_bidirectional_attention "vision": on its sliding layers (vision_spec)
 }
 # Architectures whose rotary positions are 3-D (M-RoPE): an image's tokens take (time, row, column).
-MROPE = frozenset({"qwen2_vl", "qwen2_5_vl"})
+# Qwen3.5's interleaved sections read the same positions (its rotary embedding interleaves them).
+MROPE = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe"})
 
 
 @dataclass(frozen=True)
@@ -43,20 +46,21 @@ class VisionSpec:
     bidirectional: bool
     # M-RoPE: how many patches per side the vision tower merges into one token (None: 1-D positions).
     mrope_merge: int | None = None
+    # The bidirectional runs only on sliding-window layers (Gemma 4's "vision" mode; global: causal).
+    windowed_only: bool = False
 
 
 def vision_spec(config: Any) -> VisionSpec | None:
-    """The spec of a served vision-language config, None for a text-only one or one served for text
-    alone (:data:`TEXT_ONLY`); raises :class:`ModelLoadError` for another vision-language architecture."""
-    if not is_vision_config(config) or images_not_served(config) is not None:
+    """The spec of a served vision-language config, None for a text-only one; raises
+    :class:`ModelLoadError` for another vision-language architecture."""
+    if not is_vision_config(config):
         return None
     kind = str(getattr(config, "model_type", "?"))
     names = ", ".join(getattr(config, "architectures", None) or []) or kind
     if kind not in SERVED:
         raise ModelLoadError(
             f"{names} ({kind}) is a vision-language architecture Sluice does not serve yet; "
-            f"served: {', '.join(sorted(SERVED))}, and for text alone {', '.join(sorted(TEXT_ONLY))} "
-            "(docs/models.md)"
+            f"served: {', '.join(sorted(SERVED))} (docs/models.md)"
         )
     token = getattr(config, "image_token_id", None)
     if token is None:
@@ -64,6 +68,9 @@ def vision_spec(config: Any) -> VisionSpec | None:
     if token is None:
         raise ModelLoadError(f"{names} ({kind}): the config names no image token (image_token_id)")
     merge = int(config.vision_config.spatial_merge_size) if kind in MROPE else None
+    if kind == "gemma4":  # images bidirectional on the sliding layers in its "vision" mode alone
+        vision_mode = getattr(config.get_text_config(), "use_bidirectional_attention", None) == "vision"
+        return VisionSpec(kind, int(token), vision_mode, None, windowed_only=vision_mode)
     return VisionSpec(kind, int(token), SERVED[kind], merge)
 
 
@@ -77,6 +84,13 @@ class VisionEncoder:
         self.dtype = dtype
         self.embed_tokens = model.get_input_embeddings()
         config = model.config
+        text = config.get_text_config()
+        # Gemma 4's per-layer embeddings: its placeholders read the padding token's, as in
+        # transformers' own forward (the language model's lookup, computed beside the features).
+        self._per_layer: Any = None
+        if getattr(text, "hidden_size_per_layer_input", None):
+            self._per_layer = model.model.language_model.get_per_layer_inputs
+            self._pad_token_id = int(text.pad_token_id)
         # LLaVA's encoder call names the layer and the CLS handling its config chose.
         self._options = {
             name: getattr(config, name)
@@ -105,6 +119,19 @@ class VisionEncoder:
             for row, index in enumerate(indexes):
                 out[index] = features[row].reshape(-1, features[row].shape[-1])
         return [feature for feature in out if feature is not None]
+
+    def inputs(
+        self, ids: torch.Tensor, images: Sequence[ChunkImage], spans: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """The language model's inputs for ``ids`` ``[1, T]`` with the step's images: the input
+        embeddings (:meth:`embed`), and for a model with per-layer embeddings (Gemma 4) those
+        inputs, each placeholder's the padding token's."""
+        embeds = self.embed(ids, images, spans)
+        if self._per_layer is None:
+            return {"inputs_embeds": embeds}
+        placeholders = (ids == self.spec.image_token_id) & spans.to(ids.device)
+        text_ids = ids.masked_fill(placeholders, self._pad_token_id)
+        return {"inputs_embeds": embeds, "per_layer_inputs": self._per_layer(text_ids, None)}
 
     def embed(self, ids: torch.Tensor, images: Sequence[ChunkImage], spans: torch.Tensor) -> torch.Tensor:
         """The input embeddings of ``ids`` ``[1, T]`` with the images' feature rows at their

@@ -76,13 +76,10 @@ class PromptRenderer:
         tokenizer: Any,
         profile: FamilyProfile | None = None,
         images: ImageProcessing | None = None,
-        images_refused: str = NO_IMAGES,
     ):
-        """``images``: a vision-language model's processing (None: the model takes no images);
-        ``images_refused``: why not, in the refusal of a request's image parts."""
+        """``images``: a vision-language model's processing (None: the model takes no images)."""
         self._tokenizer = tokenizer
         self._images = images
-        self._images_refused = images_refused
         self.profile = profile or FamilyProfile("unknown")
         template = self.profile.template or getattr(tokenizer, "chat_template", None)
         self._mistral = mistral_common_of(tokenizer)  # a tekken tokenizer: mistral-common renders
@@ -153,9 +150,7 @@ class PromptRenderer:
             if not message.images:
                 continue
             if self._images is None:
-                raise InvalidRequest(
-                    f"messages[{i}].parts: {self._images_refused}", param=f"messages[{i}].parts"
-                )
+                raise InvalidRequest(f"messages[{i}].parts: {NO_IMAGES}", param=f"messages[{i}].parts")
             if message.role != "user":
                 raise InvalidRequest(
                     f"messages[{i}].parts: only user messages may carry images", param=f"messages[{i}].parts"

@@ -9,7 +9,7 @@ import torch
 from PIL import Image
 
 from sluice.v1 import worker_pb2 as pb
-from worker.attention.paged import chunk_mask
+from worker.attention.paged import Chunk, chunk_mask
 from worker.engine.kv_blocks import BlockManager
 from worker.engine.scheduler import SeqState
 from worker.errors import InvalidRequest, WorkerError
@@ -145,6 +145,14 @@ def test_an_image_block_sees_its_later_tokens_within_the_window() -> None:
     assert torch.equal(chunk_mask(6, 6, 2, torch.device("cpu"), None, ((1, 4),))[6:], mask)
 
 
+def test_windowed_spans_are_bidirectional_on_sliding_layers_only() -> None:
+    """Gemma 4's "vision" mode: a global layer (no window) keeps its causal mask."""
+    chunk = Chunk(0, 6, 6, torch.zeros(2, dtype=torch.long), spans=((1, 4),), windowed_spans=True)
+    assert chunk.mask(None, 1) is None  # a whole prompt, causal: SDPA's own mask
+    sliding = chunk.mask(8, 1)
+    assert sliding is not None and sliding[1, 3] and not sliding[0, 1]
+
+
 def test_an_unserved_vision_language_architecture_is_refused_naming_it() -> None:
     import transformers
 
@@ -154,7 +162,7 @@ def test_an_unserved_vision_language_architecture_is_refused_naming_it() -> None
     assert vision_spec(transformers.LlamaConfig()) is None
     with pytest.raises(ModelLoadError) as info:
         vision_spec(transformers.LlavaNextConfig())
-    assert "llava_next" in str(info.value) and "served: gemma3, idefics3, llava" in str(info.value)
+    assert "llava_next" in str(info.value) and "served: gemma3, gemma4, idefics3, llava" in str(info.value)
 
 
 def test_mrope_positions_equal_transformers_rope_index() -> None:
@@ -190,4 +198,8 @@ def test_mrope_positions_equal_transformers_rope_index() -> None:
     merged = tuple((start, (t, h // 2, w // 2)) for start, (t, h, w) in zip(starts, grids, strict=True))
     assert torch.equal(mrope_positions(merged, 0, len(ids)), expected[:, 0])
     assert torch.equal(mrope_positions(merged, 5, 9), expected[:, 0, 5:14])  # a chunk's slice alone
-    assert mrope_delta(merged) == int(delta)
+    assert mrope_delta(merged, len(ids)) == int(delta)
+    # A one-token chunk runs as a decode row at its 1-D position plus the delta: before, between
+    # and after the images, moved by the images before it alone.
+    for position in (p for p, token in enumerate(ids) if token != 9):
+        assert position + mrope_delta(merged, position) == int(expected[0, 0, position]), position
