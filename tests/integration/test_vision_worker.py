@@ -218,11 +218,8 @@ def test_a_gif_is_read_from_its_first_frame(served: Served) -> None:
     assert generated(list(served.stub.Generate(chat(out.getvalue(), "What is it?")))) == expected
 
 
-def test_a_text_only_model_refuses_image_parts(tiny_model_dir: Path, tmp_path: Path) -> None:
-    with (
-        WorkerProcess(cache_dir=tmp_path, log_dir=tmp_path, model=str(tiny_model_dir)) as worker,
-        grpc.insecure_channel(worker.address) as channel,
-    ):
+def test_a_text_only_model_refuses_image_parts(default_worker: WorkerProcess) -> None:
+    with grpc.insecure_channel(default_worker.address) as channel:
         stub = pb_grpc.WorkerStub(channel)
         assert not stub.ListModels(pb.ListModelsRequest()).models[0].accepts_images
         with pytest.raises(grpc.RpcError) as info:
