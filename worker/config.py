@@ -502,13 +502,16 @@ class WorkerConfig:
         if not self.enable_lora:
             return ["--lora-modules only applies with --enable-lora"] if self.lora_modules else []
         found = [
-            f"--enable-lora cannot be combined with {flag} yet"
-            for flag, on in (
-                ("--fake-tokens", self.fake_tokens),
-                ("--engine-process", self.engine_process),
-                ("--speculative draft", self.speculative == "draft"),
-                ("--batch-invariant", self.batch_invariant),
-                (f"--task {self.task}", self.task in ("embed", "score")),
+            f"--enable-lora cannot be combined with {flag} yet ({why})"
+            for flag, on, why in (
+                ("--fake-tokens", self.fake_tokens, "it runs no model to wrap"),
+                ("--engine-process", self.engine_process, "the adapters live in the serving process"),
+                (
+                    "--batch-invariant",
+                    self.batch_invariant,
+                    "the adapters' float products depend on the batch",
+                ),
+                (f"--task {self.task}", self.task in ("embed", "score"), "adapters are for generation"),
             )
             if on
         ]
