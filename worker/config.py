@@ -490,7 +490,10 @@ class WorkerConfig:
                 "--kv-offload-bytes needs a generating model (not --fake-tokens or --task embed/score)"
             )
         if self.kv_offload_bytes and self.engine_process:
-            found.append("--kv-offload-bytes cannot be combined with --engine-process yet")
+            found.append(
+                "--kv-offload-bytes cannot be combined with --engine-process yet (the tier would run "
+                "in the engine process: not tested there)"
+            )
         if self.speculative != "off" and self.fake_tokens:
             found.append("--speculative needs a model; --fake-tokens runs none")
         found += self._lora_problems()
