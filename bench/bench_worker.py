@@ -6,6 +6,7 @@ Usage::
     python bench/bench_worker.py --peer               # ... and compares with the peer
     python bench/bench_worker.py --worker 127.0.0.1:50051 --concurrency 1,16
     python bench/bench_worker.py --peer --worker-args="--stream-interval 4"   # a worker setting
+    python bench/bench_worker.py --lora 1,4,8 --concurrency 8   # LoRA adapters against the base
 
 For each concurrency level C, C streams start at once; request i asks for
 64 + (37 * i mod 65) tokens (64 to 128) at temperature 1 for one of a few
@@ -20,6 +21,12 @@ the summary takes each level's median run, so a noisy moment on this shared
 machine does not decide a ratio.
 The peer needs `pip install "transformers[serving]"` and loads the same
 converted checkpoint the worker uses.
+
+With ``--lora 1,4,8`` the started worker serves 8 random rank-8 PEFT adapters over every
+attention and MLP projection (``--enable-lora --max-loras 8``, built with peft in a temporary
+folder) and each level also runs with its streams spread over 1, 4 and 8 adapters (stream i
+names adapter i mod N); the summary prints each one's tokens/s against the base model's on the
+same worker. ``--max-tokens N`` caps every stream's tokens, for a short run on a slow machine.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -90,8 +98,11 @@ def quantile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+MAX_TOKENS = [128]  # --max-tokens: a cap on every stream's tokens (a short run)
+
+
 def load(i: int) -> tuple[str, int]:
-    return PROMPTS[i % len(PROMPTS)], 64 + (37 * i) % 65
+    return PROMPTS[i % len(PROMPTS)], min(64 + (37 * i) % 65, MAX_TOKENS[0])
 
 
 def free_port() -> int:
@@ -113,9 +124,13 @@ STORY_SCHEMA = json.dumps(
 )
 
 
-async def sluice_stream(stub: pb_grpc.WorkerStub, i: int, constrained: bool = False) -> StreamResult:
+async def sluice_stream(
+    stub: pb_grpc.WorkerStub, i: int, constrained: bool = False, adapters: int = 0
+) -> StreamResult:
+    """Stream ``i`` of a level; with ``adapters`` N, under LoRA adapter ``i mod N``."""
     prompt, max_tokens = load(i)
     request = pb.GenerateRequest(
+        model=f"{LORA_PREFIX}{i % adapters}" if adapters else "",
         chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content=prompt)]),
         sampling=pb.SamplingParams(temperature=1.0, max_tokens=max_tokens),
     )
@@ -141,10 +156,28 @@ async def read_stream(stub: pb_grpc.WorkerStub, request: pb.GenerateRequest) -> 
     return result
 
 
-async def sluice_level(stub: pb_grpc.WorkerStub, c: int, constrained: bool = False) -> LevelResult:
+async def sluice_level(
+    stub: pb_grpc.WorkerStub, c: int, constrained: bool = False, adapters: int = 0
+) -> LevelResult:
     start = time.perf_counter()
-    results = await asyncio.gather(*[sluice_stream(stub, i, constrained) for i in range(c)])
+    results = await asyncio.gather(*[sluice_stream(stub, i, constrained, adapters) for i in range(c)])
     return LevelResult(c, time.perf_counter() - start, list(results))
+
+
+LORA_PREFIX = "lora"  # --lora's adapters are lora0, lora1, ...
+LORA_RANK = 8
+
+
+def lora_flags(model_dir: str, count: int, folder: Path) -> list[str]:
+    """Worker flags serving ``count`` random PEFT adapters of ``model_dir``, written in ``folder``."""
+    from tests.lora_adapters import build_adapter
+
+    modules = [
+        f"{LORA_PREFIX}{i}={build_adapter(Path(model_dir), folder / str(i), seed=i, rank=LORA_RANK)}"
+        for i in range(count)
+    ]
+    flags = ["--enable-lora", "--max-loras", str(count), "--max-lora-rank", str(LORA_RANK)]
+    return [*flags, "--lora-modules", " ".join(modules)]
 
 
 # The benchmark's worker flags unless the caller's own say otherwise.
@@ -314,13 +347,29 @@ def median_level(runs: list[LevelResult]) -> LevelResult:
     return sorted(runs, key=lambda r: r.tokens_per_s)[len(runs) // 2]
 
 
+def lora_summary(sluice: dict[int, LevelResult], lora: dict[str, dict[int, LevelResult]]) -> None:
+    """Each level's tokens/s under N adapters against the base model's on the same worker."""
+    for name, results in lora.items():
+        for c, run in results.items():
+            if c in sluice:
+                ratio = run.tokens_per_s / sluice[c].tokens_per_s
+                print(
+                    f"  c={c:<3} {name}: {run.tokens_per_s:.1f} vs base {sluice[c].tokens_per_s:.1f} tok/s "
+                    f"({ratio:.2f}x)"
+                )
+
+
 def summary(
-    sluice: dict[int, LevelResult], peer: dict[int, LevelResult], constrained: dict[int, LevelResult]
+    sluice: dict[int, LevelResult],
+    peer: dict[int, LevelResult],
+    constrained: dict[int, LevelResult],
+    lora: dict[str, dict[int, LevelResult]] | None = None,
 ) -> None:
     print("\nsummary (median run of each level)")
-    for name, results in (("sluice", sluice), ("json", constrained), ("peer", peer)):
+    for name, results in (("sluice", sluice), ("json", constrained), ("peer", peer), *(lora or {}).items()):
         for level in results.values():
             report(name, level)
+    lora_summary(sluice, lora or {})
     for c, plain in sluice.items():
         if c in constrained:
             json_run = constrained[c]
@@ -350,11 +399,14 @@ async def measure(
     rounds: int,
     constrained: bool,
     worker_pid: int | None = None,
-) -> tuple[dict[int, LevelResult], dict[int, LevelResult], dict[int, LevelResult]]:
-    """Runs every level ``rounds`` times: Sluice, Sluice under a JSON grammar (with --constrained) and the
-    peer (with --peer) alternating, one at a time. Returns the median runs of each. With the worker's
-    pid, each Sluice run is followed by the CPU its processes and this client used."""
+    lora: Sequence[int] = (),
+) -> dict[str, dict[int, LevelResult]]:
+    """Runs every level ``rounds`` times: Sluice, Sluice under a JSON grammar (with --constrained),
+    Sluice spread over each of ``lora``'s adapter counts ("lora N") and the peer (with --peer)
+    alternating, one at a time. Returns the median runs of each, by name. With the worker's pid,
+    each Sluice run is followed by the CPU its processes and this client used."""
     runs: dict[str, dict[int, list[LevelResult]]] = {"sluice": {}, "json": {}, "peer": {}}
+    runs.update({f"lora {n}": {} for n in lora})
     url = f"{peer_base}/v1/chat/completions"
     async with grpc.aio.insecure_channel(address) as channel, httpx.AsyncClient(timeout=600) as client:
         stub = pb_grpc.WorkerStub(channel)
@@ -368,6 +420,8 @@ async def measure(
                 plan = [("sluice", lambda c=c: sluice_level(stub, c))]
                 if constrained:
                     plan.append(("json", lambda c=c: sluice_level(stub, c, constrained=True)))
+                for n in lora:
+                    plan.append((f"lora {n}", lambda c=c, n=n: sluice_level(stub, c, adapters=n)))
                 if peer_base:
                     plan.append(("peer", lambda c=c: peer_level(client, url, peer_model, c)))
                 for name, run in plan:
@@ -378,8 +432,7 @@ async def measure(
                     if before is not None:
                         tokens = sum(r.tokens for r in result.results)
                         print(f"       {cpu_line(before, snapshot(before.root), tokens)}", flush=True)
-    medians = {name: {c: median_level(r) for c, r in by_level.items()} for name, by_level in runs.items()}
-    return medians["sluice"], medians["peer"], medians["json"]
+    return {name: {c: median_level(r) for c, r in by_level.items()} for name, by_level in runs.items()}
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -410,14 +463,31 @@ def main() -> None:
     parser.add_argument(
         "--constrained", action="store_true", help="also run the load under a JSON-schema grammar"
     )
+    parser.add_argument(
+        "--lora",
+        default="",
+        help="adapter counts, e.g. 1,4,8: the started worker serves that many random LoRA adapters "
+        "and each level also runs spread over each count (tokens/s against the base model)",
+    )
+    parser.add_argument("--max-tokens", type=int, default=128, help="cap each stream's tokens (a short run)")
     args = parser.parse_args()
+    MAX_TOKENS[0] = args.max_tokens
     levels = [int(c) for c in args.concurrency.split(",")]
+    lora = [int(n) for n in args.lora.split(",") if n]
+    if lora and args.worker:
+        parser.error("--lora starts its own worker (with the adapters); leave out --worker")
 
     procs = []
+    adapters = tempfile.TemporaryDirectory(prefix="bench-lora-")
     try:
         address, worker_pid = args.worker, args.worker_pid
         if address is None:
-            proc, address = start_worker(args.cache_dir, shlex.split(args.worker_args))
+            extra = shlex.split(args.worker_args)
+            if lora:
+                model = default_model_dir(args.cache_dir) if "--model" not in extra else ""
+                model = model or extra[extra.index("--model") + 1]
+                extra += lora_flags(model, max(lora), Path(adapters.name))
+            proc, address = start_worker(args.cache_dir, extra)
             procs.append(proc)
             worker_pid = proc.pid
         peer_base, peer_model = None, ""
@@ -425,13 +495,15 @@ def main() -> None:
             peer_model = default_model_dir(args.cache_dir)
             peer_proc, peer_base = start_peer(peer_model)
             procs.append(peer_proc)
-        sluice, peer, constrained = asyncio.run(
-            measure(address, peer_base, peer_model, levels, args.rounds, args.constrained, worker_pid)
+        medians = asyncio.run(
+            measure(address, peer_base, peer_model, levels, args.rounds, args.constrained, worker_pid, lora)
         )
     finally:
         for proc in procs:
             stop(proc)
-    summary(sluice, peer, constrained)
+        adapters.cleanup()
+    lora_runs = {name: runs for name, runs in medians.items() if name.startswith("lora")}
+    summary(medians["sluice"], medians["peer"], medians["json"], lora_runs)
 
 
 if __name__ == "__main__":

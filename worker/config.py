@@ -507,7 +507,10 @@ class WorkerConfig:
                 "--kv-offload-bytes needs a generating model (not --fake-tokens or --task embed/score)"
             )
         if self.kv_offload_bytes and self.engine_process:
-            found.append("--kv-offload-bytes cannot be combined with --engine-process yet")
+            found.append(
+                "--kv-offload-bytes cannot be combined with --engine-process yet (the tier would run "
+                "in the engine process: not tested there)"
+            )
         if self.speculative != "off" and self.fake_tokens:
             found.append("--speculative needs a model; --fake-tokens runs none")
         found += self._lora_problems()
@@ -519,13 +522,16 @@ class WorkerConfig:
         if not self.enable_lora:
             return ["--lora-modules only applies with --enable-lora"] if self.lora_modules else []
         found = [
-            f"--enable-lora cannot be combined with {flag} yet"
-            for flag, on in (
-                ("--fake-tokens", self.fake_tokens),
-                ("--engine-process", self.engine_process),
-                ("--speculative draft", self.speculative == "draft"),
-                ("--batch-invariant", self.batch_invariant),
-                (f"--task {self.task}", self.task in ("embed", "score")),
+            f"--enable-lora cannot be combined with {flag} yet ({why})"
+            for flag, on, why in (
+                ("--fake-tokens", self.fake_tokens, "it runs no model to wrap"),
+                ("--engine-process", self.engine_process, "the adapters live in the serving process"),
+                (
+                    "--batch-invariant",
+                    self.batch_invariant,
+                    "the adapters' float products depend on the batch",
+                ),
+                (f"--task {self.task}", self.task in ("embed", "score"), "adapters are for generation"),
             )
             if on
         ]

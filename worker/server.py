@@ -232,7 +232,11 @@ def host_tier(config: WorkerConfig, runner: ModelRunner) -> HostTier | None:
     if not config.kv_offload_bytes:
         return None
     if getattr(runner, "states", None) is not None:
-        raise ModelLoadError("--kv-offload-bytes does not serve hybrid (recurrent-state) models yet")
+        raise ModelLoadError(
+            "--kv-offload-bytes does not serve hybrid (recurrent-state) models yet: a prefix brought "
+            "back from the host needs its recurrent state checkpoint, which has no host copy",
+            param="kv_offload_bytes",
+        )
     slots = config.kv_offload_bytes // (runner.kv_shape.bytes_per_token * runner.block_size)
     if slots < 1:
         raise ModelLoadError(f"--kv-offload-bytes {config.kv_offload_bytes} holds no KV block of this model")

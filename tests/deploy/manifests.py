@@ -30,6 +30,8 @@ KUSTOMIZATIONS = {
 SIDECAR_KUSTOMIZATION = DEPLOY / "k8s" / "overlays" / "sidecar"
 # Workers autoscaled by KEDA (a ScaledObject, a CRD): checked by test_kubernetes_keda.py.
 KEDA_KUSTOMIZATION = DEPLOY / "k8s" / "overlays" / "keda"
+# Workers serving LoRA adapters from a read-only volume: checked by test_kubernetes_lora.py.
+LORA_KUSTOMIZATION = DEPLOY / "k8s" / "overlays" / "lora"
 COMPOSE_FILES = (DEPLOY / "compose.yaml", DEPLOY / "compose.gpu.yaml")
 SERVICES = ("worker", "edge")
 

@@ -1,9 +1,10 @@
-"""LoRA adapters on one real worker behind one real edge (the bar of issue 44): two adapters from
+"""LoRA adapters on real workers behind one real edge (the bar of issue 44): two adapters from
 --lora-modules and a third loaded at run time through the edge; each adapter's 16 greedy tokens and
 its prompt's logprobs equal peft's merged model; twelve concurrent requests (three per adapter and
 three of the base model) equal their sequential texts; an unknown or unloaded adapter is a 404
 ``model_not_found``; /v1/models lists the adapters under their base model; refusals name the
-problem; a request in flight finishes after its adapter is unloaded; vLLM's lora gauge."""
+problem; a request in flight finishes after its adapter is unloaded; vLLM's lora gauge; routing by
+adapter across two workers (one adapter on worker A only)."""
 
 from __future__ import annotations
 
@@ -44,20 +45,48 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return folders
 
 
+SOLO = "solo"  # an adapter of worker A's --lora-modules only (the routing test unloads it)
+
+
 @pytest.fixture(scope="module")
-def served(model_cache, tiny_model_dir, adapters, tmp_path_factory):
-    """The worker (alpha and beta from --lora-modules) and the edge (--allow-runtime-lora)."""
-    modules = f"alpha={adapters['alpha']} beta={adapters['beta']}"
-    extra = ["--quantization", "none", "--enable-lora", "--lora-modules", modules, "--max-loras", "3"]
-    extra += ["--max-lora-rank", "8", "--metrics-names", "both"]
+def workers(model_cache, tiny_model_dir, adapters, tmp_path_factory):
+    """Worker A (alpha, beta and solo from --lora-modules) and worker B (--enable-lora, none)."""
+    flags = ["--quantization", "none", "--enable-lora", "--max-loras", "3", "--max-lora-rank", "8"]
+    modules = f"alpha={adapters['alpha']} beta={adapters['beta']} {SOLO}={adapters['gamma']}"
+    extras = {
+        "A": [*flags, "--lora-modules", modules, "--metrics-names", "both"],
+        "B": flags,
+    }
     log_dir = tmp_path_factory.mktemp("lora")
-    with (
+    for name in extras:
+        (log_dir / name).mkdir()
+    started = [
         WorkerProcess(
-            cache_dir=model_cache, log_dir=log_dir, model=str(tiny_model_dir), extra=extra
-        ) as worker,
-        EdgeProcess([worker.address], log_dir=log_dir, extra=["--allow-runtime-lora"]) as edge,
-    ):
-        yield worker, edge
+            cache_dir=model_cache,
+            log_dir=log_dir / name,
+            model=str(tiny_model_dir),
+            extra=[*extra, "--worker-id", name],
+        )
+        for name, extra in extras.items()
+    ]
+    try:
+        for worker in started:  # both start at once
+            worker.launch()
+        for worker in started:
+            worker.wait_ready()
+        yield started[0], started[1]
+    finally:
+        for worker in started:
+            worker.stop()
+
+
+@pytest.fixture(scope="module")
+def served(workers, tmp_path_factory):
+    """Worker A and the edge (--allow-runtime-lora) over both workers."""
+    log_dir = tmp_path_factory.mktemp("lora-edge")
+    extra = ["--allow-runtime-lora"]
+    with EdgeProcess([w.address for w in workers], log_dir=log_dir, extra=extra) as edge:
+        yield workers[0], edge
 
 
 def generate(worker: WorkerProcess, model: str, max_tokens: int = STEPS) -> tuple[list[int], list[float]]:
@@ -93,7 +122,7 @@ def test_the_bar(served, tiny_model_dir, adapters):
     with httpx.Client() as client:
         listed = client.get(f"{base}/v1/models").json()["data"]
         model_id = next(m["id"] for m in listed if "parent" not in m)
-        assert {m["id"]: m.get("parent") for m in listed if "parent" in m} == {
+        assert {m["id"]: m.get("parent") for m in listed if "parent" in m and m["id"] != SOLO} == {
             "alpha": model_id,
             "beta": model_id,
         }
@@ -101,7 +130,8 @@ def test_the_bar(served, tiny_model_dir, adapters):
         load = {"lora_name": "gamma", "lora_path": str(adapters["gamma"])}
         assert client.post(f"{base}/v1/load_lora_adapter", json=load).status_code == 200
         listed = client.get(f"{base}/v1/models").json()["data"]
-        assert {m["id"] for m in listed if m.get("parent") == model_id} == {"alpha", "beta", "gamma"}
+        adapters_listed = {m["id"] for m in listed if m.get("parent") == model_id}
+        assert adapters_listed - {SOLO} == {"alpha", "beta", "gamma"}
     # Each adapter's 16 greedy tokens and prompt logprobs against peft's merged model.
     for name in ("alpha", "beta", "gamma", None):
         reference = merged_model(tiny_model_dir, None if name is None else adapters[name])
@@ -165,3 +195,27 @@ def test_refusals_unload_in_flight_and_unknown_adapters(served, adapters, tmp_pa
             assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found", name
         gone = client.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": "delta"})
         assert gone.status_code == 404
+
+
+def test_requests_for_an_adapter_go_to_the_worker_that_has_it(served):
+    """solo is on worker A only: its requests all go there, the base model's go to both workers,
+    and once solo is unloaded through the edge it is a 404 ``model_not_found``."""
+    _, edge = served
+    base = edge.base_url
+
+    def answered_by(client: httpx.Client, model: str, prompt: list[int]) -> str:
+        reply = completion(client, base, model, prompt)
+        assert reply.status_code == 200, reply.text
+        return reply.headers["x-sluice-worker-id"]
+
+    with httpx.Client(timeout=60) as client:
+        listed = client.get(f"{base}/v1/models").json()["data"]
+        model_id = next(m["id"] for m in listed if "parent" not in m)
+        assert any(m["id"] == SOLO and m["parent"] == model_id for m in listed)
+        assert {answered_by(client, SOLO, PROMPT[: 3 + i]) for i in range(4)} == {"A"}
+        assert {answered_by(client, model_id, PROMPT[: 3 + i]) for i in range(4)} == {"A", "B"}
+        unload = client.post(f"{base}/v1/unload_lora_adapter", json={"lora_name": SOLO})
+        assert unload.status_code == 200, unload.text
+        gone = completion(client, base, SOLO, PROMPT)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+        assert all(m["id"] != SOLO for m in client.get(f"{base}/v1/models").json()["data"])

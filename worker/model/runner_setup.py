@@ -139,6 +139,7 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
             log.info("CUDA graphs: not captured for a hybrid model (its decode steps run eagerly)")
         elif config.cuda_graphs and runner.decode_kernel_enabled:
             runner.graphs = capture_decode_graphs(runner, limits.max_running, loaded.context_length)
+            log_graph_scope(runner)
         runner.fast_path = FastPath(
             kernel=runner.decode_kernel_enabled, graphs=runner.graphs is not None, fused=fused
         )
@@ -153,6 +154,16 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         limits.prefill_tokens,
     )
     return runner, limits
+
+
+def log_graph_scope(runner: ModelRunner) -> None:
+    """With --enable-lora, says at start-up that the captured decode graphs hold the base model's
+    forward only: a step with adapter rows runs eagerly (the adapters' slots are no graph inputs)."""
+    if runner.lora is not None and runner.graphs is not None:
+        log.info(
+            "CUDA graphs: captured for base-model decode steps only; a step with LoRA adapter rows "
+            "runs eagerly (adapter slots are not graph inputs yet)"
+        )
 
 
 def state_split(loaded: LoadedModel, config: WorkerConfig) -> tuple[int | None, float]:

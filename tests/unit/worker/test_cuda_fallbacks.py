@@ -42,3 +42,14 @@ def test_buckets_cover_every_batch_size_up_to_max_running():
     assert graphs.buckets[-1] == 100 and graphs.buckets == sorted(graphs.buckets)
     assert all(graphs.fits(rows) for rows in range(1, 101)) and not graphs.fits(101)
     assert graphs.tables.shape == (100, 256) and graphs.tables.dtype == torch.int32
+
+
+def test_with_lora_the_start_up_says_graphs_hold_only_base_steps(caplog):
+    from worker.model.runner_setup import log_graph_scope
+
+    with caplog.at_level(logging.INFO, logger="worker.model.runner_setup"):
+        log_graph_scope(SimpleNamespace(lora=None, graphs=object()))  # type: ignore[arg-type]
+        log_graph_scope(SimpleNamespace(lora=object(), graphs=None))  # type: ignore[arg-type]
+        assert caplog.text == ""
+        log_graph_scope(SimpleNamespace(lora=object(), graphs=object()))  # type: ignore[arg-type]
+    assert "base-model decode steps only; a step with LoRA adapter rows runs eagerly" in caplog.text

@@ -4,12 +4,16 @@ slot leaks; the host memory's copies (worker/attention/host_kv.py) and the tier'
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+import pytest
 import torch
 
 from worker.attention.host_kv import HostKV
 from worker.attention.kv_pool import KVPool, KVShape
 from worker.engine.host_tier import Copy, HostTier, TierStats, tiered
 from worker.engine.kv_blocks import BlockManager, SequenceBlocks
+from worker.model.loader import ModelLoadError
 
 
 def computed(blocks: BlockManager, tokens: list[int]) -> SequenceBlocks:
@@ -155,3 +159,17 @@ def test_the_metrics_show_the_tier():
     ):
         assert line in text
     assert "kv_host" not in metrics.render(EngineStats(0, 0, 0, 0, 0, 0, 0, EngineCounters()), "m")
+
+
+def test_a_hybrid_model_is_refused_at_load_saying_why():
+    """A hybrid model's prefix hit needs its recurrent state checkpoint too, which has no host copy:
+    refused at load in one line (the engine process is refused at parsing: test_config.py)."""
+    from worker.config import WorkerConfig
+    from worker.server import host_tier
+
+    with pytest.raises(ModelLoadError) as refused:
+        host_tier(WorkerConfig(kv_offload_bytes=1 << 20), SimpleNamespace(states=object()))  # type: ignore[arg-type]
+    assert refused.value.param == "kv_offload_bytes"
+    assert "\n" not in str(refused.value)
+    assert str(refused.value).startswith("--kv-offload-bytes does not serve hybrid (recurrent-state) models")
+    assert "state checkpoint, which has no host copy" in str(refused.value)

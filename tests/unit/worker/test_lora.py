@@ -16,9 +16,11 @@ import torch
 from tests.lora_adapters import build_adapter, greedy_tokens, merged_model, prompt_logprobs
 from worker.engine.core import Engine
 from worker.engine.options import EngineOptions
+from worker.engine.speculation import Speculation
 from worker.errors import InvalidRequest, ModelNotFound
 from worker.lora.adapter import AdapterError
 from worker.lora.registry import LoraRegistry
+from worker.model.draft import DraftModel
 from worker.model.loader import load_model
 from worker.model.runner import ModelRunner
 from worker.server import eos_token_ids
@@ -40,7 +42,13 @@ def adapters(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     }
 
 
-def serving(model_dir: Path, adapters: dict[str, Path], quantization: str = "none", max_loras: int = 2):
+def serving(
+    model_dir: Path,
+    adapters: dict[str, Path],
+    quantization: str = "none",
+    max_loras: int = 2,
+    speculation: Speculation | None = None,
+):
     loaded = load_model(str(model_dir), device="cpu", dtype="float32", quantization=quantization)
     runner = ModelRunner(loaded, num_blocks=128, block_size=16)
     layers = runner.enable_lora(max_loras, 8)
@@ -59,6 +67,7 @@ def serving(model_dir: Path, adapters: dict[str, Path], quantization: str = "non
         loaded.tokenizer,
         eos_token_ids=eos_token_ids(loaded.model, loaded.tokenizer),
         context_length=loaded.context_length,
+        speculation=speculation,
         options=EngineOptions(max_running=8, max_queue=100, prefill_budget_tokens=64, prefix_caching=True),
     )
     engine.start()
@@ -114,6 +123,29 @@ def test_mixed_batch_equals_sequential_runs(float_serving):
         return await asyncio.gather(*[tokens_of(engine, request(p, h)) for p, h in jobs])
 
     assert [ids for ids, _ in asyncio.run(together())] == sequential
+
+
+def test_speculation_keeps_each_adapters_tokens(float_serving, tiny_model_dir, adapters):
+    """Rows under adapters verify proposals under their adapter: n-gram lookup and a draft model
+    (the base alone, so its guesses for adapter rows are often rejected) give the tokens of the
+    engine without speculation, in one mixed batch."""
+    _, registry, plain = float_serving
+    jobs = [(p, n) for p in PROMPTS[:2] for n in (None, "alpha", "beta")]
+    expected = [asyncio.run(tokens_of(plain, request(p, n and registry.resolve(n))))[0] for p, n in jobs]
+    drafting = load_model(str(tiny_model_dir), device="cpu", dtype="float32", quantization="none")
+    for draft in (None, DraftModel(drafting, drafting)):
+        _, loras, engine = serving(tiny_model_dir, adapters, speculation=Speculation(4, 1, 3, draft=draft))
+        try:
+
+            async def together(engine=engine, loras=loras):
+                jobs_ = [tokens_of(engine, request(p, n and loras.resolve(n))) for p, n in jobs]
+                return await asyncio.gather(*jobs_)
+
+            assert [ids for ids, _ in asyncio.run(together())] == expected, draft
+            counters = engine.stats().counters
+            assert counters.speculative_proposed_tokens > counters.speculative_accepted_tokens > 0, draft
+        finally:
+            engine.stop()
 
 
 def test_prefix_cache_never_crosses_adapters(float_serving):
@@ -255,9 +287,18 @@ def test_lora_modules_setting_forms():
     assert lone.problems() == ["--lora-modules only applies with --enable-lora"]
     combined = WorkerConfig(enable_lora=True, engine_process=True, max_loras=4, max_cpu_loras=2)
     assert combined.problems() == [
-        "--enable-lora cannot be combined with --engine-process yet",
+        "--enable-lora cannot be combined with --engine-process yet "
+        "(the adapters live in the serving process)",
         "--max-cpu-loras 2 is below --max-loras 4",
     ]
+    invariant = WorkerConfig(enable_lora=True, batch_invariant=True)
+    assert invariant.problems() == [
+        "--enable-lora cannot be combined with --batch-invariant yet "
+        "(the adapters' float products depend on the batch)"
+    ]
+    # A draft model proposes the base model's tokens; rows verify them under their adapter.
+    drafted = parse_config(["--enable-lora", "--speculative", "draft", "--draft-model", "/d"], {})
+    assert drafted.problems() == []
     with pytest.raises(SystemExit):
         parse_config(["--enable-lora", "--lora-modules", "a"], {})
 
