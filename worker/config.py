@@ -255,6 +255,14 @@ class WorkerConfig:
         "docs/worker.md); try it on a GPU host with a core to spare at many concurrent streams, "
         "where the serving process's interpreter bounds the pace (docs/operations.md)",
     )
+    tensor_parallel_size: int = setting(
+        1,
+        int_at_least(1, 64),
+        "shard the model over this many ranks, one process and device each (-tp N; rank 0 serves, "
+        "the others follow its steps; gloo on the CPU, NCCL on CUDA); dense attention models whose "
+        'attention and KV heads divide by it (docs/worker.md, "Tensor parallelism")',
+        short="-tp",
+    )
     fused_kernels: bool = setting(
         True,
         help="on CUDA: RMSNorm, SiLU-mul and rotary as one Triton kernel each, in the model classes "
@@ -494,6 +502,7 @@ class WorkerConfig:
         if self.speculative != "off" and self.fake_tokens:
             found.append("--speculative needs a model; --fake-tokens runs none")
         found += self._lora_problems()
+        found += self._parallel_problems()
         if self.resolved_metrics_port == self.port:
             found.append(f"--metrics-port {self.port} is the gRPC --port; give them different ports")
         return found
@@ -515,6 +524,22 @@ class WorkerConfig:
         if 0 < self.max_cpu_loras < self.max_loras:
             found.append(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras {self.max_loras}")
         return found
+
+    def _parallel_problems(self) -> list[str]:
+        if self.tensor_parallel_size == 1:
+            return []
+        return [
+            f"--tensor-parallel-size cannot be combined with {flag} yet"
+            for flag, on in (
+                ("--fake-tokens", self.fake_tokens),
+                ("--enable-lora", self.enable_lora),
+                (f"--speculative {self.speculative}", self.speculative != "off"),
+                ("--kv-offload-bytes", bool(self.kv_offload_bytes)),
+                ("--batch-invariant", self.batch_invariant),
+                (f"--task {self.task}", self.task in ("embed", "score")),
+            )
+            if on
+        ]
 
 
 def build_parser() -> argparse.ArgumentParser:
