@@ -45,12 +45,13 @@ class ThreadSum:
         return all_reduce
 
 
-def sharded_logits(family: str, ranks: int) -> list[torch.Tensor]:
+def sharded_logits(family: str, ranks: int, attention: str) -> list[torch.Tensor]:
     """Each rank's logits for :data:`PROMPT`, its shard of the family's tiny model run in a thread."""
     summing = ThreadSum(ranks)
     models = []
     for rank in range(ranks):
         model = tiny_model(tiny_config(family))
+        model.set_attn_implementation(attention)
         shard_model(model, Shard(rank, ranks, summing.of(rank)))
         models.append(model)
     results: list[torch.Tensor | None] = [None] * ranks
@@ -67,12 +68,20 @@ def sharded_logits(family: str, ranks: int) -> list[torch.Tensor]:
     return [logits for logits in results if logits is not None]
 
 
-@pytest.mark.parametrize(("family", "ranks"), [("llama", 2), ("llama", 4), ("qwen3", 2)])
-def test_every_rank_of_a_sharded_model_computes_the_whole_models_logits(family: str, ranks: int) -> None:
-    # llama over 4 ranks has 2 KV heads: each is replicated on two ranks.
+@pytest.mark.parametrize(
+    ("family", "ranks", "attention"),
+    [("llama", 2, "sdpa"), ("llama", 4, "sdpa"), ("llama", 4, "eager"), ("qwen3", 2, "sdpa")],
+)
+def test_every_rank_of_a_sharded_model_computes_the_whole_models_logits(
+    family: str, ranks: int, attention: str
+) -> None:
+    # llama over 4 ranks has 2 KV heads: each is replicated on two ranks (eager attention reads
+    # the query heads per KV head from the attention module).
+    whole_model = tiny_model(tiny_config(family))
+    whole_model.set_attn_implementation(attention)
     with torch.inference_mode():
-        whole = tiny_model(tiny_config(family))(input_ids=PROMPT).logits[0]
-    sharded = sharded_logits(family, ranks)
+        whole = whole_model(input_ids=PROMPT).logits[0]
+    sharded = sharded_logits(family, ranks, attention)
     assert len(sharded) == ranks
     for logits in sharded:
         torch.testing.assert_close(logits, whole, atol=1e-5, rtol=0)
