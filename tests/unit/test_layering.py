@@ -30,6 +30,7 @@ WORKER_LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
 # dependency, never to dodge a circle.
 LAZY_IMPORTS = {
     ("worker.__main__", "worker.server"),  # torch loads only once the ports are claimed
+    ("worker.__main__", "worker.parallel.ranks"),  # a follower node: no ports, torch loads then
     ("worker.attention.triton_decode", "worker.attention.triton_decode_kernels"),  # needs triton
     ("worker.model.fused", "worker.model.fused_kernels"),  # needs triton
     ("worker.lora.choice", "worker.lora.triton_ops"),  # needs triton

@@ -135,20 +135,39 @@ def _tell_stop(group: RankGroup) -> None:
         group.send(Stop())
 
 
+def node_ranks(config: WorkerConfig, node: int) -> list[Layout]:
+    """The ranks ``node`` holds (``--tensor-parallel-size`` over ``--nnodes``, as many on each) and
+    where they meet: ``--dist-init-addr``, or on one node a free port of 127.0.0.1 (None here)."""
+    per_node = config.tensor_parallel_size // config.nnodes
+    address = config.dist_init_addr
+    first = node * per_node
+    return [
+        Layout(rank, config.tensor_parallel_size, rank - first, address)
+        for rank in range(first, first + per_node)
+    ]
+
+
 def lead_ranks(
     config: WorkerConfig,
     on_progress: Callable[[float], None] | None,
     on_failure: Callable[[BaseException], None] | None,
 ) -> tuple[LoadedModel, ModelRunner, BatchLimits]:
-    """Rank 0 (one node): starts the followers, loads its shard with them, and returns its runner,
-    which tells them each forward; a follower's exit then calls ``on_failure``."""
+    """Rank 0: opens the rendezvous, starts its node's followers, loads its shard with every rank,
+    and returns its runner, which tells them each forward; a local follower's exit then calls
+    ``on_failure`` (another node's ends rank 0's next collective)."""
     ranks = config.tensor_parallel_size
-    store = rendezvous_store("127.0.0.1", 0, ranks)
-    address = f"127.0.0.1:{store.port}"
-    followers = Followers({r: start_follower(config, Layout(r, ranks, r, address)) for r in range(1, ranks)})
+    if config.nnodes > 1:
+        host, port = config.dist_init_addr.rsplit(":", 1)
+        store = rendezvous_store(host, int(port), ranks)
+        address = config.dist_init_addr
+    else:
+        store = rendezvous_store("127.0.0.1", 0, ranks)
+        address = f"127.0.0.1:{store.port}"
+    local = [dataclasses.replace(layout, address=address) for layout in node_ranks(config, 0)]
+    followers = Followers({layout.rank: start_follower(config, layout) for layout in local[1:]})
     group: RankGroup | None = None
     try:
-        group = RankGroup(Layout(0, ranks, 0, address), resolve_device(rank_device(config.device, 0)), store)
+        group = RankGroup(local[0], resolve_device(rank_device(config.device, 0)), store)
         loaded, runner, limits = sharded_runner(config, group, on_progress)
     except BaseException:
         followers.stop(None)
@@ -157,3 +176,31 @@ def lead_ranks(
     followers.watch(on_failure)
     atexit.register(followers.stop, group)
     return loaded, runner, limits
+
+
+def serve_node(config: WorkerConfig) -> int:
+    """A node other than rank 0's (``--node-rank`` above 0): starts its ranks and waits for them;
+    when one ends the others are ended too, and its status is the node's (0 once rank 0 stopped
+    them all; non-zero makes an orchestrator restart the group)."""
+    processes = {
+        layout.rank: start_follower(config, layout) for layout in node_ranks(config, config.node_rank)
+    }
+    ended = threading.Event()
+    statuses: list[int] = []
+
+    def wait(process: subprocess.Popen[bytes]) -> None:
+        statuses.append(process.wait())
+        ended.set()
+
+    for process in processes.values():
+        threading.Thread(target=wait, args=(process,), daemon=True).start()
+    ended.wait()
+    for process in processes.values():
+        if process.poll() is None:
+            try:
+                process.wait(STOP_WAIT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+    status = next((code for code in statuses if code), 0)
+    log.info("node %d's tensor-parallel ranks ended (status %d)", config.node_rank, status)
+    return status

@@ -21,7 +21,7 @@ from worker.model.loader import ModelLoadError
 from worker.model.step_inputs import Work
 from worker.parallel import group as group_module
 from worker.parallel.group import Execute, Layout, RankGroup, Relay, Score
-from worker.parallel.ranks import Followers
+from worker.parallel.ranks import Followers, node_ranks
 from worker.parallel.sharding import Shard, check_shardable, shard_model
 
 PROMPT = torch.tensor([[3, 17, 90, 4, 55, 21, 8, 101, 64, 2, 33]])
@@ -197,3 +197,19 @@ def test_a_stopped_follower_is_no_failure() -> None:
     followers.watch(failures.append)
     process.wait()
     assert failures == []
+
+
+def test_nodes_take_sglangs_names_and_refuse_what_cannot_be_laid_out() -> None:
+    config = parse_config(
+        ["-tp", "4", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "leader:5000"], {}
+    )
+    assert [layout.rank for layout in node_ranks(config, 1)] == [2, 3]
+    assert [layout.local_rank for layout in node_ranks(config, 1)] == [0, 1]
+    problems = WorkerConfig(tensor_parallel_size=3, nnodes=2, node_rank=2).problems()
+    assert "--tensor-parallel-size 3 does not divide over --nnodes 2" in problems
+    assert "--node-rank 2 is not below --nnodes 2" in problems
+    assert "--nnodes 2 needs --dist-init-addr host:port (node 0's rendezvous)" in problems
+    assert (
+        "--node-rank and --dist-init-addr only apply with --nnodes above 1"
+        in WorkerConfig(node_rank=1).problems()
+    )
