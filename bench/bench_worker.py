@@ -6,6 +6,7 @@ Usage::
     python bench/bench_worker.py --peer               # ... and compares with the peer
     python bench/bench_worker.py --worker 127.0.0.1:50051 --concurrency 1,16
     python bench/bench_worker.py --peer --worker-args="--stream-interval 4"   # a worker setting
+    python bench/bench_worker.py --tensor-parallel 1,3 --concurrency 1,8   # step time by rank count
 
 For each concurrency level C, C streams start at once; request i asks for
 64 + (37 * i mod 65) tokens (64 to 128) at temperature 1 for one of a few
@@ -18,6 +19,9 @@ and this client used (bench/cpu_use.py); then the 16-to-1 throughput ratio and, 
 while the load alternates between them, level by level, for --rounds rounds;
 the summary takes each level's median run, so a noisy moment on this shared
 machine does not decide a ratio.
+With --tensor-parallel 1,3 it starts one worker per size in turn, the default
+model in float32 sharded over that many ranks (``-tp``), and prints each
+level's decode step time (the inter-token gap p50) per size.
 The peer needs `pip install "transformers[serving]"` and loads the same
 converted checkpoint the worker uses.
 """
@@ -382,6 +386,28 @@ async def measure(
     return medians["sluice"], medians["peer"], medians["json"]
 
 
+TENSOR_PARALLEL_FLAGS = ("--quantization", "none", "--dtype", "float32")
+
+
+def tensor_parallel(
+    sizes: list[int], cache_dir: str | None, extra: list[str], levels: list[int], rounds: int
+) -> None:
+    """``--tensor-parallel``: per size, a worker of the default model in float32 over that many ranks,
+    the levels' median runs, and the step time (inter-token gap p50) by size and level."""
+    steps: dict[int, dict[int, float]] = {}
+    for size in sizes:
+        proc, address = start_worker(cache_dir, [*TENSOR_PARALLEL_FLAGS, "-tp", str(size), *extra])
+        try:
+            medians, _peer, _json = asyncio.run(measure(address, None, "", levels, rounds, False, proc.pid))
+        finally:
+            stop(proc)
+        steps[size] = {c: medians[c].gap(0.5) * 1000 for c in levels}
+    print("\ndecode step time (inter-token gap p50), default model in float32:")
+    for size, by_level in steps.items():
+        line = ", ".join(f"{by_level[c]:.1f} ms at {c} streams" for c in levels)
+        print(f"  --tensor-parallel-size {size}: {line}")
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -410,8 +436,16 @@ def main() -> None:
     parser.add_argument(
         "--constrained", action="store_true", help="also run the load under a JSON-schema grammar"
     )
+    parser.add_argument(
+        "--tensor-parallel",
+        help="sizes to compare, e.g. 1,3: the default model in float32 with --tensor-parallel-size each",
+    )
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.tensor_parallel:
+        sizes = [int(size) for size in args.tensor_parallel.split(",")]
+        tensor_parallel(sizes, args.cache_dir, shlex.split(args.worker_args), levels, args.rounds)
+        return
 
     procs = []
     try:
