@@ -7,6 +7,7 @@ Usage::
     python bench/bench_worker.py --worker 127.0.0.1:50051 --concurrency 1,16
     python bench/bench_worker.py --peer --worker-args="--stream-interval 4"   # a worker setting
     python bench/bench_worker.py --lora 1,4,8 --concurrency 8   # LoRA adapters against the base
+    python bench/bench_worker.py --tensor-parallel 1,3 --concurrency 1,8   # step time by rank count
 
 For each concurrency level C, C streams start at once; request i asks for
 64 + (37 * i mod 65) tokens (64 to 128) at temperature 1 for one of a few
@@ -19,6 +20,9 @@ and this client used (bench/cpu_use.py); then the 16-to-1 throughput ratio and, 
 while the load alternates between them, level by level, for --rounds rounds;
 the summary takes each level's median run, so a noisy moment on this shared
 machine does not decide a ratio.
+With --tensor-parallel 1,3 it starts one worker per size in turn, the default
+model in float32 sharded over that many ranks (``-tp``), and prints each
+level's decode step time (the inter-token gap p50) per size.
 The peer needs `pip install "transformers[serving]"` and loads the same
 converted checkpoint the worker uses.
 
@@ -435,6 +439,28 @@ async def measure(
     return {name: {c: median_level(r) for c, r in by_level.items()} for name, by_level in runs.items()}
 
 
+TENSOR_PARALLEL_FLAGS = ("--quantization", "none", "--dtype", "float32")
+
+
+def tensor_parallel(
+    sizes: list[int], cache_dir: str | None, extra: list[str], levels: list[int], rounds: int
+) -> None:
+    """``--tensor-parallel``: per size, a worker of the default model in float32 over that many ranks,
+    the levels' median runs, and the step time (inter-token gap p50) by size and level."""
+    steps: dict[int, dict[int, float]] = {}
+    for size in sizes:
+        proc, address = start_worker(cache_dir, [*TENSOR_PARALLEL_FLAGS, "-tp", str(size), *extra])
+        try:
+            medians, _peer, _json = asyncio.run(measure(address, None, "", levels, rounds, False, proc.pid))
+        finally:
+            stop(proc)
+        steps[size] = {c: medians[c].gap(0.5) * 1000 for c in levels}
+    print("\ndecode step time (inter-token gap p50), default model in float32:")
+    for size, by_level in steps.items():
+        line = ", ".join(f"{by_level[c]:.1f} ms at {c} streams" for c in levels)
+        print(f"  --tensor-parallel-size {size}: {line}")
+
+
 def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.send_signal(signal.SIGTERM)
     try:
@@ -470,12 +496,20 @@ def main() -> None:
         "and each level also runs spread over each count (tokens/s against the base model)",
     )
     parser.add_argument("--max-tokens", type=int, default=128, help="cap each stream's tokens (a short run)")
+    parser.add_argument(
+        "--tensor-parallel",
+        help="sizes to compare, e.g. 1,3: the default model in float32 with --tensor-parallel-size each",
+    )
     args = parser.parse_args()
     MAX_TOKENS[0] = args.max_tokens
     levels = [int(c) for c in args.concurrency.split(",")]
     lora = [int(n) for n in args.lora.split(",") if n]
     if lora and args.worker:
         parser.error("--lora starts its own worker (with the adapters); leave out --worker")
+    if args.tensor_parallel:
+        sizes = [int(size) for size in args.tensor_parallel.split(",")]
+        tensor_parallel(sizes, args.cache_dir, shlex.split(args.worker_args), levels, args.rounds)
+        return
 
     procs = []
     adapters = tempfile.TemporaryDirectory(prefix="bench-lora-")

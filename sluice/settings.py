@@ -31,6 +31,7 @@ class SettingSpec:
     flag: str | None = None  # the flag's name without ``--`` when it is not the field's name
     secret: bool = False  # never echo the value
     testing: bool = False  # a test double: listed apart from the production settings
+    short: str | None = None  # a short flag besides the long one (``-tp``), as vLLM spells it
 
 
 #: The ``--help`` group and docs/configuration.md section of the ``testing=True`` settings.
@@ -46,12 +47,13 @@ def setting(
     flag: str | None = None,
     secret: bool = False,
     testing: bool = False,
+    short: str | None = None,
 ) -> Any:
     """A dataclass field that is also a flag and a variable; a bool default makes it a switch.
     ``testing``: a test double, never for production (listed apart, see :data:`TESTING_GROUP`)."""
     switch = isinstance(default, bool)
     parser = on_off if switch else (parse or text)
-    spec = SettingSpec(parser, help, switch, shown_default, flag, secret, testing)
+    spec = SettingSpec(parser, help, switch, shown_default, flag, secret, testing, short)
     return dataclasses.field(default=default, repr=not secret, metadata={_SPEC: spec})
 
 
@@ -129,7 +131,8 @@ def build_parser(cls: type, prefix: str, prog: str, description: str) -> argpars
         else:
             last_word = item.flag[2:].rsplit("-", 1)[-1].upper()
             metavar = "N" if item.type_name.startswith("int") and last_word != "PORT" else last_word
-            group.add_argument(item.flag, dest=item.dest, default=None, metavar=metavar, help=help_text)
+            names = [item.flag, *([item.spec.short] if item.spec.short else [])]
+            group.add_argument(*names, dest=item.dest, default=None, metavar=metavar, help=help_text)
     return parser
 
 

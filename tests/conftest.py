@@ -33,6 +33,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # longest on purpose, handed out first: pytest-xdist gives out whole modules in collection order,
 # so one of these left for the end would run alone while the other process idles.
 LONGEST_FIRST = (
+    "tests/integration/test_tensor_parallel.py",
+    "tests/integration/test_tensor_parallel_failures.py",
     "tests/integration/test_vision_worker.py",
     "tests/integration/test_reconnect.py",
     "tests/integration/test_families_e2e.py",

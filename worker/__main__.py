@@ -47,6 +47,10 @@ def claim_ports(config: WorkerConfig) -> socket.socket | None:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     configure_logging(config.log_level, config.log_format, worker_id=config.resolved_worker_id)
+    if config.node_rank > 0:  # a tensor-parallel node other than rank 0's: its ranks, no ports
+        from worker.parallel.ranks import serve_node
+
+        return serve_node(config)
     try:
         metrics_socket = claim_ports(config)
     except PortUnavailableError as error:

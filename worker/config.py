@@ -258,6 +258,31 @@ class WorkerConfig:
         "docs/worker.md); try it on a GPU host with a core to spare at many concurrent streams, "
         "where the serving process's interpreter bounds the pace (docs/operations.md)",
     )
+    tensor_parallel_size: int = setting(
+        1,
+        int_at_least(1, 64),
+        "shard the model over this many ranks, one process and device each (-tp N; rank 0 serves, "
+        "the others follow its steps; gloo on the CPU, NCCL on CUDA); dense attention models whose "
+        'attention and KV heads divide by it (docs/worker.md, "Tensor parallelism")',
+        short="-tp",
+    )
+    nnodes: int = setting(
+        1,
+        int_at_least(1, 64),
+        "hosts the --tensor-parallel-size ranks span (SGLang's name), as many ranks on each; node 0 "
+        "holds rank 0, which alone serves gRPC",
+    )
+    node_rank: int = setting(
+        0,
+        int_at_least(0, 63),
+        "this host's place among --nnodes (0: rank 0's node, which serves; others only start their "
+        "ranks and exit when those end)",
+    )
+    dist_init_addr: str = setting(
+        "",
+        help="host:port of node 0's rendezvous for --nnodes above 1 (node 0 listens on the port; "
+        "every node reaches it at the host)",
+    )
     fused_kernels: bool = setting(
         True,
         help="on CUDA: RMSNorm, SiLU-mul and rotary as one Triton kernel each, in the model classes "
@@ -514,6 +539,7 @@ class WorkerConfig:
         if self.speculative != "off" and self.fake_tokens:
             found.append("--speculative needs a model; --fake-tokens runs none")
         found += self._lora_problems()
+        found += self._parallel_problems()
         if self.resolved_metrics_port == self.port:
             found.append(f"--metrics-port {self.port} is the gRPC --port; give them different ports")
         return found
@@ -537,6 +563,41 @@ class WorkerConfig:
         ]
         if 0 < self.max_cpu_loras < self.max_loras:
             found.append(f"--max-cpu-loras {self.max_cpu_loras} is below --max-loras {self.max_loras}")
+        return found
+
+    def _parallel_problems(self) -> list[str]:
+        found = self._node_problems()
+        if self.tensor_parallel_size == 1:
+            return found
+        return found + [
+            f"--tensor-parallel-size cannot be combined with {flag} yet"
+            for flag, on in (
+                ("--fake-tokens", self.fake_tokens),
+                ("--enable-lora", self.enable_lora),
+                (f"--speculative {self.speculative}", self.speculative != "off"),
+                ("--kv-offload-bytes", bool(self.kv_offload_bytes)),
+                ("--batch-invariant", self.batch_invariant),
+                (f"--task {self.task}", self.task in ("embed", "score")),
+            )
+            if on
+        ]
+
+    def _node_problems(self) -> list[str]:
+        if self.nnodes == 1:
+            return (
+                ["--node-rank and --dist-init-addr only apply with --nnodes above 1"]
+                if (self.node_rank or self.dist_init_addr)
+                else []
+            )
+        found = []
+        if self.tensor_parallel_size % self.nnodes:
+            ranks = self.tensor_parallel_size
+            found.append(f"--tensor-parallel-size {ranks} does not divide over --nnodes {self.nnodes}")
+        if self.node_rank >= self.nnodes:
+            found.append(f"--node-rank {self.node_rank} is not below --nnodes {self.nnodes}")
+        host, _, port = self.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit():
+            found.append(f"--nnodes {self.nnodes} needs --dist-init-addr host:port (node 0's rendezvous)")
         return found
 
 

@@ -45,9 +45,16 @@ from worker.model.load_progress import LoadProgress
 from worker.model.loader import LoadedModel, ModelLoadError, load_model
 from worker.model.pooling_runner import PoolingRunner
 from worker.model.runner import ModelRunner
-from worker.model.runner_setup import batch_limits, cpu_batch_hint, fake_runner, model_runner, prefill_tokens
+from worker.model.runner_setup import (
+    batch_limits,
+    fake_runner,
+    load_configured,
+    model_runner,
+    prefill_tokens,
+)
 from worker.model.vision import vision_spec
 from worker.output.processor import TextRules
+from worker.parallel.ranks import lead_ranks
 from worker.prompts.family import FamilyProfile, choose_profile
 from worker.prompts.images import ImageProcessing
 from worker.prompts.prompt import PromptRenderer
@@ -167,18 +174,10 @@ def _build_serving(
         fake_slow_load(config.fake_load_seconds, progress)
         runner = fake_runner(loaded, config)
         limits = batch_limits(config, loaded.device, runner.num_blocks * runner.block_size)
+    elif config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group (worker/parallel/)
+        loaded, runner, limits = lead_ranks(config, progress.advance, on_device_failure)
     else:
-        loaded = load_model(
-            config.model,
-            served_model_name=config.served_model_name,
-            device=config.device,
-            dtype=config.dtype,
-            cache_dir=config.cache_dir,
-            quantization=config.quantization,
-            batch_hint=cpu_batch_hint(config),
-            task=config.task,
-            on_progress=progress.advance,
-        )
+        loaded = load_configured(config, progress.advance)
         if loaded.task != "generate":
             return pooling_serving(config, loaded, progress, on_device_failure)
         bind_device(loaded.device)  # this thread builds the pool, checks the kernel, captures graphs

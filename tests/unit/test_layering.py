@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 WORKER_LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
     (("worker.__main__", "worker.server", "worker.metrics"),),  # the composition root
     (("worker.service",),),
-    (("worker.engine",), ("worker.prompts",)),  # the service renders prompts, the engine gets ids
+    # the service renders prompts, the engine gets ids; the tensor-parallel ranks wrap the runner
+    (("worker.engine",), ("worker.prompts",), ("worker.parallel",)),
     (("worker.output",), ("worker.sampling",), ("worker.model",)),
     (("worker.attention",), ("worker.quant",), ("worker.lora",)),
     (("worker.device",),),  # host <-> device copies, read by attention, model and sampling
@@ -29,6 +30,7 @@ WORKER_LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
 # dependency, never to dodge a circle.
 LAZY_IMPORTS = {
     ("worker.__main__", "worker.server"),  # torch loads only once the ports are claimed
+    ("worker.__main__", "worker.parallel.ranks"),  # a follower node: no ports, torch loads then
     ("worker.attention.triton_decode", "worker.attention.triton_decode_kernels"),  # needs triton
     ("worker.model.fused", "worker.model.fused_kernels"),  # needs triton
     ("worker.lora.choice", "worker.lora.triton_ops"),  # needs triton

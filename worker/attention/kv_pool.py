@@ -5,6 +5,7 @@ Design notes: docs/worker.md.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,17 @@ class KVShape:
         """Every layer alike, each with its own blocks."""
         layers = tuple(LayerKV(kv_heads * group, kv_heads, head_dim, i) for i in range(num_layers))
         return cls(layers, dtype, cache)
+
+    def per_rank(self, ranks: int) -> KVShape:
+        """One tensor-parallel rank's share: its query heads and its KV heads (one, replicated, where
+        there are fewer KV heads than ranks); the whole shape for one rank."""
+        if ranks == 1:
+            return self
+        layers = tuple(
+            dataclasses.replace(layer, heads=layer.heads // ranks, kv_heads=max(1, layer.kv_heads // ranks))
+            for layer in self.layers
+        )
+        return KVShape(layers, self.dtype, self.cache)
 
     @property
     def quant(self) -> KVQuant | None:

@@ -19,6 +19,11 @@ _FATAL_TEXTS = (
 )
 
 
+class RankFailure(RuntimeError):
+    """A tensor-parallel rank failed (it exited, or a collective with it failed or timed out): the
+    whole device group is unusable, like a failed device."""
+
+
 def bind_device(device: torch.device | None) -> None:
     """Makes ``device`` the current CUDA device of the calling thread (a no-op elsewhere): torch's
     current device is per thread, and Triton launches and graph captures use it."""
@@ -41,5 +46,7 @@ def is_fatal_device_error(error: BaseException) -> bool:
         return False
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    if isinstance(error, RankFailure):
         return True
     return isinstance(error, RuntimeError) and any(text in str(error) for text in _FATAL_TEXTS)

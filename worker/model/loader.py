@@ -107,8 +107,10 @@ def load_model(
     quantization: str = "none",
     task: str = "generate",
     on_progress: Callable[[float], None] | None = None,
+    shard: Callable[[Any], None] | None = None,
 ) -> LoadedModel:
-    """Loads the model named by ``model`` (see docs/worker.md) onto the chosen device.
+    """Loads the model named by ``model`` (see docs/worker.md) onto the chosen device; ``shard``
+    (tensor parallelism) replaces the model's layers by this rank's shards before any packing.
 
     ``on_progress`` is called with a rising fraction at the load's stages (a first-start
     conversion of a GGUF file and reading the weights are the long ones): 0.05 once the source
@@ -192,6 +194,8 @@ def load_model(
             raise ModelLoadError(f"--model {model}: {exc}", param="task") from exc
     hf_model = hf_model.to(torch_device).eval()  # type: ignore[arg-type]
     report(0.85)
+    if shard is not None:
+        shard(hf_model)
     packed = 0
     if torch_device.type == "cpu" and cpu_linear == "onednn":
         packed = pack_linears(hf_model, batch_hint=batch_hint)  # float layers only; quantized ones stay

@@ -6,6 +6,7 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -71,7 +72,16 @@ def check_batch_invariant(loaded: LoadedModel, exempt: tuple[str, ...] = ()) -> 
         )
 
 
+class Followers(Protocol):
+    """The other tensor-parallel ranks (worker/parallel/): told each forward before rank 0 runs it."""
+
+    def execute(self, work: Sequence[Work], fed: torch.Tensor | None) -> None: ...
+    def score(self, prompt: Sequence[int], top_n: int) -> None: ...
+
+
 class ModelRunner:
+    # With --tensor-parallel-size above 1, on rank 0: the ranks that run each forward with it.
+    followers: Followers | None = None
     scores_prompts = True  # ``score`` works (a runner without a model says False)
     # A hybrid model's last step's verifying rows and their kept states (worker/model/verify_states.py).
     _verify: VerifyStates | None = None
@@ -90,11 +100,13 @@ class ModelRunner:
         triton_decode: bool | None = None,
         max_sequences: int = 16,
         kv_cache_dtype: str = "auto",
+        ranks: int = 1,
     ):
         """``triton_decode``: decode rows on the Triton kernel; None chooses (below), True forces it
         (tests run it on the CPU through triton's interpreter). ``max_sequences``: the state slots
         of a hybrid model (one per running sequence: the scheduler's ``max_running``).
-        ``kv_cache_dtype``: ``--kv-cache-dtype`` (worker/attention/kv_quant.py)."""
+        ``kv_cache_dtype``: ``--kv-cache-dtype`` (worker/attention/kv_quant.py). ``ranks``: the
+        tensor-parallel ranks the model is sharded over (the pool holds this rank's heads)."""
         self.model = loaded.model
         self.device = loaded.device
         self.dtype = loaded.dtype
@@ -108,7 +120,7 @@ class ModelRunner:
                 {"": paged.NAME, "text_config": paged.NAME, "vision_config": "sdpa"}
             )
         self.vision = None if spec is None else VisionEncoder(self.model, spec, loaded.device, loaded.dtype)
-        self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype, kv_cache_dtype)
+        self.kv_shape: KVShape = kv_shape(self.model.config, self.dtype, kv_cache_dtype).per_rank(ranks)
         self.block_size = block_size
         self.num_blocks = num_blocks
         # One block more than the scheduler hands out: padding rows of a captured decode batch write
@@ -158,6 +170,8 @@ class ModelRunner:
         step's drawn ids on the device, which the items' placeholder tokens name (:func:`fed_ids`)."""
         if not work:
             raise ValueError("execute needs at least one item")
+        if self.followers is not None:
+            self.followers.execute(work, fed)
         if self.lora is not None:
             with self.lora.step([(item.lora, len(item.tokens)) for item in work]):
                 return self._execute_states(work, fed)
@@ -366,6 +380,8 @@ class ModelRunner:
         """The logprob of each prompt token after the first given the tokens before it, with the
         ``top_n`` best alternatives, from one forward over the whole prompt (no KV kept, no prefix
         reused: every position needs its logits), under ``lora``'s adapter when given."""
+        if self.followers is not None:
+            self.followers.score(prompt, top_n)
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
         if self.lora is not None:
             with self.lora.step([(lora, len(prompt))]):

@@ -7,7 +7,9 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,7 +20,7 @@ from worker.model.cuda_graphs import capture_decode_graphs
 from worker.model.device import prefer_planless_attention
 from worker.model.fake_runner import DEFAULT_TOKENS, FakeRunner
 from worker.model.fused import fuse_for_serving
-from worker.model.loader import LoadedModel, ModelLoadError
+from worker.model.loader import LoadedModel, ModelLoadError, load_model
 from worker.model.mixer_kernels import checked_mixer_kernels
 from worker.model.recurrent import state_slot_bytes
 from worker.model.runner import ModelRunner
@@ -78,6 +80,29 @@ def fake_runner(loaded: LoadedModel, config: WorkerConfig) -> FakeRunner:
     )
 
 
+def load_configured(
+    config: WorkerConfig,
+    on_progress: Callable[[float], None] | None = None,
+    *,
+    device: str | None = None,
+    shard: Callable[[Any], None] | None = None,
+) -> LoadedModel:
+    """The model the settings name, loaded as they say (on ``device`` instead of ``--device`` when
+    given; ``shard``: a tensor-parallel rank's, see :func:`worker.model.loader.load_model`)."""
+    return load_model(
+        config.model,
+        served_model_name=config.served_model_name,
+        device=device or config.device,
+        dtype=config.dtype,
+        cache_dir=config.cache_dir,
+        quantization=config.quantization,
+        batch_hint=cpu_batch_hint(config),
+        task=config.task,
+        on_progress=on_progress,
+        shard=shard,
+    )
+
+
 def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner, BatchLimits]:
     """Sizes the pool, builds the runner and warms it up (captures CUDA graphs on CUDA); with
     ``--require-cuda-graphs``, raises :class:`ModelLoadError` rather than fall back to a slower path."""
@@ -89,11 +114,12 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         )
     mixers_on_kernels = checked_mixer_kernels(loaded.model, config.require_mixer_kernels)
     budget = prefill_tokens(config, device)
+    ranks = config.tensor_parallel_size
     prefer_planless_attention(device)
     fused = device.type == "cuda" and config.fused_kernels and fuse_for_serving(loaded.model)
     if device.type == "cuda":
-        take_activation_memory(loaded, budget, config.kv_block_size, config.kv_cache_dtype)
-    shape = kv_shape(loaded.model.config, loaded.dtype, config.kv_cache_dtype)
+        take_activation_memory(loaded, budget, config.kv_block_size, config.kv_cache_dtype, ranks)
+    shape = kv_shape(loaded.model.config, loaded.dtype, config.kv_cache_dtype).per_rank(ranks)
     state_slots, fraction = state_split(loaded, config)
     blocks = pool_blocks(
         shape,
@@ -113,6 +139,7 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         batch_invariant=config.batch_invariant,
         max_sequences=limits.max_running,
         kv_cache_dtype=config.kv_cache_dtype,
+        ranks=ranks,
     )
     runner.mixers_on_kernels = mixers_on_kernels
     if config.enable_lora:  # before the warm-up and graph capture, which then hold the wrapped layers
@@ -192,14 +219,16 @@ def state_split(loaded: LoadedModel, config: WorkerConfig) -> tuple[int | None, 
 
 
 @torch.inference_mode()
-def take_activation_memory(loaded: LoadedModel, tokens: int, block_size: int, cache: str = "auto") -> None:
+def take_activation_memory(
+    loaded: LoadedModel, tokens: int, block_size: int, cache: str = "auto", ranks: int = 1
+) -> None:
     """One forward of a full prefill budget as a prompt chunk continuing a cached prefix, through the
     paged attention in a pool of its own (the path and SDPA kernels serving takes), so the pool is
     sized from what is left."""
     device = loaded.device
     count = max(1, min(tokens, loaded.context_length - block_size))
     context = min(loaded.context_length, count + max(block_size, count))
-    shape = kv_shape(loaded.model.config, loaded.dtype, cache)
+    shape = kv_shape(loaded.model.config, loaded.dtype, cache).per_rank(ranks)
     blocks = -(-context // block_size)
     pool = KVPool(shape, blocks, block_size, device)
     work = Work([0] * count, context - count, list(range(blocks)), True)

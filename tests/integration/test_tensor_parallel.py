@@ -1,0 +1,137 @@
+"""``--tensor-parallel-size 3`` against one rank, for the default model in float32 (9 attention and
+3 KV heads): greedy tokens identical, prompt logprobs within 1e-4, and concurrent streams through
+an edge end with the texts one rank generates one at a time. One worker of each kind for the
+module."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import grpc
+import httpx
+import pytest
+
+from sluice.v1 import worker_pb2 as pb
+from sluice.v1 import worker_pb2_grpc as pb_grpc
+from tests.processes import EdgeProcess, WorkerProcess
+from worker.model.loader import DEFAULT_MODEL_ID
+
+pytestmark = pytest.mark.integration
+
+FLOAT32 = ["--quantization", "none", "--dtype", "float32"]
+PROMPTS = (
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain photosynthesis in one sentence.",
+    "List three prime numbers.",
+)
+TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def workers(
+    model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
+    """One rank and three ranks of the default model in float32, loading side by side."""
+    logs = tmp_path_factory.mktemp("tp-logs")
+    (logs / "tp1").mkdir()
+    (logs / "tp3").mkdir()
+    one = WorkerProcess(cache_dir=model_cache, log_dir=logs / "tp1", extra=FLOAT32)
+    three = WorkerProcess(cache_dir=model_cache, log_dir=logs / "tp3", extra=[*FLOAT32, "-tp", "3"])
+    try:
+        one.launch()
+        three.launch()
+        one.wait_ready()
+        three.wait_ready()
+        yield one, three
+    finally:
+        three.stop()
+        one.stop()
+
+
+@pytest.fixture(scope="module")
+def edge(
+    workers: tuple[WorkerProcess, WorkerProcess], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EdgeProcess]:
+    with EdgeProcess([workers[1].address], log_dir=tmp_path_factory.mktemp("tp-edge")) as started:
+        yield started
+
+
+class Generated(NamedTuple):
+    ids: list[int]
+    logprobs: list[float]  # the prompt's
+    text: str
+
+
+def generate(worker: WorkerProcess, text: str) -> Generated:
+    """A chat prompt's greedy :data:`TOKENS` tokens (ids and text) and its prompt logprobs."""
+    request = pb.GenerateRequest(
+        chat=pb.ChatInput(messages=[pb.ChatMessage(role="user", content=text)]),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, prompt_logprobs=0),
+        return_token_ids=True,
+    )
+    generated = Generated([], [], "")
+    with grpc.insecure_channel(worker.address) as channel:
+        for event in pb_grpc.WorkerStub(channel).Generate(request, timeout=300):
+            kind = event.WhichOneof("event")
+            if kind == "content":
+                generated.ids.extend(event.content.token_ids)
+                generated = generated._replace(text=generated.text + event.content.text)
+            elif kind == "prompt_logprobs":
+                generated.logprobs.extend(entry.logprob for entry in event.prompt_logprobs.logprobs)
+    return generated
+
+
+@pytest.fixture(scope="module")
+def one_rank(workers: tuple[WorkerProcess, WorkerProcess]) -> dict[str, Generated]:
+    """What one rank generates for each of :data:`PROMPTS`."""
+    return {text: generate(workers[0], text) for text in PROMPTS}
+
+
+def test_three_ranks_generate_the_greedy_tokens_and_prompt_logprobs_of_one(
+    workers: tuple[WorkerProcess, WorkerProcess], one_rank: dict[str, Generated]
+) -> None:
+    three = workers[1]
+    for text in PROMPTS:
+        generated, expected = generate(three, text), one_rank[text]
+        assert len(generated.ids) == TOKENS and generated.ids == expected.ids, text
+        assert len(generated.logprobs) == len(expected.logprobs) > 5
+        assert generated.logprobs == pytest.approx(expected.logprobs, abs=1e-4), text
+    log = three.log_tail(400)
+    assert (
+        "tensor-parallel rank 2 started (pid " in log and "tensor-parallel rank 2 of 3 joined (gloo)" in log
+    )
+
+
+def test_eight_concurrent_streams_through_an_edge_end_with_the_sequential_texts(
+    edge: EdgeProcess, one_rank: dict[str, Generated]
+) -> None:
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(8)]
+
+    async def stream(client: httpx.AsyncClient, text: str) -> str:
+        body = {
+            "model": DEFAULT_MODEL_ID,
+            "messages": [{"role": "user", "content": text}],
+            "max_tokens": TOKENS,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream": True,
+        }
+        parts = []
+        async with client.stream("POST", f"{edge.base_url}/v1/chat/completions", json=body) as answer:
+            assert answer.status_code == 200
+            async for line in answer.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line.removeprefix("data: "))
+                    parts += [choice["delta"].get("content") or "" for choice in chunk["choices"]]
+        return "".join(parts)
+
+    async def together() -> list[str]:
+        async with httpx.AsyncClient(timeout=300) as client:
+            return list(await asyncio.gather(*(stream(client, text) for text in prompts)))
+
+    assert asyncio.run(together()) == [one_rank[text].text for text in prompts]

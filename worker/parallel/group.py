@@ -1,0 +1,150 @@
+"""The tensor-parallel ranks in torch.distributed: joining them (gloo on the CPU, NCCL on CUDA), the
+sum the shards' outputs take, and the control channel that carries rank 0's forwards to the others.
+
+Design notes: docs/worker.md, "Tensor parallelism".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from worker.model.device import RankFailure
+from worker.model.step_inputs import Work
+
+log = logging.getLogger(__name__)
+
+# How long a collective of a forward (an all-reduce) may wait for the other ranks.
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# How long a follower waits for rank 0's next forward (an idle worker sends none).
+IDLE_TIMEOUT = timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a rank stands: ``rank`` of ``ranks``, its device index on its node, and rank 0's
+    rendezvous ``address`` (``host:port``)."""
+
+    rank: int
+    ranks: int
+    local_rank: int
+    address: str
+
+
+@dataclass(frozen=True)
+class Execute:
+    """A forward of rank 0's step (:meth:`worker.model.runner.ModelRunner.execute`)."""
+
+    work: list[Work]
+    fed: torch.Tensor | None
+
+
+@dataclass(frozen=True)
+class Score:
+    """A prompt's logprobs (:meth:`worker.model.runner.ModelRunner.score`)."""
+
+    prompt: list[int]
+    top_n: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The worker is stopping: the followers exit."""
+
+
+Message = Execute | Score | Stop
+
+
+def rendezvous_store(host: str, port: int, ranks: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store, listening on ``host:port`` (0: a free port) before any other rank
+    starts: a rank that tries to connect before the store listens backs off for most of a minute."""
+    return dist.TCPStore(
+        host, port, ranks, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
+    )
+
+
+class RankGroup:
+    """This process's membership of the ranks: the forwards' all-reduce on the default group (its
+    timeout :data:`COLLECTIVE_TIMEOUT`), and a gloo control group (:data:`IDLE_TIMEOUT`) on which
+    rank 0 broadcasts each forward before running it."""
+
+    def __init__(self, layout: Layout, device: torch.device, store: dist.TCPStore | None = None):
+        """``store``: rank 0's rendezvous store, listening already (:func:`rendezvous_store`); the
+        other ranks connect to ``layout.address``."""
+        self.layout = layout
+        if store is None:
+            host, port = layout.address.rsplit(":", 1)
+            store = dist.TCPStore(host, int(port), layout.ranks, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend, store=store, rank=layout.rank, world_size=layout.ranks, timeout=COLLECTIVE_TIMEOUT
+        )
+        self._control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        log.info("tensor-parallel rank %d of %d joined (%s)", layout.rank, layout.ranks, backend)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        """Sums ``tensor`` over the ranks in place; raises :class:`RankFailure` when it cannot."""
+        try:
+            dist.all_reduce(tensor)
+        except Exception as error:
+            raise RankFailure(f"a tensor-parallel all-reduce failed: {error}") from error
+
+    def barrier(self) -> None:
+        """Waits for every rank on the control group (no forward's timeout: loads take their time)."""
+        self._broadcast([None])
+
+    def agree(self, value: int, what: str) -> None:
+        """Raises :class:`RankFailure` unless every rank has the same ``value``."""
+        values: list[object] = [None] * self.layout.ranks
+        try:
+            dist.all_gather_object(values, value, group=self._control)
+        except Exception as error:
+            raise RankFailure(f"tensor-parallel ranks could not compare {what}: {error}") from error
+        if len(set(values)) != 1:
+            raise RankFailure(f"tensor-parallel ranks disagree on {what}: {values}")
+
+    def send(self, message: Message) -> None:
+        """Rank 0: tells every other rank ``message``."""
+        self._broadcast([message])
+
+    def receive(self) -> Message:
+        """A follower: rank 0's next message (waits up to :data:`IDLE_TIMEOUT`)."""
+        box: list[object] = [None]
+        self._broadcast(box)
+        message = box[0]
+        assert isinstance(message, Execute | Score | Stop), f"unexpected message {message!r}"
+        return message
+
+    def _broadcast(self, box: list[object]) -> None:
+        try:
+            dist.broadcast_object_list(box, src=0, group=self._control)
+        except Exception as error:
+            raise RankFailure(f"the tensor-parallel control channel failed: {error}") from error
+
+    def close(self) -> None:
+        """Leaves the group (whatever state the others are in)."""
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a failed group may not shut down cleanly: the process is ending anyway
+            log.debug("destroying the process group failed", exc_info=True)
+
+
+class Relay:
+    """Rank 0's side (:class:`worker.model.runner.Followers`): each forward, told to the followers
+    before rank 0 runs it (its sequences left out; the fed ids on the host)."""
+
+    def __init__(self, group: RankGroup):
+        self._group = group
+
+    def execute(self, work: Sequence[Work], fed: torch.Tensor | None) -> None:
+        items = [dataclasses.replace(item, seq=None) for item in work]
+        self._group.send(Execute(items, None if fed is None else fed.cpu()))
+
+    def score(self, prompt: Sequence[int], top_n: int) -> None:
+        self._group.send(Score(list(prompt), top_n))

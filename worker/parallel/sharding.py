@@ -1,0 +1,134 @@
+"""A dense decoder sharded Megatron-style over the tensor-parallel ranks: attention heads and MLP
+columns split by rank, one all-reduce after attention and one after the MLP.
+
+Design notes: docs/worker.md, "Tensor parallelism".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from worker.model.loader import ModelLoadError
+
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj")
+MLP_COLUMNS = ("gate_proj", "up_proj")
+AllReduce = Callable[[torch.Tensor], None]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's place: ``rank`` of ``ranks``, and the sum over the ranks (in place)."""
+
+    rank: int
+    ranks: int
+    all_reduce: AllReduce
+
+
+class RowParallel(nn.Module):
+    """A row-parallel linear: this rank's slice of the input features times its columns of the
+    weight (the bias on rank 0 only), then the ranks' partial outputs summed."""
+
+    def __init__(self, linear: nn.Linear, shard: Shard):
+        super().__init__()
+        width = linear.in_features // shard.ranks
+        part = nn.Linear(width, linear.out_features, bias=linear.bias is not None and shard.rank == 0)
+        part.to(device=linear.weight.device, dtype=linear.weight.dtype)
+        part.weight.data = linear.weight.data[:, shard.rank * width : (shard.rank + 1) * width].clone()
+        if part.bias is not None and linear.bias is not None:
+            part.bias.data = linear.bias.data.clone()
+        part.requires_grad_(False)
+        self.part = part
+        self._all_reduce = shard.all_reduce
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = self.part(hidden)
+        self._all_reduce(out)
+        return out
+
+
+def _rows(linear: nn.Linear, first: int, count: int) -> nn.Linear:
+    """A column-parallel slice: output features ``first .. first + count`` of ``linear``."""
+    part = nn.Linear(linear.in_features, count, bias=linear.bias is not None)
+    part.to(device=linear.weight.device, dtype=linear.weight.dtype)
+    part.weight.data = linear.weight.data[first : first + count].clone()
+    if part.bias is not None and linear.bias is not None:
+        part.bias.data = linear.bias.data[first : first + count].clone()
+    part.requires_grad_(False)
+    return part
+
+
+def decoder_layers(model: Any) -> list[Any]:
+    """The model's decoder layers: the modules with a ``self_attn`` and an ``mlp``."""
+    return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+
+
+def check_shardable(model: Any, ranks: int) -> None:
+    """Raises :class:`ModelLoadError` (one line naming what) unless ``model`` splits over ``ranks``:
+    a text-only dense decoder whose every layer has linear q/k/v/o and gate/up/down projections,
+    attention heads and MLP width divisible by ``ranks``, KV heads divisible by it or dividing it."""
+    config = model.config
+    name = getattr(config, "model_type", type(model).__name__)
+    where = f"--tensor-parallel-size {ranks}: {name}"
+    if getattr(config, "vision_config", None) is not None:
+        raise ModelLoadError(f"{where} is a vision-language model; tensor parallel serves text-only models")
+    layers = decoder_layers(model)
+    if not layers or len(layers) != int(getattr(config, "num_hidden_layers", -1)):
+        raise ModelLoadError(f"{where} has layers other than dense attention and MLP; not supported yet")
+    for index, layer in enumerate(layers):
+        for part, names in (
+            (layer.self_attn, (*COLUMN_PARALLEL, "o_proj")),
+            (layer.mlp, (*MLP_COLUMNS, "down_proj")),
+        ):
+            kinds = [type(getattr(part, n, None)).__name__ for n in names]
+            if any(not isinstance(getattr(part, n, None), nn.Linear) for n in names):
+                raise ModelLoadError(
+                    f"{where}: layer {index} needs float nn.Linear {'/'.join(names)} to shard, has "
+                    f"{'/'.join(kinds)} (MoE, hybrid and quantized layers are not supported yet)"
+                )
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    width = int(config.intermediate_size)
+    problems = [f"{heads} attention heads"] if heads % ranks else []
+    if kv_heads % ranks and ranks % kv_heads:
+        problems.append(f"{kv_heads} KV heads")
+    if width % ranks:
+        problems.append(f"an MLP width of {width}")
+    if problems:
+        raise ModelLoadError(f"{where} has {' and '.join(problems)}, which do not divide by {ranks}")
+
+
+def shard_model(model: Any, shard: Shard) -> None:
+    """Replaces every decoder layer's projections by this rank's shards (the model checked by
+    :func:`check_shardable` first); embeddings, norms and the output layer stay whole, so every
+    rank computes the full logits."""
+    check_shardable(model, shard.ranks)
+    for layer in decoder_layers(model):
+        _shard_attention(layer.self_attn, shard)
+        mlp = layer.mlp
+        width = mlp.gate_proj.out_features // shard.ranks
+        for name in MLP_COLUMNS:
+            setattr(mlp, name, _rows(getattr(mlp, name), shard.rank * width, width))
+        mlp.down_proj = RowParallel(mlp.down_proj, shard)
+
+
+def _shard_attention(attention: Any, shard: Shard) -> None:
+    """This rank's query heads, and the KV heads they read: a slice of them, or the one they share
+    where there are fewer KV heads than ranks (replicated)."""
+    head_dim = int(attention.head_dim)
+    heads = attention.q_proj.out_features // head_dim
+    kv_heads = attention.k_proj.out_features // head_dim
+    local = heads // shard.ranks
+    attention.q_proj = _rows(attention.q_proj, shard.rank * local * head_dim, local * head_dim)
+    if kv_heads >= shard.ranks:
+        local_kv, first_kv = kv_heads // shard.ranks, shard.rank * (kv_heads // shard.ranks)
+    else:
+        local_kv, first_kv = 1, shard.rank // (shard.ranks // kv_heads)
+    attention.k_proj = _rows(attention.k_proj, first_kv * head_dim, local_kv * head_dim)
+    attention.v_proj = _rows(attention.v_proj, first_kv * head_dim, local_kv * head_dim)
+    attention.o_proj = RowParallel(attention.o_proj, shard)
+    attention.num_key_value_groups = local // local_kv
