@@ -77,7 +77,12 @@ def test_the_engine_runs_in_another_process(default_worker: WorkerProcess) -> No
 
 
 def test_a_json_schema_constrains_the_output(stub: pb_grpc.WorkerStub) -> None:  # noqa: F811
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+        "additionalProperties": False,  # so the object closes within max_tokens
+    }
     request = chat("Give me a number as JSON.", max_tokens=40, temperature=0)
     request.response_format.CopyFrom(
         pb.ResponseFormat(json_schema=pb.JsonSchema(schema_json=json.dumps(schema)))

@@ -217,7 +217,7 @@ def load_model(
     )
     processor = None
     if task == "generate" and is_vision_config(hf_model.config):
-        processor = load_processor(str(folder) if folder is not None else str(model))
+        processor = load_processor(str(folder) if folder is not None else str(model), tokenizer)
     return LoadedModel(
         model=hf_model,
         tokenizer=tokenizer,
@@ -361,28 +361,43 @@ def is_vision_folder(target: str) -> bool:
     return is_vision_config(AutoConfig.from_pretrained(target))
 
 
-def load_processor(target: str) -> Any:
+def load_processor(target: str, tokenizer: Any = None) -> Any:
     """A vision-language model's processor, on its PIL image paths (no torchvision). A processor
     that also wants a video processor (which needs torchvision) is built without one (and without
-    an audio feature extractor): images only."""
+    an audio feature extractor), around ``tokenizer`` when given: images only."""
     try:
+        if _wants_video(target) and importlib.util.find_spec("torchvision") is None:
+            return _images_only_processor(target, tokenizer)
         try:
             return AutoProcessor.from_pretrained(target, backend="pil")
         except ImportError:
-            return _images_only_processor(target)
+            return _images_only_processor(target, tokenizer)
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"could not load the image processor of {target!r}: {exc}") from exc
 
 
-def _images_only_processor(target: str) -> Any:
-    """The folder's processor class with its image processor and tokenizer and no video processor."""
+def _processor_class(target: str) -> Any:
+    """The processor class transformers maps the folder's model type to (None when it has none)."""
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
     name = PROCESSOR_MAPPING_NAMES.get(AutoConfig.from_pretrained(target).model_type)
-    base = getattr(transformers, str(name), None)
+    return getattr(transformers, str(name), None)
+
+
+def _wants_video(target: str) -> bool:
+    """The folder's processor takes a video processor (which transformers builds with torchvision
+    only, after loading the tokenizer: known beforehand, that tokenizer load is saved)."""
+    base = _processor_class(target)
+    return base is not None and "video_processor" in base.get_attributes()
+
+
+def _images_only_processor(target: str, tokenizer: Any = None) -> Any:
+    """The folder's processor class with its image processor and tokenizer (``tokenizer``, the one
+    already loaded, when given) and no video processor."""
+    base = _processor_class(target)
     if base is None:
-        raise ImportError(f"no processor class {name!r}")
+        raise ImportError(f"no processor class for {target!r}")
 
     class ImagesOnly(base):  # type: ignore[misc,valid-type]
         def __reduce__(self) -> tuple[Any, ...]:  # pickled as the folder it is built from
@@ -393,7 +408,7 @@ def _images_only_processor(target: str) -> Any:
                 None if argument is None else super().check_argument_for_proper_class(argument_name, argument)
             )
 
-    tokenizer = AutoTokenizer.from_pretrained(target)
+    tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(target)
     # Gemma 4's processor also takes an audio feature extractor: images only, so none.
     audio = {"feature_extractor": None} if "feature_extractor" in base.get_attributes() else {}
     return ImagesOnly(

@@ -204,7 +204,7 @@ def test_every_thread_that_touches_cuda_sets_the_device(monkeypatch) -> None:  #
     gpu1 = torch.device("cuda:1")
     # The loader thread: it builds the pool, checks the kernel and captures the graphs.
     loaded = SimpleNamespace(device=gpu1, model=None, tokenizer=None, task="generate")
-    monkeypatch.setattr(server, "load_model", lambda *a, **k: loaded)
+    monkeypatch.setattr(server, "load_configured", lambda *a, **k: loaded)
 
     def model_runner(*_: Any) -> Any:
         assert calls and calls[-1] == ("loader", gpu1), "the device was not set before the runner"

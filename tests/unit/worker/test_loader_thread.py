@@ -74,7 +74,7 @@ def test_an_unexpected_error_at_load_becomes_one_line_naming_the_architecture(mo
     def crash(*_args: object, **_kwargs: object) -> None:
         raise RuntimeError("'head_dim' is a per-layer attribute\nand a second line")
 
-    monkeypatch.setattr(server, "load_model", crash)
+    monkeypatch.setattr(server, "load_configured", crash)
     config = parse_config(["--model", str(gemma4_folder(tmp_path))], environ={})
     with pytest.raises(ModelLoadError) as raised:
         server.build_serving(config)

@@ -7,6 +7,7 @@ test_hybrid_vlms.py."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,10 +33,23 @@ def load(folder: Path) -> LoadedModel:
     return load_model(str(folder), device="cpu", dtype="float32", quantization="none")
 
 
-def test_the_checkpoint_loads_with_its_processor_and_vision_encoder(checkpoint: Path) -> None:
+def test_the_checkpoint_loads_with_its_processor_and_vision_encoder(
+    checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """...and its tokenizer is read once: the images-only processor (these want a video processor,
+    which needs torchvision) is built around the model's own tokenizer."""
+    reads: list[str] = []
+    read = transformers.AutoTokenizer.from_pretrained
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(str(args[0]))
+        return read(*args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counted)
     loaded = load(checkpoint)
     assert type(loaded.model).__name__.endswith("ForConditionalGeneration")
-    assert loaded.processor is not None
+    assert loaded.processor is not None and loaded.processor.tokenizer is loaded.tokenizer
+    assert len(reads) == 1, reads
     runner = ModelRunner(loaded, num_blocks=8, block_size=BLOCK, max_sequences=2)
     assert runner.vision is not None
     assert (runner.states is not None) == loaded.model.config.model_type.startswith("qwen3_5")
