@@ -71,7 +71,8 @@ def stack(args: argparse.Namespace, logs: Path) -> Iterator[tuple[WorkerProcess,
             WorkerProcess(cache_dir=args.cache_dir, log_dir=logs / "worker", extra=extra)
         )
         edges = {}
-        for name, flags in (("generate", ["--no-multiplexed-streams"]), ("streams", [])):
+        paths = (("generate", ["--no-multiplexed-streams"]), ("streams", ["--multiplexed-streams"]))
+        for name, flags in paths:
             (logs / name).mkdir()
             edges[name] = stack_.enter_context(
                 EdgeProcess([worker.address], log_dir=logs / name, extra=flags)

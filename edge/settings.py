@@ -330,10 +330,11 @@ class Settings:
         "least-outstanding (fewest calls in flight)",
     )
     multiplexed_streams: bool = setting(
-        True,
+        False,
         help="send streams to a worker on one multiplexed GenerateStreams call per worker (one "
-        'message per engine step for all of them; docs/grpc.md, "Multiplexed streams"); off: one '
-        "Generate call per request. A worker without GenerateStreams gets Generate calls either way",
+        'message per engine step for all of them; docs/grpc.md, "Multiplexed streams"); off (the '
+        "default until its figures are taken on a quiet machine and a GPU): one Generate call per "
+        "request. A worker without GenerateStreams gets Generate calls either way",
     )
     allow_runtime_lora: bool = setting(
         False,

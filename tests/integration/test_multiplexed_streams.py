@@ -37,7 +37,9 @@ def worker(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture(scope="module")
 def edge(worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProcess]:
-    with EdgeProcess([worker.address], log_dir=tmp_path_factory.mktemp("mux-edge")) as process:
+    with EdgeProcess(
+        [worker.address], log_dir=tmp_path_factory.mktemp("mux-edge"), extra=["--multiplexed-streams"]
+    ) as process:
         yield process
 
 
