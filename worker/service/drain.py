@@ -16,9 +16,9 @@ import grpc
 
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from worker.errors import NotReady, WorkerError
+from worker.errors import NotReady
 from worker.service.servicer import WorkerService
-from worker.service.streams import Events, serve_streams
+from worker.service.streams import Events, relayed, serve_streams
 
 log = logging.getLogger(__name__)
 
@@ -139,11 +139,8 @@ class DrainingWorker(pb_grpc.WorkerServicer):
         events = self._tracked(
             lambda: self._service.generate_events(request, metadata, context.time_remaining)
         )
-        try:
-            async for event in events:
-                yield event
-        except WorkerError as exc:
-            await context.abort_with_status(exc.to_status())
+        async for event in relayed(events, context):
+            yield event
 
     async def GenerateStreams(
         self, request_iterator: AsyncIterator[pb.StreamsRequest], context: grpc.aio.ServicerContext

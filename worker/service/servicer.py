@@ -57,7 +57,7 @@ from worker.service.pooling import (
     prepare_score,
     score_response,
 )
-from worker.service.streams import Events, serve_streams
+from worker.service.streams import Events, relayed, serve_streams
 from worker.service.thinking import thinking_budget, with_effort
 from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
 
@@ -257,11 +257,8 @@ class WorkerService(pb_grpc.WorkerServicer):
         events = self.generate_events(
             request, tuple(context.invocation_metadata() or ()), context.time_remaining
         )
-        try:
-            async for event in events:
-                yield event
-        except WorkerError as exc:
-            await context.abort_with_status(exc.to_status())
+        async for event in relayed(events, context):
+            yield event
 
     async def GenerateStreams(
         self, request_iterator: AsyncIterator[pb.StreamsRequest], context: grpc.aio.ServicerContext

@@ -27,6 +27,18 @@ log = logging.getLogger(__name__)
 DEFAULT_WINDOW = 4
 
 Events = AsyncGenerator[pb.GenerateResponse, None]
+
+
+async def relayed(events: Events, context: grpc.aio.ServicerContext) -> Events:
+    """``events`` as one ``Generate`` call answers them: a :class:`WorkerError` ends the call with
+    its status."""
+    try:
+        async for event in events:
+            yield event
+    except WorkerError as exc:
+        await context.abort_with_status(exc.to_status())
+
+
 #: One stream's events (``WorkerService.stream_events``): its open message and the seconds left
 #: before its deadline (None: none); raises :class:`WorkerError` for the status that ends it.
 OpenEvents = Callable[[pb.OpenStream, Callable[[], float | None]], Events]
