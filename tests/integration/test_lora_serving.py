@@ -19,6 +19,7 @@ import pytest
 
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
+from tests.grpc_reads import ids_and_prompt_logprobs
 from tests.lora_adapters import build_adapter, greedy_tokens, merged_model, prompt_logprobs
 from tests.processes import EdgeProcess, WorkerProcess
 
@@ -99,16 +100,7 @@ def generate(worker: WorkerProcess, model: str, max_tokens: int = STEPS) -> tupl
         ),
         return_token_ids=True,
     )
-    ids: list[int] = []
-    scored: list[float] = []
-    with grpc.insecure_channel(worker.address) as channel:
-        for event in pb_grpc.WorkerStub(channel).Generate(request, timeout=60):
-            kind = event.WhichOneof("event")
-            if kind == "content":
-                ids += list(event.content.token_ids)
-            elif kind == "prompt_logprobs":
-                scored = [entry.logprob for entry in event.prompt_logprobs.logprobs]
-    return ids, scored
+    return ids_and_prompt_logprobs(worker.address, request)
 
 
 def completion(client: httpx.Client, base: str, model: str, prompt: list[int]) -> httpx.Response:

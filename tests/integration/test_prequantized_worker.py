@@ -12,12 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import torch
 
 from sluice.v1 import worker_pb2 as pb
-from sluice.v1 import worker_pb2_grpc as pb_grpc
+from tests.grpc_reads import ids_and_prompt_logprobs
 from tests.processes import WorkerProcess
 from tools.quant_fixtures import ROOT
 from worker.model.loader import ModelLoadError, load_model
@@ -52,16 +51,7 @@ def generate(worker: WorkerProcess, prompt: list[int], steps: int) -> tuple[list
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, prompt_logprobs=0),
         return_token_ids=True,
     )
-    ids: list[int] = []
-    scored: list[float] = []
-    with grpc.insecure_channel(worker.address) as channel:
-        for event in pb_grpc.WorkerStub(channel).Generate(request, timeout=60):
-            kind = event.WhichOneof("event")
-            if kind == "content":
-                ids += list(event.content.token_ids)
-            elif kind == "prompt_logprobs":
-                scored = [entry.logprob for entry in event.prompt_logprobs.logprobs]
-    return ids, scored
+    return ids_and_prompt_logprobs(worker.address, request)
 
 
 def test_the_bar(served: Any) -> None:
