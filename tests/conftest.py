@@ -107,6 +107,25 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """The tiny vision-language checkpoint of an architecture (``tests/tiny_vlms.py``), built once
+    per run and shared by the modules that only read it (a worker's ``--cache-dir`` goes elsewhere)."""
+    from tests.tiny_vlms import build_tiny_vlm
+
+    built: dict[str, Path] = {}
+
+    def folder_of(arch: str) -> Path:
+        if arch not in built:
+            root = built_once(
+                tmp_path_factory, f"tiny-vlm-{arch}", lambda f: build_tiny_vlm(arch, f / "model")
+            )
+            built[arch] = root / "model"
+        return built[arch]
+
+    return folder_of
+
+
+@pytest.fixture(scope="session")
 def tiny_hybrid_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path) -> Path:
     """A tiny random Qwen3.5 text model (Gated DeltaNet and attention layers) with the default
     model's real tokenizer and chat template, saved with save_pretrained."""

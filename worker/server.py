@@ -58,6 +58,7 @@ from worker.parallel.ranks import lead_ranks
 from worker.prompts.family import FamilyProfile, choose_profile
 from worker.prompts.images import ImageProcessing
 from worker.prompts.prompt import PromptRenderer
+from worker.prompts.vocabulary import TokenIndex
 from worker.sampling.grammar import GrammarCompiler
 from worker.service.drain import DrainingWorker
 from worker.service.servicer import ServingModel, WorkerService
@@ -134,7 +135,7 @@ def family_profile(config: WorkerConfig, model: object, tokenizer: object) -> Fa
 
 def stop_token_ids(profile: FamilyProfile, tokenizer: object) -> set[int]:
     """The family's extra end-of-turn tokens (gpt-oss's ``<|call|>``) that the vocabulary has."""
-    vocab = tokenizer.get_vocab()  # type: ignore[attr-defined]
+    vocab = TokenIndex(tokenizer)
     return {vocab[token] for token in profile.stop_tokens if token in vocab}
 
 

@@ -6,7 +6,7 @@ asserted; that an answer comes, with its finish reason and usage, is."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,6 @@ import pytest
 
 from tests.images import b64, data_url, tiny_png
 from tests.processes import EdgeProcess, WorkerProcess
-from tests.tiny_vlms import build_tiny_vlm
 
 pytestmark = pytest.mark.e2e
 
@@ -26,8 +25,10 @@ LIMIT = 4
 
 
 @pytest.fixture(scope="module")
-def vlm_edge(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProcess]:
-    folder = build_tiny_vlm("llava", tmp_path_factory.mktemp("tiny-llava"))
+def vlm_edge(
+    model_cache: Path, tmp_path_factory: pytest.TempPathFactory, tiny_vlm: Callable[[str], Path]
+) -> Iterator[EdgeProcess]:
+    folder = tiny_vlm("llava")
     with (
         WorkerProcess(
             cache_dir=model_cache, log_dir=tmp_path_factory.mktemp("vlm-worker-log"), model=str(folder)

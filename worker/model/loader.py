@@ -302,16 +302,22 @@ _MODEL_CLASSES: dict[str, Any] = {
 def _load_float(
     folder: Path | None, model: str | None, dtype: torch.dtype, task: str = "generate"
 ) -> tuple[Any, PreTrainedTokenizerBase]:
+    tokenizer = _load_float_tokenizer(folder, model)
+    return _load_float_model(folder, model, dtype, task), tokenizer
+
+
+def _load_float_model(
+    folder: Path | None, model: str | None, dtype: torch.dtype, task: str = "generate"
+) -> Any:
+    """The float transformers model of ``task`` (a vision-language one where the config has vision)."""
     target = str(folder) if folder is not None else str(model)
     try:
-        tokenizer = with_mistral_common(AutoTokenizer.from_pretrained(target), folder)
         model_class = _MODEL_CLASSES[task]
         if task == "generate" and is_vision_folder(target):
             model_class = AutoModelForImageTextToText
-        hf_model = model_class.from_pretrained(target, dtype=dtype)
+        return model_class.from_pretrained(target, dtype=dtype)
     except OSError as exc:
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
-    return hf_model, tokenizer
 
 
 def _load_quantized(
@@ -345,7 +351,7 @@ def _load_quantized(
             return load_folder_quantized(folder, config, scheme), tokenizer
         except DirectLoadUnsupported as exc:
             log.info("%s: %s; loading in float, then quantizing", folder, exc)
-    hf_model, _ = _load_float(folder, model, dtype)
+    hf_model = _load_float_model(folder, model, dtype)
     hf_model = hf_model.to(device)
     quantize_linears(hf_model, scheme)
     return hf_model, tokenizer

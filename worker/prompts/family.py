@@ -17,6 +17,7 @@ from worker.formats.registry import REASONING_FORMATS, TOOL_FORMATS
 from worker.model.mistral_tokenizer import mistral_common_of
 from worker.prompts.mistral_prompt import mistral_thinks
 from worker.prompts.template_fixes import fix_template
+from worker.prompts.vocabulary import TokenIndex
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def _is_special(tokenizer: Any, marker: str) -> bool:
 
 def _reasoning(model_type: str, template: str, tokenizer: Any) -> str | None:
     """The thinking format the model type, template and vocabulary show (None: it does not think)."""
-    vocab = tokenizer.get_vocab()
+    vocab = TokenIndex(tokenizer)
     return next(
         (thinking.name for thinking in _THINKING_PROBES if thinking.shown(model_type, template, vocab)), None
     )

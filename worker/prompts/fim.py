@@ -3,8 +3,10 @@ with them (the text before the gap, the text after it, then the model writes the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+from worker.prompts.vocabulary import TokenLookup
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,7 @@ FIM_MARKERS: dict[str, tuple[str, str, str | None, bool]] = {
 }
 
 
-def find_fim_tokens(vocab: Mapping[str, int]) -> FimTokens | None:
+def find_fim_tokens(vocab: TokenLookup) -> FimTokens | None:
     """The first family in :data:`FIM_MARKERS` whose markers are all in ``vocab``; None if none is."""
     for family, (prefix, suffix, middle, suffix_first) in FIM_MARKERS.items():
         markers = (prefix, suffix) if middle is None else (prefix, suffix, middle)

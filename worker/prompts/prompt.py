@@ -14,6 +14,7 @@ from worker.prompts.family import FamilyProfile, nine_char_id
 from worker.prompts.fim import FimTokens, find_fim_tokens
 from worker.prompts.images import ImageData, ImageProcessing
 from worker.prompts.mistral_prompt import encode_mistral_chat
+from worker.prompts.vocabulary import TokenIndex
 from worker.types import PromptImage
 
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -91,8 +92,7 @@ class PromptRenderer:
         self.template_knows_tools = self.profile.template_tools
         self.thinks = self.profile.reasoning_parser is not None
         self.vocab_size = len(tokenizer)
-        vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
-        self.fim: FimTokens | None = find_fim_tokens(vocab)
+        self.fim: FimTokens | None = find_fim_tokens(TokenIndex(tokenizer))
 
     def encode(self, text: str) -> list[int]:
         """``text``'s token ids without special tokens (a bad word's forms)."""

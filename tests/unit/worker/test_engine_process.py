@@ -12,7 +12,7 @@ import pickle
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import SimpleNamespace
@@ -152,16 +152,15 @@ def test_the_refusals_the_engine_raises_have_the_base_signature(kind: type[Worke
     assert kind.__init__ is WorkerError.__init__
 
 
-def test_a_vision_models_processor_crosses_as_its_folder(tmp_path: Path) -> None:
+def test_a_vision_models_processor_crosses_as_its_folder(tiny_vlm: Callable[[str], Path]) -> None:
     """The loader's processor without a video part is a class made at load; it pickles as the folder
     it was built from, so the serving process gets the same processor."""
     import numpy as np
     from PIL import Image
 
-    from tests.tiny_vlms import build_tiny_vlm
     from worker.model.loader import _images_only_processor
 
-    folder = build_tiny_vlm("qwen2_vl", tmp_path / "qwen2_vl")
+    folder = tiny_vlm("qwen2_vl")
     processor = _images_only_processor(str(folder))
     copy = pickle.loads(pickle.dumps(processor))
     assert type(copy).__name__ == type(processor).__name__ and copy.video_processor is None

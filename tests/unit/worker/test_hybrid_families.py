@@ -74,6 +74,17 @@ def run_steps(runner: ModelRunner, steps: list[list[tuple[Sequence, int | None]]
         assert next(logits, None) is None
 
 
+def run_short_scenario(runner: ModelRunner) -> list[Sequence]:
+    """The scenario's kinds of step, fewer of them: a chunked prompt crossing a Mamba chunk beside a
+    whole one, a decode row beside a chunk, decode-only steps, then ``a`` restarted from position 0
+    in ``b``'s slot (for checkpoints whose every forward is costly: 150k-word vocabularies)."""
+    a, b = Sequence(prompt(13, 3), [0, 2, 4, 6, 8], 0), Sequence(prompt(6, 5), [1, 3, 5], 1)
+    run_steps(runner, [[(a, 5), (b, None)], [(a, None), (b, None)], [(a, None), (b, None)]])
+    restarted = Sequence(list(a.tokens), a.table, b.slot)
+    run_steps(runner, [[(restarted, 9)], [(restarted, None)], [(restarted, None)]])
+    return [a, b, restarted]
+
+
 def prompt(length: int, seed: int) -> list[int]:
     return [(seed + 7 * i) % VOCAB for i in range(length)]
 

@@ -7,8 +7,9 @@ of the same processor output within 5e-3, and greedy decode rows write ``generat
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,6 @@ import torch
 import transformers
 from PIL import Image
 
-from tests.tiny_vlms import build_tiny_vlm
 from worker.model.loader import LoadedModel, load_model, load_processor
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import Work, work_of
@@ -45,14 +45,14 @@ class Served:
 
 # Qwen3.5 MoE shares Qwen3.5's vision path (its text scenario: test_multimodal_text.py).
 @pytest.fixture(scope="module", params=["qwen3_5", "gemma4"])
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    folder = build_tiny_vlm(request.param, tmp_path_factory.mktemp(request.param) / "model")
+def served(request: pytest.FixtureRequest, tiny_vlm: Callable[[str], Path]) -> Iterator[Served]:
+    folder = tiny_vlm(request.param)
     loaded = load_model(str(folder), device="cpu", dtype="float32", quantization="none")
     runner = ModelRunner(loaded, num_blocks=64, block_size=BLOCK, max_sequences=2)
     reference = transformers.AutoModelForImageTextToText.from_pretrained(
         str(folder), dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    yield Served(request.param, loaded, runner, reference, load_processor(str(folder)))
+    yield Served(request.param, loaded, runner, reference, load_processor(str(folder), loaded.tokenizer))
 
 
 @dataclass
