@@ -339,6 +339,12 @@ def default_model(default_model_dir):
     return load_model(str(default_model_dir), device="cpu", dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def int4_default_model(default_model_dir):
+    """The default model with int4 weights, loaded once for the module's int4 checks."""
+    return load_model(str(default_model_dir), device="cpu", dtype="float32", quantization="int4")
+
+
 def chat(loaded, text: str) -> list[int]:
     messages = [{"role": "user", "content": text}]
     text = loaded.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -357,12 +363,12 @@ def test_the_default_model_copying_a_paragraph_is_unchanged_and_accepts_proposal
     assert counters.speculative_accepted_tokens > 0
 
 
-def test_with_batch_invariant_steps_the_int4_default_model_gives_the_same_bits(default_model_dir):
+def test_with_batch_invariant_steps_the_int4_default_model_gives_the_same_bits(int4_default_model):
     """The int4 model's logits are coarse: exact ties between its two best tokens are common, so
     only batch-invariant steps (each token computed alike in a chunk or alone) make every greedy
     text equal; "Name three colours." ties within its first tokens. A seeded sampled row's tokens
     are equal bit for bit as well."""
-    int4 = load_model(str(default_model_dir), device="cpu", dtype="float32", quantization="int4")
+    int4 = int4_default_model
     batch = [
         request(chat(int4, f"Repeat exactly: {PARAGRAPH}"), temperature=0.0, max_tokens=40),
         request(chat(int4, "Name three colours."), temperature=0.0, max_tokens=24),
@@ -432,8 +438,8 @@ def test_greedy_and_seeded_outputs_with_a_draft_model_are_unchanged(tiny, tiny_m
     assert counters.speculative_accepted_tokens < counters.speculative_proposed_tokens
 
 
-def test_the_int4_default_model_drafting_for_the_float_one_is_lossless(default_model, default_model_dir):
-    int4 = load_model(str(default_model_dir), device="cpu", dtype="float32", quantization="int4")
+def test_the_int4_default_model_drafting_for_the_float_one_is_lossless(default_model, int4_default_model):
+    int4 = int4_default_model
     batch = [
         request(chat(default_model, f"Repeat exactly: {PARAGRAPH}"), temperature=0.0, max_tokens=32),
         request(chat(default_model, "Name three colours."), temperature=0.0, max_tokens=16),
