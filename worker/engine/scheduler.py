@@ -171,6 +171,9 @@ class Scheduler(Generic[T]):
     def running_sequences(self) -> int:
         return sum(len(_live(item)) for item in self.running)
 
+    def _free_slots(self) -> int:
+        return self.max_running - self.running_sequences
+
     @property
     def room(self) -> Room:
         return Room(self.max_running, self.prefill_budget_tokens)
@@ -202,8 +205,9 @@ class Scheduler(Generic[T]):
             )
         # Requests the next step will start into free slots are not waiting for a slot: only the rest
         # count against the queue's bound (so the bound does not depend on when the step runs).
-        free_slots = max(0, self.max_running - self.running_sequences)
-        if len(self.waiting) >= self.max_queue + free_slots:
+        # (The running batch is counted only once the queue is at its bound: it costs O(batch).)
+        waiting = len(self.waiting)
+        if waiting >= self.max_queue and waiting >= self.max_queue + max(0, self._free_slots()):
             raise QueueFull(
                 f"the worker's queue is full ({self.max_queue} requests waiting); retry later",
                 retry_after_seconds=1.0,
