@@ -1,7 +1,8 @@
-"""The prefix cache's host tier (``--kv-offload-bytes``) on a real worker (the default model): a device
-pool of 64 blocks and a 1 GiB host tier serve 8 conversations of 3 turns, round robin, each with its
-own ~250-token system prompt (together far more than the pool); the later turns find their earlier
-tokens cached (copied back from the host) and answer as the session's large-pool worker does."""
+"""The prefix cache's host tier (``--kv-offload-bytes``) on a real worker (the default model, its
+engine in a process of its own, where the tier lives): a device pool of 64 blocks and a 1 GiB host
+tier serve 8 conversations of 3 turns, round robin, each with its own ~250-token system prompt
+(together far more than the pool); the later turns find their earlier tokens cached (copied back
+from the host) and answer as the session's large-pool (in-process) worker does."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ from tests.processes import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-# 64 blocks of 16 tokens (the default block size) and a 1 GiB host tier.
-TIERED = ["--max-batch-tokens", "1024", "--kv-offload-bytes", str(1 << 30)]
+# 64 blocks of 16 tokens (the default block size) and a 1 GiB host tier. The engine process builds
+# the tier as an in-process engine does (the same start-up), and its metrics cross the pipe.
+TIERED = ["--max-batch-tokens", "1024", "--kv-offload-bytes", str(1 << 30), "--engine-process"]
 CONVERSATIONS, TURNS = 8, 3
 WORDS = (
     "harbour",
