@@ -101,9 +101,12 @@ class KVShape:
         quant = self.quant
         element = torch.empty((), dtype=self.dtype).element_size()
         return sum(
-            2
-            * layer.kv_heads
-            * (layer.head_dim * element if quant is None else quant.head_bytes(layer.head_dim))
+            layer.kv_heads
+            * (
+                2 * layer.head_dim * element
+                if quant is None
+                else quant.head_bytes(layer.head_dim, True) + quant.head_bytes(layer.head_dim, False)
+            )
             for index, layer in enumerate(self.layers)
             if self.owns_blocks(index)
         )
@@ -224,7 +227,8 @@ def _capacity_note(shape: KVShape) -> str:
 class LayerCache:
     """One layer's blocks as attention writes and reads them: ``keys``/``values`` ``[num_blocks,
     block_size, kv_heads, head_dim]`` in the model's dtype, or an 8-bit cache's codes with their
-    ``key_scales``/``value_scales`` ``[num_blocks, block_size, kv_heads, groups]`` (``quant``)."""
+    ``key_scales``/``value_scales`` ``[num_blocks, block_size, kv_heads, groups]`` (``quant``; keys
+    have more groups than values)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -244,20 +248,20 @@ class LayerCache:
             self.values.view(-1, heads, dim).index_copy_(0, slots, values.to(self.values.dtype))
             return
         assert self.key_scales is not None and self.value_scales is not None
-        for new, codes, scales in (
-            (keys, self.keys, self.key_scales),
-            (values, self.values, self.value_scales),
+        for new, codes, scales, are_keys in (
+            (keys, self.keys, self.key_scales, True),
+            (values, self.values, self.value_scales, False),
         ):
-            quantized, scale = self.quant.quantize(new)
+            quantized, scale = self.quant.quantize(new, are_keys)
             codes.view(-1, heads, dim).index_copy_(0, slots, quantized)
             scales.view(-1, heads, scale.shape[-1]).index_copy_(0, slots, scale)
 
-    def stored(self, new: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """What the pool gives back for new keys or values ``[T, kv_heads, d]`` once written, in
-        ``dtype`` (a whole prompt attends to its own keys as later steps will read them)."""
+    def stored(self, new: torch.Tensor, dtype: torch.dtype, keys: bool) -> torch.Tensor:
+        """What the pool gives back for new keys (``keys``) or values ``[T, kv_heads, d]`` once
+        written, in ``dtype`` (a whole prompt attends to its own keys as later steps will read them)."""
         if self.quant is None:
             return new.to(self.keys.dtype).to(dtype)
-        return self.quant.round_trip(new.to(dtype))
+        return self.quant.round_trip(new.to(dtype), keys)
 
     def gather(self, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of ``blocks`` (long ``[n]``), ``[n, block_size, kv_heads, d]`` in ``dtype``
@@ -280,9 +284,10 @@ def _allocate(
     values = torch.zeros(dims, dtype=dtype, device=device)
     if quant is None:
         return LayerCache(keys, values)
-    scale_dims = (*dims[:3], dims[3] // group_dims(dims[3]))
-    key_scales = torch.zeros(scale_dims, dtype=SCALE_DTYPE, device=device)
-    value_scales = torch.zeros(scale_dims, dtype=SCALE_DTYPE, device=device)
+    key_scales, value_scales = (
+        torch.zeros((*dims[:3], dims[3] // group_dims(dims[3], keys)), dtype=SCALE_DTYPE, device=device)
+        for keys in (True, False)
+    )
     return LayerCache(keys, values, key_scales, value_scales, quant)
 
 

@@ -1,5 +1,6 @@
 """An 8-bit KV cache (``--kv-cache-dtype int8|fp8``): keys and values kept as one-byte codes with a
-scale per token, kv head and 32 dims, quantized as the attention writes them, widened when read.
+scale per token, kv head and group of dims (4 for keys, 32 for values), quantized as the attention
+writes them, widened when read.
 
 Design notes: docs/worker.md.
 """
@@ -15,9 +16,12 @@ from worker.config import KV_CACHE_DTYPES
 # One scale per (token, kv head, group of GROUP_DIMS dims): bfloat16 for float32's range in two bytes.
 # Its rounding only moves the quantization grid (codes are computed against the rounded scale).
 SCALE_DTYPE = torch.bfloat16
-# Dims sharing a scale: a head's outlier channel then coarsens 31 others, not the whole head (on the
-# default model, 32 halved the largest logprob error of one scale per head: docs/benchmarks.md).
+# Dims sharing a scale. Values: a head's outlier channel then coarsens 31 others, not the whole head
+# (on the default model, 32 halved the largest logprob error of one scale per head). Keys decide the
+# error (their outlier channels go through the softmax's exponent): groups of 4 brought the default
+# model's worst position from 0.10 to under 0.05 (docs/benchmarks.md, "An 8-bit KV cache").
 GROUP_DIMS = 32
+KEY_GROUP_DIMS = 4
 # The smallest scale: a group of zeros (padding, the scratch block) gets codes of zero.
 _TINY_SCALE = 1e-30
 _FP8 = torch.float8_e4m3fn
@@ -27,7 +31,7 @@ _FP8 = torch.float8_e4m3fn
 class KVQuant:
     """How a layer's keys and values are stored: ``name`` (``int8``: symmetric integers, ``fp8``:
     float8 e4m3 bits, kept as ``uint8`` since CPU index copies do not take float8), each group of a
-    head row (:func:`group_dims`) scaled so its largest magnitude is ``limit``."""
+    head row (:func:`group_dims`, finer for keys) scaled so its largest magnitude is ``limit``."""
 
     name: str
 
@@ -44,16 +48,17 @@ class KVQuant:
         """Bytes of one code (the scales are counted per head: :meth:`head_bytes`)."""
         return 1
 
-    def head_bytes(self, head_dim: int) -> int:
-        """Bytes of one token's key (or value) of one kv head: its codes and its scales."""
+    def head_bytes(self, head_dim: int, keys: bool) -> int:
+        """Bytes of one token's key (``keys``) or value of one kv head: its codes and its scales."""
         scale = torch.empty((), dtype=SCALE_DTYPE).element_size()
-        return head_dim * self.element_bytes + scale * (head_dim // group_dims(head_dim))
+        return head_dim * self.element_bytes + scale * (head_dim // group_dims(head_dim, keys))
 
-    def quantize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x`` ``[..., head_dim]`` -> codes ``[..., head_dim]`` and scales ``[..., groups]``, so
-        that ``codes * scale`` is ``x`` to within half a step of its group's scale. Per row and
-        elementwise: no host synchronisation (a CUDA graph captures it), no dependence on the batch."""
-        wide = _grouped(x.float())
+    def quantize(self, x: torch.Tensor, keys: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[..., head_dim]`` (keys, or values) -> codes ``[..., head_dim]`` and scales
+        ``[..., groups]``, so that ``codes * scale`` is ``x`` to within half a step of its group's
+        scale. Per row and elementwise: no host synchronisation (a CUDA graph captures it), no
+        dependence on the batch."""
+        wide = _grouped(x.float(), group_dims(x.shape[-1], keys))
         amax = wide.abs().amax(dim=-1)
         scale = (amax / self.limit).clamp_min(_TINY_SCALE).to(SCALE_DTYPE)
         scaled = (wide / scale.float()[..., None]).flatten(-2)
@@ -62,25 +67,27 @@ class KVQuant:
         return scaled.clamp_(-self.limit, self.limit).to(_FP8).view(torch.uint8), scale
 
     def dequantize(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """``codes`` ``[..., head_dim]`` and their ``scales`` ``[..., groups]`` back to ``dtype``."""
+        """``codes`` ``[..., head_dim]`` and their ``scales`` ``[..., groups]`` back to ``dtype``
+        (the groups' size read off the two shapes)."""
         values = codes.view(_FP8).to(dtype) if self.name == "fp8" else codes.to(dtype)
-        return _grouped(values).mul_(scales.to(dtype)[..., None]).flatten(-2)
+        grouped = _grouped(values, codes.shape[-1] // scales.shape[-1])
+        return grouped.mul_(scales.to(dtype)[..., None]).flatten(-2)
 
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """What the pool gives back for ``x`` once written (its dtype kept)."""
-        return self.dequantize(*self.quantize(x), x.dtype)
-
-
-def group_dims(head_dim: int) -> int:
-    """Dims per scale for this head dim: :data:`GROUP_DIMS`, or the whole head where it does not
-    divide it."""
-    return GROUP_DIMS if head_dim % GROUP_DIMS == 0 else head_dim
+    def round_trip(self, x: torch.Tensor, keys: bool) -> torch.Tensor:
+        """What the pool gives back for keys (``keys``) or values ``x`` once written (dtype kept)."""
+        return self.dequantize(*self.quantize(x, keys), x.dtype)
 
 
-def _grouped(x: torch.Tensor) -> torch.Tensor:
-    """``[..., head_dim]`` viewed as ``[..., groups, group_dims]``."""
-    dims = x.shape[-1]
-    return x.unflatten(-1, (dims // group_dims(dims), group_dims(dims)))
+def group_dims(head_dim: int, keys: bool) -> int:
+    """Dims per scale of keys (``keys``) or values of this head dim: :data:`KEY_GROUP_DIMS` or
+    :data:`GROUP_DIMS`, or the whole head where that does not divide it."""
+    dims = KEY_GROUP_DIMS if keys else GROUP_DIMS
+    return dims if head_dim % dims == 0 else head_dim
+
+
+def _grouped(x: torch.Tensor, dims: int) -> torch.Tensor:
+    """``[..., head_dim]`` viewed as ``[..., groups, dims]``."""
+    return x.unflatten(-1, (x.shape[-1] // dims, dims))
 
 
 def kv_quant(name: str) -> KVQuant | None:

@@ -271,7 +271,10 @@ def paged_attention_forward(
     if variant.plain_softmax and chunks:  # whole prompts together, the rest one by one
         groups, chunks = step.split_chunks(variant.window)
         if groups:  # their own keys and values as the pool holds them (an 8-bit cache rounds them)
-            stored_k, stored_v = cache.stored(flat_k, query.dtype), cache.stored(flat_v, query.dtype)
+            stored_k, stored_v = (
+                cache.stored(flat_k, query.dtype, True),
+                cache.stored(flat_v, query.dtype, False),
+            )
         for group in groups:
             attend_prompts(group, flat_q, stored_k, stored_v, scale, out)
     for chunk in chunks:

@@ -68,8 +68,8 @@ class SplitWorkspace:
 @dataclass(frozen=True)
 class KVScales:
     """An 8-bit cache's scales, ``[num_blocks, block_size, KVH, groups]`` each (a group: the head
-    dim's ``head_dim / groups`` consecutive dims), and its codes' kind (``int8``, or ``fp8``: float8
-    e4m3 bits in ``uint8``; worker/attention/kv_quant.py)."""
+    dim's ``head_dim / groups`` consecutive dims; keys have more groups than values), and its
+    codes' kind (``int8``, or ``fp8``: float8 e4m3 bits in ``uint8``; worker/attention/kv_quant.py)."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -247,9 +247,8 @@ def paged_decode_attention(
         value_cache.stride(0),
         value_cache.stride(1),
         value_cache.stride(2),
-        key_scales.stride(0) if scales is not None else 0,
-        key_scales.stride(1) if scales is not None else 0,
-        key_scales.stride(2) if scales is not None else 0,
+        *(key_scales.stride()[:3] if scales is not None else (0, 0, 0)),
+        *(value_scales.stride()[:3] if scales is not None else (0, 0, 0)),
         block_tables.stride(0),
         out.stride(0),
         out.stride(1),
@@ -271,7 +270,8 @@ def paged_decode_attention(
         IEEE_DOT=query.dtype == torch.float32,
         DOT_IN_FP32=interpret and query.dtype != torch.float32,
         CODES=0 if scales is None else scales.kind,
-        GROUP_DIMS=head_dim if scales is None else head_dim // scales.keys.shape[3],
+        KEY_GROUP_DIMS=head_dim if scales is None else head_dim // scales.keys.shape[3],
+        VALUE_GROUP_DIMS=head_dim if scales is None else head_dim // scales.values.shape[3],
         num_warps=_NUM_WARPS,
         num_stages=_NUM_STAGES,
     )
@@ -400,17 +400,13 @@ def _check_cache_dtype(
         raise ValueError(
             f"key_cache/value_cache dtype ({key_cache.dtype}/{value_cache.dtype}) must be {want}"
         )
-    if scales is not None and not (
-        scales.keys.dim() == 4
-        and scales.keys.shape == scales.values.shape
-        and scales.keys.shape[:3] == key_cache.shape[:3]
-        and key_cache.shape[3] % scales.keys.shape[3] == 0
-        and scales.keys.stride() == scales.values.stride()
-        and scales.keys.stride(-1) == 1
+    if scales is not None and not all(
+        s.dim() == 4 and s.shape[:3] == key_cache.shape[:3] and key_cache.shape[3] % s.shape[3] == 0
+        for s in (scales.keys, scales.values)
     ):
-        raise ValueError(
-            "the scales must be [num_blocks, block_size, KVH, groups] like the caches, contiguous alike"
-        )
+        raise ValueError("the scales must be [num_blocks, block_size, KVH, groups] like the caches")
+    if scales is not None and not (scales.keys.stride(-1) == 1 and scales.values.stride(-1) == 1):
+        raise ValueError("the scales' groups must be contiguous")
 
 
 def _check_workspace(

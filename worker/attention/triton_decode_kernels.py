@@ -38,6 +38,9 @@ def decode_partition_kernel(
     stride_sb,
     stride_st,
     stride_sh,
+    stride_wb,
+    stride_wt,
+    stride_wh,
     stride_bt,
     stride_ob,
     stride_oh,
@@ -59,7 +62,8 @@ def decode_partition_kernel(
     IEEE_DOT: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     CODES: tl.constexpr,
-    GROUP_DIMS: tl.constexpr,
+    KEY_GROUP_DIMS: tl.constexpr,
+    VALUE_GROUP_DIMS: tl.constexpr,
 ):
     """One program: one sequence, one kv head, all query heads of its group,
     one partition of the context (the whole context when not SPLIT).
@@ -69,8 +73,9 @@ def decode_partition_kernel(
     interpreter multiplies bfloat16 operands wrongly (seen with triton 3.9).
 
     CODES (an 8-bit cache): 0 float blocks; 1 int8 codes, 2 float8 e4m3 bits, with a scale per
-    token, kv head and GROUP_DIMS dims (``[num_blocks, block_size, KVH, groups]``): each tile's
-    codes are widened and scaled in registers, then go into the dots as float blocks would.
+    token, kv head and KEY_GROUP_DIMS (VALUE_GROUP_DIMS) dims (``[num_blocks, block_size, KVH,
+    groups]``, strides ``stride_s*`` for keys, ``stride_w*`` for values): each tile's codes are
+    widened and scaled in registers, then go into the dots as float blocks would.
 
     HAS_WINDOW: only the last ``window`` tokens are read; HAS_SOFTCAP: scores
     (log2 units) are ``softcap_log2 * tanh(q.k * softcap_scale)``; HAS_SINKS
@@ -145,14 +150,20 @@ def decode_partition_kernel(
             other=0.0,
         )
         if CODES != 0:
-            scale_offsets = (
+            key_offsets = (
                 block_ids[:, None] * stride_sb
                 + in_block[:, None] * stride_st
                 + kv_head * stride_sh
-                + (dims // GROUP_DIMS)[None, :]
+                + (dims // KEY_GROUP_DIMS)[None, :]
             )
-            k_scale = tl.load(key_scales_ptr + scale_offsets, mask=kv_mask, other=0.0).to(tl.float32)
-            v_scale = tl.load(value_scales_ptr + scale_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+            value_offsets = (
+                block_ids[:, None] * stride_wb
+                + in_block[:, None] * stride_wt
+                + kv_head * stride_wh
+                + (dims // VALUE_GROUP_DIMS)[None, :]
+            )
+            k_scale = tl.load(key_scales_ptr + key_offsets, mask=kv_mask, other=0.0).to(tl.float32)
+            v_scale = tl.load(value_scales_ptr + value_offsets, mask=kv_mask, other=0.0).to(tl.float32)
             k = (_widen(k, CODES) * k_scale).to(out_ptr.dtype.element_ty)
             v = (_widen(v, CODES) * v_scale).to(out_ptr.dtype.element_ty)
         if DOT_IN_FP32:

@@ -374,7 +374,8 @@ def test_kernels_compile_for_h100(
         "IEEE_DOT": False,
         "DOT_IN_FP32": False,
         "CODES": codes,
-        "GROUP_DIMS": 32 if codes else 64,
+        "KEY_GROUP_DIMS": 4 if codes else 64,
+        "VALUE_GROUP_DIMS": 32 if codes else 64,
     }
     reduce_constants = {"HEAD_DIM": 64, "HEAD_DIM_PAD": 64, "HAS_WINDOW": variants, "HAS_SINKS": variants}
 
