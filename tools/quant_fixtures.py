@@ -96,12 +96,23 @@ def compressed(source: Path, target: Path, preset: str, layout: str) -> None:
     compressor.update_config(str(target))
 
 
-def gptq(source: Path, target: Path) -> None:
-    """``source`` quantized by gptqmodel on the CPU (4 bits, groups of 32, no act-order) from a handful
-    of calibration prompts."""
+def gptq(source: Path, target: Path, *, awq: bool = False) -> None:
+    """``source`` quantized by gptqmodel on the CPU (4 bits, groups of 32) from a handful of calibration
+    prompts: GPTQ without act-order or, with ``awq``, AWQ in AutoAWQ's GEMM layout with zero points
+    (``quant_method: awq``)."""
     from gptqmodel import GPTQModel, QuantizeConfig
 
-    config = QuantizeConfig(bits=4, group_size=GROUP, desc_act=False, sym=True)
+    config: Any
+    if awq:
+        from gptqmodel.looper.awq_processor import AWQProcessor
+        from gptqmodel.quantization.config import AWQConfig
+
+        # Its clipping search batches 64 output rows at a time (the tiny model's k/v layers have 32),
+        # so it is skipped: the scale search, the quantization and the packing are still the tool's.
+        AWQProcessor._search_best_clip = lambda self, *args: []  # type: ignore[method-assign]
+        config = AWQConfig(bits=4, group_size=GROUP, sym=False)
+    else:
+        config = QuantizeConfig(bits=4, group_size=GROUP, desc_act=False, sym=True)
     model = GPTQModel.load(str(source), config, device="cpu")
     generator = torch.Generator().manual_seed(0)
     samples = [{"input_ids": torch.randint(2, VOCAB, (1, 32), generator=generator)} for _ in range(8)]
@@ -110,13 +121,26 @@ def gptq(source: Path, target: Path) -> None:
     model.save(str(target))
 
 
+def _dequantizing(folder: Path) -> dict[str, Any]:
+    """transformers' options for a checkpoint it cannot run compressed: 5.24 sizes an asymmetric
+    pack-quantized layer's zero points unpacked and refuses the packed ones, so that checkpoint is
+    decompressed on load by compressed-tensors' own decompressor (``dequantize=True``)."""
+    quantization = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    groups = quantization.get("config_groups") or {}
+    if not any(group.get("weights", {}).get("symmetric") is False for group in groups.values()):
+        return {}
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
 @torch.no_grad()
 def reference(folder: Path) -> dict[str, Any]:
     """transformers' forward of the checkpoint: the prompt's logprobs, 24 greedy tokens and at each
     the margin between the two best logits (near-ties may flip under other rounding)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **_dequantizing(folder)).eval()
     ids = torch.tensor([PROMPT])
     logprobs = model(ids).logits.float().log_softmax(-1)[0]
     prompt_logprobs = [logprobs[i - 1, PROMPT[i]].item() for i in range(1, len(PROMPT))]
@@ -162,6 +186,8 @@ def main() -> None:
         ("fp8_dynamic", lambda s, t: compressed(s, t, "FP8_DYNAMIC", "float-quantized")),
         ("w4a16", lambda s, t: compressed(s, t, "W4A16", "pack-quantized")),
         ("gptq", gptq),
+        ("w4a16_asym", lambda s, t: compressed(s, t, "W4A16_ASYM", "pack-quantized")),
+        ("awq", lambda s, t: gptq(s, t, awq=True)),
     ]:
         print(name, make(name, build, source, root))
 

@@ -21,7 +21,11 @@ log = logging.getLogger(__name__)
 _PARTS = {
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
 }
+# AutoAWQ's GEMM words hold output columns 0, 2, 4, 6, 1, 3, 5, 7 in nibbles 0..7: column j is nibble
+# _AWQ_NIBBLE[j] (its interleaving for the fast dequantize of its CUDA kernel).
+_AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -33,6 +37,13 @@ def unpack_int32(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return values.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)
 
 
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's GEMM packing read back: int32 [rows, cols / 8] -> the 4-bit values [rows, cols]."""
+    nibbles = unpack_int32(packed, 4).reshape(*packed.shape, 8)
+    order = torch.tensor(_AWQ_NIBBLE, device=packed.device)
+    return nibbles.index_select(-1, order).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+
+
 def _int4_layer(
     q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, name: str
 ) -> Int4Linear:
@@ -42,6 +53,11 @@ def _int4_layer(
             f"{name}: {q.shape[0]} output rows (the CPU int4 kernel packs 16 at a time)"
         )
     return Int4Linear(q, scale, zero, group=group, batch_copy=False)
+
+
+def _offset_zero(zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``W = (q - zero) * scale`` as :class:`Int4Linear`'s ``(q - 8) * scale + offset``: the offset."""
+    return (8 - zero.float()) * scale
 
 
 def compressed_tensors_layer(
@@ -62,7 +78,13 @@ def compressed_tensors_layer(
     if fmt.scheme == "int8":
         return Int8Linear((q - 128).to(torch.int8), scale.reshape(out_features), batch_copy=False)
     scale = scale.t().contiguous()  # [groups, out], the layer's layout
-    return _int4_layer(q, scale, torch.zeros_like(scale), fmt.group, name)
+    if not fmt.zero_points:
+        return _int4_layer(q, scale, torch.zeros_like(scale), fmt.group, name)
+    if "weight_zero_point" not in parts:
+        raise UnsupportedCheckpoint(f"{name}: an asymmetric scheme without weight_zero_point")
+    # Packed along the output rows ([out / 8, groups]), each the signed zero plus 8 as the weights are.
+    zero = unpack_int32(parts["weight_zero_point"].t(), 4)[:, :out_features]
+    return _int4_layer(q, scale, _offset_zero(zero, scale), fmt.group, name)
 
 
 def gptq_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: str) -> Int4Linear:
@@ -76,7 +98,16 @@ def gptq_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: str)
     plain = torch.arange(q.shape[1], dtype=torch.int32, device=q.device) // fmt.group
     if g_idx is not None and not torch.equal(g_idx.to(torch.int32), plain):
         raise UnsupportedCheckpoint(f"{name}.g_idx reorders the groups (act-order): not served")
-    return _int4_layer(q, scale, (8 - zero.float()) * scale, fmt.group, name)
+    return _int4_layer(q, scale, _offset_zero(zero, scale), fmt.group, name)
+
+
+def awq_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: str) -> Int4Linear:
+    """An AWQ (GEMM) layer: ``qweight`` [in, out / 8] and ``qzeros`` [groups, out / 8] packed along the
+    output in AutoAWQ's nibble order, ``scales`` [groups, out]; ``W[n, k] = (q - zero) * scale``."""
+    q = unpack_awq(parts["qweight"]).t().contiguous()  # [out, in]
+    zero = unpack_awq(parts["qzeros"])[:, : q.shape[0]]
+    scale = parts["scales"].float()
+    return _int4_layer(q, scale, _offset_zero(zero, scale), fmt.group, name)
 
 
 def _quantized_parts(names: set[str], fmt: CheckpointFormat) -> dict[str, str]:
@@ -110,6 +141,8 @@ def _build_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: st
     layer: QuantizedLinear
     if fmt.method == "gptq":
         layer = gptq_layer(parts, fmt, name)
+    elif fmt.method == "awq":
+        layer = awq_layer(parts, fmt, name)
     else:
         layer = compressed_tensors_layer(parts, fmt, name)
     if "bias" in parts:

@@ -14,7 +14,13 @@ import torch
 
 from worker.model.loader import ModelLoadError, load_model
 from worker.quant.checkpoint_formats import CheckpointFormat, UnsupportedCheckpoint, read_format
-from worker.quant.checkpoint_loading import compressed_tensors_layer, gptq_layer, unpack_int32
+from worker.quant.checkpoint_loading import (
+    awq_layer,
+    compressed_tensors_layer,
+    gptq_layer,
+    unpack_awq,
+    unpack_int32,
+)
 from worker.quant.fp8_activations import fp8_per_token
 
 W4A16 = {
@@ -46,6 +52,8 @@ FP8_DYNAMIC = {
     },
 }
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
+# What gptqmodel writes for AWQ (AutoAWQ's own config has the same four keys).
+AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
 
 
 def _folder(tmp_path: Path, quantization: dict[str, Any]) -> Path:
@@ -69,6 +77,9 @@ def test_each_format_is_read(tmp_path: Path) -> None:
     assert fp8 is not None and (fp8.scheme, fp8.fp8_activations) == ("fp8", True)
     gptq = read_format(_folder(tmp_path, GPTQ))
     assert gptq is not None and (gptq.scheme, gptq.group, gptq.gptq_zero_offset) == ("int4", 32, 1)
+    asymmetric = read_format(_folder(tmp_path, _with(W4A16, symmetric=False)))
+    assert asymmetric is not None and (asymmetric.scheme, asymmetric.zero_points) == ("int4", True)
+    assert read_format(_folder(tmp_path, AWQ)) == CheckpointFormat("awq", "AWQ (gemm) int4 g32", "int4", 32)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert read_format(tmp_path) is None
 
@@ -80,7 +91,7 @@ W8A8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": 
 @pytest.mark.parametrize(
     ("quantization", "named"),
     [
-        (_with(W4A16, symmetric=False), "weights.symmetric: false"),
+        (_with(W4A16, symmetric=False, num_bits=8, strategy="channel"), "weights.symmetric: false"),
         (_with(W4A16, num_bits=3), "3 bits"),
         (_with(W4A16, group_size=48), "group_size 48"),
         (_with(W4A16, actorder="group"), "weights.actorder 'group'"),
@@ -90,7 +101,11 @@ W8A8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": 
         ({**GPTQ, "desc_act": True}, "desc_act: true"),
         ({**GPTQ, "bits": 8}, "GPTQ bits 8"),
         ({**GPTQ, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
-        ({"quant_method": "awq"}, "quant_method 'awq'"),
+        ({"quant_method": "fp8"}, "quant_method 'fp8'"),
+        ({**AWQ, "version": "gemv"}, "AWQ version 'gemv'"),
+        ({**AWQ, "bits": 8}, "AWQ bits 8"),
+        ({**AWQ, "zero_point": False}, "AWQ zero_point: false"),
+        ({**AWQ, "group_size": 48}, "AWQ group_size 48"),
     ],
 )
 def test_unsupported_options_are_refused_by_name(
@@ -113,6 +128,20 @@ def test_unpack_int32_reads_the_lowest_bits_first() -> None:
     values = torch.randint(0, 16, (3, 16), generator=torch.Generator().manual_seed(0))
     assert torch.equal(unpack_int32(_pack_int32(values, 4), 4), values.to(torch.int32))
     assert torch.equal(unpack_int32(torch.tensor([[0x76543210]], dtype=torch.int32), 4)[0], torch.arange(8))
+
+
+def _pack_awq(values: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's GEMM packing, written from its format description: eight 4-bit values per int32 along
+    the last dimension, nibble ``i`` of a word holding column ``(0, 2, 4, 6, 1, 3, 5, 7)[i]`` of its 8."""
+    words = values.reshape(*values.shape[:-1], -1, 8)[..., [0, 2, 4, 6, 1, 3, 5, 7]]
+    return _pack_int32(words.reshape(values.shape), 4)
+
+
+def test_unpack_awq_reads_autoawqs_nibble_order() -> None:
+    # Columns 0..7 holding the values 0..7: the word's nibbles, lowest first, are 0 2 4 6 1 3 5 7.
+    assert torch.equal(unpack_awq(torch.tensor([[0x75316420]], dtype=torch.int32))[0], torch.arange(8))
+    values = torch.randint(0, 16, (3, 32), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(unpack_awq(_pack_awq(values)), values.to(torch.int32))
 
 
 def _int4(out: int = 32, inp: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,6 +180,38 @@ def test_a_gptq_layer_holds_the_checkpoints_weight(layout_offset: int) -> None:
     }
     fmt = CheckpointFormat("gptq", "", "int4", 32, gptq_zero_offset=layout_offset)
     layer = gptq_layer(parts, fmt, "x")
+    expected = (q.float() - _grouped(q, zero.float())) * _grouped(q, scale.half().float())
+    torch.testing.assert_close(layer.dequantized(), expected, atol=2e-2, rtol=2e-2)
+
+
+def _zeros(scale: torch.Tensor) -> torch.Tensor:
+    return torch.randint(0, 16, scale.shape, generator=torch.Generator().manual_seed(2))
+
+
+def test_an_asymmetric_pack_quantized_layer_holds_the_checkpoints_weight() -> None:
+    q, scale = _int4()
+    zero = _zeros(scale)  # [groups, out], unsigned (each the signed zero point plus 8)
+    parts = {
+        "weight_packed": _pack_int32(q, 4),
+        "weight_scale": scale.t().contiguous(),
+        "weight_shape": torch.tensor(q.shape),
+        # compressed-tensors packs the zero points along the output rows: [out / 8, groups].
+        "weight_zero_point": _pack_int32(zero, 4).t().contiguous(),
+    }
+    fmt = CheckpointFormat("compressed-tensors", "", "int4", 32, zero_points=True)
+    layer = compressed_tensors_layer(parts, fmt, "x")
+    expected = (q.float() - _grouped(q, zero.float())) * _grouped(q, scale.to(torch.bfloat16).float())
+    torch.testing.assert_close(layer.dequantized(), expected, atol=2e-2, rtol=2e-2)
+    with pytest.raises(UnsupportedCheckpoint, match="x: an asymmetric scheme without weight_zero_point"):
+        compressed_tensors_layer({k: v for k, v in parts.items() if k != "weight_zero_point"}, fmt, "x")
+
+
+def test_an_awq_layer_holds_the_checkpoints_weight() -> None:
+    q, scale = _int4()
+    zero = _zeros(scale)
+    # AWQ packs the output dimension: qweight [in, out / 8], qzeros [groups, out / 8], no offset.
+    parts = {"qweight": _pack_awq(q.t().contiguous()), "qzeros": _pack_awq(zero), "scales": scale.half()}
+    layer = awq_layer(parts, CheckpointFormat("awq", "", "int4", 32), "x")
     expected = (q.float() - _grouped(q, zero.float())) * _grouped(q, scale.half().float())
     torch.testing.assert_close(layer.dequantized(), expected, atol=2e-2, rtol=2e-2)
 
