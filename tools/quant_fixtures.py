@@ -96,10 +96,10 @@ def compressed(source: Path, target: Path, preset: str, layout: str) -> None:
     compressor.update_config(str(target))
 
 
-def gptq(source: Path, target: Path, *, awq: bool = False) -> None:
+def gptq(source: Path, target: Path, *, desc_act: bool = False, awq: bool = False) -> None:
     """``source`` quantized by gptqmodel on the CPU (4 bits, groups of 32) from a handful of calibration
-    prompts: GPTQ without act-order or, with ``awq``, AWQ in AutoAWQ's GEMM layout with zero points
-    (``quant_method: awq``)."""
+    prompts: GPTQ (``desc_act``: act-order, its ``g_idx`` reordering the groups) or, with ``awq``,
+    AWQ in AutoAWQ's GEMM layout with zero points (``quant_method: awq``)."""
     from gptqmodel import GPTQModel, QuantizeConfig
 
     config: Any
@@ -112,7 +112,7 @@ def gptq(source: Path, target: Path, *, awq: bool = False) -> None:
         AWQProcessor._search_best_clip = lambda self, *args: []  # type: ignore[method-assign]
         config = AWQConfig(bits=4, group_size=GROUP, sym=False)
     else:
-        config = QuantizeConfig(bits=4, group_size=GROUP, desc_act=False, sym=True)
+        config = QuantizeConfig(bits=4, group_size=GROUP, desc_act=desc_act, sym=True)
     model = GPTQModel.load(str(source), config, device="cpu")
     generator = torch.Generator().manual_seed(0)
     samples = [{"input_ids": torch.randint(2, VOCAB, (1, 32), generator=generator)} for _ in range(8)]
@@ -188,6 +188,7 @@ def main() -> None:
         ("gptq", gptq),
         ("w4a16_asym", lambda s, t: compressed(s, t, "W4A16_ASYM", "pack-quantized")),
         ("awq", lambda s, t: gptq(s, t, awq=True)),
+        ("gptq_act_order", lambda s, t: gptq(s, t, desc_act=True)),
     ]:
         print(name, make(name, build, source, root))
 

@@ -2,7 +2,7 @@
 tools/quant_fixtures.py) served by a real worker in their own form, against transformers' forward
 of the same checkpoint (which dequantizes): 24 greedy tokens equal except after a logit near-tie,
 prompt logprobs within 2e-2, the quantized layers' bytes against float16, options refused by name.
-The formats added later (asymmetric W4A16, AWQ) are checked in process on the
+The formats added later (asymmetric W4A16, AWQ, GPTQ act-order) are checked in process on the
 worker's own loader: their layers are new, the serving path after load is the same."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from worker.model.prequantized import quantized_bytes
 
 # format -> the most the quantized layers may hold against their float16 size (the issue's bar)
 FORMATS = {"fp8_dynamic": 0.6, "w4a16": 0.35, "gptq": 0.35}
-IN_PROCESS = {"w4a16_asym": 0.35, "awq": 0.35}  # no worker each: see above
+IN_PROCESS = {"w4a16_asym": 0.35, "awq": 0.35, "gptq_act_order": 0.35}  # no worker each: see above
 NEAR_TIE = 2e-3  # logits closer than this (twice the forwards' differences seen) may order either way
 
 
@@ -115,7 +115,7 @@ def test_the_loaded_weights_stay_quantized(name: str) -> None:
     [
         ("w4a16", {"symmetric": False, "num_bits": 8, "strategy": "channel"}, "weights.symmetric: false"),
         ("fp8_dynamic", {"strategy": "block"}, "strategy 'block'"),
-        ("gptq", {"desc_act": True}, "desc_act: true"),
+        ("gptq", {"bits": 8}, "GPTQ bits 8"),
         ("awq", {"version": "gemv"}, "AWQ version 'gemv'"),
     ],
 )

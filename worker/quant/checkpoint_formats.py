@@ -124,8 +124,6 @@ def _gptq(quantization: dict[str, Any]) -> CheckpointFormat:
     bits = quantization.get("bits")
     if bits != 4:
         raise _refuse(f"GPTQ bits {bits}", "4-bit GPTQ is served")
-    if quantization.get("desc_act"):
-        raise _refuse("GPTQ desc_act: true (act-order)", "act-order's g_idx permutation is not applied")
     layout = quantization.get("checkpoint_format", "gptq")
     if layout not in ("gptq", "gptq_v2"):
         raise _refuse(f"GPTQ checkpoint_format {layout!r}", "gptq and gptq_v2 are served")
@@ -133,7 +131,9 @@ def _gptq(quantization: dict[str, Any]) -> CheckpointFormat:
     if size not in INT4_GROUPS:
         raise _refuse(f"GPTQ group_size {size}", f"groups of {INT4_GROUPS} are served")
     offset = 1 if layout == "gptq" else 0
-    return CheckpointFormat("gptq", f"GPTQ ({layout}) int4 g{size}", "int4", size, gptq_zero_offset=offset)
+    order = ", act-order" if quantization.get("desc_act") else ""
+    name = f"GPTQ ({layout}) int4 g{size}{order}"
+    return CheckpointFormat("gptq", name, "int4", size, gptq_zero_offset=offset)
 
 
 def _awq(quantization: dict[str, Any]) -> CheckpointFormat:

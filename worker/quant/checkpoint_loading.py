@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from worker.quant.act_order import ActOrderInt4Linear, group_order
 from worker.quant.checkpoint_formats import CheckpointFormat, UnsupportedCheckpoint
 from worker.quant.fp8_activations import Fp8DynamicLinear
 from worker.quant.layers import Fp8Linear, Int4Linear, Int8Linear, QuantizedLinear
@@ -45,13 +46,21 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _int4_layer(
-    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, name: str
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group: int,
+    name: str,
+    order: torch.Tensor | None = None,
 ) -> Int4Linear:
-    """An :class:`Int4Linear` of ``q`` (0..15, [out, in]) without the float batch copy."""
+    """An :class:`Int4Linear` of ``q`` (0..15, [out, in]) without the float batch copy; with
+    ``order`` (act-order) an :class:`ActOrderInt4Linear` over its input features in that order."""
     if q.device.type == "cpu" and q.shape[0] % 16:
         raise UnsupportedCheckpoint(
             f"{name}: {q.shape[0]} output rows (the CPU int4 kernel packs 16 at a time)"
         )
+    if order is not None:
+        return ActOrderInt4Linear(q, scale, zero, group, order)
     return Int4Linear(q, scale, zero, group=group, batch_copy=False)
 
 
@@ -90,15 +99,14 @@ def compressed_tensors_layer(
 def gptq_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: str) -> Int4Linear:
     """A GPTQ layer: ``qweight`` [in/8, out] and ``qzeros`` [groups, out/8] (int32, 4-bit values),
     ``scales`` [groups, out]; ``W[n, k] = (q - zero) * scale`` becomes the layer's
-    ``(q - 8) * scale + (8 - zero) * scale``. A ``g_idx`` that is not the plain order is refused."""
+    ``(q - 8) * scale + (8 - zero) * scale``. A ``g_idx`` that reorders the groups (act-order)
+    puts the input features in group order once (:mod:`worker.quant.act_order`)."""
     q = unpack_int32(parts["qweight"].t(), 4).contiguous()  # [out, in]
     zero = unpack_int32(parts["qzeros"], 4)[:, : q.shape[0]] + fmt.gptq_zero_offset
     scale = parts["scales"].float()
     g_idx = parts.get("g_idx")
-    plain = torch.arange(q.shape[1], dtype=torch.int32, device=q.device) // fmt.group
-    if g_idx is not None and not torch.equal(g_idx.to(torch.int32), plain):
-        raise UnsupportedCheckpoint(f"{name}.g_idx reorders the groups (act-order): not served")
-    return _int4_layer(q, scale, _offset_zero(zero, scale), fmt.group, name)
+    order = None if g_idx is None else group_order(g_idx, fmt.group, name)
+    return _int4_layer(q, scale, _offset_zero(zero, scale), fmt.group, name, order)
 
 
 def awq_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: str) -> Int4Linear:

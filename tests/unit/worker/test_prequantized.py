@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from worker.model.loader import ModelLoadError, load_model
+from worker.quant.act_order import ActOrderInt4Linear
 from worker.quant.checkpoint_formats import CheckpointFormat, UnsupportedCheckpoint, read_format
 from worker.quant.checkpoint_loading import (
     awq_layer,
@@ -80,6 +81,8 @@ def test_each_format_is_read(tmp_path: Path) -> None:
     asymmetric = read_format(_folder(tmp_path, _with(W4A16, symmetric=False)))
     assert asymmetric is not None and (asymmetric.scheme, asymmetric.zero_points) == ("int4", True)
     assert read_format(_folder(tmp_path, AWQ)) == CheckpointFormat("awq", "AWQ (gemm) int4 g32", "int4", 32)
+    act_order = read_format(_folder(tmp_path, {**GPTQ, "desc_act": True}))
+    assert act_order is not None and act_order.name.endswith("act-order")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert read_format(tmp_path) is None
 
@@ -98,7 +101,6 @@ W8A8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": 
         (_with(FP8_DYNAMIC, strategy="block"), "strategy 'block'"),
         (W8A8, "input_activations int8"),
         ({**W4A16, "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
-        ({**GPTQ, "desc_act": True}, "desc_act: true"),
         ({**GPTQ, "bits": 8}, "GPTQ bits 8"),
         ({**GPTQ, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
         ({"quant_method": "fp8"}, "quant_method 'fp8'"),
@@ -216,15 +218,36 @@ def test_an_awq_layer_holds_the_checkpoints_weight() -> None:
     torch.testing.assert_close(layer.dequantized(), expected, atol=2e-2, rtol=2e-2)
 
 
-def test_a_gptq_g_idx_that_reorders_groups_is_refused() -> None:
+def _act_order_parts() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """A GPTQ act-order layer (``g_idx`` a shuffled assignment of the inputs to groups) and its weight."""
     q, scale = _int4()
+    zero = _zeros(scale).clamp(min=1)  # GPTQ v1 stores each zero minus one
+    g_idx = (torch.arange(64) // 32)[torch.randperm(64, generator=torch.Generator().manual_seed(3))]
     parts = {
         "qweight": _pack_int32(q, 4).t().contiguous(),
-        "qzeros": _pack_int32(torch.full(scale.shape, 7), 4),
+        "qzeros": _pack_int32(zero - 1, 4),
         "scales": scale.half(),
-        "g_idx": (torch.arange(64, dtype=torch.int32) // 32).flip(0),
+        "g_idx": g_idx.to(torch.int32),
     }
-    with pytest.raises(UnsupportedCheckpoint, match=r"model\.layers\.0\.mlp\.up_proj\.g_idx reorders"):
+    weight = (q.float() - zero.float()[g_idx].t()) * scale.half().float()[g_idx].t()
+    return parts, weight
+
+
+def test_a_gptq_act_order_layer_permutes_its_inputs_into_groups() -> None:
+    parts, weight = _act_order_parts()
+    layer = gptq_layer(parts, CheckpointFormat("gptq", "", "int4", 32, gptq_zero_offset=1), "x")
+    assert isinstance(layer, ActOrderInt4Linear)
+    torch.testing.assert_close(layer.dequantized(), weight, atol=2e-2, rtol=2e-2)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(layer(x), x @ weight.t(), atol=5e-2, rtol=2e-2)
+
+
+def test_a_gptq_g_idx_with_uneven_groups_is_refused() -> None:
+    parts, _ = _act_order_parts()
+    parts["g_idx"] = torch.cat([torch.zeros(40), torch.ones(24)]).to(torch.int32)
+    with pytest.raises(
+        UnsupportedCheckpoint, match=r"model\.layers\.0\.mlp\.up_proj\.g_idx: groups of other"
+    ):
         gptq_layer(
             parts, CheckpointFormat("gptq", "", "int4", 32, gptq_zero_offset=1), "model.layers.0.mlp.up_proj"
         )
