@@ -134,6 +134,40 @@ def _dequantizing(folder: Path) -> dict[str, Any]:
     return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
 
 
+FP8_BLOCK = [32, 32]  # the releases use 128 x 128; the tiny model's layers are 64 wide
+
+
+@torch.no_grad()
+def fp8_blocks(source: Path, target: Path) -> None:
+    """``source`` written as transformers' fine-grained FP8 (``quant_method: fp8``, the Qwen3-FP8
+    releases' layout; no packer installs offline on the CPU): each linear layer but ``lm_head`` as an
+    e4m3 ``weight`` and a float32 ``weight_scale_inv`` per 32 x 32 block, ``max|block| / 448``."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(target)
+    tensors = load_file(str(target / "model.safetensors"))
+    rows, columns = FP8_BLOCK
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        weight = tensors[name].float()
+        out_features, in_features = weight.shape
+        tiles = weight.reshape(out_features // rows, rows, in_features // columns, columns)
+        scale = (tiles.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+        tiles = tiles / scale[:, None, :, None]
+        tensors[name] = tiles.reshape(weight.shape).to(torch.float8_e4m3fn)
+        tensors[f"{name}_scale_inv"] = scale
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": FP8_BLOCK,
+        "modules_to_not_convert": ["lm_head"],
+    }
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+
+
 @torch.no_grad()
 def reference(folder: Path) -> dict[str, Any]:
     """transformers' forward of the checkpoint: the prompt's logprobs, 24 greedy tokens and at each
@@ -189,6 +223,7 @@ def main() -> None:
         ("w4a16_asym", lambda s, t: compressed(s, t, "W4A16_ASYM", "pack-quantized")),
         ("awq", lambda s, t: gptq(s, t, awq=True)),
         ("gptq_act_order", lambda s, t: gptq(s, t, desc_act=True)),
+        ("fp8_block", fp8_blocks),
     ]:
         print(name, make(name, build, source, root))
 

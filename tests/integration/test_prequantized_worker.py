@@ -2,7 +2,7 @@
 tools/quant_fixtures.py) served by a real worker in their own form, against transformers' forward
 of the same checkpoint (which dequantizes): 24 greedy tokens equal except after a logit near-tie,
 prompt logprobs within 2e-2, the quantized layers' bytes against float16, options refused by name.
-The formats added later (asymmetric W4A16, AWQ, GPTQ act-order) are checked in process on the
+The formats added later (asymmetric W4A16, AWQ, GPTQ act-order, block FP8) are checked in process on the
 worker's own loader: their layers are new, the serving path after load is the same."""
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ from worker.model.prequantized import quantized_bytes
 
 # format -> the most the quantized layers may hold against their float16 size (the issue's bar)
 FORMATS = {"fp8_dynamic": 0.6, "w4a16": 0.35, "gptq": 0.35}
-IN_PROCESS = {"w4a16_asym": 0.35, "awq": 0.35, "gptq_act_order": 0.35}  # no worker each: see above
+IN_PROCESS = {
+    "w4a16_asym": 0.35,
+    "awq": 0.35,
+    "gptq_act_order": 0.35,
+    "fp8_block": 0.6,
+}  # no worker each: see above
 NEAR_TIE = 2e-3  # logits closer than this (twice the forwards' differences seen) may order either way
 
 
@@ -84,7 +89,7 @@ def greedy_in_process(model: torch.nn.Module, prompt: list[int], steps: int) -> 
     ids: list[int] = []
     for _ in range(steps):
         ids.append(int(out.logits[0, -1].argmax()))
-        out = model(torch.tensor([ids[-1:]]), past_key_values=out.past_key_values, use_cache=True)
+        out = model(torch.tensor([ids[-1:]]), cache=out.cache, use_cache=True)
     return ids, scored
 
 
@@ -117,6 +122,7 @@ def test_the_loaded_weights_stay_quantized(name: str) -> None:
         ("fp8_dynamic", {"strategy": "block"}, "strategy 'block'"),
         ("gptq", {"bits": 8}, "GPTQ bits 8"),
         ("awq", {"version": "gemv"}, "AWQ version 'gemv'"),
+        ("fp8_block", {"activation_scheme": "static"}, "activation_scheme 'static'"),
     ],
 )
 def test_a_real_checkpoint_with_an_unsupported_option_is_refused(
@@ -125,7 +131,11 @@ def test_a_real_checkpoint_with_an_unsupported_option_is_refused(
     folder = Path(shutil.copytree(fixture(name), tmp_path / name))
     config = json.loads((folder / "config.json").read_text())
     quantization = config["quantization_config"]
-    target = quantization if name in ("gptq", "awq") else quantization["config_groups"]["group_0"]["weights"]
+    target = (
+        quantization
+        if name in ("gptq", "awq", "fp8_block")
+        else quantization["config_groups"]["group_0"]["weights"]
+    )
     target.update(change)
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=named.replace("(", r"\(")):

@@ -1,6 +1,6 @@
 """A pre-quantized checkpoint's format, read from its config.json's ``quantization_config``:
-compressed-tensors (``float-quantized`` FP8, ``pack-quantized`` int4/int8), GPTQ and AWQ; each
-option this worker cannot serve in its own form is refused in one line that names it.
+compressed-tensors (``float-quantized`` FP8, ``pack-quantized`` int4/int8), GPTQ, AWQ and block-wise
+FP8; each option this worker cannot serve in its own form is refused in one line that names it.
 Design notes: docs/worker.md ("Pre-quantized checkpoints")."""
 
 from __future__ import annotations
@@ -23,13 +23,15 @@ class CheckpointFormat:
     """What a quantized checkpoint holds: ``scheme`` (the worker's layer: ``fp8``, ``int4`` or
     ``int8``), ``name`` (the format as logged), ``group`` (int4's input columns per scale)."""
 
-    method: str  # compressed-tensors, gptq or awq
+    method: str  # compressed-tensors, gptq, awq or fp8 (block-wise)
     name: str
     scheme: str
     group: int = 0
     fp8_activations: bool = False  # FP8 dynamic: inputs rounded to e4m3 per token
     gptq_zero_offset: int = 0  # GPTQ v1 ("gptq") stores each zero point minus one
     zero_points: bool = False  # compressed-tensors: asymmetric, a packed ``weight_zero_point``
+    block: tuple[int, int] = (0, 0)  # block-wise FP8: the rows and columns under one scale
+    warning: str = ""  # what serving it this way costs, logged at load
 
 
 def read_format(folder: Path) -> CheckpointFormat | None:
@@ -48,8 +50,11 @@ def read_format(folder: Path) -> CheckpointFormat | None:
         return _gptq(quantization)
     if method == "awq":
         return _awq(quantization)
+    if method == "fp8":
+        return _fp8_blocks(quantization)
     raise UnsupportedCheckpoint(
-        f"quantization_config.quant_method {method!r} is not served (compressed-tensors, gptq and awq are)"
+        f"quantization_config.quant_method {method!r} is not served "
+        "(compressed-tensors, gptq, awq and fp8 are)"
     )
 
 
@@ -149,3 +154,22 @@ def _awq(quantization: dict[str, Any]) -> CheckpointFormat:
     if size not in INT4_GROUPS:
         raise _refuse(f"AWQ group_size {size}", f"groups of {INT4_GROUPS} are served")
     return CheckpointFormat("awq", f"AWQ (gemm) int4 g{size}", "int4", size)
+
+
+def _fp8_blocks(quantization: dict[str, Any]) -> CheckpointFormat:
+    """transformers' fine-grained FP8 (``weight_block_size``, ``weight_scale_inv``): served weight-only,
+    the checkpoint's dynamic FP8 inputs left unrounded (said at load); static input scales refused."""
+    block = quantization.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(v, int) and v > 0 for v in block)):
+        raise _refuse(f"fp8 weight_block_size {block!r}", "two block sizes (rows, columns) are served")
+    scheme = quantization.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise _refuse(f"fp8 activation_scheme {scheme!r}", "dynamic activations are served")
+    rows, columns = block
+    warning = (
+        f"fp8 {rows}x{columns} blocks served weight-only: the inputs are not rounded to fp8 per "
+        f"{columns}-column group as the checkpoint's dynamic activations would be (more precise, "
+        "no faster: each product upcasts its weight)"
+    )
+    name = f"fp8 block-wise {rows}x{columns} (quant_method fp8)"
+    return CheckpointFormat("fp8", name, "fp8", block=(rows, columns), warning=warning)

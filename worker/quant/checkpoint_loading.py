@@ -13,6 +13,7 @@ import torch
 from worker.quant.act_order import ActOrderInt4Linear, group_order
 from worker.quant.checkpoint_formats import CheckpointFormat, UnsupportedCheckpoint
 from worker.quant.fp8_activations import Fp8DynamicLinear
+from worker.quant.fp8_blocks import fp8_block_layer
 from worker.quant.layers import Fp8Linear, Int4Linear, Int8Linear, QuantizedLinear
 from worker.quant.loading import _empty_model, _finish, _safetensors_files, _set_module, _set_parameter
 
@@ -23,6 +24,7 @@ _PARTS = {
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
+    "fp8": ("weight_scale_inv",),
 }
 # AutoAWQ's GEMM words hold output columns 0, 2, 4, 6, 1, 3, 5, 7 in nibbles 0..7: column j is nibble
 # _AWQ_NIBBLE[j] (its interleaving for the fast dequantize of its CUDA kernel).
@@ -124,7 +126,7 @@ def _quantized_parts(names: set[str], fmt: CheckpointFormat) -> dict[str, str]:
     layers = {
         name.rpartition(".")[0]
         for name in names
-        if name.endswith((".weight_packed", ".weight_scale", ".qweight"))
+        if name.endswith((".weight_packed", ".weight_scale", ".qweight", ".weight_scale_inv"))
     }
     return {
         name: name.rpartition(".")[0]
@@ -151,6 +153,8 @@ def _build_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: st
         layer = gptq_layer(parts, fmt, name)
     elif fmt.method == "awq":
         layer = awq_layer(parts, fmt, name)
+    elif fmt.method == "fp8":
+        layer = fp8_block_layer(parts, fmt.block, name)
     else:
         layer = compressed_tensors_layer(parts, fmt, name)
     if "bias" in parts:

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from worker.model.loader import ModelLoadError, load_model
+from worker.model.prequantized import checkpoint_format
 from worker.quant.act_order import ActOrderInt4Linear
 from worker.quant.checkpoint_formats import CheckpointFormat, UnsupportedCheckpoint, read_format
 from worker.quant.checkpoint_loading import (
@@ -23,6 +24,7 @@ from worker.quant.checkpoint_loading import (
     unpack_int32,
 )
 from worker.quant.fp8_activations import fp8_per_token
+from worker.quant.fp8_blocks import fp8_block_layer
 
 W4A16 = {
     "quant_method": "compressed-tensors",
@@ -55,6 +57,13 @@ FP8_DYNAMIC = {
 GPTQ = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": True}
 # What gptqmodel writes for AWQ (AutoAWQ's own config has the same four keys).
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 32, "zero_point": True, "version": "gemm"}
+# transformers' fine-grained FP8, as Qwen3-8B-FP8's config.json has it.
+FP8_BLOCKS = {
+    "quant_method": "fp8",
+    "fmt": "e4m3",
+    "activation_scheme": "dynamic",
+    "weight_block_size": [128, 128],
+}
 
 
 def _folder(tmp_path: Path, quantization: dict[str, Any]) -> Path:
@@ -81,6 +90,8 @@ def test_each_format_is_read(tmp_path: Path) -> None:
     asymmetric = read_format(_folder(tmp_path, _with(W4A16, symmetric=False)))
     assert asymmetric is not None and (asymmetric.scheme, asymmetric.zero_points) == ("int4", True)
     assert read_format(_folder(tmp_path, AWQ)) == CheckpointFormat("awq", "AWQ (gemm) int4 g32", "int4", 32)
+    blocks = read_format(_folder(tmp_path, FP8_BLOCKS))
+    assert blocks is not None and (blocks.method, blocks.scheme, blocks.block) == ("fp8", "fp8", (128, 128))
     act_order = read_format(_folder(tmp_path, {**GPTQ, "desc_act": True}))
     assert act_order is not None and act_order.name.endswith("act-order")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -103,7 +114,9 @@ W8A8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": 
         ({**W4A16, "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
         ({**GPTQ, "bits": 8}, "GPTQ bits 8"),
         ({**GPTQ, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
-        ({"quant_method": "fp8"}, "quant_method 'fp8'"),
+        ({"quant_method": "mxfp4"}, "quant_method 'mxfp4'"),
+        ({**FP8_BLOCKS, "weight_block_size": None}, "fp8 weight_block_size None"),
+        ({**FP8_BLOCKS, "activation_scheme": "static"}, "fp8 activation_scheme 'static'"),
         ({**AWQ, "version": "gemv"}, "AWQ version 'gemv'"),
         ({**AWQ, "bits": 8}, "AWQ bits 8"),
         ({**AWQ, "zero_point": False}, "AWQ zero_point: false"),
@@ -251,6 +264,29 @@ def test_a_gptq_g_idx_with_uneven_groups_is_refused() -> None:
         gptq_layer(
             parts, CheckpointFormat("gptq", "", "int4", 32, gptq_zero_offset=1), "model.layers.0.mlp.up_proj"
         )
+
+
+def test_a_block_fp8_layer_holds_the_checkpoints_weight() -> None:
+    generator = torch.Generator().manual_seed(5)
+    weight = (torch.randn(48, 64, generator=generator) * 50).to(torch.float8_e4m3fn)
+    scale = torch.rand(2, 2, generator=generator) + 0.01  # 32 x 32 blocks; the last row of blocks is half
+    layer = fp8_block_layer({"weight": weight, "weight_scale_inv": scale}, (32, 32), "x")
+    expected = weight.float() * scale.repeat_interleave(32, 0)[:48].repeat_interleave(32, 1)
+    torch.testing.assert_close(layer.dequantized(), expected)
+    x = torch.randn(3, 64, generator=generator)
+    torch.testing.assert_close(layer(x), x @ expected.t(), atol=1e-3, rtol=1e-4)
+    with pytest.raises(
+        UnsupportedCheckpoint, match=r"x.weight_scale_inv has shape \(2, 1\), not the \(2, 2\)"
+    ):
+        fp8_block_layer({"weight": weight, "weight_scale_inv": scale[:, :1]}, (32, 32), "x")
+
+
+def test_block_fp8_says_at_load_what_serving_it_weight_only_costs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fmt = checkpoint_format(_folder(tmp_path, FP8_BLOCKS), "auto", "generate")
+    assert fmt is not None and fmt.block == (128, 128)
+    assert "inputs are not rounded to fp8 per 128-column group" in caplog.text
 
 
 def test_fp8_per_token_rounds_each_row_under_its_own_scale() -> None:
