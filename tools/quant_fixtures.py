@@ -1,7 +1,8 @@
 """Pre-quantized checkpoints of one tiny random Llama made by the real tools, each with transformers'
 forward of it (which dequantizes) as the reference: ``make fixtures`` runs it with compressed-tensors
-(installed ``--no-deps`` into its own folder) on ``PYTHONPATH``; GPTQ where gptqmodel imports.
-Idempotent; each checkpoint's folder holds ``reference.json``. Notes: docs/testing.md."""
+(installed ``--no-deps`` into its own folder) on ``PYTHONPATH``; GPTQ and AWQ where gptqmodel
+imports; block FP8 by a small writer (no packer runs offline on the CPU). Idempotent; each
+checkpoint's folder holds ``reference.json``. Notes: docs/testing.md."""
 
 from __future__ import annotations
 
