@@ -36,10 +36,10 @@ fixtures: install
 	PYTHONPATH=$(QUANT_TOOLS) $(PY) -m tools.quant_fixtures
 	-$(MAKE) fixtures-gptq
 
-# The GPTQ checkpoint: gptqmodel (an sdist, built without its CUDA extensions) declares torch>=2.14.1 and
+# The GPTQ (plain and act-order) and AWQ checkpoints: gptqmodel (an sdist, built without its CUDA extensions) declares torch>=2.14.1 and
 # its own pins, so it gets a venv of its own beside the fixtures with this project's torch (it runs on
 # it on the CPU); optimum lets transformers load the result for the reference. Best effort: where it
-# cannot be installed, the GPTQ cases of tests/integration/test_prequantized_worker.py skip, saying so.
+# cannot be installed, the GPTQ and AWQ cases of tests/integration/test_prequantized_worker.py skip, saying so.
 GPTQ_VENV := $(HOME)/.cache/sluice/fixture-tools/gptq-venv
 GPTQ_DEPS := transformers==5.24.0 accelerate datasets pillow requests threadpoolctl device-smi pypcre \
 	tokenicer logbar torchao

@@ -1,7 +1,8 @@
 """Pre-quantized checkpoints of one tiny random Llama made by the real tools, each with transformers'
 forward of it (which dequantizes) as the reference: ``make fixtures`` runs it with compressed-tensors
-(installed ``--no-deps`` into its own folder) on ``PYTHONPATH``; GPTQ where gptqmodel imports.
-Idempotent; each checkpoint's folder holds ``reference.json``. Notes: docs/testing.md."""
+(installed ``--no-deps`` into its own folder) on ``PYTHONPATH``; GPTQ and AWQ where gptqmodel
+imports; block FP8 by a small writer (no packer runs offline on the CPU). Idempotent; each
+checkpoint's folder holds ``reference.json``. Notes: docs/testing.md."""
 
 from __future__ import annotations
 
@@ -96,12 +97,23 @@ def compressed(source: Path, target: Path, preset: str, layout: str) -> None:
     compressor.update_config(str(target))
 
 
-def gptq(source: Path, target: Path) -> None:
-    """``source`` quantized by gptqmodel on the CPU (4 bits, groups of 32, no act-order) from a handful
-    of calibration prompts."""
+def gptq(source: Path, target: Path, *, desc_act: bool = False, awq: bool = False) -> None:
+    """``source`` quantized by gptqmodel on the CPU (4 bits, groups of 32) from a handful of calibration
+    prompts: GPTQ (``desc_act``: act-order, its ``g_idx`` reordering the groups) or, with ``awq``,
+    AWQ in AutoAWQ's GEMM layout with zero points (``quant_method: awq``)."""
     from gptqmodel import GPTQModel, QuantizeConfig
 
-    config = QuantizeConfig(bits=4, group_size=GROUP, desc_act=False, sym=True)
+    config: Any
+    if awq:
+        from gptqmodel.looper.awq_processor import AWQProcessor
+        from gptqmodel.quantization.config import AWQConfig
+
+        # Its clipping search batches 64 output rows at a time (the tiny model's k/v layers have 32),
+        # so it is skipped: the scale search, the quantization and the packing are still the tool's.
+        AWQProcessor._search_best_clip = lambda self, *args: []  # type: ignore[method-assign]
+        config = AWQConfig(bits=4, group_size=GROUP, sym=False)
+    else:
+        config = QuantizeConfig(bits=4, group_size=GROUP, desc_act=desc_act, sym=True)
     model = GPTQModel.load(str(source), config, device="cpu")
     generator = torch.Generator().manual_seed(0)
     samples = [{"input_ids": torch.randint(2, VOCAB, (1, 32), generator=generator)} for _ in range(8)]
@@ -110,13 +122,60 @@ def gptq(source: Path, target: Path) -> None:
     model.save(str(target))
 
 
+def _dequantizing(folder: Path) -> dict[str, Any]:
+    """transformers' options for a checkpoint it cannot run compressed: 5.24 sizes an asymmetric
+    pack-quantized layer's zero points unpacked and refuses the packed ones, so that checkpoint is
+    decompressed on load by compressed-tensors' own decompressor (``dequantize=True``)."""
+    quantization = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    groups = quantization.get("config_groups") or {}
+    if not any(group.get("weights", {}).get("symmetric") is False for group in groups.values()):
+        return {}
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    return {"quantization_config": CompressedTensorsConfig(dequantize=True)}
+
+
+FP8_BLOCK = [32, 32]  # the releases use 128 x 128; the tiny model's layers are 64 wide
+
+
+@torch.no_grad()
+def fp8_blocks(source: Path, target: Path) -> None:
+    """``source`` written as transformers' fine-grained FP8 (``quant_method: fp8``, the Qwen3-FP8
+    releases' layout; no packer installs offline on the CPU): each linear layer but ``lm_head`` as an
+    e4m3 ``weight`` and a float32 ``weight_scale_inv`` per 32 x 32 block, ``max|block| / 448``."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16).save_pretrained(target)
+    tensors = load_file(str(target / "model.safetensors"))
+    rows, columns = FP8_BLOCK
+    for name in [n for n in tensors if n.endswith("proj.weight")]:
+        weight = tensors[name].float()
+        out_features, in_features = weight.shape
+        tiles = weight.reshape(out_features // rows, rows, in_features // columns, columns)
+        scale = (tiles.abs().amax(dim=(1, 3)) / torch.finfo(torch.float8_e4m3fn).max).clamp(min=1e-12)
+        tiles = tiles / scale[:, None, :, None]
+        tensors[name] = tiles.reshape(weight.shape).to(torch.float8_e4m3fn)
+        tensors[f"{name}_scale_inv"] = scale
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "activation_scheme": "dynamic",
+        "weight_block_size": FP8_BLOCK,
+        "modules_to_not_convert": ["lm_head"],
+    }
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+
+
 @torch.no_grad()
 def reference(folder: Path) -> dict[str, Any]:
     """transformers' forward of the checkpoint: the prompt's logprobs, 24 greedy tokens and at each
     the margin between the two best logits (near-ties may flip under other rounding)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, **_dequantizing(folder)).eval()
     ids = torch.tensor([PROMPT])
     logprobs = model(ids).logits.float().log_softmax(-1)[0]
     prompt_logprobs = [logprobs[i - 1, PROMPT[i]].item() for i in range(1, len(PROMPT))]
@@ -162,6 +221,10 @@ def main() -> None:
         ("fp8_dynamic", lambda s, t: compressed(s, t, "FP8_DYNAMIC", "float-quantized")),
         ("w4a16", lambda s, t: compressed(s, t, "W4A16", "pack-quantized")),
         ("gptq", gptq),
+        ("w4a16_asym", lambda s, t: compressed(s, t, "W4A16_ASYM", "pack-quantized")),
+        ("awq", lambda s, t: gptq(s, t, awq=True)),
+        ("gptq_act_order", lambda s, t: gptq(s, t, desc_act=True)),
+        ("fp8_block", fp8_blocks),
     ]:
         print(name, make(name, build, source, root))
 

@@ -1,7 +1,9 @@
 """The bar of issue 43: checkpoints of one tiny model made by the real tools (``make fixtures``:
 tools/quant_fixtures.py) served by a real worker in their own form, against transformers' forward
 of the same checkpoint (which dequantizes): 24 greedy tokens equal except after a logit near-tie,
-prompt logprobs within 2e-2, the quantized layers' bytes against float16, options refused by name."""
+prompt logprobs within 2e-2, the quantized layers' bytes against float16, options refused by name.
+The formats added later (asymmetric W4A16, AWQ, GPTQ act-order, block FP8) are checked in process on the
+worker's own loader: their layers are new, the serving path after load is the same."""
 
 from __future__ import annotations
 
@@ -24,6 +26,12 @@ from worker.model.prequantized import quantized_bytes
 
 # format -> the most the quantized layers may hold against their float16 size (the issue's bar)
 FORMATS = {"fp8_dynamic": 0.6, "w4a16": 0.35, "gptq": 0.35}
+IN_PROCESS = {
+    "w4a16_asym": 0.35,
+    "awq": 0.35,
+    "gptq_act_order": 0.35,
+    "fp8_block": 0.6,
+}  # no worker each: see above
 NEAR_TIE = 2e-3  # logits closer than this (twice the forwards' differences seen) may order either way
 
 
@@ -54,16 +62,47 @@ def generate(worker: WorkerProcess, prompt: list[int], steps: int) -> tuple[list
     return ids_and_prompt_logprobs(worker.address, request)
 
 
-def test_the_bar(served: Any) -> None:
-    name, folder, worker = served
+def check_against_reference(name: str, folder: Path, ids: list[int], scored: list[float]) -> None:
+    """The bar: prompt logprobs within 2e-2, tokens equal up to the first near-tie of the reference."""
     expected = json.loads((folder / "reference.json").read_text())
-    ids, scored = generate(worker, expected["prompt"], len(expected["tokens"]))
     assert scored[-len(expected["prompt_logprobs"]) :] == pytest.approx(expected["prompt_logprobs"], abs=2e-2)
     # Equal up to the first step whose reference logits were a near-tie (after it the texts may part).
     ties = [i for i, margin in enumerate(expected["margins"]) if margin < NEAR_TIE] + [len(ids)]
     assert ids[: ties[0] + 1] == expected["tokens"][: ties[0] + 1], f"near-ties at {ties[:-1]}"
     print(f"{name}: first near-tie at step {ties[0]}, margins {min(expected['margins']):.4f} min")
+
+
+def test_the_bar(served: Any) -> None:
+    name, folder, worker = served
+    expected = json.loads((folder / "reference.json").read_text())
+    check_against_reference(name, folder, *generate(worker, expected["prompt"], len(expected["tokens"])))
     assert "quantized checkpoint: " in worker.log_tail(200)
+
+
+@torch.no_grad()
+def greedy_in_process(model: torch.nn.Module, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """Greedy ids and the prompt's logprobs from the loaded model's own forward (one new row a step,
+    on transformers' KV cache)."""
+    out = model(torch.tensor([prompt]), use_cache=True)
+    logprobs = out.logits.float().log_softmax(-1)[0]
+    scored = [logprobs[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    ids: list[int] = []
+    for _ in range(steps):
+        ids.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([ids[-1:]]), cache=out.cache, use_cache=True)
+    return ids, scored
+
+
+@pytest.mark.parametrize("name", list(IN_PROCESS))
+def test_the_bar_in_process(name: str) -> None:
+    folder = fixture(name)
+    model = load_model(str(folder), device="cpu", quantization="auto").model.eval()
+    held, float16 = quantized_bytes(model)
+    assert 0 < held <= IN_PROCESS[name] * float16
+    expected = json.loads((folder / "reference.json").read_text())
+    check_against_reference(
+        name, folder, *greedy_in_process(model, expected["prompt"], len(expected["tokens"]))
+    )
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -79,9 +118,11 @@ def test_the_loaded_weights_stay_quantized(name: str) -> None:
 @pytest.mark.parametrize(
     ("name", "change", "named"),
     [
-        ("w4a16", {"symmetric": False}, "weights.symmetric: false"),
+        ("w4a16", {"symmetric": False, "num_bits": 8, "strategy": "channel"}, "weights.symmetric: false"),
         ("fp8_dynamic", {"strategy": "block"}, "strategy 'block'"),
-        ("gptq", {"desc_act": True}, "desc_act: true"),
+        ("gptq", {"bits": 8}, "GPTQ bits 8"),
+        ("awq", {"version": "gemv"}, "AWQ version 'gemv'"),
+        ("fp8_block", {"activation_scheme": "static"}, "activation_scheme 'static'"),
     ],
 )
 def test_a_real_checkpoint_with_an_unsupported_option_is_refused(
@@ -90,7 +131,11 @@ def test_a_real_checkpoint_with_an_unsupported_option_is_refused(
     folder = Path(shutil.copytree(fixture(name), tmp_path / name))
     config = json.loads((folder / "config.json").read_text())
     quantization = config["quantization_config"]
-    target = quantization if name == "gptq" else quantization["config_groups"]["group_0"]["weights"]
+    target = (
+        quantization
+        if name in ("gptq", "awq", "fp8_block")
+        else quantization["config_groups"]["group_0"]["weights"]
+    )
     target.update(change)
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=named.replace("(", r"\(")):

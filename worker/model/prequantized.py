@@ -43,6 +43,8 @@ def checkpoint_format(folder: Path | None, quantization: str, task: str) -> Chec
             f"form with --quantization auto (or {fmt.scheme})"
         )
     log.info("--quantization %s: the checkpoint's own format, %s", quantization, fmt.name)
+    if fmt.warning:
+        log.warning("quantized checkpoint: %s", fmt.warning)
     return fmt
 
 
@@ -50,6 +52,8 @@ def kernel_name(fmt: CheckpointFormat, device: torch.device) -> str:
     """The product each quantized layer runs, as logged."""
     if fmt.scheme == "fp8" and fmt.fp8_activations:
         return "fp8 weights upcast per product, inputs rounded to fp8 per token (simulated, no scaled-mm)"
+    if fmt.scheme == "fp8" and fmt.block != (0, 0):
+        return "fp8 weights upcast per product under their block scales (weight-only)"
     if fmt.scheme == "fp8":
         return "fp8 weights upcast per product (weight-only)"
     if device.type == "cpu":

@@ -1,6 +1,6 @@
 """A pre-quantized checkpoint's format, read from its config.json's ``quantization_config``:
-compressed-tensors (``float-quantized`` FP8, ``pack-quantized`` int4/int8) and GPTQ; each option
-this worker cannot serve in its own form is refused in one line that names it.
+compressed-tensors (``float-quantized`` FP8, ``pack-quantized`` int4/int8), GPTQ, AWQ and block-wise
+FP8; each option this worker cannot serve in its own form is refused in one line that names it.
 Design notes: docs/worker.md ("Pre-quantized checkpoints")."""
 
 from __future__ import annotations
@@ -23,12 +23,15 @@ class CheckpointFormat:
     """What a quantized checkpoint holds: ``scheme`` (the worker's layer: ``fp8``, ``int4`` or
     ``int8``), ``name`` (the format as logged), ``group`` (int4's input columns per scale)."""
 
-    method: str  # compressed-tensors or gptq
+    method: str  # compressed-tensors, gptq, awq or fp8 (block-wise)
     name: str
     scheme: str
     group: int = 0
     fp8_activations: bool = False  # FP8 dynamic: inputs rounded to e4m3 per token
     gptq_zero_offset: int = 0  # GPTQ v1 ("gptq") stores each zero point minus one
+    zero_points: bool = False  # compressed-tensors: asymmetric, a packed ``weight_zero_point``
+    block: tuple[int, int] = (0, 0)  # block-wise FP8: the rows and columns under one scale
+    warning: str = ""  # what serving it this way costs, logged at load
 
 
 def read_format(folder: Path) -> CheckpointFormat | None:
@@ -45,8 +48,13 @@ def read_format(folder: Path) -> CheckpointFormat | None:
         return _compressed_tensors(quantization)
     if method == "gptq":
         return _gptq(quantization)
+    if method == "awq":
+        return _awq(quantization)
+    if method == "fp8":
+        return _fp8_blocks(quantization)
     raise UnsupportedCheckpoint(
-        f"quantization_config.quant_method {method!r} is not served (compressed-tensors and gptq are)"
+        f"quantization_config.quant_method {method!r} is not served "
+        "(compressed-tensors, gptq, awq and fp8 are)"
     )
 
 
@@ -90,8 +98,12 @@ def _compressed_tensors(quantization: dict[str, Any]) -> CheckpointFormat:
     fp8_inputs = _fp8_activations(group.get("input_activations"))
     if fp8_inputs and not (layout == "float-quantized" and weights.get("type") == "float"):
         raise _refuse("input_activations fp8 with integer weights", "fp8 inputs are served with fp8 weights")
-    if weights.get("symmetric") is False:
-        raise _refuse("weights.symmetric: false (asymmetric zero points)", "symmetric schemes are served")
+    asymmetric = weights.get("symmetric") is False
+    if asymmetric and not (layout == "pack-quantized" and weights.get("num_bits") == 4):
+        raise _refuse(
+            "weights.symmetric: false (asymmetric zero points) outside 4-bit pack-quantized",
+            "int4 groups take zero points",
+        )
     if weights.get("actorder"):
         raise _refuse(f"weights.actorder {weights['actorder']!r}", "act-order needs a column permutation")
     bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
@@ -106,9 +118,8 @@ def _compressed_tensors(quantization: dict[str, Any]) -> CheckpointFormat:
         size = int(weights.get("group_size") or 0)
         if strategy != "group" or size not in INT4_GROUPS:
             raise _refuse(f"int4 weights.strategy {strategy!r} group_size {size}", f"groups of {INT4_GROUPS}")
-        return CheckpointFormat(
-            "compressed-tensors", f"compressed-tensors {layout} int4 g{size}", "int4", size
-        )
+        name = f"compressed-tensors {layout} int4 g{size}{' asymmetric' if asymmetric else ''}"
+        return CheckpointFormat("compressed-tensors", name, "int4", size, zero_points=asymmetric)
     if layout == "pack-quantized" and kind == "int" and bits == 8 and strategy == "channel":
         return CheckpointFormat("compressed-tensors", f"compressed-tensors {layout} int8 (channel)", "int8")
     raise _refuse(f"format {layout!r} with {kind} weights of {bits} bits ({strategy})", "see docs/models.md")
@@ -118,8 +129,6 @@ def _gptq(quantization: dict[str, Any]) -> CheckpointFormat:
     bits = quantization.get("bits")
     if bits != 4:
         raise _refuse(f"GPTQ bits {bits}", "4-bit GPTQ is served")
-    if quantization.get("desc_act"):
-        raise _refuse("GPTQ desc_act: true (act-order)", "act-order's g_idx permutation is not applied")
     layout = quantization.get("checkpoint_format", "gptq")
     if layout not in ("gptq", "gptq_v2"):
         raise _refuse(f"GPTQ checkpoint_format {layout!r}", "gptq and gptq_v2 are served")
@@ -127,4 +136,40 @@ def _gptq(quantization: dict[str, Any]) -> CheckpointFormat:
     if size not in INT4_GROUPS:
         raise _refuse(f"GPTQ group_size {size}", f"groups of {INT4_GROUPS} are served")
     offset = 1 if layout == "gptq" else 0
-    return CheckpointFormat("gptq", f"GPTQ ({layout}) int4 g{size}", "int4", size, gptq_zero_offset=offset)
+    order = ", act-order" if quantization.get("desc_act") else ""
+    name = f"GPTQ ({layout}) int4 g{size}{order}"
+    return CheckpointFormat("gptq", name, "int4", size, gptq_zero_offset=offset)
+
+
+def _awq(quantization: dict[str, Any]) -> CheckpointFormat:
+    """AutoAWQ's GEMM layout (what llm-awq, AutoAWQ and gptqmodel write): 4 bits with zero points."""
+    bits, version = quantization.get("bits", quantization.get("w_bit")), quantization.get("version", "gemm")
+    if bits != 4:
+        raise _refuse(f"AWQ bits {bits}", "4-bit AWQ is served")
+    if str(version).lower() != "gemm":
+        raise _refuse(f"AWQ version {version!r}", "the GEMM layout is served")
+    if quantization.get("zero_point", True) is False:
+        raise _refuse("AWQ zero_point: false", "AWQ with zero points is served")
+    size = int(quantization.get("group_size", quantization.get("q_group_size")) or -1)
+    if size not in INT4_GROUPS:
+        raise _refuse(f"AWQ group_size {size}", f"groups of {INT4_GROUPS} are served")
+    return CheckpointFormat("awq", f"AWQ (gemm) int4 g{size}", "int4", size)
+
+
+def _fp8_blocks(quantization: dict[str, Any]) -> CheckpointFormat:
+    """transformers' fine-grained FP8 (``weight_block_size``, ``weight_scale_inv``): served weight-only,
+    the checkpoint's dynamic FP8 inputs left unrounded (said at load); static input scales refused."""
+    block = quantization.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(v, int) and v > 0 for v in block)):
+        raise _refuse(f"fp8 weight_block_size {block!r}", "two block sizes (rows, columns) are served")
+    scheme = quantization.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise _refuse(f"fp8 activation_scheme {scheme!r}", "dynamic activations are served")
+    rows, columns = block
+    warning = (
+        f"fp8 {rows}x{columns} blocks served weight-only: the inputs are not rounded to fp8 per "
+        f"{columns}-column group as the checkpoint's dynamic activations would be (more precise, "
+        "no faster: each product upcasts its weight)"
+    )
+    name = f"fp8 block-wise {rows}x{columns} (quant_method fp8)"
+    return CheckpointFormat("fp8", name, "fp8", block=(rows, columns), warning=warning)

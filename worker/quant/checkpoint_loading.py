@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 
+from worker.quant.act_order import ActOrderInt4Linear, group_order
 from worker.quant.checkpoint_formats import CheckpointFormat, UnsupportedCheckpoint
 from worker.quant.fp8_activations import Fp8DynamicLinear
+from worker.quant.fp8_blocks import fp8_block_layer
 from worker.quant.layers import Fp8Linear, Int4Linear, Int8Linear, QuantizedLinear
 from worker.quant.loading import _empty_model, _finish, _safetensors_files, _set_module, _set_parameter
 
@@ -21,7 +23,12 @@ log = logging.getLogger(__name__)
 _PARTS = {
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point"),
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
+    "awq": ("qweight", "qzeros", "scales"),
+    "fp8": ("weight_scale_inv",),
 }
+# AutoAWQ's GEMM words hold output columns 0, 2, 4, 6, 1, 3, 5, 7 in nibbles 0..7: column j is nibble
+# _AWQ_NIBBLE[j] (its interleaving for the fast dequantize of its CUDA kernel).
+_AWQ_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int) -> torch.Tensor:
@@ -33,15 +40,35 @@ def unpack_int32(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return values.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)
 
 
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ's GEMM packing read back: int32 [rows, cols / 8] -> the 4-bit values [rows, cols]."""
+    nibbles = unpack_int32(packed, 4).reshape(*packed.shape, 8)
+    order = torch.tensor(_AWQ_NIBBLE, device=packed.device)
+    return nibbles.index_select(-1, order).reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+
+
 def _int4_layer(
-    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group: int, name: str
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    group: int,
+    name: str,
+    order: torch.Tensor | None = None,
 ) -> Int4Linear:
-    """An :class:`Int4Linear` of ``q`` (0..15, [out, in]) without the float batch copy."""
+    """An :class:`Int4Linear` of ``q`` (0..15, [out, in]) without the float batch copy; with
+    ``order`` (act-order) an :class:`ActOrderInt4Linear` over its input features in that order."""
     if q.device.type == "cpu" and q.shape[0] % 16:
         raise UnsupportedCheckpoint(
             f"{name}: {q.shape[0]} output rows (the CPU int4 kernel packs 16 at a time)"
         )
+    if order is not None:
+        return ActOrderInt4Linear(q, scale, zero, group, order)
     return Int4Linear(q, scale, zero, group=group, batch_copy=False)
+
+
+def _offset_zero(zero: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``W = (q - zero) * scale`` as :class:`Int4Linear`'s ``(q - 8) * scale + offset``: the offset."""
+    return (8 - zero.float()) * scale
 
 
 def compressed_tensors_layer(
@@ -62,21 +89,35 @@ def compressed_tensors_layer(
     if fmt.scheme == "int8":
         return Int8Linear((q - 128).to(torch.int8), scale.reshape(out_features), batch_copy=False)
     scale = scale.t().contiguous()  # [groups, out], the layer's layout
-    return _int4_layer(q, scale, torch.zeros_like(scale), fmt.group, name)
+    if not fmt.zero_points:
+        return _int4_layer(q, scale, torch.zeros_like(scale), fmt.group, name)
+    if "weight_zero_point" not in parts:
+        raise UnsupportedCheckpoint(f"{name}: an asymmetric scheme without weight_zero_point")
+    # Packed along the output rows ([out / 8, groups]), each the signed zero plus 8 as the weights are.
+    zero = unpack_int32(parts["weight_zero_point"].t(), 4)[:, :out_features]
+    return _int4_layer(q, scale, _offset_zero(zero, scale), fmt.group, name)
 
 
 def gptq_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: str) -> Int4Linear:
     """A GPTQ layer: ``qweight`` [in/8, out] and ``qzeros`` [groups, out/8] (int32, 4-bit values),
     ``scales`` [groups, out]; ``W[n, k] = (q - zero) * scale`` becomes the layer's
-    ``(q - 8) * scale + (8 - zero) * scale``. A ``g_idx`` that is not the plain order is refused."""
+    ``(q - 8) * scale + (8 - zero) * scale``. A ``g_idx`` that reorders the groups (act-order)
+    puts the input features in group order once (:mod:`worker.quant.act_order`)."""
     q = unpack_int32(parts["qweight"].t(), 4).contiguous()  # [out, in]
     zero = unpack_int32(parts["qzeros"], 4)[:, : q.shape[0]] + fmt.gptq_zero_offset
     scale = parts["scales"].float()
     g_idx = parts.get("g_idx")
-    plain = torch.arange(q.shape[1], dtype=torch.int32, device=q.device) // fmt.group
-    if g_idx is not None and not torch.equal(g_idx.to(torch.int32), plain):
-        raise UnsupportedCheckpoint(f"{name}.g_idx reorders the groups (act-order): not served")
-    return _int4_layer(q, scale, (8 - zero.float()) * scale, fmt.group, name)
+    order = None if g_idx is None else group_order(g_idx, fmt.group, name)
+    return _int4_layer(q, scale, _offset_zero(zero, scale), fmt.group, name, order)
+
+
+def awq_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: str) -> Int4Linear:
+    """An AWQ (GEMM) layer: ``qweight`` [in, out / 8] and ``qzeros`` [groups, out / 8] packed along the
+    output in AutoAWQ's nibble order, ``scales`` [groups, out]; ``W[n, k] = (q - zero) * scale``."""
+    q = unpack_awq(parts["qweight"]).t().contiguous()  # [out, in]
+    zero = unpack_awq(parts["qzeros"])[:, : q.shape[0]]
+    scale = parts["scales"].float()
+    return _int4_layer(q, scale, _offset_zero(zero, scale), fmt.group, name)
 
 
 def _quantized_parts(names: set[str], fmt: CheckpointFormat) -> dict[str, str]:
@@ -85,7 +126,7 @@ def _quantized_parts(names: set[str], fmt: CheckpointFormat) -> dict[str, str]:
     layers = {
         name.rpartition(".")[0]
         for name in names
-        if name.endswith((".weight_packed", ".weight_scale", ".qweight"))
+        if name.endswith((".weight_packed", ".weight_scale", ".qweight", ".weight_scale_inv"))
     }
     return {
         name: name.rpartition(".")[0]
@@ -110,6 +151,10 @@ def _build_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: st
     layer: QuantizedLinear
     if fmt.method == "gptq":
         layer = gptq_layer(parts, fmt, name)
+    elif fmt.method == "awq":
+        layer = awq_layer(parts, fmt, name)
+    elif fmt.method == "fp8":
+        layer = fp8_block_layer(parts, fmt.block, name)
     else:
         layer = compressed_tensors_layer(parts, fmt, name)
     if "bias" in parts:
