@@ -64,4 +64,11 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         "CREATE INDEX batch_lines_status ON batch_lines (batch_id, status)",
     ),
+    (
+        # Background responses re-run after their edge stopped: the request as sent, how many
+        # times an edge took one over, and the index the takeover's search reads.
+        "ALTER TABLE responses ADD COLUMN request TEXT NOT NULL DEFAULT '{}'",
+        "ALTER TABLE responses ADD COLUMN reruns INTEGER NOT NULL DEFAULT 0",
+        "CREATE INDEX responses_running ON responses (status, lease_until)",
+    ),
 )

@@ -117,17 +117,26 @@ def test_a_cancelled_background_response_keeps_its_end_when_the_run_finishes(
     run(opened(place), work)
 
 
-def test_a_running_response_whose_lease_ran_out_reads_as_abandoned(place: dict[str, str | None]) -> None:
-    async def work(store: ResponseStore) -> None:
-        await store.put(
-            record("resp_live", status="in_progress", background=True, lease_until=now_ms() + 60_000)
-        )
-        await store.put(record("resp_dead", status="in_progress", background=True, lease_until=now_ms() - 1))
-        live, dead = await store.get("resp_live", "key-a"), await store.get("resp_dead", "key-a")
-        assert live is not None and not live.abandoned
-        assert dead is not None and dead.abandoned
+def test_a_running_response_whose_lease_ran_out_is_taken_over_by_one_edge(
+    place: dict[str, str | None],
+) -> None:
+    body = {"model": "m", "input": "hi", "background": True}
+    running = {"status": "in_progress", "background": True, "request": body}
+    first, second = opened(place), opened(place)  # two edges' connections
 
-    run(opened(place), work)
+    async def work(store: ResponseStore) -> None:
+        await store.put(record("resp_live", lease_until=now_ms() + 60_000, **running))
+        await store.put(record("resp_dead", lease_until=now_ms() - 1, **running))
+        await store.put(record("resp_ended", lease_until=now_ms() - 1, status="completed", background=True))
+        await store.put(record("resp_fore", lease_until=now_ms() - 1, status="in_progress"))
+        claims = await asyncio.gather(*(each.take_over(now_ms() + 60_000) for each in (store, second)))
+        (taken,) = [claim for claims_of_one in claims for claim in claims_of_one]
+        assert taken.id == "resp_dead" and taken.request == body and taken.reruns == 1
+        assert taken.lease_until > now_ms()
+        assert await store.take_over(now_ms() + 60_000) == []  # its new lease holds
+        await second.database.close()
+
+    run(first, work)
 
 
 def test_expired_responses_are_neither_read_nor_kept(place: dict[str, str | None]) -> None:

@@ -64,7 +64,8 @@ _STATUSES = ("400", "401", "404")
     )
 )
 async def create_response() -> Response:
-    parsed_request = validate_responses_request(await read_json_body())
+    body = await read_json_body()
+    parsed_request = validate_responses_request(body)
     owner = caller_key_id()
     history = await history_of(parsed_request.previous_response_id, owner)
     parsed = build_responses_request(parsed_request, history)
@@ -76,7 +77,7 @@ async def create_response() -> Response:
 
     if parsed_request.background:
         queued = translator(parsed.chat.model).response("queued", output=[])
-        await background.start(parsed, translator, queued, owner, history)
+        await background.start(parsed, translator, queued, owner, history, body)
         return json_response(queued)
     if not parsed.stored:
         return await generate_rewritten(parsed, translator, FRAMING)
