@@ -104,10 +104,12 @@ class ResponseStore:
         return _record(rows[0]) if rows else None
 
     async def delete(self, response_id: str, owner: str) -> bool:
-        """Deletes the owner's response; False when there is none."""
+        """Deletes the owner's response (and its stream events); False when there is none."""
         changed = await self.database.execute(
             "DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
         )
+        if changed:
+            await self.database.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
         return changed > 0
 
     async def finish(self, record: StoredResponse) -> bool:

@@ -71,4 +71,14 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         "ALTER TABLE responses ADD COLUMN reruns INTEGER NOT NULL DEFAULT 0",
         "CREATE INDEX responses_running ON responses (status, lease_until)",
     ),
+    (
+        # The events of a background response streamed as it runs (``stream: true``), numbered
+        # by their ``sequence_number``: a client reconnects with ``starting_after``.
+        """CREATE TABLE response_events (
+            response_id TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            event TEXT NOT NULL,
+            PRIMARY KEY (response_id, seq)
+        )""",
+    ),
 )

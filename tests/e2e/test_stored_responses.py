@@ -2,8 +2,8 @@
 stores: an edge on embedded SQLite and an edge on a real PostgreSQL, each in front of the shared
 default worker, with two API keys. Each scenario runs on both: store, retrieve, input items and
 delete; a continuation with ``previous_response_id`` served from the prefix cache; a background
-response polled to its end; a cancelled one stopping its worker call; one key never reaching
-another's responses."""
+response polled to its end; a streamed one followed again from a sequence number; a cancelled
+one stopping its worker call; one key never reaching another's responses."""
 
 from __future__ import annotations
 
@@ -151,6 +151,34 @@ def test_a_background_response_answers_at_once_and_is_polled_to_its_end(alice: o
         model=MODEL, input="Another?", previous_response_id=job.id, max_output_tokens=2
     )
     assert follow.status in ("completed", "incomplete") and follow.previous_response_id == job.id
+
+
+def test_a_streamed_background_response_is_followed_again_from_a_sequence_number(
+    alice: openai.OpenAI, bob: openai.OpenAI
+) -> None:
+    settings: dict[str, Any] = {"model": MODEL, "input": "Name a color.", "max_output_tokens": 6}
+    stream = alice.responses.create(background=True, stream=True, extra_body={"ignore_eos": True}, **settings)
+    first = next(iter(stream))
+    assert first.type == "response.queued" and first.sequence_number == 0
+    assert first.response.background is True
+    stream.close()  # the client leaves: the response runs on
+    job_id = first.response.id
+    done = poll(lambda: alice.responses.retrieve(job_id), lambda r: r.status == "incomplete", "it ends")
+    events = list(alice.responses.retrieve(job_id, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.queued" and events[1].type == "response.created"
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.output_text == done.output_text
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == done.output_text
+    after = list(alice.responses.retrieve(job_id, stream=True, starting_after=3))
+    assert [e.model_dump() for e in after] == [e.model_dump() for e in events[4:]]
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(job_id, stream=True)
+    plain = alice.responses.create(background=True, **settings)
+    with pytest.raises(openai.BadRequestError) as caught:
+        alice.responses.retrieve(plain.id, stream=True)
+    assert caught.value.body["param"] == "stream"  # type: ignore[index]
 
 
 def test_a_cancelled_background_response_stops_its_worker_call(

@@ -1,6 +1,6 @@
 """The edge's state store (edge/store/) on embedded SQLite and on a real PostgreSQL server: the
-same schema and migrations, per-owner reads, the running states of a background response, and
-retention by age and by size."""
+same schema and migrations, per-owner reads, the running states of a background response and its
+takeover, stream events, and retention by age and by size."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 
 from edge.store.batches import BatchRecord, BatchStore
 from edge.store.database import SQLITE_FILE, Database, SqliteDatabase
+from edge.store.events import EventStore
 from edge.store.files import FileStore, StoredFile
 from edge.store.opening import connect, open_store
 from edge.store.responses import ResponseStore, Retention, StoredResponse, now_ms
@@ -137,6 +138,28 @@ def test_a_running_response_whose_lease_ran_out_is_taken_over_by_one_edge(
         await second.database.close()
 
     run(first, work)
+
+
+def test_stream_events_are_read_after_a_number_and_go_with_their_response(
+    place: dict[str, str | None],
+) -> None:
+    async def work(store: ResponseStore) -> None:
+        events = EventStore(store.database)
+        await store.put(record("resp_s", status="in_progress", background=True))
+        await store.put(record("resp_t", status="in_progress", background=True))
+        assert await events.last("resp_s") == -1
+        made = [{"type": "x", "sequence_number": n, "n": n} for n in range(5)]
+        await events.append("resp_s", made[:2])
+        await events.append("resp_s", made[2:])
+        await events.append("resp_t", made[:1])
+        assert await events.after("resp_s", -1) == made and await events.after("resp_s", 2) == made[3:]
+        assert await events.last("resp_s") == 4
+        assert await store.delete("resp_s", "key-a")
+        assert await events.after("resp_s", -1) == []
+        await store.database.execute("DELETE FROM responses WHERE id = 'resp_t'")  # as a purge does
+        assert await events.purge() == 1 and await events.after("resp_t", -1) == []
+
+    run(opened(place), work)
 
 
 def test_expired_responses_are_neither_read_nor_kept(place: dict[str, str | None]) -> None:

@@ -13,8 +13,10 @@ from typing import Any
 
 from edge.errors import EdgeError
 from edge.state import current_state
+from edge.store.events import EventStore
 from edge.store.responses import ResponseStore, StoredResponse, now_ms
 from edge.surfaces.answer import Translator, run_rewritten
+from edge.surfaces.responses.events import EventLog
 from edge.surfaces.responses.request import (
     ParsedResponsesRequest,
     build_responses_request,
@@ -60,18 +62,24 @@ async def start(
     body: dict[str, Any],
 ) -> None:
     """Stores ``queued`` (the Response with ``status: queued``) with its request ``body``, and
-    starts its run."""
+    starts its run; a streamed one's first event, ``response.queued``, is stored before."""
     store, lease = await current_store(), current_lease()
     record = record_of(parsed, queued, owner, history)
     record.request, record.lease_until = body, lease.until()
+    log = None
+    if parsed.stream:
+        log = EventLog(await current_state().store.events(), record.id, 0)
+        log.add([{"type": "response.queued", "sequence_number": 0, "response": queued}])
+        await log.flush()
     await store.put(record)
-    run = _Run(store, parsed, translator, record, history, lease)
+    run = _Run(store, parsed, translator, record, history, lease, log)
     current_state().background.spawn(record.id, run.run())
 
 
-def rerun(store: ResponseStore, record: StoredResponse, lease: Lease) -> _Run:
+async def rerun(store: ResponseStore, record: StoredResponse, lease: Lease) -> _Run:
     """The run of a stored background response, from its start: the same id, request and
-    conversation (its earlier turns are the conversation before this turn's input)."""
+    conversation (its earlier turns are the conversation before this turn's input); a streamed
+    one's events numbered on after the stopped run's."""
     request = validate_responses_request(record.request)
     earlier = len(record.conversation) - len(input_items(request))
     history = record.conversation[:earlier]
@@ -81,7 +89,11 @@ def rerun(store: ResponseStore, record: StoredResponse, lease: Lease) -> _Run:
     def translator(model: str) -> ResponsesTranslator:
         return ResponsesTranslator(record.id, record.created_at, model, echo)
 
-    return _Run(store, parsed, translator, record, history, lease)
+    log = None
+    if parsed.stream:
+        events = EventStore(store.database)
+        log = EventLog(events, record.id, await events.last(record.id) + 1)
+    return _Run(store, parsed, translator, record, history, lease, log)
 
 
 class _Run:
@@ -95,30 +107,42 @@ class _Run:
         record: StoredResponse,
         history: list[Any],
         lease: Lease,
+        log: EventLog | None = None,
     ) -> None:
         self.store, self.parsed, self.translator = store, parsed, translator
-        self.record, self.history, self.lease = record, history, lease
+        self.record, self.history, self.lease, self.log = record, history, lease, log
 
     async def run(self) -> None:
         """Runs the response; on a failure or a cancel its end says so (a cancel or delete already
         written stands: :meth:`ResponseStore.finish` changes nothing). When the edge stops (the
         task is cancelled while the response still runs in the store) it is given back:
-        ``queued`` again with no lease, for this edge's restart or another edge to re-run."""
+        ``queued`` again with no lease, for this edge's restart or another edge to re-run. A
+        streamed run's events are all stored before its end is written."""
         task = asyncio.current_task()
         assert task is not None
-        renewal = asyncio.create_task(self._renew(task))
+        helpers = [asyncio.create_task(self._renew(task))]
+        if self.log is not None:
+            helpers.append(asyncio.create_task(self.log.flushing()))
         try:
             await self._write("in_progress", self.record.response, self.lease.until())
-            result = await run_rewritten(self.parsed, self.translator)
-            await self._write(result["status"], result, 0)
+            sink = self.log.add if self.log is not None else None
+            result = await run_rewritten(self.parsed, self.translator, sink)
+            await self._end(result["status"], result)
         except EdgeError as error:
             failure = {"code": str(error.code or error.type), "message": error.message}
-            await self._write("failed", ended(self.record.response, "failed", failure), 0)
+            await self._end("failed", ended(self.record.response, "failed", failure))
         except asyncio.CancelledError:
-            await self._write("queued", self.record.response, 0)
+            await self._end("queued", self.record.response)
             raise
         finally:
-            renewal.cancel()
+            for helper in helpers:
+                helper.cancel()
+
+    async def _end(self, status: str, response: dict[str, Any]) -> None:
+        """Writes the events still kept, then ``status`` with no lease."""
+        if self.log is not None:
+            await self.log.flush()
+        await self._write(status, response, 0)
 
     async def _write(self, status: str, response: dict[str, Any], lease_until: int) -> None:
         record = record_of(self.parsed, {**response, "status": status}, self.record.owner, self.history)

@@ -177,8 +177,6 @@ def validate_responses_request(body: Any) -> ResponsesRequest:
         )
     if request.background and request.store is False:
         raise bad("background", "needs 'store' (a background response is read back by polling)")
-    if request.background and request.stream:
-        raise unsupported("stream", "'stream: true' with 'background: true' is not supported; poll instead.")
     return request
 
 

@@ -54,7 +54,7 @@ class Resumer:
         """Runs ``record`` again in a request context of this app (no client request has one)."""
         async with self.app.test_request_context("/v1/responses", method="POST"):
             try:
-                run = rerun(store, record, self.lease)
+                run = await rerun(store, record, self.lease)
             except EdgeError as error:  # its request no longer passes this edge's checks
                 await _fail(store, record, str(error.code or error.type), error.message)
                 return

@@ -18,6 +18,7 @@ from edge.requests.validation import bad
 from edge.state import current_state
 from edge.surfaces.answer import OnResult, generate_rewritten, named_events
 from edge.surfaces.responses import background
+from edge.surfaces.responses.events import event_stream
 from edge.surfaces.responses.request import (
     ParsedResponsesRequest,
     ResponsesRequest,
@@ -56,7 +57,8 @@ _STATUSES = ("400", "401", "404")
 @documented(
     NamedEventGeneration(
         "OpenAI Responses API: stored (`store`, default true), continued (`previous_response_id`), "
-        "or run in the background (`background: true`, answered at once as `queued`)",
+        "or run in the background (`background: true`, answered at once as `queued`, or with "
+        "`stream: true` by its events, stored so that `GET` follows them again)",
         ResponsesRequest,
         ResponseObject,
         ResponseStreamEvent,
@@ -78,6 +80,8 @@ async def create_response() -> Response:
     if parsed_request.background:
         queued = translator(parsed.chat.model).response("queued", output=[])
         await background.start(parsed, translator, queued, owner, history, body)
+        if parsed.stream:
+            return event_stream(response_id, owner, -1)
         return json_response(queued)
     if not parsed.stored:
         return await generate_rewritten(parsed, translator, FRAMING)
@@ -103,17 +107,46 @@ def _saver(parsed: ParsedResponsesRequest, owner: str, history: list[Any]) -> On
         "The Response as it is now.",
         _STATUSES,
         path_parameters=_ID,
-        query_parameters={"stream": "Only `false`: a stored response is not streamed again."},
+        query_parameters={
+            "stream": "`true`: the events of a background response created with `stream: true`, "
+            "from its first (or after `starting_after`) until its end.",
+            "starting_after": "With `stream`: the sequence number after which the events start.",
+        },
     )
 )
 async def retrieve_response(response_id: str) -> Response:
-    if request.args.get("stream", "false").lower() not in ("false", "0"):
+    record = await owned(response_id, caller_key_id())
+    if not _flag(request.args.get("stream"), "stream"):
+        return json_response(record.response)
+    if not (record.background and record.request.get("stream")):
         raise InvalidRequestError(
-            "'stream' is not supported here: poll the response instead.",
+            "Only a background response created with stream=true can be streamed: read it instead.",
             param="stream",
             code="unsupported_parameter",
         )
-    return json_response((await owned(response_id, caller_key_id())).response)
+    return event_stream(response_id, record.owner, _starting_after(request.args.get("starting_after")))
+
+
+def _flag(value: str | None, name: str) -> bool:
+    """A boolean query parameter (absent: false); a 400 naming it otherwise."""
+    if value is None or value.lower() in ("false", "0"):
+        return False
+    if value.lower() in ("true", "1"):
+        return True
+    raise bad(name, f"must be true or false, got {value!r}")
+
+
+def _starting_after(value: str | None) -> int:
+    """``starting_after``: a sequence number, at least 0 (absent: -1, every event)."""
+    if value is None:
+        return -1
+    try:
+        number = int(value)
+    except ValueError:
+        raise bad("starting_after", f"must be an integer, got {value!r}") from None
+    if not 0 <= number <= 2**31:
+        raise bad("starting_after", f"must be in 0..{2**31}, got {number}")
+    return number
 
 
 @blueprint.delete("/v1/responses/<response_id>")

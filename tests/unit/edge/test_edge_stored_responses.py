@@ -1,11 +1,12 @@
 """Stored Responses' parts: a continuation's prompt, what a record keeps, the input-item pages, the
 owner id of an API key, the background registry; background runs in in-process edges in front of
 a fake worker (a run given back by a stopping edge and re-run by the next, one whose lease ran out
-re-run up to the limit, a cancel through another edge)."""
+re-run up to the limit, a cancel through another edge, a streamed run followed live and again)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 from edge_fakes import (
     FakeWorker,
     Hang,
+    Sleep,
     Step,
     content,
     finished,
@@ -295,3 +297,81 @@ def test_a_cancel_through_another_edge_stops_the_run_at_its_next_renewal(tmp_pat
             return dict((await client.get(f"{runner}/v1/responses/{job['id']}")).json())
 
     assert run(scenario())["status"] == "cancelled"
+
+
+# ------------------------------------------------ streamed background runs (events in the store)
+
+STREAMED = {**BACKGROUND, "stream": True}
+ANSWER: list[Step] = [started(), content("Bl"), Sleep(0.05), content("ue."), finished(), usage()]
+
+
+def named_events(raw: bytes) -> list[dict[str, Any]]:
+    """The data of each named SSE frame (heartbeat comments left out)."""
+    frames = [frame for frame in raw.decode().split("\n\n") if frame and not frame.startswith(":")]
+    return [json.loads(frame.split("\n")[1].removeprefix("data: ")) for frame in frames]
+
+
+def test_a_streamed_background_response_is_followed_live_and_again_after_a_number(tmp_path: Path) -> None:
+    fake = FakeWorker(script=ANSWER)
+
+    async def scenario() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+        async with (
+            running_worker(fake) as address,
+            running_edge([address], state_dir=str(tmp_path)) as base,
+            httpx.AsyncClient() as client,
+        ):
+            live = named_events((await client.post(f"{base}/v1/responses", json=STREAMED)).content)
+            url = f"{base}/v1/responses/{live[0]['response']['id']}"
+            again = named_events(
+                (await client.get(url, params={"stream": "true", "starting_after": 2})).content
+            )
+            statuses = [
+                (await client.get(url, params=params)).status_code
+                for params in ({"stream": "maybe"}, {"stream": "true", "starting_after": "x"})
+            ]
+            plain = (await client.post(f"{base}/v1/responses", json=BACKGROUND)).json()
+            answer = await client.get(f"{base}/v1/responses/{plain['id']}", params={"stream": "true"})
+            return live, again, [*statuses, answer.status_code]
+
+    live, again, statuses = run(scenario())
+    assert [event["sequence_number"] for event in live] == list(range(len(live)))
+    kinds = [event["type"] for event in live]
+    assert kinds[:3] == ["response.queued", "response.created", "response.in_progress"]
+    assert (
+        kinds[-1] == "response.completed"
+        and live[-1]["response"]["output"][0]["content"][0]["text"] == "Blue."
+    )
+    assert again == live[3:]
+    assert statuses == [400, 400, 400]  # a bad flag, a bad number, a response created without stream
+
+
+def test_a_rerun_streams_on_after_the_stopped_runs_events(tmp_path: Path) -> None:
+    fake = FakeWorker()
+    fake.script_for = hang_then_answer(fake)
+
+    async def scenario() -> list[dict[str, Any]]:
+        async with running_worker(fake) as address:
+            async with (
+                running_edge([address], state_dir=str(tmp_path)) as base,
+                httpx.AsyncClient() as client,
+            ):
+                async with client.stream("POST", f"{base}/v1/responses", json=STREAMED) as answer:
+                    async for line in answer.aiter_lines():  # the first event: response.queued
+                        if line.startswith("data: "):
+                            job_id = json.loads(line.removeprefix("data: "))["response"]["id"]
+                            break
+                await wait_for(lambda: fake.calls_started == 1)
+            async with (
+                running_edge([address], state_dir=str(tmp_path)) as base,
+                httpx.AsyncClient() as client,
+            ):
+                url = f"{base}/v1/responses/{job_id}"
+                await polled_to_its_end(base, job_id)
+                return named_events((await client.get(url, params={"stream": "true"})).content)
+
+    events = run(scenario())
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    kinds = [event["type"] for event in events]
+    # The stopped run's first events, then the re-run's from its own response.created.
+    assert kinds[:4] == ["response.queued", "response.created", "response.in_progress", "response.created"]
+    assert kinds[-1] == "response.completed"

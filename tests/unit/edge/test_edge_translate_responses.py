@@ -236,7 +236,6 @@ def test_request_items_become_chat_messages() -> None:
     [
         ({"conversation": "conv_1"}, "conversation", "unsupported_parameter"),
         ({"background": True, "store": False}, "background", "invalid_value"),
-        ({"background": True, "stream": True}, "stream", "unsupported_parameter"),
         ({"input": 5}, "input", "invalid_value"),
         ({"input": []}, "input", "invalid_value"),
         (
