@@ -115,6 +115,7 @@ class ResponseStreamEvent(ResponseModel):
     """One ``event: <type>`` of a streamed ``/v1/responses`` answer (its ``data`` JSON)."""
 
     type: Literal[
+        "response.queued",
         "response.created",
         "response.in_progress",
         "response.output_item.added",
