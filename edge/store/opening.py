@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from edge.store.batches import BatchStore
+from edge.store.conversations import ConversationStore
 from edge.store.database import Database, SqliteDatabase
 from edge.store.events import EventStore
 from edge.store.files import FileStore
@@ -39,10 +40,11 @@ async def open_store(state_dir: str | None, state_url: str | None, retention: Re
 
 async def purge(store: ResponseStore) -> int:
     """Deletes what expired: responses (and the oldest over the size limit) with their stream
-    events, files, batches."""
+    events, conversations, files, batches."""
     ttl_s = store.retention.ttl_s
     deleted = await store.purge()
     deleted += await EventStore(store.database).purge()
+    deleted += await ConversationStore(store.database, ttl_s).purge()
     deleted += await FileStore(store.database, ttl_s).purge()
     return deleted + await BatchStore(store.database, ttl_s).purge()
 
@@ -70,6 +72,11 @@ class StoreHandle:
     async def events(self) -> EventStore:
         """Background responses' stream events, in the same database."""
         return EventStore((await self.get()).database)
+
+    async def conversations(self) -> ConversationStore:
+        """Conversations and their items, in the same database."""
+        store = await self.get()
+        return ConversationStore(store.database, store.retention.ttl_s)
 
     async def batches(self) -> BatchStore:
         """The Batch API's batches and their lines, in the same database."""

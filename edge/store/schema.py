@@ -81,4 +81,24 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
             PRIMARY KEY (response_id, seq)
         )""",
     ),
+    (
+        # Conversations: their metadata, and their items in order (a position per item, its id
+        # unique in the conversation), appended to by each response that names the conversation.
+        """CREATE TABLE conversations (
+            id TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,
+            created_at BIGINT NOT NULL,
+            expires_at BIGINT NOT NULL,
+            metadata TEXT NOT NULL
+        )""",
+        "CREATE INDEX conversations_expires_at ON conversations (expires_at)",
+        """CREATE TABLE conversation_items (
+            conversation_id TEXT NOT NULL,
+            position BIGINT NOT NULL,
+            id TEXT NOT NULL,
+            item TEXT NOT NULL,
+            PRIMARY KEY (conversation_id, position)
+        )""",
+        "CREATE UNIQUE INDEX conversation_items_id ON conversation_items (conversation_id, id)",
+    ),
 )

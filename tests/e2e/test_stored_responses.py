@@ -3,7 +3,8 @@ stores: an edge on embedded SQLite and an edge on a real PostgreSQL, each in fro
 default worker, with two API keys. Each scenario runs on both: store, retrieve, input items and
 delete; a continuation with ``previous_response_id`` served from the prefix cache; a background
 response polled to its end; a streamed one followed again from a sequence number; a cancelled
-one stopping its worker call; one key never reaching another's responses."""
+one stopping its worker call; one key never reaching another's responses; a conversation whose
+turns are appended by the responses that name it."""
 
 from __future__ import annotations
 
@@ -216,3 +217,46 @@ def test_a_key_reaches_only_its_own_responses(alice: openai.OpenAI, bob: openai.
         bob.responses.create(model=MODEL, input="More", previous_response_id=mine.id, max_output_tokens=2)
     assert caught.value.code == "previous_response_not_found"
     assert alice.responses.retrieve(mine.id).id == mine.id  # still there, still Alice's
+
+
+def test_a_conversation_keeps_each_turn_and_only_its_key_reaches_it(
+    alice: openai.OpenAI, bob: openai.OpenAI
+) -> None:
+    first_item = {"type": "message", "role": "user", "content": "My name is Ada."}
+    conv = alice.conversations.create(items=[first_item], metadata={"topic": "names"})  # type: ignore[list-item]
+    assert conv.object == "conversation" and conv.metadata == {"topic": "names"}
+    settings: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_output_tokens": 4}
+    first = alice.responses.create(input="What is my name?", conversation=conv.id, **settings)
+    assert first.conversation is not None and first.conversation.id == conv.id
+    items = list(alice.conversations.items.list(conv.id, order="asc"))
+    assert [(item.type, item.role) for item in items] == [  # type: ignore[union-attr]
+        ("message", "user"),
+        ("message", "user"),
+        ("message", "assistant"),
+    ]
+    assert items[2].content[0].text == first.output_text  # type: ignore[union-attr]
+    second = alice.responses.create(input="Say it again.", conversation={"id": conv.id}, **settings)
+    assert second.usage is not None and first.usage is not None  # the earlier turns are in the prompt
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert len(list(alice.conversations.items.list(conv.id))) == 5
+
+    (added,) = alice.conversations.items.create(conv.id, items=[{"role": "user", "content": "Hi"}]).data
+    assert alice.conversations.items.retrieve(added.id, conversation_id=conv.id).id == added.id  # type: ignore[union-attr]
+    assert alice.conversations.items.delete(added.id, conversation_id=conv.id).id == conv.id  # type: ignore[union-attr]
+    with pytest.raises(openai.NotFoundError):
+        alice.conversations.items.retrieve(added.id, conversation_id=conv.id)  # type: ignore[union-attr]
+    assert alice.conversations.update(conv.id, metadata={"topic": "other"}).metadata == {"topic": "other"}
+    assert alice.conversations.retrieve(conv.id).metadata == {"topic": "other"}
+    for attempt in (
+        lambda: bob.conversations.retrieve(conv.id),
+        lambda: bob.conversations.update(conv.id, metadata={}),
+        lambda: bob.conversations.items.list(conv.id),
+        lambda: bob.conversations.items.retrieve(items[0].id, conversation_id=conv.id),  # type: ignore[union-attr, arg-type]
+        lambda: bob.conversations.delete(conv.id),
+        lambda: bob.responses.create(input="Hi", conversation=conv.id, **settings),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert alice.conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        alice.conversations.retrieve(conv.id)

@@ -1,6 +1,6 @@
 """The edge's state store (edge/store/) on embedded SQLite and on a real PostgreSQL server: the
 same schema and migrations, per-owner reads, the running states of a background response and its
-takeover, stream events, and retention by age and by size."""
+takeover, stream events, conversations, and retention by age and by size."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from edge.store.batches import BatchRecord, BatchStore
+from edge.store.conversations import ConversationRecord, ConversationStore
 from edge.store.database import SQLITE_FILE, Database, SqliteDatabase
 from edge.store.events import EventStore
 from edge.store.files import FileStore, StoredFile
@@ -158,6 +159,35 @@ def test_stream_events_are_read_after_a_number_and_go_with_their_response(
         assert await events.after("resp_s", -1) == []
         await store.database.execute("DELETE FROM responses WHERE id = 'resp_t'")  # as a purge does
         assert await events.purge() == 1 and await events.after("resp_t", -1) == []
+
+    run(opened(place), work)
+
+
+def test_a_conversations_items_keep_their_order_and_only_its_owner_reaches_it(
+    place: dict[str, str | None],
+) -> None:
+    async def work(store: ResponseStore) -> None:
+        conversations = ConversationStore(store.database, 3600.0)
+        item = [{"id": f"msg_{n}", "type": "message", "big": 2**70} for n in range(4)]
+        await conversations.create(ConversationRecord("conv_a", "key-a", 1, {"k": "v"}), item[:1])
+        await conversations.append("conv_a", item[1:3])
+        await conversations.append("conv_a", item[3:])
+        assert await conversations.items("conv_a") == item
+        assert await conversations.get("conv_a", "key-b") is None
+        assert not await conversations.update("conv_a", "key-b", {})
+        assert not await conversations.delete("conv_a", "key-b")
+        assert await conversations.update("conv_a", "key-a", {"k": "w"})
+        got = await conversations.get("conv_a", "key-a")
+        assert got is not None and got.answer()["metadata"] == {"k": "w"}
+        assert await conversations.delete_item("conv_a", "msg_1") and not await conversations.delete_item(
+            "conv_a", "msg_1"
+        )
+        await conversations.append("conv_a", [{"id": "msg_4"}])  # after the last, not in the gap
+        assert [i["id"] for i in await conversations.items("conv_a")] == ["msg_0", "msg_2", "msg_3", "msg_4"]
+        assert await conversations.delete("conv_a", "key-a")
+        assert (
+            await conversations.items("conv_a") == [] and await conversations.get("conv_a", "key-a") is None
+        )
 
     run(opened(place), work)
 

@@ -95,6 +95,7 @@ class ResponseObject(ResponseModel):
     model: str
     output: list[ResponseMessageItem | ResponseReasoningItem | ResponseFunctionCallItem]
     previous_response_id: str | None
+    conversation: dict[str, str] | None
     store: bool
     truncation: Literal["disabled"]
     usage: ResponseUsage | None

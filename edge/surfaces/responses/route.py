@@ -23,6 +23,7 @@ from edge.surfaces.responses.request import (
     ParsedResponsesRequest,
     ResponsesRequest,
     build_responses_request,
+    conversation_id,
     validate_responses_request,
 )
 from edge.surfaces.responses.response import (
@@ -39,7 +40,9 @@ from edge.surfaces.responses.stored import (
     record_of,
 )
 from edge.surfaces.responses.translate import ResponsesTranslator
+from edge.surfaces.responses.turns import append_turn, history_of_conversation
 from edge.surfaces.shared.ids import new_id
+from edge.surfaces.shared.paging import item_page
 
 blueprint = Blueprint("responses", __name__)
 STREAM = (
@@ -69,7 +72,11 @@ async def create_response() -> Response:
     body = await read_json_body()
     parsed_request = validate_responses_request(body)
     owner = caller_key_id()
-    history = await history_of(parsed_request.previous_response_id, owner)
+    conversation = conversation_id(parsed_request)
+    if conversation is not None:
+        history = await history_of_conversation(conversation, owner)
+    else:
+        history = await history_of(parsed_request.previous_response_id, owner)
     parsed = build_responses_request(parsed_request, history)
     response_id, created = new_id("resp"), int(time.time())
     echo = parsed.echo()
@@ -83,18 +90,22 @@ async def create_response() -> Response:
         if parsed.stream:
             return event_stream(response_id, owner, -1)
         return json_response(queued)
-    if not parsed.stored:
-        return await generate_rewritten(parsed, translator, FRAMING)
     return await generate_rewritten(parsed, translator, FRAMING, on_result=_saver(parsed, owner, history))
 
 
-def _saver(parsed: ParsedResponsesRequest, owner: str, history: list[Any]) -> OnResult:
-    """Stores a foreground response's result. The store is taken here, in the request's context: a
-    stream's result comes after its request's context has ended."""
-    handle = current_state().store
+def _saver(parsed: ParsedResponsesRequest, owner: str, history: list[Any]) -> OnResult | None:
+    """Stores a foreground response's result, and appends its turn to its conversation (None:
+    neither). The store is taken here, in the request's context: a stream's result comes after
+    its request's context has ended."""
+    handle, conversation = current_state().store, conversation_id(parsed.request)
+    if not parsed.stored and conversation is None:
+        return None
 
     async def save(result: dict[str, Any]) -> None:
-        await (await handle.get()).put(record_of(parsed, result, owner, history))
+        if parsed.stored:
+            await (await handle.get()).put(record_of(parsed, result, owner, history))
+        if conversation is not None:
+            await append_turn(await handle.conversations(), conversation, parsed, result)
 
     return save
 
@@ -208,33 +219,5 @@ async def cancel_response(response_id: str) -> Response:
 async def list_input_items(response_id: str) -> Response:
     items = (await owned(response_id, caller_key_id())).input_items
     return json_response(
-        _page(items, request.args.get("limit"), request.args.get("order"), request.args.get("after"))
+        item_page(items, request.args.get("limit"), request.args.get("order"), request.args.get("after"))
     )
-
-
-def _page(
-    items: list[dict[str, Any]], limit: str | None, order: str | None, after: str | None
-) -> dict[str, Any]:
-    """One page of ``items`` as OpenAI lists them; a 400 naming a bad query parameter."""
-    try:
-        size = 20 if limit is None else int(limit)
-    except ValueError:
-        raise bad("limit", f"must be an integer, got {limit!r}") from None
-    if not 1 <= size <= 100:
-        raise bad("limit", f"must be in 1..100, got {size}")
-    if order not in (None, "asc", "desc"):
-        raise bad("order", f"must be 'asc' or 'desc', got {order!r}")
-    ordered = items if order == "asc" else items[::-1]
-    if after is not None:
-        ids = [item["id"] for item in ordered]
-        if after not in ids:
-            raise bad("after", f"no input item has the id {after!r}")
-        ordered = ordered[ids.index(after) + 1 :]
-    page = ordered[:size]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(ordered) > size,
-    }

@@ -35,8 +35,8 @@ from edge.store.opening import open_store
 from edge.store.responses import Retention, StoredResponse, now_ms
 from edge.surfaces.responses.request import build_responses_request, validate_responses_request
 from edge.surfaces.responses.resume import MAX_RERUNS
-from edge.surfaces.responses.route import _page
 from edge.surfaces.responses.stored import numbered, record_of, replayable
+from edge.surfaces.shared.paging import item_page
 
 HISTORY: list[dict[str, Any]] = [
     {"type": "message", "role": "user", "content": "Name a color."},
@@ -122,7 +122,7 @@ ITEMS = [{"id": f"i{n}"} for n in range(5)]
 def test_input_items_are_paged_as_openai_pages_them(
     limit: str | None, order: str | None, after: str | None, ids: list[str], more: bool
 ) -> None:
-    page = _page(ITEMS, limit, order, after)
+    page = item_page(ITEMS, limit, order, after)
     assert [item["id"] for item in page["data"]] == ids and page["has_more"] is more
     assert page["first_id"] == ids[0] and page["last_id"] == ids[-1]
 
@@ -139,7 +139,7 @@ def test_input_items_are_paged_as_openai_pages_them(
 )
 def test_a_bad_page_parameter_is_a_400_naming_it(limit: Any, order: Any, after: Any, param: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
-        _page(ITEMS, limit, order, after)
+        item_page(ITEMS, limit, order, after)
     assert caught.value.param == param
 
 
