@@ -1,7 +1,8 @@
 """Stored Responses' parts: a continuation's prompt, what a record keeps, the input-item pages, the
 owner id of an API key, the background registry; background runs in in-process edges in front of
 a fake worker (a run given back by a stopping edge and re-run by the next, one whose lease ran out
-re-run up to the limit, a cancel through another edge, a streamed run followed live and again)."""
+re-run up to the limit, a cancel through another edge, a streamed run followed live and again,
+a conversation's turns)."""
 
 from __future__ import annotations
 
@@ -375,3 +376,39 @@ def test_a_rerun_streams_on_after_the_stopped_runs_events(tmp_path: Path) -> Non
     # The stopped run's first events, then the re-run's from its own response.created.
     assert kinds[:4] == ["response.queued", "response.created", "response.in_progress", "response.created"]
     assert kinds[-1] == "response.completed"
+
+
+# ------------------------------------------------ conversations, in-process edges and fake workers
+
+
+def test_a_conversations_items_are_the_earlier_turns_and_each_turn_is_appended(tmp_path: Path) -> None:
+    fake = FakeWorker(script=[started(), content("Blue."), finished(), usage()])
+    turn = {"model": "SmolLM2-135M-Instruct", "input": "And now?", "store": False}
+
+    async def scenario() -> list[dict[str, Any]]:
+        async with (
+            running_worker(fake) as address,
+            running_edge([address], state_dir=str(tmp_path)) as base,
+            httpx.AsyncClient() as client,
+        ):
+            first = [{"role": "user", "content": "Name a color."}]
+            conv = (await client.post(f"{base}/v1/conversations", json={"items": first})).json()
+            answer = (
+                await client.post(f"{base}/v1/responses", json={**turn, "conversation": conv["id"]})
+            ).json()
+            assert answer["conversation"] == {"id": conv["id"]}
+            page = await client.get(f"{base}/v1/conversations/{conv['id']}/items", params={"order": "asc"})
+            return list(page.json()["data"])
+
+    items = run(scenario())
+    (request,) = fake.requests
+    assert [(m.role, m.content) for m in request.chat.messages] == [
+        ("user", "Name a color."),
+        ("user", "And now?"),
+    ]
+    assert [(item["role"], item["content"][0]["text"]) for item in items] == [
+        ("user", "Name a color."),
+        ("user", "And now?"),
+        ("assistant", "Blue."),
+    ]
+    assert all(item["id"] for item in items)
