@@ -45,6 +45,7 @@ from edge.state import EdgeApp, EdgeState
 from edge.store.opening import StoreHandle, purge
 from edge.streaming.connections import ClientConnections
 from edge.surfaces.batches.runner import BatchRunner
+from edge.surfaces.responses.resume import Resumer
 from edge.tracing import SERVICE_NAME as TRACE_SERVICE_NAME
 from edge.tracing import EdgeTracing
 from edge.workers.pool import WorkerPool
@@ -95,6 +96,7 @@ def create_app(settings: Settings) -> EdgeApp:
         app.sluice.pool.open()
         await app.sluice.store.get()  # migrated and purged before the first request
         app.sluice.background.spawn("batch runner", BatchRunner(app).run())
+        app.sluice.background.spawn("response resumer", Resumer(app).run())
         freeze_startup_heap(log, "edge")
         dns = [f"DNS {settings.worker_dns}"] if settings.worker_dns else []
         log.info("edge ready for workers %s", ", ".join([*settings.workers, *dns]))

@@ -203,7 +203,8 @@ class NamedEventGeneration:
 class Unary:
     """A route answered by one unary worker call (no stream): the tokenizer routes, and with
     ``pooled`` the routes the pooling workers serve (embeddings, rerank, score: the timeout headers,
-    429 and 504 too)."""
+    429 and 504 too); ``path_parameters``: each parameter's description (the stored objects'
+    updates)."""
 
     summary: str
     request: type[BaseModel]
@@ -211,13 +212,14 @@ class Unary:
     error: type[BaseModel] = ErrorResponse
     security: tuple[str, ...] = BEARER
     pooled: bool = False
+    path_parameters: Mapping[str, str] = field(default_factory=dict)
 
     def operation(self) -> dict[str, Any]:
         statuses = _UNARY_STATUSES + (("429", "504") if self.pooled else ())
         ok = _json(self.answer, f"One `{self.answer.__name__}`.", "X-Sluice-Worker-ID")
         responses = {"200": ok, **_error_responses(*statuses, model=self.error)}
-        parameters = _REQUEST_HEADERS if self.pooled else None
-        return _post(self.summary, self.request, responses, self.security, parameters)
+        parameters = [*_path(self.path_parameters), *(_REQUEST_HEADERS if self.pooled else [])]
+        return _post(self.summary, self.request, responses, self.security, parameters or None)
 
     def models(self) -> tuple[type[BaseModel], ...]:
         return (self.request, self.answer, self.error)
@@ -267,10 +269,7 @@ class Read:
 
     def operation(self) -> dict[str, Any]:
         operation: dict[str, Any] = {"summary": self.summary, "security": _security(self.security)}
-        parameters = [
-            {"name": name, "in": "path", "required": True, "description": text, "schema": {"type": "string"}}
-            for name, text in self.path_parameters.items()
-        ] + [
+        parameters = _path(self.path_parameters) + [
             {
                 "name": name,
                 "in": "query",
@@ -290,6 +289,14 @@ class Read:
 
     def models(self) -> tuple[type[BaseModel], ...]:
         return (self.answer, self.error)
+
+
+def _path(parameters: Mapping[str, str]) -> list[dict[str, Any]]:
+    """Path parameters (strings), each with its description."""
+    return [
+        {"name": name, "in": "path", "required": True, "description": text, "schema": {"type": "string"}}
+        for name, text in parameters.items()
+    ]
 
 
 @dataclass(frozen=True)

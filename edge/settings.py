@@ -390,6 +390,13 @@ class Settings:
         int_at_least(0),
         "most bytes all stored responses may hold; above it the oldest are deleted first (0 = no limit)",
     )
+    state_lease_s: float = setting(
+        30.0,
+        _POSITIVE,
+        "seconds an edge's claim on a running background response lasts (renewed every third of it); "
+        "after an edge crashes, an edge sharing its store re-runs its background responses this long after",
+        flag="state-lease",
+    )
     max_file_bytes: int = setting(
         100 * 1024 * 1024,
         int_at_least(1),
@@ -493,6 +500,8 @@ class Settings:
             raise ValueError("state_url: must start with postgresql:// (the URL is not shown)")
         if not math.isfinite(self.state_ttl_s) or self.state_ttl_s <= 0:
             raise ValueError(f"state_ttl_s: must be a positive number of seconds, got {self.state_ttl_s}")
+        if not math.isfinite(self.state_lease_s) or self.state_lease_s <= 0:
+            raise ValueError(f"state_lease_s: must be a positive number of seconds, got {self.state_lease_s}")
         if self.state_max_bytes < 0:
             raise ValueError(f"state_max_bytes: must be >= 0 (0 = no limit), got {self.state_max_bytes}")
         try:

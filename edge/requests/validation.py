@@ -50,6 +50,22 @@ def invalid(message: str) -> PydanticCustomError:
     return PydanticCustomError("invalid_value", message)
 
 
+#: OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
+MAX_METADATA = (16, 64, 512)
+
+
+def metadata_limits(value: dict[str, str] | None) -> dict[str, str] | None:
+    """A ``metadata`` field validator: OpenAI's limits (:data:`MAX_METADATA`)."""
+    pairs, key_length, value_length = MAX_METADATA
+    if value is not None and (
+        len(value) > pairs or any(len(k) > key_length or len(v) > value_length for k, v in value.items())
+    ):
+        raise invalid(
+            f"at most {pairs} pairs, keys up to {key_length} characters, values up to {value_length}"
+        )
+    return value
+
+
 def validate_body(model: type[ModelT], body: Any) -> ModelT:
     """Validates a decoded JSON body against ``model`` and the rules every request shares.
 

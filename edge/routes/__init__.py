@@ -18,6 +18,7 @@ from edge.surfaces.completions.route import infill_blueprint
 from edge.surfaces.embeddings.route import blueprint as embeddings_blueprint
 from edge.surfaces.files.route import blueprint as files_blueprint
 from edge.surfaces.native.route import blueprint as native_blueprint
+from edge.surfaces.responses.conversations import blueprint as conversations_blueprint
 from edge.surfaces.responses.route import blueprint as responses_blueprint
 from edge.surfaces.scores.route import blueprint as scores_blueprint
 from edge.surfaces.tokenize.route import blueprint as tokenize_blueprint
@@ -30,6 +31,7 @@ def register_routes(app: Quart) -> None:
     app.register_blueprint(embeddings_blueprint)
     app.register_blueprint(scores_blueprint)
     app.register_blueprint(responses_blueprint)
+    app.register_blueprint(conversations_blueprint)
     app.register_blueprint(files_blueprint)
     app.register_blueprint(batches_blueprint)
     app.register_blueprint(messages_blueprint)

@@ -7,7 +7,9 @@ import os
 from pathlib import Path
 
 from edge.store.batches import BatchStore
+from edge.store.conversations import ConversationStore
 from edge.store.database import Database, SqliteDatabase
+from edge.store.events import EventStore
 from edge.store.files import FileStore
 from edge.store.postgres import PostgresDatabase
 from edge.store.responses import ResponseStore, Retention
@@ -37,9 +39,12 @@ async def open_store(state_dir: str | None, state_url: str | None, retention: Re
 
 
 async def purge(store: ResponseStore) -> int:
-    """Deletes what expired: responses (and the oldest over the size limit), files, batches."""
+    """Deletes what expired: responses (and the oldest over the size limit) with their stream
+    events, conversations, files, batches."""
     ttl_s = store.retention.ttl_s
     deleted = await store.purge()
+    deleted += await EventStore(store.database).purge()
+    deleted += await ConversationStore(store.database, ttl_s).purge()
     deleted += await FileStore(store.database, ttl_s).purge()
     return deleted + await BatchStore(store.database, ttl_s).purge()
 
@@ -63,6 +68,15 @@ class StoreHandle:
         """The Batch API's files, in the same database."""
         store = await self.get()
         return FileStore(store.database, store.retention.ttl_s)
+
+    async def events(self) -> EventStore:
+        """Background responses' stream events, in the same database."""
+        return EventStore((await self.get()).database)
+
+    async def conversations(self) -> ConversationStore:
+        """Conversations and their items, in the same database."""
+        store = await self.get()
+        return ConversationStore(store.database, store.retention.ttl_s)
 
     async def batches(self) -> BatchStore:
         """The Batch API's batches and their lines, in the same database."""

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -13,7 +13,12 @@ from edge.store.database import Database
 
 #: A background response's statuses while it runs; the others are final.
 RUNNING = ("queued", "in_progress")
-_COLUMNS = "id, owner, created_at, status, background, lease_until, response, input_items, conversation"
+_COLUMNS = (
+    "id, owner, created_at, status, background, lease_until, response, input_items, conversation, "
+    "request, reruns"
+)
+#: How many running responses one search of :meth:`ResponseStore.take_over` claims at most.
+TAKEOVER_BATCH = 16
 
 
 def now_ms() -> int:
@@ -23,7 +28,8 @@ def now_ms() -> int:
 @dataclass
 class StoredResponse:
     """One stored response: the Response object as answered, this turn's input items, and the
-    conversation so far (earlier turns, this input, this output: what a continuation sends)."""
+    conversation so far (earlier turns, this input, this output: what a continuation sends); a
+    background one also keeps its request body (what a re-run sends) and how often it was re-run."""
 
     id: str
     owner: str
@@ -34,18 +40,20 @@ class StoredResponse:
     input_items: list[dict[str, Any]]
     conversation: list[dict[str, Any]]
     lease_until: int = 0
-
-    @property
-    def abandoned(self) -> bool:
-        """Running, but its edge stopped renewing its lease (it stopped or crashed)."""
-        return self.status in RUNNING and self.lease_until < now_ms()
+    request: dict[str, Any] = field(default_factory=dict)
+    reruns: int = 0
 
     def size(self) -> int:
         """Bytes this row holds (its JSON columns), counted against ``--state-max-bytes``."""
         return sum(len(part) for part in self._json())
 
-    def _json(self) -> tuple[bytes, bytes, bytes]:
-        return (orjson.dumps(self.response), orjson.dumps(self.input_items), orjson.dumps(self.conversation))
+    def _json(self) -> tuple[bytes, bytes, bytes, bytes]:
+        return (
+            orjson.dumps(self.response),
+            orjson.dumps(self.input_items),
+            orjson.dumps(self.conversation),
+            orjson.dumps(self.request),
+        )
 
 
 @dataclass(frozen=True)
@@ -66,10 +74,10 @@ class ResponseStore:
 
     async def put(self, record: StoredResponse) -> None:
         """Inserts ``record`` (expiring ``ttl`` after its creation)."""
-        response, items, conversation = record._json()
+        response, items, conversation, body = record._json()
         expires = record.created_at * 1000 + int(self.retention.ttl_s * 1000)
         await self.database.execute(
-            f"INSERT INTO responses ({_COLUMNS}, expires_at, size_bytes) VALUES ({', '.join('?' * 11)})",
+            f"INSERT INTO responses ({_COLUMNS}, expires_at, size_bytes) VALUES ({', '.join('?' * 13)})",
             (
                 record.id,
                 record.owner,
@@ -80,6 +88,8 @@ class ResponseStore:
                 response.decode(),
                 items.decode(),
                 conversation.decode(),
+                body.decode(),
+                record.reruns,
                 expires,
                 record.size(),
             ),
@@ -94,16 +104,18 @@ class ResponseStore:
         return _record(rows[0]) if rows else None
 
     async def delete(self, response_id: str, owner: str) -> bool:
-        """Deletes the owner's response; False when there is none."""
+        """Deletes the owner's response (and its stream events); False when there is none."""
         changed = await self.database.execute(
             "DELETE FROM responses WHERE id = ? AND owner = ?", (response_id, owner)
         )
+        if changed:
+            await self.database.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
         return changed > 0
 
     async def finish(self, record: StoredResponse) -> bool:
         """Writes a running response's new state (final, or ``in_progress`` with its lease); False
         when it is no longer running (cancelled, deleted or expired meanwhile): nothing changes."""
-        response, _, conversation = record._json()
+        response, _, conversation, _ = record._json()
         changed = await self.database.execute(
             "UPDATE responses SET status = ?, response = ?, conversation = ?, size_bytes = ?, "
             f"lease_until = ? WHERE id = ? AND status IN {_RUNNING_SQL}",
@@ -136,6 +148,30 @@ class ResponseStore:
         )
         return changed > 0
 
+    async def take_over(self, lease_until: int) -> list[StoredResponse]:
+        """Claims running background responses whose lease ran out (their edge stopped or crashed
+        without ending them), each for one caller even among several edges: their lease becomes
+        ``lease_until`` and their ``reruns`` one more; the claimed records."""
+        now = now_ms()
+        rows = await self.database.fetch(
+            f"SELECT id FROM responses WHERE status IN {_RUNNING_SQL} AND lease_until < ? "
+            f"AND background = 1 ORDER BY lease_until LIMIT {TAKEOVER_BATCH}",
+            (now,),
+        )
+        claimed = []
+        for (identifier,) in rows:
+            changed = await self.database.execute(
+                "UPDATE responses SET lease_until = ?, reruns = reruns + 1 "
+                f"WHERE id = ? AND status IN {_RUNNING_SQL} AND lease_until < ?",
+                (lease_until, identifier, now),
+            )
+            if changed:
+                found = await self.database.fetch(
+                    f"SELECT {_COLUMNS} FROM responses WHERE id = ?", (identifier,)
+                )
+                claimed += [_record(row) for row in found]
+        return claimed
+
     async def purge(self) -> int:
         """Deletes the expired responses, then the oldest while all of them hold more than
         ``max_bytes``; how many were deleted."""
@@ -153,7 +189,9 @@ _RUNNING_SQL = "(" + ", ".join(f"'{status}'" for status in RUNNING) + ")"
 
 
 def _record(row: tuple[Any, ...]) -> StoredResponse:
-    identifier, owner, created_at, status, background, lease, response, items, conversation = row
+    identifier, owner, created_at, status, background, lease, response, items, conversation, body, reruns = (
+        row
+    )
     return StoredResponse(
         id=identifier,
         owner=owner,
@@ -164,4 +202,6 @@ def _record(row: tuple[Any, ...]) -> StoredResponse:
         input_items=orjson.loads(items),
         conversation=orjson.loads(conversation),
         lease_until=int(lease),
+        request=orjson.loads(body),
+        reruns=int(reruns),
     )

@@ -64,4 +64,41 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         "CREATE INDEX batch_lines_status ON batch_lines (batch_id, status)",
     ),
+    (
+        # Background responses re-run after their edge stopped: the request as sent, how many
+        # times an edge took one over, and the index the takeover's search reads.
+        "ALTER TABLE responses ADD COLUMN request TEXT NOT NULL DEFAULT '{}'",
+        "ALTER TABLE responses ADD COLUMN reruns INTEGER NOT NULL DEFAULT 0",
+        "CREATE INDEX responses_running ON responses (status, lease_until)",
+    ),
+    (
+        # The events of a background response streamed as it runs (``stream: true``), numbered
+        # by their ``sequence_number``: a client reconnects with ``starting_after``.
+        """CREATE TABLE response_events (
+            response_id TEXT NOT NULL,
+            seq INTEGER NOT NULL,
+            event TEXT NOT NULL,
+            PRIMARY KEY (response_id, seq)
+        )""",
+    ),
+    (
+        # Conversations: their metadata, and their items in order (a position per item, its id
+        # unique in the conversation), appended to by each response that names the conversation.
+        """CREATE TABLE conversations (
+            id TEXT PRIMARY KEY,
+            owner TEXT NOT NULL,
+            created_at BIGINT NOT NULL,
+            expires_at BIGINT NOT NULL,
+            metadata TEXT NOT NULL
+        )""",
+        "CREATE INDEX conversations_expires_at ON conversations (expires_at)",
+        """CREATE TABLE conversation_items (
+            conversation_id TEXT NOT NULL,
+            position BIGINT NOT NULL,
+            id TEXT NOT NULL,
+            item TEXT NOT NULL,
+            PRIMARY KEY (conversation_id, position)
+        )""",
+        "CREATE UNIQUE INDEX conversation_items_id ON conversation_items (conversation_id, id)",
+    ),
 )

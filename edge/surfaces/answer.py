@@ -248,18 +248,37 @@ async def generate_rewritten(
 
 
 async def run_rewritten(
-    parsed: ParsedRequest[Any], translator: Callable[[str], Translator]
+    parsed: ParsedRequest[Any],
+    translator: Callable[[str], Translator],
+    sink: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> dict[str, Any]:
     """A rewritten request run to its end with no HTTP answer (background Responses): the
-    translator's result; raises :class:`~edge.errors.EdgeError` as :func:`generate` would."""
+    translator's result; raises :class:`~edge.errors.EdgeError` as :func:`generate` would. With a
+    ``sink``, the stream events go to it as they are made (a failure's too, before the raise)."""
     request_id = current_request_id()
     await prepare_images(parsed.chat)
     worker_request = to_generate_request(parsed.chat, request_id)
     group = await open_calls([worker_request], call_metadata(parsed.chat, request_id))
     try:
         built = translator(group.started(0).model or parsed.chat.model)
-        await collect(group, built.add)
+        if sink is None:
+            await collect(group, built.add)
+        else:
+            await _collect_into(group, built, sink)
         return built.result()
     except BaseException:
         group.cancel()
         raise
+
+
+async def _collect_into(
+    group: CallGroup, built: Translator, sink: Callable[[list[dict[str, Any]]], None]
+) -> None:
+    """Feeds ``group``'s events to ``built`` as a stream, its events (the last, or a failure's)
+    to ``sink``."""
+    try:
+        await collect(group, lambda call, event: sink(built.on_event(call, event)))
+    except EdgeError as error:
+        sink(built.on_error(error))
+        raise
+    sink(built.finish())

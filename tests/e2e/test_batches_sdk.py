@@ -2,7 +2,8 @@
 edge on embedded SQLite and one on a real PostgreSQL, each with two API keys, in front of one
 ``--fake-tokens`` worker (``--scheduling-policy priority``) this module starts. A batch runs each
 line once at the batch priority, with its output and error files; a bad file fails validation
-with line numbers; a cancel ends a batch cancelled; a batch survives an edge restart."""
+with line numbers; a cancel ends a batch cancelled; a batch survives an edge restart, and a
+background response an edge killed with SIGKILL (re-run by its restart)."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ FINAL = ("completed", "failed", "expired", "cancelled")
 # Lines run two at a time: a batch of a few slow lines is still running when a test acts on it.
 CONCURRENCY = 2
 MAX_FILE_BYTES = 16384
+# A killed edge's background responses are taken over this many seconds after its last renewal.
+LEASE_S = 2.0
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +50,7 @@ def edge(
     else:
         store = ["--state-url", request.getfixturevalue("postgres_url")]
     extra = ["--api-keys", ",".join(KEYS), "--batch-concurrency", str(CONCURRENCY), *store]
-    extra += ["--max-file-bytes", str(MAX_FILE_BYTES)]
+    extra += ["--max-file-bytes", str(MAX_FILE_BYTES), "--state-lease", str(LEASE_S)]
     with EdgeProcess([worker.address], log_dir=folder, extra=extra) as process:
         yield process
 
@@ -196,3 +199,27 @@ def test_a_batch_survives_an_edge_restart_with_each_line_run_once(
     assert sorted(line["custom_id"] for line in output) == sorted(f"line-{n}" for n in range(20))
     # No line ran twice to its end: the worker finished exactly 20 requests.
     assert worker.metrics()["sluice_worker_requests_finished_total"] - before == 20
+
+
+def test_a_background_response_survives_a_killed_edge_by_being_rerun(
+    alice: openai.OpenAI, edge: EdgeProcess, worker: WorkerProcess
+) -> None:
+    tokens = 600  # 3 s of the fake worker's 5 ms steps: still running when its edge is killed
+    job = alice.responses.create(
+        model=MODEL,
+        input="Count.",
+        background=True,
+        max_output_tokens=tokens,
+        extra_body={"ignore_eos": True},
+    )
+    poll(worker.metrics, lambda m: m["sluice_worker_running_requests"] >= 1, "the worker runs it")
+    edge.kill()  # no drain, no goodbye: the response stays in_progress until its lease runs out
+    edge.start()  # the same store: the new process takes the response over once the lease ran out
+    done = poll(
+        lambda: alice.responses.retrieve(job.id),
+        lambda r: r.status not in ("queued", "in_progress"),
+        "it ends",
+    )
+    assert done.status == "incomplete" and done.usage is not None and done.usage.output_tokens == tokens
+    assert (done.id, done.created_at, done.background) == (job.id, job.created_at, True)
+    assert f"re-running background response {job.id}" in edge.log_tail(400)

@@ -2,8 +2,9 @@
 stores: an edge on embedded SQLite and an edge on a real PostgreSQL, each in front of the shared
 default worker, with two API keys. Each scenario runs on both: store, retrieve, input items and
 delete; a continuation with ``previous_response_id`` served from the prefix cache; a background
-response polled to its end; a cancelled one stopping its worker call; one key never reaching
-another's responses."""
+response polled to its end; a streamed one followed again from a sequence number; a cancelled
+one stopping its worker call; one key never reaching another's responses; a conversation whose
+turns are appended by the responses that name it."""
 
 from __future__ import annotations
 
@@ -153,6 +154,34 @@ def test_a_background_response_answers_at_once_and_is_polled_to_its_end(alice: o
     assert follow.status in ("completed", "incomplete") and follow.previous_response_id == job.id
 
 
+def test_a_streamed_background_response_is_followed_again_from_a_sequence_number(
+    alice: openai.OpenAI, bob: openai.OpenAI
+) -> None:
+    settings: dict[str, Any] = {"model": MODEL, "input": "Name a color.", "max_output_tokens": 6}
+    stream = alice.responses.create(background=True, stream=True, extra_body={"ignore_eos": True}, **settings)
+    first = next(iter(stream))
+    assert first.type == "response.queued" and first.sequence_number == 0
+    assert first.response.background is True
+    stream.close()  # the client leaves: the response runs on
+    job_id = first.response.id
+    done = poll(lambda: alice.responses.retrieve(job_id), lambda r: r.status == "incomplete", "it ends")
+    events = list(alice.responses.retrieve(job_id, stream=True))
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.queued" and events[1].type == "response.created"
+    last = events[-1]
+    assert last.type == "response.incomplete" and last.response.output_text == done.output_text
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == done.output_text
+    after = list(alice.responses.retrieve(job_id, stream=True, starting_after=3))
+    assert [e.model_dump() for e in after] == [e.model_dump() for e in events[4:]]
+    with pytest.raises(openai.NotFoundError):
+        bob.responses.retrieve(job_id, stream=True)
+    plain = alice.responses.create(background=True, **settings)
+    with pytest.raises(openai.BadRequestError) as caught:
+        alice.responses.retrieve(plain.id, stream=True)
+    assert caught.value.body["param"] == "stream"  # type: ignore[index]
+
+
 def test_a_cancelled_background_response_stops_its_worker_call(
     alice: openai.OpenAI, default_worker: WorkerProcess
 ) -> None:
@@ -188,3 +217,46 @@ def test_a_key_reaches_only_its_own_responses(alice: openai.OpenAI, bob: openai.
         bob.responses.create(model=MODEL, input="More", previous_response_id=mine.id, max_output_tokens=2)
     assert caught.value.code == "previous_response_not_found"
     assert alice.responses.retrieve(mine.id).id == mine.id  # still there, still Alice's
+
+
+def test_a_conversation_keeps_each_turn_and_only_its_key_reaches_it(
+    alice: openai.OpenAI, bob: openai.OpenAI
+) -> None:
+    first_item = {"type": "message", "role": "user", "content": "My name is Ada."}
+    conv = alice.conversations.create(items=[first_item], metadata={"topic": "names"})  # type: ignore[list-item]
+    assert conv.object == "conversation" and conv.metadata == {"topic": "names"}
+    settings: dict[str, Any] = {"model": MODEL, "temperature": 0, "max_output_tokens": 4}
+    first = alice.responses.create(input="What is my name?", conversation=conv.id, **settings)
+    assert first.conversation is not None and first.conversation.id == conv.id
+    items = list(alice.conversations.items.list(conv.id, order="asc"))
+    assert [(item.type, item.role) for item in items] == [  # type: ignore[union-attr]
+        ("message", "user"),
+        ("message", "user"),
+        ("message", "assistant"),
+    ]
+    assert items[2].content[0].text == first.output_text  # type: ignore[union-attr]
+    second = alice.responses.create(input="Say it again.", conversation={"id": conv.id}, **settings)
+    assert second.usage is not None and first.usage is not None  # the earlier turns are in the prompt
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+    assert len(list(alice.conversations.items.list(conv.id))) == 5
+
+    (added,) = alice.conversations.items.create(conv.id, items=[{"role": "user", "content": "Hi"}]).data
+    assert alice.conversations.items.retrieve(added.id, conversation_id=conv.id).id == added.id  # type: ignore[union-attr]
+    assert alice.conversations.items.delete(added.id, conversation_id=conv.id).id == conv.id  # type: ignore[union-attr]
+    with pytest.raises(openai.NotFoundError):
+        alice.conversations.items.retrieve(added.id, conversation_id=conv.id)  # type: ignore[union-attr]
+    assert alice.conversations.update(conv.id, metadata={"topic": "other"}).metadata == {"topic": "other"}
+    assert alice.conversations.retrieve(conv.id).metadata == {"topic": "other"}
+    for attempt in (
+        lambda: bob.conversations.retrieve(conv.id),
+        lambda: bob.conversations.update(conv.id, metadata={}),
+        lambda: bob.conversations.items.list(conv.id),
+        lambda: bob.conversations.items.retrieve(items[0].id, conversation_id=conv.id),  # type: ignore[union-attr, arg-type]
+        lambda: bob.conversations.delete(conv.id),
+        lambda: bob.responses.create(input="Hi", conversation=conv.id, **settings),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert alice.conversations.delete(conv.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        alice.conversations.retrieve(conv.id)

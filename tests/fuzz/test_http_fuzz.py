@@ -39,7 +39,7 @@ from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-# (path, method, examples per mode at scale 1): about 310 requests, and 12 to the default model.
+# (path, method, examples per mode at scale 1): about 360 requests, and 12 to the default model.
 OPERATIONS = [
     ("/v1/chat/completions", "POST", 50),
     ("/v1/completions", "POST", 40),
@@ -50,6 +50,15 @@ OPERATIONS = [
     ("/v1/responses/{response_id}", "DELETE", 5),
     ("/v1/responses/{response_id}/cancel", "POST", 5),
     ("/v1/responses/{response_id}/input_items", "GET", 5),
+    # Conversations: made-up bodies, ids and pages (200s, 404s and 400s, never a 5xx).
+    ("/v1/conversations", "POST", 5),
+    ("/v1/conversations/{conversation_id}", "GET", 3),
+    ("/v1/conversations/{conversation_id}", "POST", 3),
+    ("/v1/conversations/{conversation_id}", "DELETE", 3),
+    ("/v1/conversations/{conversation_id}/items", "GET", 3),
+    ("/v1/conversations/{conversation_id}/items", "POST", 3),
+    ("/v1/conversations/{conversation_id}/items/{item_id}", "GET", 3),
+    ("/v1/conversations/{conversation_id}/items/{item_id}", "DELETE", 3),
     # The Batch API: made-up ids, bodies and pages (404s, 400s and empty lists, never a 5xx).
     ("/v1/batches", "POST", 5),
     ("/v1/batches", "GET", 5),

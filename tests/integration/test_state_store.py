@@ -1,6 +1,6 @@
 """The edge's state store (edge/store/) on embedded SQLite and on a real PostgreSQL server: the
-same schema and migrations, per-owner reads, the running states of a background response, and
-retention by age and by size."""
+same schema and migrations, per-owner reads, the running states of a background response and its
+takeover, stream events, conversations, and retention by age and by size."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from edge.store.batches import BatchRecord, BatchStore
+from edge.store.conversations import ConversationRecord, ConversationStore
 from edge.store.database import SQLITE_FILE, Database, SqliteDatabase
+from edge.store.events import EventStore
 from edge.store.files import FileStore, StoredFile
 from edge.store.opening import connect, open_store
 from edge.store.responses import ResponseStore, Retention, StoredResponse, now_ms
@@ -117,15 +119,75 @@ def test_a_cancelled_background_response_keeps_its_end_when_the_run_finishes(
     run(opened(place), work)
 
 
-def test_a_running_response_whose_lease_ran_out_reads_as_abandoned(place: dict[str, str | None]) -> None:
+def test_a_running_response_whose_lease_ran_out_is_taken_over_by_one_edge(
+    place: dict[str, str | None],
+) -> None:
+    body = {"model": "m", "input": "hi", "background": True}
+    running = {"status": "in_progress", "background": True, "request": body}
+    first, second = opened(place), opened(place)  # two edges' connections
+
     async def work(store: ResponseStore) -> None:
-        await store.put(
-            record("resp_live", status="in_progress", background=True, lease_until=now_ms() + 60_000)
+        await store.put(record("resp_live", lease_until=now_ms() + 60_000, **running))
+        await store.put(record("resp_dead", lease_until=now_ms() - 1, **running))
+        await store.put(record("resp_ended", lease_until=now_ms() - 1, status="completed", background=True))
+        await store.put(record("resp_fore", lease_until=now_ms() - 1, status="in_progress"))
+        claims = await asyncio.gather(*(each.take_over(now_ms() + 60_000) for each in (store, second)))
+        (taken,) = [claim for claims_of_one in claims for claim in claims_of_one]
+        assert taken.id == "resp_dead" and taken.request == body and taken.reruns == 1
+        assert taken.lease_until > now_ms()
+        assert await store.take_over(now_ms() + 60_000) == []  # its new lease holds
+        await second.database.close()
+
+    run(first, work)
+
+
+def test_stream_events_are_read_after_a_number_and_go_with_their_response(
+    place: dict[str, str | None],
+) -> None:
+    async def work(store: ResponseStore) -> None:
+        events = EventStore(store.database)
+        await store.put(record("resp_s", status="in_progress", background=True))
+        await store.put(record("resp_t", status="in_progress", background=True))
+        assert await events.last("resp_s") == -1
+        made = [{"type": "x", "sequence_number": n, "n": n} for n in range(5)]
+        await events.append("resp_s", made[:2])
+        await events.append("resp_s", made[2:])
+        await events.append("resp_t", made[:1])
+        assert await events.after("resp_s", -1) == made and await events.after("resp_s", 2) == made[3:]
+        assert await events.last("resp_s") == 4
+        assert await store.delete("resp_s", "key-a")
+        assert await events.after("resp_s", -1) == []
+        await store.database.execute("DELETE FROM responses WHERE id = 'resp_t'")  # as a purge does
+        assert await events.purge() == 1 and await events.after("resp_t", -1) == []
+
+    run(opened(place), work)
+
+
+def test_a_conversations_items_keep_their_order_and_only_its_owner_reaches_it(
+    place: dict[str, str | None],
+) -> None:
+    async def work(store: ResponseStore) -> None:
+        conversations = ConversationStore(store.database, 3600.0)
+        item = [{"id": f"msg_{n}", "type": "message", "big": 2**70} for n in range(4)]
+        await conversations.create(ConversationRecord("conv_a", "key-a", 1, {"k": "v"}), item[:1])
+        await conversations.append("conv_a", item[1:3])
+        await conversations.append("conv_a", item[3:])
+        assert await conversations.items("conv_a") == item
+        assert await conversations.get("conv_a", "key-b") is None
+        assert not await conversations.update("conv_a", "key-b", {})
+        assert not await conversations.delete("conv_a", "key-b")
+        assert await conversations.update("conv_a", "key-a", {"k": "w"})
+        got = await conversations.get("conv_a", "key-a")
+        assert got is not None and got.answer()["metadata"] == {"k": "w"}
+        assert await conversations.delete_item("conv_a", "msg_1") and not await conversations.delete_item(
+            "conv_a", "msg_1"
         )
-        await store.put(record("resp_dead", status="in_progress", background=True, lease_until=now_ms() - 1))
-        live, dead = await store.get("resp_live", "key-a"), await store.get("resp_dead", "key-a")
-        assert live is not None and not live.abandoned
-        assert dead is not None and dead.abandoned
+        await conversations.append("conv_a", [{"id": "msg_4"}])  # after the last, not in the gap
+        assert [i["id"] for i in await conversations.items("conv_a")] == ["msg_0", "msg_2", "msg_3", "msg_4"]
+        assert await conversations.delete("conv_a", "key-a")
+        assert (
+            await conversations.items("conv_a") == [] and await conversations.get("conv_a", "key-a") is None
+        )
 
     run(opened(place), work)
 

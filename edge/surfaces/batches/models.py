@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from edge.requests.models import RequestModel, ResponseModel
-from edge.requests.validation import invalid
+from edge.requests.validation import metadata_limits
 from edge.surfaces.batches.lines import ENDPOINTS
 
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses"]
@@ -16,8 +16,6 @@ assert set(Endpoint.__args__) == set(ENDPOINTS)  # type: ignore[attr-defined]
 Status = Literal[
     "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
 ]
-#: OpenAI's metadata limits: 16 pairs, keys up to 64 characters, values up to 512.
-MAX_METADATA = (16, 64, 512)
 
 
 class BatchCreateRequest(RequestModel):
@@ -28,17 +26,7 @@ class BatchCreateRequest(RequestModel):
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = None
 
-    @field_validator("metadata")
-    @classmethod
-    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
-        pairs, key_length, value_length = MAX_METADATA
-        if value is not None and (
-            len(value) > pairs or any(len(k) > key_length or len(v) > value_length for k, v in value.items())
-        ):
-            raise invalid(
-                f"at most {pairs} pairs, keys up to {key_length} characters, values up to {value_length}"
-            )
-        return value
+    _metadata = field_validator("metadata")(metadata_limits)
 
 
 class BatchError(ResponseModel):

@@ -1,26 +1,56 @@
-"""Background Responses (``background: true``): stored as ``queued`` and answered at once, then
-run to their end in a task of the edge that took them (the caller may leave), their lease renewed
-in the store; a cancel or delete through any edge stops them. docs/edge-internals.md, "Stored Responses"."""
+"""Background Responses (``background: true``): stored as ``queued`` with their request and answered
+at once, then run to their end in a task of the edge that took them (the caller may leave), their
+lease renewed in the store; a cancel or delete through any edge stops them; an edge that stops
+gives them back (:mod:`edge.surfaces.responses.resume` re-runs them). docs/http.md, "Stored Responses"."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from edge.errors import EdgeError
 from edge.state import current_state
+from edge.store.events import EventStore
 from edge.store.responses import ResponseStore, StoredResponse, now_ms
 from edge.surfaces.answer import Translator, run_rewritten
-from edge.surfaces.responses.request import ParsedResponsesRequest
-from edge.surfaces.responses.stored import current_store, edge_stopped, ended, record_of
+from edge.surfaces.responses.events import EventLog
+from edge.surfaces.responses.request import (
+    ParsedResponsesRequest,
+    build_responses_request,
+    input_items,
+    validate_responses_request,
+)
+from edge.surfaces.responses.stored import current_store, ended, record_of
+from edge.surfaces.responses.translate import ResponsesTranslator
 
 log = logging.getLogger("sluice.edge")
-#: How long a running response's lease lasts, and how often its edge renews it: an edge that
-#: stopped without ending its runs has them read as failed this long after.
-LEASE_MS = 30_000
-RENEW_S = 10.0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """How long an edge's claim on a running response lasts (``--state-lease``): an edge that
+    crashed has its runs taken over this long after; its holder renews it every third of it."""
+
+    seconds: float
+
+    @property
+    def ms(self) -> int:
+        return int(self.seconds * 1000)
+
+    @property
+    def renew_s(self) -> float:
+        return self.seconds / 3
+
+    def until(self) -> int:
+        """The lease's end if it starts now (Unix milliseconds)."""
+        return now_ms() + self.ms
+
+
+def current_lease() -> Lease:
+    return Lease(current_state().settings.state_lease_s)
 
 
 async def start(
@@ -29,14 +59,41 @@ async def start(
     queued: dict[str, Any],
     owner: str,
     history: list[Any],
+    body: dict[str, Any],
 ) -> None:
-    """Stores ``queued`` (the Response with ``status: queued``) and starts its run."""
-    store = await current_store()
+    """Stores ``queued`` (the Response with ``status: queued``) with its request ``body``, and
+    starts its run; a streamed one's first event, ``response.queued``, is stored before."""
+    store, lease = await current_store(), current_lease()
     record = record_of(parsed, queued, owner, history)
-    record.lease_until = now_ms() + LEASE_MS
+    record.request, record.lease_until = body, lease.until()
+    log = None
+    if parsed.stream:
+        log = EventLog(await current_state().store.events(), record.id, 0)
+        log.add([{"type": "response.queued", "sequence_number": 0, "response": queued}])
+        await log.flush()
     await store.put(record)
-    run = _Run(store, parsed, translator, record, history)
+    run = _Run(store, parsed, translator, record, history, lease, log)
     current_state().background.spawn(record.id, run.run())
+
+
+async def rerun(store: ResponseStore, record: StoredResponse, lease: Lease) -> _Run:
+    """The run of a stored background response, from its start: the same id, request and
+    conversation (its earlier turns are the conversation before this turn's input); a streamed
+    one's events numbered on after the stopped run's."""
+    request = validate_responses_request(record.request)
+    earlier = len(record.conversation) - len(input_items(request))
+    history = record.conversation[:earlier]
+    parsed = build_responses_request(request, history)
+    echo = parsed.echo()
+
+    def translator(model: str) -> ResponsesTranslator:
+        return ResponsesTranslator(record.id, record.created_at, model, echo)
+
+    log = None
+    if parsed.stream:
+        events = EventStore(store.database)
+        log = EventLog(events, record.id, await events.last(record.id) + 1)
+    return _Run(store, parsed, translator, record, history, lease, log)
 
 
 class _Run:
@@ -49,41 +106,56 @@ class _Run:
         translator: Callable[[str], Translator],
         record: StoredResponse,
         history: list[Any],
+        lease: Lease,
+        log: EventLog | None = None,
     ) -> None:
         self.store, self.parsed, self.translator = store, parsed, translator
-        self.record, self.history = record, history
+        self.record, self.history, self.lease, self.log = record, history, lease, log
 
     async def run(self) -> None:
-        """Runs the response; on a failure, a cancel or the edge's shutdown its end says so (a
-        cancel or delete already written stands: :meth:`ResponseStore.finish` changes nothing)."""
+        """Runs the response; on a failure or a cancel its end says so (a cancel or delete already
+        written stands: :meth:`ResponseStore.finish` changes nothing). When the edge stops (the
+        task is cancelled while the response still runs in the store) it is given back:
+        ``queued`` again with no lease, for this edge's restart or another edge to re-run. A
+        streamed run's events are all stored before its end is written."""
         task = asyncio.current_task()
         assert task is not None
-        renewal = asyncio.create_task(self._renew(task))
+        helpers = [asyncio.create_task(self._renew(task))]
+        if self.log is not None:
+            helpers.append(asyncio.create_task(self.log.flushing()))
         try:
-            await self._write("in_progress", self.record.response, now_ms() + LEASE_MS)
-            result = await run_rewritten(self.parsed, self.translator)
-            await self._write(result["status"], result, 0)
+            await self._write("in_progress", self.record.response, self.lease.until())
+            sink = self.log.add if self.log is not None else None
+            result = await run_rewritten(self.parsed, self.translator, sink)
+            await self._end(result["status"], result)
         except EdgeError as error:
             failure = {"code": str(error.code or error.type), "message": error.message}
-            await self._write("failed", ended(self.record.response, "failed", failure), 0)
+            await self._end("failed", ended(self.record.response, "failed", failure))
         except asyncio.CancelledError:
-            await self._write("failed", ended(self.record.response, "failed", edge_stopped()), 0)
+            await self._end("queued", self.record.response)
             raise
         finally:
-            renewal.cancel()
+            for helper in helpers:
+                helper.cancel()
+
+    async def _end(self, status: str, response: dict[str, Any]) -> None:
+        """Writes the events still kept, then ``status`` with no lease."""
+        if self.log is not None:
+            await self.log.flush()
+        await self._write(status, response, 0)
 
     async def _write(self, status: str, response: dict[str, Any], lease_until: int) -> None:
         record = record_of(self.parsed, {**response, "status": status}, self.record.owner, self.history)
-        record.lease_until = lease_until
+        record.request, record.lease_until = self.record.request, lease_until
         await self.store.finish(record)
 
     async def _renew(self, task: asyncio.Task[None]) -> None:
-        """Renews the lease every :data:`RENEW_S`; cancels ``task`` once the response is no
-        longer running in the store (cancelled or deleted through another edge)."""
+        """Renews the lease every third of it; cancels ``task`` once the response is no longer
+        running in the store (cancelled or deleted through another edge)."""
         while True:
-            await asyncio.sleep(RENEW_S)
+            await asyncio.sleep(self.lease.renew_s)
             try:
-                running = await self.store.renew(self.record.id, now_ms() + LEASE_MS)
+                running = await self.store.renew(self.record.id, self.lease.until())
             except Exception:  # the database is away for a moment: try again next time
                 log.exception("renewing background response %s failed", self.record.id)
                 continue

@@ -145,6 +145,7 @@ class ParsedResponsesRequest(ParsedRequest[ResponsesRequest]):
         return {
             "background": bool(r.background),
             "previous_response_id": r.previous_response_id,
+            "conversation": None if r.conversation is None else {"id": conversation_id(r)},
             "store": self.stored,
             "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens,
@@ -171,15 +172,30 @@ def validate_responses_request(body: Any) -> ResponsesRequest:
     """The body's shape checked, and the state options it combines checked together."""
     request = validate_body(ResponsesRequest, body)
     if request.conversation is not None:
-        raise unsupported(
-            "conversation",
-            "'conversation' is not supported: continue a conversation with 'previous_response_id'.",
-        )
+        conversation_id(request)  # its shape
+        if request.previous_response_id is not None:
+            raise bad("conversation", "cannot be used with 'previous_response_id'")
+        if request.background:
+            raise unsupported("conversation", "'conversation' with 'background: true' is not supported.")
     if request.background and request.store is False:
         raise bad("background", "needs 'store' (a background response is read back by polling)")
-    if request.background and request.stream:
-        raise unsupported("stream", "'stream: true' with 'background: true' is not supported; poll instead.")
     return request
+
+
+def conversation_id(request: ResponsesRequest) -> str | None:
+    """The id ``conversation`` names (a string, or ``{"id": ...}``); a 400 for another shape."""
+    value = request.conversation
+    if isinstance(value, dict):
+        value = value.get("id")
+    if request.conversation is not None and not isinstance(value, str):
+        raise bad("conversation", "must be a conversation id or an object with its 'id'")
+    return value
+
+
+def check_items(items: list[Any], name: str) -> None:
+    """Raises the 400 ``input`` would get for ``items`` that are not input items, naming
+    ``name[i]``."""
+    _messages(ResponsesRequest(model="", input=items), [], name)
 
 
 def input_items(request: ResponsesRequest) -> list[dict[str, Any]]:
@@ -238,19 +254,19 @@ def _response_format(fmt: TextFormat) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": schema.model_dump(by_alias=True, exclude_none=True)}
 
 
-def _messages(request: ResponsesRequest, history: list[Any]) -> list[dict[str, Any]]:
+def _messages(request: ResponsesRequest, history: list[Any], label: str = "input") -> list[dict[str, Any]]:
     """The conversation as chat messages: instructions first, then the history's items and the
     input items in order; consecutive ``function_call`` items become one assistant message with
-    several calls."""
+    several calls. An error names the input item as ``label[i]``."""
     messages: list[dict[str, Any]] = []
     if request.instructions is not None:
         messages.append({"role": "system", "content": request.instructions})
     if isinstance(request.input, list) and not request.input:
-        raise bad("input", "must hold at least one item")
+        raise bad(label, "must hold at least one item")
     items = [*history, *input_items(request)]
     for i, item in enumerate(items):
         # A history item's place is not the caller's: name the input item it precedes.
-        where = f"input[{max(i - len(history), 0)}]"
+        where = f"{label}[{max(i - len(history), 0)}]"
         if not isinstance(item, dict):
             raise InvalidRequestError(
                 f"Invalid '{where}': each input item must be an object.", param=where, code="invalid_type"

@@ -95,6 +95,7 @@ class ResponseObject(ResponseModel):
     model: str
     output: list[ResponseMessageItem | ResponseReasoningItem | ResponseFunctionCallItem]
     previous_response_id: str | None
+    conversation: dict[str, str] | None
     store: bool
     truncation: Literal["disabled"]
     usage: ResponseUsage | None
@@ -115,6 +116,7 @@ class ResponseStreamEvent(ResponseModel):
     """One ``event: <type>`` of a streamed ``/v1/responses`` answer (its ``data`` JSON)."""
 
     type: Literal[
+        "response.queued",
         "response.created",
         "response.in_progress",
         "response.output_item.added",

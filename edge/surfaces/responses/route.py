@@ -18,10 +18,12 @@ from edge.requests.validation import bad
 from edge.state import current_state
 from edge.surfaces.answer import OnResult, generate_rewritten, named_events
 from edge.surfaces.responses import background
+from edge.surfaces.responses.events import event_stream
 from edge.surfaces.responses.request import (
     ParsedResponsesRequest,
     ResponsesRequest,
     build_responses_request,
+    conversation_id,
     validate_responses_request,
 )
 from edge.surfaces.responses.response import (
@@ -38,7 +40,9 @@ from edge.surfaces.responses.stored import (
     record_of,
 )
 from edge.surfaces.responses.translate import ResponsesTranslator
+from edge.surfaces.responses.turns import append_turn, history_of_conversation
 from edge.surfaces.shared.ids import new_id
+from edge.surfaces.shared.paging import item_page
 
 blueprint = Blueprint("responses", __name__)
 STREAM = (
@@ -56,7 +60,8 @@ _STATUSES = ("400", "401", "404")
 @documented(
     NamedEventGeneration(
         "OpenAI Responses API: stored (`store`, default true), continued (`previous_response_id`), "
-        "or run in the background (`background: true`, answered at once as `queued`)",
+        "or run in the background (`background: true`, answered at once as `queued`, or with "
+        "`stream: true` by its events, stored so that `GET` follows them again)",
         ResponsesRequest,
         ResponseObject,
         ResponseStreamEvent,
@@ -64,9 +69,14 @@ _STATUSES = ("400", "401", "404")
     )
 )
 async def create_response() -> Response:
-    parsed_request = validate_responses_request(await read_json_body())
+    body = await read_json_body()
+    parsed_request = validate_responses_request(body)
     owner = caller_key_id()
-    history = await history_of(parsed_request.previous_response_id, owner)
+    conversation = conversation_id(parsed_request)
+    if conversation is not None:
+        history = await history_of_conversation(conversation, owner)
+    else:
+        history = await history_of(parsed_request.previous_response_id, owner)
     parsed = build_responses_request(parsed_request, history)
     response_id, created = new_id("resp"), int(time.time())
     echo = parsed.echo()
@@ -76,20 +86,26 @@ async def create_response() -> Response:
 
     if parsed_request.background:
         queued = translator(parsed.chat.model).response("queued", output=[])
-        await background.start(parsed, translator, queued, owner, history)
+        await background.start(parsed, translator, queued, owner, history, body)
+        if parsed.stream:
+            return event_stream(response_id, owner, -1)
         return json_response(queued)
-    if not parsed.stored:
-        return await generate_rewritten(parsed, translator, FRAMING)
     return await generate_rewritten(parsed, translator, FRAMING, on_result=_saver(parsed, owner, history))
 
 
-def _saver(parsed: ParsedResponsesRequest, owner: str, history: list[Any]) -> OnResult:
-    """Stores a foreground response's result. The store is taken here, in the request's context: a
-    stream's result comes after its request's context has ended."""
-    handle = current_state().store
+def _saver(parsed: ParsedResponsesRequest, owner: str, history: list[Any]) -> OnResult | None:
+    """Stores a foreground response's result, and appends its turn to its conversation (None:
+    neither). The store is taken here, in the request's context: a stream's result comes after
+    its request's context has ended."""
+    handle, conversation = current_state().store, conversation_id(parsed.request)
+    if not parsed.stored and conversation is None:
+        return None
 
     async def save(result: dict[str, Any]) -> None:
-        await (await handle.get()).put(record_of(parsed, result, owner, history))
+        if parsed.stored:
+            await (await handle.get()).put(record_of(parsed, result, owner, history))
+        if conversation is not None:
+            await append_turn(await handle.conversations(), conversation, parsed, result)
 
     return save
 
@@ -102,17 +118,46 @@ def _saver(parsed: ParsedResponsesRequest, owner: str, history: list[Any]) -> On
         "The Response as it is now.",
         _STATUSES,
         path_parameters=_ID,
-        query_parameters={"stream": "Only `false`: a stored response is not streamed again."},
+        query_parameters={
+            "stream": "`true`: the events of a background response created with `stream: true`, "
+            "from its first (or after `starting_after`) until its end.",
+            "starting_after": "With `stream`: the sequence number after which the events start.",
+        },
     )
 )
 async def retrieve_response(response_id: str) -> Response:
-    if request.args.get("stream", "false").lower() not in ("false", "0"):
+    record = await owned(response_id, caller_key_id())
+    if not _flag(request.args.get("stream"), "stream"):
+        return json_response(record.response)
+    if not (record.background and record.request.get("stream")):
         raise InvalidRequestError(
-            "'stream' is not supported here: poll the response instead.",
+            "Only a background response created with stream=true can be streamed: read it instead.",
             param="stream",
             code="unsupported_parameter",
         )
-    return json_response((await owned(response_id, caller_key_id())).response)
+    return event_stream(response_id, record.owner, _starting_after(request.args.get("starting_after")))
+
+
+def _flag(value: str | None, name: str) -> bool:
+    """A boolean query parameter (absent: false); a 400 naming it otherwise."""
+    if value is None or value.lower() in ("false", "0"):
+        return False
+    if value.lower() in ("true", "1"):
+        return True
+    raise bad(name, f"must be true or false, got {value!r}")
+
+
+def _starting_after(value: str | None) -> int:
+    """``starting_after``: a sequence number, at least 0 (absent: -1, every event)."""
+    if value is None:
+        return -1
+    try:
+        number = int(value)
+    except ValueError:
+        raise bad("starting_after", f"must be an integer, got {value!r}") from None
+    if not 0 <= number <= 2**31:
+        raise bad("starting_after", f"must be in 0..{2**31}, got {number}")
+    return number
 
 
 @blueprint.delete("/v1/responses/<response_id>")
@@ -174,33 +219,5 @@ async def cancel_response(response_id: str) -> Response:
 async def list_input_items(response_id: str) -> Response:
     items = (await owned(response_id, caller_key_id())).input_items
     return json_response(
-        _page(items, request.args.get("limit"), request.args.get("order"), request.args.get("after"))
+        item_page(items, request.args.get("limit"), request.args.get("order"), request.args.get("after"))
     )
-
-
-def _page(
-    items: list[dict[str, Any]], limit: str | None, order: str | None, after: str | None
-) -> dict[str, Any]:
-    """One page of ``items`` as OpenAI lists them; a 400 naming a bad query parameter."""
-    try:
-        size = 20 if limit is None else int(limit)
-    except ValueError:
-        raise bad("limit", f"must be an integer, got {limit!r}") from None
-    if not 1 <= size <= 100:
-        raise bad("limit", f"must be in 1..100, got {size}")
-    if order not in (None, "asc", "desc"):
-        raise bad("order", f"must be 'asc' or 'desc', got {order!r}")
-    ordered = items if order == "asc" else items[::-1]
-    if after is not None:
-        ids = [item["id"] for item in ordered]
-        if after not in ids:
-            raise bad("after", f"no input item has the id {after!r}")
-        ordered = ordered[ids.index(after) + 1 :]
-    page = ordered[:size]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(ordered) > size,
-    }

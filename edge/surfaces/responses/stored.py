@@ -32,7 +32,7 @@ async def history_of(previous_id: str | None, owner: str) -> list[Any]:
             param="previous_response_id",
             code="previous_response_not_found",
         )
-    if record.status not in CONTINUABLE or record.abandoned:
+    if record.status not in CONTINUABLE:
         raise InvalidRequestError(
             f"Previous response with id '{previous_id}' is {record.status}: only a completed or "
             "incomplete response can be continued.",
@@ -88,25 +88,14 @@ def record_of(
 
 
 async def owned(response_id: str, owner: str) -> StoredResponse:
-    """The owner's response ``response_id`` (a lapsed background run read as failed); a 404 when
-    there is none (another key's response is none)."""
+    """The owner's response ``response_id``; a 404 when there is none (another key's response is
+    none)."""
     record = await (await current_store()).get(response_id, owner)
     if record is None:
         raise NotFoundError(f"No response found with id '{response_id}'.", param="response_id")
-    if record.abandoned:
-        record.status = "failed"
-        record.response = ended(record.response, "failed", edge_stopped())
     return record
 
 
 def ended(response: dict[str, Any], status: str, error: dict[str, str] | None = None) -> dict[str, Any]:
     """``response`` with a final ``status`` (and ``error``)."""
     return {**response, "status": status, "error": error}
-
-
-def edge_stopped() -> dict[str, str]:
-    """The error of a background response whose edge stopped before it ended."""
-    return {
-        "code": "server_error",
-        "message": "The edge running this background response stopped before it ended; send it again.",
-    }

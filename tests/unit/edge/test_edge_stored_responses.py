@@ -1,26 +1,43 @@
 """Stored Responses' parts: a continuation's prompt, what a record keeps, the input-item pages, the
 owner id of an API key, the background registry; background runs in in-process edges in front of
-a fake worker (an edge stopping with a run in flight, a cancel through another edge)."""
+a fake worker (a run given back by a stopping edge and re-run by the next, one whose lease ran out
+re-run up to the limit, a cancel through another edge, a streamed run followed live and again,
+a conversation's turns)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from edge_fakes import FakeWorker, Hang, run, running_edge, running_worker, started, wait_for
+from edge_fakes import (
+    FakeWorker,
+    Hang,
+    Sleep,
+    Step,
+    content,
+    finished,
+    run,
+    running_edge,
+    running_worker,
+    started,
+    usage,
+    wait_for,
+)
 
 from edge.auth import ANONYMOUS, ApiKeyCheck, key_id
 from edge.background import BackgroundTasks
 from edge.errors import InvalidRequestError
 from edge.store.opening import open_store
-from edge.store.responses import Retention, StoredResponse
-from edge.surfaces.responses import background
+from edge.store.responses import Retention, StoredResponse, now_ms
 from edge.surfaces.responses.request import build_responses_request, validate_responses_request
-from edge.surfaces.responses.route import _page
+from edge.surfaces.responses.resume import MAX_RERUNS
 from edge.surfaces.responses.stored import numbered, record_of, replayable
+from edge.surfaces.shared.paging import item_page
 
 HISTORY: list[dict[str, Any]] = [
     {"type": "message", "role": "user", "content": "Name a color."},
@@ -106,7 +123,7 @@ ITEMS = [{"id": f"i{n}"} for n in range(5)]
 def test_input_items_are_paged_as_openai_pages_them(
     limit: str | None, order: str | None, after: str | None, ids: list[str], more: bool
 ) -> None:
-    page = _page(ITEMS, limit, order, after)
+    page = item_page(ITEMS, limit, order, after)
     assert [item["id"] for item in page["data"]] == ids and page["has_more"] is more
     assert page["first_id"] == ids[0] and page["last_id"] == ids[-1]
 
@@ -123,7 +140,7 @@ def test_input_items_are_paged_as_openai_pages_them(
 )
 def test_a_bad_page_parameter_is_a_400_naming_it(limit: Any, order: Any, after: Any, param: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
-        _page(ITEMS, limit, order, after)
+        item_page(ITEMS, limit, order, after)
     assert caught.value.param == param
 
 
@@ -161,10 +178,42 @@ def test_background_tasks_are_cancelled_at_close_and_run_their_cleanup() -> None
 BACKGROUND = {"model": "SmolLM2-135M-Instruct", "input": "Hi", "background": True}
 
 
-def test_a_background_response_ends_failed_when_its_edge_stops(tmp_path: Path) -> None:
-    fake = FakeWorker(script=[started(), Hang()])
+def hang_then_answer(fake: FakeWorker) -> Callable[[Any], list[Step]]:
+    """The fake's first call hangs (its edge stops under it); later ones answer "Blue."."""
 
-    async def scenario() -> StoredResponse | None:
+    def script(request: Any) -> list[Step]:
+        if fake.calls_started == 1:
+            return [started(), Hang()]
+        return [started(), content("Blue."), finished(), usage()]
+
+    return script
+
+
+async def stored(state_dir: Path, response_id: str) -> StoredResponse | None:
+    store = await open_store(str(state_dir), None, Retention(3600.0, 0))
+    try:
+        return await store.get(response_id, ANONYMOUS)
+    finally:
+        await store.database.close()
+
+
+async def polled_to_its_end(base: str, response_id: str) -> dict[str, Any]:
+    async with httpx.AsyncClient() as client:
+        got: dict[str, Any] = {}
+
+        async def ended() -> bool:
+            got.update((await client.get(f"{base}/v1/responses/{response_id}")).json())
+            return got["status"] not in ("queued", "in_progress")
+
+        await wait_for(ended, 10)
+        return got
+
+
+def test_a_background_response_given_back_at_a_stop_is_rerun_by_the_next_edge(tmp_path: Path) -> None:
+    fake = FakeWorker()
+    fake.script_for = hang_then_answer(fake)
+
+    async def scenario() -> tuple[StoredResponse | None, dict[str, Any]]:
         async with running_worker(fake) as address:
             async with (
                 running_edge([address], state_dir=str(tmp_path)) as base,
@@ -177,28 +226,68 @@ def test_a_background_response_ends_failed_when_its_edge_stops(tmp_path: Path) -
                 assert got["status"] == "in_progress"
             # The edge stopped with the run in flight: its worker call was cancelled.
             await asyncio.wait_for(fake.cancelled.wait(), 10)
-        store = await open_store(str(tmp_path), None, Retention(3600.0, 0))
-        try:
-            return await store.get(job["id"], ANONYMOUS)
-        finally:
-            await store.database.close()
+            given_back = await stored(tmp_path, job["id"])
+            async with running_edge([address], state_dir=str(tmp_path)) as base:
+                return given_back, await polled_to_its_end(base, job["id"])
 
-    record = run(scenario())
-    assert record is not None and record.status == "failed" and not record.abandoned
-    assert record.response["status"] == "failed" and record.response["error"]["message"]
+    given_back, done = run(scenario())
+    assert given_back is not None and given_back.status == "queued" and given_back.lease_until == 0
+    assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == "Blue."
+    assert done["id"] == given_back.id and done["created_at"] == given_back.created_at
+    # Re-run from its start: the same prompt and sampling as the first run.
+    first, second = fake.requests
+    assert (first.chat, first.sampling) == (second.chat, second.sampling) and fake.calls_started == 2
 
 
-def test_a_cancel_through_another_edge_stops_the_run_at_its_next_renewal(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(background, "RENEW_S", 0.05)
+def lapsed(reruns: int) -> StoredResponse:
+    """A background response left ``in_progress`` by an edge that crashed: its lease ran out."""
+    request = build_responses_request(validate_responses_request(BACKGROUND), [])
+    queued = {
+        **request.echo(),
+        "id": "resp_crashed",
+        "created_at": now_ms() // 1000,
+        "status": "in_progress",
+        "output": [],
+    }
+    record = record_of(request, queued, ANONYMOUS, [])
+    record.request, record.lease_until, record.reruns = BACKGROUND, now_ms() - 1, reruns
+    return record
+
+
+async def put(state_dir: Path, record: StoredResponse) -> None:
+    store = await open_store(str(state_dir), None, Retention(3600.0, 0))
+    try:
+        await store.put(record)
+    finally:
+        await store.database.close()
+
+
+@pytest.mark.parametrize("reruns", [0, MAX_RERUNS])
+def test_a_response_whose_lease_ran_out_is_rerun_until_the_limit(tmp_path: Path, reruns: int) -> None:
+    fake = FakeWorker(script=[started(), content("Blue."), finished(), usage()])
+
+    async def scenario() -> dict[str, Any]:
+        await put(tmp_path, lapsed(reruns))
+        async with running_worker(fake) as address, running_edge([address], state_dir=str(tmp_path)) as base:
+            return await polled_to_its_end(base, "resp_crashed")
+
+    done = run(scenario())
+    if reruns < MAX_RERUNS:
+        assert done["status"] == "completed" and fake.calls_started == 1
+    else:  # stopped once more than it may be re-run: it fails without a call
+        assert done["status"] == "failed" and fake.calls_started == 0
+        assert f"stopped {MAX_RERUNS + 1} times" in done["error"]["message"]
+
+
+def test_a_cancel_through_another_edge_stops_the_run_at_its_next_renewal(tmp_path: Path) -> None:
     fake = FakeWorker(script=[started(), Hang()])
+    lease = {"state_dir": str(tmp_path), "state_lease_s": 0.6}  # renewed every 0.2 s
 
     async def scenario() -> dict[str, Any]:
         async with (
             running_worker(fake) as address,
-            running_edge([address], state_dir=str(tmp_path)) as runner,
-            running_edge([address], state_dir=str(tmp_path)) as other,
+            running_edge([address], **lease) as runner,
+            running_edge([address], **lease) as other,
             httpx.AsyncClient() as client,
         ):
             job = (await client.post(f"{runner}/v1/responses", json=BACKGROUND)).json()
@@ -209,3 +298,117 @@ def test_a_cancel_through_another_edge_stops_the_run_at_its_next_renewal(
             return dict((await client.get(f"{runner}/v1/responses/{job['id']}")).json())
 
     assert run(scenario())["status"] == "cancelled"
+
+
+# ------------------------------------------------ streamed background runs (events in the store)
+
+STREAMED = {**BACKGROUND, "stream": True}
+ANSWER: list[Step] = [started(), content("Bl"), Sleep(0.05), content("ue."), finished(), usage()]
+
+
+def named_events(raw: bytes) -> list[dict[str, Any]]:
+    """The data of each named SSE frame (heartbeat comments left out)."""
+    frames = [frame for frame in raw.decode().split("\n\n") if frame and not frame.startswith(":")]
+    return [json.loads(frame.split("\n")[1].removeprefix("data: ")) for frame in frames]
+
+
+def test_a_streamed_background_response_is_followed_live_and_again_after_a_number(tmp_path: Path) -> None:
+    fake = FakeWorker(script=ANSWER)
+
+    async def scenario() -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+        async with (
+            running_worker(fake) as address,
+            running_edge([address], state_dir=str(tmp_path)) as base,
+            httpx.AsyncClient() as client,
+        ):
+            live = named_events((await client.post(f"{base}/v1/responses", json=STREAMED)).content)
+            url = f"{base}/v1/responses/{live[0]['response']['id']}"
+            again = named_events(
+                (await client.get(url, params={"stream": "true", "starting_after": 2})).content
+            )
+            statuses = [
+                (await client.get(url, params=params)).status_code
+                for params in ({"stream": "maybe"}, {"stream": "true", "starting_after": "x"})
+            ]
+            plain = (await client.post(f"{base}/v1/responses", json=BACKGROUND)).json()
+            answer = await client.get(f"{base}/v1/responses/{plain['id']}", params={"stream": "true"})
+            return live, again, [*statuses, answer.status_code]
+
+    live, again, statuses = run(scenario())
+    assert [event["sequence_number"] for event in live] == list(range(len(live)))
+    kinds = [event["type"] for event in live]
+    assert kinds[:3] == ["response.queued", "response.created", "response.in_progress"]
+    assert (
+        kinds[-1] == "response.completed"
+        and live[-1]["response"]["output"][0]["content"][0]["text"] == "Blue."
+    )
+    assert again == live[3:]
+    assert statuses == [400, 400, 400]  # a bad flag, a bad number, a response created without stream
+
+
+def test_a_rerun_streams_on_after_the_stopped_runs_events(tmp_path: Path) -> None:
+    fake = FakeWorker()
+    fake.script_for = hang_then_answer(fake)
+
+    async def scenario() -> list[dict[str, Any]]:
+        async with running_worker(fake) as address:
+            async with (
+                running_edge([address], state_dir=str(tmp_path)) as base,
+                httpx.AsyncClient() as client,
+            ):
+                async with client.stream("POST", f"{base}/v1/responses", json=STREAMED) as answer:
+                    async for line in answer.aiter_lines():  # the first event: response.queued
+                        if line.startswith("data: "):
+                            job_id = json.loads(line.removeprefix("data: "))["response"]["id"]
+                            break
+                await wait_for(lambda: fake.calls_started == 1)
+            async with (
+                running_edge([address], state_dir=str(tmp_path)) as base,
+                httpx.AsyncClient() as client,
+            ):
+                url = f"{base}/v1/responses/{job_id}"
+                await polled_to_its_end(base, job_id)
+                return named_events((await client.get(url, params={"stream": "true"})).content)
+
+    events = run(scenario())
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    kinds = [event["type"] for event in events]
+    # The stopped run's first events, then the re-run's from its own response.created.
+    assert kinds[:4] == ["response.queued", "response.created", "response.in_progress", "response.created"]
+    assert kinds[-1] == "response.completed"
+
+
+# ------------------------------------------------ conversations, in-process edges and fake workers
+
+
+def test_a_conversations_items_are_the_earlier_turns_and_each_turn_is_appended(tmp_path: Path) -> None:
+    fake = FakeWorker(script=[started(), content("Blue."), finished(), usage()])
+    turn = {"model": "SmolLM2-135M-Instruct", "input": "And now?", "store": False}
+
+    async def scenario() -> list[dict[str, Any]]:
+        async with (
+            running_worker(fake) as address,
+            running_edge([address], state_dir=str(tmp_path)) as base,
+            httpx.AsyncClient() as client,
+        ):
+            first = [{"role": "user", "content": "Name a color."}]
+            conv = (await client.post(f"{base}/v1/conversations", json={"items": first})).json()
+            answer = (
+                await client.post(f"{base}/v1/responses", json={**turn, "conversation": conv["id"]})
+            ).json()
+            assert answer["conversation"] == {"id": conv["id"]}
+            page = await client.get(f"{base}/v1/conversations/{conv['id']}/items", params={"order": "asc"})
+            return list(page.json()["data"])
+
+    items = run(scenario())
+    (request,) = fake.requests
+    assert [(m.role, m.content) for m in request.chat.messages] == [
+        ("user", "Name a color."),
+        ("user", "And now?"),
+    ]
+    assert [(item["role"], item["content"][0]["text"]) for item in items] == [
+        ("user", "Name a color."),
+        ("user", "And now?"),
+        ("assistant", "Blue."),
+    ]
+    assert all(item["id"] for item in items)

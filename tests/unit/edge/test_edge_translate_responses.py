@@ -234,9 +234,11 @@ def test_request_items_become_chat_messages() -> None:
 @pytest.mark.parametrize(
     ("fields", "param", "code"),
     [
-        ({"conversation": "conv_1"}, "conversation", "unsupported_parameter"),
+        ({"conversation": 5}, "conversation", "invalid_value"),
+        ({"conversation": {"id": 5}}, "conversation", "invalid_value"),
+        ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation", "invalid_value"),
+        ({"conversation": "conv_1", "background": True}, "conversation", "unsupported_parameter"),
         ({"background": True, "store": False}, "background", "invalid_value"),
-        ({"background": True, "stream": True}, "stream", "unsupported_parameter"),
         ({"input": 5}, "input", "invalid_value"),
         ({"input": []}, "input", "invalid_value"),
         (

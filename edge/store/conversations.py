@@ -1,0 +1,128 @@
+"""Conversations: one row per conversation (its owner, metadata and expiry) and its items in order;
+read and changed only by the key that made it, kept ``--state-ttl`` after their last change."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from edge.store.database import Database
+from edge.store.responses import now_ms
+
+
+@dataclass
+class ConversationRecord:
+    """One conversation: its id, owner, creation time (Unix seconds) and metadata."""
+
+    id: str
+    owner: str
+    created_at: int
+    metadata: dict[str, str]
+
+    def answer(self) -> dict[str, Any]:
+        """The Conversation object."""
+        return {
+            "id": self.id,
+            "object": "conversation",
+            "created_at": self.created_at,
+            "metadata": self.metadata,
+        }
+
+
+class ConversationStore:
+    """The ``conversations`` and ``conversation_items`` tables' operations."""
+
+    def __init__(self, database: Database, ttl_s: float) -> None:
+        self.database = database
+        self.ttl_ms = int(ttl_s * 1000)
+
+    async def create(self, record: ConversationRecord, items: list[dict[str, Any]]) -> None:
+        """Inserts ``record`` and its first ``items``."""
+        await self.database.execute(
+            "INSERT INTO conversations (id, owner, created_at, expires_at, metadata) VALUES (?, ?, ?, ?, ?)",
+            (record.id, record.owner, record.created_at, now_ms() + self.ttl_ms, _json(record.metadata)),
+        )
+        await self.append(record.id, items)
+
+    async def get(self, conversation_id: str, owner: str) -> ConversationRecord | None:
+        """The owner's unexpired conversation, else None (another key's too)."""
+        rows = await self.database.fetch(
+            "SELECT id, owner, created_at, metadata FROM conversations "
+            "WHERE id = ? AND owner = ? AND expires_at > ?",
+            (conversation_id, owner, now_ms()),
+        )
+        if not rows:
+            return None
+        identifier, owner, created_at, metadata = rows[0]
+        return ConversationRecord(identifier, owner, int(created_at), orjson.loads(metadata))
+
+    async def update(self, conversation_id: str, owner: str, metadata: dict[str, str]) -> bool:
+        """Replaces the owner's conversation's metadata; False when there is none."""
+        changed = await self.database.execute(
+            "UPDATE conversations SET metadata = ? WHERE id = ? AND owner = ?",
+            (_json(metadata), conversation_id, owner),
+        )
+        return changed > 0
+
+    async def delete(self, conversation_id: str, owner: str) -> bool:
+        """Deletes the owner's conversation and its items; False when there is none."""
+        changed = await self.database.execute(
+            "DELETE FROM conversations WHERE id = ? AND owner = ?", (conversation_id, owner)
+        )
+        if changed:
+            await self.database.execute(
+                "DELETE FROM conversation_items WHERE conversation_id = ?", (conversation_id,)
+            )
+        return changed > 0
+
+    async def append(self, conversation_id: str, items: list[dict[str, Any]]) -> None:
+        """Adds ``items`` (each with an ``id``) after the conversation's last, and keeps the
+        conversation ``--state-ttl`` from now."""
+        if items:
+            rows = await self.database.fetch(
+                "SELECT MAX(position) FROM conversation_items WHERE conversation_id = ?", (conversation_id,)
+            )
+            first = 0 if rows[0][0] is None else int(rows[0][0]) + 1
+            params: list[Any] = []
+            for offset, item in enumerate(items):
+                params += [conversation_id, first + offset, item["id"], _json(item)]
+            values = ", ".join(["(?, ?, ?, ?)"] * len(items))
+            await self.database.execute(
+                f"INSERT INTO conversation_items (conversation_id, position, id, item) VALUES {values}",
+                params,
+            )
+        await self.database.execute(
+            "UPDATE conversations SET expires_at = ? WHERE id = ?", (now_ms() + self.ttl_ms, conversation_id)
+        )
+
+    async def items(self, conversation_id: str) -> list[dict[str, Any]]:
+        """The conversation's items, in order."""
+        rows = await self.database.fetch(
+            "SELECT item FROM conversation_items WHERE conversation_id = ? ORDER BY position",
+            (conversation_id,),
+        )
+        return [orjson.loads(item) for (item,) in rows]
+
+    async def delete_item(self, conversation_id: str, item_id: str) -> bool:
+        """Deletes one item of the conversation; False when it has none with that id."""
+        changed = await self.database.execute(
+            "DELETE FROM conversation_items WHERE conversation_id = ? AND id = ?", (conversation_id, item_id)
+        )
+        return changed > 0
+
+    async def purge(self) -> int:
+        """Deletes the expired conversations and their items; how many conversations."""
+        deleted = await self.database.execute("DELETE FROM conversations WHERE expires_at <= ?", (now_ms(),))
+        await self.database.execute(
+            "DELETE FROM conversation_items WHERE conversation_id NOT IN (SELECT id FROM conversations)"
+        )
+        return deleted
+
+
+def _json(value: Any) -> str:
+    """JSON text; the standard encoder, which writes an integer of any size (an ignored field of an
+    item may hold one: orjson would refuse it)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
