@@ -1,13 +1,14 @@
 """Tensor parallelism's pieces without processes: the shards of tiny random llama and qwen3 models
 (ranks as threads, the all-reduce a barrier's sum) equal the whole model, sharding errors are
-refused naming them, each rank's KV share, the settings refused with it, and a follower's exit or a
-failed collective reported as a rank failure."""
+refused naming them, ranks join only once all are there, each rank's KV share, the settings
+refused with it, and a follower's exit or a failed collective reported as a rank failure."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import threading
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -153,6 +154,26 @@ def test_a_failed_all_reduce_is_a_rank_failure_which_fails_the_device(
     with pytest.raises(RankFailure, match="all-reduce failed: Connection closed by peer") as failed:
         group.all_reduce(torch.ones(2))
     assert is_fatal_device_error(failed.value)
+
+
+def test_ranks_join_the_process_group_only_once_every_rank_is_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The process group's own rendezvous waits a collective's timeout: a follower whose start takes
+    longer (a fresh interpreter's imports on a busy host) must not fail rank 0's load. Rank 0 runs
+    in a thread on a real store; the test plays rank 1, and the group itself is faked."""
+    initialized = threading.Event()
+    monkeypatch.setattr(group_module.dist, "init_process_group", lambda *args, **kwargs: initialized.set())
+    monkeypatch.setattr(group_module.dist, "new_group", lambda *args, **kwargs: None)
+    store = group_module.rendezvous_store("127.0.0.1", 0, 2)
+    joined = threading.Thread(target=RankGroup, args=(Layout(0, 2, 0, ""), torch.device("cpu"), store))
+    joined.start()
+    rank_one = group_module.dist.TCPStore("127.0.0.1", store.port, 2, is_master=False)
+    rank_one.wait([group_module.joined_key(0)], timedelta(seconds=30))  # rank 0 waits for rank 1
+    assert not initialized.is_set()
+    rank_one.set(group_module.joined_key(1), "1")
+    joined.join()
+    assert initialized.is_set()
 
 
 def test_rank_zero_tells_each_forward_without_its_sequences_and_the_fed_ids_on_the_host() -> None:
