@@ -169,6 +169,18 @@ def default_worker(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) 
 
 
 @pytest.fixture(scope="session")
+def float_worker(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    """The default model in float32 (``--quantization none``): for tests that compare greedy tokens
+    across batches or ranks, which a quantized worker rounds differently. Shared like
+    ``default_worker``."""
+    extra = ["--quantization", "none", "--dtype", "float32"]
+    with WorkerProcess(
+        cache_dir=model_cache, log_dir=tmp_path_factory.mktemp("float-log"), extra=extra
+    ) as worker:
+        yield worker
+
+
+@pytest.fixture(scope="session")
 def default_edge(
     default_worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[EdgeProcess]:

@@ -6,6 +6,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -206,6 +207,19 @@ class WorkerProcess(_Process):
     def __enter__(self) -> WorkerProcess:
         self.start()
         return self
+
+
+class NodeProcess(_Process):
+    """``python -m worker`` as a tensor-parallel node above 0 (``--node-rank``): it claims no ports
+    and serves nothing, so it counts as started once launched; :meth:`wait_exit` gives its status."""
+
+    name = "node"
+
+    def __init__(self, args: list[str], log_dir: Path):
+        super().__init__([sys.executable, "-m", "worker", *args], log_dir)
+
+    def ready(self) -> bool:
+        return True
 
 
 class EdgeProcess(_Process):

@@ -5,6 +5,7 @@ importing torch and transformers every time (docs/testing.md, "Processes")."""
 from __future__ import annotations
 
 import atexit
+import base64
 import contextlib
 import json
 import os
@@ -24,13 +25,15 @@ from typing import Any
 # What a forked child may differ in from the zygote's environment at import (read only once the
 # child's main runs, or pytest's own). Any other difference (say TRITON_INTERPRET) starts a fresh process.
 _CHILD_ONLY = ("SLUICE_", "PYTHONUNBUFFERED", "PYTEST_")
-MODULES = ("worker", "edge")
+FOLLOWER = "worker.parallel.follower"
+MODULES = ("worker", "edge", FOLLOWER)
 
 
 def _preload() -> None:
     """Imports what ``python -m worker`` and ``python -m edge`` import before serving."""
     import edge.__main__
     import worker.__main__
+    import worker.parallel.follower
     import worker.server  # the heavy part: torch, transformers
 
     del edge, worker
@@ -73,7 +76,7 @@ def _serve(path: str) -> None:
                 listener.close()
                 for other in children.values():
                     other.close()
-                _child(connection, request)
+                _child(connection, request, path)
             connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             children[pid] = connection
 
@@ -94,21 +97,23 @@ def _reap(children: dict[int, socket.socket]) -> None:
             connection.close()
 
 
-def _child(connection: socket.socket, request: Mapping[str, Any]) -> None:
-    """In the forked child: the test's log as stdout and stderr, its environment and arguments,
-    then the module's ``__main__`` as ``python -m`` runs it, and the interpreter's exit steps."""
+def _child(connection: socket.socket, request: Mapping[str, Any], path: str) -> None:
+    """In the forked child: the test's log as stdout and stderr (appended to, so that the
+    followers it forks write beside it), its environment and arguments, its standard input if the
+    request has one, then the module's ``__main__`` as ``python -m`` runs it, and the interpreter's
+    exit steps. A tensor-parallel rank 0 it runs forks its followers from the zygote too."""
     connection.close()
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if request["append"] else os.O_TRUNC)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if request["append"] else os.O_TRUNC)
     log = os.open(request["log"], flags, 0o644)
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
+    os.dup2(_standard_input(request.get("stdin")), 0)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    os.close(null)
     os.chdir(request["cwd"])
+    zygote_env = dict(os.environ)
     os.environ.clear()
     os.environ.update(request["env"])
+    _fork_followers(path, zygote_env, request["log"])
     module = request["module"]
     sys.argv = [module, *request["args"]]
     code = 0
@@ -131,36 +136,96 @@ def _child(connection: socket.socket, request: Mapping[str, Any]) -> None:
     os._exit(code)
 
 
+def _standard_input(data: str | None) -> int:
+    """A descriptor to read as standard input: an unnamed file holding ``data`` (base64), or
+    /dev/null without."""
+    if data is None:
+        return os.open(os.devnull, os.O_RDONLY)
+    with tempfile.TemporaryFile() as held:
+        held.write(base64.b64decode(data))
+        held.flush()
+        descriptor = os.dup(held.fileno())
+    os.lseek(descriptor, 0, os.SEEK_SET)
+    return descriptor
+
+
+def _fork_followers(path: str, zygote_env: Mapping[str, str], log: str) -> None:
+    """Makes a tensor-parallel rank 0 in this child start its followers as children of the zygote
+    (``worker.parallel.ranks.spawn_follower``), writing to the same log; a fresh interpreter
+    where the environment has changed since or the zygote cannot fork."""
+    from worker.parallel import ranks
+
+    def spawn(payload: bytes) -> ranks.RankProcess:
+        env = dict(os.environ)
+        if _same_env(env, zygote_env):
+            request = {
+                "module": FOLLOWER,
+                "args": [],
+                "env": env,
+                "cwd": os.getcwd(),
+                "log": log,
+                "append": True,
+                "stdin": base64.b64encode(payload).decode(),
+            }
+            forked = _request_fork(path, request, [sys.executable, "-m", FOLLOWER])
+            if forked is not None:
+                return forked
+        return ranks.fresh_follower(payload)
+
+    ranks.spawn_follower = spawn
+
+
+def _same_env(env: Mapping[str, str], zygote_env: Mapping[str, str]) -> bool:
+    """Whether a child with ``env`` may be forked from a zygote imported with ``zygote_env``."""
+    return all(
+        key.startswith(_CHILD_ONLY) or env.get(key) == zygote_env.get(key)
+        for key in set(env) | set(zygote_env)
+    )
+
+
+def _request_fork(path: str, request: Mapping[str, Any], args: Sequence[str]) -> ForkedProcess | None:
+    """Asks the zygote listening on ``path`` to fork ``request``; None if it cannot."""
+    connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        connection.connect(path)
+        connection.sendall(json.dumps(request).encode() + b"\n")
+        reader = connection.makefile("rb")
+        pid = int(json.loads(reader.readline())["pid"])
+    except (OSError, ValueError, KeyError):
+        connection.close()
+        return None
+    return ForkedProcess(args, connection, pid)
+
+
 # ------------------------------------------------------------------ the test process's side
 
 
 class ForkedProcess:
-    """A child of the zygote, with the part of :class:`subprocess.Popen`'s interface the tests use
-    (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``, ``returncode``)."""
+    """A child of the zygote, with the part of :class:`subprocess.Popen`'s interface the tests (and
+    a rank 0 watching its followers) use (``pid``, ``poll``, ``wait``, ``send_signal``, ``kill``,
+    ``returncode``); its exit status read by a thread of its own, so any thread may wait."""
 
     def __init__(self, args: Sequence[str], connection: socket.socket, pid: int):
         self.args = list(args)
         self.pid = pid
         self.returncode: int | None = None
-        self._connection = connection
-        self._reader = connection.makefile("rb")
+        self._ended = threading.Event()
+        threading.Thread(
+            target=self._read_exit, args=(connection,), name=f"zygote-child-{pid}", daemon=True
+        ).start()
 
-    def _read_exit(self, timeout: float | None) -> None:
-        if self.returncode is not None:
-            return
-        if not select.select([self._connection], [], [], timeout)[0]:
-            return
-        line = self._reader.readline()
+    def _read_exit(self, connection: socket.socket) -> None:
+        line = b""
+        with contextlib.suppress(OSError), connection, connection.makefile("rb") as reader:
+            line = reader.readline()
         self.returncode = int(json.loads(line)["exit"]) if line else -signal.SIGKILL
-        self._connection.close()
+        self._ended.set()
 
     def poll(self) -> int | None:
-        self._read_exit(0)
-        return self.returncode
+        return self.returncode if self._ended.is_set() else None
 
     def wait(self, timeout: float | None = None) -> int:
-        self._read_exit(timeout)
-        if self.returncode is None:
+        if not self._ended.wait(timeout) or self.returncode is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0)
         return self.returncode
 
@@ -228,11 +293,7 @@ class Zygote:
         """The module of ``args`` when the zygote can start it with ``env``, else None."""
         if len(args) < 3 or args[0] != sys.executable or args[1] != "-m" or args[2] not in MODULES:
             return None
-        keys = set(env) | set(self.env)
-        for key in keys:
-            if not key.startswith(_CHILD_ONLY) and env.get(key) != self.env.get(key):
-                return None
-        if self.process.poll() is not None:
+        if not _same_env(env, self.env) or self.process.poll() is not None:
             return None
         return args[2]
 
@@ -243,7 +304,6 @@ class Zygote:
         module = self.serves(args, env)
         if module is None:
             return None
-        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         request = {
             "module": module,
             "args": list(args[3:]),
@@ -252,15 +312,7 @@ class Zygote:
             "log": str(log),
             "append": append,
         }
-        try:
-            connection.connect(self.path)
-            connection.sendall(json.dumps(request).encode() + b"\n")
-            reader = connection.makefile("rb")
-            pid = int(json.loads(reader.readline())["pid"])
-        except (OSError, ValueError, KeyError):
-            connection.close()
-            return None
-        return ForkedProcess(args, connection, pid)
+        return _request_fork(self.path, request, args)
 
 
 if __name__ == "__main__":

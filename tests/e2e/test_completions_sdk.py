@@ -7,7 +7,6 @@ list of prompts with n choices, streamed or not, must all give the same text.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import openai
 import pytest
@@ -22,16 +21,13 @@ GREEDY = {"model": MODEL, "temperature": 0, "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def float_edge(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProcess]:
+def float_edge(
+    float_worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[EdgeProcess]:
     """The default model pinned to float32: these tests compare a 4-row batch's greedy text with one
     row's, and a quantized worker multiplies 1-3 rows and 4+ rows with different kernels (the same
     weights, rounded differently: docs/quantization.md), so a near-tie could pick another token."""
-    extra = ["--quantization", "none"]
-    logs = tmp_path_factory.mktemp("float-logs")
-    with (
-        WorkerProcess(cache_dir=model_cache, log_dir=logs, extra=extra) as worker,
-        EdgeProcess([worker.address], log_dir=logs) as edge,
-    ):
+    with EdgeProcess([float_worker.address], log_dir=tmp_path_factory.mktemp("float-logs")) as edge:
         yield edge
 
 

@@ -1,13 +1,14 @@
 """``--tensor-parallel-size 3`` against one rank, for the default model in float32 (9 attention and
 3 KV heads): greedy tokens identical, prompt logprobs within 1e-4, and concurrent streams through
-an edge end with the texts one rank generates one at a time. One worker of each kind for the
-module."""
+an edge end with the texts one rank generates one at a time. One three-rank worker for the module;
+the one-rank reference is the session's ``float_worker``, asked once per prompt."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -34,23 +35,20 @@ TOKENS = 32
 
 @pytest.fixture(scope="module")
 def workers(
-    model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+    model_cache: Path, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
 ) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
-    """One rank and three ranks of the default model in float32, loading side by side."""
-    logs = tmp_path_factory.mktemp("tp-logs")
-    (logs / "tp1").mkdir()
-    (logs / "tp3").mkdir()
-    one = WorkerProcess(cache_dir=model_cache, log_dir=logs / "tp1", extra=FLOAT32)
-    three = WorkerProcess(cache_dir=model_cache, log_dir=logs / "tp3", extra=[*FLOAT32, "-tp", "3"])
+    """One rank (the session's ``float_worker``) and three ranks of the default model in float32,
+    loading side by side."""
+    three = WorkerProcess(
+        cache_dir=model_cache, log_dir=tmp_path_factory.mktemp("tp3-logs"), extra=[*FLOAT32, "-tp", "3"]
+    )
     try:
-        one.launch()
         three.launch()
-        one.wait_ready()
+        one = request.getfixturevalue("float_worker")
         three.wait_ready()
         yield one, three
     finally:
         three.stop()
-        one.stop()
 
 
 @pytest.fixture(scope="module")
@@ -95,9 +93,13 @@ def one_rank(workers: tuple[WorkerProcess, WorkerProcess]) -> dict[str, Generate
 def test_three_ranks_generate_the_greedy_tokens_and_prompt_logprobs_of_one(
     workers: tuple[WorkerProcess, WorkerProcess], one_rank: dict[str, Generated]
 ) -> None:
+    """The four prompts asked of the three ranks together (one batch: a quarter of the steps, each
+    of 60 all-reduces), against one rank's answers asked one at a time."""
     three = workers[1]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        answers = dict(zip(PROMPTS, pool.map(lambda text: generate(three, text), PROMPTS), strict=True))
     for text in PROMPTS:
-        generated, expected = generate(three, text), one_rank[text]
+        generated, expected = answers[text], one_rank[text]
         assert len(generated.ids) == TOKENS and generated.ids == expected.ids, text
         assert len(generated.logprobs) == len(expected.logprobs) > 5
         assert generated.logprobs == pytest.approx(expected.logprobs, abs=1e-4), text

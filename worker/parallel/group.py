@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 # How long a collective of a forward (an all-reduce) may wait for the other ranks.
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# How long the ranks wait for each other to join: a fresh interpreter's imports on a busy host, or
+# another node's start, can take longer than a collective may.
+JOIN_TIMEOUT = timedelta(minutes=10)
 # How long a follower waits for rank 0's next forward (an idle worker sends none).
 IDLE_TIMEOUT = timedelta(days=30)
 
@@ -64,9 +67,19 @@ Message = Execute | Score | Stop
 def rendezvous_store(host: str, port: int, ranks: int) -> dist.TCPStore:
     """Rank 0's rendezvous store, listening on ``host:port`` (0: a free port) before any other rank
     starts: a rank that tries to connect before the store listens backs off for most of a minute."""
-    return dist.TCPStore(
-        host, port, ranks, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
-    )
+    return dist.TCPStore(host, port, ranks, is_master=True, timeout=JOIN_TIMEOUT, wait_for_workers=False)
+
+
+def joined_key(rank: int) -> str:
+    """The rendezvous store's key a rank sets once it has joined."""
+    return f"sluice/joined/{rank}"
+
+
+def wait_for_ranks(store: dist.Store, layout: Layout) -> None:
+    """Marks this rank joined and waits (up to :data:`JOIN_TIMEOUT`) until every rank has, so that
+    the process group's own rendezvous, whose timeout is a collective's, finds them all there."""
+    store.set(joined_key(layout.rank), "1")
+    store.wait([joined_key(rank) for rank in range(layout.ranks)], JOIN_TIMEOUT)
 
 
 class RankGroup:
@@ -80,7 +93,8 @@ class RankGroup:
         self.layout = layout
         if store is None:
             host, port = layout.address.rsplit(":", 1)
-            store = dist.TCPStore(host, int(port), layout.ranks, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+            store = dist.TCPStore(host, int(port), layout.ranks, is_master=False, timeout=JOIN_TIMEOUT)
+        wait_for_ranks(store, layout)
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend, store=store, rank=layout.rank, world_size=layout.ranks, timeout=COLLECTIVE_TIMEOUT

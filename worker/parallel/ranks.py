@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from worker.config import WorkerConfig
 from worker.model.device import RankFailure, bind_device
@@ -80,13 +80,38 @@ def follow(group: RankGroup, runner: ModelRunner) -> None:
                 return
 
 
-def start_follower(config: WorkerConfig, layout: Layout) -> subprocess.Popen[bytes]:
-    """Starts one follower rank (``python -m worker.parallel.follower``), its settings and place
-    handed over on its standard input."""
+class RankProcess(Protocol):
+    """A follower rank's process as rank 0 watches it (the part of ``subprocess.Popen`` it uses)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+def fresh_follower(payload: bytes) -> RankProcess:
+    """A follower in a fresh interpreter (``python -m worker.parallel.follower``), ``payload`` (its
+    pickled settings and place) on its standard input."""
     process = subprocess.Popen([sys.executable, "-m", FOLLOWER_MODULE], stdin=subprocess.PIPE)
     assert process.stdin is not None
-    process.stdin.write(pickle.dumps((config, layout)))
+    process.stdin.write(payload)
     process.stdin.close()
+    return process
+
+
+# How a follower process starts; the tests' zygote forks one from an imported process instead
+# (tests/zygote.py: the same module's main, without seconds of imports).
+spawn_follower: Callable[[bytes], RankProcess] = fresh_follower
+
+
+def start_follower(config: WorkerConfig, layout: Layout) -> RankProcess:
+    """Starts one follower rank (:data:`spawn_follower`), its settings and place handed over on its
+    standard input."""
+    process = spawn_follower(pickle.dumps((config, layout)))
     log.info("tensor-parallel rank %d started (pid %d)", layout.rank, process.pid)
     return process
 
@@ -95,7 +120,7 @@ class Followers:
     """Rank 0's follower processes: watched (one that exits while serving is a :class:`RankFailure`
     for ``on_failure``) and stopped when the worker stops."""
 
-    def __init__(self, processes: dict[int, subprocess.Popen[bytes]]):
+    def __init__(self, processes: dict[int, RankProcess]):
         self._processes = processes
         self._stopping = threading.Event()
 
@@ -106,7 +131,7 @@ class Followers:
             ).start()
 
     def _wait(
-        self, rank: int, process: subprocess.Popen[bytes], on_failure: Callable[[BaseException], None] | None
+        self, rank: int, process: RankProcess, on_failure: Callable[[BaseException], None] | None
     ) -> None:
         status = process.wait()
         if self._stopping.is_set():
@@ -188,7 +213,7 @@ def serve_node(config: WorkerConfig) -> int:
     ended = threading.Event()
     statuses: list[int] = []
 
-    def wait(process: subprocess.Popen[bytes]) -> None:
+    def wait(process: RankProcess) -> None:
         statuses.append(process.wait())
         ended.set()
 

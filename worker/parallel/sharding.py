@@ -1,5 +1,5 @@
-"""A dense decoder sharded Megatron-style over the tensor-parallel ranks: attention heads and MLP
-columns split by rank, one all-reduce after attention and one after the MLP.
+"""A decoder sharded Megatron-style over the tensor-parallel ranks: attention heads (and their sinks)
+and MLP or experts' columns split by rank, one all-reduce after attention and one after the MLP.
 
 Design notes: docs/worker.md, "Tensor parallelism".
 """
@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from worker.model.loader import ModelLoadError
+from worker.parallel.experts import expert_width, experts_of, extra_parts, shard_moe
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj")
 MLP_COLUMNS = ("gate_proj", "up_proj")
@@ -69,8 +70,9 @@ def decoder_layers(model: Any) -> list[Any]:
 
 def check_shardable(model: Any, ranks: int) -> None:
     """Raises :class:`ModelLoadError` (one line naming what) unless ``model`` splits over ``ranks``:
-    a text-only dense decoder whose every layer has linear q/k/v/o and gate/up/down projections,
-    attention heads and MLP width divisible by ``ranks``, KV heads divisible by it or dividing it."""
+    a text-only decoder whose every layer has linear q/k/v/o projections and either linear
+    gate/up/down projections or an MoE block of experts and a router, attention heads and every
+    MLP's (expert's) width divisible by ``ranks``, KV heads divisible by it or dividing it."""
     config = model.config
     name = getattr(config, "model_type", type(model).__name__)
     where = f"--tensor-parallel-size {ranks}: {name}"
@@ -78,38 +80,51 @@ def check_shardable(model: Any, ranks: int) -> None:
         raise ModelLoadError(f"{where} is a vision-language model; tensor parallel serves text-only models")
     layers = decoder_layers(model)
     if not layers or len(layers) != int(getattr(config, "num_hidden_layers", -1)):
-        raise ModelLoadError(f"{where} has layers other than dense attention and MLP; not supported yet")
-    for index, layer in enumerate(layers):
-        for part, names in (
-            (layer.self_attn, (*COLUMN_PARALLEL, "o_proj")),
-            (layer.mlp, (*MLP_COLUMNS, "down_proj")),
-        ):
-            kinds = [type(getattr(part, n, None)).__name__ for n in names]
-            if any(not isinstance(getattr(part, n, None), nn.Linear) for n in names):
-                raise ModelLoadError(
-                    f"{where}: layer {index} needs float nn.Linear {'/'.join(names)} to shard, has "
-                    f"{'/'.join(kinds)} (MoE, hybrid and quantized layers are not supported yet)"
-                )
+        raise ModelLoadError(f"{where} has layers other than attention and an MLP; not supported yet")
+    widths = [_checked_width(layer, index, where) for index, layer in enumerate(layers)]
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    width = int(config.intermediate_size)
     problems = [f"{heads} attention heads"] if heads % ranks else []
     if kv_heads % ranks and ranks % kv_heads:
         problems.append(f"{kv_heads} KV heads")
-    if width % ranks:
+    width = next((width for width in widths if width % ranks), None)
+    if width is not None:
         problems.append(f"an MLP width of {width}")
     if problems:
         raise ModelLoadError(f"{where} has {' and '.join(problems)}, which do not divide by {ranks}")
 
 
+def _checked_width(layer: Any, index: int, where: str) -> int:
+    """The width layer ``index``'s MLP (or each expert) splits; raises :class:`ModelLoadError` where
+    a projection is not a float ``nn.Linear`` or an MoE block holds more than experts and a router."""
+    parts: list[tuple[Any, tuple[str, ...]]] = [(layer.self_attn, (*COLUMN_PARALLEL, "o_proj"))]
+    experts = experts_of(layer.mlp)
+    if experts is None:
+        parts.append((layer.mlp, (*MLP_COLUMNS, "down_proj")))
+    elif extra := extra_parts(layer.mlp):
+        raise ModelLoadError(f"{where}: layer {index}'s MoE block has {'/'.join(extra)}; not supported yet")
+    for part, names in parts:
+        if any(not isinstance(getattr(part, n, None), nn.Linear) for n in names):
+            kinds = [type(getattr(part, n, None)).__name__ for n in names]
+            raise ModelLoadError(
+                f"{where}: layer {index} needs float nn.Linear {'/'.join(names)} to shard, has "
+                f"{'/'.join(kinds)} (hybrid and quantized layers are not supported yet)"
+            )
+    return expert_width(experts) if experts is not None else int(layer.mlp.gate_proj.out_features)
+
+
 def shard_model(model: Any, shard: Shard) -> None:
     """Replaces every decoder layer's projections by this rank's shards (the model checked by
-    :func:`check_shardable` first); embeddings, norms and the output layer stay whole, so every
-    rank computes the full logits."""
+    :func:`check_shardable` first), an MoE block's experts by their slices
+    (:mod:`worker.parallel.experts`); embeddings, norms, routers and the output layer stay whole,
+    so every rank computes the full logits."""
     check_shardable(model, shard.ranks)
     for layer in decoder_layers(model):
         _shard_attention(layer.self_attn, shard)
         mlp = layer.mlp
+        if experts_of(mlp) is not None:
+            shard_moe(mlp, shard.rank, shard.ranks, shard.all_reduce)
+            continue
         width = mlp.gate_proj.out_features // shard.ranks
         for name in MLP_COLUMNS:
             setattr(mlp, name, _rows(getattr(mlp, name), shard.rank * width, width))
@@ -117,8 +132,8 @@ def shard_model(model: Any, shard: Shard) -> None:
 
 
 def _shard_attention(attention: Any, shard: Shard) -> None:
-    """This rank's query heads, and the KV heads they read: a slice of them, or the one they share
-    where there are fewer KV heads than ranks (replicated)."""
+    """This rank's query heads (and their sinks), and the KV heads they read: a slice of them, or
+    the one they share where there are fewer KV heads than ranks (replicated)."""
     head_dim = int(attention.head_dim)
     heads = attention.q_proj.out_features // head_dim
     kv_heads = attention.k_proj.out_features // head_dim
@@ -132,3 +147,6 @@ def _shard_attention(attention: Any, shard: Shard) -> None:
     attention.v_proj = _rows(attention.v_proj, first_kv * head_dim, local_kv * head_dim)
     attention.o_proj = RowParallel(attention.o_proj, shard)
     attention.num_key_value_groups = local // local_kv
+    sinks = getattr(attention, "sinks", None)
+    if isinstance(sinks, nn.Parameter):  # gpt-oss: one per query head
+        attention.sinks = nn.Parameter(sinks.data[shard.rank * local : (shard.rank + 1) * local].clone())

@@ -1,13 +1,15 @@
-"""Tensor parallelism's pieces without processes: the shards of tiny random llama and qwen3 models
-(ranks as threads, the all-reduce a barrier's sum) equal the whole model, sharding errors are
-refused naming them, each rank's KV share, the settings refused with it, and a follower's exit or a
-failed collective reported as a rank failure."""
+"""Tensor parallelism's pieces without processes: the shards of tiny random llama, qwen3, qwen3_moe,
+gemma3 (windows, q/k norms) and gpt-oss (sinks, biases, MoE) models (ranks as threads, the
+all-reduce a barrier's sum) equal the whole model, sharding errors are refused naming them, ranks
+join only once all are there, each rank's KV share, the settings refused with it, and a follower's
+exit or a failed collective reported as a rank failure."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import threading
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -45,12 +47,24 @@ class ThreadSum:
         return all_reduce
 
 
+def biased_model(family: str) -> Any:
+    """The family's tiny model with random biases (transformers starts them at zero, which would
+    hide a bias added on every rank instead of one)."""
+    model = tiny_model(tiny_config(family))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.2)
+    return model
+
+
 def sharded_logits(family: str, ranks: int, attention: str) -> list[torch.Tensor]:
     """Each rank's logits for :data:`PROMPT`, its shard of the family's tiny model run in a thread."""
     summing = ThreadSum(ranks)
     models = []
     for rank in range(ranks):
-        model = tiny_model(tiny_config(family))
+        model = biased_model(family)
         model.set_attn_implementation(attention)
         shard_model(model, Shard(rank, ranks, summing.of(rank)))
         models.append(model)
@@ -70,14 +84,23 @@ def sharded_logits(family: str, ranks: int, attention: str) -> list[torch.Tensor
 
 @pytest.mark.parametrize(
     ("family", "ranks", "attention"),
-    [("llama", 2, "sdpa"), ("llama", 4, "sdpa"), ("llama", 4, "eager"), ("qwen3", 2, "sdpa")],
+    [
+        ("llama", 2, "sdpa"),
+        ("llama", 4, "sdpa"),
+        ("llama", 4, "eager"),
+        ("qwen3", 2, "sdpa"),
+        ("qwen3_moe", 2, "sdpa"),
+        ("gemma3_text", 2, "sdpa"),
+        ("gpt_oss", 2, "eager"),
+        ("gpt_oss", 4, "eager"),
+    ],
 )
 def test_every_rank_of_a_sharded_model_computes_the_whole_models_logits(
     family: str, ranks: int, attention: str
 ) -> None:
     # llama over 4 ranks has 2 KV heads: each is replicated on two ranks (eager attention reads
-    # the query heads per KV head from the attention module).
-    whole_model = tiny_model(tiny_config(family))
+    # the query heads per KV head from the attention module); gpt-oss over 4 too, a sink per rank.
+    whole_model = biased_model(family)
     whole_model.set_attn_implementation(attention)
     with torch.inference_mode():
         whole = whole_model(input_ids=PROMPT).logits[0]
@@ -97,6 +120,40 @@ def test_a_shard_holds_its_heads_and_columns_only() -> None:
     assert attention.num_key_value_groups == 2
 
 
+def test_an_moe_shard_holds_every_experts_columns_and_its_heads_sinks() -> None:
+    qwen = tiny_model(tiny_config("qwen3_moe"))  # 4 experts of width 32, [gate | up] concatenated
+    whole = qwen.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
+    shard_model(qwen, Shard(1, 2, lambda tensor: None))
+    experts = qwen.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (4, 32, 64) and experts.down_proj.shape == (4, 64, 16)
+    assert torch.equal(experts.gate_up_proj[:, :16], whole[:, 16:32])  # gate columns 16..31
+    assert torch.equal(experts.gate_up_proj[:, 16:], whole[:, 48:64])  # up columns 16..31
+    oss = tiny_model(tiny_config("gpt_oss"))  # width 64, gate and up interleaved, transposed
+    sinks = oss.model.layers[0].self_attn.sinks.detach().clone()
+    shard_model(oss, Shard(1, 2, lambda tensor: None))
+    attention, experts = oss.model.layers[0].self_attn, oss.model.layers[0].mlp.experts
+    assert experts.gate_up_proj.shape == (4, 64, 64) and experts.down_proj.shape == (4, 32, 64)
+    assert not experts.down_proj_bias.any()  # rank 0 adds it
+    assert torch.equal(attention.sinks, sinks[2:]) and attention.o_proj.part.bias is None
+
+
+def test_an_moe_block_with_more_than_experts_and_a_router_or_a_layer_not_linear_is_refused() -> None:
+    model = tiny_model(tiny_config("qwen3_moe"))
+    model.model.layers[1].mlp.shared_expert = torch.nn.Linear(64, 64)
+    with pytest.raises(ModelLoadError) as refused:
+        check_shardable(model, 2)
+    assert refused.value.message == (
+        "--tensor-parallel-size 2: qwen3_moe: layer 1's MoE block has shared_expert; not supported yet"
+    )
+    model.model.layers[0].self_attn.o_proj = torch.nn.Identity()
+    with pytest.raises(ModelLoadError) as refused:
+        check_shardable(model, 2)
+    assert refused.value.message == (
+        "--tensor-parallel-size 2: qwen3_moe: layer 0 needs float nn.Linear q_proj/k_proj/v_proj/o_proj "
+        "to shard, has Linear/Linear/Linear/Identity (hybrid and quantized layers are not supported yet)"
+    )
+
+
 @pytest.mark.parametrize(
     ("family", "changes", "ranks", "message"),
     [
@@ -113,7 +170,8 @@ def test_a_shard_holds_its_heads_and_columns_only() -> None:
             16,
             "8 attention heads",
         ),
-        ("qwen3_moe", {}, 2, "MoE, hybrid and quantized layers are not supported yet"),
+        ("qwen3_moe", {"moe_intermediate_size": 30}, 4, "qwen3_moe has an MLP width of 30, which do not"),
+        ("granitemoe", {}, 2, "granitemoe has layers other than attention and an MLP; not supported yet"),
     ],
 )
 def test_sharding_errors_are_refused_in_one_line_naming_them(
@@ -153,6 +211,26 @@ def test_a_failed_all_reduce_is_a_rank_failure_which_fails_the_device(
     with pytest.raises(RankFailure, match="all-reduce failed: Connection closed by peer") as failed:
         group.all_reduce(torch.ones(2))
     assert is_fatal_device_error(failed.value)
+
+
+def test_ranks_join_the_process_group_only_once_every_rank_is_there(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The process group's own rendezvous waits a collective's timeout: a follower whose start takes
+    longer (a fresh interpreter's imports on a busy host) must not fail rank 0's load. Rank 0 runs
+    in a thread on a real store; the test plays rank 1, and the group itself is faked."""
+    initialized = threading.Event()
+    monkeypatch.setattr(group_module.dist, "init_process_group", lambda *args, **kwargs: initialized.set())
+    monkeypatch.setattr(group_module.dist, "new_group", lambda *args, **kwargs: None)
+    store = group_module.rendezvous_store("127.0.0.1", 0, 2)
+    joined = threading.Thread(target=RankGroup, args=(Layout(0, 2, 0, ""), torch.device("cpu"), store))
+    joined.start()
+    rank_one = group_module.dist.TCPStore("127.0.0.1", store.port, 2, is_master=False)
+    rank_one.wait([group_module.joined_key(0)], timedelta(seconds=30))  # rank 0 waits for rank 1
+    assert not initialized.is_set()
+    rank_one.set(group_module.joined_key(1), "1")
+    joined.join()
+    assert initialized.is_set()
 
 
 def test_rank_zero_tells_each_forward_without_its_sequences_and_the_fed_ids_on_the_host() -> None:
