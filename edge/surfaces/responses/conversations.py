@@ -29,7 +29,7 @@ from edge.surfaces.responses.conversation_models import (
 from edge.surfaces.responses.request import check_items
 from edge.surfaces.responses.stored import numbered
 from edge.surfaces.shared.ids import new_id
-from edge.surfaces.shared.paging import item_page
+from edge.surfaces.shared.paging import PAGE_QUERY, item_page
 
 blueprint = Blueprint("conversations", __name__)
 _ID = {"conversation_id": "The conversation's id (`conv_...`)."}
@@ -116,11 +116,7 @@ async def delete_conversation(conversation_id: str) -> Response:
         "A page of items.",
         _STATUSES,
         path_parameters=_ID,
-        query_parameters={
-            "limit": "Items per page, 1-100 (20).",
-            "order": "`desc` (the default: last first) or `asc`.",
-            "after": "An item id: the page starts after it.",
-        },
+        query_parameters=PAGE_QUERY,
     )
 )
 async def list_items(conversation_id: str) -> Response:

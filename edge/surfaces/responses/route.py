@@ -42,7 +42,7 @@ from edge.surfaces.responses.stored import (
 from edge.surfaces.responses.translate import ResponsesTranslator
 from edge.surfaces.responses.turns import append_turn, history_of_conversation
 from edge.surfaces.shared.ids import new_id
-from edge.surfaces.shared.paging import item_page
+from edge.surfaces.shared.paging import PAGE_QUERY, item_page
 
 blueprint = Blueprint("responses", __name__)
 STREAM = (
@@ -209,11 +209,7 @@ async def cancel_response(response_id: str) -> Response:
         "A page of items.",
         _STATUSES,
         path_parameters=_ID,
-        query_parameters={
-            "limit": "Items per page, 1-100 (20).",
-            "order": "`desc` (the default: last first) or `asc`.",
-            "after": "An item id: the page starts after it.",
-        },
+        query_parameters=PAGE_QUERY,
     )
 )
 async def list_input_items(response_id: str) -> Response:

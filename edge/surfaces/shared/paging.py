@@ -6,6 +6,13 @@ from typing import Any
 
 from edge.requests.validation import bad
 
+# The query parameters of a page (:func:`item_page`), as the OpenAPI document describes them.
+PAGE_QUERY = {
+    "limit": "Items per page, 1-100 (20).",
+    "order": "`desc` (the default: last first) or `asc`.",
+    "after": "An item id: the page starts after it.",
+}
+
 
 def item_page(
     items: list[dict[str, Any]], limit: str | None, order: str | None, after: str | None
