@@ -259,6 +259,19 @@ class LiveEdgeProcess(EdgeProcess):
             return False
 
 
+def run_to_exit(args: list[str], log_dir: Path, timeout: float) -> tuple[int, str]:
+    """Runs a service command (``python -m worker|edge ...``: forked from the zygote, as a started
+    worker is; anything else fresh) to its exit; returns the status and its whole output (stdout
+    and stderr, in order). Raises if it runs past ``timeout`` seconds (a bound for a hang)."""
+    process = _Process(args, log_dir)
+    process.launch()
+    status = process.wait_exit(timeout)
+    if status is None:
+        process.kill()
+        raise AssertionError(f"{args[:3]} did not exit in {timeout} s:\n{process.log_tail()}")
+    return status, process.log_path.read_text(errors="replace")
+
+
 def build_tiny_model(folder: Path, tokenizer_dir: Path, *, positions: int = 512) -> Path:
     """Saves a tiny random Llama (2 layers, ``positions`` positions) with the tokenizer and chat
     template of ``tokenizer_dir`` into ``folder``, loadable like any checkpoint. Greedy decoding

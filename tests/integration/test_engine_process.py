@@ -170,28 +170,28 @@ def test_a_full_queue_is_refused_and_a_drain_stops_the_engine_process(
         assert not alive(pid)
 
 
-def test_metrics_answer_while_the_engine_process_does_not(model_cache: Path, tmp_path: Path) -> None:
+def test_metrics_answer_while_the_engine_process_does_not(default_worker: WorkerProcess) -> None:
     """A scrape reads the stats the engine process last published and never asks it: frozen
-    (SIGSTOP), it still gets an answer at once (the stats sent when it became ready), and health
-    answers too. A scrape after a stream's end counts that stream (its end carried them)."""
-    worker = WorkerProcess(
-        cache_dir=model_cache, log_dir=tmp_path, extra=["--engine-process", "--fake-tokens"]
-    )
-    with worker, grpc.insecure_channel(worker.address) as channel:
-        pid = engine_pid(worker)
-        os.kill(pid, signal.SIGSTOP)
-        try:
-            frozen = worker.metrics()
+    (SIGSTOP), it still gets an answer at once (the stats it last sent), and health answers too. A
+    scrape after a stream's end counts that stream (its end carried them). On the module's worker,
+    idle between tests: counted from a scrape before the freeze."""
+    before = default_worker.metrics()
+    assert before["sluice_worker_running_sequences"] == 0
+    pid = engine_pid(default_worker)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        frozen = default_worker.metrics()
+        with grpc.insecure_channel(default_worker.address) as channel:
             health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
-        finally:
-            os.kill(pid, signal.SIGCONT)
-        assert (
-            frozen["sluice_worker_requests_finished_total"] == 0
-            and frozen["sluice_worker_kv_cache_blocks"] > 0
-        )
-        assert health.status == health_pb2.HealthCheckResponse.SERVING
-        events = list(pb_grpc.WorkerStub(channel).Generate(chat("hi", max_tokens=5)))
-        assert events[-2].finished.completion_tokens == 5
-        after = worker.metrics()
-        assert after["sluice_worker_requests_finished_total"] == 1
-        assert after["sluice_worker_generated_tokens_total"] == 5
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    finished = "sluice_worker_requests_finished_total"
+    assert frozen[finished] == before[finished] and frozen["sluice_worker_kv_cache_blocks"] > 0
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with grpc.insecure_channel(default_worker.address) as channel:
+        events = list(pb_grpc.WorkerStub(channel).Generate(chat("hi", max_tokens=5, ignore_eos=True)))
+    assert events[-2].finished.completion_tokens == 5
+    after = default_worker.metrics()
+    assert after[finished] == before[finished] + 1
+    generated = "sluice_worker_generated_tokens_total"
+    assert after[generated] == before[generated] + 5

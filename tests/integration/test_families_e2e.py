@@ -7,6 +7,7 @@ and not) and the conversation goes on with the tool's result."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from collections.abc import Iterator
@@ -64,6 +65,9 @@ WEATHER = {
 }
 QUESTION = [{"role": "user", "content": "What is the weather in Paris? Answer briefly."}]
 GREEDY_TOKENS = 24
+# Room for a forced call's first call: after it a random model goes on with more calls until the
+# limit (Gemma 4 and Mistral do), each token masked by the grammar over a 131k-262k vocabulary.
+CALL_TOKENS = 48
 # family -> (tool-call parser, reasoning parser) that /v1/models shows
 FORMATS = {
     "qwen3": ("hermes", "qwen3"),
@@ -87,21 +91,29 @@ class Served:
     model: str
 
 
-def build(folder: Path, family: str) -> tuple[Any, Any]:
-    """Saves the family's tiny model with its real tokenizer and template; returns the tokenizer and
-    transformers' eager float32 reference of the same weights."""
+@functools.cache
+def loaded_tokenizer(fixture: str) -> tuple[Any, str | None]:
+    """A tokenizer fixture loaded once per module and its own chat template: families sharing a
+    tokenizer (Qwen3's, Llama 3.1's, Gemma 3's) each set their template on it in turn (a module
+    fixture serves one family at a time), instead of reading the large vocabulary again."""
     from transformers import AutoTokenizer
 
     from worker.model.mistral_tokenizer import with_mistral_common
 
-    key, fixture, template = FAMILIES[family]
     if fixture.startswith("tekken"):
         tekken = build_tekken(DEFAULT_DIR, fixture.split()[1])
         tokenizer = with_mistral_common(AutoTokenizer.from_pretrained(tekken), tekken)
     else:
         tokenizer = AutoTokenizer.from_pretrained(fetch_tokenizer(fixture, DEFAULT_DIR))
-    if template:
-        tokenizer.chat_template = (TEMPLATES / f"{template}.jinja").read_text()
+    return tokenizer, tokenizer.chat_template
+
+
+def build(folder: Path, family: str) -> tuple[Any, Any]:
+    """Saves the family's tiny model with its real tokenizer and template; returns the tokenizer and
+    transformers' eager float32 reference of the same weights."""
+    key, fixture, template = FAMILIES[family]
+    tokenizer, own_template = loaded_tokenizer(fixture)
+    tokenizer.chat_template = (TEMPLATES / f"{template}.jinja").read_text() if template else own_template
     ids = {
         "bos_token_id": tokenizer.bos_token_id,
         "eos_token_id": tokenizer.eos_token_id,
@@ -116,7 +128,7 @@ def build(folder: Path, family: str) -> tuple[Any, Any]:
     model.config.architectures = [type(model).__name__]
     model.save_pretrained(folder)
     if fixture.startswith("tekken"):
-        shutil.copy(tekken / "tekken.json", folder / "tekken.json")
+        shutil.copy(build_tekken(DEFAULT_DIR, fixture.split()[1]) / "tekken.json", folder / "tekken.json")
     else:
         tokenizer.save_pretrained(folder)
     return tokenizer, eager_reference(model)
@@ -199,7 +211,7 @@ def forced_call(served: Served, stream: bool) -> tuple[str, str, str]:
     """(id, name, arguments) of the first call of a ``tool_choice: "required"`` answer."""
     client = openai.OpenAI(base_url=f"{served.edge.base_url}/v1", api_key="unused", timeout=120)
     kwargs: dict[str, Any] = {"model": served.model, "messages": QUESTION, "tools": [WEATHER]}
-    kwargs |= {"tool_choice": "required", "max_tokens": 96, "temperature": 0}
+    kwargs |= {"tool_choice": "required", "max_tokens": CALL_TOKENS, "temperature": 0}
     if not stream:
         message = client.chat.completions.create(**kwargs).choices[0].message
         assert message.tool_calls, message

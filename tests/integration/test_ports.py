@@ -1,6 +1,7 @@
 """Ports on one host: workers side by side, and a taken port as one line and exit status 2.
 
-Real worker, edge and ``sluice serve`` processes on 127.0.0.1. A taken port is held
+Real worker, edge and ``sluice serve`` processes on 127.0.0.1 (workers and edges run to their exit
+forked from the test zygote, as started ones are: tests/zygote.py). A taken port is held
 by a plain listening socket in the test (or by the first worker). "Before the model
 loads" is checked from the log: the process never logged that it started loading.
 """
@@ -8,7 +9,6 @@ loads" is checked from the log: the process never logged that it started loading
 from __future__ import annotations
 
 import socket
-import subprocess
 import sys
 import urllib.request
 from collections.abc import Iterator
@@ -19,7 +19,7 @@ import pytest
 
 from sluice.cli import edge_command, worker_command
 from sluice.ports import METRICS_PORT_OFFSET
-from tests.processes import REPO_ROOT, EdgeProcess, WorkerProcess, free_port, free_port_pair
+from tests.processes import EdgeProcess, WorkerProcess, free_port, free_port_pair, run_to_exit
 
 pytestmark = pytest.mark.integration
 
@@ -33,14 +33,6 @@ def held_port() -> Iterator[tuple[socket.socket, int]]:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         yield sock, int(sock.getsockname()[1])
-
-
-def run_to_exit(args: list[str]) -> tuple[int, str]:
-    """Runs a service command to its exit; returns the status and its whole output."""
-    done = subprocess.run(
-        args, cwd=REPO_ROOT, capture_output=True, text=True, timeout=EXIT_TIMEOUT_S, check=False
-    )
-    return done.returncode, done.stdout + done.stderr
 
 
 def assert_one_line_naming(output: str, expected: str) -> None:
@@ -94,31 +86,43 @@ def test_two_workers_differing_only_in_port_both_serve_with_metrics(
         assert sum(w.metrics()["sluice_worker_requests_finished_total"] for w in workers) == 4
 
 
-def test_a_taken_grpc_port_is_one_line_and_status_2(held_port, tiny_model_dir: Path, model_cache: Path):
+def test_a_taken_grpc_port_is_one_line_and_status_2(
+    held_port, tiny_model_dir: Path, model_cache: Path, tmp_path: Path
+):
     _, port = held_port
     code, output = run_to_exit(
-        worker_command(port, free_port(), "--model", str(tiny_model_dir), "--cache-dir", str(model_cache))
+        worker_command(port, free_port(), "--model", str(tiny_model_dir), "--cache-dir", str(model_cache)),
+        tmp_path,
+        EXIT_TIMEOUT_S,
     )
     assert code == 2, output
     assert_one_line_naming(output, f"--port {port} is in use")
 
 
-def test_a_taken_metrics_port_is_one_line_and_status_2(held_port, tiny_model_dir: Path, model_cache: Path):
+def test_a_taken_metrics_port_is_one_line_and_status_2(
+    held_port, tiny_model_dir: Path, model_cache: Path, tmp_path: Path
+):
     _, port = held_port
     code, output = run_to_exit(
-        worker_command(free_port(), port, "--model", str(tiny_model_dir), "--cache-dir", str(model_cache))
+        worker_command(free_port(), port, "--model", str(tiny_model_dir), "--cache-dir", str(model_cache)),
+        tmp_path,
+        EXIT_TIMEOUT_S,
     )
     assert code == 2, output
     assert_one_line_naming(output, f"--metrics-port {port} is in use")
 
 
-def test_a_taken_default_metrics_port_says_where_it_came_from(tiny_model_dir: Path, model_cache: Path):
+def test_a_taken_default_metrics_port_says_where_it_came_from(
+    tiny_model_dir: Path, model_cache: Path, tmp_path: Path
+):
     grpc_port = free_port_pair(METRICS_PORT_OFFSET)
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", grpc_port + METRICS_PORT_OFFSET))
         holder.listen()
         code, output = run_to_exit(
-            worker_command(grpc_port, None, "--model", str(tiny_model_dir), "--cache-dir", str(model_cache))
+            worker_command(grpc_port, None, "--model", str(tiny_model_dir), "--cache-dir", str(model_cache)),
+            tmp_path,
+            EXIT_TIMEOUT_S,
         )
     assert code == 2, output
     assert_one_line_naming(output, f"--metrics-port {grpc_port + METRICS_PORT_OFFSET} is in use")
@@ -131,24 +135,26 @@ def test_a_second_worker_on_the_same_ports_exits_2_and_the_first_keeps_serving(
     with WorkerProcess(
         cache_dir=model_cache, log_dir=tmp_path, model=str(tiny_model_dir), default_metrics_port=True
     ) as first:
-        code, output = run_to_exit(first.args)
+        code, output = run_to_exit(first.args, tmp_path, EXIT_TIMEOUT_S)
         assert code == 2, output
         assert_one_line_naming(output, "is in use")
         assert first.ready()
         assert "sluice_worker_steps_total" in first.metrics()
 
 
-def test_a_taken_edge_port_is_one_line_and_status_2(held_port) -> None:
+def test_a_taken_edge_port_is_one_line_and_status_2(held_port, tmp_path: Path) -> None:
     _, port = held_port
-    code, output = run_to_exit(edge_command(["127.0.0.1:1"], port))
+    code, output = run_to_exit(edge_command(["127.0.0.1:1"], port), tmp_path, EXIT_TIMEOUT_S)
     assert code == 2, output
     assert_one_line_naming(output, f"--port {port} is in use")
 
 
-def test_sluice_serve_with_a_taken_port_is_one_line_and_status_2(held_port) -> None:
+def test_sluice_serve_with_a_taken_port_is_one_line_and_status_2(held_port, tmp_path: Path) -> None:
     _, port = held_port
     code, output = run_to_exit(
-        [sys.executable, "-m", "sluice", "serve", "--port", str(free_port()), "--worker-port", str(port)]
+        [sys.executable, "-m", "sluice", "serve", "--port", str(free_port()), "--worker-port", str(port)],
+        tmp_path,
+        EXIT_TIMEOUT_S,
     )
     assert code == 2, output
     assert_one_line_naming(output, f"--worker-port {port} is in use")
@@ -159,7 +165,9 @@ def test_a_model_that_fails_to_load_exits_1_and_frees_its_ports(tmp_path: Path) 
     broken = tmp_path / "not-a-model"
     broken.mkdir()
     grpc_port, metrics_port = free_port(), free_port()
-    code, output = run_to_exit(worker_command(grpc_port, metrics_port, "--model", str(broken)))
+    code, output = run_to_exit(
+        worker_command(grpc_port, metrics_port, "--model", str(broken)), tmp_path, EXIT_TIMEOUT_S
+    )
     assert code == 1, output
     assert "Traceback" not in output, output
     assert f"metrics on :{metrics_port}" in output

@@ -1,13 +1,11 @@
 """A worker restarted on the same address after an outage is taken back within the bound (issue 17).
 
-A real worker and a real edge with its default health settings. The worker is
-SIGKILLed, stays down for :data:`ABSENCE_S` and is restarted on the same port.
-With gRPC's default reconnect backoff (1 s growing by 1.6x, up to 120 s) the
-edge's channel would by then wait 10 to 17 s between connection attempts, on
-top of the pool's own re-check interval; the pool's fresh channel per re-check
-(edge/workers/pool.py) takes the worker back at the first re-check after it
-answers. The retired bench/bench_reconnect.py measured 60 s and 180 s outages (figures in
-docs/operations.md; docs/benchmarks.md "Retired scripts").
+A real worker (``--fake-tokens``) and a real edge with its default health settings. The worker is
+SIGKILLed, stays down until the edge's channel waits out its longest reconnect backoff
+(``CHANNEL_OPTIONS`` in sluice/client.py: 0.5 s growing by 1.6x up to 5 s, about 15.5 s of outage)
+and is restarted on the same port; the pool's fresh channel per re-check (edge/workers/pool.py)
+takes it back at the first re-check after it answers. The retired bench/bench_reconnect.py
+measured 60 s and 180 s outages (figures in docs/operations.md; docs/benchmarks.md "Retired scripts").
 """
 
 from __future__ import annotations
@@ -18,12 +16,30 @@ from pathlib import Path
 import httpx
 import pytest
 
+from sluice.client import CHANNEL_OPTIONS
 from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-# Long enough for gRPC's default backoff to pass the bar, short enough for CI.
-ABSENCE_S = 25.0
+
+def outage_to_the_longest_backoff_s() -> float:
+    """Seconds down after which the edge's channel waits its longest reconnect backoff: gRPC's
+    waits grow from ``grpc.initial_reconnect_backoff_ms`` by 1.6x (each up to 20 % longer) to
+    ``grpc.max_reconnect_backoff_ms``, and one whole wait at that cap is taken too."""
+    options = dict(CHANNEL_OPTIONS)
+    wait, cap = (
+        options["grpc.initial_reconnect_backoff_ms"] / 1000,
+        options["grpc.max_reconnect_backoff_ms"] / 1000,
+    )
+    total = 0.0
+    while wait < cap:
+        total, wait = total + wait * 1.2, wait * 1.6
+    return total + cap * 1.2
+
+
+# Long enough for the channel's backoff to reach its cap (the pool's re-check backoff reaches its
+# own, the health interval, sooner): about 15.5 s with the channel options of sluice/client.py.
+ABSENCE_S = outage_to_the_longest_backoff_s()
 # Issue 17's bar: a restarted worker serves again within this long after its health check
 # answers. The edge's own bound is its health interval (5 s) plus 20 % jitter and a connect.
 BAR_S = 15.0
@@ -44,7 +60,7 @@ def test_a_worker_back_after_a_long_outage_serves_within_the_bar(
         cache_dir=model_cache,
         log_dir=tmp_path,
         model=str(tiny_model_dir),
-        extra=["--served-model-name", "tiny"],
+        extra=["--fake-tokens", "--served-model-name", "tiny"],  # the answers do not matter
     )
     with worker, EdgeProcess([worker.address], log_dir=tmp_path) as edge:
         with httpx.Client(base_url=edge.base_url, timeout=30) as client:

@@ -1,4 +1,5 @@
-"""Scale-out with two real workers (the default model) behind a real edge with prefix-affinity routing.
+"""Scale-out with two real workers behind a real edge with prefix-affinity routing. The workers run
+no model (``--fake-tokens``): the routing, the prefix cache and the metrics do not depend on it.
 
 - Multi-turn conversations stay on the worker that served their first turn,
   and the worker's own ``cached_tokens`` shows the later turns served mostly
@@ -27,7 +28,7 @@ from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-WORKER_FLAGS = ["--metrics-names", "both"]
+WORKER_FLAGS = ["--fake-tokens", "--metrics-names", "both"]
 PICKER_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 
 

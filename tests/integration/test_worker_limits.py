@@ -20,8 +20,10 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def small_worker(model_cache, tmp_path_factory):
-    """One sequence at a time, two waiting at most, 2000 tokens of cache."""
-    extra = ["--max-running", "1", "--max-queue", "2", "--max-batch-tokens", "2000"]
+    """One sequence at a time, two waiting at most, 2000 tokens of cache; no model (``--fake-tokens``
+    with 20 ms steps, so calls overlap): the limits are the scheduler's, whatever the model."""
+    fake = ["--fake-tokens", "--fake-step-ms", "20"]
+    extra = [*fake, "--max-running", "1", "--max-queue", "2", "--max-batch-tokens", "2000"]
     log_dir = tmp_path_factory.mktemp("small")
     with WorkerProcess(cache_dir=model_cache, log_dir=log_dir, extra=extra) as worker:
         yield worker
