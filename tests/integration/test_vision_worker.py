@@ -8,7 +8,7 @@ image as cached prompt tokens, and a loopback image URL is a 400."""
 from __future__ import annotations
 
 import io
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,6 @@ from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.images import data_url
 from tests.processes import EdgeProcess, WorkerProcess
-from tests.tiny_vlms import build_tiny_vlm
 from worker.model.loader import load_processor
 
 pytestmark = pytest.mark.integration
@@ -57,11 +56,13 @@ class Served:
 
 
 @pytest.fixture(scope="module", params=["llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl"])
-def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+def served(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, tiny_vlm: Callable[[str], Path]
+) -> Iterator[Served]:
     from transformers import AutoModelForImageTextToText
 
     arch = request.param
-    folder = build_tiny_vlm(arch, tmp_path_factory.mktemp(f"vlm-{arch}") / arch)
+    folder = tiny_vlm(arch)
     processor = load_processor(str(folder))
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     logs = tmp_path_factory.mktemp(f"vlm-{arch}-log")
@@ -228,14 +229,16 @@ def test_a_text_only_model_refuses_image_parts(default_worker: WorkerProcess) ->
     assert details.code == grpc.StatusCode.INVALID_ARGUMENT and details.param == "messages[0].parts"
 
 
-def test_a_multimodal_qwen3_5_serves_images_over_its_state_cache(tmp_path: Path) -> None:
+def test_a_multimodal_qwen3_5_serves_images_over_its_state_cache(
+    tmp_path: Path, tiny_vlm: Callable[[str], Path]
+) -> None:
     """The Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration: a vision tower beside
     the hybrid language model, Qwen3-VL's processor, its own template): ListModels advertises images;
     an image decodes greedily like transformers' ``generate`` with its logprobs; the same image again
     resumes from a state checkpoint past the image and decodes the same tokens."""
     from transformers import AutoModelForImageTextToText
 
-    folder = build_tiny_vlm("qwen3_5", tmp_path / "qwen3_5")
+    folder = tiny_vlm("qwen3_5")
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     image = noise(12)
     with (
