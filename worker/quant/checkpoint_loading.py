@@ -5,6 +5,7 @@ Design notes: docs/worker.md ("Pre-quantized checkpoints")."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -163,13 +164,29 @@ def _build_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: st
     return layer
 
 
+def _check_places(model: torch.nn.Module, paths: set[str], fmt: CheckpointFormat) -> None:
+    """Refuses, naming it, a quantized layer of the checkpoint that is no linear layer of the model:
+    an MoE block's per-expert layers (``experts.0.gate_proj``: the model fuses its experts into 3-D
+    parameters, which these layers do not replace) or a name the model does not have."""
+    linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    for path in sorted(paths - linears):
+        if re.search(r"\.experts\.\d+\.", path):
+            raise UnsupportedCheckpoint(
+                f"{fmt.name}: per-expert quantized weights of an MoE block ({path}) are not served "
+                "(the model holds its experts as fused 3-D parameters)"
+            )
+        raise UnsupportedCheckpoint(f"{fmt.name}: {path} is no linear layer of the model")
+
+
 def _place_layers(
     model: torch.nn.Module, tensors: dict[str, torch.Tensor], fmt: CheckpointFormat, device: torch.device
 ) -> int:
     """Pops each quantized linear layer's tensors (and bias) from ``tensors`` and puts the layer in
     ``model``; returns how many."""
+    owners = _quantized_parts(set(tensors), fmt)
+    _check_places(model, set(owners.values()), fmt)
     layers: dict[str, dict[str, torch.Tensor]] = {}
-    for key, path in _quantized_parts(set(tensors), fmt).items():
+    for key, path in owners.items():
         layers.setdefault(path, {})[key.rpartition(".")[2]] = tensors.pop(key).to(device)
     for path, parts in layers.items():
         bias = tensors.pop(f"{path}.bias", None)

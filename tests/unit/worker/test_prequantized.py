@@ -415,3 +415,40 @@ def test_mxfp4_tensors_outside_the_experts_or_misshapen_are_refused_by_name() ->
         load_mxfp4_experts(model, halved, config, torch.device("cpu"))
     assert load_mxfp4_experts(model, dict(parts), config, torch.device("cpu")) == 1
     assert isinstance(model.get_submodule(path), Mxfp4Experts)
+
+
+def _block_fp8_moe(tmp_path: Path, layer: str) -> Path:
+    """A tiny Qwen3-MoE folder in block FP8 holding one quantized layer at ``layer``, as the
+    Qwen3-30B-A3B-FP8 release names each expert's layers (``experts.0.gate_proj``)."""
+    from safetensors.torch import save_file
+
+    from tests.tiny_families import tiny_config
+
+    config = tiny_config("qwen3_moe").to_dict()
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "quantization_config": {**FP8_BLOCKS, "weight_block_size": [32, 32]}})
+    )
+    weight = torch.zeros(32, 64).to(torch.float8_e4m3fn)
+    tensors = {f"{layer}.weight": weight, f"{layer}.weight_scale_inv": torch.ones(1, 2)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("layer", "named"),
+    [
+        (
+            "model.layers.0.mlp.experts.0.gate_proj",
+            r"per-expert quantized weights of an MoE block \(model\.layers\.0\.mlp\.experts\.0\.gate_proj\)",
+        ),
+        ("model.layers.0.mlp.dense.up_proj", r"model\.layers\.0\.mlp\.dense\.up_proj is no linear layer"),
+    ],
+)
+def test_a_quantized_layer_the_model_does_not_have_is_refused_by_name(
+    tmp_path: Path, layer: str, named: str
+) -> None:
+    with pytest.raises(
+        ModelLoadError, match=r"fp8 block-wise 32x32 \(quant_method fp8\): " + named
+    ) as refused:
+        load_model(str(_block_fp8_moe(tmp_path, layer)), device="cpu", quantization="auto")
+    assert "\n" not in str(refused.value) and refused.value.param == "quantization"
