@@ -1,8 +1,8 @@
 """Pre-quantized checkpoints of one tiny random Llama made by the real tools, each with transformers'
 forward of it (which dequantizes) as the reference: ``make fixtures`` runs it with compressed-tensors
-(installed ``--no-deps`` into its own folder) on ``PYTHONPATH``; GPTQ and AWQ where gptqmodel
-imports; block FP8 by a small writer (no packer runs offline on the CPU). Idempotent; each
-checkpoint's folder holds ``reference.json``. Notes: docs/testing.md."""
+(installed ``--no-deps`` into its own folder) on ``PYTHONPATH``; GPTQ and AWQ where gptqmodel imports;
+block FP8 and a tiny gpt-oss's MXFP4 experts by small writers (no packer runs offline on the CPU).
+Idempotent; each checkpoint's folder holds ``reference.json``. Notes: docs/testing.md."""
 
 from __future__ import annotations
 
@@ -125,8 +125,13 @@ def gptq(source: Path, target: Path, *, desc_act: bool = False, awq: bool = Fals
 def _dequantizing(folder: Path) -> dict[str, Any]:
     """transformers' options for a checkpoint it cannot run compressed: 5.24 sizes an asymmetric
     pack-quantized layer's zero points unpacked and refuses the packed ones, so that checkpoint is
-    decompressed on load by compressed-tensors' own decompressor (``dequantize=True``)."""
+    decompressed on load by compressed-tensors' own decompressor (``dequantize=True``); MXFP4 is
+    dequantized on load by transformers' own ``Mxfp4Config(dequantize=True)``."""
     quantization = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    if quantization.get("quant_method") == "mxfp4":  # its CPU path wants the kernels package
+        from transformers import Mxfp4Config
+
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
     groups = quantization.get("config_groups") or {}
     if not any(group.get("weights", {}).get("symmetric") is False for group in groups.values()):
         return {}
@@ -166,6 +171,69 @@ def fp8_blocks(source: Path, target: Path) -> None:
         "weight_block_size": FP8_BLOCK,
         "modules_to_not_convert": ["lm_head"],
     }
+    (target / "config.json").write_text(json.dumps(config, indent=2))
+
+
+E2M1_MAGNITUDES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # codes 0..7; bit 3 is the sign
+
+
+def mxfp4_pack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight`` [..., n] in MXFP4 as the OCP Microscaling spec (v1.0) defines it and gpt-oss stores it:
+    per 32 values an e8m0 scale byte ``s`` (``2 ** (s - 127)``, the block's ``floor(log2(max|x|)) - 2``,
+    e2m1's largest exponent being 2) and each value divided by it, rounded to the nearest e2m1 value
+    (ties to the smaller magnitude; beyond 6 clamped to 6), as a 4-bit code, two a byte, the even
+    element in the low nibble: blocks uint8 [..., n / 32, 16], scales uint8 [..., n / 32]."""
+    blocks = weight.float().reshape(*weight.shape[:-1], -1, 32)
+    largest = blocks.abs().amax(-1).clamp(min=2.0**-127)
+    exponent = (torch.floor(torch.log2(largest)) - 2).clamp(-127, 127)
+    scaled = blocks / torch.exp2(exponent)[..., None]
+    codes = (scaled.abs()[..., None] - E2M1_MAGNITUDES).abs().argmin(-1) | ((scaled < 0).long() << 3)
+    pairs = codes.reshape(*codes.shape[:-1], 16, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8), (exponent + 127).to(torch.uint8)
+
+
+def tiny_gpt_oss() -> Any:
+    """tests/tiny_families.py's gpt-oss (4 experts, 2 chosen, sinks, alternating windows), with the
+    vocabulary and special ids of :func:`tiny_float`'s tokenizer, its output layer untied and weights
+    of standard deviation 0.05 (the first near-tie of its greedy tokens comes at step 21)."""
+    from tests.tiny_families import tiny_config, tiny_model
+
+    ids = {"bos_token_id": 1, "eos_token_id": 0, "pad_token_id": 0}
+    config = tiny_config(
+        "gpt_oss", vocab_size=VOCAB, tie_word_embeddings=False, initializer_range=0.05, **ids
+    )
+    config.architectures = ["GptOssForCausalLM"]
+    return tiny_model(config)
+
+
+# gpt-oss's own quantization_config: everything but the experts stays bfloat16.
+MXFP4_CONFIG = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+
+
+@torch.no_grad()
+def mxfp4(source: Path, target: Path) -> None:
+    """A tiny random gpt-oss written as gpt-oss's releases are (``quant_method: mxfp4``): each experts
+    module's ``gate_up_proj`` and ``down_proj`` ([E, in, out] in the model) as ``*_blocks`` and
+    ``*_scales`` of the [E, out, in] weight (:func:`mxfp4_pack`); the rest in bfloat16. ``source``
+    (the Llama) only lends its tokenizer (copied by :func:`make`)."""
+    from safetensors.torch import load_file, save_file
+
+    tiny_gpt_oss().to(torch.bfloat16).save_pretrained(target)
+    tensors = load_file(str(target / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4_pack(tensors.pop(name).float().transpose(1, 2))
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks.contiguous(), scales.contiguous()
+    save_file(tensors, str(target / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((target / "config.json").read_text())
+    config["quantization_config"] = MXFP4_CONFIG
     (target / "config.json").write_text(json.dumps(config, indent=2))
 
 
@@ -225,6 +293,7 @@ def main() -> None:
         ("awq", lambda s, t: gptq(s, t, awq=True)),
         ("gptq_act_order", lambda s, t: gptq(s, t, desc_act=True)),
         ("fp8_block", fp8_blocks),
+        ("mxfp4", mxfp4),
     ]:
         print(name, make(name, build, source, root))
 

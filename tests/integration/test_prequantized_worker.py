@@ -2,8 +2,9 @@
 tools/quant_fixtures.py) served by a real worker in their own form, against transformers' forward
 of the same checkpoint (which dequantizes): 24 greedy tokens equal except after a logit near-tie,
 prompt logprobs within 2e-2, the quantized layers' bytes against float16, options refused by name.
-The formats added later (asymmetric W4A16, AWQ, GPTQ act-order, block FP8) are checked in process on the
-worker's own loader: their layers are new, the serving path after load is the same."""
+The formats added later (asymmetric W4A16, AWQ, GPTQ act-order, block FP8, a tiny gpt-oss's MXFP4
+experts) are checked in process on the worker's own loader: their layers are new, the serving path
+after load is the same."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ IN_PROCESS = {
     "awq": 0.35,
     "gptq_act_order": 0.35,
     "fp8_block": 0.6,
+    "mxfp4": 0.35,  # 4.25 bits a weight (0.27x) and the experts' float32 biases
 }  # no worker each: see above
 NEAR_TIE = 2e-3  # logits closer than this (twice the forwards' differences seen) may order either way
 
@@ -98,7 +100,10 @@ def test_the_bar_in_process(name: str) -> None:
     folder = fixture(name)
     model = load_model(str(folder), device="cpu", quantization="auto").model.eval()
     held, float16 = quantized_bytes(model)
+    print(f"{name}: the quantized layers hold {held} bytes, {held / float16:.3f}x float16")
     assert 0 < held <= IN_PROCESS[name] * float16
+    # No float expert weights were built (MXFP4 experts stay packed; the other fixtures have none).
+    assert not [n for n, _ in model.named_parameters() if ".experts." in n]
     expected = json.loads((folder / "reference.json").read_text())
     check_against_reference(
         name, folder, *greedy_in_process(model, expected["prompt"], len(expected["tokens"]))
@@ -123,6 +128,7 @@ def test_the_loaded_weights_stay_quantized(name: str) -> None:
         ("gptq", {"bits": 8}, "GPTQ bits 8"),
         ("awq", {"version": "gemv"}, "AWQ version 'gemv'"),
         ("fp8_block", {"activation_scheme": "static"}, "activation_scheme 'static'"),
+        ("mxfp4", {"group_size": 64}, "mxfp4 option 'group_size'"),
     ],
 )
 def test_a_real_checkpoint_with_an_unsupported_option_is_refused(
@@ -133,7 +139,7 @@ def test_a_real_checkpoint_with_an_unsupported_option_is_refused(
     quantization = config["quantization_config"]
     target = (
         quantization
-        if name in ("gptq", "awq", "fp8_block")
+        if name in ("gptq", "awq", "fp8_block", "mxfp4")
         else quantization["config_groups"]["group_0"]["weights"]
     )
     target.update(change)

@@ -14,8 +14,9 @@ from transformers import AutoConfig
 from worker.errors import WorkerError
 from worker.quant.checkpoint_formats import CheckpointFormat, UnsupportedCheckpoint, read_format
 from worker.quant.checkpoint_loading import load_checkpoint_quantized
-from worker.quant.layers import Fp8Linear, Int4Linear, Int8Linear, weight_bytes
+from worker.quant.layers import CHOICES, Fp8Linear, Int4Linear, Int8Linear, weight_bytes
 from worker.quant.loading import DirectLoadUnsupported
+from worker.quant.mxfp4 import Mxfp4Experts, float16_bytes
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +39,10 @@ def checkpoint_format(folder: Path | None, quantization: str, task: str) -> Chec
     if task != "generate":
         raise PrequantizedLoadError(f"--task {task} serves float checkpoints only; {folder} is {fmt.name}")
     if quantization not in ("auto", fmt.scheme):
+        own = f" (or {fmt.scheme})" if fmt.scheme in CHOICES else ""
         raise PrequantizedLoadError(
             f"--quantization {quantization}: {folder} is a {fmt.name} checkpoint, served in its own "
-            f"form with --quantization auto (or {fmt.scheme})"
+            f"form with --quantization auto{own}"
         )
     log.info("--quantization %s: the checkpoint's own format, %s", quantization, fmt.name)
     if fmt.warning:
@@ -50,6 +52,10 @@ def checkpoint_format(folder: Path | None, quantization: str, task: str) -> Chec
 
 def kernel_name(fmt: CheckpointFormat, device: torch.device) -> str:
     """The product each quantized layer runs, as logged."""
+    if fmt.scheme == "mxfp4":
+        return (
+            "mxfp4 experts: each routed expert's blocks dequantized per product (lossless, no fused kernel)"
+        )
     if fmt.scheme == "fp8" and fmt.fp8_activations:
         return "fp8 weights upcast per product, inputs rounded to fp8 per token (simulated, no scaled-mm)"
     if fmt.scheme == "fp8" and fmt.block != (0, 0):
@@ -62,12 +68,16 @@ def kernel_name(fmt: CheckpointFormat, device: torch.device) -> str:
 
 
 def quantized_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """Bytes the quantized layers hold and what their weights take in float16."""
+    """Bytes the quantized layers (and MXFP4 experts) hold, their biases included, and what their
+    weights take in float16."""
     held = float16 = 0
     for module in model.modules():
         if isinstance(module, (Int4Linear, Int8Linear, Fp8Linear)):
             held += sum(t.untyped_storage().nbytes() for t in module.buffers())
             float16 += 2 * module.in_features * module.out_features
+        elif isinstance(module, Mxfp4Experts):
+            held += sum(t.untyped_storage().nbytes() for t in module.buffers())
+            float16 += float16_bytes(module)
     return held, float16
 
 

@@ -1,6 +1,6 @@
 """A pre-quantized checkpoint's format, read from its config.json's ``quantization_config``:
-compressed-tensors (``float-quantized`` FP8, ``pack-quantized`` int4/int8), GPTQ, AWQ and block-wise
-FP8; each option this worker cannot serve in its own form is refused in one line that names it.
+compressed-tensors (``float-quantized`` FP8, ``pack-quantized`` int4/int8), GPTQ, AWQ, block-wise FP8
+and gpt-oss's MXFP4 experts; each option not served in its own form is refused in one line naming it.
 Design notes: docs/worker.md ("Pre-quantized checkpoints")."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class CheckpointFormat:
     """What a quantized checkpoint holds: ``scheme`` (the worker's layer: ``fp8``, ``int4`` or
     ``int8``), ``name`` (the format as logged), ``group`` (int4's input columns per scale)."""
 
-    method: str  # compressed-tensors, gptq, awq or fp8 (block-wise)
+    method: str  # compressed-tensors, gptq, awq, fp8 (block-wise) or mxfp4
     name: str
     scheme: str
     group: int = 0
@@ -40,7 +40,8 @@ def read_format(folder: Path) -> CheckpointFormat | None:
     config_file = folder / "config.json"
     if not config_file.is_file():
         return None
-    quantization = json.loads(config_file.read_text()).get("quantization_config")
+    config = json.loads(config_file.read_text())
+    quantization = config.get("quantization_config")
     if quantization is None:
         return None
     method = quantization.get("quant_method")
@@ -52,9 +53,11 @@ def read_format(folder: Path) -> CheckpointFormat | None:
         return _awq(quantization)
     if method == "fp8":
         return _fp8_blocks(quantization)
+    if method == "mxfp4":
+        return _mxfp4(quantization, config.get("model_type"))
     raise UnsupportedCheckpoint(
         f"quantization_config.quant_method {method!r} is not served "
-        "(compressed-tensors, gptq, awq and fp8 are)"
+        "(compressed-tensors, gptq, awq, fp8 and mxfp4 are)"
     )
 
 
@@ -173,3 +176,26 @@ def _fp8_blocks(quantization: dict[str, Any]) -> CheckpointFormat:
     )
     name = f"fp8 block-wise {rows}x{columns} (quant_method fp8)"
     return CheckpointFormat("fp8", name, "fp8", block=(rows, columns), warning=warning)
+
+
+# transformers' Mxfp4Config: what it saves, and its load option ``dequantize``.
+_MXFP4_OPTIONS = ("quant_method", "modules_to_not_convert", "dequantize")
+
+
+def _mxfp4(quantization: dict[str, Any], model_type: str | None) -> CheckpointFormat:
+    """gpt-oss's MXFP4 experts, served packed (worker/quant/mxfp4.py); another model type or an
+    option Mxfp4Config does not have is refused; ``dequantize`` (a load option) is said to be unused."""
+    if model_type != "gpt_oss":
+        raise _refuse(
+            f"quant_method 'mxfp4' on model_type {model_type!r}", "gpt-oss's MXFP4 experts are served"
+        )
+    extra = sorted(set(quantization) - set(_MXFP4_OPTIONS))
+    if extra:
+        raise _refuse(f"mxfp4 option {extra[0]!r}", f"Mxfp4Config's {', '.join(_MXFP4_OPTIONS)} are read")
+    warning = ""
+    if quantization.get("dequantize"):
+        warning = (
+            "mxfp4 dequantize: true (transformers' load option) is not followed: the experts stay packed"
+        )
+    name = "mxfp4 experts (e2m1 in blocks of 32 under e8m0 scales; the rest float)"
+    return CheckpointFormat("mxfp4", name, "mxfp4", group=32, warning=warning)

@@ -5,6 +5,7 @@ Design notes: docs/worker.md ("Pre-quantized checkpoints")."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from worker.quant.fp8_activations import Fp8DynamicLinear
 from worker.quant.fp8_blocks import fp8_block_layer
 from worker.quant.layers import Fp8Linear, Int4Linear, Int8Linear, QuantizedLinear
 from worker.quant.loading import _empty_model, _finish, _safetensors_files, _set_module, _set_parameter
+from worker.quant.mxfp4 import load_mxfp4_experts
 
 log = logging.getLogger(__name__)
 
@@ -162,6 +164,37 @@ def _build_layer(parts: dict[str, torch.Tensor], fmt: CheckpointFormat, name: st
     return layer
 
 
+def _check_places(model: torch.nn.Module, paths: set[str], fmt: CheckpointFormat) -> None:
+    """Refuses, naming it, a quantized layer of the checkpoint that is no linear layer of the model:
+    an MoE block's per-expert layers (``experts.0.gate_proj``: the model fuses its experts into 3-D
+    parameters, which these layers do not replace) or a name the model does not have."""
+    linears = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    for path in sorted(paths - linears):
+        if re.search(r"\.experts\.\d+\.", path):
+            raise UnsupportedCheckpoint(
+                f"{fmt.name}: per-expert quantized weights of an MoE block ({path}) are not served "
+                "(the model holds its experts as fused 3-D parameters)"
+            )
+        raise UnsupportedCheckpoint(f"{fmt.name}: {path} is no linear layer of the model")
+
+
+def _place_layers(
+    model: torch.nn.Module, tensors: dict[str, torch.Tensor], fmt: CheckpointFormat, device: torch.device
+) -> int:
+    """Pops each quantized linear layer's tensors (and bias) from ``tensors`` and puts the layer in
+    ``model``; returns how many."""
+    owners = _quantized_parts(set(tensors), fmt)
+    _check_places(model, set(owners.values()), fmt)
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for key, path in owners.items():
+        layers.setdefault(path, {})[key.rpartition(".")[2]] = tensors.pop(key).to(device)
+    for path, parts in layers.items():
+        bias = tensors.pop(f"{path}.bias", None)
+        bias = None if bias is None else bias.to(device)
+        _set_module(model, path, _build_layer(parts if bias is None else {**parts, "bias": bias}, fmt, path))
+    return len(layers)
+
+
 @torch.no_grad()
 def load_checkpoint_quantized(
     folder: Path, config: Any, fmt: CheckpointFormat, device: torch.device
@@ -170,19 +203,15 @@ def load_checkpoint_quantized(
     the int4 layers pack for torch's kernel); returns it and the count of quantized layers. Layers
     the checkpoint left in float (often ``lm_head``) stay float32."""
     tensors = _read(folder)
-    owners = _quantized_parts(set(tensors), fmt)
-    layers: dict[str, dict[str, torch.Tensor]] = {}
-    for key, path in owners.items():
-        layers.setdefault(path, {})[key.rpartition(".")[2]] = tensors.pop(key).to(device)
     model = _empty_model(config)
-    for path, parts in layers.items():
-        bias = tensors.pop(f"{path}.bias", None)
-        bias = None if bias is None else bias.to(device)
-        _set_module(model, path, _build_layer(parts if bias is None else {**parts, "bias": bias}, fmt, path))
+    if fmt.method == "mxfp4":
+        count = load_mxfp4_experts(model, tensors, config, device)
+    else:
+        count = _place_layers(model, tensors, fmt, device)
     for key, value in tensors.items():
         _set_parameter(model, key, value.float() if value.is_floating_point() else value)
     if model.get_submodule("lm_head").weight.device.type == "meta" and getattr(
         config, "tie_word_embeddings", False
     ):
         model.get_submodule("lm_head").weight = model.get_submodule("model.embed_tokens").weight
-    return _finish(model, config), len(layers)
+    return _finish(model, config), count

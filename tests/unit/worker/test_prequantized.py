@@ -1,17 +1,21 @@
 """Pre-quantized checkpoints (worker/quant/checkpoint_formats.py, checkpoint_loading.py): each
 format's options read or refused by name, and each format's tensors, packed here the way its tool
 packs them (a fake of the tool's output; tests/integration/test_prequantized_worker.py serves the
-real tools' checkpoints), mapped into layers that hold the same weight."""
+real tools' checkpoints), mapped into layers that hold the same weight; gpt-oss's MXFP4 experts
+packed by tools/quant_fixtures.py's writer and computing as transformers' experts do."""
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
+from tools.quant_fixtures import MXFP4_CONFIG, mxfp4_pack
 from worker.model.loader import ModelLoadError, load_model
 from worker.model.prequantized import checkpoint_format
 from worker.quant.act_order import ActOrderInt4Linear
@@ -25,6 +29,7 @@ from worker.quant.checkpoint_loading import (
 )
 from worker.quant.fp8_activations import fp8_per_token
 from worker.quant.fp8_blocks import fp8_block_layer
+from worker.quant.mxfp4 import E2M1, Mxfp4Experts, dequantize_mxfp4, float16_bytes, load_mxfp4_experts
 
 W4A16 = {
     "quant_method": "compressed-tensors",
@@ -114,7 +119,7 @@ W8A8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": 
         ({**W4A16, "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
         ({**GPTQ, "bits": 8}, "GPTQ bits 8"),
         ({**GPTQ, "checkpoint_format": "marlin"}, "checkpoint_format 'marlin'"),
-        ({"quant_method": "mxfp4"}, "quant_method 'mxfp4'"),
+        ({"quant_method": "mxfp4"}, "quant_method 'mxfp4' on model_type 'llama'"),
         ({**FP8_BLOCKS, "weight_block_size": None}, "fp8 weight_block_size None"),
         ({**FP8_BLOCKS, "activation_scheme": "static"}, "fp8 activation_scheme 'static'"),
         ({**AWQ, "version": "gemv"}, "AWQ version 'gemv'"),
@@ -308,3 +313,142 @@ def test_a_quantized_checkpoint_with_another_quantization_is_refused(tmp_path: P
 def test_a_quantized_checkpoint_for_a_pooling_task_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match="--task embed serves float checkpoints only"):
         load_model(str(_folder(tmp_path, W4A16)), device="cpu", task="embed")
+
+
+# gpt-oss's MXFP4 experts (worker/quant/mxfp4.py); tools/quant_fixtures.py's writer packs them.
+def _gpt_oss_folder(tmp_path: Path, **options: Any) -> Path:
+    quantization = {**MXFP4_CONFIG, **options}
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "gpt_oss", "quantization_config": quantization})
+    )
+    return tmp_path
+
+
+def test_mxfp4_is_read_on_gpt_oss_and_its_other_options_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fmt = read_format(_gpt_oss_folder(tmp_path))
+    assert fmt is not None and (fmt.method, fmt.scheme, fmt.group, fmt.warning) == ("mxfp4", "mxfp4", 32, "")
+    with pytest.raises(UnsupportedCheckpoint, match="mxfp4 option 'group_size' is not supported"):
+        read_format(_gpt_oss_folder(tmp_path, group_size=64))
+    checkpoint_format(_gpt_oss_folder(tmp_path, dequantize=True), "auto", "generate")
+    assert "mxfp4 dequantize: true (transformers' load option) is not followed" in caplog.text
+    with pytest.raises(ModelLoadError, match=r"with --quantization auto$"):
+        load_model(str(_gpt_oss_folder(tmp_path)), device="cpu", quantization="int4")
+
+
+def test_mxfp4_bytes_read_as_the_ocp_format_defines_them() -> None:
+    # 0x2F: the low nibble (the first value) is code 15, -6; the high one code 2, 1.0; scale 2 ** (128 - 127).
+    blocks = torch.full((1, 16), 0x2F, dtype=torch.uint8)
+    values = dequantize_mxfp4(blocks, torch.tensor([128], dtype=torch.uint8), torch.bfloat16)
+    assert values.dtype == torch.bfloat16 and torch.equal(values.float(), torch.tensor([-12.0, 2.0] * 16))
+    # Every e2m1 value under scales from 2 ** -20 to 2 ** 20 survives the writer and the reader exactly.
+    grid = torch.tensor(E2M1)[torch.randint(0, 16, (41, 64), generator=torch.Generator().manual_seed(6))]
+    grid[:, ::32] = 6.0  # each block's largest magnitude fixes its scale
+    weight = grid * torch.exp2(torch.arange(-20, 21).float())[:, None]
+    assert torch.equal(dequantize_mxfp4(*mxfp4_pack(weight), torch.float32), weight)
+
+
+def _tiny_experts() -> tuple[Any, Any]:
+    """A float gpt-oss experts module (tests/tiny_families.py's config) and its config."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    from tests.tiny_families import tiny_config
+
+    config = tiny_config("gpt_oss")
+    experts = GptOssExperts(config)
+    generator = torch.Generator().manual_seed(7)
+    for parameter in experts.parameters():
+        parameter.data = torch.randn(parameter.shape, generator=generator) * 0.3
+    return experts, config
+
+
+def _packed_parts(experts: Any) -> dict[str, torch.Tensor]:
+    """The experts' checkpoint tensors as gpt-oss's releases hold them ([E, out, in] packed)."""
+    parts: dict[str, torch.Tensor] = {}
+    for projection in ("gate_up_proj", "down_proj"):
+        blocks, scales = mxfp4_pack(getattr(experts, projection).detach().transpose(1, 2))
+        parts |= {f"{projection}_blocks": blocks, f"{projection}_scales": scales}
+        parts[f"{projection}_bias"] = getattr(experts, f"{projection}_bias").detach().clone()
+    return parts
+
+
+def test_mxfp4_experts_compute_as_gpt_oss_experts_on_the_same_weights() -> None:
+    experts, config = _tiny_experts()
+    packed = Mxfp4Experts(copy.deepcopy(experts), _packed_parts(experts))
+    for projection in ("gate_up_proj", "down_proj"):  # the float module on the dequantized weights
+        getattr(experts, projection).data = torch.stack(
+            [packed.weight(projection, e, torch.float32).t() for e in range(config.num_local_experts)]
+        )
+    hidden = torch.randn(6, config.hidden_size, generator=torch.Generator().manual_seed(8))
+    index = torch.tensor([[0, 1], [1, 3], [3, 0], [2, 1], [0, 2], [3, 1]])
+    weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(9))
+    torch.testing.assert_close(
+        packed(hidden, index, weights), experts(hidden, index, weights), atol=1e-5, rtol=1e-5
+    )
+    # An index of E (another rank's expert, as expert parallelism marks it) is skipped: as a weight of 0.
+    elsewhere = index.clone()
+    elsewhere[5, 1] = config.num_local_experts
+    unweighted = weights.clone()
+    unweighted[5, 1] = 0.0
+    torch.testing.assert_close(
+        packed(hidden, elsewhere, weights), experts(hidden, index, unweighted), atol=1e-5, rtol=1e-5
+    )
+    assert float16_bytes(packed) == 2 * experts.gate_up_proj.numel() + 2 * experts.down_proj.numel()
+
+
+def test_mxfp4_tensors_outside_the_experts_or_misshapen_are_refused_by_name() -> None:
+    experts, config = _tiny_experts()
+    path = "model.layers.0.mlp.experts"
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parts = {f"{path}.{name}": value for name, value in _packed_parts(experts).items()}
+    stray = {**parts, "model.layers.0.self_attn.q_proj.weight_blocks": torch.zeros(1, dtype=torch.uint8)}
+    with pytest.raises(
+        UnsupportedCheckpoint, match=r"mxfp4: model\.layers\.0\.self_attn\.q_proj\.weight_blocks"
+    ):
+        load_mxfp4_experts(model, stray, config, torch.device("cpu"))
+    halved = {**parts, f"{path}.down_proj_scales": parts[f"{path}.down_proj_scales"][:, :, :1]}
+    with pytest.raises(
+        UnsupportedCheckpoint, match=rf"mxfp4: {path}\.down_proj_scales is torch.uint8 \(4, 64, 1\)"
+    ):
+        load_mxfp4_experts(model, halved, config, torch.device("cpu"))
+    assert load_mxfp4_experts(model, dict(parts), config, torch.device("cpu")) == 1
+    assert isinstance(model.get_submodule(path), Mxfp4Experts)
+
+
+def _block_fp8_moe(tmp_path: Path, layer: str) -> Path:
+    """A tiny Qwen3-MoE folder in block FP8 holding one quantized layer at ``layer``, as the
+    Qwen3-30B-A3B-FP8 release names each expert's layers (``experts.0.gate_proj``)."""
+    from safetensors.torch import save_file
+
+    from tests.tiny_families import tiny_config
+
+    config = tiny_config("qwen3_moe").to_dict()
+    (tmp_path / "config.json").write_text(
+        json.dumps({**config, "quantization_config": {**FP8_BLOCKS, "weight_block_size": [32, 32]}})
+    )
+    weight = torch.zeros(32, 64).to(torch.float8_e4m3fn)
+    tensors = {f"{layer}.weight": weight, f"{layer}.weight_scale_inv": torch.ones(1, 2)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("layer", "named"),
+    [
+        (
+            "model.layers.0.mlp.experts.0.gate_proj",
+            r"per-expert quantized weights of an MoE block \(model\.layers\.0\.mlp\.experts\.0\.gate_proj\)",
+        ),
+        ("model.layers.0.mlp.dense.up_proj", r"model\.layers\.0\.mlp\.dense\.up_proj is no linear layer"),
+    ],
+)
+def test_a_quantized_layer_the_model_does_not_have_is_refused_by_name(
+    tmp_path: Path, layer: str, named: str
+) -> None:
+    with pytest.raises(
+        ModelLoadError, match=r"fp8 block-wise 32x32 \(quant_method fp8\): " + named
+    ) as refused:
+        load_model(str(_block_fp8_moe(tmp_path, layer)), device="cpu", quantization="auto")
+    assert "\n" not in str(refused.value) and refused.value.param == "quantization"
