@@ -15,6 +15,7 @@ from torch import nn
 
 from worker.model.loader import ModelLoadError
 from worker.parallel.experts import expert_width, experts_of, extra_parts, shard_moe
+from worker.parallel.vocabulary import shard_vocabulary
 from worker.quant.layers import INT4_GROUP
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj")
@@ -144,8 +145,9 @@ def _checked_width(layer: Any, index: int, where: str) -> int:
 def shard_model(model: Any, shard: Shard, quantization: str = "none") -> None:
     """Replaces every decoder layer's float projections by this rank's shards (the model checked by
     :func:`check_shardable` first, for the ``quantization`` the loader gives the shards next), an
-    MoE block's experts by their slices (:mod:`worker.parallel.experts`); embeddings, norms,
-    routers and the output layer stay whole, so every rank computes the full logits."""
+    MoE block's experts by their slices (:mod:`worker.parallel.experts`), the embedding and output
+    layer by their vocabulary's slices (:mod:`worker.parallel.vocabulary`: every rank gets the
+    full logits); norms and routers stay whole."""
     check_shardable(model, shard.ranks, quantization)
     for layer in decoder_layers(model):
         _shard_attention(layer.self_attn, shard)
@@ -157,6 +159,7 @@ def shard_model(model: Any, shard: Shard, quantization: str = "none") -> None:
         for name in MLP_COLUMNS:
             setattr(mlp, name, _rows(getattr(mlp, name), shard.rank * width, width))
         mlp.down_proj = RowParallel(mlp.down_proj, shard)
+    shard_vocabulary(model, shard.rank, shard.ranks, shard.all_reduce)
 
 
 def _shard_attention(attention: Any, shard: Shard) -> None:

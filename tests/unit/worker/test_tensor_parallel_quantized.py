@@ -71,6 +71,8 @@ def test_two_ranks_quantize_their_own_shards_and_compute_the_quantized_models_lo
         assert loaded.quantization == scheme
         attention, mlp = loaded.model.model.layers[0].self_attn, loaded.model.model.layers[0].mlp
         assert isinstance(attention.q_proj, kinds) and isinstance(mlp.down_proj.part, kinds)
+        head = loaded.model.get_output_embeddings().part  # half the vocabulary, int8 as one rank's
+        assert isinstance(head, Int8Linear) and 2 * head.out_features == len(loaded.tokenizer)
         assert not any(isinstance(m, torch.nn.Linear) for m in loaded.model.model.layers.modules())
         assert layer_bytes(loaded) <= layer_bytes(whole) * 0.55  # half, and a row-parallel's scales
     # Column-parallel shards (whole rows) and, for int4, row-parallel ones cut between groups hold
