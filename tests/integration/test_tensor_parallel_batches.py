@@ -30,11 +30,21 @@ STREAMS = 8
 TOKENS = 24
 
 
-class Answer:
-    """A request's generated token ids, their logprobs and its usage's ``cached_tokens``."""
+# A random model's logits are nearly flat: where its two best tokens are closer than this, the
+# ranks' other summation order may pick either, and the texts part there.
+NEAR_TIE = 1e-3
 
-    def __init__(self, ids: list[int], logprobs: list[float], cached: int):
-        self.ids, self.logprobs, self.cached = ids, logprobs, cached
+
+class Answer:
+    """A request's generated token ids, their logprobs, each position's margin between its two best
+    tokens, and its usage's ``cached_tokens``."""
+
+    def __init__(self, ids: list[int], logprobs: list[float], margins: list[float], cached: int):
+        self.ids, self.logprobs, self.margins, self.cached = ids, logprobs, margins, cached
+
+    def before_a_near_tie(self) -> int:
+        """How many leading tokens are chosen by a margin of at least :data:`NEAR_TIE`."""
+        return next((i for i, margin in enumerate(self.margins) if margin < NEAR_TIE), len(self.margins))
 
 
 def prompt(index: int) -> list[int]:
@@ -44,20 +54,25 @@ def prompt(index: int) -> list[int]:
 def generate(address: str, ids: list[int]) -> Answer:
     request = pb.GenerateRequest(
         prompt=pb.PromptInput(token_ids=pb.TokenIds(ids=ids)),
-        sampling=pb.SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=0),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True, logprobs=2),
         return_token_ids=True,
     )
     generated: list[int] = []
     logprobs: list[float] = []
+    margins: list[float] = []
     cached = -1
     with grpc.insecure_channel(address) as channel:
         for event in pb_grpc.WorkerStub(channel).Generate(request, timeout=300):
             if event.HasField("content"):
                 generated += list(event.content.token_ids)
                 logprobs += [entry.logprob for entry in event.content.logprobs]
+                margins += [
+                    top[0].logprob - top[1].logprob
+                    for top in (e.top_logprobs for e in event.content.logprobs)
+                ]
             if event.HasField("usage"):
                 cached = event.usage.cached_tokens
-    return Answer(generated, logprobs, cached)
+    return Answer(generated, logprobs, margins, cached)
 
 
 def scenario(address: str) -> list[Answer]:
@@ -93,10 +108,15 @@ def test_two_ranks_preempted_and_reusing_a_prefix_decode_the_tokens_of_one(
 ) -> None:
     two, one = workers
     sharded, expected = scenario(two.address), scenario(one.address)
-    assert [answer.ids for answer in sharded] == [answer.ids for answer in expected]
+    compared = 0
     for got, want in zip(sharded, expected, strict=True):
         assert len(got.ids) == len(got.logprobs) == TOKENS
-        assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
+        same = want.before_a_near_tie()  # past a near-tie the texts may part; up to it they may not
+        assert got.ids[:same] == want.ids[:same]
+        assert got.logprobs[:same] == pytest.approx(want.logprobs[:same], abs=1e-4)
+        compared += same
+    print(f"{compared} of {len(expected) * TOKENS} tokens compared (before each text's first near-tie)")
+    assert compared >= len(expected) * TOKENS // 2
     assert sharded[0].cached == 0 and all(answer.cached >= len(PREFIX) for answer in sharded[1:])
     preempted = two.metrics()["sluice_worker_preemptions_total"]
     print(f"two ranks: {preempted:.0f} preemptions")
