@@ -35,6 +35,7 @@ def pytest_configure(config: pytest.Config) -> None:
 LONGEST_FIRST = (
     "tests/integration/test_tensor_parallel.py",
     "tests/integration/test_tensor_parallel_failures.py",
+    "tests/integration/test_tensor_parallel_batches.py",
     "tests/integration/test_vision_worker.py",
     "tests/integration/test_reconnect.py",
     "tests/integration/test_families_e2e.py",

@@ -110,7 +110,8 @@ def load_model(
     shard: Callable[[Any], None] | None = None,
 ) -> LoadedModel:
     """Loads the model named by ``model`` (see docs/worker.md) onto the chosen device; ``shard``
-    (tensor parallelism) replaces the model's layers by this rank's shards before any packing.
+    (tensor parallelism) replaces the float model's layers by this rank's shards before any
+    packing, and a ``quantization`` scheme then quantizes the shards (each rank holds 1/N).
 
     ``on_progress`` is called with a rising fraction at the load's stages (a first-start
     conversion of a GGUF file and reading the weights are the long ones): 0.05 once the source
@@ -179,7 +180,7 @@ def load_model(
         except PrequantizedLoadError as exc:
             raise ModelLoadError(str(exc), param="quantization") from exc
         tokenizer = _load_float_tokenizer(folder, model)
-    elif scheme == "none":
+    elif scheme == "none" or shard is not None:  # a rank quantizes its float shards, once cut
         if gguf is not None:
             folder = converted_gguf_folder(gguf, cache)
         hf_model, tokenizer = _load_float(folder, model, torch_dtype, task)
@@ -196,6 +197,8 @@ def load_model(
     report(0.85)
     if shard is not None:
         shard(hf_model)
+        if scheme != "none" and prequantized is None:
+            quantize_linears(hf_model, scheme)
     packed = 0
     if torch_device.type == "cpu" and cpu_linear == "onednn":
         packed = pack_linears(hf_model, batch_hint=batch_hint)  # float layers only; quantized ones stay

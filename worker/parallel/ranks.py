@@ -34,7 +34,8 @@ FOLLOWER_MODULE = "worker.parallel.follower"
 
 def rank_config(config: WorkerConfig) -> WorkerConfig:
     """The settings every rank loads and builds with: float weights for ``--quantization auto``
-    (shards are float linears), and no CUDA graphs (collectives are not captured yet)."""
+    (its measured choice is for the whole model's shapes; int8/int4/fp8 quantize each rank's
+    shards), and no CUDA graphs (collectives are not captured yet)."""
     quantization = "none" if config.quantization == "auto" else config.quantization
     return dataclasses.replace(config, quantization=quantization, cuda_graphs=False)
 
@@ -55,10 +56,11 @@ def sharded_runner(
     layout = group.layout
     shard = Shard(layout.rank, layout.ranks, group.all_reduce)
 
-    def sharded(model: Any) -> None:
-        shard_model(model, shard)
-
     settings = rank_config(config)
+
+    def sharded(model: Any) -> None:
+        shard_model(model, shard, settings.quantization)
+
     device = rank_device(config.device, layout.local_rank)
     loaded = load_configured(settings, on_progress, device=device, shard=sharded)
     group.barrier()

@@ -15,6 +15,8 @@ from torch import nn
 
 from worker.model.loader import ModelLoadError
 from worker.parallel.experts import expert_width, experts_of, extra_parts, shard_moe
+from worker.parallel.vocabulary import shard_vocabulary
+from worker.quant.layers import INT4_GROUP
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj")
 MLP_COLUMNS = ("gate_proj", "up_proj")
@@ -68,11 +70,12 @@ def decoder_layers(model: Any) -> list[Any]:
     return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
 
 
-def check_shardable(model: Any, ranks: int) -> None:
+def check_shardable(model: Any, ranks: int, quantization: str = "none") -> None:
     """Raises :class:`ModelLoadError` (one line naming what) unless ``model`` splits over ``ranks``:
     a text-only decoder whose every layer has linear q/k/v/o projections and either linear
     gate/up/down projections or an MoE block of experts and a router, attention heads and every
-    MLP's (expert's) width divisible by ``ranks``, KV heads divisible by it or dividing it."""
+    MLP's (expert's) width divisible by ``ranks``, KV heads divisible by it or dividing it; with
+    ``quantization`` int4, no group of the row-parallel inputs cut between two ranks."""
     config = model.config
     name = getattr(config, "model_type", type(model).__name__)
     where = f"--tensor-parallel-size {ranks}: {name}"
@@ -92,6 +95,32 @@ def check_shardable(model: Any, ranks: int) -> None:
         problems.append(f"an MLP width of {width}")
     if problems:
         raise ModelLoadError(f"{where} has {' and '.join(problems)}, which do not divide by {ranks}")
+    if quantization == "int4":
+        for layer in layers:
+            _check_groups(layer, ranks, where)
+
+
+def _check_groups(layer: Any, ranks: int, where: str) -> None:
+    """Raises :class:`ModelLoadError` where a row-parallel projection's int4 groups (along its input)
+    would straddle the ranks' cut: a rank's codes would then differ from the whole layer's."""
+    widths = {
+        name: int(linear.in_features)
+        for name, linear in (
+            ("o_proj", layer.self_attn.o_proj),
+            ("down_proj", getattr(layer.mlp, "down_proj", None)),
+        )
+        if isinstance(linear, nn.Linear)
+    }
+    cut = [
+        f"{name} ({width // ranks} inputs per rank)"
+        for name, width in widths.items()
+        if width % INT4_GROUP == 0 and (width // ranks) % INT4_GROUP
+    ]
+    if cut:
+        raise ModelLoadError(
+            f"{where}: --quantization int4's groups of {INT4_GROUP} would straddle the ranks' cut of "
+            f"{' and '.join(cut)}; use int8 or fewer ranks"
+        )
 
 
 def _checked_width(layer: Any, index: int, where: str) -> int:
@@ -108,17 +137,18 @@ def _checked_width(layer: Any, index: int, where: str) -> int:
             kinds = [type(getattr(part, n, None)).__name__ for n in names]
             raise ModelLoadError(
                 f"{where}: layer {index} needs float nn.Linear {'/'.join(names)} to shard, has "
-                f"{'/'.join(kinds)} (hybrid and quantized layers are not supported yet)"
+                f"{'/'.join(kinds)} (hybrid layers and pre-quantized checkpoints are not supported yet)"
             )
     return expert_width(experts) if experts is not None else int(layer.mlp.gate_proj.out_features)
 
 
-def shard_model(model: Any, shard: Shard) -> None:
-    """Replaces every decoder layer's projections by this rank's shards (the model checked by
-    :func:`check_shardable` first), an MoE block's experts by their slices
-    (:mod:`worker.parallel.experts`); embeddings, norms, routers and the output layer stay whole,
-    so every rank computes the full logits."""
-    check_shardable(model, shard.ranks)
+def shard_model(model: Any, shard: Shard, quantization: str = "none") -> None:
+    """Replaces every decoder layer's float projections by this rank's shards (the model checked by
+    :func:`check_shardable` first, for the ``quantization`` the loader gives the shards next), an
+    MoE block's experts by their slices (:mod:`worker.parallel.experts`), the embedding and output
+    layer by their vocabulary's slices (:mod:`worker.parallel.vocabulary`: every rank gets the
+    full logits); norms and routers stay whole."""
+    check_shardable(model, shard.ranks, quantization)
     for layer in decoder_layers(model):
         _shard_attention(layer.self_attn, shard)
         mlp = layer.mlp
@@ -129,6 +159,7 @@ def shard_model(model: Any, shard: Shard) -> None:
         for name in MLP_COLUMNS:
             setattr(mlp, name, _rows(getattr(mlp, name), shard.rank * width, width))
         mlp.down_proj = RowParallel(mlp.down_proj, shard)
+    shard_vocabulary(model, shard.rank, shard.ranks, shard.all_reduce)
 
 
 def _shard_attention(attention: Any, shard: Shard) -> None:

@@ -353,7 +353,8 @@ def quantize_linears(model: torch.nn.Module, scheme: str, *, skip: tuple[str, ..
             continue
         layer = getattr(parent, name)
         # The output layer is the most sensitive to rounding; llama.cpp keeps it at 6-8 bits too.
-        layer_scheme = "int8" if scheme == "int4" and path.endswith("lm_head") else scheme
+        # (A tensor-parallel rank's vocabulary slice of it is ``lm_head.part``.)
+        layer_scheme = "int8" if scheme == "int4" and "lm_head" in path.split(".") else scheme
         with torch.no_grad():
             replacement = quantize_weight(layer_scheme, layer.weight, layer.bias)
         setattr(parent, name, replacement.to(layer.weight.device))

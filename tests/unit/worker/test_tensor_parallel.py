@@ -47,10 +47,10 @@ class ThreadSum:
         return all_reduce
 
 
-def biased_model(family: str) -> Any:
+def biased_model(family: str, **changes: Any) -> Any:
     """The family's tiny model with random biases (transformers starts them at zero, which would
     hide a bias added on every rank instead of one)."""
-    model = tiny_model(tiny_config(family))
+    model = tiny_model(tiny_config(family, **changes))
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, parameter in model.named_parameters():
@@ -59,12 +59,12 @@ def biased_model(family: str) -> Any:
     return model
 
 
-def sharded_logits(family: str, ranks: int, attention: str) -> list[torch.Tensor]:
+def sharded_logits(family: str, ranks: int, attention: str, **changes: Any) -> list[torch.Tensor]:
     """Each rank's logits for :data:`PROMPT`, its shard of the family's tiny model run in a thread."""
     summing = ThreadSum(ranks)
     models = []
     for rank in range(ranks):
-        model = biased_model(family)
+        model = biased_model(family, **changes)
         model.set_attn_implementation(attention)
         shard_model(model, Shard(rank, ranks, summing.of(rank)))
         models.append(model)
@@ -120,6 +120,21 @@ def test_a_shard_holds_its_heads_and_columns_only() -> None:
     assert attention.num_key_value_groups == 2
 
 
+def test_a_shard_holds_its_slice_of_the_vocabulary_and_an_uneven_one_still_gives_the_logits() -> None:
+    model = tiny_model(tiny_config("llama", tie_word_embeddings=True))  # a vocabulary of 128
+    table = model.model.embed_tokens.weight.detach().clone()
+    shard_model(model, Shard(1, 2, lambda tensor: None))
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    assert torch.equal(embedding.weight, table[64:]) and head.part.weight is embedding.weight
+    assert model(input_ids=PROMPT).logits.shape[-1] == 128  # the whole vocabulary, rows 0..63 zero
+    # 130 rows over 4 ranks: 33, 33, 33 and 31 of them.
+    whole_model = biased_model("llama", vocab_size=130)
+    with torch.inference_mode():
+        whole = whole_model(input_ids=PROMPT).logits[0]
+    for logits in sharded_logits("llama", 4, "sdpa", vocab_size=130):
+        torch.testing.assert_close(logits, whole, atol=1e-5, rtol=0)
+
+
 def test_an_moe_shard_holds_every_experts_columns_and_its_heads_sinks() -> None:
     qwen = tiny_model(tiny_config("qwen3_moe"))  # 4 experts of width 32, [gate | up] concatenated
     whole = qwen.model.layers[0].mlp.experts.gate_up_proj.detach().clone()
@@ -150,7 +165,8 @@ def test_an_moe_block_with_more_than_experts_and_a_router_or_a_layer_not_linear_
         check_shardable(model, 2)
     assert refused.value.message == (
         "--tensor-parallel-size 2: qwen3_moe: layer 0 needs float nn.Linear q_proj/k_proj/v_proj/o_proj "
-        "to shard, has Linear/Linear/Linear/Identity (hybrid and quantized layers are not supported yet)"
+        "to shard, has Linear/Linear/Linear/Identity (hybrid layers and pre-quantized checkpoints are "
+        "not supported yet)"
     )
 
 
