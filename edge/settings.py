@@ -332,9 +332,10 @@ class Settings:
     multiplexed_streams: bool = setting(
         False,
         help="send streams to a worker on one multiplexed GenerateStreams call per worker (one "
-        'message per engine step for all of them; docs/grpc.md, "Multiplexed streams"); off (the '
-        "default until its figures are taken on a quiet machine and a GPU): one Generate call per "
-        "request. A worker without GenerateStreams gets Generate calls either way",
+        'message per engine step for all of them; docs/grpc.md, "Multiplexed streams"): about a '
+        "third less CPU per token at 16 and 64 streams, but more at 1 stream (docs/benchmarks.md), "
+        "so off by default: one Generate call per request. A worker whose ListModels does not say "
+        "it serves GenerateStreams gets Generate calls either way",
     )
     allow_runtime_lora: bool = setting(
         False,

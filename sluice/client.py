@@ -83,6 +83,10 @@ STREAMS_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = tuple(
     if option[0] not in ("grpc.http2.bdp_probe", "grpc.http2.lookahead_bytes")
 )
 
+# How long the ListModels that learns whether a worker serves GenerateStreams may take; the
+# requests opened meanwhile wait for it (then go as Generate calls, should it fail).
+PROBE_TIMEOUT_S = 5.0
+
 Metadata = Sequence[tuple[str, str | bytes]]
 
 
@@ -236,8 +240,14 @@ class WorkerClient:
             self._streams = StreamsChannel(
                 self._streams_stub,
                 lambda request, timeout, metadata: self.generate(request, timeout=timeout, metadata=metadata),
+                self._serves_streams,
             )
         return self._streams.open(request, timeout, metadata)
+
+    async def _serves_streams(self) -> bool:
+        """Whether the worker serves ``GenerateStreams``, as its ListModels answer says (False
+        from an older worker or another server of the contract)."""
+        return (await self.list_models(timeout=PROBE_TIMEOUT_S)).generate_streams
 
     async def list_models(
         self,

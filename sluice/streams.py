@@ -11,7 +11,7 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, cast
 
 import grpc
@@ -48,6 +48,8 @@ class EventCall(Protocol):
 
 
 Fallback = Callable[[pb.GenerateRequest, float | None, Metadata], EventCall]
+#: Asks the worker whether it serves ``GenerateStreams`` (its ListModels answer says).
+Probe = Callable[[], Awaitable[bool]]
 
 
 def _error(code: grpc.StatusCode, message: str, details: bytes = b"") -> grpc.RpcError:
@@ -66,11 +68,13 @@ def end_error(end: pb.StreamEnd) -> grpc.RpcError | None:
 
 class StreamCall:
     """One request on a multiplexed call: :meth:`read` its events (None at the end; a failure is
-    raised as ``WorkerCallError``), :meth:`cancel` it when done. A worker that does not serve
-    ``GenerateStreams`` (UNIMPLEMENTED) gets the request as a ``Generate`` call instead."""
+    raised as ``WorkerCallError``), :meth:`cancel` it when done. It goes on a call once
+    :meth:`attach`-ed, or as a ``Generate`` call once :meth:`divert`-ed (a worker without
+    ``GenerateStreams``, or a call that failed before the worker answered on it)."""
 
-    def __init__(self, session: _Session, stream_id: int, open_: pb.OpenStream, fallback: Fallback) -> None:
-        self._session, self.id, self._open, self._fallback = session, stream_id, open_, fallback
+    def __init__(self, stream_id: int, open_: pb.OpenStream, fallback: Fallback) -> None:
+        self.id, self._open, self._fallback = stream_id, open_, fallback
+        self._session: _Session | None = None
         self._deadline = time.monotonic() + open_.timeout_seconds if open_.timeout_seconds else None
         self._entries: collections.deque[list[pb.GenerateResponse]] = collections.deque()
         self._current: collections.deque[pb.GenerateResponse] = collections.deque()
@@ -93,18 +97,28 @@ class StreamCall:
             self._finish(end_error(entry.end))
         self._arrived.set()
 
-    def fail(self, error: grpc.RpcError) -> None:
-        """The call this stream was on failed: the stream fails with ``error``, or goes on as a
-        ``Generate`` call when the worker does not serve ``GenerateStreams``."""
-        if self._ended:
+    def attach(self, session: _Session) -> None:
+        """Sends the request on ``session`` (unless it ended meanwhile)."""
+        if not self._ended and self._instead is None:
+            self._session = session
+            session.open(self, self._open)
+
+    def divert(self) -> None:
+        """Sends the request as a ``Generate`` call instead, with what is left of its deadline."""
+        if self._ended or self._instead is not None:
             return
-        if isinstance(error, grpc.RpcError) and error.code() == grpc.StatusCode.UNIMPLEMENTED:
-            remaining = None if self._deadline is None else max(0.001, self._deadline - time.monotonic())
-            metadata = tuple(self._open.metadata.items())
-            self._instead = self._fallback(self._open.request, remaining, metadata)
-        else:
-            self._finish(error)
+        if self._session is not None:
+            self._session.forget(self.id)
+        remaining = None if self._deadline is None else max(0.001, self._deadline - time.monotonic())
+        metadata = tuple(self._open.metadata.items())
+        self._instead = self._fallback(self._open.request, remaining, metadata)
         self._arrived.set()
+
+    def fail(self, error: grpc.RpcError) -> None:
+        """The call this stream was on failed after the worker answered on it: so does the stream."""
+        if not self._ended and self._instead is None:
+            self._finish(error)
+            self._arrived.set()
 
     async def read(self) -> pb.GenerateResponse | None:
         """The next event, or None once the stream ended OK."""
@@ -114,7 +128,7 @@ class StreamCall:
             if self._entries:
                 self._current.extend(self._entries.popleft())
                 self._read_entries += 1
-                if self._read_entries >= GRANT_EVERY and not self._ended:
+                if self._read_entries >= GRANT_EVERY and not self._ended and self._session is not None:
                     self._session.grant(self.id, self._read_entries)  # they left the buffer
                     self._read_entries = 0
                 continue
@@ -147,7 +161,8 @@ class StreamCall:
         if self._ended:
             return False
         self._finish(_error(grpc.StatusCode.CANCELLED, "the call was cancelled by this client"))
-        self._session.cancel(self.id)
+        if self._session is not None:
+            self._session.cancel(self.id)
         self._arrived.set()
         return True
 
@@ -164,25 +179,31 @@ class StreamCall:
             self._ended, self._failure = True, error
             if self._timer is not None:
                 self._timer.cancel()
-            self._session.forget(self.id)
+            if self._session is not None:
+                self._session.forget(self.id)
 
     def _expire(self) -> None:
         """The deadline passed: the stream ends here as a ``Generate`` call's deadline ends it."""
         if not self._ended and self._instead is None:
             self._finish(_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded"))
-            self._session.cancel(self.id)
+            if self._session is not None:
+                self._session.cancel(self.id)
             self._arrived.set()
 
 
 class _Session:
     """One ``GenerateStreams`` call: its streams, what waits to be sent on it (batched into one
-    message per event-loop turn), a writer and a reader task."""
+    message per event-loop turn), a writer and a reader task. Should the call fail before the
+    worker's first answer on it, its streams go as ``Generate`` calls and ``unanswered`` is told."""
 
-    def __init__(self, stub: worker_pb2_grpc.WorkerStub) -> None:
+    def __init__(self, stub: worker_pb2_grpc.WorkerStub, unanswered: Callable[[], None]) -> None:
         self.call: Any = stub.GenerateStreams()
         self.started = time.monotonic()
         self.retired = False
+        self.answered = False  # the worker sent a message on this call
+        self.closed = False  # this client cancelled the call
         self.streams: dict[int, StreamCall] = {}
+        self._unanswered = unanswered
         self._outgoing = pb.StreamsRequest()
         self._wake = asyncio.Event()
         self._writer = asyncio.create_task(self._write_loop())
@@ -232,57 +253,97 @@ class _Session:
                 message = await self.call.read()
                 if message is grpc.aio.EOF:
                     break
+                self.answered = True
                 for entry in cast(pb.StreamsResponse, message).streams:
                     stream = self.streams.get(entry.id)
                     if stream is not None:  # else cancelled meanwhile
                         stream.deliver(entry)
-        except grpc.aio.AioRpcError as error:
+        except grpc.RpcError as error:
             failure = WorkerCallError.from_rpc_error(error)
         finally:
-            self.retired = True
-            for stream in list(self.streams.values()):
+            self._ended(failure)
+
+    def _ended(self, failure: grpc.RpcError) -> None:
+        """The call ended: its open streams fail with ``failure``, or, when the worker never
+        answered on it (whatever the status: a server without the method may say UNIMPLEMENTED,
+        INTERNAL or UNKNOWN), go as ``Generate`` calls, never lost."""
+        self.retired = True
+        resend = not self.answered and not self.closed
+        streams, self.streams = list(self.streams.values()), {}
+        for stream in streams:
+            if resend:
+                stream.divert()
+            else:
                 stream.fail(failure)
-            self.streams.clear()
-            self._writer.cancel()
+        self._writer.cancel()
+        if resend:
+            self._unanswered()
 
     def close(self) -> None:
+        self.closed = True
         self.call.cancel()
 
 
 class StreamsChannel:
     """The multiplexed calls of one client to one worker: :meth:`open` starts a request on the
-    current call (a new call every :data:`ROTATE_AFTER_S`, or after one failed). ``fallback``
-    starts a ``Generate`` call, used for a worker that does not serve ``GenerateStreams``."""
+    current call (a new call every :data:`ROTATE_AFTER_S`, or after one failed). Before the first
+    request goes on a call, ``probe`` learns whether the worker serves ``GenerateStreams``;
+    ``fallback`` starts a ``Generate`` call, for the requests of a worker that does not."""
 
-    def __init__(self, stub: Callable[[], worker_pb2_grpc.WorkerStub], fallback: Fallback) -> None:
-        self._stub, self._fallback = stub, fallback
+    def __init__(
+        self, stub: Callable[[], worker_pb2_grpc.WorkerStub], fallback: Fallback, probe: Probe
+    ) -> None:
+        self._stub, self._fallback, self._probe = stub, fallback, probe
         self._session: _Session | None = None
         self._ids = itertools.count(1)
-        self.unsupported = False  # learnt from the worker's UNIMPLEMENTED
+        self.serves: bool | None = None  # whether the worker serves GenerateStreams (None: not known)
+        self._learnt_at = 0.0
+        self._waiting: list[StreamCall] = []  # opened while the probe is out
+        self._probing: asyncio.Task[None] | None = None
 
     def open(self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata) -> EventCall:
         """Starts ``request`` (deadline ``timeout`` seconds, None: none; ``metadata`` as
         ``Generate``'s call metadata, string values only) and returns its call."""
-        if self.unsupported:
+        if self.serves is False and time.monotonic() - self._learnt_at < ROTATE_AFTER_S:
             return self._fallback(request, timeout, metadata)
-        session = self._current()
-        stream_id = next(self._ids)
         open_ = pb.OpenStream(
-            id=stream_id,
+            id=next(self._ids),
             request=request,
             timeout_seconds=timeout or 0.0,
             metadata={k: v for k, v in metadata if isinstance(v, str)},
             window=WINDOW,
         )
-        stream = StreamCall(session, stream_id, open_, self._unimplemented_aware)
-        session.open(stream, open_)
+        stream = StreamCall(open_.id, open_, self._fallback)
+        if self.serves:
+            stream.attach(self._current())
+        else:  # not known, or known not to and time to ask again
+            self._waiting.append(stream)
+            if self._probing is None:
+                self._probing = asyncio.create_task(self._learn())
         return stream
 
-    def _unimplemented_aware(
-        self, request: pb.GenerateRequest, timeout: float | None, metadata: Metadata
-    ) -> EventCall:
-        self.unsupported = True
-        return self._fallback(request, timeout, metadata)
+    async def _learn(self) -> None:
+        """Asks the worker (:data:`Probe`), then sends the requests that waited: on a call, or as
+        ``Generate`` calls when it does not serve ``GenerateStreams`` or did not answer (then
+        the next request asks again)."""
+        serves: bool | None = None
+        try:
+            serves = await self._probe()
+        except grpc.RpcError:
+            pass  # unreachable, loading, or no ListModels: its requests go as Generate calls
+        finally:
+            self.serves, self._learnt_at, self._probing = serves, time.monotonic(), None
+            waiting, self._waiting = self._waiting, []
+            for stream in waiting:
+                if serves:
+                    stream.attach(self._current())
+                else:
+                    stream.divert()
+
+    def _relearn(self) -> None:
+        """A call failed before the worker answered on it (it may have restarted as another
+        version): the next request asks again."""
+        self.serves = None
 
     def _current(self) -> _Session:
         session = self._session
@@ -294,11 +355,16 @@ class StreamsChannel:
             return session
         if session is not None:
             session.retire()
-        self._session = _Session(self._stub())
+        self._session = _Session(self._stub(), self._relearn)
         return self._session
 
     def close(self) -> None:
-        """Cancels the current call (its streams fail with CANCELLED)."""
+        """Cancels the current call and the requests waiting for the probe (CANCELLED)."""
+        waiting, self._waiting = self._waiting, []
+        for stream in waiting:
+            stream.fail(_error(grpc.StatusCode.CANCELLED, "the channel was closed by this client"))
+        if self._probing is not None:
+            self._probing.cancel()
         if self._session is not None:
             self._session.close()
             self._session = None

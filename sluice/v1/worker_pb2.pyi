@@ -678,12 +678,14 @@ class ChatFormats(_message.Message):
     def __init__(self, family: _Optional[str] = ..., tool_call_parser: _Optional[str] = ..., reasoning_parser: _Optional[str] = ..., thinking_switch: _Optional[str] = ...) -> None: ...
 
 class ListModelsResponse(_message.Message):
-    __slots__ = ("models", "worker_id")
+    __slots__ = ("models", "worker_id", "generate_streams")
     MODELS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATE_STREAMS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[ModelInfo]
     worker_id: str
-    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    generate_streams: bool
+    def __init__(self, models: _Optional[_Iterable[_Union[ModelInfo, _Mapping]]] = ..., worker_id: _Optional[str] = ..., generate_streams: _Optional[bool] = ...) -> None: ...
 
 class LoadLoraAdapterRequest(_message.Message):
     __slots__ = ("lora_name", "lora_path", "base_model_name")

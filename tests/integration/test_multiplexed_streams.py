@@ -1,8 +1,8 @@
-"""GenerateStreams against one real ``--fake-tokens`` worker (and an edge in front of it, which uses
-it by default): concurrent streams get exactly their own events, a cancelled or expired stream
-leaves the worker, a reader that stops reading holds up no other stream and later gets its
-deltas merged, a refused request fails alone. A worker dying under multiplexed streams is
-tests/integration/test_stream_migration.py's (its edge uses GenerateStreams)."""
+"""GenerateStreams against one real ``--fake-tokens`` worker (and an edge in front of it): the
+client learns from ListModels that the worker serves it, concurrent streams get exactly their own
+events, a cancelled or expired stream leaves the worker, a reader that stops reading holds up no
+other stream and later gets its deltas merged, a refused request fails alone. A worker dying under
+multiplexed streams is tests/integration/test_stream_migration.py's (its edge uses GenerateStreams)."""
 
 from __future__ import annotations
 
@@ -89,6 +89,18 @@ def test_concurrent_streams_each_get_exactly_their_own_events(worker: WorkerProc
             text = "".join(e.content.text for e in events if e.HasField("content"))
             assert len(ids) == events[-2].finished.completion_tokens == 8 + i
             assert PASSAGE.startswith(text)
+
+    in_client(worker, body)
+
+
+def test_the_client_learns_that_the_worker_serves_generate_streams_before_using_it(
+    worker: WorkerProcess,
+) -> None:
+    async def body(client: WorkerClient) -> None:
+        assert (await client.list_models(timeout=10)).generate_streams
+        call = client.open_stream(request(4, "mux-probe"), timeout=60)
+        assert len(await read_all(call)) > 2
+        assert isinstance(call, StreamCall) and call.multiplexed  # not sent as Generate
 
     in_client(worker, body)
 

@@ -1,6 +1,7 @@
 """The client's multiplexed calls (sluice/streams.py) over a fake bidirectional call: each stream
-reads its own events, credit goes back as entries are read, a failed call fails its streams, and a
-worker without GenerateStreams gets Generate calls."""
+reads its own events, credit goes back as entries are read, a failed call fails its streams, a
+worker that does not say it serves GenerateStreams gets Generate calls, and a call that fails
+before the worker's first answer re-sends its requests as Generate calls."""
 
 from __future__ import annotations
 
@@ -57,9 +58,11 @@ class FakeBidi:
 class FakeStub:
     def __init__(self) -> None:
         self.calls: list[FakeBidi] = []
+        self.called = asyncio.Event()
 
     def GenerateStreams(self) -> FakeBidi:
         self.calls.append(FakeBidi())
+        self.called.set()
         return self.calls[-1]
 
 
@@ -79,12 +82,39 @@ class FakeGenerate:
         return not self.events
 
 
-def channel_of(stub: FakeStub, fallbacks: list[FakeGenerate]) -> StreamsChannel:
+class FakeProbe:
+    """The worker's ListModels answer on ``GenerateStreams`` (``serves``, or ``error`` raised)."""
+
+    def __init__(self, serves: bool = True, error: Exception | None = None) -> None:
+        self.serves, self.error, self.asked = serves, error, 0
+
+    async def __call__(self) -> bool:
+        self.asked += 1
+        if self.error is not None:
+            raise self.error
+        return self.serves
+
+
+def channel_of(
+    stub: FakeStub, fallbacks: list[FakeGenerate], probe: FakeProbe | None = None
+) -> StreamsChannel:
     def fallback(request: pb.GenerateRequest, timeout: float | None, metadata: Metadata) -> EventCall:
         fallbacks.append(FakeGenerate(request))
         return fallbacks[-1]
 
-    return StreamsChannel(lambda: stub, fallback)  # type: ignore[arg-type, return-value]
+    return StreamsChannel(lambda: stub, fallback, probe or FakeProbe())  # type: ignore[arg-type, return-value]
+
+
+def rpc_error(code: grpc.StatusCode, message: str = "") -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), message)
+
+
+async def call_of(stub: FakeStub, index: int = 0) -> FakeBidi:
+    """The ``index``-th call, once the probe answered and the channel made it."""
+    while len(stub.calls) <= index:
+        stub.called.clear()
+        await asyncio.wait_for(stub.called.wait(), 5)
+    return stub.calls[index]
 
 
 def text(value: str) -> pb.GenerateResponse:
@@ -101,7 +131,7 @@ async def written(call: FakeBidi, field: str, count: int) -> list[Any]:
 
 async def read_all(stream: EventCall) -> list[str]:
     texts = []
-    while (event := await stream.read()) is not None:
+    while (event := await asyncio.wait_for(stream.read(), 5)) is not None:  # 5 s: a hang fails
         texts.append(event.content.text)
     return texts
 
@@ -112,7 +142,7 @@ async def test_each_stream_reads_its_own_events_and_gives_credit_back_in_batches
     channel = channel_of(stub, [])
     first = channel.open(pb.GenerateRequest(request_id="a"), 30.0, [("traceparent", "00-x")])
     second = channel.open(pb.GenerateRequest(request_id="b"), None, ())
-    call = stub.calls[0]  # one call for both
+    call = await call_of(stub)  # one call for both
     opened = await written(call, "open", 2)
     assert [o.request.request_id for o in opened] == ["a", "b"]
     assert opened[0].metadata["traceparent"] == "00-x" and opened[0].timeout_seconds == 30.0
@@ -148,7 +178,7 @@ async def test_each_stream_reads_its_own_events_and_gives_credit_back_in_batches
 async def test_a_stream_ends_with_the_workers_status_for_it() -> None:
     stub = FakeStub()
     stream = channel_of(stub, []).open(pb.GenerateRequest(), None, ())
-    call = stub.calls[0]
+    call = await call_of(stub)
     [opened] = await written(call, "open", 1)
     end = pb.StreamEnd(code=grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message="queue full")
     call.responses.put_nowait(pb.StreamsResponse(streams=[pb.StreamEvents(id=opened.id, end=end)]))
@@ -164,8 +194,10 @@ async def test_a_failed_call_fails_its_open_streams_and_the_next_request_opens_a
     stub = FakeStub()
     channel = channel_of(stub, [])
     streams = [channel.open(pb.GenerateRequest(), None, ()) for _ in range(2)]
-    gone = grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "gone")
-    stub.calls[0].responses.put_nowait(gone)
+    call = await call_of(stub)
+    await written(call, "open", 2)
+    call.responses.put_nowait(pb.StreamsResponse())  # the worker answered on the call
+    call.responses.put_nowait(rpc_error(grpc.StatusCode.UNAVAILABLE, "gone"))
     for stream in streams:
         with pytest.raises(WorkerCallError) as failure:
             await stream.read()
@@ -175,27 +207,82 @@ async def test_a_failed_call_fails_its_open_streams_and_the_next_request_opens_a
 
 
 @in_loop
-async def test_a_worker_without_generate_streams_gets_generate_calls() -> None:
+async def test_a_worker_that_does_not_say_it_serves_generate_streams_gets_generate_calls() -> None:
+    stub, fallbacks, probe = FakeStub(), [], FakeProbe(serves=False)
+    channel = channel_of(stub, fallbacks, probe)
+    streams = [channel.open(pb.GenerateRequest(request_id=f"old-{i}"), 30.0, ()) for i in range(2)]
+    assert [await read_all(stream) for stream in streams] == [["fallback"], ["fallback"]]
+    assert [f.request.request_id for f in fallbacks] == ["old-0", "old-1"]
+    later = channel.open(pb.GenerateRequest(request_id="later"), None, ())
+    assert await read_all(later) == ["fallback"]
+    assert (stub.calls, probe.asked) == ([], 1)  # asked once, never a GenerateStreams call
+
+
+@in_loop
+async def test_a_probe_that_fails_sends_generate_calls_and_the_next_request_asks_again() -> None:
+    stub, fallbacks = FakeStub(), []
+    probe = FakeProbe(error=rpc_error(grpc.StatusCode.UNIMPLEMENTED, "Method not found!"))
+    channel = channel_of(stub, fallbacks, probe)
+    assert await read_all(channel.open(pb.GenerateRequest(), None, ())) == ["fallback"]
+    probe.error = None
+    stream = channel.open(pb.GenerateRequest(), None, ())
+    await written(await call_of(stub), "open", 1)
+    assert probe.asked == 2 and stream.multiplexed  # type: ignore[attr-defined]
+
+
+# However a server without the method fails the call: gRPC's own UNIMPLEMENTED, or INTERNAL or
+# UNKNOWN from the generated base class's NotImplementedError, or a worker restarting.
+BEFORE_ANY_ANSWER = [
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.UNAVAILABLE,
+]
+
+
+@pytest.mark.parametrize("code", BEFORE_ANY_ANSWER, ids=lambda code: code.name)
+def test_a_call_that_fails_before_its_first_answer_resends_its_requests_as_generate(
+    code: grpc.StatusCode,
+) -> None:
+    async def body() -> None:
+        stub, fallbacks, probe = FakeStub(), [], FakeProbe()
+        channel = channel_of(stub, fallbacks, probe)
+        streams = [channel.open(pb.GenerateRequest(request_id=f"r{i}"), 30.0, ()) for i in range(2)]
+        call = await call_of(stub)
+        await written(call, "open", 2)
+        call.responses.put_nowait(rpc_error(code, "Method not implemented!"))
+        assert [await read_all(stream) for stream in streams] == [["fallback"], ["fallback"]]
+        assert sorted(f.request.request_id for f in fallbacks) == ["r0", "r1"]
+        assert not any(stream.multiplexed for stream in streams)  # type: ignore[attr-defined]
+        channel.open(pb.GenerateRequest(), None, ())
+        await call_of(stub, 1)
+        assert probe.asked == 2  # it may have restarted as another version: asked again
+
+    asyncio.run(body())
+
+
+@in_loop
+async def test_a_call_closed_by_its_client_resends_nothing() -> None:
     stub, fallbacks = FakeStub(), []
     channel = channel_of(stub, fallbacks)
-    stream = channel.open(pb.GenerateRequest(request_id="old"), 30.0, ())
-    unimplemented = grpc.aio.AioRpcError(
-        grpc.StatusCode.UNIMPLEMENTED, grpc.aio.Metadata(), grpc.aio.Metadata(), "Method not found!"
-    )
-    stub.calls[0].responses.put_nowait(unimplemented)
-    assert await read_all(stream) == ["fallback"]
-    assert fallbacks[0].request.request_id == "old"
-    later = channel.open(pb.GenerateRequest(request_id="later"), None, ())
-    assert await read_all(later) == ["fallback"] and len(stub.calls) == 1  # no second try
+    stream = channel.open(pb.GenerateRequest(), None, ())
+    call = await call_of(stub)
+    await written(call, "open", 1)
+    channel.close()
+    call.responses.put_nowait(rpc_error(grpc.StatusCode.CANCELLED, "Locally cancelled by application!"))
+    with pytest.raises(WorkerCallError) as failure:
+        await stream.read()
+    assert failure.value.code() == grpc.StatusCode.CANCELLED and fallbacks == []
 
 
 @in_loop
 async def test_cancelling_a_stream_tells_the_worker_and_ends_its_reads() -> None:
     stub = FakeStub()
     stream = channel_of(stub, []).open(pb.GenerateRequest(), None, ())
-    [opened] = await written(stub.calls[0], "open", 1)
+    call = await call_of(stub)
+    [opened] = await written(call, "open", 1)
     assert stream.cancel()
-    assert await written(stub.calls[0], "cancel", 1) == [opened.id]
+    assert await written(call, "cancel", 1) == [opened.id]
     with pytest.raises(WorkerCallError) as failure:
         await stream.read()
     assert failure.value.code() == grpc.StatusCode.CANCELLED

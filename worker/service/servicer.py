@@ -182,7 +182,9 @@ class WorkerService(pb_grpc.WorkerServicer):
         adapters = [
             _adapter_info(info, name, path) for name, path in (serving.loras.names() if serving.loras else ())
         ]
-        return pb.ListModelsResponse(models=[info, *adapters], worker_id=self.worker_id)
+        return pb.ListModelsResponse(
+            models=[info, *adapters], worker_id=self.worker_id, generate_streams=True
+        )
 
     async def LoadLoraAdapter(
         self, request: pb.LoadLoraAdapterRequest, context: grpc.aio.ServicerContext
