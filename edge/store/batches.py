@@ -8,9 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from edge.store.database import Database
+from edge.store.database import Database, json_text, json_value
 from edge.store.responses import now_ms
 
 #: The statuses a batch is worked on in; the others are final.
@@ -64,7 +62,7 @@ class BatchStore:
                 record.expires_at,
                 record.status,
                 record.lease_until,
-                orjson.dumps(record.batch).decode(),
+                json_text(record.batch),
             ),
         )
 
@@ -107,7 +105,7 @@ class BatchStore:
         marks = ", ".join("?" * len(since))
         changed = await self.database.execute(
             f"UPDATE batches SET status = ?, batch = ?, lease_until = ? WHERE id = ? AND status IN ({marks})",
-            (batch["status"], orjson.dumps(batch).decode(), lease_until, batch_id, *since),
+            (batch["status"], json_text(batch), lease_until, batch_id, *since),
         )
         return changed > 0
 
@@ -224,5 +222,5 @@ class BatchStore:
 def _batch(row: tuple[Any, ...]) -> BatchRecord:
     identifier, owner, created_at, expires_at, status, lease, batch = row
     return BatchRecord(
-        identifier, owner, int(created_at), int(expires_at), status, int(lease), orjson.loads(batch)
+        identifier, owner, int(created_at), int(expires_at), status, int(lease), json_value(batch)
     )

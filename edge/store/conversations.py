@@ -3,13 +3,10 @@ read and changed only by the key that made it, kept ``--state-ttl`` after their 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
-from edge.store.database import Database
+from edge.store.database import Database, json_text, json_value
 from edge.store.responses import now_ms
 
 
@@ -43,7 +40,7 @@ class ConversationStore:
         """Inserts ``record`` and its first ``items``."""
         await self.database.execute(
             "INSERT INTO conversations (id, owner, created_at, expires_at, metadata) VALUES (?, ?, ?, ?, ?)",
-            (record.id, record.owner, record.created_at, now_ms() + self.ttl_ms, _json(record.metadata)),
+            (record.id, record.owner, record.created_at, now_ms() + self.ttl_ms, json_text(record.metadata)),
         )
         await self.append(record.id, items)
 
@@ -57,13 +54,13 @@ class ConversationStore:
         if not rows:
             return None
         identifier, owner, created_at, metadata = rows[0]
-        return ConversationRecord(identifier, owner, int(created_at), orjson.loads(metadata))
+        return ConversationRecord(identifier, owner, int(created_at), json_value(metadata))
 
     async def update(self, conversation_id: str, owner: str, metadata: dict[str, str]) -> bool:
         """Replaces the owner's conversation's metadata; False when there is none."""
         changed = await self.database.execute(
             "UPDATE conversations SET metadata = ? WHERE id = ? AND owner = ?",
-            (_json(metadata), conversation_id, owner),
+            (json_text(metadata), conversation_id, owner),
         )
         return changed > 0
 
@@ -88,7 +85,7 @@ class ConversationStore:
             first = 0 if rows[0][0] is None else int(rows[0][0]) + 1
             params: list[Any] = []
             for offset, item in enumerate(items):
-                params += [conversation_id, first + offset, item["id"], _json(item)]
+                params += [conversation_id, first + offset, item["id"], json_text(item)]
             values = ", ".join(["(?, ?, ?, ?)"] * len(items))
             await self.database.execute(
                 f"INSERT INTO conversation_items (conversation_id, position, id, item) VALUES {values}",
@@ -104,7 +101,7 @@ class ConversationStore:
             "SELECT item FROM conversation_items WHERE conversation_id = ? ORDER BY position",
             (conversation_id,),
         )
-        return [orjson.loads(item) for (item,) in rows]
+        return [json_value(item) for (item,) in rows]
 
     async def delete_item(self, conversation_id: str, item_id: str) -> bool:
         """Deletes one item of the conversation; False when it has none with that id."""
@@ -120,9 +117,3 @@ class ConversationStore:
             "DELETE FROM conversation_items WHERE conversation_id NOT IN (SELECT id FROM conversations)"
         )
         return deleted
-
-
-def _json(value: Any) -> str:
-    """JSON text; the standard encoder, which writes an integer of any size (an ignored field of an
-    item may hold one: orjson would refuse it)."""
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import threading
 from collections.abc import Sequence
@@ -14,6 +15,17 @@ from edge.store.schema import MIGRATIONS, VERSION_TABLE
 Row = tuple[Any, ...]
 #: The SQLite file under ``--state-dir``.
 SQLITE_FILE = "edge-state.sqlite3"
+
+
+def json_text(value: Any) -> str:
+    """A stored value's JSON text, written by the standard encoder: a client's body may hold an
+    integer of any size in a field the edge ignores (orjson refuses those past 64 bits)."""
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def json_value(text: str | bytes) -> Any:
+    """A stored JSON text's value, integers of any size kept exact (:func:`json_text`)."""
+    return json.loads(text)
 
 
 class Database(Protocol):

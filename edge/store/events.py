@@ -6,9 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
-
-from edge.store.database import Database
+from edge.store.database import Database, json_text, json_value
 
 
 class EventStore:
@@ -25,7 +23,7 @@ class EventStore:
         values = ", ".join(["(?, ?, ?)"] * len(events))
         params: list[Any] = []
         for event in events:
-            params += [response_id, int(event["sequence_number"]), orjson.dumps(event).decode()]
+            params += [response_id, int(event["sequence_number"]), json_text(event)]
         await self.database.execute(
             f"INSERT INTO response_events (response_id, seq, event) VALUES {values}", params
         )
@@ -36,7 +34,7 @@ class EventStore:
             "SELECT event FROM response_events WHERE response_id = ? AND seq > ? ORDER BY seq",
             (response_id, seq),
         )
-        return [orjson.loads(event) for (event,) in rows]
+        return [json_value(event) for (event,) in rows]
 
     async def last(self, response_id: str) -> int:
         """The highest sequence number stored for the response (-1: none)."""

@@ -7,9 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from edge.store.database import Database
+from edge.store.database import Database, json_text, json_value
 
 #: A background response's statuses while it runs; the others are final.
 RUNNING = ("queued", "in_progress")
@@ -49,10 +47,10 @@ class StoredResponse:
 
     def _json(self) -> tuple[bytes, bytes, bytes, bytes]:
         return (
-            orjson.dumps(self.response),
-            orjson.dumps(self.input_items),
-            orjson.dumps(self.conversation),
-            orjson.dumps(self.request),
+            json_text(self.response).encode(),
+            json_text(self.input_items).encode(),
+            json_text(self.conversation).encode(),
+            json_text(self.request).encode(),
         )
 
 
@@ -136,7 +134,7 @@ class ResponseStore:
         changed = await self.database.execute(
             "UPDATE responses SET status = 'cancelled', response = ?, lease_until = 0 "
             f"WHERE id = ? AND owner = ? AND background = 1 AND status IN {_RUNNING_SQL}",
-            (orjson.dumps(response).decode(), response_id, owner),
+            (json_text(response), response_id, owner),
         )
         return changed > 0
 
@@ -198,10 +196,10 @@ def _record(row: tuple[Any, ...]) -> StoredResponse:
         created_at=int(created_at),
         status=status,
         background=bool(background),
-        response=orjson.loads(response),
-        input_items=orjson.loads(items),
-        conversation=orjson.loads(conversation),
+        response=json_value(response),
+        input_items=json_value(items),
+        conversation=json_value(conversation),
         lease_until=int(lease),
-        request=orjson.loads(body),
+        request=json_value(body),
         reruns=int(reruns),
     )

@@ -412,3 +412,13 @@ def test_a_conversations_items_are_the_earlier_turns_and_each_turn_is_appended(t
         ("assistant", "Blue."),
     ]
     assert all(item["id"] for item in items)
+
+
+def test_a_body_holding_an_integer_past_64_bits_is_stored(tmp_path: Path) -> None:
+    """A client may send any JSON number in a field the edge ignores: the record (its request as sent,
+    re-run after a restart) is written with it, not refused by the encoder (a 500 before)."""
+    record = lapsed(0)
+    record.request = {**BACKGROUND, "client_field": 2**70 + 1}
+    run(put(tmp_path, record))
+    read = run(stored(tmp_path, record.id))
+    assert read is not None and read.request["client_field"] == 2**70 + 1
