@@ -1,5 +1,6 @@
-"""Issue 47's bar in one stack, through the official openai SDK: an edge (its own SQLite store) and
-a ``--fake-tokens`` worker, both exporting traces to an OTLP collector run by the test. A chat
+"""Issue 47's bar in one stack, through the official openai SDK: ``make run``'s stack (an edge with
+its own SQLite store, a worker serving the default model), both exporting traces to an OTLP
+collector run by the test. A chat
 completion sent with a ``traceparent`` is traced by both services under that trace id; a 5-line
 batch completes with 5 results; a stored response continued with ``previous_response_id`` gets
 more cached tokens than a fresh conversation; a background response is polled to completion."""
@@ -34,15 +35,13 @@ def collector() -> Iterator[tuple[Collector, str]]:
 def client(
     collector: tuple[Collector, str], model_cache: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[openai.OpenAI]:
-    """The SDK's client of an edge and a ``--fake-tokens`` worker that both trace to ``collector``."""
+    """The SDK's client of an edge and a default-model worker that both trace to ``collector``."""
     endpoint = ["--otlp-traces-endpoint", collector[1]]
     folder = tmp_path_factory.mktemp("bar47")
     with pytest.MonkeyPatch.context() as env:
         env.setenv("OTEL_BSP_SCHEDULE_DELAY", "50")  # the processes export within 50 ms, not 5 s
         with (
-            WorkerProcess(
-                cache_dir=model_cache, log_dir=folder, extra=["--fake-tokens", *endpoint]
-            ) as worker,
+            WorkerProcess(cache_dir=model_cache, log_dir=folder, extra=endpoint) as worker,
             EdgeProcess(
                 [worker.address], log_dir=folder, extra=[*endpoint, "--state-dir", str(folder / "state")]
             ) as edge,
@@ -64,7 +63,7 @@ def test_a_traced_chat_a_batch_a_continued_and_a_background_response(
     call = by_name(collector[0].wait_for(TRACE_ID, 2, 4), "sluice-worker")[f"chat {MODEL}"]
     assert call["attributes"]["gen_ai.request.model"] == MODEL
     assert call["attributes"]["gen_ai.usage.input_tokens"] == chat.usage.prompt_tokens
-    assert call["attributes"]["gen_ai.usage.output_tokens"] == chat.usage.completion_tokens == 6
+    assert call["attributes"]["gen_ai.usage.output_tokens"] == chat.usage.completion_tokens > 0
 
     # A 5-line batch completes with 5 results.
     lines = [
@@ -105,4 +104,4 @@ def test_a_traced_chat_a_batch_a_continued_and_a_background_response(
         lambda r: r.status not in ("queued", "in_progress"),
         "it ends",
     )
-    assert ended.status in ("completed", "incomplete") and ended.output_text
+    assert ended.status in ("completed", "incomplete") and ended.usage is not None
