@@ -79,16 +79,17 @@ class ConversationStore:
         """Adds ``items`` (each with an ``id``) after the conversation's last, and keeps the
         conversation ``--state-ttl`` from now."""
         if items:
-            rows = await self.database.fetch(
-                "SELECT MAX(position) FROM conversation_items WHERE conversation_id = ?", (conversation_id,)
-            )
-            first = 0 if rows[0][0] is None else int(rows[0][0]) + 1
-            params: list[Any] = []
+            # One statement numbers the items after the last: two turns appended at once (their
+            # statements run one at a time) never take the same positions.
+            params: list[Any] = [conversation_id, conversation_id]
             for offset, item in enumerate(items):
-                params += [conversation_id, first + offset, item["id"], json_text(item)]
-            values = ", ".join(["(?, ?, ?, ?)"] * len(items))
+                params += [offset, item["id"], json_text(item)]
+            values = ", ".join(["(?, ?, ?)"] * len(items))
             await self.database.execute(
-                f"INSERT INTO conversation_items (conversation_id, position, id, item) VALUES {values}",
+                "INSERT INTO conversation_items (conversation_id, position, id, item) "
+                "SELECT ?, last.next + v.column1, v.column2, v.column3 FROM "
+                "(SELECT COALESCE(MAX(position), -1) + 1 AS next FROM conversation_items "
+                f"WHERE conversation_id = ?) AS last, (VALUES {values}) AS v",
                 params,
             )
         await self.database.execute(

@@ -192,6 +192,26 @@ def test_a_conversations_items_keep_their_order_and_only_its_owner_reaches_it(
     run(opened(place), work)
 
 
+def test_turns_appended_to_a_conversation_at_once_keep_their_items_together(
+    place: dict[str, str | None],
+) -> None:
+    """Two responses naming one conversation end at the same moment: each turn's items are numbered
+    after the last in one statement, so neither takes the other's positions (a unique-key error)."""
+
+    async def work(store: ResponseStore) -> None:
+        conversations = ConversationStore(store.database, 3600.0)
+        await conversations.create(ConversationRecord("conv_b", "key-a", 1, {}), [{"id": "msg_0"}])
+        turns = [[{"id": f"t{turn}_{n}"} for n in range(3)] for turn in range(4)]
+        await asyncio.gather(*(conversations.append("conv_b", turn) for turn in turns))
+        ids = [item["id"] for item in await conversations.items("conv_b")]
+        assert ids[0] == "msg_0" and sorted(ids[1:]) == sorted(i["id"] for turn in turns for i in turn)
+        for turn in turns:  # each turn's items in order, one after another
+            first = ids.index(turn[0]["id"])
+            assert ids[first : first + 3] == [item["id"] for item in turn]
+
+    run(opened(place), work)
+
+
 def test_expired_responses_are_neither_read_nor_kept(place: dict[str, str | None]) -> None:
     async def work(store: ResponseStore) -> None:
         now = int(time.time())
