@@ -106,7 +106,7 @@ run: install
 	$(VENV)/bin/sluice serve
 
 test: install fixtures browser-deps postgres-deps redis-deps
-	$(PY) -m pytest -n 3 --dist loadscope
+	$(PY) -m pytest -n 2 --dist loadscope
 
 # The inner loop: the unit tests that start no process and build no model (under 2 minutes once
 # the default model is converted: the first run of an installation converts it, about 30 s);
