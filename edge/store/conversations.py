@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from edge.store.database import Database, json_text, json_value
+from edge.store.database import Database, Statement, json_text, json_value
 from edge.store.responses import now_ms
 
 
@@ -77,24 +77,8 @@ class ConversationStore:
 
     async def append(self, conversation_id: str, items: list[dict[str, Any]]) -> None:
         """Adds ``items`` (each with an ``id``) after the conversation's last, and keeps the
-        conversation ``--state-ttl`` from now."""
-        if items:
-            # One statement numbers the items after the last: two turns appended at once (their
-            # statements run one at a time) never take the same positions.
-            params: list[Any] = [conversation_id, conversation_id]
-            for offset, item in enumerate(items):
-                params += [offset, item["id"], json_text(item)]
-            values = ", ".join(["(?, ?, ?)"] * len(items))
-            await self.database.execute(
-                "INSERT INTO conversation_items (conversation_id, position, id, item) "
-                "SELECT ?, last.next + v.column1, v.column2, v.column3 FROM "
-                "(SELECT COALESCE(MAX(position), -1) + 1 AS next FROM conversation_items "
-                f"WHERE conversation_id = ?) AS last, (VALUES {values}) AS v",
-                params,
-            )
-        await self.database.execute(
-            "UPDATE conversations SET expires_at = ? WHERE id = ?", (now_ms() + self.ttl_ms, conversation_id)
-        )
+        conversation ``--state-ttl`` from now; nothing when the conversation is gone."""
+        await self.database.transaction(appending(conversation_id, items, now_ms() + self.ttl_ms))
 
     async def items(self, conversation_id: str) -> list[dict[str, Any]]:
         """The conversation's items, in order."""
@@ -118,3 +102,29 @@ class ConversationStore:
             "DELETE FROM conversation_items WHERE conversation_id NOT IN (SELECT id FROM conversations)"
         )
         return deleted
+
+
+def appending(conversation_id: str, items: list[dict[str, Any]], expires_at: int) -> list[Statement]:
+    """The statements of one append, run in one transaction: the conversation's row is changed
+    first, which locks it until the end, so appends through several edges run one after another
+    (each numbers its items after the last one committed: never the same positions twice)."""
+    statements: list[Statement] = [
+        ("UPDATE conversations SET expires_at = ? WHERE id = ?", (expires_at, conversation_id))
+    ]
+    if items:
+        params: list[Any] = [conversation_id, conversation_id]
+        for offset, item in enumerate(items):
+            params += [offset, item["id"], json_text(item)]
+        params.append(conversation_id)
+        values = ", ".join(["(?, ?, ?)"] * len(items))
+        statements.append(
+            (
+                "INSERT INTO conversation_items (conversation_id, position, id, item) "
+                "SELECT ?, last.next + v.column1, v.column2, v.column3 FROM "
+                "(SELECT COALESCE(MAX(position), -1) + 1 AS next FROM conversation_items "
+                f"WHERE conversation_id = ?) AS last, (VALUES {values}) AS v "
+                "WHERE EXISTS (SELECT 1 FROM conversations WHERE id = ?)",
+                params,
+            )
+        )
+    return statements

@@ -28,8 +28,13 @@ def json_value(text: str | bytes) -> Any:
     return json.loads(text)
 
 
+#: One statement and its parameters.
+Statement = tuple[str, Sequence[Any]]
+
+
 class Database(Protocol):
-    """SQL with ``?`` placeholders, run one statement at a time (autocommit)."""
+    """SQL with ``?`` placeholders, run one statement at a time (autocommit), or several in one
+    transaction."""
 
     async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         """Runs one statement; the number of rows it changed."""
@@ -37,6 +42,12 @@ class Database(Protocol):
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         """Runs one query; its rows."""
+        ...
+
+    async def transaction(self, statements: Sequence[Statement]) -> list[int]:
+        """Runs ``statements`` in order in one transaction (all or none); the rows each changed.
+        A row a statement changes stays locked until the end: another edge's transaction that
+        changes it waits (PostgreSQL), and SQLite runs one writing transaction at a time."""
         ...
 
     async def migrate(self) -> int:
@@ -80,6 +91,20 @@ class SqliteDatabase:
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         return list(await self._run(lambda: self._connection.execute(sql, tuple(params)).fetchall()))
+
+    async def transaction(self, statements: Sequence[Statement]) -> list[int]:
+        return list(await self._run(self._transaction, statements))
+
+    def _transaction(self, statements: Sequence[Statement]) -> list[int]:
+        db = self._connection
+        db.execute("BEGIN IMMEDIATE")  # the write lock from the start: no stale read to upgrade
+        try:
+            changed = [db.execute(sql, tuple(params)).rowcount for sql, params in statements]
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return changed
 
     async def migrate(self) -> int:
         return int(await self._run(self._migrate))

@@ -8,7 +8,7 @@ from typing import Any
 
 import psycopg
 
-from edge.store.database import Row, pending, schema_version
+from edge.store.database import Row, Statement, pending, schema_version
 from edge.store.schema import VERSION_TABLE
 
 # The advisory lock every edge takes to migrate: one migrates, the others wait and find it done.
@@ -42,6 +42,16 @@ class PostgresDatabase:
         async with self._lock:
             cursor = await (await self._connected()).execute(_placeholders(sql), tuple(params))
             return list(await cursor.fetchall())
+
+    async def transaction(self, statements: Sequence[Statement]) -> list[int]:
+        async with self._lock:
+            connection = await self._connected()
+            changed = []
+            async with connection.transaction():
+                for sql, params in statements:
+                    cursor = await connection.execute(_placeholders(sql), tuple(params))
+                    changed.append(cursor.rowcount)
+            return changed
 
     async def migrate(self) -> int:
         async with self._lock:

@@ -32,13 +32,17 @@ def place(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[dict[str, 
     if request.param == "sqlite":
         yield {"state_dir": str(tmp_path), "state_url": None}
         return
+    yield {"state_dir": None, "state_url": fresh_database(request.getfixturevalue("postgres_url"))}
+
+
+def fresh_database(server: str) -> str:
+    """The URL of a new, empty database on the session's PostgreSQL server."""
     import psycopg
 
-    server: str = request.getfixturevalue("postgres_url")
     name = f"t{uuid.uuid4().hex[:12]}"
     with psycopg.connect(server, autocommit=True) as admin:
         admin.execute(f"CREATE DATABASE {name}")
-    yield {"state_dir": None, "state_url": server.rsplit("/", 1)[0] + f"/{name}"}
+    return server.rsplit("/", 1)[0] + f"/{name}"
 
 
 def record(identifier: str, owner: str = "key-a", *, size: int = 0, **fields: Any) -> StoredResponse:
@@ -196,7 +200,8 @@ def test_turns_appended_to_a_conversation_at_once_keep_their_items_together(
     place: dict[str, str | None],
 ) -> None:
     """Two responses naming one conversation end at the same moment: each turn's items are numbered
-    after the last in one statement, so neither takes the other's positions (a unique-key error)."""
+    after the last in its append's transaction, so neither takes the other's positions (a
+    unique-key error)."""
 
     async def work(store: ResponseStore) -> None:
         conversations = ConversationStore(store.database, 3600.0)
@@ -210,6 +215,84 @@ def test_turns_appended_to_a_conversation_at_once_keep_their_items_together(
             assert ids[first : first + 3] == [item["id"] for item in turn]
 
     run(opened(place), work)
+
+
+def test_two_edges_appending_to_one_conversation_at_once_land_every_turn_in_order(
+    place: dict[str, str | None],
+) -> None:
+    """Two edges (two connections) append turns to one conversation at the same moments: every
+    turn lands, its items together, none lost to a unique-key error."""
+
+    async def work() -> None:
+        edges = [await open_store(place["state_dir"], place["state_url"], Retention(DAY_S, 0)) for _ in "ab"]
+        try:
+            stores = [ConversationStore(edge.database, 3600.0) for edge in edges]
+            await stores[0].create(ConversationRecord("conv_d", "key-a", 1, {}), [{"id": "msg_0"}])
+            turns = [[{"id": f"t{turn}_{n}"} for n in range(2)] for turn in range(8)]
+            for pair in range(0, len(turns), 2):
+                await asyncio.gather(
+                    stores[0].append("conv_d", turns[pair]), stores[1].append("conv_d", turns[pair + 1])
+                )
+            ids = [item["id"] for item in await stores[1].items("conv_d")]
+            assert len(ids) == 17 and sorted(ids[1:]) == sorted(i["id"] for turn in turns for i in turn)
+            for turn in turns:
+                first = ids.index(turn[0]["id"])
+                assert ids[first : first + 2] == [item["id"] for item in turn]
+        finally:
+            for edge in edges:
+                await edge.database.close()
+
+    asyncio.run(work())
+
+
+def test_an_append_waits_for_another_edges_append_in_flight_on_postgresql(postgres_url: str) -> None:
+    """Another edge's append holds its transaction open (the conversation's row changed, an item
+    inserted after the last): this edge's append waits for it, then numbers its item after that
+    one (numbered without waiting, it took the same position: a unique-key error, a lost turn)."""
+    import psycopg
+
+    url = fresh_database(postgres_url)
+
+    async def work() -> list[str]:
+        store = await open_store(None, url, Retention(DAY_S, 0))
+        conversations = ConversationStore(store.database, 3600.0)
+        other = await psycopg.AsyncConnection.connect(url)  # not autocommit: one open transaction
+        try:
+            await conversations.create(ConversationRecord("conv_e", "key-a", 1, {}), [{"id": "msg_0"}])
+            await other.execute("UPDATE conversations SET expires_at = expires_at WHERE id = 'conv_e'")
+            await other.execute(
+                "INSERT INTO conversation_items (conversation_id, position, id, item) "
+                """VALUES ('conv_e', 1, 'msg_other', '{"id":"msg_other"}')"""
+            )
+            appending = asyncio.create_task(conversations.append("conv_e", [{"id": "msg_mine"}]))
+            await _until_a_session_waits_for_a_lock(url)
+            await other.commit()
+            await appending
+            return [item["id"] for item in await conversations.items("conv_e")]
+        finally:
+            await other.close()
+            await store.database.close()
+
+    assert asyncio.run(work()) == ["msg_0", "msg_other", "msg_mine"]
+
+
+async def _until_a_session_waits_for_a_lock(url: str, within_s: float = 30.0) -> None:
+    """Returns once a session of ``url``'s database waits for a lock (the condition the test waits
+    on, read from ``pg_stat_activity``); fails after ``within_s``."""
+    import psycopg
+
+    deadline = time.monotonic() + within_s
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True) as watcher:
+        while True:
+            cursor = await watcher.execute(
+                "SELECT count(*) FROM pg_stat_activity "
+                "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+            )
+            row = await cursor.fetchone()
+            if row is not None and row[0] > 0:
+                return
+            assert time.monotonic() < deadline, "no session came to wait for the lock"
+            await asyncio.sleep(0.02)
 
 
 def test_expired_responses_are_neither_read_nor_kept(place: dict[str, str | None]) -> None:
