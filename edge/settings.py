@@ -389,7 +389,8 @@ class Settings:
     state_max_bytes: int = setting(
         1024**3,
         int_at_least(0),
-        "most bytes all stored responses may hold; above it the oldest are deleted first (0 = no limit)",
+        "most bytes stored responses (with their stream events) and conversations may hold together; "
+        "above it the purge deletes what expires soonest first (0 = no limit)",
     )
     state_lease_s: float = setting(
         30.0,

@@ -1,5 +1,6 @@
 """Conversations: one row per conversation (its owner, metadata and expiry) and its items in order;
-read and changed only by the key that made it, kept ``--state-ttl`` after their last change."""
+read and changed only by the key that made it, kept ``--state-ttl`` after their last change and
+counted against ``--state-max-bytes`` (:mod:`edge.store.budget`)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,11 @@ class ConversationStore:
 
     async def create(self, record: ConversationRecord, items: list[dict[str, Any]]) -> None:
         """Inserts ``record`` and its first ``items``."""
+        metadata = json_text(record.metadata)
         await self.database.execute(
-            "INSERT INTO conversations (id, owner, created_at, expires_at, metadata) VALUES (?, ?, ?, ?, ?)",
-            (record.id, record.owner, record.created_at, now_ms() + self.ttl_ms, json_text(record.metadata)),
+            "INSERT INTO conversations (id, owner, created_at, expires_at, metadata, size_bytes) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (record.id, record.owner, record.created_at, now_ms() + self.ttl_ms, metadata, _size(metadata)),
         )
         await self.append(record.id, items)
 
@@ -58,9 +61,10 @@ class ConversationStore:
 
     async def update(self, conversation_id: str, owner: str, metadata: dict[str, str]) -> bool:
         """Replaces the owner's conversation's metadata; False when there is none."""
+        text = json_text(metadata)
         changed = await self.database.execute(
-            "UPDATE conversations SET metadata = ? WHERE id = ? AND owner = ?",
-            (json_text(metadata), conversation_id, owner),
+            "UPDATE conversations SET metadata = ?, size_bytes = ? WHERE id = ? AND owner = ?",
+            (text, _size(text), conversation_id, owner),
         )
         return changed > 0
 
@@ -114,13 +118,14 @@ def appending(conversation_id: str, items: list[dict[str, Any]], expires_at: int
     if items:
         params: list[Any] = [conversation_id, conversation_id]
         for offset, item in enumerate(items):
-            params += [offset, item["id"], json_text(item)]
+            text = json_text(item)
+            params += [offset, item["id"], text, _size(text)]
         params.append(conversation_id)
-        values = ", ".join(["(?, ?, ?)"] * len(items))
+        values = ", ".join(["(?, ?, ?, ?)"] * len(items))
         statements.append(
             (
-                "INSERT INTO conversation_items (conversation_id, position, id, item) "
-                "SELECT ?, last.next + v.column1, v.column2, v.column3 FROM "
+                "INSERT INTO conversation_items (conversation_id, position, id, item, size_bytes) "
+                "SELECT ?, last.next + v.column1, v.column2, v.column3, v.column4 FROM "
                 "(SELECT COALESCE(MAX(position), -1) + 1 AS next FROM conversation_items "
                 f"WHERE conversation_id = ?) AS last, (VALUES {values}) AS v "
                 "WHERE EXISTS (SELECT 1 FROM conversations WHERE id = ?)",
@@ -128,3 +133,8 @@ def appending(conversation_id: str, items: list[dict[str, Any]], expires_at: int
             )
         )
     return statements
+
+
+def _size(text: str) -> int:
+    """The bytes a JSON text holds, counted against ``--state-max-bytes``."""
+    return len(text.encode())

@@ -1,6 +1,6 @@
 """The stream events of background responses run with ``stream: true``: appended as they are made,
 read after a sequence number (a client reconnecting with ``starting_after``), deleted with their
-response."""
+response, counted with it against ``--state-max-bytes`` (:mod:`edge.store.budget`)."""
 
 from __future__ import annotations
 
@@ -20,12 +20,13 @@ class EventStore:
         """Stores ``events``, each under its ``sequence_number``, in one statement."""
         if not events:
             return
-        values = ", ".join(["(?, ?, ?)"] * len(events))
+        values = ", ".join(["(?, ?, ?, ?)"] * len(events))
         params: list[Any] = []
         for event in events:
-            params += [response_id, int(event["sequence_number"]), json_text(event)]
+            text = json_text(event)
+            params += [response_id, int(event["sequence_number"]), text, len(text.encode())]
         await self.database.execute(
-            f"INSERT INTO response_events (response_id, seq, event) VALUES {values}", params
+            f"INSERT INTO response_events (response_id, seq, event, size_bytes) VALUES {values}", params
         )
 
     async def after(self, response_id: str, seq: int) -> list[dict[str, Any]]:

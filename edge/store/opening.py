@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from edge.store.batches import BatchStore
+from edge.store.budget import evict_over
 from edge.store.conversations import ConversationStore
 from edge.store.database import Database, SqliteDatabase
 from edge.store.events import EventStore
@@ -39,14 +40,15 @@ async def open_store(state_dir: str | None, state_url: str | None, retention: Re
 
 
 async def purge(store: ResponseStore) -> int:
-    """Deletes what expired: responses (and the oldest over the size limit) with their stream
-    events, conversations, files, batches."""
+    """Deletes what expired: responses with their stream events, conversations, files, batches;
+    then, over ``--state-max-bytes``, the responses and conversations that expire soonest."""
     ttl_s = store.retention.ttl_s
     deleted = await store.purge()
     deleted += await EventStore(store.database).purge()
     deleted += await ConversationStore(store.database, ttl_s).purge()
     deleted += await FileStore(store.database, ttl_s).purge()
-    return deleted + await BatchStore(store.database, ttl_s).purge()
+    deleted += await BatchStore(store.database, ttl_s).purge()
+    return deleted + await evict_over(store.database, store.retention.max_bytes)
 
 
 class StoreHandle:

@@ -1,5 +1,5 @@
 """Stored Responses: one row per response, readable only by the key that made it, kept until
-``--state-ttl`` after its creation and within ``--state-max-bytes`` (oldest evicted first)."""
+``--state-ttl`` after its creation and within ``--state-max-bytes`` (:mod:`edge.store.budget`)."""
 
 from __future__ import annotations
 
@@ -56,8 +56,8 @@ class StoredResponse:
 
 @dataclass(frozen=True)
 class Retention:
-    """How long responses are kept (``ttl_s``) and how many bytes they may hold in all
-    (``max_bytes``, 0 = no limit)."""
+    """How long responses are kept (``ttl_s``) and how many bytes responses, their stream events
+    and conversations may hold in all (``max_bytes``, 0 = no limit: :mod:`edge.store.budget`)."""
 
     ttl_s: float
     max_bytes: int
@@ -171,16 +171,8 @@ class ResponseStore:
         return claimed
 
     async def purge(self) -> int:
-        """Deletes the expired responses, then the oldest while all of them hold more than
-        ``max_bytes``; how many were deleted."""
-        deleted = await self.database.execute("DELETE FROM responses WHERE expires_at <= ?", (now_ms(),))
-        if self.retention.max_bytes > 0:
-            deleted += await self.database.execute(
-                "DELETE FROM responses WHERE id IN (SELECT id FROM (SELECT id, SUM(size_bytes) OVER "
-                "(ORDER BY created_at DESC, id DESC) AS kept FROM responses) AS ranked WHERE kept > ?)",
-                (self.retention.max_bytes,),
-            )
-        return deleted
+        """Deletes the expired responses; how many."""
+        return await self.database.execute("DELETE FROM responses WHERE expires_at <= ?", (now_ms(),))
 
 
 _RUNNING_SQL = "(" + ", ".join(f"'{status}'" for status in RUNNING) + ")"

@@ -101,4 +101,15 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
         )""",
         "CREATE UNIQUE INDEX conversation_items_id ON conversation_items (conversation_id, id)",
     ),
+    (
+        # Conversations (their metadata, each item) and stream events count against
+        # --state-max-bytes like responses: each row's JSON bytes. Rows written before are
+        # counted by their length in characters (the same for ASCII).
+        "ALTER TABLE conversations ADD COLUMN size_bytes BIGINT NOT NULL DEFAULT 0",
+        "ALTER TABLE conversation_items ADD COLUMN size_bytes BIGINT NOT NULL DEFAULT 0",
+        "ALTER TABLE response_events ADD COLUMN size_bytes BIGINT NOT NULL DEFAULT 0",
+        "UPDATE conversations SET size_bytes = LENGTH(metadata)",
+        "UPDATE conversation_items SET size_bytes = LENGTH(item)",
+        "UPDATE response_events SET size_bytes = LENGTH(event)",
+    ),
 )

@@ -18,7 +18,7 @@ from edge.store.conversations import ConversationRecord, ConversationStore
 from edge.store.database import SQLITE_FILE, Database, SqliteDatabase
 from edge.store.events import EventStore
 from edge.store.files import FileStore, StoredFile
-from edge.store.opening import connect, open_store
+from edge.store.opening import connect, open_store, purge
 from edge.store.responses import ResponseStore, Retention, StoredResponse, now_ms
 from edge.store.schema import MIGRATIONS
 
@@ -312,11 +312,50 @@ def test_over_the_size_limit_the_oldest_responses_go_first(place: dict[str, str 
         now = int(time.time())
         for age, name in ((30, "resp_a"), (20, "resp_b"), (10, "resp_c")):
             await store.put(record(name, created_at=now - age, size=1000))
-        assert await store.purge() == 1
+        assert await purge(store) == 1
         return [name for name in ("resp_a", "resp_b", "resp_c") if await store.get(name, "key-a")]
 
     # Each row holds a little over 1000 bytes: two fit in 2500, three do not.
     assert run(opened(place, Retention(ttl_s=DAY_S, max_bytes=2500)), work) == ["resp_b", "resp_c"]
+
+
+def test_conversations_and_stream_events_count_against_the_size_limit(place: dict[str, str | None]) -> None:
+    """One bound for responses with their stream events and conversations with their items: over
+    it, what expires soonest goes first, whole (a response with its events, a conversation with
+    its items)."""
+
+    async def work(store: ResponseStore) -> dict[str, bool]:
+        now, conversations = int(time.time()), ConversationStore(store.database, DAY_S)
+        old = ConversationRecord("conv_old", "key-a", now - 60, {})
+        await conversations.create(old, [{"id": "msg_o", "text": "o" * 1000}])  # ~1000 bytes
+        # Its last change a minute ago: it expires before every response made since.
+        await store.database.execute("UPDATE conversations SET expires_at = expires_at - 60000")
+        await store.put(record("resp_a", created_at=now - 30, size=300))  # ~400 bytes ...
+        events = [{"sequence_number": n, "delta": "e" * 200} for n in range(5)]
+        await EventStore(store.database).append("resp_a", events)  # ... and ~1200 of events
+        await store.put(record("resp_c", created_at=now - 10, size=1000))  # ~1100 bytes
+        new = ConversationRecord("conv_new", "key-a", now, {})
+        await conversations.create(new, [{"id": "msg_n", "text": "n" * 200}])  # ~230 bytes
+        assert await purge(store) == 2
+        return {
+            "resp_a": await store.get("resp_a", "key-a") is not None,
+            "resp_a events": await EventStore(store.database).after("resp_a", -1) != [],
+            "resp_c": await store.get("resp_c", "key-a") is not None,
+            "conv_old": await conversations.get("conv_old", "key-a") is not None,
+            "conv_old items": await conversations.items("conv_old") != [],
+            "conv_new": await conversations.get("conv_new", "key-a") is not None,
+        }
+
+    # conv_new and resp_c fit in 2500 bytes; resp_a with its events does not, nor conv_old after it.
+    kept = run(opened(place, Retention(ttl_s=DAY_S, max_bytes=2500)), work)
+    assert kept == {
+        "resp_a": False,
+        "resp_a events": False,
+        "resp_c": True,
+        "conv_old": False,
+        "conv_old items": False,
+        "conv_new": True,
+    }
 
 
 def test_sqlite_keeps_its_file_in_the_state_dir(tmp_path: Path) -> None:
