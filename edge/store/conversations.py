@@ -82,7 +82,14 @@ class ConversationStore:
     async def append(self, conversation_id: str, items: list[dict[str, Any]]) -> None:
         """Adds ``items`` (each with an ``id``) after the conversation's last, and keeps the
         conversation ``--state-ttl`` from now; nothing when the conversation is gone."""
-        await self.database.transaction(appending(conversation_id, items, now_ms() + self.ttl_ms))
+        await self.database.transaction(self.appending(conversation_id, items))
+
+    def appending(
+        self, conversation_id: str, items: list[dict[str, Any]], only_if: Statement | None = None
+    ) -> list[Statement]:
+        """The statements of :meth:`append`, for a caller's transaction; with ``only_if`` (an SQL
+        condition and its parameters) the items are added only where it holds."""
+        return appending(conversation_id, items, now_ms() + self.ttl_ms, only_if)
 
     async def items(self, conversation_id: str) -> list[dict[str, Any]]:
         """The conversation's items, in order."""
@@ -108,7 +115,9 @@ class ConversationStore:
         return deleted
 
 
-def appending(conversation_id: str, items: list[dict[str, Any]], expires_at: int) -> list[Statement]:
+def appending(
+    conversation_id: str, items: list[dict[str, Any]], expires_at: int, only_if: Statement | None = None
+) -> list[Statement]:
     """The statements of one append, run in one transaction: the conversation's row is changed
     first, which locks it until the end, so appends through several edges run one after another
     (each numbers its items after the last one committed: never the same positions twice)."""
@@ -121,6 +130,10 @@ def appending(conversation_id: str, items: list[dict[str, Any]], expires_at: int
             text = json_text(item)
             params += [offset, item["id"], text, _size(text)]
         params.append(conversation_id)
+        condition = ""
+        if only_if is not None:
+            condition = f" AND {only_if[0]}"
+            params += only_if[1]
         values = ", ".join(["(?, ?, ?, ?)"] * len(items))
         statements.append(
             (
@@ -128,7 +141,7 @@ def appending(conversation_id: str, items: list[dict[str, Any]], expires_at: int
                 "SELECT ?, last.next + v.column1, v.column2, v.column3, v.column4 FROM "
                 "(SELECT COALESCE(MAX(position), -1) + 1 AS next FROM conversation_items "
                 f"WHERE conversation_id = ?) AS last, (VALUES {values}) AS v "
-                "WHERE EXISTS (SELECT 1 FROM conversations WHERE id = ?)",
+                f"WHERE EXISTS (SELECT 1 FROM conversations WHERE id = ?){condition}",
                 params,
             )
         )

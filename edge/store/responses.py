@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from edge.store.database import Database, json_text, json_value
+from edge.store.database import Database, Statement, json_text, json_value
 
 #: A background response's statuses while it runs; the others are final.
 RUNNING = ("queued", "in_progress")
@@ -110,11 +111,13 @@ class ResponseStore:
             await self.database.execute("DELETE FROM response_events WHERE response_id = ?", (response_id,))
         return changed > 0
 
-    async def finish(self, record: StoredResponse) -> bool:
+    async def finish(self, record: StoredResponse, along: Sequence[Statement] = ()) -> bool:
         """Writes a running response's new state (final, or ``in_progress`` with its lease); False
-        when it is no longer running (cancelled, deleted or expired meanwhile): nothing changes."""
+        when it is no longer running (cancelled, deleted or expired meanwhile): nothing changes.
+        ``along``, statements that check :meth:`still_running`, run in the same transaction
+        before it, the response's row locked: they take effect exactly when the state is written."""
         response, _, conversation, _ = record._json()
-        changed = await self.database.execute(
+        write: Statement = (
             "UPDATE responses SET status = ?, response = ?, conversation = ?, size_bytes = ?, "
             f"lease_until = ? WHERE id = ? AND status IN {_RUNNING_SQL}",
             (
@@ -126,7 +129,18 @@ class ResponseStore:
                 record.id,
             ),
         )
-        return changed > 0
+        if not along:
+            return await self.database.execute(*write) > 0
+        lock: Statement = (
+            f"UPDATE responses SET lease_until = lease_until WHERE id = ? AND status IN {_RUNNING_SQL}",
+            (record.id,),
+        )
+        return (await self.database.transaction([lock, *along, write]))[-1] > 0
+
+    @staticmethod
+    def still_running(response_id: str) -> Statement:
+        """An SQL condition (and its parameters): the response is still running."""
+        return f"EXISTS (SELECT 1 FROM responses WHERE id = ? AND status IN {_RUNNING_SQL})", [response_id]
 
     async def cancel(self, response_id: str, owner: str, response: dict[str, Any]) -> bool:
         """Marks the owner's running background response ``cancelled`` with ``response``; False

@@ -4,7 +4,7 @@ default worker, with two API keys. Each scenario runs on both: store, retrieve, 
 delete; a continuation with ``previous_response_id`` served from the prefix cache; a background
 response polled to its end; a streamed one followed again from a sequence number; a cancelled
 one stopping its worker call; one key never reaching another's responses; a conversation whose
-turns are appended by the responses that name it."""
+turns are appended by the responses that name it, a background one's once it ends."""
 
 from __future__ import annotations
 
@@ -260,3 +260,24 @@ def test_a_conversation_keeps_each_turn_and_only_its_key_reaches_it(
     assert alice.conversations.delete(conv.id).deleted
     with pytest.raises(openai.NotFoundError):
         alice.conversations.retrieve(conv.id)
+
+
+def test_a_background_response_on_a_conversation_appends_its_turn_when_it_ends(alice: openai.OpenAI) -> None:
+    conv = alice.conversations.create(items=[{"type": "message", "role": "user", "content": "I am Ada."}])
+    job = alice.responses.create(
+        model=MODEL, input="Who am I?", conversation=conv.id, background=True, max_output_tokens=3
+    )
+    assert job.status == "queued" and job.conversation is not None and job.conversation.id == conv.id
+    done = poll(
+        lambda: alice.responses.retrieve(job.id),
+        lambda r: r.status not in ("queued", "in_progress"),
+        "it ends",
+    )
+    assert done.status in ("completed", "incomplete")
+    items = list(alice.conversations.items.list(conv.id, order="asc"))
+    assert [(item.type, item.role) for item in items] == [  # type: ignore[union-attr]
+        ("message", "user"),
+        ("message", "user"),
+        ("message", "assistant"),
+    ]
+    assert items[2].content[0].text == done.output_text  # type: ignore[union-attr]

@@ -123,6 +123,30 @@ def test_a_cancelled_background_response_keeps_its_end_when_the_run_finishes(
     run(opened(place), work)
 
 
+def test_a_background_responses_turn_is_appended_with_its_end_and_only_then(
+    place: dict[str, str | None],
+) -> None:
+    """A background response naming a conversation: its turn goes in with the write of its end,
+    in one transaction; a response no longer running (cancelled, or ended by another run) writes
+    nothing and appends nothing."""
+
+    async def work(store: ResponseStore) -> list[str]:
+        conversations = ConversationStore(store.database, 3600.0)
+        await conversations.create(ConversationRecord("conv_f", "key-a", 1, {}), [{"id": "msg_0"}])
+        for name in ("resp_ends", "resp_cancelled"):
+            await store.put(record(name, status="in_progress", background=True))
+        assert await store.cancel("resp_cancelled", "key-a", {"status": "cancelled"})
+        # The last: a second run of the same response ending after the first.
+        ends = (("resp_ends", True), ("resp_cancelled", False), ("resp_ends", False))
+        for number, (name, writes) in enumerate(ends):
+            items = [{"id": f"t{number}_{n}"} for n in "ab"]
+            turn = conversations.appending("conv_f", items, store.still_running(name))
+            assert await store.finish(record(name, status="completed", background=True), turn) is writes
+        return [item["id"] for item in await conversations.items("conv_f")]
+
+    assert run(opened(place), work) == ["msg_0", "t0_a", "t0_b"]
+
+
 def test_a_running_response_whose_lease_ran_out_is_taken_over_by_one_edge(
     place: dict[str, str | None],
 ) -> None:

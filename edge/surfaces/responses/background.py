@@ -1,18 +1,21 @@
 """Background Responses (``background: true``): stored as ``queued`` with their request and answered
 at once, then run to their end in a task of the edge that took them (the caller may leave), their
 lease renewed in the store; a cancel or delete through any edge stops them; an edge that stops
-gives them back (:mod:`edge.surfaces.responses.resume` re-runs them). docs/http.md, "Stored Responses"."""
+gives them back (:mod:`edge.surfaces.responses.resume` re-runs them); one naming a ``conversation``
+appends its turn with its end, completed or incomplete. docs/http.md, "Stored Responses"."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from edge.errors import EdgeError
 from edge.state import current_state
+from edge.store.conversations import ConversationStore
+from edge.store.database import Statement
 from edge.store.events import EventStore
 from edge.store.responses import ResponseStore, StoredResponse, now_ms
 from edge.surfaces.answer import Translator, run_rewritten
@@ -20,11 +23,13 @@ from edge.surfaces.responses.events import EventLog
 from edge.surfaces.responses.request import (
     ParsedResponsesRequest,
     build_responses_request,
+    conversation_id,
     input_items,
     validate_responses_request,
 )
 from edge.surfaces.responses.stored import current_store, ended, record_of
 from edge.surfaces.responses.translate import ResponsesTranslator
+from edge.surfaces.responses.turns import turn_items
 
 log = logging.getLogger("sluice.edge")
 
@@ -127,7 +132,7 @@ class _Run:
             await self._write("in_progress", self.record.response, self.lease.until())
             sink = self.log.add if self.log is not None else None
             result = await run_rewritten(self.parsed, self.translator, sink)
-            await self._end(result["status"], result)
+            await self._end(result["status"], result, self._turn(result))
         except EdgeError as error:
             failure = {"code": str(error.code or error.type), "message": error.message}
             await self._end("failed", ended(self.record.response, "failed", failure))
@@ -138,16 +143,29 @@ class _Run:
             for helper in helpers:
                 helper.cancel()
 
-    async def _end(self, status: str, response: dict[str, Any]) -> None:
-        """Writes the events still kept, then ``status`` with no lease."""
+    async def _end(self, status: str, response: dict[str, Any], along: Sequence[Statement] = ()) -> None:
+        """Writes the events still kept, then ``status`` with no lease (and ``along`` with it)."""
         if self.log is not None:
             await self.log.flush()
-        await self._write(status, response, 0)
+        await self._write(status, response, 0, along)
 
-    async def _write(self, status: str, response: dict[str, Any], lease_until: int) -> None:
+    async def _write(
+        self, status: str, response: dict[str, Any], lease_until: int, along: Sequence[Statement] = ()
+    ) -> None:
         record = record_of(self.parsed, {**response, "status": status}, self.record.owner, self.history)
         record.request, record.lease_until = self.record.request, lease_until
-        await self.store.finish(record)
+        await self.store.finish(record, along)
+
+    def _turn(self, result: dict[str, Any]) -> list[Statement]:
+        """The append of this turn to the conversation the request names (none: no statements),
+        written with the run's end: only if this run writes it (a response cancelled, deleted or
+        ended by another run meanwhile appends nothing), and seen by every poll that sees it."""
+        conversation = conversation_id(self.parsed.request)
+        if conversation is None:
+            return []
+        store = ConversationStore(self.store.database, self.store.retention.ttl_s)
+        only_if = self.store.still_running(self.record.id)
+        return store.appending(conversation, turn_items(self.parsed, result), only_if)
 
     async def _renew(self, task: asyncio.Task[None]) -> None:
         """Renews the lease every third of it; cancels ``task`` once the response is no longer

@@ -175,8 +175,6 @@ def validate_responses_request(body: Any) -> ResponsesRequest:
         conversation_id(request)  # its shape
         if request.previous_response_id is not None:
             raise bad("conversation", "cannot be used with 'previous_response_id'")
-        if request.background:
-            raise unsupported("conversation", "'conversation' with 'background: true' is not supported.")
     if request.background and request.store is False:
         raise bad("background", "needs 'store' (a background response is read back by polling)")
     return request

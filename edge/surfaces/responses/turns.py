@@ -25,4 +25,9 @@ async def append_turn(
     store: ConversationStore, conversation: str, parsed: ParsedResponsesRequest, result: dict[str, Any]
 ) -> None:
     """Appends this turn's input items, then the response's output items, to ``conversation``."""
-    await store.append(conversation, [*numbered(input_items(parsed.request)), *replayable(result["output"])])
+    await store.append(conversation, turn_items(parsed, result))
+
+
+def turn_items(parsed: ParsedResponsesRequest, result: dict[str, Any]) -> list[dict[str, Any]]:
+    """The items one turn appends to its conversation: its input items, then its output items."""
+    return [*numbered(input_items(parsed.request)), *replayable(result["output"])]

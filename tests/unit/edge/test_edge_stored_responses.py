@@ -414,6 +414,51 @@ def test_a_conversations_items_are_the_earlier_turns_and_each_turn_is_appended(t
     assert all(item["id"] for item in items)
 
 
+def test_a_background_response_appends_its_turn_when_it_ends_and_a_cancelled_one_nothing(
+    tmp_path: Path,
+) -> None:
+    fake = FakeWorker()
+    fake.script_for = lambda request: (  # the first call answers, the second hangs until cancelled
+        [started(), content("Blue."), finished(), usage()] if fake.calls_started == 1 else [started(), Hang()]
+    )
+
+    async def scenario() -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        async with (
+            running_worker(fake) as address,
+            running_edge([address], state_dir=str(tmp_path)) as base,
+            httpx.AsyncClient() as client,
+        ):
+            first = [{"role": "user", "content": "Name a color."}]
+            conv = (await client.post(f"{base}/v1/conversations", json={"items": first})).json()
+            turn = {**BACKGROUND, "input": "And now?", "conversation": conv["id"]}
+            job = (await client.post(f"{base}/v1/responses", json=turn)).json()
+            assert job["status"] == "queued" and job["conversation"] == {"id": conv["id"]}
+            done = await polled_to_its_end(base, job["id"])
+            hanging = (await client.post(f"{base}/v1/responses", json={**turn, "input": "More?"})).json()
+            await wait_for(lambda: fake.calls_started == 2)
+            await client.post(f"{base}/v1/responses/{hanging['id']}/cancel")
+            await asyncio.wait_for(fake.cancelled.wait(), 10)
+            assert (await polled_to_its_end(base, hanging["id"]))["status"] == "cancelled"
+            page = await client.get(f"{base}/v1/conversations/{conv['id']}/items", params={"order": "asc"})
+            return done, list(page.json()["data"])
+
+    done, items = run(scenario())
+    assert done["status"] == "completed"
+    # The completed turn's input and output after the conversation's item; the cancelled one's not.
+    assert [(item["role"], item["content"][0]["text"]) for item in items] == [
+        ("user", "Name a color."),
+        ("user", "And now?"),
+        ("assistant", "Blue."),
+    ]
+    # The hanging run's prompt held the completed turn: the earlier turns of the conversation.
+    assert [m.content for m in fake.requests[1].chat.messages] == [
+        "Name a color.",
+        "And now?",
+        "Blue.",
+        "More?",
+    ]
+
+
 def test_a_body_holding_an_integer_past_64_bits_is_stored(tmp_path: Path) -> None:
     """A client may send any JSON number in a field the edge ignores: the record (its request as sent,
     re-run after a restart) is written with it, not refused by the encoder (a 500 before)."""

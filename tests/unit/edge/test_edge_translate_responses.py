@@ -237,7 +237,6 @@ def test_request_items_become_chat_messages() -> None:
         ({"conversation": 5}, "conversation", "invalid_value"),
         ({"conversation": {"id": 5}}, "conversation", "invalid_value"),
         ({"conversation": "conv_1", "previous_response_id": "resp_1"}, "conversation", "invalid_value"),
-        ({"conversation": "conv_1", "background": True}, "conversation", "unsupported_parameter"),
         ({"background": True, "store": False}, "background", "invalid_value"),
         ({"input": 5}, "input", "invalid_value"),
         ({"input": []}, "input", "invalid_value"),
