@@ -2,8 +2,9 @@
 its own SQLite store, a worker serving the default model), both exporting traces to an OTLP
 collector run by the test. A chat
 completion sent with a ``traceparent`` is traced by both services under that trace id; a 5-line
-batch completes with 5 results; a stored response continued with ``previous_response_id`` gets
-more cached tokens than a fresh conversation; a background response is polled to completion."""
+batch completes with 5 results; a stored response continued with ``previous_response_id`` (the
+earlier turn in its prompt) gets more cached tokens than a fresh conversation, and is retrieved and
+deleted; a background response is polled to completion."""
 
 from __future__ import annotations
 
@@ -88,13 +89,19 @@ def test_a_traced_chat_a_batch_a_continued_and_a_background_response(
     assert done.output_file_id is not None
     assert len(client.files.content(done.output_file_id).text.splitlines()) == 5
 
-    # A stored response continued: the earlier turn comes from the prefix cache.
+    # A stored response continued: the earlier turn is in the prompt, from the prefix cache; the
+    # continuation is retrieved, then deleted.
     settings: dict[str, Any] = {"model": MODEL, "instructions": SYSTEM, "max_output_tokens": 8}
     first = client.responses.create(input=FIRST, **settings)
     fresh = client.responses.create(input="Which color is the sky?", **settings)
     follow = client.responses.create(input="And for the cushions?", previous_response_id=first.id, **settings)
-    assert follow.usage is not None and fresh.usage is not None
+    assert follow.usage is not None and fresh.usage is not None and first.usage is not None
+    assert follow.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
     assert follow.usage.input_tokens_details.cached_tokens > fresh.usage.input_tokens_details.cached_tokens
+    assert client.responses.retrieve(follow.id).output_text == follow.output_text
+    client.responses.delete(follow.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(follow.id)
 
     # A background response answers at once and is polled to completion.
     job = client.responses.create(model=MODEL, input="Name a color.", background=True, max_output_tokens=4)

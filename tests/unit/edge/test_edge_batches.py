@@ -123,7 +123,9 @@ async def serving(fake: FakeWorker, **settings: Any) -> AsyncIterator[tuple[str,
         yield base, client
 
 
-async def _submit(client: httpx.AsyncClient, base: str, items: list[dict[str, Any]], key: str = "") -> str:
+async def _submit(
+    client: httpx.AsyncClient, base: str, items: list[dict[str, Any]], key: str = "", endpoint: str = CHAT
+) -> str:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     upload = await client.post(
         f"{base}/v1/files",
@@ -132,7 +134,7 @@ async def _submit(client: httpx.AsyncClient, base: str, items: list[dict[str, An
         headers=headers,
     )
     assert upload.status_code == 200, upload.text
-    body = {"input_file_id": upload.json()["id"], "endpoint": CHAT, "completion_window": "24h"}
+    body = {"input_file_id": upload.json()["id"], "endpoint": endpoint, "completion_window": "24h"}
     created = await client.post(f"{base}/v1/batches", json=body, headers=headers)
     assert created.status_code == 200, created.text
     return str(created.json()["id"])
@@ -166,6 +168,34 @@ def test_lines_run_as_their_owner_at_the_batch_priority(tmp_path: Path) -> None:
 async def _ended(client: httpx.AsyncClient, base: str, batch_id: str, key: str = "") -> bool:
     status = (await _batch(client, base, batch_id, key))["status"]
     return status in ("completed", "failed", "cancelled", "expired")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "kind"),
+    [
+        ("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}, "text_completion"),
+        ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2}, "response"),
+    ],
+)
+def test_completions_and_responses_lines_are_answered_in_their_own_shapes(
+    tmp_path: Path, endpoint: str, body: dict[str, Any], kind: str
+) -> None:
+    fake = FakeWorker(script=ANSWER)
+
+    async def scenario() -> tuple[dict[str, Any], dict[str, Any]]:
+        async with serving(fake, state_dir=str(tmp_path)) as (base, client):
+            item = {"custom_id": "a", "method": "POST", "url": endpoint, "body": body}
+            batch_id = await _submit(client, base, [item], endpoint=endpoint)
+            await wait_for(lambda: _ended(client, base, batch_id), 20)
+            done = await _batch(client, base, batch_id)
+            output = await client.get(f"{base}/v1/files/{done['output_file_id']}/content")
+            return done, json.loads(output.text)
+
+    done, answered = run(scenario(), 30)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 1
+    assert answered["custom_id"] == "a" and answered["response"]["status_code"] == 200
+    assert answered["response"]["body"]["object"] == kind
+    assert [request.priority for request in fake.requests] == [INT32_MAX]  # at the batch priority
 
 
 def test_at_most_batch_concurrency_lines_run_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
