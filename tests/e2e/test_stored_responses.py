@@ -4,7 +4,8 @@ default worker, with two API keys. Each scenario runs on both: store, retrieve, 
 delete; a continuation with ``previous_response_id`` served from the prefix cache; a background
 response polled to its end; a streamed one followed again from a sequence number; a cancelled
 one stopping its worker call; one key never reaching another's responses; a conversation whose
-turns are appended by the responses that name it, a background one's once it ends."""
+turns are appended by the responses that name it, a background one's once it ends; on
+PostgreSQL, a second edge serving what the first stored."""
 
 from __future__ import annotations
 
@@ -281,3 +282,39 @@ def test_a_background_response_on_a_conversation_appends_its_turn_when_it_ends(a
         ("message", "assistant"),
     ]
     assert items[2].content[0].text == done.output_text  # type: ignore[union-attr]
+
+
+def test_two_edges_on_one_postgresql_serve_each_others_state(
+    request: pytest.FixtureRequest,
+    edge: EdgeProcess,
+    alice: openai.OpenAI,
+    default_worker: WorkerProcess,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """A second edge on the same PostgreSQL reads, continues, polls and deletes what the first
+    stored, and appends to its conversation."""
+    if request.node.callspec.params["edge"] != "postgresql":
+        pytest.skip("edges share a store on PostgreSQL (a SQLite file is one host's)")
+    extra = ["--api-keys", ",".join(KEYS), "--state-url", request.getfixturevalue("postgres_url")]
+    folder = tmp_path_factory.mktemp("edge-second")
+    with EdgeProcess([default_worker.address], log_dir=folder, extra=extra) as second:
+        other = openai.OpenAI(base_url=f"{second.base_url}/v1", api_key=KEYS[0], max_retries=0)
+        settings: dict[str, Any] = {"model": MODEL, "max_output_tokens": 2}
+        first = alice.responses.create(input="Name a color.", **settings)
+        assert other.responses.retrieve(first.id).output_text == first.output_text
+        follow = other.responses.create(input="Another?", previous_response_id=first.id, **settings)
+        assert follow.usage is not None and first.usage is not None
+        assert follow.usage.input_tokens > first.usage.input_tokens  # the earlier turn, read from A's row
+        job = alice.responses.create(input="Hi", background=True, **settings)
+        done = poll(
+            lambda: other.responses.retrieve(job.id),
+            lambda r: r.status not in ("queued", "in_progress"),
+            "it ends",
+        )
+        assert done.status in ("completed", "incomplete")
+        conv = alice.conversations.create()
+        other.responses.create(input="Hi", conversation=conv.id, **settings)
+        assert len(list(alice.conversations.items.list(conv.id))) == 2
+        other.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            alice.responses.retrieve(first.id)
