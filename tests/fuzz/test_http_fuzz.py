@@ -39,13 +39,15 @@ from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-# (path, method, examples per mode at scale 1): about 360 requests, and 12 to the default model.
+# (path, method, examples per mode at scale 1): about 380 requests, and 12 to the default model.
 OPERATIONS = [
     ("/v1/chat/completions", "POST", 50),
     ("/v1/completions", "POST", 40),
     ("/v1/models", "GET", 5),
     ("/v1/models/{model_id}", "GET", 10),
-    # Stored responses: made-up ids and paging parameters (404s and 400s, never a 5xx).
+    # Responses: created (stored, background, continued, on a conversation: made-up ids are 400s
+    # and 404s), and stored ones read with made-up ids and paging parameters (never a 5xx).
+    ("/v1/responses", "POST", 5),
     ("/v1/responses/{response_id}", "GET", 5),
     ("/v1/responses/{response_id}", "DELETE", 5),
     ("/v1/responses/{response_id}/cancel", "POST", 5),
@@ -64,6 +66,7 @@ OPERATIONS = [
     ("/v1/batches", "GET", 5),
     ("/v1/batches/{batch_id}", "GET", 3),
     ("/v1/batches/{batch_id}/cancel", "POST", 3),
+    ("/v1/files", "POST", 5),
     ("/v1/files", "GET", 5),
     ("/v1/files/{file_id}", "GET", 3),
     ("/v1/files/{file_id}", "DELETE", 3),
