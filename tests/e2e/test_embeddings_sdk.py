@@ -6,6 +6,7 @@ own (cosine >= 0.9999)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ import torch
 
 from sluice.v1 import worker_pb2, worker_pb2_grpc
 from tests.e2e.conftest import MODEL
+from tests.e2e.test_batches_sdk import FINAL
+from tests.e2e.test_stored_responses import poll
 from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
@@ -55,7 +58,8 @@ def edge(
     workers: tuple[WorkerProcess, WorkerProcess], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[str]:
     addresses = [worker.address for worker in workers]
-    with EdgeProcess(addresses, log_dir=tmp_path_factory.mktemp("embed-edge")) as process:
+    state = ["--state-dir", str(tmp_path_factory.mktemp("embed-state"))]
+    with EdgeProcess(addresses, log_dir=tmp_path_factory.mktemp("embed-edge"), extra=state) as process:
         yield process.base_url
 
 
@@ -93,6 +97,42 @@ def test_openai_sdk_matches_sentence_transformers(client: openai.OpenAI, referen
     )
     single = client.embeddings.create(model=EMBEDDER, input=TEXTS[1], dimensions=384)
     assert _cosines([single.data[0].embedding], expected[1:2])[0] >= MIN_COSINE
+
+
+def test_a_batch_of_embeddings_lines_answers_each_like_the_endpoint(
+    client: openai.OpenAI, reference: Any
+) -> None:
+    """The Batch API's /v1/embeddings endpoint: each line's body is the endpoint's own answer, its
+    vector sentence-transformers' (issue 47's batch endpoints)."""
+    lines = [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": EMBEDDER, "input": text},
+        }
+        for i, text in enumerate(TEXTS)
+    ]
+    text = "".join(json.dumps(line) + "\n" for line in lines)
+    uploaded = client.files.create(file=("embed.jsonl", text.encode()), purpose="batch")
+    batch = client.batches.create(
+        input_file_id=uploaded.id, endpoint="/v1/embeddings", completion_window="24h"
+    )
+    done = poll(lambda: client.batches.retrieve(batch.id), lambda b: b.status in FINAL, "the batch ends")
+    assert done.status == "completed" and done.error_file_id is None
+    assert (done.request_counts.completed, done.request_counts.failed) == (len(TEXTS), 0)
+    assert done.output_file_id is not None
+    answers = {
+        row["custom_id"]: row
+        for row in map(json.loads, client.files.content(done.output_file_id).text.splitlines())
+    }
+    assert sorted(answers) == ["e0", "e1", "e2"]
+    expected = reference.encode(TEXTS)
+    for i in range(len(TEXTS)):
+        response = answers[f"e{i}"]["response"]
+        assert response["status_code"] == 200 and response["body"]["object"] == "list"
+        vector = response["body"]["data"][0]["embedding"]
+        assert _cosines([vector], expected[i : i + 1])[0] >= MIN_COSINE
 
 
 def test_token_id_inputs_and_dimensions(client: openai.OpenAI, reference: Any) -> None:
