@@ -1,11 +1,13 @@
-"""The host tier's copies on CUDA's side stream (worker/attention/host_copies.py), ordered by fake
-streams and events on CPU tensors (no GPU here): what waits on what, and the blocks' contents."""
+"""The host tier's copies on CUDA's side stream (worker/attention/host_copies.py): ordered by fake
+streams and events on CPU tensors (what waits on what, and the blocks' contents), and on CUDA
+(make gpu-check) without a host synchronisation."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
 
+import pytest
 import torch
 
 from worker.attention.host_copies import Streams
@@ -84,3 +86,35 @@ def test_copies_run_on_the_side_stream_between_the_forwards_events() -> None:
 def test_the_cpu_copies_take_no_side_stream() -> None:
     pool = KVPool(KVShape.uniform(1, kv_heads=1, head_dim=8, dtype=torch.float32), 2, 2, torch.device("cpu"))
     assert HostKV(pool, 1).side is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (make gpu-check runs it)")
+def test_on_cuda_the_copies_never_block_the_host_and_round_trip() -> None:
+    """Real streams: an eviction, a forward-like overwrite of the freed block, the copy back into
+    another block, all queued without a host synchronisation (torch's sync detector), then the
+    contents once the device is done."""
+    import warnings
+
+    shape = KVShape.uniform(2, kv_heads=2, head_dim=64, dtype=torch.bfloat16, cache="int8")
+    pool = KVPool(shape, 4, 16, torch.device("cuda"))
+    keys = torch.randn(64, 2, 64, device="cuda", dtype=torch.bfloat16)
+    for layer in pool.layers:
+        layer.write(torch.arange(64, device="cuda"), keys, -keys)
+    host = HostKV(pool, 2)
+    assert host.side is not None and all(h.is_pinned() for _, h in host.pairs)
+    original = [device.clone() for device, _ in host.pairs]
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            host.apply([Copy(True, 1, 0)])
+            for device, _ in host.pairs:
+                device[1].fill_(0)  # the next forward reuses the evicted block
+            host.apply([Copy(False, 2, 0)])
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert not [w for w in seen if "synchroniz" in str(w.message)]
+    torch.cuda.synchronize()
+    for (device, _), before in zip(host.pairs, original, strict=True):
+        assert torch.equal(device[2], before[1]) and not device[1].any()
