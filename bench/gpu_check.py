@@ -44,6 +44,7 @@ CUDA_TESTS = (
     "tests/unit/worker/test_triton_decode.py",
     "tests/unit/worker/test_cuda_path.py",
     "tests/unit/worker/test_sampler_syncs.py",
+    "tests/unit/worker/test_host_copies.py",
 )
 NEAR_TIE = 0.1  # logit margin (top-1 minus top-2) under which bf16 rounding may flip a greedy pick
 T = TypeVar("T")

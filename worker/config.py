@@ -99,6 +99,11 @@ def _share(raw: str) -> float:
     return value
 
 
+def _bytes_or_auto(raw: str) -> int | None:
+    """A number of bytes (0 and up), or ``auto`` (None: resolved at start-up)."""
+    return None if raw.strip().lower() == "auto" else int_at_least(0)(raw)
+
+
 def _power_of_two(raw: str) -> int:
     value = int_at_least(1, 1024)(raw)
     if value & (value - 1):
@@ -240,12 +245,15 @@ class WorkerConfig:
         "3.1x the tokens of a float32 cache (1.56x bfloat16's) in the same memory at a small "
         "accuracy cost (docs/benchmarks.md)",
     )
-    kv_offload_bytes: int = setting(
-        0,
-        int_at_least(0),
+    kv_offload_bytes: int | None = setting(
+        None,
+        _bytes_or_auto,
         "bytes of host memory for the prefix cache's second tier: prefix blocks evicted from the KV "
-        "cache pool are copied there and copied back on a prefix hit, LRU (0: off, the default, since "
-        "on the CPU both tiers are the same memory; not with hybrid models yet)",
+        "cache pool are copied there and copied back on a prefix hit, LRU. auto (the default): on "
+        "CUDA the smaller of 8 GiB (llama.cpp's --cache-ram) and a quarter of the host's available "
+        "memory; off on the CPU (both tiers are the same memory), with hybrid models, tensor "
+        "parallelism and --fake-tokens. 0: off",
+        shown_default="auto",
     )
     cuda_graphs: bool = setting(
         True,

@@ -31,7 +31,7 @@ from worker import metrics
 from worker.attention.host_kv import HostKV
 from worker.config import WorkerConfig
 from worker.engine.core import Engine
-from worker.engine.host_tier import HostTier, tiered
+from worker.engine.host_tier import HostTier, auto_offload_bytes, available_host_bytes, tiered
 from worker.engine.options import EngineOptions
 from worker.engine.pooling import PoolingEngine
 from worker.engine.process import start_engine_process
@@ -228,8 +228,10 @@ def _build_serving(
 
 def host_tier(config: WorkerConfig, runner: ModelRunner) -> HostTier | None:
     """``--kv-offload-bytes``'s host tier, its queued copies run before each of the runner's forwards
-    (None: off). Refused for a hybrid model (its state checkpoints have no host copies yet)."""
-    if not config.kv_offload_bytes:
+    (None: off; ``auto``: :func:`offload_bytes`). Refused for a hybrid model (its state checkpoints
+    have no host copies yet)."""
+    size = offload_bytes(config, runner)
+    if not size:
         return None
     if getattr(runner, "states", None) is not None:
         raise ModelLoadError(
@@ -237,9 +239,9 @@ def host_tier(config: WorkerConfig, runner: ModelRunner) -> HostTier | None:
             "back from the host needs its recurrent state checkpoint, which has no host copy",
             param="kv_offload_bytes",
         )
-    slots = config.kv_offload_bytes // (runner.kv_shape.bytes_per_token * runner.block_size)
+    slots = size // (runner.kv_shape.bytes_per_token * runner.block_size)
     if slots < 1:
-        raise ModelLoadError(f"--kv-offload-bytes {config.kv_offload_bytes} holds no KV block of this model")
+        raise ModelLoadError(f"--kv-offload-bytes {size} holds no KV block of this model")
     host = HostKV(runner.pool, slots)
     tier = HostTier(slots, host.block_bytes)
     runner.execute = tiered(runner.execute, tier, host.apply)  # type: ignore[method-assign]
@@ -247,6 +249,29 @@ def host_tier(config: WorkerConfig, runner: ModelRunner) -> HostTier | None:
         "KV host tier: %d blocks, %.2f GiB (--kv-offload-bytes)", slots, slots * host.block_bytes / 2**30
     )
     return tier
+
+
+def offload_bytes(config: WorkerConfig, runner: ModelRunner) -> int:
+    """``--kv-offload-bytes``, ``auto`` resolved and logged: on a CUDA device, off on the CPU (both
+    tiers the same memory), with a hybrid model, tensor parallelism or --fake-tokens."""
+    if config.kv_offload_bytes is not None:
+        return config.kv_offload_bytes
+    off = next(
+        (
+            why
+            for why, applies in (
+                ("--fake-tokens", config.fake_tokens),
+                ("tensor parallel", config.tensor_parallel_size > 1),
+                ("the CPU: both tiers would be the same memory", runner.device.type != "cuda"),
+                ("a hybrid model", getattr(runner, "states", None) is not None),
+            )
+            if applies
+        ),
+        None,
+    )
+    size, why = auto_offload_bytes(off, None if off else available_host_bytes())
+    log.info("KV host tier: --kv-offload-bytes auto: %s", why)
+    return size
 
 
 def served_loras(config: WorkerConfig, runner: ModelRunner, loaded: LoadedModel) -> LoraRegistry | None:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from worker.attention.kv_quant import SCALE_DTYPE, KVQuant, group_dims, kv_quant
+from worker.attention.kv_quant import SCALE_DTYPE, KVQuant, kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +285,7 @@ def _allocate(
     if quant is None:
         return LayerCache(keys, values)
     key_scales, value_scales = (
-        torch.zeros((*dims[:3], dims[3] // group_dims(dims[3], keys)), dtype=SCALE_DTYPE, device=device)
+        torch.zeros((*dims[:3], dims[3] // quant.group_dims(dims[3], keys)), dtype=SCALE_DTYPE, device=device)
         for keys in (True, False)
     )
     return LayerCache(keys, values, key_scales, value_scales, quant)

@@ -13,15 +13,16 @@ import torch
 
 from worker.config import KV_CACHE_DTYPES
 
-# One scale per (token, kv head, group of GROUP_DIMS dims): bfloat16 for float32's range in two bytes.
+# One scale per (token, kv head, group of dims): bfloat16 for float32's range in two bytes.
 # Its rounding only moves the quantization grid (codes are computed against the rounded scale).
 SCALE_DTYPE = torch.bfloat16
-# Dims sharing a scale. Values: a head's outlier channel then coarsens 31 others, not the whole head
-# (on the default model, 32 halved the largest logprob error of one scale per head). Keys decide the
-# error (their outlier channels go through the softmax's exponent): groups of 4 brought the default
-# model's worst position from 0.10 to under 0.05 (docs/benchmarks.md, "An 8-bit KV cache").
-GROUP_DIMS = 32
-KEY_GROUP_DIMS = 4
+# Dims sharing a scale, per cache dtype: keys, values. Values: a head's outlier channel then coarsens
+# 31 others, not the whole head. Keys decide the error (their outlier channels go through the
+# softmax's exponent): int8 needs groups of 4 to keep the default model's worst position under 0.05.
+# fp8 misses that bar at every grouping (its 3 mantissa bits: 0.16 at 4 dims, 0.33 at 32, 0.45 per
+# head) and keeps its most accurate, 4 (docs/benchmarks.md, "An 8-bit KV cache").
+KEY_GROUP_DIMS = {"int8": 4, "fp8": 4}
+VALUE_GROUP_DIMS = {"int8": 32, "fp8": 32}
 # The smallest scale: a group of zeros (padding, the scratch block) gets codes of zero.
 _TINY_SCALE = 1e-30
 _FP8 = torch.float8_e4m3fn
@@ -31,7 +32,7 @@ _FP8 = torch.float8_e4m3fn
 class KVQuant:
     """How a layer's keys and values are stored: ``name`` (``int8``: symmetric integers, ``fp8``:
     float8 e4m3 bits, kept as ``uint8`` since CPU index copies do not take float8), each group of a
-    head row (:func:`group_dims`, finer for keys) scaled so its largest magnitude is ``limit``."""
+    head row (:meth:`group_dims`, per dtype) scaled so its largest magnitude is ``limit``."""
 
     name: str
 
@@ -51,14 +52,21 @@ class KVQuant:
     def head_bytes(self, head_dim: int, keys: bool) -> int:
         """Bytes of one token's key (``keys``) or value of one kv head: its codes and its scales."""
         scale = torch.empty((), dtype=SCALE_DTYPE).element_size()
-        return head_dim * self.element_bytes + scale * (head_dim // group_dims(head_dim, keys))
+        return head_dim * self.element_bytes + scale * (head_dim // self.group_dims(head_dim, keys))
+
+    def group_dims(self, head_dim: int, keys: bool) -> int:
+        """Dims per scale of keys (``keys``) or values of this head dim: this dtype's
+        :data:`KEY_GROUP_DIMS` or :data:`VALUE_GROUP_DIMS`, or the whole head where that does not
+        divide it (readers take the size off the scales' shape, never from here)."""
+        dims = (KEY_GROUP_DIMS if keys else VALUE_GROUP_DIMS)[self.name]
+        return dims if head_dim % dims == 0 else head_dim
 
     def quantize(self, x: torch.Tensor, keys: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[..., head_dim]`` (keys, or values) -> codes ``[..., head_dim]`` and scales
         ``[..., groups]``, so that ``codes * scale`` is ``x`` to within half a step of its group's
         scale. Per row and elementwise: no host synchronisation (a CUDA graph captures it), no
         dependence on the batch."""
-        wide = _grouped(x.float(), group_dims(x.shape[-1], keys))
+        wide = _grouped(x.float(), self.group_dims(x.shape[-1], keys))
         amax = wide.abs().amax(dim=-1)
         scale = (amax / self.limit).clamp_min(_TINY_SCALE).to(SCALE_DTYPE)
         scaled = (wide / scale.float()[..., None]).flatten(-2)
@@ -76,13 +84,6 @@ class KVQuant:
     def round_trip(self, x: torch.Tensor, keys: bool) -> torch.Tensor:
         """What the pool gives back for keys (``keys``) or values ``x`` once written (dtype kept)."""
         return self.dequantize(*self.quantize(x, keys), x.dtype)
-
-
-def group_dims(head_dim: int, keys: bool) -> int:
-    """Dims per scale of keys (``keys``) or values of this head dim: :data:`KEY_GROUP_DIMS` or
-    :data:`GROUP_DIMS`, or the whole head where that does not divide it."""
-    dims = KEY_GROUP_DIMS if keys else GROUP_DIMS
-    return dims if head_dim % dims == 0 else head_dim
 
 
 def _grouped(x: torch.Tensor, dims: int) -> torch.Tensor:

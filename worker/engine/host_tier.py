@@ -9,7 +9,13 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+# ``--kv-offload-bytes auto`` on CUDA: llama.cpp's --cache-ram default, or a quarter of the host's
+# available memory where that is less.
+AUTO_CAP_BYTES = 8 << 30
+AUTO_HOST_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -123,3 +129,31 @@ def tiered(
         return execute(*args, **kwargs)
 
     return run
+
+
+def auto_offload_bytes(off: str | None, available: int | None) -> tuple[int, str]:
+    """``--kv-offload-bytes auto``'s bytes and why, for the start-up log: 0 where ``off`` says why
+    the tier is off (the CPU, a hybrid model...) or the host's ``available`` memory is unknown,
+    else the smaller of :data:`AUTO_CAP_BYTES` and ``available / AUTO_HOST_SHARE``."""
+    if off is not None:
+        return 0, f"off ({off})"
+    if available is None:
+        return 0, "off (the host's available memory is unknown)"
+    size = min(AUTO_CAP_BYTES, available // AUTO_HOST_SHARE)
+    why = f"{size / 2**30:.2f} GiB (the smaller of {AUTO_CAP_BYTES / 2**30:.0f} GiB and a quarter of "
+    return size, why + f"the host's {available / 2**30:.2f} GiB available)"
+
+
+def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The host memory available to new allocations without swapping: psutil's where installed,
+    else ``MemAvailable`` of ``meminfo`` (None: neither)."""
+    try:
+        import psutil
+    except ImportError:
+        try:
+            lines = meminfo.read_text().splitlines()
+        except OSError:
+            return None
+        kib = [int(line.split()[1]) for line in lines if line.startswith("MemAvailable:")]
+        return kib[0] * 1024 if kib else None
+    return int(psutil.virtual_memory().available)

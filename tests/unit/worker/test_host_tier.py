@@ -173,3 +173,56 @@ def test_a_hybrid_model_is_refused_at_load_saying_why():
     assert "\n" not in str(refused.value)
     assert str(refused.value).startswith("--kv-offload-bytes does not serve hybrid (recurrent-state) models")
     assert "state checkpoint, which has no host copy" in str(refused.value)
+
+
+def test_auto_takes_the_smaller_of_llama_cpps_8_gib_and_a_quarter_of_available_memory():
+    from worker.engine.host_tier import auto_offload_bytes
+
+    assert auto_offload_bytes(None, 64 << 30)[0] == 8 << 30
+    size, why = auto_offload_bytes(None, 10 << 30)
+    assert size == (10 << 30) // 4 and why.startswith("2.50 GiB (the smaller of 8 GiB and a quarter")
+    assert auto_offload_bytes(None, None) == (0, "off (the host's available memory is unknown)")
+    assert auto_offload_bytes("a hybrid model", 64 << 30) == (0, "off (a hybrid model)")
+
+
+def test_available_memory_comes_from_meminfo_without_psutil(tmp_path, monkeypatch):
+    import sys
+
+    from worker.engine.host_tier import available_host_bytes
+
+    monkeypatch.setitem(sys.modules, "psutil", None)  # `import psutil` raises ImportError
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16000000 kB\nMemAvailable:    8000000 kB\n")
+    assert available_host_bytes(meminfo) == 8000000 * 1024
+    assert available_host_bytes(tmp_path / "absent") is None
+
+
+@pytest.mark.parametrize(
+    ("flags", "device", "states", "want", "logged"),
+    [
+        ([], "cuda", None, 2 << 30, "2.00 GiB (the smaller of 8 GiB and a quarter of the host's 8.00"),
+        ([], "cpu", None, 0, "off (the CPU: both tiers would be the same memory)"),
+        ([], "cuda", object(), 0, "off (a hybrid model)"),
+        (["--kv-offload-bytes", "0"], "cuda", None, 0, None),
+        (["--kv-offload-bytes", "4096"], "cpu", None, 4096, None),
+        (["--kv-offload-bytes", "auto", "--fake-tokens"], "cuda", None, 0, "off (--fake-tokens)"),
+    ],
+)
+def test_the_setting_resolves_at_start_up_and_logs_auto(
+    flags, device, states, want, logged, monkeypatch, caplog
+):
+    """``auto`` (the default): on CUDA from the host's memory (faked: 8 GiB available), off on the
+    CPU and for hybrid models, logged; a number is taken as it is."""
+    import logging
+
+    from worker import server
+    from worker.config import parse_config
+
+    monkeypatch.setattr(server, "available_host_bytes", lambda: 8 << 30)
+    config = parse_config(flags, environ={})
+    runner = SimpleNamespace(device=torch.device(device), states=states)
+    with caplog.at_level(logging.INFO, logger=server.log.name):
+        assert server.offload_bytes(config, runner) == want  # type: ignore[arg-type]
+    lines = [r.getMessage() for r in caplog.records if "--kv-offload-bytes auto" in r.getMessage()]
+    assert len(lines) == (0 if logged is None else 1)
+    assert logged is None or lines[0].startswith(f"KV host tier: --kv-offload-bytes auto: {logged}")

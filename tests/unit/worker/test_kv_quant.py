@@ -19,7 +19,7 @@ from tests.unit.worker import test_batch_invariant as invariant
 from tests.unit.worker.test_model_families import BLOCK, VOCAB, loaded, run_scenario
 from worker.attention import paged
 from worker.attention.kv_pool import KVShape, LayerCache, kv_shape, pool_blocks
-from worker.attention.kv_quant import SCALE_DTYPE, KVQuant, group_dims, kv_quant
+from worker.attention.kv_quant import SCALE_DTYPE, KVQuant, kv_quant
 from worker.attention.triton_decode import (
     KVScales,
     paged_decode_attention,
@@ -137,7 +137,8 @@ def test_gemma4_layers_keep_their_own_geometry_and_sharing() -> None:
     assert shape.bytes_per_token == sum(
         layer.kv_heads
         * sum(
-            layer.head_dim + 2 * layer.head_dim // group_dims(layer.head_dim, keys) for keys in (True, False)
+            layer.head_dim + 2 * layer.head_dim // KVQuant("int8").group_dims(layer.head_dim, keys)
+            for keys in (True, False)
         )
         for layer in owners
     )
