@@ -1,8 +1,8 @@
 """Every error status the edge sends, through the official openai SDK, to its exception class.
 
 Real processes: the module's default worker and edge, plus edges started with API keys, a small
-body limit, or only a closed port as worker, and a worker with room for one running and one
-queued request (to get a real 429).
+body limit, or only a closed port as worker, and a ``--fake-tokens`` worker with room for one
+running and one queued request (to get a real 429).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ pytestmark = pytest.mark.e2e
 MODEL = "SmolLM2-135M-Instruct"
 QUESTION = [{"role": "user", "content": "Hi!"}]
 KEYS = "sk-e2e-one,sk-e2e-two"
+# Room for one running and one queued request; no model (the text does not matter), each token
+# 100 ms: a 400-token stream holds its slot for 40 s, longer than the test waits for anything.
+BUSY = ["--max-running", "1", "--max-queue", "1", "--fake-tokens", "--fake-step-ms", "100"]
 
 
 @contextlib.contextmanager
@@ -99,13 +102,12 @@ def test_422_body_not_an_object(client):
 
 def test_429_when_the_only_worker_is_full(model_cache, tmp_path, tokenizer):
     with (
-        WorkerProcess(
-            cache_dir=model_cache, log_dir=tmp_path, extra=["--max-running", "1", "--max-queue", "1"]
-        ) as busy_worker,
+        WorkerProcess(cache_dir=model_cache, log_dir=tmp_path, extra=BUSY) as busy_worker,
         edge([busy_worker.address], tmp_path) as busy_edge,
         httpx.Client(base_url=busy_edge.base_url, timeout=60) as http,
     ):
-        # Special tokens (end of turn, end of text) banned: both requests keep generating until closed.
+        # Special tokens (end of turn, end of text) banned (the fake passage has none either): both
+        # requests keep generating until closed.
         never_end = {str(token): -100 for token in tokenizer.all_special_ids}
         long = {
             "model": MODEL,

@@ -5,12 +5,17 @@ from __future__ import annotations
 import atexit
 import gc
 import logging
+import subprocess
+import sys
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from sluice.heap import freeze_startup_heap
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 class Node:
@@ -41,3 +46,31 @@ def test_a_frozen_cycle_waits_for_the_unfreeze_at_exit(
         assert ref() is None  # unfrozen (as at exit), the cycle is collected
     finally:
         gc.unfreeze()
+
+
+EXITING = """
+import atexit, logging, sys
+from sluice.heap import exit_without_collecting, freeze_startup_heap
+
+class Loud:
+    def __del__(self):
+        print("collected at teardown", flush=True)
+
+loud = Loud()
+loud.peer = loud  # a cycle: only a collection frees it
+atexit.register(print, "atexit hook ran")
+freeze_startup_heap(logging.getLogger("test"), "test process")
+del loud
+print("buffered, never flushed by hand")
+exit_without_collecting(7)
+"""
+
+
+def test_an_exit_without_collecting_runs_the_hooks_and_skips_the_teardown() -> None:
+    """The hooks run and the streams are flushed; the frozen cycle is never collected (the
+    interpreter's teardown would: ``sys.exit`` prints "collected at teardown")."""
+    done = subprocess.run(
+        [sys.executable, "-c", EXITING], capture_output=True, text=True, timeout=60, cwd=REPO_ROOT
+    )
+    assert done.returncode == 7, done.stderr
+    assert done.stdout.splitlines() == ["buffered, never flushed by hand", "atexit hook ran"]

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from sluice.heap import freeze_startup_heap
+from sluice.heap import exit_without_collecting, freeze_startup_heap
 from sluice.logs import configure_logging
 from worker.config import WorkerConfig
 from worker.engine.core import Engine
@@ -200,8 +200,7 @@ def engine_main(connection: Connection, config: WorkerConfig, build: Callable[..
     finally:
         intake.close()
         engine.stop()
-    if not served:
-        raise SystemExit(EXIT_PIPE_FAILED)
+    exit_without_collecting(0 if served else EXIT_PIPE_FAILED)
 
 
 def _load(sender: _Sender, config: WorkerConfig, build: Callable[..., Any]) -> Engine | None:

@@ -338,3 +338,34 @@ def test_an_abort_that_arrives_while_its_request_is_prepared_is_not_lost() -> No
         engine.release.set()
         assert answers.get(timeout=30) == Acked("slow")
         assert [call for call in engine.calls if call[1] == "slow"] == [("enqueue", "slow"), ("stop", "slow")]
+
+
+class Exited(Exception):
+    """Raised by the stand-in for :func:`sluice.heap.exit_without_collecting` with the status."""
+
+
+@pytest.mark.parametrize(("served", "status"), [(True, 0), (False, process.EXIT_PIPE_FAILED)])
+def test_the_engine_process_ends_without_the_interpreters_teardown(
+    monkeypatch: pytest.MonkeyPatch, served: bool, status: int
+) -> None:
+    """Once served (or once a message could not be read), the engine process stops its engine and
+    exits without the teardown's collections of its start-up heap (seconds of CPU)."""
+    events: list[str] = []
+    engine = SimpleNamespace(
+        published=SimpleNamespace(listen=lambda _: None), stop=lambda: events.append("stop")
+    )
+
+    def exit_now(code: int) -> None:
+        raise Exited(code)
+
+    monkeypatch.setattr(process.signal, "signal", lambda *_: None)
+    monkeypatch.setattr(process, "configure_logging", lambda *_, **__: None)
+    monkeypatch.setattr(process, "_load", lambda *_: engine)
+    monkeypatch.setattr(process, "Intake", lambda *_: SimpleNamespace(close=lambda: events.append("close")))
+    monkeypatch.setattr(process, "_serve", lambda *_: served)
+    monkeypatch.setattr(process, "exit_without_collecting", exit_now)
+    config = SimpleNamespace(log_level="info", log_format="text", resolved_worker_id="w")
+    with pytest.raises(Exited) as exited:
+        process.engine_main(Recorder(), config, lambda *_: None)  # type: ignore[arg-type]
+    assert exited.value.args == (status,)
+    assert events == ["close", "stop"]
