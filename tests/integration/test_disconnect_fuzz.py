@@ -1,6 +1,7 @@
 """Hundreds of HTTP clients disconnecting at random moments leave nothing behind.
 
-Through a real edge and a real tiny-model worker, 300 raw-socket clients
+Through a real edge and a real worker (``--fake-tokens``, 5 ms a step: the clean-up does not
+depend on what streams, and slept steps cost no CPU), 300 raw-socket clients
 each pick a moment to go away: while sending the request, right after
 sending it (before the response headers), right after the headers (before
 the first token), after a random number of chunks (mid-stream), while a
@@ -44,7 +45,7 @@ SEED = int(os.environ.get("SLUICE_FUZZ_SEED", "20240611"))
 def worker(
     model_cache: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WorkerProcess]:
-    extra = ["--max-running", "16"]
+    extra = ["--max-running", "16", "--fake-tokens", "--fake-step-ms", "5"]
     log_dir = tmp_path_factory.mktemp("fuzz-worker")
     with WorkerProcess(
         cache_dir=model_cache, log_dir=log_dir, model=str(tiny_model_dir), extra=extra
@@ -64,7 +65,7 @@ def request_bytes(rng: random.Random, model: str, stream: bool, *, control: bool
 
     The control group's requests are short and ask the server to close the
     connection after the answer; every other request is long (close to the
-    512-token context, a second or more of decoding), so one whose
+    512-token context, two seconds or more of decoding), so one whose
     cancellation got lost would run to its end and show up as *finished* in
     the worker's counters.
     """

@@ -35,7 +35,9 @@ def worker(
     long_tiny_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerProcess]:
-    extra = ["--max-running", "4"]
+    """No model (``--fake-tokens``, 10 ms a step): what streams does not matter, and a stream of
+    4000 tokens lasts 40 s on a slept step rather than computing all the while."""
+    extra = ["--max-running", "4", "--fake-tokens", "--fake-step-ms", "10"]
     log_dir = tmp_path_factory.mktemp("drain-worker")
     model = str(long_tiny_model_dir)
     with WorkerProcess(cache_dir=model_cache, log_dir=log_dir, model=model, extra=extra) as process:

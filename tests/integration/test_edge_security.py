@@ -1,7 +1,8 @@
 """Edge security on real processes: keys never logged, no internal detail in error bodies,
 and no concurrency slot leaked by clients that go away.
 
-A real worker (the tiny random model) and real edges, talking real gRPC and HTTP.
+Real workers running no model (``--fake-tokens``, 10 ms a step: what streams does not matter,
+and a slept step costs no CPU) and real edges, talking real gRPC and HTTP.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ GOOD_KEYS = ("sk-good-4f1d2c9e8b7a", "sk-other-0a9b8c7d6e5f")
 BAD_TOKENS = ("sk-bad-77aa66bb55cc", "sk-good-4f1d2c9e8b7", "not-a-bearer-5e5e5e")
 # Edges here need no drain delay on shutdown (nothing balances load onto them).
 FAST_STOP = ["--drain-delay", "0"]
+FAKE = ["--fake-tokens", "--fake-step-ms", "10"]
 LEAKS = ("Traceback", "127.0.0.1", "grpc", "StatusCode", "Error(", 'File "', ".py")
 
 
@@ -36,7 +38,7 @@ def tiny_worker(
     model_cache: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WorkerProcess]:
     log_dir = tmp_path_factory.mktemp("security-worker")
-    extra = ["--log-level", "DEBUG"]
+    extra = ["--log-level", "DEBUG", *FAKE]
     with WorkerProcess(
         cache_dir=model_cache, log_dir=log_dir, model=str(tiny_model_dir), extra=extra
     ) as worker:
@@ -176,7 +178,9 @@ def test_a_worker_that_dies_mid_stream_and_a_dead_address_give_clean_errors(
 ) -> None:
     dead = f"127.0.0.1:{free_port()}"
     with (
-        WorkerProcess(cache_dir=model_cache, log_dir=tmp_path, model=str(tiny_model_dir)) as victim,
+        WorkerProcess(
+            cache_dir=model_cache, log_dir=tmp_path, model=str(tiny_model_dir), extra=FAKE
+        ) as victim,
         EdgeProcess([victim.address, dead], log_dir=tmp_path, extra=FAST_STOP) as edge,
     ):
         model = httpx.get(f"{edge.base_url}/v1/models", timeout=10).json()["data"][0]["id"]

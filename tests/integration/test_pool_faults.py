@@ -1,8 +1,9 @@
 """Worker faults behind a real edge: a worker SIGKILLed mid-stream, restarted, DNS discovery, all down.
 
-Real worker and edge processes on 127.0.0.1, real gRPC and HTTP. The workers
-serve a tiny random model with a long context, so greedy streams of a few
-hundred tokens last long enough to kill a worker in the middle of them.
+Real worker and edge processes on 127.0.0.1, real gRPC and HTTP. The workers run no model
+(``--fake-tokens``: what they stream does not matter here) and each step takes
+``--fake-step-ms`` of sleep, so a stream of :data:`LONG` tokens lasts seconds whatever the load,
+long enough to kill a worker in the middle of it, for little CPU.
 """
 
 from __future__ import annotations
@@ -21,7 +22,16 @@ from tests.processes import EdgeProcess, LiveEdgeProcess, WorkerProcess, free_po
 
 pytestmark = pytest.mark.integration
 
-WORKER_FLAGS = ["--max-running", "8", "--served-model-name", "long-tiny"]
+STEP_MS = 20
+WORKER_FLAGS = [
+    "--max-running",
+    "8",
+    "--served-model-name",
+    "fake",
+    "--fake-tokens",
+    "--fake-step-ms",
+    str(STEP_MS),
+]
 # Without stream migration: a killed worker's streams end with the error event (with migration,
 # its default, they move to the other worker: tests/integration/test_stream_migration.py).
 # least-outstanding: these scenarios send the same prompt again and again and count on the load,
@@ -36,13 +46,13 @@ EDGE_FLAGS = [
     "--routing",
     "least-outstanding",
 ]
-# Long enough that no stream can end before the kill (about 3 s alone on this kind of machine).
-LONG = 1000
+# Long enough that no stream can end before the kill: at least 3 s, a step's sleep per token.
+LONG = 150
 
 
 @pytest.fixture(scope="module")
 def two_workers(
-    long_tiny_model_dir: Path, model_cache: Path, tmp_path_factory: pytest.TempPathFactory
+    tiny_model_dir: Path, model_cache: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[WorkerProcess, WorkerProcess]]:
     logs = tmp_path_factory.mktemp("fault-workers")
     workers = []
@@ -51,7 +61,7 @@ def two_workers(
         extra = [*WORKER_FLAGS, "--worker-id", worker_id]
         workers.append(
             WorkerProcess(
-                cache_dir=model_cache, log_dir=logs / worker_id, model=str(long_tiny_model_dir), extra=extra
+                cache_dir=model_cache, log_dir=logs / worker_id, model=str(tiny_model_dir), extra=extra
             )
         )
     a, b = workers
@@ -61,7 +71,7 @@ def two_workers(
 
 def body(max_tokens: int, stream: bool = True) -> dict[str, object]:
     return {
-        "model": "long-tiny",
+        "model": "fake",
         "messages": [{"role": "user", "content": "Tell me a long story."}],
         "max_tokens": max_tokens,
         "temperature": 0,

@@ -24,6 +24,8 @@ from tests.processes import EdgeProcess, WorkerProcess, free_port, free_port_pai
 pytestmark = pytest.mark.integration
 
 EXIT_TIMEOUT_S = 120.0  # a bound for a hang, not a timing claim
+# The workers that serve here run no model: the ports are claimed the same way.
+FAKE = ["--fake-tokens"]
 
 
 @pytest.fixture
@@ -56,7 +58,7 @@ def test_two_workers_differing_only_in_port_both_serve_with_metrics(
                 cache_dir=model_cache,
                 log_dir=tmp_path / name,
                 model=str(tiny_model_dir),
-                extra=["--served-model-name", "tiny"],
+                extra=["--served-model-name", "tiny", *FAKE],
                 default_metrics_port=True,
             )
         )
@@ -133,7 +135,11 @@ def test_a_second_worker_on_the_same_ports_exits_2_and_the_first_keeps_serving(
     tiny_model_dir: Path, model_cache: Path, tmp_path: Path
 ) -> None:
     with WorkerProcess(
-        cache_dir=model_cache, log_dir=tmp_path, model=str(tiny_model_dir), default_metrics_port=True
+        cache_dir=model_cache,
+        log_dir=tmp_path,
+        model=str(tiny_model_dir),
+        extra=FAKE,
+        default_metrics_port=True,
     ) as first:
         code, output = run_to_exit(first.args, tmp_path, EXIT_TIMEOUT_S)
         assert code == 2, output

@@ -19,8 +19,10 @@ pytestmark = pytest.mark.integration
 
 
 def worker_with_grace(model: Path, cache: Path, log_dir: Path, grace_s: float) -> WorkerProcess:
-    """A worker to use in ``with`` (stopped on the way out if a test failed before it exited)."""
-    extra = ["--grace-period", str(grace_s)]
+    """A worker to use in ``with`` (stopped on the way out if a test failed before it exited). No
+    model (``--fake-tokens``, 10 ms a step): a drain does not depend on what streams, and a long
+    call lasts seconds on a slept step rather than computing all the while."""
+    extra = ["--grace-period", str(grace_s), "--fake-tokens", "--fake-step-ms", "10"]
     return WorkerProcess(cache_dir=cache, log_dir=log_dir, model=str(model), extra=extra)
 
 
@@ -39,7 +41,7 @@ def test_sigterm_refuses_new_calls_and_lets_in_flight_ones_finish(
         async def scenario() -> tuple[list[str | None], float]:
             async with WorkerClient(worker.address) as client:
                 kinds: list[str | None] = []
-                async with client.generate(long_request(1200), timeout=60) as stream:
+                async with client.generate(long_request(400), timeout=60) as stream:
                     async for event in stream:
                         kinds.append(event.WhichOneof("event"))
                         if len(kinds) == 3:
