@@ -189,6 +189,7 @@ def _build_serving(
     profile = family_profile(config, loaded.model, loaded.tokenizer)
     eos = eos_token_ids(loaded.model, loaded.tokenizer) | stop_token_ids(profile, loaded.tokenizer)
     grammars = GrammarCompiler(loaded.tokenizer, eos)
+    grammars.prepare()
     overlap = overlaps(config, loaded.device, speculation)
     log.info("steps overlap: %s (--overlap-steps %s)", "on" if overlap else "off", config.overlap_steps)
     engine = Engine(
@@ -286,6 +287,7 @@ def serving_in_own_process(
     loaded = facts.loaded
     profile = family_profile(config, loaded.model, loaded.tokenizer)
     grammars = GrammarCompiler(loaded.tokenizer, set(facts.eos_token_ids))
+    grammars.prepare()
     log.info("the engine runs in its own process (pid %s)", client.pid)
     return ServingModel(
         loaded,

@@ -6,9 +6,6 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 import json
-import logging
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,7 +26,6 @@ from worker.sampling.grammar_forms import (
 )
 
 COMPACT = {"whitespace_flexible": False}
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -280,15 +276,12 @@ class TokenConstraint:
 
 
 class GrammarCompiler:
-    """Builds llguidance matchers for one tokenizer. Its token table (seconds of CPU for a
-    150k-262k vocabulary) is built once, on the first request that needs a grammar, as vLLM builds
-    its structured-output backend: a worker never asked for one never pays it."""
+    """Builds llguidance matchers for one tokenizer (the tokenizer table is built once, lazily)."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: set[int]):
         self._hf_tokenizer = tokenizer
         self._eos = sorted(eos_token_ids)
         self._ll_tokenizer: Any = None
-        self._building = threading.Lock()
         self._marker_ids: dict[str, int] | None = None
         self._added: dict[str, int] | None = None
         self.vocab_size = len(tokenizer)
@@ -298,20 +291,8 @@ class GrammarCompiler:
         return str(self._hf_tokenizer.decode(list(token_ids), skip_special_tokens=False))
 
     def _tokenizer(self) -> Any:
-        """llguidance's token table, built by the first caller (in a prepare thread; the engine's
-        steps go on) while later callers wait on the lock: no grammar is compiled on a part-built
-        table and none is built twice."""
         if self._ll_tokenizer is None:
-            with self._building:
-                if self._ll_tokenizer is None:
-                    started = time.perf_counter()
-                    table = _ll_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos)
-                    log.info(
-                        "grammar token table built for %d tokens in %.2f s (first grammar request)",
-                        self.vocab_size,
-                        time.perf_counter() - started,
-                    )
-                    self._ll_tokenizer = table
+            self._ll_tokenizer = _ll_tokenizer(self._hf_tokenizer, self.vocab_size, self._eos)
         return self._ll_tokenizer
 
     def _specials(self) -> dict[str, int]:
@@ -326,6 +307,13 @@ class GrammarCompiler:
         if self._added is None:
             self._added = dict(getattr(self._hf_tokenizer, "get_added_vocab", dict)())
         return self._added
+
+    def prepare(self) -> None:
+        """Builds the tokenizer table and the marker lookup now (at load): built on a request's path,
+        a large vocabulary's table (Gemma 3's 262k tokens) stalls the worker for many seconds."""
+        self._tokenizer()
+        self._specials()
+        self._added_tokens()
 
     def validate(self, spec: GrammarSpec) -> str:
         """Checks the spec compiles; returns the grammar source, or raises InvalidRequest naming the field."""
