@@ -1,4 +1,4 @@
-"""Image URLs through a real edge (``--allow-image-urls``) in front of a real worker (fake-token mode):
+"""Image URLs through a real edge (``--allow-image-urls``) in front of the session's default worker:
 a URL on a loopback address is refused with a 400 naming the part on every surface, and nothing
 connects to the server behind it; an image for a text-only model is refused before the worker."""
 
@@ -46,15 +46,12 @@ def image_server() -> Iterator[int]:
 
 
 @pytest.fixture(scope="module")
-def edge(model_cache, tmp_path_factory) -> Iterator[EdgeProcess]:
-    with (
-        WorkerProcess(
-            cache_dir=model_cache, log_dir=tmp_path_factory.mktemp("worker-log"), extra=["--fake-tokens"]
-        ) as worker,
-        EdgeProcess(
-            [worker.address], log_dir=tmp_path_factory.mktemp("edge-log"), extra=["--allow-image-urls"]
-        ) as edge,
-    ):
+def edge(default_worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EdgeProcess]:
+    """An edge of its own (``--allow-image-urls``) in front of the shared default worker: no request
+    here reaches a worker, so none is started for this module."""
+    with EdgeProcess(
+        [default_worker.address], log_dir=tmp_path_factory.mktemp("edge-log"), extra=["--allow-image-urls"]
+    ) as edge:
         yield edge
 
 

@@ -101,19 +101,29 @@ def logprobs(events: list[pb.GenerateResponse]) -> torch.Tensor:
     return torch.tensor([entry.logprob for delta in deltas(events) for entry in delta.logprobs])
 
 
-def reference(served: Served, *parts: str | Image.Image) -> tuple[list[int], list[int], torch.Tensor]:
-    """transformers' prompt ids, greedy tokens and their logprobs for the same message."""
+def processed(served: Served, *parts: str | Image.Image) -> Any:
+    """The processor's output for a one-message chat of ``parts`` (its ids, pixels and grids)."""
     content = [
         {"type": "text", "text": part} if isinstance(part, str) else {"type": "image", "image": part}
         for part in parts
     ]
-    inputs = served.processor.apply_chat_template(
+    return served.processor.apply_chat_template(
         [{"role": "user", "content": content}],
         add_generation_prompt=True,
         tokenize=True,
         return_dict=True,
         return_tensors="pt",
     )
+
+
+def prompt_of(served: Served, *parts: str | Image.Image) -> list[int]:
+    """transformers' prompt ids for the message (no forward: where a test needs only those)."""
+    return list(processed(served, *parts)["input_ids"][0].tolist())
+
+
+def reference(served: Served, *parts: str | Image.Image) -> tuple[list[int], list[int], torch.Tensor]:
+    """transformers' prompt ids, greedy tokens and their logprobs for the same message."""
+    inputs = processed(served, *parts)
     with torch.no_grad():
         out = served.model.generate(
             **inputs,
@@ -165,7 +175,7 @@ def test_two_images_decode_like_transformers(served: Served) -> None:
 
 def test_a_repeated_image_is_cached_and_a_changed_pixel_is_not(served: Served) -> None:
     image = noise(5)
-    prompt = reference(served, "Describe", image, "briefly.")[0]
+    prompt = prompt_of(served, "Describe", image, "briefly.")
     start, end = image_span(served, prompt)
     first = list(served.stub.Generate(chat("Describe", encoded(image), "briefly.", max_tokens=1)))
     again = list(served.stub.Generate(chat("Describe", encoded(image), "briefly.", max_tokens=1)))
@@ -182,8 +192,8 @@ def test_a_cached_prefix_that_ends_inside_an_image_decodes_like_transformers(ser
     end inside the image: the rest of the image is computed from its features' later rows."""
     image = noise(10)
     for before in ("Hi", "Hi there", "Hi there you", "Well hi there you"):
-        first = reference(served, before, image, "Describe it.")[0]
-        prompt, expected, expected_logprobs = reference(served, before, image, "Name its colours.")
+        first = prompt_of(served, before, image, "Describe it.")
+        prompt = prompt_of(served, before, image, "Name its colours.")
         start, end = image_span(served, prompt)
         common = next(i for i, (a, b) in enumerate(zip(first, prompt, strict=False)) if a != b)
         block = 4  # --kv-block-size
@@ -191,6 +201,7 @@ def test_a_cached_prefix_that_ends_inside_an_image_decodes_like_transformers(ser
             break
     else:
         pytest.skip("no prefix puts a block boundary inside the image")
+    expected, expected_logprobs = reference(served, before, image, "Name its colours.")[1:]
     list(served.stub.Generate(chat(before, encoded(image), "Describe it.", max_tokens=1)))
     events = list(served.stub.Generate(chat(before, encoded(image), "Name its colours.")))
     assert start < events[-1].usage.cached_tokens < end

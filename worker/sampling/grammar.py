@@ -310,7 +310,8 @@ class GrammarCompiler:
 
     def prepare(self) -> None:
         """Builds the tokenizer table and the marker lookup now (at load): built on a request's path,
-        a large vocabulary's table (Gemma 3's 262k tokens) stalls the worker for many seconds."""
+        a large vocabulary's table (Gemma 3's 262k tokens) stalls the worker for many seconds (seen
+        built lazily: the worker's health checks missed their deadline and the edge ejected it)."""
         self._tokenizer()
         self._specials()
         self._added_tokens()
