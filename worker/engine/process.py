@@ -18,7 +18,7 @@ import threading
 import weakref
 from collections.abc import Callable, Iterable
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 from sluice.heap import exit_without_collecting, freeze_startup_heap
 from sluice.logs import configure_logging
@@ -285,7 +285,7 @@ class EngineClient:
 
     def __init__(
         self,
-        process: multiprocessing.process.BaseProcess,
+        process: EngineProcess,
         connection: Connection,
         facts: ModelFacts,
         stats: EngineStats,
@@ -479,6 +479,41 @@ class EngineClient:
         self._end_streams(message)
 
 
+class EngineProcess(Protocol):
+    """The engine process as the serving process watches it (the part of
+    :class:`multiprocessing.Process` it uses)."""
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def exitcode(self) -> int | None: ...
+
+    def is_alive(self) -> bool: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+    def terminate(self) -> None: ...
+
+
+def spawned_engine(config: WorkerConfig, build: Callable[..., Any]) -> tuple[EngineProcess, Connection]:
+    """The engine process in a fresh interpreter (multiprocessing's "spawn"), running
+    :func:`engine_main`; returns it and the serving process's end of its pipe."""
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    process = context.Process(
+        target=engine_main, args=(theirs, config, build), name="sluice-engine", daemon=True
+    )
+    process.start()
+    theirs.close()
+    return process, ours
+
+
+# How the engine process starts; the tests' zygote forks one from an imported process instead
+# (tests/zygote.py: the same engine_main, without seconds of imports).
+spawn_engine: Callable[[WorkerConfig, Callable[..., Any]], tuple[EngineProcess, Connection]] = spawned_engine
+
+
 def start_engine_process(
     config: WorkerConfig,
     build: Callable[..., Any],
@@ -489,13 +524,7 @@ def start_engine_process(
     """Starts the engine process, which loads the model with ``build`` (a module-level function: the
     child imports it), and waits until it is loaded (blocking; run in a thread), raising
     ``progress`` as it reports; raises :class:`ModelLoadError` when it cannot load."""
-    context = multiprocessing.get_context("spawn")
-    ours, theirs = context.Pipe()
-    process = context.Process(
-        target=engine_main, args=(theirs, config, build), name="sluice-engine", daemon=True
-    )
-    process.start()
-    theirs.close()
+    process, ours = spawn_engine(config, build)
     while True:
         try:
             message = ours.recv()

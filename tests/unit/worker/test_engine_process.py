@@ -28,6 +28,8 @@ from worker.engine.process_messages import (
     Abort,
     Acked,
     EngineFailed,
+    LoadFailed,
+    Loading,
     Outputs,
     Refusal,
     StatsReport,
@@ -37,7 +39,8 @@ from worker.engine.process_messages import (
 )
 from worker.engine.stats import EngineCounters, EngineStats
 from worker.errors import GenerationFailed, InvalidRequest, ModelLoading, QueueFull, WorkerError
-from worker.model.loader import LoadedModel
+from worker.model.load_progress import LoadProgress
+from worker.model.loader import LoadedModel, ModelLoadError
 from worker.output.processor import TextRules
 from worker.types import FinishReason, GenerationRequest, NewToken, SamplingOptions
 
@@ -369,3 +372,28 @@ def test_the_engine_process_ends_without_the_interpreters_teardown(
         process.engine_main(Recorder(), config, lambda *_: None)  # type: ignore[arg-type]
     assert exited.value.args == (status,)
     assert events == ["close", "stop"]
+
+
+def test_the_engine_process_is_started_by_the_spawn_engine_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``start_engine_process`` starts its engine with ``process.spawn_engine`` (a fresh interpreter
+    by default; the tests' zygote forks one instead), then hears the load over the pipe end the hook
+    returns and waits for the process it returned."""
+    assert process.spawn_engine is process.spawned_engine
+    ours, theirs = multiprocessing.Pipe()
+    started: list[tuple[Any, Any]] = []
+    joined: list[float | None] = []
+    child = SimpleNamespace(
+        join=joined.append, exitcode=None, is_alive=lambda: False, pid=1, terminate=lambda: None
+    )
+
+    def spawn(config: Any, build: Any) -> tuple[Any, Connection]:
+        started.append((config, build))
+        return child, ours
+
+    monkeypatch.setattr(process, "spawn_engine", spawn)
+    config, build, progress = SimpleNamespace(), object(), LoadProgress()
+    theirs.send(Loading(0.5))
+    theirs.send(LoadFailed("no such model"))
+    with pytest.raises(ModelLoadError, match="no such model"):
+        process.start_engine_process(config, build, progress, TextRules((), ""), None)  # type: ignore[arg-type]
+    assert started == [(config, build)] and progress.fraction == 0.5 and joined == [process.STOP_WAIT_S]
