@@ -9,6 +9,7 @@ import base64
 import contextlib
 import json
 import os
+import pickle
 import runpy
 import select
 import signal
@@ -18,7 +19,8 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from typing import Any
 _CHILD_ONLY = ("SLUICE_", "PYTHONUNBUFFERED", "PYTEST_")
 FOLLOWER = "worker.parallel.follower"
 MODULES = ("worker", "edge", FOLLOWER)
+ENGINE = "worker.engine.process"  # a forked engine process runs its engine_main (no module main)
 
 
 def _preload() -> None:
@@ -69,16 +72,31 @@ def _serve(path: str) -> None:
             return
         if listener in readable:
             connection, _ = listener.accept()
-            request = json.loads(connection.makefile("rb").readline())
+            request, descriptors = _read_request(connection)
             sys.stdout.flush()
             pid = os.fork()
             if pid == 0:
                 listener.close()
                 for other in children.values():
                     other.close()
-                _child(connection, request, path)
+                _child(connection, request, path, descriptors)
+            for descriptor in descriptors:  # the child's now
+                os.close(descriptor)
             connection.sendall(json.dumps({"pid": pid}).encode() + b"\n")
             children[pid] = connection
+
+
+def _read_request(connection: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """One start request: a line of JSON, and the descriptors sent with it (SCM_RIGHTS: an engine
+    process's end of its pipe)."""
+    data, descriptors = b"", []
+    while not data.endswith(b"\n"):
+        chunk, received, _, _ = socket.recv_fds(connection, 1 << 16, 4)
+        descriptors += received
+        if not chunk:
+            break
+        data += chunk
+    return json.loads(data), descriptors
 
 
 def _reap(children: dict[int, socket.socket]) -> None:
@@ -97,11 +115,14 @@ def _reap(children: dict[int, socket.socket]) -> None:
             connection.close()
 
 
-def _child(connection: socket.socket, request: Mapping[str, Any], path: str) -> None:
+def _child(
+    connection: socket.socket, request: Mapping[str, Any], path: str, descriptors: Sequence[int]
+) -> None:
     """In the forked child: the test's log as stdout and stderr (appended to, so that the
     followers it forks write beside it), its environment and arguments, its standard input if the
-    request has one, then the module's ``__main__`` as ``python -m`` runs it, and the interpreter's
-    exit steps. A tensor-parallel rank 0 it runs forks its followers from the zygote too."""
+    request has one, then the module's ``__main__`` as ``python -m`` runs it (an engine process's
+    engine_main on the pipe end in ``descriptors``), and the interpreter's exit steps. A worker it
+    runs forks its engine process and tensor-parallel followers from the zygote too."""
     connection.close()
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (0 if request["append"] else os.O_TRUNC)
     log = os.open(request["log"], flags, 0o644)
@@ -114,11 +135,26 @@ def _child(connection: socket.socket, request: Mapping[str, Any], path: str) -> 
     os.environ.clear()
     os.environ.update(request["env"])
     _fork_followers(path, zygote_env, request["log"])
+    _fork_engine(path, zygote_env, request["log"])
     module = request["module"]
     sys.argv = [module, *request["args"]]
+    if module == ENGINE:
+        code = _run(lambda: _engine_main(descriptors[0]))
+    else:
+        code = _run(lambda: runpy.run_module(module, run_name="__main__", alter_sys=True))
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # type: ignore[attr-defined]  # joins threads, as at interpreter exit
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(main: Callable[[], object]) -> int:
+    """Runs ``main`` as an interpreter runs its main module; returns the exit status."""
     code = 0
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        main()
     except SystemExit as stop:
         if isinstance(stop.code, int) or stop.code is None:
             code = stop.code or 0
@@ -128,12 +164,16 @@ def _child(connection: socket.socket, request: Mapping[str, Any], path: str) -> 
     except BaseException:
         traceback.print_exc()
         code = 1
-    with contextlib.suppress(BaseException):
-        threading._shutdown()  # type: ignore[attr-defined]  # joins threads, as at interpreter exit
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    os._exit(code)
+    return code
+
+
+def _engine_main(descriptor: int) -> None:
+    """An engine process: its settings and build function (pickled) on standard input, its pipe's
+    end the socket ``descriptor``, as a spawned one gets them as its target's arguments."""
+    from worker.engine.process import engine_main
+
+    config, build = pickle.loads(sys.stdin.buffer.read())
+    engine_main(Connection(descriptor), config, build)
 
 
 def _standard_input(data: str | None) -> int:
@@ -175,6 +215,45 @@ def _fork_followers(path: str, zygote_env: Mapping[str, str], log: str) -> None:
     ranks.spawn_follower = spawn
 
 
+def _fork_engine(path: str, zygote_env: Mapping[str, str], log: str) -> None:
+    """Makes an ``--engine-process`` worker in this child start its engine process as a child of
+    the zygote (``worker.engine.process.spawn_engine``), its pipe a socket pair whose other end
+    travels with the request, writing to the same log; spawned as before where the environment has
+    changed since or anything fails."""
+    from worker.engine import process
+
+    def spawn(config: Any, build: Any) -> tuple[process.EngineProcess, Connection]:
+        if _same_env(os.environ, zygote_env):
+            with contextlib.suppress(Exception):
+                forked = _forked_engine(path, log, pickle.dumps((config, build)))
+                if forked is not None:
+                    return forked
+        return process.spawned_engine(config, build)
+
+    process.spawn_engine = spawn
+
+
+def _forked_engine(path: str, log: str, payload: bytes) -> tuple[EngineFork, Connection] | None:
+    """Asks the zygote to fork an engine process reading ``payload``; it and our pipe's end, or
+    None if it cannot."""
+    ours, theirs = socket.socketpair()
+    request = {
+        "module": ENGINE,
+        "args": [],
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+        "log": log,
+        "append": True,
+        "stdin": base64.b64encode(payload).decode(),
+    }
+    with theirs:
+        forked = _request_fork(path, request, [sys.executable, "-m", ENGINE], [theirs.fileno()])
+    if forked is None:
+        ours.close()
+        return None
+    return EngineFork(forked), Connection(ours.detach())
+
+
 def _same_env(env: Mapping[str, str], zygote_env: Mapping[str, str]) -> bool:
     """Whether a child with ``env`` may be forked from a zygote imported with ``zygote_env``."""
     return all(
@@ -183,12 +262,19 @@ def _same_env(env: Mapping[str, str], zygote_env: Mapping[str, str]) -> bool:
     )
 
 
-def _request_fork(path: str, request: Mapping[str, Any], args: Sequence[str]) -> ForkedProcess | None:
-    """Asks the zygote listening on ``path`` to fork ``request``; None if it cannot."""
+def _request_fork(
+    path: str, request: Mapping[str, Any], args: Sequence[str], descriptors: Sequence[int] = ()
+) -> ForkedProcess | None:
+    """Asks the zygote listening on ``path`` to fork ``request``, handing it ``descriptors`` with
+    the request's first byte; None if it cannot."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    line = json.dumps(request).encode() + b"\n"
     try:
         connection.connect(path)
-        connection.sendall(json.dumps(request).encode() + b"\n")
+        if descriptors:
+            socket.send_fds(connection, [line[:1]], list(descriptors))
+            line = line[1:]
+        connection.sendall(line)
         reader = connection.makefile("rb")
         pid = int(json.loads(reader.readline())["pid"])
     except (OSError, ValueError, KeyError):
@@ -239,6 +325,33 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
+
+
+class EngineFork:
+    """A forked engine process, with :class:`multiprocessing.Process`'s interface as
+    ``worker.engine.process.EngineProcess`` uses it (``pid``, ``exitcode``, ``is_alive``, ``join``,
+    ``terminate``); a signal's death reads as its negative number, as there."""
+
+    def __init__(self, forked: ForkedProcess):
+        self._forked = forked
+
+    @property
+    def pid(self) -> int:
+        return self._forked.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._forked.poll()
+
+    def is_alive(self) -> bool:
+        return self._forked.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._forked.wait(timeout)
+
+    def terminate(self) -> None:
+        self._forked.terminate()
 
 
 class Zygote:

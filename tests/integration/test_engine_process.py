@@ -34,6 +34,7 @@ from tests.integration.test_worker_grpc import (  # noqa: F401  (run again again
     test_tokenize_counts_generates_prompt_and_detokenize_inverts_it,
 )
 from tests.processes import WorkerProcess
+from tests.zygote import ForkedProcess
 
 pytestmark = pytest.mark.integration
 
@@ -66,10 +67,18 @@ def alive(pid: int) -> bool:
         return False
 
 
+def parent_pid(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as stat:
+        return int(stat.read().rsplit(")", 1)[1].split()[1])
+
+
 def test_the_engine_runs_in_another_process(default_worker: WorkerProcess) -> None:
     assert default_worker.proc is not None
     pid = engine_pid(default_worker)
     assert pid != default_worker.proc.pid and alive(pid)
+    # A worker forked from the tests' zygote has it fork the engine process too (no fresh interpreter).
+    forked = isinstance(default_worker.proc, ForkedProcess)
+    assert parent_pid(pid) == (parent_pid(default_worker.proc.pid) if forked else default_worker.proc.pid)
     log = default_worker.log_tail(400)
     assert "steps overlap: on (--overlap-steps on)" in log
     for process in ("engine process", "serving process"):  # both heaps out of full collections
