@@ -36,6 +36,10 @@ RETRY_STATUSES = (429, 503)
 _EXPIRED = "This request was not run before the batch's completion window ended."
 
 
+class _Answered(Exception):
+    """A line task cancelled after its answer was written: nothing to give back."""
+
+
 class BatchRunner:
     """Runs the batches of the store, with the other edges that share it."""
 
@@ -139,8 +143,19 @@ class BatchRunner:
                 await store.release_line(batch.id, line, claim)
                 return
             result = orjson.dumps(answered_line(custom_id, answer)).decode()
-            await store.finish_line(batch.id, line, claim, 200 <= answer.status < 300, result)
+            # The worker has answered: the result is written even if the edge stops meanwhile (given
+            # back instead, a restarted edge would run the line to its end a second time).
+            write = asyncio.ensure_future(
+                store.finish_line(batch.id, line, claim, 200 <= answer.status < 300, result)
+            )
+            try:
+                await asyncio.shield(write)
+            except asyncio.CancelledError:
+                await write
+                raise _Answered() from None
             self._wake.set()
+        except _Answered:
+            raise asyncio.CancelledError() from None
         except asyncio.CancelledError:
             await store.release_line(batch.id, line, claim)
             raise
