@@ -349,3 +349,39 @@ def test_the_lines_of_a_key_no_longer_accepted_fail_with_a_401(tmp_path: Path) -
 async def _final_in(batches: BatchStore, batch_id: str) -> bool:
     record = await batches.get(batch_id, None)
     return record is not None and record.status == "completed"
+
+
+def test_a_line_answered_while_the_edge_stops_is_written_not_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stop's cancel lands between the worker's answer and the store's write: the result is
+    written, and the next edge does not send the line a second time."""
+    real_send, real_finish = batch_runner.dispatch.send, BatchStore.finish_line
+    sends: list[str] = []
+    writing = asyncio.Event()
+
+    async def counted(app: Any, url: str, body: dict[str, Any], owner: str) -> Any:
+        sends.append(url)
+        return await real_send(app, url, body, owner)
+
+    async def slow(self: BatchStore, *args: Any) -> Any:
+        writing.set()
+        await asyncio.sleep(0.5)  # the edge's stop cancels the line task meanwhile
+        return await real_finish(self, *args)
+
+    fake = FakeWorker(script=ANSWER)
+
+    async def scenario() -> dict[str, Any]:
+        monkeypatch.setattr(batch_runner.dispatch, "send", counted)
+        monkeypatch.setattr(BatchStore, "finish_line", slow)
+        async with serving(fake, state_dir=str(tmp_path)) as (base, client):
+            batch_id = await _submit(client, base, [line("a")])
+            await asyncio.wait_for(writing.wait(), 10)
+        monkeypatch.setattr(BatchStore, "finish_line", real_finish)
+        async with serving(fake, state_dir=str(tmp_path)) as (base, client):
+            await wait_for(lambda: _ended(client, base, batch_id), 20)
+            return await _batch(client, base, batch_id)
+
+    done = run(scenario(), 40)
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 1
+    assert len(sends) == 1
