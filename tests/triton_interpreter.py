@@ -22,6 +22,8 @@ import traceback
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from tests.zygote import end_server
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -143,14 +145,7 @@ class _Server:
 
     def close(self) -> None:
         """Ends the server (it exits when its standard input closes) and removes its files."""
-        assert self.process.stdin is not None
-        with contextlib.suppress(OSError):
-            self.process.stdin.close()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        end_server(self.process)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

@@ -42,6 +42,18 @@ def _preload() -> None:
     del edge, worker
 
 
+def end_server(process: subprocess.Popen[Any]) -> None:
+    """Ends a fork server that exits when its standard input closes (killed after 30 s)."""
+    assert process.stdin is not None
+    with contextlib.suppress(OSError):
+        process.stdin.close()
+    try:
+        process.wait(30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 # ------------------------------------------------------------------ the zygote process
 
 
@@ -383,14 +395,7 @@ class Zygote:
 
     def close(self) -> None:
         """Ends the zygote (and any child still running) and waits for it."""
-        assert self.process.stdin is not None
-        with contextlib.suppress(OSError):
-            self.process.stdin.close()
-        try:
-            self.process.wait(30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+        end_server(self.process)
 
     @classmethod
     def shared(cls) -> Zygote | None:
