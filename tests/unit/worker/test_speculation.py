@@ -234,23 +234,30 @@ def run_batch(eng: Engine, requests: list[GenerationRequest]) -> list:
 
 
 def compare(
-    loaded, batches: list[list[GenerationRequest]], speculation: Speculation = SPECULATION, **options
-) -> Engine:
-    """Runs each batch on an engine without speculation and on one with it: equal outcomes, and
-    both pools fully free afterwards. Returns the speculating engine (stopped) for its counters."""
+    loaded,
+    batches: list[list[GenerationRequest]],
+    speculation: Speculation | abc.Sequence[Speculation] = SPECULATION,
+    **options,
+) -> list[Engine]:
+    """Runs each batch on an engine without speculation and on one engine per speculation: equal
+    outcomes, and every pool fully free afterwards. The plain run is the one reference of all the
+    speculating engines (it costs as much as each of them). Returns the speculating engines
+    (stopped), in order, for their counters."""
+    speculations = [speculation] if isinstance(speculation, Speculation) else list(speculation)
     plain = engine(loaded, speculation=None, **options)
-    fast = engine(loaded, speculation=speculation, **options)
+    fast = [engine(loaded, speculation=s, **options) for s in speculations]
     try:
         for batch in batches:
             expected = run_batch(plain, batch)
             assert all(expected), "every request finished"
-            assert run_batch(fast, batch) == expected
-            for eng in (plain, fast):
+            for eng in fast:
+                assert run_batch(eng, batch) == expected
+            for eng in (plain, *fast):
                 assert eng.stats().kv_blocks_used == 0
                 assert eng.stats().running_sequences == 0
     finally:
-        plain.stop()
-        fast.stop()
+        for eng in (plain, *fast):
+            eng.stop()
     return fast
 
 
@@ -272,7 +279,7 @@ def prompts(count: int, seed: int) -> list[list[int]]:
 def test_greedy_single_requests_are_unchanged(tiny):
     batches = [[request(p, temperature=0.0, max_tokens=48)] for p in prompts(4, 1)]
     batches.append([request(prompts(1, 2)[0], temperature=0.0, max_tokens=48, ignore_eos=True)])
-    fast = compare(tiny, batches)
+    [fast] = compare(tiny, batches)
     counters = fast.stats().counters
     assert counters.speculative_accepted_tokens > 0  # the tiny model loops: lookup finds its loops
     assert counters.speculative_proposed_tokens >= counters.speculative_accepted_tokens
@@ -299,16 +306,18 @@ def test_mixed_batches_with_stops_cuts_n_and_sampled_rows_are_unchanged(tiny):
         request(base[0], temperature=0.0, max_tokens=30),
         request(base[3], temperature=0.0, max_tokens=24),
     ]
-    for speculation in (SPECULATION, NOISY):  # "again": prefix-cache hits
-        counters = compare(tiny, [batch, cuts, again], speculation, max_running=8).stats().counters
-        assert counters.speculative_accepted_tokens > 0
+    # "again": prefix-cache hits; one plain run is the reference of both lookups.
+    engines = compare(tiny, [batch, cuts, again], (SPECULATION, NOISY), max_running=8)
+    for fast in engines:
+        assert fast.stats().counters.speculative_accepted_tokens > 0
+    counters = engines[-1].stats().counters  # NOISY's
     assert counters.speculative_accepted_tokens < counters.speculative_proposed_tokens  # rejections
 
 
 def test_preemption_on_a_tiny_pool_leaves_outputs_and_blocks_exact(tiny):
     batch = [request(p, temperature=0.0, max_tokens=40, ignore_eos=True) for p in prompts(4, 5)]
-    for speculation in (SPECULATION, NOISY):
-        counters = compare(tiny, [batch], speculation, pool_tokens=96, block_size=4).stats().counters
+    for fast in compare(tiny, [batch], (SPECULATION, NOISY), pool_tokens=96, block_size=4):
+        counters = fast.stats().counters
         assert counters.preemptions > 0 and counters.speculative_accepted_tokens > 0
 
 
@@ -316,21 +325,22 @@ def test_an_int8_cache_under_preemption_prefix_hits_and_speculation_stays_exact(
     """--kv-cache-dtype int8 (test_kv_quant.py): verifying rows, recomputed preempted requests and
     prefix-cache hits read the codes as one-token steps do; no block is left held."""
     batch = [request(p, temperature=0.0, max_tokens=40, ignore_eos=True) for p in prompts(4, 5)]
-    counters = (
-        compare(tiny, [batch], SPECULATION, pool_tokens=96, block_size=4, kv_cache_dtype="int8")
-        .stats()
-        .counters
-    )
+    [fast] = compare(tiny, [batch], SPECULATION, pool_tokens=96, block_size=4, kv_cache_dtype="int8")
+    counters = fast.stats().counters
     assert counters.preemptions > 0 and counters.speculative_accepted_tokens > 0
     again = [request(p, temperature=0.0, max_tokens=12, ignore_eos=True) for p in prompts(2, 6)]
-    counters = compare(tiny, [again, again], SPECULATION, kv_cache_dtype="int8").stats().counters
+    [fast] = compare(tiny, [again, again], SPECULATION, kv_cache_dtype="int8")
+    counters = fast.stats().counters
     assert counters.prefix_cache_hit_tokens > 0
 
 
+# One sentence: the copy ends by its own EOS (about 26 tokens) inside each request's max_tokens, and
+# every decode step of the default model costs a pytest process 0.1 CPU-s: the three-sentence
+# paragraph this was took twice the CPU for the same properties (a copy accepted from the prompt,
+# an EOS inside accepted runs).
 PARAGRAPH = (
     "The river rose slowly through the night, and by morning the low fields beside the mill were "
-    "under a foot of brown water. The miller moved his sacks of flour to the loft, tied the boat to "
-    "the gate post, and waited for the rain to stop."
+    "under a foot of brown water."
 )
 
 
@@ -351,16 +361,24 @@ def chat(loaded, text: str) -> list[int]:
     return list(loaded.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def test_the_default_model_copying_a_paragraph_is_unchanged_and_accepts_proposals(default_model):
+def test_the_default_model_copying_a_paragraph_is_unchanged_by_lookup_and_by_its_int4_draft(
+    default_model, int4_default_model
+):
+    """One plain run of the float default model is the reference of two speculating engines: the
+    n-gram lookup (the copy's proposals come from the prompt: many are right) and the int4 copy of
+    the model drafting for it (it agrees with the float model on most tokens)."""
     copy = chat(default_model, f"Repeat exactly: {PARAGRAPH}")
     batch = [
         request(copy, temperature=0.0, max_tokens=60),
         request(chat(default_model, "Name three colours."), temperature=0.0, max_tokens=24),
         request(copy, temperature=0.7, seed=3, max_tokens=12),
     ]
-    counters = compare(default_model, [batch], max_running=4).stats().counters
-    # The copy's proposals come from the prompt: many are right.
-    assert counters.speculative_accepted_tokens > 0
+    drafting = Speculation(tokens=4, min_n=2, max_n=3, draft=DraftModel(int4_default_model, default_model))
+    lookup, draft = (
+        fast.stats().counters for fast in compare(default_model, [batch], (SPECULATION, drafting))
+    )
+    assert lookup.speculative_accepted_tokens > 0
+    assert draft.speculative_accepted_tokens >= 0.5 * draft.speculative_proposed_tokens > 0
 
 
 def test_with_batch_invariant_steps_the_int4_default_model_gives_the_same_bits(int4_default_model):
@@ -377,7 +395,8 @@ def test_with_batch_invariant_steps_the_int4_default_model_gives_the_same_bits(i
             chat(int4, f"Repeat exactly: {PARAGRAPH}"), temperature=0.8, top_p=0.95, seed=9, max_tokens=24
         ),
     ]
-    counters = compare(int4, [batch], batch_invariant=True).stats().counters
+    [fast] = compare(int4, [batch], batch_invariant=True)
+    counters = fast.stats().counters
     assert counters.speculative_accepted_tokens > 0
 
 
@@ -431,20 +450,9 @@ def test_greedy_and_seeded_outputs_with_a_draft_model_are_unchanged(tiny, tiny_m
     int4 = load_model(str(tiny_model_dir), device="cpu", dtype="float32", quantization="int4")
     batch = [request(p, temperature=0.0, max_tokens=24, ignore_eos=True) for p in prompts(3, 11)]
     batch.append(request(prompts(1, 12)[0], temperature=0.8, seed=4, max_tokens=16, ignore_eos=True))
-    for drafting in (tiny, int4):
-        speculation = Speculation(tokens=4, min_n=1, max_n=3, draft=DraftModel(drafting, tiny))
-        counters = compare(tiny, [batch], speculation).stats().counters
-        assert counters.speculative_accepted_tokens > 0
+    drafts = [Speculation(tokens=4, min_n=1, max_n=3, draft=DraftModel(d, tiny)) for d in (tiny, int4)]
+    engines = compare(tiny, [batch], drafts)  # one plain run is the reference of both drafts
+    for fast in engines:
+        assert fast.stats().counters.speculative_accepted_tokens > 0
+    counters = engines[-1].stats().counters  # the int4 copy's
     assert counters.speculative_accepted_tokens < counters.speculative_proposed_tokens
-
-
-def test_the_int4_default_model_drafting_for_the_float_one_is_lossless(default_model, int4_default_model):
-    int4 = int4_default_model
-    batch = [
-        request(chat(default_model, f"Repeat exactly: {PARAGRAPH}"), temperature=0.0, max_tokens=32),
-        request(chat(default_model, "Name three colours."), temperature=0.0, max_tokens=16),
-    ]
-    speculation = Speculation(tokens=4, min_n=2, max_n=3, draft=DraftModel(int4, default_model))
-    counters = compare(default_model, [batch], speculation).stats().counters
-    # The int4 copy agrees with the float model on most tokens.
-    assert counters.speculative_accepted_tokens >= 0.5 * counters.speculative_proposed_tokens > 0
