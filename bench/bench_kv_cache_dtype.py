@@ -18,12 +18,18 @@ logits come from attending the keys and values as the pool holds them:
 
 The tiny families (tests/tiny_families.py: random weights, sharp attention) get the logprob
 difference on a token sequence of their small vocabulary.
+
+``--key-smoothing none,calibration,weights`` measures, beside today's scheme (``none``), one key
+scale per token and head after a static per-channel smoothing (bench/kv_key_smoothing.py; the
+tiny families: ``calibration`` only).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -32,6 +38,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench import kv_key_smoothing as smoothing
 from bench.bench_quant_quality import PROMPTS  # the same prompts as the weight-quantization bench
 from worker.attention.kv_pool import KVShape, kv_shape
 from worker.model.runner import ModelRunner
@@ -89,7 +96,33 @@ def capacity(config: Any, cache: str) -> str:
     return ", ".join(ratios)
 
 
-def default_model(caches: list[str], tokens: int) -> None:
+Vectors = list[torch.Tensor | None]
+
+
+@contextmanager
+def scheme(vectors: Vectors | None) -> Iterator[Callable[[ModelRunner], ModelRunner]]:
+    """Today's key groups (``vectors`` None), or smoothed keys with one scale per head."""
+    if vectors is None:
+        yield lambda model: model
+        return
+    with smoothing.smoothed_keys(vectors) as attach:
+        yield attach
+
+
+def default_vectors(loaded: Any, reference: ModelRunner, kinds: list[str]) -> dict[str, Vectors | None]:
+    """Per ``--key-smoothing`` kind, the default model's smoothing vectors (None: today's scheme)."""
+    config = loaded.model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    out: dict[str, Vectors | None] = {"none": None}
+    if "calibration" in kinds:
+        ids = list(loaded.tokenizer(smoothing.CALIBRATION)["input_ids"])
+        out["calibration"] = smoothing.calibrated(reference, ids, BLOCK)
+    if "weights" in kinds:
+        out["weights"] = smoothing.from_weights(loaded.model, config.num_key_value_heads, head_dim)
+    return out
+
+
+def default_model(caches: list[str], tokens: int, kinds: list[str]) -> None:
     from worker.model.loader import load_model
 
     loaded = load_model(None, device="cpu", dtype="float32", quantization="none")
@@ -104,42 +137,61 @@ def default_model(caches: list[str], tokens: int) -> None:
     prompts = [list(tokenizer(chat, add_special_tokens=False)["input_ids"]) for chat in chats]
     reference = runner(loaded, "auto")
     want_lp, want_text = forced_logprobs(reference, text), greedy(reference, prompts, tokens)
+    vectors = default_vectors(loaded, reference, kinds)
     del reference
     print(f"default model (float32): text of {len(text)} tokens, {len(prompts)} prompts x {tokens} tokens")
-    for cache in caches:
-        model = runner(loaded, cache)
-        diff = (forced_logprobs(model, text) - want_lp).abs()
-        got_text = greedy(model, prompts, tokens)
-        pairs = [
-            (a, b)
-            for got, want in zip(got_text, want_text, strict=True)
-            for a, b in zip(got, want, strict=True)
-        ]
-        same = sum(a == b for a, b in pairs)
-        print(
-            f"  {cache}: |logprob diff| mean {float(diff.mean()):.4f}, max {float(diff.max()):.4f}; "
-            f"greedy agreement {same / (len(prompts) * tokens):.1%}; capacity "
-            f"{capacity(loaded.model.config, cache)}",
-            flush=True,
-        )
+    for kind, cache in [(k, c) for k in kinds for c in caches]:
+        with scheme(vectors[kind]) as attach:
+            measure_default(
+                attach(runner(loaded, cache)),
+                f"{cache} ({kind})",
+                (text, prompts, tokens),
+                (want_lp, want_text),
+            )
 
 
-def tiny_families(caches: list[str], families: list[str]) -> None:
+def measure_default(
+    model: ModelRunner,
+    label: str,
+    inputs: tuple[list[int], list[list[int]], int],
+    wanted: tuple[torch.Tensor, list[list[int]]],
+) -> None:
+    """One line of the default model's figures for ``model`` against the float cache's ``wanted``."""
+    (text, prompts, tokens), (want_lp, want_text) = inputs, wanted
+    diff = (forced_logprobs(model, text) - want_lp).abs()
+    got_text = greedy(model, prompts, tokens)
+    pairs = [
+        (a, b) for got, want in zip(got_text, want_text, strict=True) for a, b in zip(got, want, strict=True)
+    ]
+    same = sum(a == b for a, b in pairs)
+    print(
+        f"  {label}: |logprob diff| mean {float(diff.mean()):.4f}, max {float(diff.max()):.4f}; "
+        f"greedy agreement {same / (len(prompts) * tokens):.1%}; capacity "
+        f"{capacity(model.model.config, model.kv_shape.cache)}",
+        flush=True,
+    )
+
+
+def tiny_families(caches: list[str], families: list[str], kinds: list[str]) -> None:
     from tests.tiny_families import COMMON, tiny_config, tiny_model
 
     vocab = COMMON["vocab_size"]
     ids = [(5 + 7 * i + (i * i) % 11) % vocab for i in range(80)]
+    calibration = [(3 + 5 * i + (i * i) % 7) % vocab for i in range(48)]  # not the scored sequence
     print(f"tiny families (random weights, float32): {len(ids)} tokens teacher-forced")
     for family in families:
         model = tiny_model(tiny_config(family))
         loaded = SimpleNamespace(
             model=model, device=torch.device("cpu"), dtype=torch.float32, context_length=256
         )
-        want = forced_logprobs(runner(loaded, "auto", 16), ids)
+        reference = runner(loaded, "auto", 16)
+        want = forced_logprobs(reference, ids)
+        vectors = {"none": None, "calibration": smoothing.calibrated(reference, calibration, BLOCK)}
         cells = []
-        for cache in caches:
-            diff = (forced_logprobs(runner(loaded, cache, 16), ids) - want).abs()
-            cells.append(f"{cache} mean {float(diff.mean()):.4f} max {float(diff.max()):.4f}")
+        for kind, cache in [(k, c) for k in kinds if k in vectors for c in caches]:
+            with scheme(vectors[kind]) as attach:
+                diff = (forced_logprobs(attach(runner(loaded, cache, 16)), ids) - want).abs()
+            cells.append(f"{cache} ({kind}) mean {float(diff.mean()):.4f} max {float(diff.max()):.4f}")
         print(f"  {family}: " + "; ".join(cells), flush=True)
 
 
@@ -153,15 +205,20 @@ def main() -> None:
         "--families", default="llama,qwen3,gemma2,gemma3_text,gemma4_text,gpt_oss,qwen3_5_text,nemotron_h"
     )
     parser.add_argument("--skip-default", action="store_true")
+    parser.add_argument(
+        "--key-smoothing",
+        default="none",
+        help="comma list of none, calibration, weights (bench/kv_key_smoothing.py)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    caches = args.caches.split(",")
+    caches, kinds = args.caches.split(","), args.key_smoothing.split(",")
     if not args.skip_default:
-        default_model(caches, args.tokens)
+        default_model(caches, args.tokens, kinds)
     if args.families:
-        tiny_families(caches, args.families.split(","))
+        tiny_families(caches, args.families.split(","), kinds)
 
 
 if __name__ == "__main__":
