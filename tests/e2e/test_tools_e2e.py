@@ -188,11 +188,17 @@ def test_langchain_merges_streamed_tool_call_chunks(default_edge):
     assert gathered.usage_metadata and gathered.usage_metadata["output_tokens"] > 0
 
 
+# A --fake-tokens worker streams a fixed passage (worker/model/fake_runner.py) whatever the prompt:
+# the content rule's path does not depend on the model, and no model loads or runs.
+BLOCKED = "old mill"
+
+
 @pytest.fixture(scope="module")
 def filtering_edge(model_cache, tmp_path_factory):
-    """A worker whose content rule blocks the word "Paris"."""
+    """A ``--fake-tokens`` worker whose content rule blocks a phrase of the passage it streams."""
     logs = tmp_path_factory.mktemp("filtering")
-    extra = ["--blocked-phrases", "Paris", "--refusal-message", "I can't talk about that city."]
+    refusal = ["--refusal-message", "I can't talk about that city."]
+    extra = ["--fake-tokens", "--blocked-phrases", BLOCKED, *refusal]
     with (
         WorkerProcess(cache_dir=model_cache, log_dir=logs, extra=extra) as worker,
         EdgeProcess([worker.address], log_dir=logs) as edge,
@@ -210,7 +216,7 @@ def test_refusal_and_content_filter_reach_the_sdk(filtering_edge):
     )
     refusal = "".join(c.choices[0].delta.refusal or "" for c in chunks if c.choices)
     content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
-    assert refusal == "I can't talk about that city." and "Paris" not in content
+    assert refusal == "I can't talk about that city." and BLOCKED not in content
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
         "content_filter"
     ]

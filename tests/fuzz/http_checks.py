@@ -37,6 +37,8 @@ SCALE = float(os.environ.get("SLUICE_FUZZ_SCALE", "1"))
 # A request that gets no complete answer in this time counts as a hang.
 ANSWER_TIMEOUT_S = 60.0
 ERROR_KEYS = {"message", "type", "param", "code"}
+# The events that end a streamed Response (docs/http.md): its answer, whole, cut short or failed.
+FINAL_EVENTS = {"response.completed", "response.incomplete", "response.failed"}
 
 
 def load_api(base_url: str) -> Any:
@@ -94,14 +96,19 @@ def check_error_body(response: Response) -> None:
 
 def check_event_stream(response: Response, chunk_schema: dict[str, Any]) -> None:
     """Every ``data:`` is a chunk matching ``chunk_schema`` or (after ``event: error``) an error
-    body; the stream ends with exactly one ``data: [DONE]``."""
+    body; the stream ends with exactly one ``data: [DONE]``. A stream of named events (the
+    Responses surface's, which sends no ``[DONE]``) is checked by :func:`check_named_events`."""
     assert not response.stream_cut_short
     validator = jsonschema.Draft202012Validator(chunk_schema)
     events = [event for event in response.text.split("\n\n") if event.strip()]
     assert events, "an empty stream"
+    first = _content_lines(events[0])
+    if first and first[0].startswith("event: ") and first[0] != "event: error":
+        check_named_events(events, validator)
+        return
     assert events[-1] == "data: [DONE]", f"no [DONE] at the end; the last events: {events[-2:]}"
     for event in events[:-1]:
-        lines = [line for line in event.split("\n") if not line.startswith(":")]  # heartbeats
+        lines = _content_lines(event)
         if not lines:
             continue
         if lines[0] == "event: error":
@@ -112,6 +119,28 @@ def check_event_stream(response: Response, chunk_schema: dict[str, Any]) -> None
         chunk = json.loads(lines[0].removeprefix("data: "))
         errors = sorted(validator.iter_errors(chunk), key=str)
         assert not errors, f"{chunk}: {errors[0].message}"
+
+
+def check_named_events(events: list[str], validator: jsonschema.Draft202012Validator) -> None:
+    """Each event is ``event: <type>`` and ``data: <json>`` whose ``type`` is that name and which
+    matches the chunk schema; the last one ends the response (:data:`FINAL_EVENTS`); no ``[DONE]``."""
+    names = []
+    for event in events:
+        lines = _content_lines(event)
+        if not lines:
+            continue
+        assert len(lines) == 2 and lines[0].startswith("event: ") and lines[1].startswith("data: {"), event
+        name, payload = lines[0].removeprefix("event: "), json.loads(lines[1].removeprefix("data: "))
+        assert payload.get("type") == name, event
+        errors = sorted(validator.iter_errors(payload), key=str)
+        assert not errors, f"{payload}: {errors[0].message}"
+        names.append(name)
+    assert names and names[-1] in FINAL_EVENTS, f"the stream ends with {names[-2:]}"
+
+
+def _content_lines(event: str) -> list[str]:
+    """An event's lines, its ``:`` comments (heartbeats) left out."""
+    return [line for line in event.split("\n") if not line.startswith(":")]
 
 
 def chunk_schema(document: dict[str, Any], path: str) -> dict[str, Any]:

@@ -192,14 +192,16 @@ def fake_edge(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture(scope="module")
-def fake_api(fake_edge: EdgeProcess) -> Any:
+def api(fake_edge: EdgeProcess) -> Any:
+    """The edge's document, loaded once for every test here: it is built from the edge's routes
+    alone (no worker's model or flags), so the default-model edge serves the same one."""
     return load_api(fake_edge.base_url)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.value)
 @pytest.mark.parametrize(("path", "method", "count"), OPERATIONS, ids=[f"{m} {p}" for p, m, _ in OPERATIONS])
 def test_fuzzed_requests_get_a_conforming_answer(
-    fake_api: Any,
+    api: Any,
     fake_edge: EdgeProcess,
     tally: Tally,
     path: str,
@@ -207,16 +209,15 @@ def test_fuzzed_requests_get_a_conforming_answer(
     count: int,
     mode: GenerationMode,
 ) -> None:
-    fuzz(fake_api, fake_edge.base_url, tally, path, method, mode, examples(count), FAKE_MAX_TOKENS, fake=True)
+    fuzz(api, fake_edge.base_url, tally, path, method, mode, examples(count), FAKE_MAX_TOKENS, fake=True)
     still_serves(fake_edge.base_url)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.value)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_fuzzed_requests_against_the_default_model(
-    default_edge: EdgeProcess, tally: Tally, path: str, mode: GenerationMode
+    api: Any, default_edge: EdgeProcess, tally: Tally, path: str, mode: GenerationMode
 ) -> None:
-    api = load_api(default_edge.base_url)
     fuzz(
         api,
         default_edge.base_url,
