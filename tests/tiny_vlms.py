@@ -382,15 +382,28 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
 }
 
 
+_PROCESSORS: dict[str, Any] = {}
+
+
+def tiny_processor(folder: Path) -> Any:
+    """The processor of a tiny model's ``folder``, loaded once per process: loading it reads the
+    family's large vocabulary again (seconds for Gemma's), and the tests only read it."""
+    key = str(folder)
+    if key not in _PROCESSORS:
+        _PROCESSORS[key] = load_processor(key)
+    return _PROCESSORS[key]
+
+
 def build_tiny_vlm(arch: str, folder: Path) -> Path:
     """A tiny random-weight vision-language model of ``arch`` (one of :data:`ARCHITECTURES`) saved
     in ``folder`` with its processor; returns ``folder``. Seeded: the same weights every time."""
     if arch not in BUILDERS:
         raise ValueError(f"no tiny builder for {arch!r}; known: {', '.join(BUILDERS)}")
+    _PROCESSORS.pop(str(folder), None)
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
     torch.manual_seed(0)
     BUILDERS[arch](folder)
-    load_processor(str(folder))  # the folder loads (Qwen2-VL's without a video processor)
+    tiny_processor(folder)  # the folder loads (Qwen2-VL's without a video processor)
     return folder

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ import httpx
 import openai
 import pytest
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from tests.processes import EdgeProcess, WorkerProcess
 from tests.tiny_families import eager_reference, tiny_config, tiny_model
@@ -83,12 +85,22 @@ FORMATS = {
 
 
 @dataclass
+class EagerRun:
+    """The eager reference on the chat prompt: each prompt token's logprob after the one before,
+    and the greedy tokens after the prompt (``GREEDY_TOKENS``, EOS suppressed)."""
+
+    prompt_logprobs: torch.Tensor
+    greedy: list[int]
+
+
+@dataclass
 class Served:
     family: str
     edge: EdgeProcess
     tokenizer: Any
     reference: Any
     model: str
+    eager: EagerRun | None = None
 
 
 @functools.cache
@@ -179,13 +191,53 @@ def complete(served: Served, **body: Any) -> dict[str, Any]:
     return dict(response.json())
 
 
+class NoEos(LogitsProcessor):
+    """Masks the reference's EOS ids at every step, as ``min_new_tokens`` does up to the count the
+    reference generates (the worker's ``ignore_eos``), without its two per-step scans of the
+    whole 128k-262k vocabulary."""
+
+    def __init__(self, eos: int | list[int] | None) -> None:
+        self.eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        scores[:, self.eos] = -math.inf
+        return scores
+
+
+def greedy_reference(served: Served, ids: list[int], count: int, past: Any = None) -> list[int]:
+    """The reference's ``count`` greedy tokens after ``ids`` (EOS masked), going on from ``past``
+    (a cache of all of ``ids`` but the last) where given."""
+    with torch.no_grad():
+        out = served.reference.generate(
+            torch.tensor([ids]),
+            **({} if past is None else {"cache": past}),
+            max_new_tokens=count,
+            do_sample=False,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            logits_processor=LogitsProcessorList([NoEos(served.reference.generation_config.eos_token_id)]),
+        )
+    return list(out[0, len(ids) :].tolist())
+
+
+def eager_run(served: Served, ids: list[int]) -> EagerRun:
+    """The reference's :class:`EagerRun` on ``ids``, computed once per family: one forward over
+    the prompt but its last token gives the prompt logprobs and the cache ``generate`` goes on
+    from (the same greedy tokens as a ``generate`` from scratch, without a second prefill)."""
+    if served.eager is None:
+        with torch.no_grad():
+            scored = served.reference(torch.tensor([ids[:-1]]), use_cache=True)
+        logprobs = torch.log_softmax(scored.logits[0].float(), dim=-1)
+        expected = logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        greedy = greedy_reference(served, ids, GREEDY_TOKENS, scored.past_key_values)
+        served.eager = EagerRun(expected, greedy)
+    return served.eager
+
+
 def test_prompt_logprobs_equal_transformers_eager(served: Served) -> None:
     ids = prompt_ids(served)
     answer = complete(served, prompt=ids, echo=True, logprobs=1, max_tokens=0)
     got = answer["choices"][0]["logprobs"]["token_logprobs"]
-    with torch.no_grad():
-        logits = served.reference(torch.tensor([ids])).logits[0].float()
-    expected = torch.log_softmax(logits, dim=-1)[:-1].gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    expected = eager_run(served, ids).prompt_logprobs
     assert got[0] is None and len(got) == len(ids)
     assert torch.allclose(torch.tensor(got[1:]), expected, atol=5e-3, rtol=0)
 
@@ -193,15 +245,7 @@ def test_prompt_logprobs_equal_transformers_eager(served: Served) -> None:
 def test_greedy_tokens_equal_transformers_generate(served: Served) -> None:
     ids = prompt_ids(served)
     answer = complete(served, prompt=ids, max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True)
-    with torch.no_grad():
-        out = served.reference.generate(
-            torch.tensor([ids]),
-            max_new_tokens=GREEDY_TOKENS,
-            min_new_tokens=GREEDY_TOKENS,
-            do_sample=False,
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        )
-    generated = out[0, len(ids) :].tolist()
+    generated = eager_run(served, ids).greedy
     assert len(generated) == GREEDY_TOKENS
     assert answer["usage"]["completion_tokens"] == GREEDY_TOKENS
     assert answer["choices"][0]["text"] == served.tokenizer.decode(generated, skip_special_tokens=True)
@@ -288,16 +332,8 @@ def test_suffix_fills_in_the_middle_where_the_vocabulary_has_fim_tokens(served: 
         return
     answer = complete(served, **body)
     assert answer["usage"]["prompt_tokens"] == len(ids)
-    with torch.no_grad():
-        out = served.reference.generate(
-            torch.tensor([ids]),
-            max_new_tokens=4,
-            min_new_tokens=4,
-            do_sample=False,
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        )
     middle = answer["choices"][0]["text"]
-    assert middle == served.tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+    assert middle == served.tokenizer.decode(greedy_reference(served, ids, 4), skip_special_tokens=True)
 
     infill = {"input_prefix": prefix, "input_suffix": suffix, "n_predict": 4, "temperature": 0}
     whole = httpx.post(f"{base}/infill", json=infill, timeout=120)

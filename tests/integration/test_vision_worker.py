@@ -25,7 +25,7 @@ from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.images import data_url
 from tests.processes import EdgeProcess, WorkerProcess
-from worker.model.loader import load_processor
+from tests.tiny_vlms import tiny_processor
 
 pytestmark = pytest.mark.integration
 
@@ -63,7 +63,7 @@ def served(
 
     arch = request.param
     folder = tiny_vlm(arch)
-    processor = load_processor(str(folder))
+    processor = tiny_processor(folder)
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     logs = tmp_path_factory.mktemp(f"vlm-{arch}-log")
     with (
@@ -256,7 +256,7 @@ def test_a_multimodal_qwen3_5_serves_images_over_its_state_cache(
         WorkerProcess(cache_dir=tmp_path, log_dir=tmp_path, model=str(folder), extra=WORKER_FLAGS) as worker,
         grpc.insecure_channel(worker.address) as channel,
     ):
-        served = Served("qwen3_5", pb_grpc.WorkerStub(channel), load_processor(str(folder)), model, "")
+        served = Served("qwen3_5", pb_grpc.WorkerStub(channel), tiny_processor(folder), model, "")
         assert served.stub.ListModels(pb.ListModelsRequest()).models[0].accepts_images
         first = list(served.stub.Generate(chat(encoded(image), "What is in this picture?")))
         again = list(served.stub.Generate(chat(encoded(image), "What is in this picture?")))
