@@ -36,10 +36,6 @@ RETRY_STATUSES = (429, 503)
 _EXPIRED = "This request was not run before the batch's completion window ended."
 
 
-class _Answered(Exception):
-    """A line task cancelled after its answer was written: nothing to give back."""
-
-
 class BatchRunner:
     """Runs the batches of the store, with the other edges that share it."""
 
@@ -136,6 +132,7 @@ class BatchRunner:
         self, store: BatchStore, batch: BatchRecord, claim: str, line: int, custom_id: str, body: str
     ) -> None:
         """Sends one line and writes its result (or gives it back: "not now", or the edge stops)."""
+        answered = False  # once the worker has answered, the line is written, never given back
         try:
             sent = self._prioritized(batch.batch["endpoint"], orjson.loads(body))
             answer = await dispatch.send(self.app, batch.batch["endpoint"], sent, batch.owner)
@@ -143,8 +140,9 @@ class BatchRunner:
                 await store.release_line(batch.id, line, claim)
                 return
             result = orjson.dumps(answered_line(custom_id, answer)).decode()
-            # The worker has answered: the result is written even if the edge stops meanwhile (given
-            # back instead, a restarted edge would run the line to its end a second time).
+            # Written even if the edge stops meanwhile (given back instead, a restarted edge would
+            # run the line to its end a second time).
+            answered = True
             write = asyncio.ensure_future(
                 store.finish_line(batch.id, line, claim, 200 <= answer.status < 300, result)
             )
@@ -152,12 +150,11 @@ class BatchRunner:
                 await asyncio.shield(write)
             except asyncio.CancelledError:
                 await write
-                raise _Answered() from None
+                raise
             self._wake.set()
-        except _Answered:
-            raise asyncio.CancelledError() from None
         except asyncio.CancelledError:
-            await store.release_line(batch.id, line, claim)
+            if not answered:
+                await store.release_line(batch.id, line, claim)
             raise
         except Exception:
             log.exception("batch %s line %d failed; it runs again later", batch.id, line)
