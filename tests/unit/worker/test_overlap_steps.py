@@ -104,12 +104,18 @@ def varied_requests(compiler: GrammarCompiler) -> list[GenerationRequest]:
 
 
 def outputs_of(events: list) -> list:
-    """What a caller reads: deltas (text, ids, logprobs), the end (less its timings) and the usage."""
-    return [
-        replace(e, timings=None) if isinstance(e, Finished) else e
-        for e in events
-        if isinstance(e, (ContentDelta, Finished, Usage))
-    ]
+    """What a caller reads: per choice, its deltas joined (text, ids, logprobs: how many steps one
+    message carries depends on how far the caller lagged), then the ends (less their timings) and
+    the usage."""
+    joined: dict[int, tuple[str, tuple, tuple]] = {}
+    rest = []
+    for e in events:
+        if isinstance(e, ContentDelta):
+            text, ids, logprobs = joined.get(e.choice_index, ("", (), ()))
+            joined[e.choice_index] = (text + e.text, ids + e.token_ids, logprobs + e.logprobs)
+        elif isinstance(e, (Finished, Usage)):
+            rest.append(replace(e, timings=None) if isinstance(e, Finished) else e)
+    return [sorted(joined.items()), rest]
 
 
 def test_every_output_is_unchanged_by_the_overlap(loaded, compiler) -> None:
