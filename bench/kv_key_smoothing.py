@@ -110,7 +110,7 @@ def smoothed_keys(vectors: list[torch.Tensor | None]) -> Iterator[Callable[[Mode
         return model
 
     patches: dict[str, Callable[..., Any]] = {"write": new_write, "stored": new_stored, "gather": new_gather}
-    kv_quant.KEY_GROUP_DIMS.update({name: 1 << 30 for name in saved})  # never divides: one per head
+    kv_quant.KEY_GROUP_DIMS.update(dict.fromkeys(saved))  # None: one scale per head
     for name, patch in patches.items():
         setattr(LayerCache, name, patch)
     try:

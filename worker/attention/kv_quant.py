@@ -1,6 +1,6 @@
 """An 8-bit KV cache (``--kv-cache-dtype int8|fp8``): keys and values kept as one-byte codes with a
-scale per token, kv head and group of dims (4 for keys, 32 for values), quantized as the attention
-writes them, widened when read.
+scale per token, kv head and group of dims (keys: 4 in int8, the whole head in fp8; values: 32),
+quantized as the attention writes them, widened when read.
 
 Design notes: docs/worker.md.
 """
@@ -16,13 +16,16 @@ from worker.config import KV_CACHE_DTYPES
 # One scale per (token, kv head, group of dims): bfloat16 for float32's range in two bytes.
 # Its rounding only moves the quantization grid (codes are computed against the rounded scale).
 SCALE_DTYPE = torch.bfloat16
-# Dims sharing a scale, per cache dtype: keys, values. Values: a head's outlier channel then coarsens
-# 31 others, not the whole head. Keys decide the error (their outlier channels go through the
-# softmax's exponent): int8 needs groups of 4 to keep the default model's worst position under 0.05.
-# fp8 misses that bar at every grouping (its 3 mantissa bits: 0.16 at 4 dims, 0.33 at 32, 0.45 per
-# head) and keeps its most accurate, 4 (docs/benchmarks.md, "An 8-bit KV cache").
-KEY_GROUP_DIMS = {"int8": 4, "fp8": 4}
-VALUE_GROUP_DIMS = {"int8": 32, "fp8": 32}
+# Dims sharing a scale, per cache dtype: keys, values (None: the whole head row). Values: a head's
+# outlier channel then coarsens 31 others, not the whole head. Keys decide the error (their outlier
+# channels go through the softmax's exponent). The two dtypes are the two ends of the trade
+# (docs/benchmarks.md, "An 8-bit KV cache"): int8 is the accurate one, keys per 4 dims keeping the
+# default model's worst position under 0.05 (1.56x a bfloat16 cache's tokens); fp8 is the compact
+# one, as vLLM's fp8 cache is, one key scale per head (1.91x bfloat16's tokens): its error is its
+# 3 mantissa bits, over 0.05 at every grouping (0.16 per 4 dims, 0.45 per head), so finer groups
+# would only make it a less accurate int8 of the same size.
+KEY_GROUP_DIMS: dict[str, int | None] = {"int8": 4, "fp8": None}
+VALUE_GROUP_DIMS: dict[str, int | None] = {"int8": 32, "fp8": 32}
 # The smallest scale: a group of zeros (padding, the scratch block) gets codes of zero.
 _TINY_SCALE = 1e-30
 _FP8 = torch.float8_e4m3fn
@@ -57,9 +60,9 @@ class KVQuant:
     def group_dims(self, head_dim: int, keys: bool) -> int:
         """Dims per scale of keys (``keys``) or values of this head dim: this dtype's
         :data:`KEY_GROUP_DIMS` or :data:`VALUE_GROUP_DIMS`, or the whole head where that does not
-        divide it (readers take the size off the scales' shape, never from here)."""
+        divide it or is None (readers take the size off the scales' shape, never from here)."""
         dims = (KEY_GROUP_DIMS if keys else VALUE_GROUP_DIMS)[self.name]
-        return dims if head_dim % dims == 0 else head_dim
+        return dims if dims and head_dim % dims == 0 else head_dim
 
     def quantize(self, x: torch.Tensor, keys: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[..., head_dim]`` (keys, or values) -> codes ``[..., head_dim]`` and scales
