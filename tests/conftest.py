@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import shutil
+import ssl
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,10 +26,46 @@ def pytest_configure(config: pytest.Config) -> None:
     state_home = tempfile.mkdtemp(prefix="sluice-test-state-")
     os.environ["XDG_STATE_HOME"] = state_home
     atexit.register(shutil.rmtree, state_home, True)
+    share_default_ssl_context()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+
+
+def share_default_ssl_context() -> None:
+    """Every httpx client this process makes with the default TLS settings (and every httpx2 one:
+    the openai and anthropic SDKs' clients) gets one SSL context, built on first use: building one
+    loads the CA bundle, 25-33 ms of CPU per client (80 clients in test_edge_surfaces_server.py
+    alone). The tests speak plain HTTP to 127.0.0.1; any other setting (``verify=False``, a context
+    of the test's own, a client certificate, ``trust_env=False``) builds its context as before. The
+    services the tests start are separate processes and build their own."""
+    import importlib
+
+    for package in ("httpx", "httpx2"):
+        try:
+            transports = importlib.import_module(f"{package}._transports.default")
+        except ImportError:
+            continue
+        names = vars(transports)  # the name HTTPTransport and AsyncHTTPTransport call at construction
+        if not getattr(names["create_ssl_context"], "shared_default", False):
+            names["create_ssl_context"] = _shared_default(names["create_ssl_context"])
+
+
+def _shared_default(build: Callable[..., ssl.SSLContext]) -> Callable[..., ssl.SSLContext]:
+    """``build`` (an httpx ``create_ssl_context``) returning one context for the default settings."""
+
+    @functools.cache
+    def default_context() -> ssl.SSLContext:
+        return build()
+
+    def create_ssl_context(verify: Any = True, cert: Any = None, trust_env: bool = True) -> ssl.SSLContext:
+        if verify is True and cert is None and trust_env:
+            return default_context()
+        return build(verify=verify, cert=cert, trust_env=trust_env)
+
+    create_ssl_context.shared_default = True  # type: ignore[attr-defined]
+    return create_ssl_context
 
 
 # The modules that take longest (a fresh-clone run's --durations, summed per module), or that wait

@@ -161,14 +161,23 @@ def fuzz(
     one()
 
 
-def still_serves(base_url: str) -> None:
-    reply = httpx.post(
+def still_serves(client: httpx.Client, base_url: str) -> None:
+    """A plain chat completion after the fuzzing gets a 200 with a finished choice."""
+    reply = client.post(
         f"{base_url}/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3},
         timeout=ANSWER_TIMEOUT_S,
     )
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[httpx.Client]:
+    """One client for the module's plain requests (56 checks that the edge still serves), instead
+    of a client and a connection made for each."""
+    with httpx.Client() as shared:
+        yield shared
 
 
 @pytest.fixture(scope="module")
@@ -203,6 +212,7 @@ def api(fake_edge: EdgeProcess) -> Any:
 def test_fuzzed_requests_get_a_conforming_answer(
     api: Any,
     fake_edge: EdgeProcess,
+    client: httpx.Client,
     tally: Tally,
     path: str,
     method: str,
@@ -210,13 +220,13 @@ def test_fuzzed_requests_get_a_conforming_answer(
     mode: GenerationMode,
 ) -> None:
     fuzz(api, fake_edge.base_url, tally, path, method, mode, examples(count), FAKE_MAX_TOKENS, fake=True)
-    still_serves(fake_edge.base_url)
+    still_serves(client, fake_edge.base_url)
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda mode: mode.value)
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_fuzzed_requests_against_the_default_model(
-    api: Any, default_edge: EdgeProcess, tally: Tally, path: str, mode: GenerationMode
+    api: Any, default_edge: EdgeProcess, client: httpx.Client, tally: Tally, path: str, mode: GenerationMode
 ) -> None:
     fuzz(
         api,
@@ -230,4 +240,4 @@ def test_fuzzed_requests_against_the_default_model(
         2,
         timeout=REAL_ANSWER_TIMEOUT_S,
     )
-    still_serves(default_edge.base_url)
+    still_serves(client, default_edge.base_url)
