@@ -397,8 +397,9 @@ def _reusable(tokenizer: Any) -> bool:
 
 def _auto_processor_class(target: str) -> Any:
     """The processor class ``AutoProcessor`` picks for ``target`` (the ``processor_class`` its
-    processor, image, video or tokenizer config names, else the model type's), or None where it
-    would pick otherwise (remote code, no processor class, Pixtral's own tokenizer load)."""
+    processor, image, video or tokenizer config names, else the model config's, else the model
+    type's), or None where it could pick otherwise (remote code, no processor class) or loads the
+    tokenizer its own way (Pixtral's)."""
     import json
 
     from transformers.models.auto.processing_auto import processor_class_from_name
@@ -418,13 +419,17 @@ def _auto_processor_class(target: str) -> Any:
             _raise_exceptions_for_missing_entries=False,
             _raise_exceptions_for_connection_errors=False,
         )
-        if path is not None:
-            config = json.loads(Path(path).read_text(encoding="utf-8"))
-            if "AutoProcessor" in config.get("auto_map", {}):
-                return None
-            name = config.get("processor_class")
+        values = json.loads(Path(path).read_text(encoding="utf-8")) if path is not None else {}
+        if "AutoProcessor" in values.get("auto_map", {}):
+            return None
+        name = values.get("processor_class")
         if name is not None:
             break
+    if name is None:
+        config = AutoConfig.from_pretrained(target)
+        if "AutoProcessor" in (getattr(config, "auto_map", None) or {}):
+            return None
+        name = getattr(config, "processor_class", None)
     base = processor_class_from_name(name) if name is not None else _processor_class(target)
     return None if base is None or "PixtralProcessor" in base.__name__ else base
 
