@@ -492,9 +492,12 @@ def _images_only_processor(target: str, tokenizer: Any = None) -> Any:
             )
 
     tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(target)
-    return _processor_around(
+    processor = _processor_around(
         base, ImagesOnly, target, tokenizer, omit=("video_processor", "feature_extractor")
     )
+    if processor.chat_template is None:  # a folder whose template is the tokenizer's only (as before)
+        processor.chat_template = tokenizer.chat_template
+    return processor
 
 
 def _load_float_tokenizer(folder: Path | None, model: str | None) -> PreTrainedTokenizerBase:
