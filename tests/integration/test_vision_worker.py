@@ -8,8 +8,9 @@ image as cached prompt tokens, and a loopback image URL is a 400."""
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,10 @@ def encoded(image: Image.Image, fmt: str = "PNG") -> bytes:
 class Served:
     arch: str
     stub: pb_grpc.WorkerStub
-    processor: Any
+    processor: Any  # transformers' (AutoProcessor's; Qwen2-VL's images-only: tests/tiny_vlms.py)
     model: Any
     edge_url: str
+    folder: Path | None = None
 
 
 @pytest.fixture(scope="module", params=["llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl"])
@@ -71,7 +73,7 @@ def served(
         EdgeProcess([worker.address], log_dir=logs, extra=["--allow-image-urls"]) as edge,
         grpc.insecure_channel(worker.address) as channel,
     ):
-        yield Served(arch, pb_grpc.WorkerStub(channel), processor, model, edge.base_url)
+        yield Served(arch, pb_grpc.WorkerStub(channel), processor, model, edge.base_url, folder)
 
 
 def chat(*parts: str | bytes, max_tokens: int = GREEDY_TOKENS) -> pb.GenerateRequest:
@@ -150,6 +152,43 @@ def image_span(served: Served, prompt: list[int]) -> tuple[int, int]:
 
 def test_model_lists_that_it_accepts_images(served: Served) -> None:
     assert served.stub.ListModels(pb.ListModelsRequest()).models[0].accepts_images
+
+
+def test_the_loaders_processor_reuses_the_tokenizer_and_equals_transformers_own(
+    served: Served, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker's processor (``load_processor`` around the tokenizer the loader already has) loads
+    no tokenizer again, holds the one given, and is the reference processor's equal: its class,
+    its own settings (processor_config.json's among them), its image processor's, and its ids and
+    pixels for a chat with an image and text."""
+    from transformers import PreTrainedTokenizerBase
+
+    from worker.model.loader import load_processor
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the processor loaded the tokenizer again")
+
+    assert served.folder is not None
+    reference, tokenizer = served.processor, served.processor.tokenizer
+    with monkeypatch.context() as patched:
+        patched.setattr(PreTrainedTokenizerBase, "from_pretrained", classmethod(refuse))
+        built = load_processor(str(served.folder), tokenizer)
+    assert built.tokenizer is tokenizer
+    parts = ("tokenizer", "image_processor", "video_processor", "feature_extractor")
+    settings = {key: value for key, value in vars(reference).items() if key not in parts}
+    assert type(built) is type(reference) or type(built).__name__ == type(reference).__name__ == "ImagesOnly"
+    assert {key: value for key, value in vars(built).items() if key not in parts} == settings
+    assert built.image_processor.to_dict() == reference.image_processor.to_dict()
+    config = json.loads((served.folder / "processor_config.json").read_text())
+    assert {key: getattr(built, key) for key in config if key != "processor_class"} == {
+        key: value for key, value in config.items() if key != "processor_class"
+    }
+    image = noise(13)
+    want, got = (
+        processed(served, "Look:", image, "now."),
+        processed(replace(served, processor=built), "Look:", image, "now."),
+    )
+    assert want.keys() == got.keys() and all(torch.equal(want[key], got[key]) for key in want)
 
 
 def test_one_image_decodes_like_transformers(served: Served) -> None:

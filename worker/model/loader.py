@@ -20,7 +20,6 @@ from typing import Any
 import torch
 from transformers import (
     AutoConfig,
-    AutoImageProcessor,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
@@ -32,7 +31,7 @@ from transformers import (
 
 from worker.config import DEFAULT_CACHE_DIR
 from worker.errors import WorkerError
-from worker.model.mistral_tokenizer import with_mistral_common
+from worker.model.mistral_tokenizer import mistral_common_of, with_mistral_common
 from worker.model.packed_linear import pack_linears
 from worker.model.pooling import PoolingConfigError, PoolingSpec, detect_task, read_spec
 from worker.model.prequantized import PrequantizedLoadError, checkpoint_format, load_prequantized
@@ -371,18 +370,90 @@ def is_vision_folder(target: str) -> bool:
 
 
 def load_processor(target: str, tokenizer: Any = None) -> Any:
-    """A vision-language model's processor, on its PIL image paths (no torchvision). A processor
-    that also wants a video processor (which needs torchvision) is built without one (and without
-    an audio feature extractor), around ``tokenizer`` when given: images only."""
+    """A vision-language model's processor, on its PIL image paths (no torchvision), as
+    ``AutoProcessor.from_pretrained`` builds it, around ``tokenizer`` (the one the loader already
+    has) when given: the processor's own second load of the tokenizer is skipped (seconds for a 262k
+    vocabulary). A processor that also wants a video processor (which needs torchvision) is built
+    without one (and without an audio feature extractor): images only."""
     try:
         if _wants_video(target) and importlib.util.find_spec("torchvision") is None:
             return _images_only_processor(target, tokenizer)
+        base = _auto_processor_class(target) if _reusable(tokenizer) else None
+        if base is not None:
+            return _processor_around(base, base, target, tokenizer)
         try:
             return AutoProcessor.from_pretrained(target, backend="pil")
         except ImportError:
             return _images_only_processor(target, tokenizer)
     except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(f"could not load the image processor of {target!r}: {exc}") from exc
+
+
+def _reusable(tokenizer: Any) -> bool:
+    """``tokenizer`` is the one ``AutoProcessor`` would load itself (``AutoTokenizer`` on the folder):
+    not one the worker serves in place of a ``tekken.json`` (worker/model/mistral_tokenizer.py)."""
+    return tokenizer is not None and mistral_common_of(tokenizer) is None
+
+
+def _auto_processor_class(target: str) -> Any:
+    """The processor class ``AutoProcessor`` picks for ``target`` (the ``processor_class`` its
+    processor, image, video or tokenizer config names, else the model config's, else the model
+    type's), or None where it could pick otherwise (remote code, no processor class) or loads the
+    tokenizer its own way (Pixtral's)."""
+    import json
+
+    from transformers.models.auto.processing_auto import processor_class_from_name
+    from transformers.utils import cached_file
+
+    name = None
+    for file in (
+        "processor_config.json",
+        "preprocessor_config.json",
+        "video_preprocessor_config.json",
+        "tokenizer_config.json",
+    ):
+        path = cached_file(
+            target,
+            file,
+            _raise_exceptions_for_gated_repo=False,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
+        values = json.loads(Path(path).read_text(encoding="utf-8")) if path is not None else {}
+        if "AutoProcessor" in values.get("auto_map", {}):
+            return None
+        name = values.get("processor_class")
+        if name is not None:
+            break
+    if name is None:
+        config = AutoConfig.from_pretrained(target)
+        if "AutoProcessor" in (getattr(config, "auto_map", None) or {}):
+            return None
+        name = getattr(config, "processor_class", None)
+    base = processor_class_from_name(name) if name is not None else _processor_class(target)
+    return None if base is None or "PixtralProcessor" in base.__name__ else base
+
+
+def _processor_around(base: Any, built: Any, target: str, tokenizer: Any, omit: tuple[str, ...] = ()) -> Any:
+    """``base``'s processor for ``target`` as its ``from_pretrained`` makes it (its sub-processors
+    loaded by transformers, processor_config.json's own kwargs applied), made as ``built`` (``base``
+    or a subclass of it) with ``tokenizer`` as its tokenizer and None for the ``omit`` parts."""
+    names = base.get_attributes()
+    loaded = [name for name in names if name != "tokenizer" and name not in omit]
+
+    class Others(base):  # type: ignore[misc,valid-type]
+        """``base`` loading only the parts not given."""
+
+        @classmethod
+        def get_attributes(cls) -> list[str]:
+            return loaded
+
+    processor_dict, kwargs = base.get_processor_dict(target, backend="pil", _from_auto=True)
+    parts = dict(
+        zip(loaded, Others._get_arguments_from_pretrained(target, processor_dict, backend="pil"), strict=True)
+    )
+    args = [tokenizer if name == "tokenizer" else parts.get(name) for name in names]
+    return built.from_args_and_dict(args, processor_dict, **kwargs)
 
 
 def _processor_class(target: str) -> Any:
@@ -402,15 +473,18 @@ def _wants_video(target: str) -> bool:
 
 
 def _images_only_processor(target: str, tokenizer: Any = None) -> Any:
-    """The folder's processor class with its image processor and tokenizer (``tokenizer``, the one
-    already loaded, when given) and no video processor."""
+    """The folder's processor class as ``from_pretrained`` builds it (processor_config.json's kwargs
+    too), around ``tokenizer`` (the one already loaded, when given), with no video processor and no
+    audio feature extractor (Gemma 4's)."""
     base = _processor_class(target)
     if base is None:
         raise ImportError(f"no processor class for {target!r}")
 
     class ImagesOnly(base):  # type: ignore[misc,valid-type]
-        def __reduce__(self) -> tuple[Any, ...]:  # pickled as the folder it is built from
-            return _images_only_processor, (target,)
+        def __reduce__(self) -> tuple[Any, ...]:
+            # A class made here pickles as the folder and the tokenizer (which a pickle of the whole
+            # model shares with the model's own: sent once, not loaded again on the other side).
+            return _images_only_processor, (target, self.tokenizer)
 
         def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
             return (
@@ -418,15 +492,12 @@ def _images_only_processor(target: str, tokenizer: Any = None) -> Any:
             )
 
     tokenizer = tokenizer if tokenizer is not None else AutoTokenizer.from_pretrained(target)
-    # Gemma 4's processor also takes an audio feature extractor: images only, so none.
-    audio = {"feature_extractor": None} if "feature_extractor" in base.get_attributes() else {}
-    return ImagesOnly(
-        image_processor=AutoImageProcessor.from_pretrained(target, backend="pil"),
-        tokenizer=tokenizer,
-        video_processor=None,
-        chat_template=tokenizer.chat_template,
-        **audio,
+    processor = _processor_around(
+        base, ImagesOnly, target, tokenizer, omit=("video_processor", "feature_extractor")
     )
+    if processor.chat_template is None:  # a folder whose template is the tokenizer's only (as before)
+        processor.chat_template = tokenizer.chat_template
+    return processor
 
 
 def _load_float_tokenizer(folder: Path | None, model: str | None) -> PreTrainedTokenizerBase:

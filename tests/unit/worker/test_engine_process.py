@@ -155,18 +155,29 @@ def test_the_refusals_the_engine_raises_have_the_base_signature(kind: type[Worke
     assert kind.__init__ is WorkerError.__init__
 
 
-def test_a_vision_models_processor_crosses_as_its_folder(tiny_vlm: Callable[[str], Path]) -> None:
+def test_a_vision_models_processor_crosses_as_its_folder_and_tokenizer(
+    tiny_vlm: Callable[[str], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The loader's processor without a video part is a class made at load; it pickles as the folder
-    it was built from, so the serving process gets the same processor."""
+    it was built from and its tokenizer, which a pickle of the loaded model shares with the model's
+    own: the serving process gets the same processor and loads no tokenizer again."""
     import numpy as np
     from PIL import Image
+    from transformers import PreTrainedTokenizerBase
 
     from worker.model.loader import _images_only_processor
 
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the tokenizer was loaded again")
+
     folder = tiny_vlm("qwen2_vl")
     processor = _images_only_processor(str(folder))
-    copy = pickle.loads(pickle.dumps(processor))
+    sent = pickle.dumps((processor.tokenizer, processor))
+    with monkeypatch.context() as patched:
+        patched.setattr(PreTrainedTokenizerBase, "from_pretrained", classmethod(refuse))
+        tokenizer, copy = pickle.loads(sent)
     assert type(copy).__name__ == type(processor).__name__ and copy.video_processor is None
+    assert copy.tokenizer is tokenizer
     image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8))
     prompt = "<|vision_start|><|image_pad|><|vision_end|>"
     want, got = processor(text=prompt, images=[image]), copy(text=prompt, images=[image])

@@ -7,6 +7,7 @@ of the same processor output within 5e-3, and greedy decode rows write ``generat
 from __future__ import annotations
 
 import io
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,6 +93,19 @@ def rendered(served: Served, image: Image.Image) -> tuple[list[int], tuple[Promp
     chat = ChatPrompt((ChatMessage("user", None, parts=("Look at", ImageData(png(image)), "now.")),))
     ids, _, images = renderer.render_with_images(chat)
     return list(ids), images
+
+
+def test_the_loaded_processor_holds_the_loaded_tokenizer_and_its_folders_settings(
+    served: Served, tiny_vlm: Callable[[str], Path]
+) -> None:
+    """``load_model``'s processor (images only: both want a video processor) is built around the
+    tokenizer it loaded, with processor_config.json's settings as ``from_pretrained`` applies them
+    (Gemma 4's ``image_seq_length`` 70, not its class default 280)."""
+    config = json.loads((tiny_vlm(served.arch) / "processor_config.json").read_text())
+    del config["processor_class"]
+    processor = served.loaded.processor
+    assert processor.tokenizer is served.loaded.tokenizer and processor.video_processor is None
+    assert {key: getattr(processor, key) for key in config} == config
 
 
 def reference_inputs(served: Served, image: Image.Image) -> Any:
