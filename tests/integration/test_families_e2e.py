@@ -23,7 +23,7 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from tests.processes import EdgeProcess, WorkerProcess
-from tests.tiny_families import eager_reference, tiny_config, tiny_model
+from tests.tiny_families import tiny_config, tiny_model
 from tools.fixtures import DEFAULT_DIR, build_tekken, fetch_tokenizer
 
 pytestmark = pytest.mark.integration
@@ -122,7 +122,9 @@ def loaded_tokenizer(fixture: str) -> tuple[Any, str | None]:
 
 def build(folder: Path, family: str) -> tuple[Any, Any]:
     """Saves the family's tiny model with its real tokenizer and template; returns the tokenizer and
-    transformers' eager float32 reference of the same weights."""
+    transformers' eager float32 reference of the same weights: the saved model itself, switched to
+    eager attention once saved (nothing else here runs it; the same logits, bit for bit, as a
+    second model built by ``eager_reference`` and loaded with its weights, without that build)."""
     key, fixture, template = FAMILIES[family]
     tokenizer, own_template = loaded_tokenizer(fixture)
     tokenizer.chat_template = (TEMPLATES / f"{template}.jinja").read_text() if template else own_template
@@ -143,7 +145,8 @@ def build(folder: Path, family: str) -> tuple[Any, Any]:
         shutil.copy(build_tekken(DEFAULT_DIR, fixture.split()[1]) / "tekken.json", folder / "tekken.json")
     else:
         tokenizer.save_pretrained(folder)
-    return tokenizer, eager_reference(model)
+    model.set_attn_implementation("eager")
+    return tokenizer, model
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
