@@ -282,7 +282,7 @@ def zeroed(dims: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     """A tensor of zeros; on the CPU in an anonymous memory mapping, whose pages the kernel maps
     zeroed on first touch: a pool costs no time or memory at start, only as its blocks are used
     (``torch.zeros`` would write every byte of a 1 GiB pool, about 0.5 s of CPU per worker)."""
-    size = math.prod(dims) * torch.empty((), dtype=dtype).element_size()
+    size = math.prod(dims) * dtype.itemsize
     if device.type != "cpu" or size == 0:
         return torch.zeros(dims, dtype=dtype, device=device)
     private = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # as malloc's: not shared

@@ -430,7 +430,7 @@ def _auto_processor_class(target: str) -> Any:
         if "AutoProcessor" in (getattr(config, "auto_map", None) or {}):
             return None
         name = getattr(config, "processor_class", None)
-    base = processor_class_from_name(name) if name is not None else _processor_class(target)
+    base = processor_class_from_name(name) if name is not None else _processor_class(config)
     return None if base is None or "PixtralProcessor" in base.__name__ else base
 
 
@@ -456,19 +456,19 @@ def _processor_around(base: Any, built: Any, target: str, tokenizer: Any, omit: 
     return built.from_args_and_dict(args, processor_dict, **kwargs)
 
 
-def _processor_class(target: str) -> Any:
-    """The processor class transformers maps the folder's model type to (None when it has none)."""
+def _processor_class(config: Any) -> Any:
+    """The processor class transformers maps the model config's model type to (None when it has
+    none)."""
     import transformers
     from transformers.models.auto.processing_auto import PROCESSOR_MAPPING_NAMES
 
-    name = PROCESSOR_MAPPING_NAMES.get(AutoConfig.from_pretrained(target).model_type)
-    return getattr(transformers, str(name), None)
+    return getattr(transformers, str(PROCESSOR_MAPPING_NAMES.get(config.model_type)), None)
 
 
 def _wants_video(target: str) -> bool:
     """The folder's processor takes a video processor (which transformers builds with torchvision
     only, after loading the tokenizer: known beforehand, that tokenizer load is saved)."""
-    base = _processor_class(target)
+    base = _processor_class(AutoConfig.from_pretrained(target))
     return base is not None and "video_processor" in base.get_attributes()
 
 
@@ -476,7 +476,7 @@ def _images_only_processor(target: str, tokenizer: Any = None) -> Any:
     """The folder's processor class as ``from_pretrained`` builds it (processor_config.json's kwargs
     too), around ``tokenizer`` (the one already loaded, when given), with no video processor and no
     audio feature extractor (Gemma 4's)."""
-    base = _processor_class(target)
+    base = _processor_class(AutoConfig.from_pretrained(target))
     if base is None:
         raise ImportError(f"no processor class for {target!r}")
 
