@@ -13,6 +13,7 @@ import os
 import pickle
 import runpy
 import select
+import shutil
 import signal
 import socket
 import subprocess
@@ -400,8 +401,9 @@ class Zygote:
         atexit.register(self.close)
 
     def close(self) -> None:
-        """Ends the zygote (and any child still running) and waits for it."""
+        """Ends the zygote (and any child still running), waits for it and removes its folder."""
         end_server(self.process)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
     @classmethod
     def shared(cls) -> Zygote | None:
