@@ -37,9 +37,11 @@ def worker(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[WorkerProcess]:
     """Two sequences at a time, so a third request waits in the queue. No model (``--fake-tokens``,
-    10 ms a step): the edge's stream lifecycle does not depend on what streams, and a stream of
-    4000 tokens lasts 40 s on a slept step rather than computing all the while."""
-    extra = ["--max-running", "2", "--fake-tokens", "--fake-step-ms", "10"]
+    5 ms a step): the edge's stream lifecycle does not depend on what streams, and a stream of
+    4000 tokens lasts 20 s on a slept step rather than computing all the while. The stalled client
+    is cut once the edge's socket buffers (megabytes) are full, so the step sets how long it takes:
+    17 s at 10 ms a step."""
+    extra = ["--max-running", "2", "--fake-tokens", "--fake-step-ms", "5"]
     log_dir = tmp_path_factory.mktemp("streams-worker")
     model = str(long_tiny_model_dir)
     with WorkerProcess(cache_dir=model_cache, log_dir=log_dir, model=model, extra=extra) as process:

@@ -30,9 +30,11 @@ from tests.processes import LiveEdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-# Long enough that both requests surely arrive during the load on a busy 2-core machine; the
-# edges notice the loading worker within about a second (--health-interval 1).
-LOAD_SECONDS = 10
+# Long enough that both requests surely arrive during the load on a busy 2-core machine (they went
+# out 0.3 s after the worker's launch on a loaded one); the edges notice the loading worker within
+# about a second (--health-interval 1). A request sent after the load fails the test (its events
+# start with chat.start, not model_load.start); the test waits the load out either way.
+LOAD_SECONDS = 6
 
 
 def grpc_answers(address: str) -> bool:

@@ -94,17 +94,23 @@ async def queue_reaches(worker: WorkerProcess, running: int, waiting: int) -> No
     raise AssertionError(f"the worker never showed {running} running and {waiting} waiting: {metrics}")
 
 
+# A queued request's tokens: the fcfs probe waits 4 rounds of them (2.6 s of 20 ms steps), the
+# urgent one a step or two.
+QUEUED_TOKENS = 32
+
+
 async def behind_a_queue(worker: WorkerProcess, edge: EdgeProcess, probe_priority: int) -> float:
     """A probe's time to first token behind 4 running and 16 queued priority-5 requests of its tenant."""
     async with httpx.AsyncClient(base_url=edge.base_url, timeout=120) as client:
         await queue_reaches(worker, 0, 0)
         queued = [
-            asyncio.create_task(first_token_and_end(client, "team-a", 48, priority=5)) for _ in range(20)
+            asyncio.create_task(first_token_and_end(client, "team-a", QUEUED_TOKENS, priority=5))
+            for _ in range(20)
         ]
         await queue_reaches(worker, SLOTS, 16)
         first, _ = await first_token_and_end(client, "team-a", 4, priority=probe_priority)
         ends = await asyncio.gather(*queued)
-    assert [tokens for _, tokens in ends] == [48] * 20
+    assert [tokens for _, tokens in ends] == [QUEUED_TOKENS] * 20
     return first
 
 

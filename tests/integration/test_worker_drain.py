@@ -41,7 +41,8 @@ def test_sigterm_refuses_new_calls_and_lets_in_flight_ones_finish(
         async def scenario() -> tuple[list[str | None], float]:
             async with WorkerClient(worker.address) as client:
                 kinds: list[str | None] = []
-                async with client.generate(long_request(400), timeout=60) as stream:
+                # 2 s of 10 ms steps: the checks below run while it streams, and over 100 of its tokens come.
+                async with client.generate(long_request(200), timeout=60) as stream:
                     async for event in stream:
                         kinds.append(event.WhichOneof("event"))
                         if len(kinds) == 3:

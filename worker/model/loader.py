@@ -5,6 +5,8 @@ Design notes: docs/worker.md.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import importlib.util
 import logging
@@ -12,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -534,14 +536,43 @@ def gguf_config_folder(gguf: Path, cache_dir: Path) -> Path:
     if (folder / "config.json").is_file():
         return folder
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        with gguf_metadata_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not read GGUF file {gguf}: {exc}") from exc
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     _save_atomically(folder, [config.save_pretrained, tokenizer.save_pretrained])
     return folder
+
+
+@contextlib.contextmanager
+def gguf_metadata_read_once() -> Iterator[None]:
+    """Within the block, transformers parses a GGUF file's metadata once: ``AutoTokenizer`` and
+    ``AutoConfig`` (and a model's ``from_pretrained``) each parse all of it for the config, the
+    vocabulary's arrays too (about 2.5 CPU-s each for the default model). Later metadata-only reads
+    of the same file get a copy of the first one's config; reads of tensors go through as before."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original = gguf_utils.load_gguf_checkpoint
+    parsed: dict[str, dict[str, Any]] = {}
+
+    def read_once(
+        path: Any, return_tensors: Any = False, model_to_load: Any = None, torch_dtype: Any = None
+    ) -> Any:
+        if return_tensors or model_to_load is not None or torch_dtype is not None:
+            return original(path, return_tensors, model_to_load, torch_dtype)
+        key = os.path.realpath(path)
+        if key not in parsed:
+            parsed[key] = original(path, False)
+        return {**parsed[key], "config": copy.deepcopy(parsed[key]["config"])}
+
+    gguf_utils.load_gguf_checkpoint = read_once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = original
 
 
 def _save_atomically(folder: Path, writers: list[Any]) -> None:
@@ -567,10 +598,11 @@ def converted_gguf_folder(gguf: Path, cache_dir: Path) -> Path:
     log.info("converting %s (first start only; cached in %s)", gguf.name, folder)
     started = time.monotonic()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        quantized = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
+        with gguf_metadata_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            quantized = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            )
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not read GGUF file {gguf}: {exc}") from exc
     # A model loaded from GGUF refuses save_pretrained; a fresh model of the

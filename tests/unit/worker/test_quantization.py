@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import numpy as np
 import pytest
 import torch
@@ -242,11 +243,21 @@ def test_a_safetensors_folder_is_quantized_tensor_by_tensor(tiny_model_dir, sche
     assert relative_error(got, want) < (0.05 if scheme == "int8" else 0.3)
 
 
-def test_default_gguf_loads_its_own_blocks_without_a_float_conversion(tmp_path):
+def test_default_gguf_loads_its_own_blocks_without_a_float_conversion(tmp_path, monkeypatch):
     """The default model (Q4_1 blocks, a Q8_0 embedding tied to the output layer) loads int4 straight
-    from the GGUF file: only its config and tokenizer are cached, the layers hold the file's weights
-    in transformers' row order, and it answers as the model does."""
+    from the GGUF file: only its config and tokenizer are cached (the file's metadata parsed by
+    transformers once, not once for the tokenizer and again for the config: about 2.5 CPU-s each),
+    the layers hold the file's weights in transformers' row order, and it answers as the model does."""
+    parses = []
+
+    class CountedReader(gguf.GGUFReader):
+        def __init__(self, *args, **kwargs):
+            parses.append(args)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountedReader)  # transformers imports it at each read
     loaded = load_model(None, device="cpu", dtype="float32", quantization="int4", cache_dir=tmp_path)
+    assert len(parses) == 1, parses
     cached = [p.name for p in (tmp_path / "models").iterdir()]
     assert len(cached) == 1 and cached[0].endswith("-config")
     assert not list((tmp_path / "models" / cached[0]).glob("*.safetensors"))
