@@ -1,7 +1,7 @@
 """The prefix cache's host tier (``--kv-offload-bytes``) on a real worker (the default model, its
-engine in a process of its own, where the tier lives): a device pool of 32 blocks and a 1 GiB host
-tier serve 8 conversations of 3 turns, round robin, each with its own ~120-token system prompt
-(together about 2.5 times the pool); the later turns find their earlier tokens cached (copied back
+engine in a process of its own, where the tier lives): a device pool of 64 blocks and a 1 GiB host
+tier serve 8 conversations of 3 turns, round robin, each with its own ~250-token system prompt
+(together far more than the pool); the later turns find their earlier tokens cached (copied back
 from the host) and answer as the session's large-pool (in-process) worker does."""
 
 from __future__ import annotations
@@ -23,11 +23,9 @@ from tests.processes import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-# 32 blocks of 16 tokens (the default block size) and a 1 GiB host tier. The engine process builds
-# the tier as an in-process engine does (the same start-up), and its metrics cross the pipe. The
-# conversations' first turns (8 of ~120 tokens) already overflow the pool; their prompts are the
-# bar's main cost (both workers prefill them), so pool and prompts are small and in that ratio.
-TIERED = ["--max-batch-tokens", "512", "--kv-offload-bytes", str(1 << 30), "--engine-process"]
+# 64 blocks of 16 tokens (the default block size) and a 1 GiB host tier. The engine process builds
+# the tier as an in-process engine does (the same start-up), and its metrics cross the pipe.
+TIERED = ["--max-batch-tokens", "1024", "--kv-offload-bytes", str(1 << 30), "--engine-process"]
 CONVERSATIONS, TURNS = 8, 3
 WORDS = (
     "harbour",
@@ -61,9 +59,9 @@ def tiered(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 
 def system_prompt(index: int) -> str:
-    """About 120 tokens, its own from the first words on (no prefix shared between conversations)."""
+    """About 250 tokens, its own from the first words on (no prefix shared between conversations)."""
     rng = random.Random(index)
-    return f"Assistant number {index}. " + " ".join(rng.choice(WORDS) for _ in range(90))
+    return f"Assistant number {index}. " + " ".join(rng.choice(WORDS) for _ in range(190))
 
 
 @dataclass
