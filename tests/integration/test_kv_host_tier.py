@@ -1,7 +1,7 @@
 """The prefix cache's host tier (``--kv-offload-bytes``) on a real worker (the default model, its
 engine in a process of its own, where the tier lives): a device pool of 64 blocks and a 1 GiB host
 tier serve 8 conversations of 3 turns, round robin, each with its own ~250-token system prompt
-(together far more than the pool); the later turns find their earlier tokens cached (copied back
+(together about twice the pool); the later turns find their earlier tokens cached (copied back
 from the host) and answer as the session's large-pool (in-process) worker does."""
 
 from __future__ import annotations
