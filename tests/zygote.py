@@ -28,6 +28,12 @@ from typing import Any
 # What a forked child may differ in from the zygote's environment at import (read only once the
 # child's main runs, or pytest's own). Any other difference (say TRITON_INTERPRET) starts a fresh process.
 _CHILD_ONLY = ("SLUICE_", "PYTHONUNBUFFERED", "PYTEST_")
+# What libraries set in os.environ as they are imported or first used (torch's inductor its cache
+# folder, in the zygote's preload too; scikit-learn, imported by sentence-transformers, its OpenMP
+# settings, read only by Intel's OpenMP runtime, which torch does not use): present on one side only,
+# such a variable is no difference; with two values it is. Unignored, one in-process import left
+# every later start of that pytest process fresh, and every engine process and follower rank.
+_SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
 FOLLOWER = "worker.parallel.follower"
 MODULES = ("worker", "edge", FOLLOWER)
 ENGINE = "worker.engine.process"  # a forked engine process runs its engine_main (no module main)
@@ -275,7 +281,9 @@ def _forked_engine(path: str, log: str, payload: bytes) -> tuple[EngineFork, Con
 def _same_env(env: Mapping[str, str], zygote_env: Mapping[str, str]) -> bool:
     """Whether a child with ``env`` may be forked from a zygote imported with ``zygote_env``."""
     return all(
-        key.startswith(_CHILD_ONLY) or env.get(key) == zygote_env.get(key)
+        key.startswith(_CHILD_ONLY)
+        or env.get(key) == zygote_env.get(key)
+        or (key in _SET_BY_IMPORTS and (key not in env or key not in zygote_env))
         for key in set(env) | set(zygote_env)
     )
 

@@ -1,5 +1,6 @@
 """The tests' zygote's engine-process hook without a zygote: a fork it cannot get falls back to a
-spawned engine, and a forked engine's end reads as a ``multiprocessing.Process``'s."""
+spawned engine, and a forked engine's end reads as a ``multiprocessing.Process``'s; which
+environments a child may be forked with."""
 
 from __future__ import annotations
 
@@ -41,3 +42,20 @@ def test_a_forked_engine_ends_as_a_multiprocessing_process_does() -> None:
     zygotes.close()
     engine.join(30)
     assert not engine.is_alive() and engine.exitcode == -signal.SIGKILL
+
+
+def test_a_variable_an_import_sets_on_one_side_only_still_forks_but_two_values_do_not() -> None:
+    """torch's inductor (imported by peft, and by the zygote's own preload) sets its cache folder
+    and scikit-learn its OpenMP settings: a pytest process that imported them after its zygote
+    started, or that never did while the zygote did, still forks its workers, their engine
+    processes and follower ranks (unignored, a CI run's second half started every process fresh:
+    a killed-follower test's call took 22.5 s instead of 1.7 s)."""
+    base = {"PATH": "/usr/bin", "SLUICE_WORKER_PORT": "1"}
+    for key in ("TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK"):
+        assert zygote._same_env({**base, key: "/tmp/a"}, base)
+        assert zygote._same_env(base, {**base, key: "/tmp/a"})
+        assert zygote._same_env({**base, key: "/tmp/a"}, {**base, key: "/tmp/a"})
+        assert not zygote._same_env({**base, key: "/tmp/a"}, {**base, key: "/tmp/b"})
+    assert zygote._same_env({**base, "SLUICE_WORKER_PORT": "2", "PYTEST_XDIST_WORKER": "gw1"}, base)
+    assert not zygote._same_env({**base, "TRITON_INTERPRET": "1"}, base)
+    assert not zygote._same_env(base, {**base, "TRITON_INTERPRET": "1"})
