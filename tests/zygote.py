@@ -26,8 +26,10 @@ from pathlib import Path
 from typing import Any
 
 # What a forked child may differ in from the zygote's environment at import (read only once the
-# child's main runs, or pytest's own). Any other difference (say TRITON_INTERPRET) starts a fresh process.
-_CHILD_ONLY = ("SLUICE_", "PYTHONUNBUFFERED", "PYTEST_")
+# child's main runs, or pytest's own; OpenTelemetry's batch span processor reads its OTEL_BSP_*
+# settings when the child's tracer builds one). Any other difference (say TRITON_INTERPRET) starts
+# a fresh process.
+_CHILD_ONLY = ("SLUICE_", "PYTHONUNBUFFERED", "PYTEST_", "OTEL_BSP_")
 # What libraries set in os.environ as they are imported or first used (torch's inductor its cache
 # folder, in the zygote's preload too; scikit-learn, imported by sentence-transformers, its OpenMP
 # settings, read only by Intel's OpenMP runtime, which torch does not use): present on one side only,

@@ -57,5 +57,7 @@ def test_a_variable_an_import_sets_on_one_side_only_still_forks_but_two_values_d
         assert zygote._same_env({**base, key: "/tmp/a"}, {**base, key: "/tmp/a"})
         assert not zygote._same_env({**base, key: "/tmp/a"}, {**base, key: "/tmp/b"})
     assert zygote._same_env({**base, "SLUICE_WORKER_PORT": "2", "PYTEST_XDIST_WORKER": "gw1"}, base)
+    # Read when a child's tracer builds its span processor: the tracing modules' processes fork.
+    assert zygote._same_env({**base, "OTEL_BSP_SCHEDULE_DELAY": "50"}, base)
     assert not zygote._same_env({**base, "TRITON_INTERPRET": "1"}, base)
     assert not zygote._same_env(base, {**base, "TRITON_INTERPRET": "1"})
