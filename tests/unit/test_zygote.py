@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +62,25 @@ def test_a_variable_an_import_sets_on_one_side_only_still_forks_but_two_values_d
     assert zygote._same_env({**base, "OTEL_BSP_SCHEDULE_DELAY": "50"}, base)
     assert not zygote._same_env({**base, "TRITON_INTERPRET": "1"}, base)
     assert not zygote._same_env(base, {**base, "TRITON_INTERPRET": "1"})
+
+
+def test_a_start_made_fresh_by_the_test_process_own_drift_is_warned_of_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A variable this pytest process gained after its zygote started (an import's, say) makes
+    every later start fresh: ``make test`` says so once instead of paying seconds per start in
+    silence; a variable a test passes to its process on purpose is no drift."""
+    started = zygote.Zygote.__new__(zygote.Zygote)  # no process: only the environment is compared
+    started.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    started.process = type("Running", (), {"poll": lambda self: None})()  # type: ignore[assignment]
+    monkeypatch.setattr(zygote.Zygote, "_warned", set())
+    worker = [sys.executable, "-m", "worker", "--port", "1"]
+    where = {"cwd": tmp_path, "log": tmp_path / "log", "append": False}
+    on_purpose = {**os.environ, "TRITON_INTERPRET": "1"}
+    assert started.start(worker, env=on_purpose, **where) is None  # type: ignore[arg-type]
+    monkeypatch.setenv("SLUICE_TEST_DRIFT_CHECK", "child-only")  # no drift: SLUICE_* is the child's
+    monkeypatch.setenv("A_VARIABLE_AN_IMPORT_SET", "1")
+    with pytest.warns(UserWarning, match=r"changed since its zygote started \(A_VARIABLE_AN_IMPORT_SET\)"):
+        assert started.start(worker, env=dict(os.environ), **where) is None  # type: ignore[arg-type]
+    started.start(worker, env=dict(os.environ), **where)  # type: ignore[arg-type]  # warned once
+    assert zygote.Zygote._warned == {("A_VARIABLE_AN_IMPORT_SET",)}
