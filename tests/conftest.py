@@ -147,19 +147,19 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, default_model_dir: 
 
 
 @pytest.fixture(scope="session")
-def tiny_vlm(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """The tiny vision-language checkpoint of an architecture (``tests/tiny_vlms.py``), built once
-    per run and shared by the modules that only read it (a worker's ``--cache-dir`` goes elsewhere)."""
-    from tests.tiny_vlms import build_tiny_vlm
+def tiny_vlm() -> Callable[[str], Path]:
+    """The tiny vision-language checkpoint of an architecture (``tests/tiny_vlms.py``), kept in the
+    cache ``make run`` uses (``~/.cache/sluice/tiny-vlms``) under a key of what it is built from:
+    built by the first run of an installation (about 33 CPU-s for the eight), read by later runs and
+    by the modules that only read it (a worker's ``--cache-dir`` goes elsewhere)."""
+    from tests.tiny_vlms import cached_tiny_vlm
+    from worker.config import DEFAULT_CACHE_DIR
 
     built: dict[str, Path] = {}
 
     def folder_of(arch: str) -> Path:
         if arch not in built:
-            root = built_once(
-                tmp_path_factory, f"tiny-vlm-{arch}", lambda f: build_tiny_vlm(arch, f / "model")
-            )
-            built[arch] = root / "model"
+            built[arch] = cached_tiny_vlm(arch, DEFAULT_CACHE_DIR / "tiny-vlms")
         return built[arch]
 
     return folder_of

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,8 @@ from worker.model.loader import load_processor
 
 TEMPLATES = Path(__file__).resolve().parent / "fixtures" / "templates"  # the families' real templates
 
+# A cached checkpoint of another key (older sources or versions) unused this long is removed.
+STALE_AFTER_S = 24 * 3600
 ARCHITECTURES = ("llava", "gemma3", "idefics3", "qwen2_vl", "qwen2_5_vl", "qwen3_5", "qwen3_5_moe", "gemma4")
 TEXT: dict[str, Any] = {
     "hidden_size": 64,
@@ -392,6 +396,47 @@ def tiny_processor(folder: Path) -> Any:
     if key not in _PROCESSORS:
         _PROCESSORS[key] = load_processor(key)
     return _PROCESSORS[key]
+
+
+def cache_key(arch: str) -> str:
+    """What a tiny checkpoint of ``arch`` is made of: this module's and tests/tiny_families.py's
+    sources, the templates, the fixture tokenizers' files (name, size, modification time), the
+    architecture, and the torch, transformers and tokenizers versions."""
+    import tokenizers
+
+    digest = hashlib.sha256(
+        f"{arch} {torch.__version__} {transformers.__version__} {tokenizers.__version__}".encode()
+    )
+    here = Path(__file__).resolve().parent
+    for path in [here / "tiny_vlms.py", here / "tiny_families.py", *sorted(TEMPLATES.iterdir())]:
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    for family in ("qwen3", "gemma3"):
+        for path in sorted(_fixture(family).iterdir()):
+            stat = path.stat()
+            digest.update(f"{family}/{path.name} {stat.st_size} {stat.st_mtime_ns}".encode())
+    return digest.hexdigest()[:16]
+
+
+def cached_tiny_vlm(arch: str, cache: Path) -> Path:
+    """The tiny checkpoint of ``arch`` under ``cache`` (the tests' ``~/.cache/sluice/tiny-vlms``),
+    built by the first run that needs it while other processes wait on a lock, and read by every
+    later run as long as :func:`cache_key` is the same: a build parses the family's real tokenizer
+    twice and saves it (Gemma 3's and Gemma 4's 8 CPU-s each, the eight 33)."""
+    from filelock import FileLock
+
+    cache.mkdir(parents=True, exist_ok=True)
+    folder = cache / f"{arch}-{cache_key(arch)}"
+    done = cache / f"{folder.name}.done"
+    with FileLock(str(cache / f"{arch}.lock")):
+        if not done.exists() or not (folder / "config.json").is_file():
+            done.unlink(missing_ok=True)
+            build_tiny_vlm(arch, folder)  # an unfinished folder (an interrupted build) is built again
+        done.touch()  # its last use
+        for other in cache.glob(f"{arch}-*.done"):  # another key's, unused for a day (80-100 MB each)
+            if other != done and time.time() - other.stat().st_mtime > STALE_AFTER_S:
+                shutil.rmtree(cache / other.name.removesuffix(".done"), ignore_errors=True)
+                other.unlink(missing_ok=True)
+    return folder
 
 
 def build_tiny_vlm(arch: str, folder: Path) -> Path:

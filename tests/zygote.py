@@ -21,14 +21,23 @@ import sys
 import tempfile
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 # What a forked child may differ in from the zygote's environment at import (read only once the
-# child's main runs, or pytest's own). Any other difference (say TRITON_INTERPRET) starts a fresh process.
-_CHILD_ONLY = ("SLUICE_", "PYTHONUNBUFFERED", "PYTEST_")
+# child's main runs, or pytest's own; OpenTelemetry's batch span processor reads its OTEL_BSP_*
+# settings when the child's tracer builds one). Any other difference (say TRITON_INTERPRET) starts
+# a fresh process.
+_CHILD_ONLY = ("SLUICE_", "PYTHONUNBUFFERED", "PYTEST_", "OTEL_BSP_")
+# What libraries set in os.environ as they are imported or first used (torch's inductor its cache
+# folder, in the zygote's preload too; scikit-learn, imported by sentence-transformers, its OpenMP
+# settings, read only by Intel's OpenMP runtime, which torch does not use): present on one side only,
+# such a variable is no difference; with two values it is. Unignored, one in-process import left
+# every later start of that pytest process fresh, and every engine process and follower rank.
+_SET_BY_IMPORTS = ("TORCHINDUCTOR_CACHE_DIR", "KMP_DUPLICATE_LIB_OK", "KMP_INIT_AT_FORK")
 FOLLOWER = "worker.parallel.follower"
 MODULES = ("worker", "edge", FOLLOWER)
 ENGINE = "worker.engine.process"  # a forked engine process runs its engine_main (no module main)
@@ -275,9 +284,18 @@ def _forked_engine(path: str, log: str, payload: bytes) -> tuple[EngineFork, Con
 
 def _same_env(env: Mapping[str, str], zygote_env: Mapping[str, str]) -> bool:
     """Whether a child with ``env`` may be forked from a zygote imported with ``zygote_env``."""
-    return all(
-        key.startswith(_CHILD_ONLY) or env.get(key) == zygote_env.get(key)
+    return not _differences(env, zygote_env)
+
+
+def _differences(env: Mapping[str, str], zygote_env: Mapping[str, str]) -> list[str]:
+    """The variables that keep a child with ``env`` from being forked from a zygote imported with
+    ``zygote_env``."""
+    return sorted(
+        key
         for key in set(env) | set(zygote_env)
+        if not key.startswith(_CHILD_ONLY)
+        and env.get(key) != zygote_env.get(key)
+        and not (key in _SET_BY_IMPORTS and (key not in env or key not in zygote_env))
     )
 
 
@@ -379,6 +397,7 @@ class Zygote:
 
     _instance: Zygote | None = None
     _failed = False
+    _warned: ClassVar[set[tuple[str, ...]]] = set()  # the drifts warned of, once each
 
     def __init__(self) -> None:
         self.folder = tempfile.mkdtemp(prefix="sluice-zygote-")
@@ -429,6 +448,7 @@ class Zygote:
         """Forks ``args`` (``python -m worker|edge ...``) writing to ``log``; None if it cannot."""
         module = self.serves(args, env)
         if module is None:
+            self._warn_of_drift(args)
             return None
         request = {
             "module": module,
@@ -439,6 +459,22 @@ class Zygote:
             "append": append,
         }
         return _request_fork(self.path, request, args)
+
+    def _warn_of_drift(self, args: Sequence[str]) -> None:
+        """Warns (once per set of variables) when this pytest process's own environment has changed
+        since the zygote started, so that its workers and edges start fresh, seconds of CPU each,
+        for the rest of the run: in ``make test``'s summary, not silently (a test that passes a
+        process other variables on purpose is not warned of)."""
+        drift = tuple(_differences(os.environ, self.env))
+        if not drift or len(args) < 3 or args[2] not in MODULES or drift in self._warned:
+            return
+        self._warned.add(drift)
+        warnings.warn(
+            f"tests/zygote.py: this pytest process's environment changed since its zygote started "
+            f"({', '.join(drift)}): its workers and edges now start fresh, seconds of CPU each "
+            "(docs/testing.md, 'Processes forked from a zygote')",
+            stacklevel=3,
+        )
 
 
 if __name__ == "__main__":

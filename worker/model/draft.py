@@ -30,7 +30,9 @@ class DraftModel:
     def __init__(self, draft: LoadedModel, target: LoadedModel):
         """Raises :class:`ModelLoadError` naming ``--draft-model`` unless both tokenizers are the same,
         or for a hybrid draft (its recurrent states cannot be cut back where proposals diverged)."""
-        if draft.tokenizer.get_vocab() != target.tokenizer.get_vocab():
+        draft_tokenizer, target_tokenizer = draft.tokenizer, target.tokenizer
+        assert draft_tokenizer is not None and target_tokenizer is not None, "a follower rank's load"
+        if draft_tokenizer.get_vocab() != target_tokenizer.get_vocab():
             raise ModelLoadError(
                 f"the draft model {draft.model_id} does not share the model's tokenizer", param="draft_model"
             )
@@ -42,7 +44,7 @@ class DraftModel:
                 param="draft_model",
             )
         self.loaded = draft
-        self.vocab = len(target.tokenizer)
+        self.vocab = len(target_tokenizer)
 
     @property
     def context_length(self) -> int:

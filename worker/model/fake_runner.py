@@ -79,10 +79,11 @@ class FakeRunner(ModelRunner):
         self.dtype = torch.float32
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.vocab_size = len(loaded.tokenizer)
-        self._passage = passage_token_ids(loaded.tokenizer)
+        tokenizer = loaded.text_tokenizer
+        self.vocab_size = len(tokenizer)
+        self._passage = passage_token_ids(tokenizer)
         if vocab:
-            special = set(loaded.tokenizer.all_special_ids)
+            special = set(tokenizer.all_special_ids)
             ordinary = [token for token in range(min(vocab, self.vocab_size)) if token not in special]
             if not ordinary:
                 raise ValueError(f"a fake vocabulary of {vocab} holds only special tokens")

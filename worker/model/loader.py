@@ -55,7 +55,9 @@ class ModelLoadError(WorkerError):
 @dataclass
 class LoadedModel:
     model: Any  # a transformers PreTrainedModel for causal LM
-    tokenizer: PreTrainedTokenizerBase
+    # None only for a tensor-parallel follower rank's load (``load_model(tokenizer=False)``): its
+    # weights and config are all it uses.
+    tokenizer: PreTrainedTokenizerBase | None
     model_id: str
     source: str
     context_length: int
@@ -67,6 +69,12 @@ class LoadedModel:
     pooling: PoolingSpec | None = None  # embed and score: how outputs are pooled
     # A vision-language model's own processor (images to pixel values and placeholder tokens).
     processor: Any = None
+
+    @property
+    def text_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer, which every load but a tensor-parallel follower's has (what serves reads)."""
+        assert self.tokenizer is not None, "a tensor-parallel follower rank's load has no tokenizer"
+        return self.tokenizer
 
 
 def resolve_device(device: str) -> torch.device:
@@ -109,10 +117,14 @@ def load_model(
     task: str = "generate",
     on_progress: Callable[[float], None] | None = None,
     shard: Callable[[Any], None] | None = None,
+    tokenizer: bool = True,
 ) -> LoadedModel:
     """Loads the model named by ``model`` (see docs/worker.md) onto the chosen device; ``shard``
     (tensor parallelism) replaces the float model's layers by this rank's shards before any
     packing, and a ``quantization`` scheme then quantizes the shards (each rank holds 1/N).
+    ``tokenizer=False`` (a tensor-parallel follower rank, with ``shard``): no tokenizer and no
+    processor are read (seconds for a 262k vocabulary), and ``context_length`` is the config's
+    alone (the ranks then take rank 0's: :func:`worker.parallel.ranks.sharded_runner`).
 
     ``on_progress`` is called with a rising fraction at the load's stages (a first-start
     conversion of a GGUF file and reading the weights are the long ones): 0.05 once the source
@@ -172,21 +184,29 @@ def load_model(
             cache=cache,
         )
     )
+    if not tokenizer and shard is None:
+        raise ValueError("only a tensor-parallel rank's load (shard) goes without its tokenizer")
     report = on_progress or (lambda _fraction: None)
     report(0.05)
     started = time.monotonic()
+    loaded_tokenizer: PreTrainedTokenizerBase | None = None
     if prequantized is not None and folder is not None:
         try:
             hf_model = load_prequantized(folder, prequantized, torch_device, torch_dtype)
         except PrequantizedLoadError as exc:
             raise ModelLoadError(str(exc), param="quantization") from exc
-        tokenizer = _load_float_tokenizer(folder, model)
+        if tokenizer:
+            loaded_tokenizer = _load_float_tokenizer(folder, model)
     elif scheme == "none" or shard is not None:  # a rank quantizes its float shards, once cut
         if gguf is not None:
             folder = converted_gguf_folder(gguf, cache)
-        hf_model, tokenizer = _load_float(folder, model, torch_dtype, task)
+        if tokenizer:
+            loaded_tokenizer = _load_float_tokenizer(folder, model)
+        hf_model = _load_float_model(folder, model, torch_dtype, task)
     else:
-        hf_model, tokenizer = _load_quantized(gguf, folder, model, cache, scheme, torch_device, torch_dtype)
+        hf_model, loaded_tokenizer = _load_quantized(
+            gguf, folder, model, cache, scheme, torch_device, torch_dtype
+        )
     report(0.7)
     pooling = None
     if task != "generate":
@@ -220,15 +240,15 @@ def load_model(
         kernels,
     )
     processor = None
-    if task == "generate" and is_vision_config(hf_model.config):
-        processor = load_processor(str(folder) if folder is not None else str(model), tokenizer)
+    if task == "generate" and loaded_tokenizer is not None and is_vision_config(hf_model.config):
+        processor = load_processor(str(folder) if folder is not None else str(model), loaded_tokenizer)
     return LoadedModel(
         model=hf_model,
-        tokenizer=tokenizer,
+        tokenizer=loaded_tokenizer,
         model_id=served_model_name or model_id,
         source=source,
         context_length=min(
-            context_length(hf_model.config, tokenizer), (pooling and pooling.max_length) or 1 << 30
+            context_length(hf_model.config, loaded_tokenizer), (pooling and pooling.max_length) or 1 << 30
         ),
         device=torch_device,
         dtype=torch_dtype,
@@ -301,13 +321,6 @@ _MODEL_CLASSES: dict[str, Any] = {
     "embed": AutoModel,
     "score": AutoModelForSequenceClassification,
 }
-
-
-def _load_float(
-    folder: Path | None, model: str | None, dtype: torch.dtype, task: str = "generate"
-) -> tuple[Any, PreTrainedTokenizerBase]:
-    tokenizer = _load_float_tokenizer(folder, model)
-    return _load_float_model(folder, model, dtype, task), tokenizer
 
 
 def _load_float_model(
@@ -510,7 +523,8 @@ def _load_float_tokenizer(folder: Path | None, model: str | None) -> PreTrainedT
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
 
 
-def context_length(config: Any, tokenizer: PreTrainedTokenizerBase) -> int:
+def context_length(config: Any, tokenizer: PreTrainedTokenizerBase | None) -> int:
+    """The config's position limit, lowered to the tokenizer's ``model_max_length`` (when given)."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     limit = int(getattr(config, "max_position_embeddings", 0) or 0) or 2048
     tok_limit = getattr(tokenizer, "model_max_length", None)

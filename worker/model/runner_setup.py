@@ -86,9 +86,11 @@ def load_configured(
     *,
     device: str | None = None,
     shard: Callable[[Any], None] | None = None,
+    tokenizer: bool = True,
 ) -> LoadedModel:
     """The model the settings name, loaded as they say (on ``device`` instead of ``--device`` when
-    given; ``shard``: a tensor-parallel rank's, see :func:`worker.model.loader.load_model`)."""
+    given; ``shard`` and ``tokenizer``: a tensor-parallel rank's, see
+    :func:`worker.model.loader.load_model`)."""
     return load_model(
         config.model,
         served_model_name=config.served_model_name,
@@ -100,6 +102,7 @@ def load_configured(
         task=config.task,
         on_progress=on_progress,
         shard=shard,
+        tokenizer=tokenizer,
     )
 
 

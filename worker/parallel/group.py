@@ -109,9 +109,14 @@ class RankGroup:
         except Exception as error:
             raise RankFailure(f"a tensor-parallel all-reduce failed: {error}") from error
 
-    def barrier(self) -> None:
-        """Waits for every rank on the control group (no forward's timeout: loads take their time)."""
-        self._broadcast([None])
+    def share(self, value: int) -> int:
+        """Rank 0's ``value``, on every rank, once every rank is there (on the control group: no
+        forward's timeout, as loads take their time)."""
+        box: list[object] = [value]
+        self._broadcast(box)
+        shared = box[0]
+        assert isinstance(shared, int), f"unexpected value {shared!r}"
+        return shared
 
     def agree(self, value: int, what: str) -> None:
         """Raises :class:`RankFailure` unless every rank has the same ``value``."""

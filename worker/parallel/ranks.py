@@ -52,7 +52,9 @@ def sharded_runner(
     config: WorkerConfig, group: RankGroup, on_progress: Callable[[float], None] | None = None
 ) -> tuple[LoadedModel, ModelRunner, BatchLimits]:
     """Every rank alike: loads its shard, waits for the others, builds and warms its runner (the
-    warm-up's forwards run on every rank together) and checks that the pools match."""
+    warm-up's forwards run on every rank together) and checks that the pools match. Rank 0 alone
+    reads the tokenizer (a follower only computes: seconds saved per rank for a large vocabulary);
+    every rank takes rank 0's context length, which the tokenizer can lower, so the warm-ups match."""
     layout = group.layout
     shard = Shard(layout.rank, layout.ranks, group.all_reduce)
 
@@ -62,8 +64,11 @@ def sharded_runner(
         shard_model(model, shard, settings.quantization)
 
     device = rank_device(config.device, layout.local_rank)
-    loaded = load_configured(settings, on_progress, device=device, shard=sharded)
-    group.barrier()
+    lead = layout.rank == 0
+    loaded = load_configured(settings, on_progress, device=device, shard=sharded, tokenizer=lead)
+    context = group.share(loaded.context_length)  # waits for every rank, as a barrier
+    if context != loaded.context_length:
+        loaded = dataclasses.replace(loaded, context_length=context)
     bind_device(loaded.device)
     runner, limits = model_runner(loaded, settings)
     group.agree(runner.num_blocks, "the KV pool's blocks")

@@ -65,10 +65,10 @@ def prepare_embed(loaded: LoadedModel, request: pb.EmbedRequest) -> PoolingWork:
         where = f"inputs[{index}]"
         kind = item.WhichOneof("input")
         if kind == "text":
-            ids = _encode(loaded.tokenizer, item.text, where)
+            ids = _encode(loaded.text_tokenizer, item.text, where)
         elif kind == "token_ids":
             ids = list(item.token_ids.ids)
-            vocab = len(loaded.tokenizer)
+            vocab = len(loaded.text_tokenizer)
             if not ids or any(not 0 <= token < vocab for token in ids):
                 raise InvalidRequest(f"{where}: token ids must be non-empty and in [0, {vocab})", param=where)
         else:
@@ -82,7 +82,7 @@ def prepare_score(loaded: LoadedModel, request: pb.ScoreRequest) -> PoolingWork:
     """Checks and tokenizes a ``ScoreRequest``: for a cross-encoder each pair is one input (the
     tokenizer's pair encoding), for an embedder each text is one (each pair's cosine follows)."""
     _check_count(len(request.pairs), "pairs")
-    tokenizer, limit = loaded.tokenizer, loaded.context_length
+    tokenizer, limit = loaded.text_tokenizer, loaded.context_length
     inputs: list[PoolingInput] = []
     if loaded.task == "score":
         for index, pair in enumerate(request.pairs):

@@ -2,7 +2,8 @@
 shards and only then quantizes them (ranks as threads over the session's tiny llama): a rank holds
 its share of the quantized bytes, a shard's codes are the whole layer's where int4's groups do not
 straddle the cut, the ranks' logits equal the unsharded quantized model's within the
-quantization's own error, and a cut through int4's groups is refused in one line."""
+quantization's own error, and a cut through int4's groups is refused in one line. Rank 0 alone
+reads the tokenizer; every rank builds and warms its runner with rank 0's context length."""
 
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from tests.unit.worker.test_tensor_parallel import ThreadSum
+from worker.config import parse_config
 from worker.model.loader import LoadedModel, ModelLoadError, load_model
+from worker.parallel import ranks as ranks_module
+from worker.parallel.group import Layout
+from worker.parallel.ranks import sharded_runner
 from worker.parallel.sharding import Shard, shard_model
 from worker.quant.layers import Int4Linear, Int8Linear, weight_bytes
 
@@ -104,3 +110,68 @@ def test_a_cut_through_int4_groups_is_refused_in_one_line(tiny_model_dir: Path) 
     )
     loaded, _ = rank_models(tiny_model_dir, "int8", 4)  # int8's scales are per row: any cut
     assert loaded[0].model.model.layers[0].self_attn.o_proj.part.in_features == 16
+
+
+class ThreadGroup:
+    """What :func:`sharded_runner` uses of a :class:`~worker.parallel.group.RankGroup`, for ranks
+    run as threads: :class:`ThreadSum`'s all-reduce, rank 0's value shared, the pools compared."""
+
+    def __init__(self, rank: int, ranks: int, summing: ThreadSum, shared: list[Any], met: threading.Barrier):
+        self.layout = Layout(rank, ranks, rank, "")
+        self.all_reduce = summing.of(rank)
+        self._shared, self._met = shared, met
+
+    def share(self, value: int) -> int:
+        if self.layout.rank == 0:
+            self._shared.append(value)
+        self._met.wait()
+        return int(self._shared[0])
+
+    def agree(self, value: int, what: str) -> None:
+        self._shared.append((what, value))
+
+
+def test_only_rank_zero_reads_the_tokenizer_and_every_rank_warms_up_with_its_context_length(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A follower's load reads no tokenizer (seconds per rank for a 262k vocabulary) and no
+    processor; the tokenizer's ``model_max_length`` (lowered here to 96) is rank 0's to read, and
+    every rank takes it: their warm-ups run the same forwards together, and their runners match."""
+    reads: list[str] = []
+    read = transformers.AutoTokenizer.from_pretrained
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        reads.append(threading.current_thread().name)
+        tokenizer = read(*args, **kwargs)
+        tokenizer.model_max_length = 96
+        return tokenizer
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", counted)
+    loading, load = threading.Lock(), ranks_module.load_configured
+
+    def one_at_a_time(*args: Any, **kwargs: Any) -> Any:  # transformers' meta-device init is global
+        with loading:
+            return load(*args, **kwargs)
+
+    monkeypatch.setattr(ranks_module, "load_configured", one_at_a_time)
+    config = parse_config(
+        ["--model", str(tiny_model_dir), "-tp", "2", "--device", "cpu", "--max-batch-tokens", "512"], {}
+    )
+    summing, shared, met = ThreadSum(2), [], threading.Barrier(2, timeout=60)
+    results: dict[int, Any] = {}
+
+    def rank(number: int) -> None:
+        results[number] = sharded_runner(config, ThreadGroup(number, 2, summing, shared, met))  # type: ignore[arg-type]
+
+    threads = [threading.Thread(target=rank, args=(number,), name=f"rank{number}") for number in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert sorted(results) == [0, 1], "a rank failed (its traceback above)"
+    (lead, lead_runner, _), (follower, follower_runner, _) = results[0], results[1]
+    assert reads == ["rank0"]
+    assert lead.tokenizer is not None and follower.tokenizer is None and follower.processor is None
+    assert lead.context_length == follower.context_length == 96
+    assert shared[1:] == [("the KV pool's blocks", lead_runner.num_blocks)] * 2
+    assert follower_runner.num_blocks == lead_runner.num_blocks
