@@ -7,7 +7,6 @@ Design notes: docs/worker.md.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from worker.attention.installed import Installed
 from worker.attention.kv_pool import KVPool, LayerCache
 from worker.attention.prompt_batch import PromptGroup, attend_prompts, group_prompts
 from worker.attention.variants import PLAIN, LayerVariant, attend, layer_variant, window_mask
@@ -172,18 +172,12 @@ def invariant_rows(
     return InvariantRows(tiles)
 
 
-_current: PagedStep | None = None
+STEP: Installed[PagedStep] = Installed()  # the step of the forward running in this thread
 
 
-@contextlib.contextmanager
-def paged_step(step: PagedStep) -> Iterator[None]:
-    """Installs ``step`` for the forward run inside (the engine thread runs one forward at a time)."""
-    global _current
-    previous, _current = _current, step
-    try:
-        yield
-    finally:
-        _current = previous
+def paged_step(step: PagedStep) -> contextlib.AbstractContextManager[None]:
+    """Installs ``step`` for the forward run inside, in this thread (:class:`Installed`)."""
+    return STEP.using(step)
 
 
 def register() -> None:
@@ -237,7 +231,7 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query [b, heads, q, d], key/value [b, kv_heads, q, d]
     (the new tokens only); returns [b, q, heads, d]."""
-    step = _current
+    step = STEP.value
     variant = layer_variant(module, kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if step is None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from worker.attention.installed import Installed
 from worker.attention.state_pool import StatePool, StateShape
 from worker.model.architecture import HYBRID_TYPES
 from worker.model.loader import ModelLoadError
@@ -103,20 +104,12 @@ class StateStep:
     serial: list[tuple[int, int, int, int]] | None = None
 
 
-_current: StateStep | None = None
+STATES: Installed[StateStep] = Installed()  # the state step of the forward running in this thread
 
 
-@contextlib.contextmanager
-def state_step(step: StateStep | None) -> Iterator[None]:
-    """Installs ``step`` for the forward run inside (None: no change)."""
-    global _current
-    previous = _current
-    if step is not None:
-        _current = step
-    try:
-        yield
-    finally:
-        _current = previous
+def state_step(step: StateStep | None) -> contextlib.AbstractContextManager[None]:
+    """Installs ``step`` for the forward run inside, in this thread (None: no change)."""
+    return STATES.using(step)
 
 
 def find_mixers(model: Any) -> dict[int, Any]:
@@ -168,7 +161,7 @@ def _stepped(original: Callable[..., torch.Tensor], layer: int) -> Callable[...,
     def forward(
         hidden_states: torch.Tensor, cache: Any = None, attention_mask: Any = None, **kwargs: Any
     ) -> torch.Tensor:
-        step = _current
+        step = STATES.value
         if step is None:  # no step: the model's own forward (prompt scoring, start-up checks)
             return original(hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         return _run_step(original, layer, step, hidden_states)

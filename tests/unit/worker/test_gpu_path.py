@@ -104,7 +104,7 @@ def test_each_captured_graph_holds_the_split_scratch_it_writes(monkeypatch) -> N
     seen: dict[int, Any] = {}
 
     def model(input_ids: torch.Tensor, **_: Any) -> Any:
-        step = paged._current
+        step = paged.STEP.value
         assert step is not None
         [(_plan, workspace)] = step.decode_kernel.parts.values()
         seen[input_ids.shape[0]] = weakref.ref(workspace.partial_out)
