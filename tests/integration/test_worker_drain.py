@@ -48,8 +48,13 @@ def test_sigterm_refuses_new_calls_and_lets_in_flight_ones_finish(
                         if len(kinds) == 3:
                             worker.signal(signal.SIGTERM)
                             signalled = time.monotonic()
-                            # Health flips first, then new calls are refused with a clear UNAVAILABLE.
-                            assert await client.health() is ServingStatus.NOT_SERVING
+                            # Health flips first (once the signal reaches the worker's loop, a moment
+                            # after kill() returns), then new calls are refused with a clear UNAVAILABLE.
+                            health = await client.health()
+                            while health is ServingStatus.SERVING and time.monotonic() - signalled < 0.5:
+                                await asyncio.sleep(0.01)
+                                health = await client.health()
+                            assert health is ServingStatus.NOT_SERVING
                             assert await client.health("") is ServingStatus.NOT_SERVING
                             with pytest.raises(WorkerCallError) as refused:
                                 await client.generate(long_request(5), timeout=10).read()
