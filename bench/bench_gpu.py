@@ -145,17 +145,23 @@ def build_model(shape: str, folder: Path, tokenizer_dir: Path, device: str, dtyp
             model = LlamaForCausalLM(config)
     finally:
         torch.set_default_dtype(previous)
+    params = save_with_tokenizer(model, folder, tokenizer_dir)
+    del model
+    print(f"built {shape}: {params:.0f}M parameters in {time.monotonic() - started:.1f} s -> {folder}")
+    return folder
+
+
+def save_with_tokenizer(model: Any, folder: Path, tokenizer_dir: Path) -> float:
+    """Saves ``model`` with ``tokenizer_dir``'s tokenizer files into ``folder``; its millions of
+    parameters. A run killed while saving leaves no half model behind (a ``.partial`` folder)."""
     partial = folder.with_name(folder.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     model.save_pretrained(partial)
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).is_file():
             shutil.copy(tokenizer_dir / name, partial / name)
-    partial.rename(folder)  # a run killed while saving leaves no half model behind
-    params = sum(p.numel() for p in model.parameters()) / 1e6
-    del model
-    print(f"built {shape}: {params:.0f}M parameters in {time.monotonic() - started:.1f} s -> {folder}")
-    return folder
+    partial.rename(folder)
+    return sum(p.numel() for p in model.parameters()) / 1e6
 
 
 def default_tokenizer_dir(cache_dir: Path) -> Path:

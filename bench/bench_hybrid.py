@@ -40,7 +40,7 @@ from worker.model.step_inputs import Work  # noqa: E402
 BLOCK = 16
 
 
-def build_model(layers: int, hidden: int) -> Any:
+def build_model(layers: int, hidden: int, device: str = "cpu", dtype: str = "float32") -> Any:
     from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
 
     kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)]
@@ -61,28 +61,33 @@ def build_model(layers: int, hidden: int) -> Any:
         max_position_embeddings=8192,
     )
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).to(device).eval()
 
 
 def sluice_times(model: Any, prompt: int, decode: int, batch: int) -> tuple[float, float]:
     """Seconds for one prompt's prefill, and for ``decode`` steps of ``batch`` sequences."""
     blocks_each = -(-(prompt + decode) // BLOCK)
-    loaded = SimpleNamespace(
-        model=model, device=torch.device("cpu"), dtype=torch.float32, context_length=8192
-    )
+    loaded = SimpleNamespace(model=model, device=model.device, dtype=model.dtype, context_length=8192)
     runner = ModelRunner(loaded, num_blocks=batch * blocks_each, block_size=BLOCK, max_sequences=batch)
     ids = [(7 * i + 3) % 4096 for i in range(prompt)]
     tables = [list(range(s * blocks_each, (s + 1) * blocks_each)) for s in range(batch)]
-    start = time.perf_counter()
+    start = now(model)
     runner.execute([Work(ids, 0, tables[0], True, state_slot=0)])
-    prefill = time.perf_counter() - start
+    prefill = now(model) - start
     for s in range(1, batch):
         runner.execute([Work(ids, 0, tables[s], True, state_slot=s)])
-    start = time.perf_counter()
+    start = now(model)
     for step in range(decode):
         rows = [Work([step % 4096], prompt + step, tables[s], True, state_slot=s) for s in range(batch)]
         runner.execute(rows)
-    return prefill, time.perf_counter() - start
+    return prefill, now(model) - start
+
+
+def now(model: Any) -> float:
+    """The time once the device has finished what was queued (a GPU runs behind the host)."""
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    return time.perf_counter()
 
 
 @torch.inference_mode()
@@ -90,20 +95,16 @@ def transformers_times(model: Any, prompt: int, decode: int, batch: int) -> tupl
     """The same with transformers' forward and its ``DynamicCache``."""
     from transformers import DynamicCache
 
-    ids = torch.tensor([[(7 * i + 3) % 4096 for i in range(prompt)]] * batch)
+    ids = torch.tensor([[(7 * i + 3) % 4096 for i in range(prompt)]] * batch, device=model.device)
     cache = DynamicCache(config=model.config)
-    start = time.perf_counter()
-    if batch == 1:
-        model(input_ids=ids, cache=cache, use_cache=True)
-        prefill = time.perf_counter() - start
-    else:
-        model(input_ids=ids, cache=cache, use_cache=True)
-        prefill = (time.perf_counter() - start) / batch
-    start = time.perf_counter()
+    start = now(model)
+    model(input_ids=ids, cache=cache, use_cache=True)
+    prefill = (now(model) - start) / batch
+    start = now(model)
     for step in range(decode):
-        token = torch.full((batch, 1), step % 4096)
+        token = torch.full((batch, 1), step % 4096, device=model.device)
         model(input_ids=token, cache=cache, use_cache=True)
-    return prefill, time.perf_counter() - start
+    return prefill, now(model) - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,14 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", default="1,8", help="comma-separated sequences decoded at once")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (gpu-check)")
+    parser.add_argument("--dtype", default="float32", help="float32, or bfloat16 on a GPU")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    model = build_model(args.layers, args.hidden)
+    model = build_model(args.layers, args.hidden, args.device, args.dtype)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(
         f"Qwen3.5-text, {args.layers} layers (3 Gated DeltaNet : 1 attention), hidden {args.hidden}, "
-        f"{params:.1f}M parameters, float32, {torch.get_num_threads()} threads"
+        f"{params:.1f}M parameters, {args.dtype} on {args.device}, {torch.get_num_threads()} threads"
     )
     print(f"{'batch':>5} {'prefill ms/token':>26} {'decode ms/token/sequence':>30}")
     print(f"{'':>5} {'sluice':>8} {'transf.':>8} {'ratio':>8} {'sluice':>9} {'transf.':>9} {'ratio':>8}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -63,8 +64,8 @@ PATHS = ("edge Generate", "edge GenerateStreams", "direct Generate", "direct Gen
 @contextmanager
 def stack(args: argparse.Namespace, logs: Path) -> Iterator[tuple[WorkerProcess, dict[str, EdgeProcess]]]:
     """The worker and the two edges (``generate``: per-request calls, ``streams``: multiplexed)."""
-    extra = ["--fake-tokens", "--fake-step-ms", str(args.step_ms), "--max-running", str(args.max_running)]
-    extra += ["--max-queue", "4096"]
+    model = shlex.split(args.worker_args) or ["--fake-tokens", "--fake-step-ms", str(args.step_ms)]
+    extra = [*model, "--max-running", str(args.max_running), "--max-queue", "4096"]
     with ExitStack() as stack_:
         (logs / "worker").mkdir()
         worker = stack_.enter_context(
@@ -133,7 +134,8 @@ async def throughput(
         await measure(path, once[path], 4, 0.5, pids, [worker])
     bytes_per_token = await content_bytes_per_token([clients[False]], args.max_tokens)
     lines = [
-        f"worker: --fake-step-ms {args.step_ms:g} --max-running {args.max_running}; max_tokens "
+        f"worker: {args.worker_args or f'--fake-step-ms {args.step_ms:g}'} --max-running {args.max_running}; "
+        "max_tokens "
         f"{args.max_tokens}; {args.rounds} rounds of {args.seconds:g} s; medians (min-max)",
         "| streams | path | tok/s | worker CPU ms / 1000 tokens | edge CPU ms / 1000 tokens | sum | errors |",
         "| --- | --- | --- | --- | --- | --- | --- |",
@@ -231,6 +233,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", default="64,256", help="comma-separated stream counts")
     parser.add_argument("--step-ms", type=float, default=10.0, help="the fake worker's ms per step")
     parser.add_argument("--max-running", type=int, default=256)
+    parser.add_argument(
+        "--worker-args",
+        default="",
+        help="a real worker's flags instead of the fake one's, e.g. \"--model M --device cuda\" (gpu-check)",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="rounds per level, each path once a round")
     parser.add_argument("--seconds", type=float, default=4.0, help="length of one measurement window")
     parser.add_argument("--max-tokens", type=int, default=128)

@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -40,11 +41,15 @@ from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
 SITE = Path("/tmp/sluice-gpu-site")
+KERNEL_SITE = Path("/tmp/sluice-gpu-kernels")  # flash-linear-attention, on the path of the hybrid steps only
+# The steps of a whole check, in order (``--steps`` picks some, e.g. to split one check over two calls).
+STEPS = ("versions", "tests", "compare", "bench", "families", "extra", "edge", "hybrid", "profile")
 CUDA_TESTS = (
     "tests/unit/worker/test_triton_decode.py",
     "tests/unit/worker/test_cuda_path.py",
     "tests/unit/worker/test_sampler_syncs.py",
     "tests/unit/worker/test_host_copies.py",
+    "tests/unit/worker/test_cuda_quant.py",
 )
 NEAR_TIE = 0.1  # logit margin (top-1 minus top-2) under which bf16 rounding may flip a greedy pick
 T = TypeVar("T")
@@ -155,6 +160,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--gpu-dir", type=Path, default=REPO / ".gpu", help="what `make gpu-wheels` made")
     parser.add_argument("--skip-bench", action="store_true", help="the functional checks only")
+    parser.add_argument(
+        "--steps", default=",".join(STEPS), help=f"comma list, in order, of: {', '.join(STEPS)}"
+    )
+    parser.add_argument(
+        "--families-cases", default="", help="gpu_families.py's --cases (default: all of them)"
+    )
+    parser.add_argument(
+        "--compare-dtypes", default="float32,auto", help="the dtypes served and compared with generate"
+    )
     parser.add_argument("--levels", default="1,16,64,256")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens compared with generate")
     parser.add_argument("--device", default="cuda", help="cuda (the check) or cpu (a dry run of its steps)")
@@ -201,12 +215,17 @@ def run(name: str, command: list[str], env: dict[str, str], wanted: float, budge
         return skipped(name, budget)
     print(f"\n== {name}: {' '.join(command)}", flush=True)
     started = time.monotonic()
+    # A session of its own: at the timeout the step's whole process group goes (the workers a step
+    # started would otherwise hold the GPU's memory through the steps after it).
+    proc = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
     try:
-        done = subprocess.run(command, cwd=REPO, env=env, timeout=timeout, check=False)
+        code = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
         cut = " (all that was left of --budget)" if timeout < wanted else ""
         return Step(name, False, f"timed out after {timeout:.0f} s{cut}")
-    return Step(name, done.returncode == 0, f"exit {done.returncode}, {time.monotonic() - started:.0f} s")
+    return Step(name, code == 0, f"exit {code}, {time.monotonic() - started:.0f} s")
 
 
 def guarded(name: str, work: Callable[[], list[Step]], budget: Budget) -> list[Step]:
@@ -268,17 +287,20 @@ def reference_greedy(
 
 
 async def greedy_stream(
-    stub: Any, ids: list[int], tokens: int, speculative: bool | None = None
+    stub: Any, ids: list[int], tokens: int, speculative: bool | None = None, model: str = ""
 ) -> tuple[list[int], float]:
-    """``tokens`` greedy token ids after ``ids`` (``speculative``: the request's switch) and the
-    seconds from the first to the last content event."""
+    """``tokens`` greedy token ids after ``ids`` (``speculative``: the request's switch; ``model``: an
+    adapter's name) and the seconds from the first to the last content event."""
     from sluice.v1 import worker_pb2 as pb
 
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     if speculative is not None:
         sampling.speculative = speculative
     request = pb.GenerateRequest(
-        prompt=pb.PromptInput(token_ids=pb.TokenIds(ids=ids)), sampling=sampling, return_token_ids=True
+        model=model,
+        prompt=pb.PromptInput(token_ids=pb.TokenIds(ids=ids)),
+        sampling=sampling,
+        return_token_ids=True,
     )
     got: list[int] = []
     first = last = 0.0
@@ -291,10 +313,16 @@ async def greedy_stream(
 
 
 def serving(
-    model_dir: Path, device: str, dtype: str, extra: list[str], talk: Callable[[Any], Awaitable[T]]
+    model_dir: Path,
+    device: str,
+    dtype: str,
+    extra: list[str],
+    talk: Callable[[Any], Awaitable[T]],
+    require_graphs: bool = True,
 ) -> tuple[T, str]:
-    """Serves ``model_dir`` (--require-cuda-graphs on CUDA; ``extra`` flags), runs ``talk`` with a
-    stub of it; returns what it returned and the worker's /metrics text."""
+    """Serves ``model_dir`` (``extra`` flags; on CUDA with --require-cuda-graphs unless
+    ``require_graphs`` is False), runs ``talk`` with a stub of it; returns what it returned and the
+    worker's /metrics text."""
     import grpc
     from bench_worker import free_port, start_worker, stop
 
@@ -302,7 +330,7 @@ def serving(
 
     flags = ["--model", str(model_dir), "--device", device, "--dtype", dtype, "--max-running", "256",
              "--log-level", "INFO", *extra]  # fmt: skip
-    if device.startswith("cuda"):
+    if device.startswith("cuda") and require_graphs:
         flags.append("--require-cuda-graphs")
     metrics_port = free_port()
     proc, address = start_worker(None, flags, defaults=(), metrics_port=metrics_port)
@@ -374,8 +402,8 @@ def serve_and_compare(model_dir: Path, tokens: int, device: str, dtype: str) -> 
     ids = prompt_ids(model_dir)
     got, text = served_greedy(model_dir, ids, tokens, device, dtype)
     samples = parse_metrics(text)
-    print("fast-path metrics:", {k: v for k, v in samples.items() if "fast_path" in k or "graph" in k
-                                  or "decode_only" in k})  # fmt: skip
+    shown = ("fast_path", "graph", "decode_only", "kv_cache_b")
+    print("fast-path metrics:", {k: v for k, v in samples.items() if any(word in k for word in shown)})
     problems = fast_path_problems(samples)
     detail = "; ".join(problems) or "kernel, graphs, fused kernels, every decode-only step replayed"
     steps = [Step(f"fast path, {dtype} (metrics)", not problems, detail)]
@@ -393,13 +421,34 @@ def serve_and_compare(model_dir: Path, tokens: int, device: str, dtype: str) -> 
 
 
 def install_wheels(gpu_dir: Path) -> str | None:
-    """Installs the carried wheels into :data:`SITE`; why not, or None."""
+    """Installs the carried wheels into :data:`SITE` (and the kernel packages' into
+    :data:`KERNEL_SITE`); why not, or None."""
     wheels = sorted(str(p) for p in (gpu_dir / "wheels").glob("*.whl"))
     if not wheels:
         return f"no wheels in {gpu_dir / 'wheels'}: run `make gpu-wheels` where the network is"
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade",
-                    "--no-compile", "--target", str(SITE), *wheels], check=True)  # fmt: skip
+    for site, folder in ((SITE, "wheels"), (KERNEL_SITE, "kernels")):
+        found = sorted(str(p) for p in (gpu_dir / folder).glob("*.whl"))
+        if found:
+            pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--upgrade"]
+            subprocess.run([*pip, "--no-compile", "--target", str(site), *found], check=True)
     return None
+
+
+def hybrid_steps(args: argparse.Namespace, env: dict[str, str], budget: Budget) -> list[Step]:
+    """bench_hybrid.py on the device (Sluice's runner against transformers' forward, a 24-layer
+    Qwen3.5 shape) with transformers' torch forms, then with flash-linear-attention's kernels on the
+    path; and the Qwen3.5 family served with those kernels (gpu_families.py)."""
+    hybrid = [sys.executable, "bench/bench_hybrid.py", "--device", args.device, "--dtype", "bfloat16",
+              "--hidden", "2048", "--layers", "24", "--prompt", "1024", "--decode", "32", "--batch", "1,32",
+              "--rounds", "2"]  # fmt: skip
+    kernels = {**env, "PYTHONPATH": f"{KERNEL_SITE}:{env['PYTHONPATH']}"}
+    family = [sys.executable, "bench/gpu_families.py", "--cases", "qwen3_5_text", "--models",
+              "/tmp/sluice-models/fla", "--device", args.device]  # fmt: skip
+    return [
+        run("bench_hybrid, torch forms", hybrid, env, 90, budget),
+        run("bench_hybrid, flash-linear-attention", hybrid, kernels, 120, budget),
+        run("qwen3_5_text served, flash-linear-attention", family, kernels, 120, budget),
+    ]
 
 
 def extra_benches(args: argparse.Namespace) -> list[tuple[str, str, float]]:
@@ -440,18 +489,23 @@ def main(argv: list[str] | None = None) -> int:
         if args.summary:
             args.summary.write_text(summary(steps)[0] + "\n")
 
-    add(run("versions", [sys.executable, "-c", versions], env, 60, budget))
-    # The kernel's interpreted runs are the CPU suite's (Triton 3.6's interpreter fails on numpy 2.5).
-    cuda_tests = [sys.executable, "-m", "pytest", "-q", "-s", "-rs", "-p", "no:cacheprovider",
-                  "-k", "not interpreted", *CUDA_TESTS]  # fmt: skip
-    test_env = {**env, "SLUICE_REQUIRE_CUDA": "1"} if on_cuda else env
-    add(run("CUDA tests", cuda_tests, test_env, 180, budget))
+    chosen = set(args.steps.split(","))
+    if "versions" in chosen:
+        add(run("versions", [sys.executable, "-c", versions], env, 60, budget))
+    if "tests" in chosen:
+        # The kernel's interpreted runs are the CPU suite's (Triton 3.6's interpreter fails on numpy 2.5).
+        cuda_tests = [sys.executable, "-m", "pytest", "-q", "-s", "-rs", "-p", "no:cacheprovider",
+                      "-k", "not interpreted", *CUDA_TESTS]  # fmt: skip
+        test_env = {**env, "SLUICE_REQUIRE_CUDA": "1"} if on_cuda else env
+        add(run("CUDA tests", cuda_tests, test_env, 180, budget))
     sys.path[:0] = [str(SITE), str(REPO), str(REPO / "bench")]
     from bench_gpu import build_model, resolved_dtype
 
     dtype = resolved_dtype(args.device, "auto")
     model_dir = Path(f"/tmp/sluice-models/{args.shape}-{dtype}")
-    for kind in dict.fromkeys(("float32", dtype)):  # float32 first: the strict comparison
+    build_model(args.shape, model_dir, args.gpu_dir / "tok", args.device, dtype)
+    kinds = [resolved_dtype(args.device, kind) for kind in args.compare_dtypes.split(",") if kind]
+    for kind in dict.fromkeys(kinds) if "compare" in chosen else ():  # float32 first: the strict comparison
         folder = Path(f"/tmp/sluice-models/{args.shape}-{kind}")
 
         def compare(folder: Path = folder, kind: str = kind) -> list[Step]:
@@ -459,14 +513,30 @@ def main(argv: list[str] | None = None) -> int:
             return serve_and_compare(folder, args.tokens, args.device, kind)
 
         add(*guarded(f"serve and compare, {kind}", compare, budget))
-    if not args.skip_bench:
-        bench = [sys.executable, "bench/bench_gpu.py", "--model", str(model_dir),
-                 "--device", args.device, "--rounds", "2", "--max-running", "256"]  # fmt: skip
+    bench = [sys.executable, "bench/bench_gpu.py", "--model", str(model_dir),
+             "--device", args.device, "--rounds", "2", "--max-running", "256"]  # fmt: skip
+    if "bench" in chosen and not args.skip_bench:
         add(run("bench_gpu", [*bench, "--levels", args.levels, "--skip", args.bench_skip], env, 270, budget))
+    if "families" in chosen:
+        families = [sys.executable, "bench/gpu_families.py", "--dense", str(model_dir), "--device",
+                    args.device, "--dtype", dtype, "--tokenizer", str(args.gpu_dir / "tok")]  # fmt: skip
+        if args.families_cases:
+            families += ["--cases", args.families_cases]
+        add(run("families, KV dtypes, LoRA (gpu_families.py)", families, env, 300, budget))
+    if "extra" in chosen and not args.skip_bench:
         for flags, levels, wanted in extra_benches(args):  # the same model, one setting changed
             again = [*bench, "--levels", levels, "--skip", "serve,generate_batch", f"--worker-args={flags}"]
             add(run(f"bench_gpu, {flags}", again, env, wanted, budget))
-    if args.profile_rows:
+    if "edge" in chosen and not args.skip_bench:
+        # The name bench_multiplexed's requests give (load_edge.MODEL), on the random model.
+        worker = f"--model {model_dir} --device {args.device} --dtype {dtype} --torch-threads 4"
+        worker += " --served-model-name SmolLM2-135M-Instruct"
+        edge = [sys.executable, "bench/bench_multiplexed.py", f"--worker-args={worker}", "--concurrency",
+                "64,256", "--rounds", "1", "--seconds", "5", "--latency-levels", ""]  # fmt: skip
+        add(run("through the edge (bench_multiplexed.py)", edge, env, 180, budget))
+    if "hybrid" in chosen:
+        add(*hybrid_steps(args, env, budget))
+    if "profile" in chosen and args.profile_rows:
         profile = [sys.executable, "bench/profile_step.py", "--model", str(model_dir),
                    "--device", args.device, "--rows", args.profile_rows, "--tokens", "64",
                    "--trace", "8"]  # fmt: skip

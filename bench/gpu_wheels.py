@@ -38,6 +38,19 @@ MISSING = (
     "googleapis-common-protos",
     "pytest-asyncio",
     "pillow",  # images (worker/prompts/images.py), imported when the worker starts
+    # The edge (bench/bench_multiplexed.py on the device): quart's and hypercorn's dependencies, and
+    # the store and rate-limit clients edge/app.py imports at start.
+    "flask",
+    "blinker",
+    "itsdangerous",
+    "h2",
+    "hpack",
+    "hyperframe",
+    "priority",
+    "wsproto",
+    "redis",
+    "psycopg",
+    "psycopg-binary",
 )
 # What it has at other versions than this code needs: the protobuf and grpcio the committed stubs were
 # generated for (their generated code refuses an older runtime), and the transformers the tests here
@@ -46,6 +59,8 @@ NEWER = ("protobuf", "grpcio", "transformers", "regex")
 # pip matches a manylinux tag's glibc version exactly: every one up to the device's glibc 2.39.
 GLIBC_MINORS = (39, 35, 34, 31, 28, 27, 24, 17)
 PLATFORMS = (*(f"manylinux_2_{n}_x86_64" for n in GLIBC_MINORS), "manylinux2014_x86_64")
+# Kernel packages, installed apart (gpu_check.KERNEL_SITE) so that only the hybrid steps see them.
+KERNELS = ("flash-linear-attention", "fla-core")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "config.json",
                    "generation_config.json")  # fmt: skip
 
@@ -80,12 +95,13 @@ def main() -> int:
     )
     parser.add_argument("--out", type=Path, default=REPO / ".gpu")
     args = parser.parse_args()
-    wheels, tokenizer = args.out / "wheels", args.out / "tok"
-    shutil.rmtree(wheels, ignore_errors=True)
-    wheels.mkdir(parents=True)
+    wheels, tokenizer, kernels = args.out / "wheels", args.out / "tok", args.out / "kernels"
+    for folder in (wheels, kernels):
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
     tokenizer.mkdir(parents=True, exist_ok=True)
-    for requirement in pins(MISSING + NEWER):
-        if subprocess.run(download_command([requirement], wheels), check=False).returncode:
+    for requirement, folder in [(r, wheels) for r in pins(MISSING + NEWER)] + [(k, kernels) for k in KERNELS]:
+        if subprocess.run(download_command([requirement], folder), check=False).returncode:
             print(f"{requirement}: no wheel for the device's CPython 3.12 on x86-64", file=sys.stderr)
             return 1
     sys.path.insert(0, str(REPO))

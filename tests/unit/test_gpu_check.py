@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import importlib.metadata
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
@@ -130,3 +133,28 @@ def test_the_wheels_are_exactly_what_the_device_lacks_for_python_3_12(tmp_path: 
     assert pins(("gguf", "nope"), version=version) == ["gguf==1.0", "nope"]
     command = download_command(["gguf==1.0"], tmp_path)
     assert command[command.index("--python-version") + 1] == "3.12" and "--no-deps" in command
+
+
+def test_a_step_cut_by_its_timeout_takes_the_processes_it_started_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gpu_check
+
+    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 0.0)
+    monkeypatch.setattr(gpu_check, "RESERVE_S", 0.0)
+    pid_file = tmp_path / "child.pid"
+    # A step that starts a child of its own (as a bench starts a worker), then outlives its timeout.
+    script = (
+        "import subprocess, sys, time; "
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)"
+    )
+    step = run(
+        "sleeper", [sys.executable, "-c", script], {}, 60.0, Budget(seconds=2.0, started=time.monotonic())
+    )
+    assert not step.ok and "timed out" in step.detail
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{child}").exists() and "Z" not in Path(f"/proc/{child}/stat").read_text().split()[2]:
+        assert time.monotonic() < deadline, "the step's child outlived the step"
+        time.sleep(0.05)

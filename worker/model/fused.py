@@ -119,10 +119,12 @@ class _FusedNorm:
     def __init__(self, module: nn.Module, eps: float, scale_in_fp32: bool, own: Callable[..., Any]):
         self.module, self.eps, self.scale_in_fp32, self.own = module, eps, scale_in_fp32, own
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, *rest: Any, **named: Any) -> Any:
         weight: torch.Tensor = self.module.weight  # type: ignore[assignment]
-        if x.shape[-1] != weight.shape[0] or not _launchable(x, weight):
-            return self.own(x)
+        # More arguments (a gated norm's gate: Granite 4's and Nemotron-H's Mamba layers): the
+        # module's own form, which the start-up check (one argument) did not compare.
+        if rest or named or x.shape[-1] != weight.shape[0] or not _launchable(x, weight):
+            return self.own(x, *rest, **named)
         return rms_norm(x, weight, self.eps, self.scale_in_fp32)
 
 
@@ -188,6 +190,9 @@ class FusedReport:
         return "fused kernels: " + ", ".join(parts) + kept
 
 
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _tolerance(dtype: torch.dtype) -> float:
     """Relative and absolute: float32 sums in another order; 16-bit types may round an ulp apart."""
     return 1e-5 if dtype == torch.float32 else 2e-2
@@ -227,18 +232,18 @@ def _norm_form(module: nn.Module) -> tuple[float, bool] | None:
     return None
 
 
-def _is_gated_silu_mlp(module: nn.Module) -> bool:
-    """A ``down(act(gate(x)) * up(x))`` module with a SiLU, checked on a random input."""
+def _is_gated_silu_mlp(module: nn.Module, probe: torch.Tensor) -> bool:
+    """A ``down(act(gate(x)) * up(x))`` module with a SiLU, checked on a random input of ``probe``'s
+    device and dtype."""
     if not all(hasattr(module, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
         return False
-    weight = next(module.parameters(), None)
-    if weight is None or "silu" not in type(module.act_fn).__name__.lower():
+    if "silu" not in type(module.act_fn).__name__.lower():
         return False
     size = getattr(module.gate_proj, "in_features", None)
     if not isinstance(size, int):
         return False
     generator = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn((2, size), generator=generator).to(weight.device, weight.dtype)
+    x = torch.randn((2, size), generator=generator).to(probe.device, probe.dtype)
     if not _launchable(x):
         return False
     return _agrees(_FusedMLP(module)(x), _own(module, x))
@@ -267,6 +272,11 @@ def fuse_model(model: nn.Module) -> FusedReport:
     rotary, per class, where each class's check passes; a Triton failure leaves the model as it
     was (the report says why)."""
     report = FusedReport()
+    # The device and dtype the checks' inputs take: the model's first float parameter (a quantized
+    # layer holds buffers only, and a quantized attention or MLP module no parameter at all).
+    probe = next((p for p in model.parameters() if p.dtype in _FLOATS), None)
+    if probe is None:
+        return report
     norm_forms: dict[type, tuple[float, bool] | None] = {}
     mlp_classes: dict[type, bool] = {}
     patched: dict[str, bool] = {}
@@ -286,14 +296,14 @@ def fuse_model(model: nn.Module) -> FusedReport:
                     report.norms += 1
                 elif hasattr(module, "gate_proj") and hasattr(module, "act_fn"):
                     if kind not in mlp_classes:
-                        mlp_classes[kind] = _is_gated_silu_mlp(module)
+                        mlp_classes[kind] = _is_gated_silu_mlp(module, probe)
                     if not mlp_classes[kind]:
                         report.kept.append(kind.__name__)
                         continue
                     module.forward = _FusedMLP(module)  # type: ignore[method-assign]
                     report.mlps += 1
                 elif kind.__name__.endswith("Attention") and hasattr(module, "q_proj"):
-                    if _patch_rotary(kind, next(module.parameters()), patched):
+                    if _patch_rotary(kind, probe, patched):
                         report.rotary += 1
                     else:
                         report.kept.append(f"{kind.__name__} rotary")

@@ -37,6 +37,7 @@ from worker.model.mistral_tokenizer import mistral_common_of, with_mistral_commo
 from worker.model.packed_linear import pack_linears
 from worker.model.pooling import PoolingConfigError, PoolingSpec, detect_task, read_spec
 from worker.model.prequantized import PrequantizedLoadError, checkpoint_format, load_prequantized
+from worker.quant import cuda_kernels
 from worker.quant.auto_choice import linear_shapes, measure_once
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
@@ -226,6 +227,8 @@ def load_model(
     report(0.95)
     if scheme != "none":
         kernels = f"{scheme} weight-only linear layers"
+        if torch_device.type == "cuda":
+            kernels += f"; {cuda_kernels.describe(hf_model) or 'none on a CUDA kernel'}"
     elif packed:
         kernels = f"{packed} linear layers packed for oneDNN"
     else:
@@ -277,7 +280,7 @@ def choose_quantization(
     (a callable, read only then) for one row and ``batch_hint`` rows (worker/quant/auto_choice.py),
     the figures kept in ``cache`` so every later worker on the host chooses alike. Other
     models stay float (their quality under quantization is not measured), as does every model on
-    a GPU (the GPU kernels are not measured yet).
+    a GPU (on an H200, int4 and fp8 weights served fewer tokens/s than bfloat16: docs/benchmarks.md).
     """
     try:
         if quantization != "auto":
@@ -286,7 +289,7 @@ def choose_quantization(
     except QuantizationError as exc:
         raise ModelLoadError(str(exc), param="quantization") from exc
     if device.type != "cpu":
-        choice, reason = "none", f"quantized kernels on {device.type} are not measured yet"
+        choice, reason = "none", f"on {device.type} the quantized kernels measured slower than float weights"
     elif not model_is_default:
         choice, reason = "none", "only the default model's quality under quantization is measured"
     elif not cpu_kernels_available():

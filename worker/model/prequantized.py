@@ -12,6 +12,7 @@ import torch
 from transformers import AutoConfig
 
 from worker.errors import WorkerError
+from worker.quant import cuda_kernels
 from worker.quant.checkpoint_formats import CheckpointFormat, UnsupportedCheckpoint, read_format
 from worker.quant.checkpoint_loading import load_checkpoint_quantized
 from worker.quant.layers import CHOICES, Fp8Linear, Int4Linear, Int8Linear, weight_bytes
@@ -56,10 +57,12 @@ def kernel_name(fmt: CheckpointFormat, device: torch.device) -> str:
         return (
             "mxfp4 experts: each routed expert's blocks dequantized per product (lossless, no fused kernel)"
         )
-    if fmt.scheme == "fp8" and fmt.fp8_activations:
-        return "fp8 weights upcast per product, inputs rounded to fp8 per token (simulated, no scaled-mm)"
     if fmt.scheme == "fp8" and fmt.block != (0, 0):
         return "fp8 weights upcast per product under their block scales (weight-only)"
+    if device.type == "cuda" and fmt.scheme in ("fp8", "int4"):
+        return "CUDA kernels where they serve (the next line says which)"
+    if fmt.scheme == "fp8" and fmt.fp8_activations:
+        return "fp8 weights upcast per product, inputs rounded to fp8 per token (simulated, no scaled-mm)"
     if fmt.scheme == "fp8":
         return "fp8 weights upcast per product (weight-only)"
     if device.type == "cpu":
@@ -103,4 +106,7 @@ def load_prequantized(folder: Path, fmt: CheckpointFormat, device: torch.device,
         held / 2**20,
         held / max(float16, 1),
     )
+    words = cuda_kernels.describe(model)
+    if words:
+        log.info("quantized layers on CUDA: %s", words)
     return model

@@ -20,10 +20,13 @@ def fp8_per_token(x: torch.Tensor) -> torch.Tensor:
 
 
 class Fp8DynamicLinear(Fp8Linear):
-    """An :class:`Fp8Linear` whose input rows are quantized per token as the checkpoint prescribes
-    (simulated: the product itself runs on the upcast weight, as :class:`Fp8Linear`'s does)."""
+    """An :class:`Fp8Linear` whose input rows are quantized per token as the checkpoint prescribes:
+    on ``_scaled_mm`` where it serves (which rounds them itself), else simulated before the product
+    on the upcast weight."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cuda_kernel and x.dtype == torch.bfloat16:
+            return super().forward(x)
         return super().forward(fp8_per_token(x))
 
     def extra_repr(self) -> str:

@@ -19,6 +19,7 @@ class Fp8BlockLinear(Fp8Linear):
         torch.nn.Module.__init__(self)
         self.out_features, self.in_features = qweight.shape
         self.block = block
+        self.on_cuda_kernel = False  # block scales: upcast per product (no block-scaled kernel yet)
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.float().contiguous())
         self.register_buffer("bias", None)

@@ -10,6 +10,16 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from worker.quant.cuda_kernels import (
+    fp8_fits,
+    fp8_mm,
+    fp8_problem,
+    int4_fits,
+    int4_mm,
+    int4_pack,
+    int4_problem,
+)
+
 log = logging.getLogger(__name__)
 
 CHOICES = ("none", "int8", "int4", "fp8", "auto")
@@ -182,6 +192,8 @@ class Int4Linear(torch.nn.Module):
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
     bias: torch.Tensor | None
+    kernel_kind = "int4"  # its CUDA kernel's name in worker/quant/cuda_kernels.py
+    on_cuda_kernel = False  # torch's CUDA int4 kernel (worker/quant/cuda_kernels.py)
 
     def __init__(
         self,
@@ -209,6 +221,10 @@ class Int4Linear(torch.nn.Module):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 1)
             self.register_buffer("packed", packed)
             self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
+        elif q.is_cuda and int4_fits(out_features, in_features, group) and int4_problem(q.device) is None:
+            self.register_buffer("packed", int4_pack(q))
+            self.register_buffer("scales_and_zeros", scales_and_zeros.to(torch.bfloat16).contiguous())
+            self.on_cuda_kernel = True
         else:  # the generic path keeps two 4-bit values per byte, dequantized per call
             nibbles = q.to(torch.uint8)
             self.register_buffer("packed", nibbles[:, 0::2] | (nibbles[:, 1::2] << 4))
@@ -251,6 +267,9 @@ class Int4Linear(torch.nn.Module):
         return grouped.reshape(self.out_features, self.in_features)
 
     def dequantized(self) -> torch.Tensor:
+        if self.on_cuda_kernel:  # the kernel's layout: read back through a product with the identity
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=self.packed.device)
+            return int4_mm(eye, self.packed, self.group, self.scales_and_zeros).float().t().contiguous()
         if not _uses_cpu_kernels(self.packed):
             return self._dequantized_generic()
         # The CPU layout is the kernel's own; multiplying by the identity reads the weight back.
@@ -270,6 +289,10 @@ class Int4Linear(torch.nn.Module):
             ).to(x.dtype)
             if self.bias is not None:
                 y = y + self.bias.to(x.dtype)
+        elif self.on_cuda_kernel:
+            y = int4_mm(rows, self.packed, self.group, self.scales_and_zeros).to(x.dtype)
+            if self.bias is not None:
+                y = y + self.bias.to(x.dtype)
         else:
             weight = self._dequantized_generic().to(x.dtype)
             y = F.linear(rows, weight, None if self.bias is None else self.bias.to(x.dtype))
@@ -282,12 +305,15 @@ class Int4Linear(torch.nn.Module):
 class Fp8Linear(torch.nn.Module):
     """``y = x W^T + b`` with ``W = qweight * scale[:, None]``, ``qweight`` float8 e4m3 (CUDA).
 
-    The weight is upcast per call (half the memory of bfloat16; a scaled-matmul kernel is not wired yet).
+    Where ``_scaled_mm`` serves (worker/quant/cuda_kernels.py), bfloat16 inputs go through it, each
+    row rounded to e4m3 first; otherwise the weight is upcast per call (half the memory of bfloat16).
     """
 
     qweight: torch.Tensor
     scale: torch.Tensor
     bias: torch.Tensor | None
+    kernel_kind = "fp8"
+    on_cuda_kernel = False  # ``_scaled_mm`` with per-token fp8 inputs
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
@@ -295,6 +321,9 @@ class Fp8Linear(torch.nn.Module):
         self.register_buffer("qweight", qweight)
         self.register_buffer("scale", scale.float())
         self.register_buffer("bias", None if bias is None else bias.detach())
+        self.on_cuda_kernel = (
+            qweight.is_cuda and fp8_fits(*qweight.shape) and fp8_problem(qweight.device) is None
+        )
 
     @classmethod
     def from_float(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Fp8Linear:
@@ -308,6 +337,11 @@ class Fp8Linear(torch.nn.Module):
         return self.qweight.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.on_cuda_kernel and x.dtype == torch.bfloat16:
+            y = fp8_mm(_flatten(x, self.in_features), self.qweight, self.scale)
+            if self.bias is not None:
+                y = y + self.bias.to(x.dtype)
+            return y.reshape(*x.shape[:-1], self.out_features)
         weight = self.qweight.to(x.dtype) * self.scale[:, None].to(x.dtype)
         return F.linear(x, weight, None if self.bias is None else self.bias.to(x.dtype))
 

@@ -192,8 +192,9 @@ def test_a_step_of_many_prompts_scores_each_as_alone(runner: ModelRunner) -> Non
 
 def test_the_fused_kernels_round_as_the_modules_do_in_bfloat16() -> None:
     """On the GPU bfloat16 rounds to nearest (triton's interpreter truncates, so the CPU tests check
-    float16): rotary is exact, RMSNorm equal but where the sums' order moves an ulp, and a fused
-    model's logits stay close to its own."""
+    float16): rotary within a few ulps of the products of the module's (an ulp apart here and there
+    on an H200), RMSNorm equal but where the sums' order moves an ulp, and a fused model's logits
+    stay close to its own."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
     from worker.model import fused
@@ -207,7 +208,15 @@ def test_the_fused_kernels_round_as_the_modules_do_in_bfloat16() -> None:
     q = torch.randn(8, 1, 32, 64, device="cuda", dtype=torch.bfloat16).transpose(1, 2)
     angles = torch.rand(8, 1, 32, device="cuda") * 9
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16) for f in (torch.cos, torch.sin))
-    assert torch.equal(fused.rotary(q, cos, sin), apply_rotary_pos_emb(q, q, cos, sin)[0])
+    got = fused.rotary(q, cos, sin).float()
+    rotated = torch.cat([-q[..., 32:], q[..., :32]], -1).float()
+    products = (q.float() * cos.float()[:, None], rotated * sin.float()[:, None])
+    exact, own = products[0] + products[1], apply_rotary_pos_emb(q, q, cos, sin)[0].float()
+    # On an H200 (2026-11-29) the kernel and the module differed by a bf16 ulp here and there: each
+    # is within a few ulps of the products of the exact value, and of the other.
+    bound = (products[0].abs() + products[1].abs()) * 2**-6 + 1e-6
+    assert ((got - exact).abs() <= bound).all() and ((own - exact).abs() <= bound).all()
+    assert ((got - own).abs() <= bound).all()
     config = LlamaConfig(
         vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,

@@ -164,6 +164,19 @@ def test_outside_cuda_nothing_is_fused() -> None:
     assert not any("forward" in vars(module) for module in model.modules())
 
 
+def test_a_quantized_model_is_checked_like_a_float_one() -> None:
+    """Quantized layers hold buffers, no parameters: the checks take the model's float dtype. Before,
+    an attention module of quantized projections failed the whole fusion (``StopIteration``, seen on
+    an H200 with --quantization int4 and fp8: those models ran unfused)."""
+    from worker.quant.layers import quantize_linears
+
+    model = tiny_llama()
+    quantize_linears(model, "int8")
+    report = fused.fuse_model(model)
+    assert report.failure is None, report.describe()
+    assert "LlamaAttention rotary" in report.kept  # CPU tensors: the kernels cannot launch here
+
+
 def test_a_triton_failure_leaves_the_model_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
     model = tiny_llama()
     ids = torch.tensor([[3, 1, 4, 1, 5]])
@@ -220,6 +233,20 @@ def test_the_rotary_wrapper_falls_back_for_what_it_does_not_take() -> None:
 
 
 @pytest.mark.skipif(not ptxas_available(), reason="triton's CUDA backend (ptxas) is not installed")
+def test_a_gated_norm_called_with_its_gate_runs_its_own_form() -> None:
+    """Granite 4's Mamba layers call their RMSNorm with a gate (``norm(x, gate)``); the start-up check
+    compares one-argument calls only, so a call with more arguments is the module's own (before, the
+    wrapper took one argument and Granite 4 failed to load on CUDA)."""
+    from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridRMSNormGated
+
+    norm = GraniteMoeHybridRMSNormGated(64, group_size=64)
+    x, gate = _random(3, 64, dtype=torch.float32), _random(3, 64, dtype=torch.float32, scale=2.0)
+    want = norm(x, gate)
+    wrapped = fused._FusedNorm(norm, 1e-6, False, norm.forward)
+    torch.testing.assert_close(wrapped(x, gate), want, atol=0, rtol=0)
+    torch.testing.assert_close(wrapped(x, gate=gate), want, atol=0, rtol=0)
+
+
 def test_the_kernels_compile_for_h100(monkeypatch: pytest.MonkeyPatch) -> None:
     """Compiles (no launch) each kernel as a bf16 call of the 1.7B shape would on an H100."""
     import triton
