@@ -269,8 +269,9 @@ class EngineCollector(Collector):
         fast = GaugeMetricFamily(
             "sluice_worker_fast_path",
             "1 when this part of the fast path is on (kernel: the Triton decode attention; graphs: decode "
-            "steps replayed from CUDA graphs; fused: the fused RMSNorm, SiLU-mul and rotary kernels; these "
-            "three on CUDA only; mixers: a hybrid model's recurrent mixers on the flash-linear-attention, "
+            "steps replayed from CUDA graphs; fused: the fused RMSNorm, SiLU-mul and rotary kernels; quant: "
+            "every int4 and fp8 layer on its CUDA kernel, for a quantized model; these on CUDA only; "
+            "mixers: a hybrid model's recurrent mixers on the flash-linear-attention, "
             "causal-conv1d and mamba-ssm kernels); 0: a slower fallback serves (mixers: transformers' torch "
             "forms)",
             labels=["model", "part"],
@@ -279,6 +280,8 @@ class EngineCollector(Collector):
             fast.add_metric([self._model_id, "kernel"], int(s.fast_path.kernel))
             fast.add_metric([self._model_id, "graphs"], int(s.fast_path.graphs))
             fast.add_metric([self._model_id, "fused"], int(s.fast_path.fused))
+            if s.fast_path.quant is not None:
+                fast.add_metric([self._model_id, "quant"], int(s.fast_path.quant))
         if s.mixers_on_kernels is not None:
             fast.add_metric([self._model_id, "mixers"], int(s.mixers_on_kernels))
         yield fast

@@ -157,6 +157,7 @@ class FastPath:
     kernel: bool  # the Triton decode attention kernel
     graphs: bool  # decode steps replayed from CUDA graphs
     fused: bool = False  # RMSNorm, SiLU·mul and rotary kernels in the forward (worker/model/fused.py)
+    quant: bool | None = None  # every int4/fp8 layer on its CUDA kernel (None: no such layer)
 
 
 class FinishReason(enum.Enum):

@@ -25,6 +25,7 @@ from worker.model.mixer_kernels import checked_mixer_kernels
 from worker.model.recurrent import state_slot_bytes
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import FlatTokens, Work
+from worker.quant import cuda_kernels
 from worker.types import FastPath
 
 log = logging.getLogger(__name__)
@@ -171,7 +172,10 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
             runner.graphs = capture_decode_graphs(runner, limits.max_running, loaded.context_length)
             log_graph_scope(runner)
         runner.fast_path = FastPath(
-            kernel=runner.decode_kernel_enabled, graphs=runner.graphs is not None, fused=fused
+            kernel=runner.decode_kernel_enabled,
+            graphs=runner.graphs is not None,
+            fused=fused,
+            quant=cuda_kernels.on_kernels(runner.model),
         )
         if config.require_cuda_graphs and runner.graphs is None:
             raise ModelLoadError(

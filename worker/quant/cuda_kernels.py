@@ -115,19 +115,29 @@ def fp8_problem(device: torch.device) -> str | None:
     return _probe("fp8", device, (8, 9), product)
 
 
+def _quantized(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's layers with a CUDA kernel of their kind (``kernel_kind``: worker/quant/layers.py)."""
+    return [m for m in model.modules() if getattr(type(m), "kernel_kind", None) in KERNEL_NAMES]
+
+
+def on_kernels(model: torch.nn.Module) -> bool | None:
+    """Every int4 and fp8 layer of ``model`` runs its CUDA kernel (None: it has none; the
+    fast-path metric's ``quant`` part)."""
+    layers = _quantized(model)
+    return all(bool(getattr(m, "on_cuda_kernel", False)) for m in layers) if layers else None
+
+
 def describe(model: torch.nn.Module) -> str | None:
     """The start-up log's words for the quantized layers of a model on CUDA: how many run their
     kernel, and why the others do not (None: no int4 or fp8 layer on CUDA). A layer class names its
     kernel in ``kernel_kind`` (worker/quant/layers.py)."""
     counts: dict[str, list[int]] = {}
     device = None
-    for module in model.modules():
-        kind = getattr(type(module), "kernel_kind", None)
-        if kind in KERNEL_NAMES:
-            tally = counts.setdefault(kind, [0, 0])
-            tally[0] += int(bool(getattr(module, "on_cuda_kernel", False)))
-            tally[1] += 1
-            device = next(module.buffers()).device
+    for module in _quantized(model):
+        tally = counts.setdefault(type(module).kernel_kind, [0, 0])  # type: ignore[attr-defined]
+        tally[0] += int(bool(getattr(module, "on_cuda_kernel", False)))
+        tally[1] += 1
+        device = next(module.buffers()).device
     if device is None or device.type != "cuda":
         return None
     words = []

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from worker.quant.cuda_kernels import describe, fp8_problem, int4_fits, int4_problem
+from worker.quant.cuda_kernels import describe, fp8_problem, int4_fits, int4_problem, on_kernels
 from worker.quant.fp8_activations import Fp8DynamicLinear, fp8_per_token
 from worker.quant.layers import Fp8Linear, Int4Linear, quantize_linears
 
@@ -29,8 +29,10 @@ def test_on_the_cpu_no_layer_takes_a_cuda_kernel() -> None:
     layer = Int4Linear.from_float(torch.randn(64, 128))
     assert not layer.on_cuda_kernel
     model = torch.nn.Sequential(torch.nn.Linear(128, 64))
+    assert on_kernels(model) is None  # no quantized layer: the metric has no ``quant`` part
     quantize_linears(model, "int4")
     assert describe(model) is None  # a CPU model: the load line names its kernel already
+    assert on_kernels(model) is False
 
 
 def test_the_int4_kernel_takes_only_the_shapes_it_packs() -> None:
@@ -78,6 +80,7 @@ def test_fp8_on_cuda_is_scaled_mm_of_per_token_fp8_inputs() -> None:
 def test_a_quantized_model_on_cuda_says_which_layers_run_a_kernel() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(1024, 512), torch.nn.Linear(576, 256)).cuda()
     quantize_linears(model, "int4")
+    assert on_kernels(model) is False  # the second layer's shape does not fit
     assert (
         describe(model)
         == "1 of 2 int4 layers on torch's int4 kernel (tinygemm) (the others' shapes do not fit it)"

@@ -44,7 +44,12 @@ def test_the_fast_path_metric_says_which_part_is_off() -> None:
     assert 'sluice_worker_fast_path{model="m",part="kernel"} 1.0' in text
     assert 'sluice_worker_fast_path{model="m",part="graphs"} 0.0' in text
     assert 'sluice_worker_fast_path{model="m",part="fused"} 1.0' in text
+    assert 'part="quant"' not in text  # a float model has no quantized layers to report
     assert "sluice_worker_decode_graph_replays_total" in text
+    quantized = EngineStats(
+        0, 0, 0, 0, 0, 0, 0, EngineCounters(), fast_path=FastPath(True, True, True, False)
+    )
+    assert 'sluice_worker_fast_path{model="m",part="quant"} 0.0' in metrics.render(quantized, "m")
     cpu = metrics.render(EngineStats(0, 0, 0, 0, 0, 0, 0, EngineCounters()), "m")
     assert "sluice_worker_fast_path" not in cpu  # no fast path to report off the GPU
 
