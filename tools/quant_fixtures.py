@@ -63,6 +63,10 @@ def _calibrate(model: torch.nn.Module) -> None:
         if args.strategy == "group":
             weight = weight.reshape(weight.shape[0], -1, args.group_size)
             low, high = weight.amin(-1), weight.amax(-1)
+        elif args.strategy == "block":
+            rows, columns = args.block_structure
+            tiles = weight.reshape(weight.shape[0] // rows, rows, weight.shape[1] // columns, columns)
+            low, high = tiles.amin((1, 3)), tiles.amax((1, 3))
         else:
             low, high = weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
         scale, zero = calculate_qparams(low, high, args)
@@ -87,6 +91,10 @@ def compressed(source: Path, target: Path, preset: str, layout: str) -> None:
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if scheme.weights is not None and scheme.weights.group_size:
         scheme.weights.group_size = GROUP
+    if scheme.weights is not None and scheme.weights.block_structure:  # FP8_BLOCK: 128 x 128 tiles
+        scheme.weights.block_structure = list(FP8_BLOCK)
+        if scheme.input_activations is not None and scheme.input_activations.group_size:
+            scheme.input_activations.group_size = FP8_BLOCK[1]
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
     )
@@ -293,6 +301,7 @@ def main() -> None:
         ("awq", lambda s, t: gptq(s, t, awq=True)),
         ("gptq_act_order", lambda s, t: gptq(s, t, desc_act=True)),
         ("fp8_block", fp8_blocks),
+        ("fp8_block_ct", lambda s, t: compressed(s, t, "FP8_BLOCK", "float-quantized")),
         ("mxfp4", mxfp4),
     ]:
         print(name, make(name, build, source, root))

@@ -57,6 +57,9 @@ def kernel_name(fmt: CheckpointFormat, device: torch.device) -> str:
         return (
             "mxfp4 experts: each routed expert's blocks dequantized per product (lossless, no fused kernel)"
         )
+    if fmt.scheme == "fp8" and fmt.block != (0, 0) and fmt.fp8_activations:
+        per = f"{fmt.fp8_input_group} columns" if fmt.fp8_input_group else "token"
+        return f"fp8 weights upcast per product under their block scales, inputs rounded to fp8 per {per}"
     if fmt.scheme == "fp8" and fmt.block != (0, 0):
         return "fp8 weights upcast per product under their block scales (weight-only)"
     if device.type == "cuda" and fmt.scheme in ("fp8", "int4"):

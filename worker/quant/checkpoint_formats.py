@@ -28,6 +28,7 @@ class CheckpointFormat:
     scheme: str
     group: int = 0
     fp8_activations: bool = False  # FP8 dynamic: inputs rounded to e4m3 per token
+    fp8_input_group: int = 0  # FP8 block (compressed-tensors): per group of this many columns instead
     gptq_zero_offset: int = 0  # GPTQ v1 ("gptq") stores each zero point minus one
     zero_points: bool = False  # compressed-tensors: asymmetric, a packed ``weight_zero_point``
     block: tuple[int, int] = (0, 0)  # block-wise FP8: the rows and columns under one scale
@@ -80,14 +81,15 @@ def _only_group(quantization: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fp8_activations(activations: dict[str, Any] | None) -> bool:
-    """Whether the inputs are dynamic per-token FP8 (served); other activation schemes are refused."""
+    """Whether the inputs are dynamic FP8 per token or per group of columns (served; the group read
+    by :func:`_compressed_tensors`); other activation schemes are refused."""
     if not activations:
         return False
     if (
         activations.get("type") == "float"
         and activations.get("num_bits") == 8
         and activations.get("dynamic") is True
-        and activations.get("strategy") == "token"
+        and activations.get("strategy") in ("token", "group")
     ):
         return True
     kind = f"{activations.get('type')}{activations.get('num_bits')}"
@@ -111,10 +113,16 @@ def _compressed_tensors(quantization: dict[str, Any]) -> CheckpointFormat:
         raise _refuse(f"weights.actorder {weights['actorder']!r}", "act-order needs a column permutation")
     bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
     if layout == "float-quantized" and kind == "float" and bits == 8:
+        inputs = group.get("input_activations") or {}
+        input_group = int(inputs.get("group_size") or 0) if inputs.get("strategy") == "group" else 0
+        if strategy == "block":
+            return _compressed_fp8_blocks(weights, fp8_inputs, input_group)
         if strategy not in ("channel", "tensor"):
             raise _refuse(
-                f"fp8 weights.strategy {strategy!r}", "per-channel and per-tensor scales are served"
+                f"fp8 weights.strategy {strategy!r}", "per-channel, per-tensor and block scales are served"
             )
+        if input_group:
+            raise _refuse("fp8 input_activations per group with channel weights", "per token is served")
         name = f"compressed-tensors {layout} fp8 ({strategy}{', dynamic fp8 inputs' if fp8_inputs else ''})"
         return CheckpointFormat("compressed-tensors", name, "fp8", fp8_activations=fp8_inputs)
     if layout == "pack-quantized" and kind == "int" and bits == 4:
@@ -126,6 +134,21 @@ def _compressed_tensors(quantization: dict[str, Any]) -> CheckpointFormat:
     if layout == "pack-quantized" and kind == "int" and bits == 8 and strategy == "channel":
         return CheckpointFormat("compressed-tensors", f"compressed-tensors {layout} int8 (channel)", "int8")
     raise _refuse(f"format {layout!r} with {kind} weights of {bits} bits ({strategy})", "see docs/models.md")
+
+
+def _compressed_fp8_blocks(weights: dict[str, Any], fp8_inputs: bool, input_group: int) -> CheckpointFormat:
+    """compressed-tensors' FP8-block scheme: e4m3 weights under one scale per ``block_structure``
+    tile, the inputs rounded to e4m3 per group of columns (or per token) as the checkpoint says."""
+    block = weights.get("block_structure")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(v, int) and v > 0 for v in block)):
+        raise _refuse(f"fp8 weights.strategy 'block' with block_structure {block!r}", "two block sizes")
+    rows, columns = block
+    inputs = f", dynamic fp8 inputs per {input_group or 'token'}" if fp8_inputs else ""
+    name = f"compressed-tensors float-quantized fp8 {rows}x{columns} blocks{inputs}"
+    return CheckpointFormat(
+        "compressed-tensors", name, "fp8", fp8_activations=fp8_inputs, fp8_input_group=input_group,
+        block=(rows, columns),
+    )  # fmt: skip
 
 
 def _gptq(quantization: dict[str, Any]) -> CheckpointFormat:

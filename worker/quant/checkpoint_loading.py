@@ -13,7 +13,7 @@ import torch
 
 from worker.quant.act_order import ActOrderInt4Linear, group_order
 from worker.quant.checkpoint_formats import CheckpointFormat, UnsupportedCheckpoint
-from worker.quant.fp8_activations import Fp8DynamicLinear
+from worker.quant.fp8_activations import Fp8BlockDynamicLinear, Fp8DynamicLinear
 from worker.quant.fp8_blocks import fp8_block_layer
 from worker.quant.layers import Fp8Linear, Int4Linear, Int8Linear, QuantizedLinear
 from worker.quant.loading import _empty_model, _finish, _safetensors_files, _set_module, _set_parameter
@@ -79,6 +79,12 @@ def compressed_tensors_layer(
     """A layer of compressed-tensors' ``float-quantized`` (fp8 ``weight`` and ``weight_scale``) or
     ``pack-quantized`` (``weight_packed`` int32, ``weight_scale`` [out, groups], ``weight_shape``)."""
     scale = parts["weight_scale"].float()
+    if fmt.scheme == "fp8" and fmt.block != (0, 0):  # the FP8-block scheme: scales per tile
+        blocks = fp8_block_layer({"weight": parts["weight"], "weight_scale_inv": scale}, fmt.block, name)
+        if not fmt.fp8_activations:
+            return blocks
+        group = fmt.fp8_input_group or blocks.in_features
+        return Fp8BlockDynamicLinear(blocks.qweight, blocks.scale, fmt.block, group)
     if fmt.scheme == "fp8":
         weight = parts["weight"]
         if weight.dtype != torch.float8_e4m3fn:

@@ -1,18 +1,22 @@
-"""Dynamic per-token FP8 activations (compressed-tensors' FP8-dynamic scheme): each row of the
-input rounded to float8 e4m3 under its own scale before an fp8 layer's product.
+"""Dynamic FP8 activations (compressed-tensors' FP8-dynamic and FP8-block schemes): each row of the
+input, or each group of its columns, rounded to float8 e4m3 under its own scale before the product.
 Design notes: docs/worker.md ("Pre-quantized checkpoints")."""
 
 from __future__ import annotations
 
 import torch
 
+from worker.quant.fp8_blocks import Fp8BlockLinear
 from worker.quant.layers import Fp8Linear
 
 _E4M3 = torch.finfo(torch.float8_e4m3fn)
 
 
-def fp8_per_token(x: torch.Tensor) -> torch.Tensor:
-    """``x`` with each row (last dimension) rounded to e4m3 at scale ``max|row| / 448`` and back."""
+def fp8_per_token(x: torch.Tensor, group: int = 0) -> torch.Tensor:
+    """``x`` with each row (last dimension) rounded to e4m3 at scale ``max|row| / 448`` and back;
+    with ``group``, each run of ``group`` columns of a row under its own scale."""
+    if group and x.shape[-1] % group == 0 and x.shape[-1] != group:
+        return fp8_per_token(x.unflatten(-1, (-1, group))).flatten(-2)
     scale = x.abs().amax(dim=-1, keepdim=True) / _E4M3.max
     scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(x.dtype).eps), scale)
     rounded = (x / scale).clamp(_E4M3.min, _E4M3.max).to(torch.float8_e4m3fn)
@@ -31,3 +35,19 @@ class Fp8DynamicLinear(Fp8Linear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, fp8 e4m3 activations per token"
+
+
+class Fp8BlockDynamicLinear(Fp8BlockLinear):
+    """An :class:`Fp8BlockLinear` whose inputs are rounded to e4m3 per group of ``group`` columns
+    (compressed-tensors' FP8-block scheme: its dynamic group activations), then multiplied by the
+    upcast weight."""
+
+    def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], group: int):
+        super().__init__(qweight, scale, block)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(fp8_per_token(x, self.group))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fp8 e4m3 activations per {self.group} columns"

@@ -97,6 +97,11 @@ def test_each_format_is_read(tmp_path: Path) -> None:
     assert read_format(_folder(tmp_path, AWQ)) == CheckpointFormat("awq", "AWQ (gemm) int4 g32", "int4", 32)
     blocks = read_format(_folder(tmp_path, FP8_BLOCKS))
     assert blocks is not None and (blocks.method, blocks.scheme, blocks.block) == ("fp8", "fp8", (128, 128))
+    ct_blocks = json.loads(json.dumps(_with(FP8_DYNAMIC, strategy="block", block_structure=[128, 128])))
+    ct_blocks["config_groups"]["group_0"]["input_activations"].update(strategy="group", group_size=128)
+    fp8_block = read_format(_folder(tmp_path, ct_blocks))
+    assert fp8_block is not None
+    assert (fp8_block.block, fp8_block.fp8_activations, fp8_block.fp8_input_group) == ((128, 128), True, 128)
     act_order = read_format(_folder(tmp_path, {**GPTQ, "desc_act": True}))
     assert act_order is not None and act_order.name.endswith("act-order")
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
@@ -114,7 +119,8 @@ W8A8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": 
         (_with(W4A16, num_bits=3), "3 bits"),
         (_with(W4A16, group_size=48), "group_size 48"),
         (_with(W4A16, actorder="group"), "weights.actorder 'group'"),
-        (_with(FP8_DYNAMIC, strategy="block"), "strategy 'block'"),
+        (_with(FP8_DYNAMIC, strategy="block"), "strategy 'block' with block_structure None"),
+        (_with(FP8_DYNAMIC, strategy="group"), "fp8 weights.strategy 'group'"),
         (W8A8, "input_activations int8"),
         ({**W4A16, "kv_cache_scheme": {"num_bits": 8}}, "kv_cache_scheme"),
         ({**GPTQ, "bits": 8}, "GPTQ bits 8"),
@@ -301,6 +307,15 @@ def test_fp8_per_token_rounds_each_row_under_its_own_scale() -> None:
     assert rounded[0, 0] == 448.0 and rounded[1, 2] == pytest.approx(-0.002)
     torch.testing.assert_close(rounded, rows, atol=0.0, rtol=2**-4)
     assert torch.equal(rounded[2], rows[2])
+
+
+def test_fp8_per_group_rounds_each_run_of_columns_under_its_own_scale() -> None:
+    row = torch.tensor([[448.0, 1.0, 0.001, -0.0004]])
+    per_group = fp8_per_token(row, 2)
+    halves = torch.cat([fp8_per_token(row[:, :2]), fp8_per_token(row[:, 2:])], -1)
+    torch.testing.assert_close(per_group, halves)
+    assert per_group[0, 3] == pytest.approx(-0.0004, rel=2**-4)  # its own scale: one per row flushes it to 0
+    assert fp8_per_token(row)[0, 3] == 0.0
 
 
 @pytest.mark.parametrize("asked", ["int8", "none", "fp8"])
