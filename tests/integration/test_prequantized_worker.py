@@ -158,3 +158,18 @@ def test_fp8_block_inputs_are_rounded_per_group_as_the_checkpoint_says() -> None
     expected = json.loads((folder / "reference.json").read_text())
     _, scored = greedy_in_process(model, expected["prompt"], 1)
     assert scored == pytest.approx(expected["prompt_logprobs"], abs=1e-4)
+
+
+@pytest.mark.parametrize("order", ["weight", "static"])
+def test_act_order_without_a_permutation_is_served_as_plain_groups(order: str, tmp_path: Path) -> None:
+    """compressed-tensors' ``actorder`` "weight" and "static" order only GPTQ's work over the columns:
+    the W4A16 checkpoint with either says so and still meets the bar against its reference."""
+    folder = Path(shutil.copytree(fixture("w4a16"), tmp_path / "w4a16"))
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = order
+    (folder / "config.json").write_text(json.dumps(config))
+    model = load_model(str(folder), device="cpu", quantization="auto").model.eval()
+    expected = json.loads((folder / "reference.json").read_text())
+    check_against_reference(
+        "w4a16", folder, *greedy_in_process(model, expected["prompt"], len(expected["tokens"]))
+    )

@@ -109,8 +109,11 @@ def _compressed_tensors(quantization: dict[str, Any]) -> CheckpointFormat:
             "weights.symmetric: false (asymmetric zero points) outside 4-bit pack-quantized",
             "int4 groups take zero points",
         )
-    if weights.get("actorder"):
-        raise _refuse(f"weights.actorder {weights['actorder']!r}", "act-order needs a column permutation")
+    # "weight" and "static" only order GPTQ's work over the columns: the groups stay contiguous and no
+    # g_idx is saved. "group" and "dynamic" permute the groups (compressed-tensors 0.20 refuses them too).
+    actorder = weights.get("actorder")
+    if actorder not in (None, False, "weight", "static"):
+        raise _refuse(f"weights.actorder {actorder!r}", "act-order 'weight' and 'static' are served")
     bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
     if layout == "float-quantized" and kind == "float" and bits == 8:
         inputs = group.get("input_activations") or {}
@@ -130,6 +133,7 @@ def _compressed_tensors(quantization: dict[str, Any]) -> CheckpointFormat:
         if strategy != "group" or size not in INT4_GROUPS:
             raise _refuse(f"int4 weights.strategy {strategy!r} group_size {size}", f"groups of {INT4_GROUPS}")
         name = f"compressed-tensors {layout} int4 g{size}{' asymmetric' if asymmetric else ''}"
+        name += f", act-order {actorder!r}" if actorder else ""
         return CheckpointFormat("compressed-tensors", name, "int4", size, zero_points=asymmetric)
     if layout == "pack-quantized" and kind == "int" and bits == 8 and strategy == "channel":
         return CheckpointFormat("compressed-tensors", f"compressed-tensors {layout} int8 (channel)", "int8")

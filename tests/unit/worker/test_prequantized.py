@@ -97,6 +97,10 @@ def test_each_format_is_read(tmp_path: Path) -> None:
     assert read_format(_folder(tmp_path, AWQ)) == CheckpointFormat("awq", "AWQ (gemm) int4 g32", "int4", 32)
     blocks = read_format(_folder(tmp_path, FP8_BLOCKS))
     assert blocks is not None and (blocks.method, blocks.scheme, blocks.block) == ("fp8", "fp8", (128, 128))
+    for order in ("weight", "static"):  # GPTQ's column order only: the groups stay as they are
+        served = read_format(_folder(tmp_path, _with(W4A16, actorder=order)))
+        assert served is not None and (served.scheme, served.group) == ("int4", 32)
+        assert served.name.endswith(f"act-order {order!r}")
     ct_blocks = json.loads(json.dumps(_with(FP8_DYNAMIC, strategy="block", block_structure=[128, 128])))
     ct_blocks["config_groups"]["group_0"]["input_activations"].update(strategy="group", group_size=128)
     fp8_block = read_format(_folder(tmp_path, ct_blocks))
@@ -119,6 +123,7 @@ W8A8["config_groups"]["group_0"]["input_activations"] = {"num_bits": 8, "type": 
         (_with(W4A16, num_bits=3), "3 bits"),
         (_with(W4A16, group_size=48), "group_size 48"),
         (_with(W4A16, actorder="group"), "weights.actorder 'group'"),
+        (_with(W4A16, actorder="dynamic"), "weights.actorder 'dynamic'"),
         (_with(FP8_DYNAMIC, strategy="block"), "strategy 'block' with block_structure None"),
         (_with(FP8_DYNAMIC, strategy="group"), "fp8 weights.strategy 'group'"),
         (W8A8, "input_activations int8"),
