@@ -44,6 +44,17 @@ SITE = Path("/tmp/sluice-gpu-site")
 KERNEL_SITE = Path("/tmp/sluice-gpu-kernels")  # flash-linear-attention, on the path of the hybrid steps only
 # The steps of a whole check, in order (``--steps`` picks some, e.g. to split one check over two calls).
 STEPS = ("versions", "tests", "compare", "bench", "families", "extra", "edge", "hybrid", "profile")
+# The whole check is about 1,000 s on an H200 (2026-11-29), more than one device command's 600 s, so
+# ``--part 1`` and ``--part 2`` split it (steps, gpu_families.py cases, compared dtypes), about 480 s
+# each, the first with what decides the bars.
+PARTS = {
+    "1": (
+        "versions,tests,compare,bench,families,edge",
+        "qwen3_5_text,granitemoehybrid,gemma4_text,lora",
+        "auto",
+    ),
+    "2": ("versions,families,extra,hybrid,profile", "kv-fp8,kv-int8,quant-int4,quant-fp8", ""),
+}
 CUDA_TESTS = (
     "tests/unit/worker/test_triton_decode.py",
     "tests/unit/worker/test_cuda_path.py",
@@ -164,6 +175,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--steps", default=",".join(STEPS), help=f"comma list, in order, of: {', '.join(STEPS)}"
     )
     parser.add_argument(
+        "--part",
+        choices=sorted(PARTS),
+        help="half of the whole check (sets --steps, --families-cases and --compare-dtypes): "
+        "make gpu-check PART=1, then PART=2",
+    )
+    parser.add_argument(
         "--families-cases", default="", help="gpu_families.py's --cases (default: all of them)"
     )
     parser.add_argument(
@@ -206,7 +223,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="1,64,256",
         help="levels benched again with --overlap-steps off (draws read between steps; '' = none)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.part:
+        args.steps, args.families_cases, args.compare_dtypes = PARTS[args.part]
+    return args
 
 
 def run(name: str, command: list[str], env: dict[str, str], wanted: float, budget: Budget) -> Step:

@@ -15,6 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from gpu_check import (
     MIN_STEP_S,
     RESERVE_S,
+    STEPS,
     Budget,
     Step,
     compare_greedy,
@@ -25,6 +26,7 @@ from gpu_check import (
     run,
     summary,
 )
+from gpu_families import CASES
 from gpu_wheels import MISSING, NEWER, download_command, pins
 
 METRICS = """# HELP sluice_worker_fast_path 1 when on
@@ -114,6 +116,13 @@ def test_arguments() -> None:
     assert args.device == "cuda" and args.shape == "1.7b" and args.bench_skip == "serve"
     assert (args.interval_levels, args.unfused_levels, args.engine_levels) == ("", "1", "64,256")
     assert args.serial_levels == "1,64,256" and args.budget == 560.0
+    first, second = parse_args(["--part", "1"]), parse_args(["--part", "2"])
+    assert "bench" in first.steps.split(",") and "lora" in first.families_cases.split(",")
+    assert "extra" in second.steps.split(",") and "kv-fp8" in second.families_cases.split(",")
+    halves = set(first.steps.split(",")) | set(second.steps.split(","))
+    assert halves == set(STEPS)  # the two parts run every step between them
+    cases = set(first.families_cases.split(",")) | set(second.families_cases.split(","))
+    assert cases == set(CASES)
     dry = parse_args(["--device", "cpu", "--shape", "tiny", "--profile-rows", "", "--interval-levels", ""])
     assert dry.device == "cpu" and dry.shape == "tiny" and not dry.profile_rows and not dry.interval_levels
 
