@@ -17,6 +17,7 @@ _E4M3 = torch.finfo(torch.float8_e4m3fn)
 # rounding for int4, and e4m3 activations (3 mantissa bits) for fp8.
 TOLERANCE = {"int4": 0.01, "fp8": 0.06}
 KERNEL_NAMES = {"int4": "torch's int4 kernel (tinygemm)", "fp8": "_scaled_mm (fp8 activations per token)"}
+BLOCKS = "fp8-block"  # block-scaled fp8 layers: no kernel here, upcast per product
 
 
 def int4_fits(out_features: int, in_features: int, group: int) -> bool:
@@ -117,7 +118,7 @@ def fp8_problem(device: torch.device) -> str | None:
 
 def _quantized(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The model's layers with a CUDA kernel of their kind (``kernel_kind``: worker/quant/layers.py)."""
-    return [m for m in model.modules() if getattr(type(m), "kernel_kind", None) in KERNEL_NAMES]
+    return [m for m in model.modules() if getattr(type(m), "kernel_kind", None) in (*KERNEL_NAMES, BLOCKS)]
 
 
 def on_kernels(model: torch.nn.Module) -> bool | None:
@@ -127,21 +128,23 @@ def on_kernels(model: torch.nn.Module) -> bool | None:
     return all(bool(getattr(m, "on_cuda_kernel", False)) for m in layers) if layers else None
 
 
-def describe(model: torch.nn.Module) -> str | None:
+def describe(model: torch.nn.Module, device: torch.device | None = None) -> str | None:
     """The start-up log's words for the quantized layers of a model on CUDA: how many run their
     kernel, and why the others do not (None: no int4 or fp8 layer on CUDA). A layer class names its
-    kernel in ``kernel_kind`` (worker/quant/layers.py)."""
+    kernel in ``kernel_kind`` (worker/quant/layers.py); ``device``: the layers' (read off them)."""
     counts: dict[str, list[int]] = {}
-    device = None
     for module in _quantized(model):
         tally = counts.setdefault(type(module).kernel_kind, [0, 0])  # type: ignore[attr-defined]
         tally[0] += int(bool(getattr(module, "on_cuda_kernel", False)))
         tally[1] += 1
-        device = next(module.buffers()).device
+        device = device or next(module.buffers()).device
     if device is None or device.type != "cuda":
         return None
     words = []
     for kind, (on, total) in counts.items():
+        if kind == BLOCKS:
+            words.append(f"{total} fp8 layers with block scales upcast per product (no block-scaled kernel)")
+            continue
         problem = int4_problem(device) if kind == "int4" else fp8_problem(device)
         why = f" ({problem})" if problem else " (the others' shapes do not fit it)" if on < total else ""
         words.append(f"{on} of {total} {kind} layers on {KERNEL_NAMES[kind]}{why}")

@@ -15,6 +15,8 @@ class Fp8BlockLinear(Fp8Linear):
     """``y = x W^T + b`` with ``W = qweight * scale`` expanded over ``block`` (rows, columns) tiles:
     ``scale`` [ceil(out / rows), ceil(in / columns)], the checkpoint's ``weight_scale_inv``."""
 
+    kernel_kind = "fp8-block"  # worker/quant/cuda_kernels.py: no kernel, said at start-up
+
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
         torch.nn.Module.__init__(self)
         self.out_features, self.in_features = qweight.shape

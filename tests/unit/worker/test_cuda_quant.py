@@ -35,6 +35,20 @@ def test_on_the_cpu_no_layer_takes_a_cuda_kernel() -> None:
     assert on_kernels(model) is False
 
 
+def test_block_scaled_fp8_layers_are_named_as_upcast_not_as_misfits() -> None:
+    """A block-FP8 checkpoint (Qwen3-8B-FP8 and the like) has no kernel on CUDA: the start-up words
+    say so (before, they counted its layers as fp8 layers whose shapes did not fit ``_scaled_mm``),
+    and the metric's ``quant`` part is 0 (a slower path serves)."""
+    from worker.quant.fp8_blocks import Fp8BlockLinear
+
+    weight = torch.randn(64, 64).to(torch.float8_e4m3fn)
+    model = torch.nn.Sequential(Fp8BlockLinear(weight, torch.ones(2, 2), (32, 32)))
+    assert describe(model, torch.device("cuda")) == (
+        "1 fp8 layers with block scales upcast per product (no block-scaled kernel)"
+    )
+    assert on_kernels(model) is False
+
+
 def test_the_int4_kernel_takes_only_the_shapes_it_packs() -> None:
     assert int4_fits(2048, 8192, 32) and int4_fits(256, 128, 128)
     assert not int4_fits(2048, 576, 32)  # inputs not a multiple of 128 (the default model's width)
