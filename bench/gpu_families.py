@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import gc
 import json
 import shutil
@@ -42,9 +43,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "bench")]
 
 from gpu_check import (  # noqa: E402
-    NEAR_TIE,
+    Reference,
     Step,
-    compare_greedy,
+    checked,
     fast_path_problems,
     greedy_stream,
     parse_metrics,
@@ -175,14 +176,10 @@ def pool_size(text: str) -> str:
     return f"KV pool {blocks:.0f} blocks in {size / 2**30:.2f} GiB"
 
 
-Reference = tuple[list[int], list[float], list[list[int]]]  # generate's tokens, margins and top 5s
-
-
-def checked(name: str, got: list[int], reference: Reference, dtype: str) -> Step:
-    tokens, margins, tops = reference
-    if dtype == "float32":
-        return compare_greedy(got, tokens, margins, 1e-3, name=name)
-    return compare_greedy(got, tokens, margins, NEAR_TIE, tops, name)
+@functools.cache
+def dense_reference(dense: Path, tokens: int, device: str, dtype: str) -> Reference:
+    """The dense model's ``generate`` from the bench prompt (the kv-* and quant-* cases share it)."""
+    return reference_greedy(dense, prompt_ids(dense), tokens, device, dtype)
 
 
 def family_case(family: str, args: argparse.Namespace) -> Step:
@@ -207,7 +204,7 @@ def family_case(family: str, args: argparse.Namespace) -> Step:
 
 def kv_case(kind: str, args: argparse.Namespace) -> Step:
     ids = prompt_ids(args.dense)
-    reference = reference_greedy(args.dense, ids, args.tokens, args.device, args.dtype)
+    reference = dense_reference(args.dense, args.tokens, args.device, args.dtype)
 
     async def talk(stub: Any) -> tuple[list[int], float, float]:
         got, _ = await greedy_stream(stub, ids, args.tokens)
@@ -224,7 +221,7 @@ def kv_case(kind: str, args: argparse.Namespace) -> Step:
 
 def quant_case(scheme: str, args: argparse.Namespace) -> Step:
     ids = prompt_ids(args.dense)
-    reference, _, _ = reference_greedy(args.dense, ids, args.tokens, args.device, args.dtype)
+    reference = dense_reference(args.dense, args.tokens, args.device, args.dtype)[0]
 
     async def talk(stub: Any) -> tuple[list[int], list[float]]:
         got, _ = await greedy_stream(stub, ids, args.tokens)
@@ -269,27 +266,6 @@ def build_adapters(base: Path, folder: Path, count: int, device: str, dtype: str
     return folders
 
 
-def peft_greedy(base: Path, adapter: Path, ids: list[int], tokens: int, device: str, dtype: str) -> Reference:
-    """generate's greedy tokens, margins and top 5s for peft's merged model of ``adapter`` over ``base``."""
-    import torch
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=getattr(torch, dtype)).to(device)
-    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload().eval()
-    try:
-        prompt = torch.tensor([ids], device=device)
-        out = merged.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=tokens,
-                              do_sample=False, eos_token_id=None, output_logits=True,
-                              return_dict_in_generate=True)  # fmt: skip
-        tops = [t[0].float().topk(5) for t in out.logits]
-        margins = [float(top.values[0] - top.values[1]) for top in tops]
-        return out.sequences[0, len(ids) :].tolist(), margins, [top.indices.tolist() for top in tops]
-    finally:
-        del model, merged
-        free_memory()
-
-
 def lora_case(args: argparse.Namespace) -> Step:
     from bench_worker import LORA_RANK
 
@@ -297,7 +273,7 @@ def lora_case(args: argparse.Namespace) -> Step:
     shutil.rmtree(folder, ignore_errors=True)
     adapters = build_adapters(args.dense, folder, max(LORA_COUNTS), args.device, args.dtype)
     ids = prompt_ids(args.dense)
-    reference = peft_greedy(args.dense, adapters[0], ids, args.tokens, args.device, args.dtype)
+    reference = reference_greedy(args.dense, ids, args.tokens, args.device, args.dtype, adapters[0])
     modules = " ".join(f"lora{i}={path}" for i, path in enumerate(adapters))
     flags = ["--enable-lora", "--max-loras", str(len(adapters)), "--max-lora-rank", str(LORA_RANK),
              "--lora-modules", modules]  # fmt: skip

@@ -80,18 +80,18 @@ def _only_group(quantization: dict[str, Any]) -> dict[str, Any]:
     return group
 
 
-def _fp8_activations(activations: dict[str, Any] | None) -> bool:
-    """Whether the inputs are dynamic FP8 per token or per group of columns (served; the group read
-    by :func:`_compressed_tensors`); other activation schemes are refused."""
+def _fp8_activations(activations: dict[str, Any] | None) -> int | None:
+    """The columns per scale of dynamic FP8 inputs (0: per token), None without input quantization;
+    other activation schemes are refused."""
     if not activations:
-        return False
+        return None
     if (
         activations.get("type") == "float"
         and activations.get("num_bits") == 8
         and activations.get("dynamic") is True
         and activations.get("strategy") in ("token", "group")
     ):
-        return True
+        return int(activations.get("group_size") or 0) if activations["strategy"] == "group" else 0
     kind = f"{activations.get('type')}{activations.get('num_bits')}"
     raise _refuse(f"input_activations {kind} (W8A8-style activation quantization)", "weight-only is served")
 
@@ -100,7 +100,8 @@ def _compressed_tensors(quantization: dict[str, Any]) -> CheckpointFormat:
     group = _only_group(quantization)
     layout = group.get("format") or quantization.get("format")
     weights = group.get("weights") or {}
-    fp8_inputs = _fp8_activations(group.get("input_activations"))
+    input_group = _fp8_activations(group.get("input_activations"))
+    fp8_inputs = input_group is not None
     if fp8_inputs and not (layout == "float-quantized" and weights.get("type") == "float"):
         raise _refuse("input_activations fp8 with integer weights", "fp8 inputs are served with fp8 weights")
     asymmetric = weights.get("symmetric") is False
@@ -116,10 +117,8 @@ def _compressed_tensors(quantization: dict[str, Any]) -> CheckpointFormat:
         raise _refuse(f"weights.actorder {actorder!r}", "act-order 'weight' and 'static' are served")
     bits, kind, strategy = weights.get("num_bits"), weights.get("type"), weights.get("strategy")
     if layout == "float-quantized" and kind == "float" and bits == 8:
-        inputs = group.get("input_activations") or {}
-        input_group = int(inputs.get("group_size") or 0) if inputs.get("strategy") == "group" else 0
         if strategy == "block":
-            return _compressed_fp8_blocks(weights, fp8_inputs, input_group)
+            return _compressed_fp8_blocks(weights, fp8_inputs, input_group or 0)
         if strategy not in ("channel", "tensor"):
             raise _refuse(
                 f"fp8 weights.strategy {strategy!r}", "per-channel, per-tensor and block scales are served"
