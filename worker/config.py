@@ -242,8 +242,9 @@ class WorkerConfig:
         choice(*KV_CACHE_DTYPES),
         "how the KV cache stores keys and values: auto (the model's dtype), int8 or fp8 (float8 "
         "e4m3), one byte per element and a scale per token and head: int8, the accurate one, scales "
-        "keys per 4 dims and values per 32 (3.1x the tokens of a float32 cache, 1.56x bfloat16's); "
-        "fp8, the compact one, keys per head and values per 32 (3.8x float32's, 1.91x bfloat16's) "
+        "keys per 4 dims and values per 32 (2.56x the tokens of a float32 cache with float32 scales, "
+        "1.56x bfloat16's); fp8, the compact one, keys per head and values per 32 (3.66x float32's, "
+        "1.91x bfloat16's) "
         "at several times int8's logprob error (docs/benchmarks.md)",
     )
     kv_offload_bytes: int | None = setting(

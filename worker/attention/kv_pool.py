@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from worker.attention.kv_quant import SCALE_DTYPE, KVQuant, kv_quant
+from worker.attention.kv_quant import KVQuant, kv_quant
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class KVShape:
     @property
     def quant(self) -> KVQuant | None:
         """How keys and values are stored (None: in :attr:`dtype`)."""
-        return kv_quant(self.cache)
+        return kv_quant(self.cache, self.dtype)
 
     @property
     def num_layers(self) -> int:
@@ -298,7 +298,7 @@ def _allocate(
     if quant is None:
         return LayerCache(keys, values)
     key_scales, value_scales = (
-        zeroed((*dims[:3], dims[3] // quant.group_dims(dims[3], keys)), SCALE_DTYPE, device)
+        zeroed((*dims[:3], dims[3] // quant.group_dims(dims[3], keys)), quant.scale_dtype, device)
         for keys in (True, False)
     )
     return LayerCache(keys, values, key_scales, value_scales, quant)

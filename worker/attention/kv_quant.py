@@ -13,8 +13,12 @@ import torch
 
 from worker.config import KV_CACHE_DTYPES
 
-# One scale per (token, kv head, group of dims): bfloat16 for float32's range in two bytes.
-# Its rounding only moves the quantization grid (codes are computed against the rounded scale).
+# One scale per (token, kv head, group of dims), in float32 for a float32 model's cache and in
+# bfloat16 (float32's range in two bytes) for a half-precision one. Its rounding only moves the
+# quantization grid (codes are computed against the rounded scale), but a bfloat16 grid step is up
+# to 1/256 coarser than the group's: on the default model in float32 the worst of 88 positions went
+# from 0.060 to 0.038 with float32 scales, for 2.56x float32's tokens instead of 3.12x
+# (docs/benchmarks.md, "An 8-bit KV cache"); a half-precision cache keeps its capacity.
 SCALE_DTYPE = torch.bfloat16
 # Dims sharing a scale, per cache dtype: keys, values (None: the whole head row). Values: a head's
 # outlier channel then coarsens 31 others, not the whole head. Keys decide the error (their outlier
@@ -35,9 +39,11 @@ _FP8 = torch.float8_e4m3fn
 class KVQuant:
     """How a layer's keys and values are stored: ``name`` (``int8``: symmetric integers, ``fp8``:
     float8 e4m3 bits, kept as ``uint8`` since CPU index copies do not take float8), each group of a
-    head row (:meth:`group_dims`, per dtype) scaled so its largest magnitude is ``limit``."""
+    head row (:meth:`group_dims`, per dtype) scaled so its largest magnitude is ``limit``, the scales
+    in ``scale_dtype``."""
 
     name: str
+    scale_dtype: torch.dtype = SCALE_DTYPE
 
     @property
     def limit(self) -> float:
@@ -54,7 +60,7 @@ class KVQuant:
 
     def head_bytes(self, head_dim: int, keys: bool) -> int:
         """Bytes of one token's key (``keys``) or value of one kv head: its codes and its scales."""
-        scale = torch.empty((), dtype=SCALE_DTYPE).element_size()
+        scale = torch.empty((), dtype=self.scale_dtype).element_size()
         return head_dim * self.element_bytes + scale * (head_dim // self.group_dims(head_dim, keys))
 
     def group_dims(self, head_dim: int, keys: bool) -> int:
@@ -71,7 +77,7 @@ class KVQuant:
         dependence on the batch."""
         wide = _grouped(x.float(), self.group_dims(x.shape[-1], keys))
         amax = wide.abs().amax(dim=-1)
-        scale = (amax / self.limit).clamp_min(_TINY_SCALE).to(SCALE_DTYPE)
+        scale = (amax / self.limit).clamp_min(_TINY_SCALE).to(self.scale_dtype)
         scaled = (wide / scale.float()[..., None]).flatten(-2)
         if self.name == "int8":
             return scaled.round_().clamp_(-127, 127).to(torch.int8), scale
@@ -94,8 +100,12 @@ def _grouped(x: torch.Tensor, dims: int) -> torch.Tensor:
     return x.unflatten(-1, (x.shape[-1] // dims, dims))
 
 
-def kv_quant(name: str) -> KVQuant | None:
-    """The quantization of ``--kv-cache-dtype`` ``name`` (None for ``auto``: the model's dtype)."""
+def kv_quant(name: str, dtype: torch.dtype | None = None) -> KVQuant | None:
+    """The quantization of ``--kv-cache-dtype`` ``name`` for a model in ``dtype`` (None for
+    ``auto``: the model's dtype); its scales in float32 for a float32 model (:data:`SCALE_DTYPE`
+    otherwise)."""
     if name not in KV_CACHE_DTYPES:
         raise ValueError(f"unknown KV cache dtype {name!r}: one of {', '.join(KV_CACHE_DTYPES)}")
-    return None if name == "auto" else KVQuant(name)
+    if name == "auto":
+        return None
+    return KVQuant(name, torch.float32 if dtype == torch.float32 else SCALE_DTYPE)
