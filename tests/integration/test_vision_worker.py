@@ -279,23 +279,26 @@ def test_a_text_only_model_refuses_image_parts(default_worker: WorkerProcess) ->
     assert details.code == grpc.StatusCode.INVALID_ARGUMENT and details.param == "messages[0].parts"
 
 
-def test_a_multimodal_qwen3_5_serves_images_over_its_state_cache(
-    tmp_path: Path, tiny_vlm: Callable[[str], Path]
+@pytest.mark.parametrize("arch", ["qwen3_5", "gemma4"])
+def test_the_2026_multimodal_families_serve_images_over_their_own_pools(
+    arch: str, tmp_path: Path, tiny_vlm: Callable[[str], Path]
 ) -> None:
-    """The Qwen3.5 checkpoint as released (Qwen3_5ForConditionalGeneration: a vision tower beside
-    the hybrid language model, Qwen3-VL's processor, its own template): ListModels advertises images;
-    an image decodes greedily like transformers' ``generate`` with its logprobs; the same image again
-    resumes from a state checkpoint past the image and decodes the same tokens."""
+    """The Qwen3.5 and Gemma 4 checkpoints as released (Qwen3_5ForConditionalGeneration: a vision
+    tower beside the hybrid language model, Qwen3-VL's processor; Gemma4ForConditionalGeneration:
+    its variable-resolution tower beside KV-sharing layers and per-layer embeddings, its "vision"
+    bidirectional mode; each with its own template): ListModels advertises images; an image decodes
+    greedily like transformers' ``generate`` with its logprobs; the same image again is served
+    from the cache past the image (Qwen3.5: a state checkpoint) and decodes the same tokens."""
     from transformers import AutoModelForImageTextToText
 
-    folder = tiny_vlm("qwen3_5")
+    folder = tiny_vlm(arch)
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     image = noise(12)
     with (
         WorkerProcess(cache_dir=tmp_path, log_dir=tmp_path, model=str(folder), extra=WORKER_FLAGS) as worker,
         grpc.insecure_channel(worker.address) as channel,
     ):
-        served = Served("qwen3_5", pb_grpc.WorkerStub(channel), tiny_processor(folder), model, "")
+        served = Served(arch, pb_grpc.WorkerStub(channel), tiny_processor(folder), model, "")
         assert served.stub.ListModels(pb.ListModelsRequest()).models[0].accepts_images
         first = list(served.stub.Generate(chat(encoded(image), "What is in this picture?")))
         again = list(served.stub.Generate(chat(encoded(image), "What is in this picture?")))
@@ -305,7 +308,7 @@ def test_a_multimodal_qwen3_5_serves_images_over_its_state_cache(
     assert generated(first) == expected
     assert torch.allclose(logprobs(first), expected_logprobs, atol=5e-3, rtol=0)
     assert first[-1].usage.cached_tokens <= start
-    assert again[-1].usage.cached_tokens >= end  # a state checkpoint past the image
+    assert again[-1].usage.cached_tokens >= end  # the image's tokens come from the cache
     assert generated(again) == expected
 
 
