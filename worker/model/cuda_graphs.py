@@ -1,4 +1,5 @@
-"""Decode steps captured as CUDA graphs at padded batch-size buckets (CUDA only).
+"""Decode steps captured as CUDA graphs at padded batch-size buckets (CUDA only), a hybrid
+model's state slots among their inputs.
 
 Design notes: docs/worker.md.
 """
@@ -16,6 +17,9 @@ import torch
 from worker.attention import paged, triton_decode
 from worker.attention.decode_kernel import DecodeKernel, decode_kernel
 from worker.attention.kv_pool import KVPool, KVShape
+from worker.attention.state_pool import StatePool
+from worker.device.staging import staged
+from worker.model.recurrent import StateStep, state_step
 from worker.model.step_inputs import Work, decode_inputs
 
 log = logging.getLogger(__name__)
@@ -36,6 +40,7 @@ class GraphedRunner(Protocol):
     scratch_block: int
     kv_shape: KVShape
     pool: KVPool
+    states: StatePool | None
 
     def execute(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -51,6 +56,33 @@ class CapturedStep:
 
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
+
+
+class StateInputs:
+    """A hybrid model's part of the graphs' inputs: each row's state slot in the pool and whether
+    its sequence starts there (its state zeroed first), padding rows on the scratch slot. The mixers
+    gather, update and scatter the slots' states on the device (worker/model/recurrent.py), so a
+    replay reads and writes the slots these buffers name."""
+
+    def __init__(self, pool: StatePool, rows: int, device: torch.device):
+        self.pool = pool
+        self.slots = torch.full((rows,), pool.scratch, dtype=torch.long, device=device)
+        self.fresh = torch.ones((rows,), dtype=torch.bool, device=device)
+
+    def step(self, rows: int) -> StateStep:
+        """The state step a ``rows``-row bucket is captured with (views of the buffers)."""
+        return StateStep(self.pool, decode_slots=self.slots[:rows], decode_fresh=self.fresh[:rows])
+
+    def stage(self, work: Sequence[Work], bucket: int) -> None:
+        """Writes ``work``'s slots and fresh flags (one host tensor, one copy), padding to ``bucket``."""
+        rows = len(work)
+        host = [[self.pool.slot_of(item.state_slot), int(item.start == 0)] for item in work]
+        packed = staged(host, torch.long, self.slots.device)
+        self.slots[:rows].copy_(packed[:, 0])
+        self.fresh[:rows].copy_(packed[:, 1] != 0)
+        if bucket > rows:
+            self.slots[rows:bucket].fill_(self.pool.scratch)
+            self.fresh[rows:bucket].fill_(True)
 
 
 class DecodeGraphs:
@@ -70,6 +102,7 @@ class DecodeGraphs:
         self.tables = torch.zeros((rows, self.width), dtype=torch.int32, device=device)
         self.lengths = torch.zeros((rows,), dtype=torch.int32, device=device)
         self.scratch_slot = runner.scratch_block * size
+        self.states = None if runner.states is None else StateInputs(runner.states, rows, device)
         self.captured: dict[int, CapturedStep] = {}
         self.replays = 0  # decode steps served by a replay (a metric; the GPU check compares it)
 
@@ -80,40 +113,51 @@ class DecodeGraphs:
         """Captures every bucket, the largest first (the rest reuse its memory pool)."""
         started = time.monotonic()
         pool = torch.cuda.graph_pool_handle()
-        model = self.runner.model
-        shape = self.runner.kv_shape
         self.slots.fill_(self.scratch_slot)
         for rows in sorted(self.buckets, reverse=True):
-            kernel = decode_kernel(rows, shape, self.width, self.runner.block_size, self.runner.device)
-            step = paged.PagedStep(
-                pool=self.runner.pool,
-                slots=self.slots[:rows],
-                decode_tables=self.tables[:rows],
-                decode_lengths=self.lengths[:rows],
-                decode_kernel=kernel,
+            kernel = decode_kernel(
+                rows, self.runner.kv_shape, self.width, self.runner.block_size, self.runner.device
             )
-            ids, positions = self.ids[:rows], self.positions[:rows]
-            with paged.paged_step(step), torch.inference_mode():
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):  # warm-up runs (autotuning, allocator) before capture
-                        model(input_ids=ids, position_ids=positions, use_cache=False)
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = (
-                        model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, -1].float()
-                    )
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for _ in range(2):  # warm-up runs (autotuning, allocator) before capture
+                    self.forward(rows, kernel)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self.forward(rows, kernel)
             # The graph writes the kernel's scratch on every replay: it lives as long as the graph.
             self.captured[rows] = CapturedStep(graph, logits, kernel)
         torch.cuda.synchronize()
         log.info(
-            "captured decode CUDA graphs for %d batch sizes (up to %d rows) in %.1fs",
+            "captured decode CUDA graphs for %d batch sizes (up to %d rows%s) in %.1fs",
             len(self.buckets),
             self.max_rows,
+            ", state slots as inputs" if self.states is not None else "",
             time.monotonic() - started,
         )
+
+    @torch.inference_mode()
+    def forward(self, rows: int, kernel: DecodeKernel | None) -> torch.Tensor:
+        """The decode forward of a ``rows``-row bucket over the buffers (what a graph captures):
+        float32 logits ``[rows, vocab]``; ``kernel``: the Triton decode kernel (None: the gather path,
+        which the CPU tests run)."""
+        step = paged.PagedStep(
+            pool=self.runner.pool,
+            slots=self.slots[:rows],
+            decode_tables=self.tables[:rows],
+            decode_lengths=self.lengths[:rows],
+            decode_kernel=kernel,
+        )
+        if kernel is None:
+            step.decode_mask = paged.decode_mask(self.lengths[:rows], self.width * self.runner.block_size)
+        states = None if self.states is None else self.states.step(rows)
+        with paged.paged_step(step), state_step(states):
+            out = self.runner.model(
+                input_ids=self.ids[:rows], position_ids=self.positions[:rows], use_cache=False
+            )
+        return out.logits[:, -1].float()
 
     def run(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> torch.Tensor:
         """The logits [rows, vocab] of a decode step of ``len(work)`` rows: a view of the bucket's
@@ -143,6 +187,8 @@ class DecodeGraphs:
             self.positions[rows:bucket].zero_()
             self.slots[rows:bucket].fill_(self.scratch_slot)
             self.lengths[rows:bucket].zero_()
+        if self.states is not None:
+            self.states.stage(work, bucket)
         return bucket
 
 

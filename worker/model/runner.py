@@ -248,8 +248,9 @@ class ModelRunner:
             step.decode_mask = paged.decode_mask(step.decode_lengths, width * self.block_size)
 
     def _decode(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
-        # The graphs hold the base model's forward: a step with LoRA rows runs eagerly.
-        eager = self.lora is not None and self.lora.plan is not None
+        # The graphs hold the base model's forward: a step with LoRA rows runs eagerly, and so does
+        # a hybrid model's step with verifying rows (their states are kept per round).
+        eager = (self.lora is not None and self.lora.plan is not None) or self._verify is not None
         if self.graphs is not None and self.graphs.fits(len(work)) and not eager:
             return self.graphs.run(work, fed)
         index_type = torch.int32 if self._use_kernel else torch.long

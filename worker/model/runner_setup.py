@@ -166,9 +166,7 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
         )
     warm_up(runner)
     if device.type == "cuda":
-        if runner.states is not None:  # the recurrent layers' state slots are no graph inputs yet
-            log.info("CUDA graphs: not captured for a hybrid model (its decode steps run eagerly)")
-        elif config.cuda_graphs and runner.decode_kernel_enabled:
+        if config.cuda_graphs and runner.decode_kernel_enabled:
             runner.graphs = capture_decode_graphs(runner, limits.max_running, loaded.context_length)
             log_graph_scope(runner)
         runner.fast_path = FastPath(
@@ -209,11 +207,6 @@ def state_split(loaded: LoadedModel, config: WorkerConfig) -> tuple[int | None, 
     slot_bytes = state_slot_bytes(loaded.model, device, loaded.dtype)
     if not slot_bytes:
         return None, config.gpu_memory_fraction
-    if config.require_cuda_graphs:
-        raise ModelLoadError(
-            "--require-cuda-graphs: a hybrid model's recurrent states are no CUDA graph inputs yet",
-            param="require_cuda_graphs",
-        )
     if device.type != "cuda":
         return config.max_running or CPU_MAX_RUNNING, config.gpu_memory_fraction
     free, _total = torch.cuda.mem_get_info(device)

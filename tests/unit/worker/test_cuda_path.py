@@ -229,3 +229,38 @@ def test_the_fused_kernels_round_as_the_modules_do_in_bfloat16() -> None:
         after = model(input_ids=ids).logits.float()
     assert (report.norms, report.mlps, report.rotary, report.failure) == (5, 2, 2, None), report.describe()
     torch.testing.assert_close(after, before, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "granitemoehybrid"])
+def test_a_hybrid_models_replayed_steps_follow_the_eager_ones_over_their_state_slots(family: str) -> None:
+    """Graphs with a hybrid model's state slots as inputs: two runners over one tiny model, one
+    replaying captured steps, decode the same sequences (a slot reused by a new sequence among
+    them) to the same logits and leave the same states."""
+    from tests.tiny_families import tiny_config, tiny_model
+    from worker.model.cuda_graphs import capture_decode_graphs
+
+    model = tiny_model(tiny_config(family)).to("cuda")
+    loaded = SimpleNamespace(
+        model=model, device=torch.device("cuda"), dtype=torch.float32, context_length=256
+    )
+    runners = [ModelRunner(loaded, num_blocks=64, block_size=16, max_sequences=4) for _ in range(2)]  # type: ignore[arg-type]
+    eager, graphed = runners
+    graphed.graphs = capture_decode_graphs(graphed, 4, 256)
+    assert graphed.graphs is not None and graphed.graphs.states is not None
+    prompts = {0: [3, 9, 27, 81, 5], 1: [7, 1, 4], 2: [11, 13, 17, 19, 23, 29, 31]}
+    for runner in runners:
+        for seq, ids in prompts.items():
+            runner.execute([Work(ids, 0, [seq * 4 + b for b in range(4)], True, state_slot=seq)])
+    for step in range(5):
+        work = [
+            Work([40 + step], len(prompts[s]) + step, [s * 4 + b for b in range(4)], True, state_slot=s)
+            for s in (0, 2)
+        ]
+        work.append(Work([50 + step], step, [12 + b for b in range(4)], True, state_slot=1))  # slot 1 reused
+        want = eager.execute(work)
+        got = graphed.execute(work)
+        torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-3, msg=f"step {step}")
+    assert graphed.graphs.replays == 5
+    assert eager.states is not None and graphed.states is not None
+    for layer, states in eager.states.conv.items():
+        torch.testing.assert_close(graphed.states.conv[layer][:4], states[:4], atol=1e-3, rtol=1e-3)
