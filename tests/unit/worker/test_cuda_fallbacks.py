@@ -37,7 +37,9 @@ def test_no_graphs_without_triton(monkeypatch, caplog):
 
 
 def test_buckets_cover_every_batch_size_up_to_max_running():
-    runner = SimpleNamespace(device=torch.device("cpu"), block_size=16, scratch_block=9, kv_shape=None)
+    runner = SimpleNamespace(
+        device=torch.device("cpu"), block_size=16, scratch_block=9, kv_shape=None, states=None
+    )
     graphs = cuda_graphs.DecodeGraphs(runner, 100, 4096)  # type: ignore[arg-type]
     assert graphs.buckets[-1] == 100 and graphs.buckets == sorted(graphs.buckets)
     assert all(graphs.fits(rows) for rows in range(1, 101)) and not graphs.fits(101)

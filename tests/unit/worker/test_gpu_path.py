@@ -123,6 +123,7 @@ def test_each_captured_graph_holds_the_split_scratch_it_writes(monkeypatch) -> N
         scratch_block=0,
         kv_shape=shape,
         pool=KVPool(shape, 2, 16, torch.device("cpu")),
+        states=None,
     )
     with fake_cuda_capture(monkeypatch):
         graphs = cuda_graphs.DecodeGraphs(runner, 4, 8192)  # type: ignore[arg-type]
@@ -286,7 +287,7 @@ def test_graph_inputs_are_staged_for_the_used_columns_only() -> None:
     write the scratch slot and read nothing. The table is not rebuilt context_length wide."""
     from worker.model.step_inputs import Work
 
-    runner = SimpleNamespace(device=torch.device("cpu"), block_size=4, scratch_block=99)
+    runner = SimpleNamespace(device=torch.device("cpu"), block_size=4, scratch_block=99, states=None)
     graphs = cuda_graphs.DecodeGraphs(runner, max_rows=8, context_length=64)  # type: ignore[arg-type]
     assert graphs.tables.shape == (8, 16)
     graphs.tables.fill_(7)  # entries an earlier, longer step left behind
