@@ -76,7 +76,7 @@ class Followers(Protocol):
     """The other tensor-parallel ranks (worker/parallel/): told each forward before rank 0 runs it."""
 
     def execute(self, work: Sequence[Work], fed: torch.Tensor | None) -> None: ...
-    def score(self, prompt: Sequence[int], top_n: int) -> None: ...
+    def score(self, prompt: Sequence[int], top_n: int, lora: LoraHandle | None) -> None: ...
 
 
 class ModelRunner:
@@ -381,7 +381,7 @@ class ModelRunner:
         ``top_n`` best alternatives, from one forward over the whole prompt (no KV kept, no prefix
         reused: every position needs its logits), under ``lora``'s adapter when given."""
         if self.followers is not None:
-            self.followers.score(prompt, top_n)
+            self.followers.score(prompt, top_n, lora)
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
         if self.lora is not None:
             with self.lora.step([(lora, len(prompt))]):

@@ -6,7 +6,6 @@ Design notes: docs/worker.md, "Tensor parallelism".
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,8 +14,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from worker.lora.layers import LoraLayers
 from worker.model.device import RankFailure
 from worker.model.step_inputs import Work
+from worker.parallel.adapters import told_handle, told_work
+from worker.types import LoraHandle
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class Execute:
-    """A forward of rank 0's step (:meth:`worker.model.runner.ModelRunner.execute`)."""
+    """A forward of rank 0's step (:meth:`worker.model.runner.ModelRunner.execute`); an item's LoRA
+    adapter carries its weights in the step that copies them into a slot (worker/parallel/adapters.py)."""
 
     work: list[Work]
     fed: torch.Tensor | None
@@ -50,10 +53,11 @@ class Execute:
 
 @dataclass(frozen=True)
 class Score:
-    """A prompt's logprobs (:meth:`worker.model.runner.ModelRunner.score`)."""
+    """A prompt's logprobs (:meth:`worker.model.runner.ModelRunner.score`), under ``lora``'s adapter."""
 
     prompt: list[int]
     top_n: int
+    lora: LoraHandle | None = None
 
 
 @dataclass(frozen=True)
@@ -156,14 +160,15 @@ class RankGroup:
 
 class Relay:
     """Rank 0's side (:class:`worker.model.runner.Followers`): each forward, told to the followers
-    before rank 0 runs it (its sequences left out; the fed ids on the host)."""
+    before rank 0 runs it (its sequences left out; the fed ids on the host; an adapter's weights
+    only when rank 0's ``lora`` slots lack it, so every rank fills the same slot in that step)."""
 
-    def __init__(self, group: RankGroup):
+    def __init__(self, group: RankGroup, lora: LoraLayers | None = None):
         self._group = group
+        self._lora = lora
 
     def execute(self, work: Sequence[Work], fed: torch.Tensor | None) -> None:
-        items = [dataclasses.replace(item, seq=None) for item in work]
-        self._group.send(Execute(items, None if fed is None else fed.cpu()))
+        self._group.send(Execute(told_work(work, self._lora), None if fed is None else fed.cpu()))
 
-    def score(self, prompt: Sequence[int], top_n: int) -> None:
-        self._group.send(Score(list(prompt), top_n))
+    def score(self, prompt: Sequence[int], top_n: int, lora: LoraHandle | None = None) -> None:
+        self._group.send(Score(list(prompt), top_n, told_handle(lora, self._lora)))

@@ -81,8 +81,8 @@ def follow(group: RankGroup, runner: ModelRunner) -> None:
         match group.receive():
             case Execute(work, fed):
                 runner.execute(work, None if fed is None else fed.to(runner.device))
-            case Score(prompt, top_n):
-                runner.score(prompt, top_n)
+            case Score(prompt, top_n, lora):
+                runner.score(prompt, top_n, lora)
             case Stop():
                 return
 
@@ -204,7 +204,7 @@ def lead_ranks(
     except BaseException:
         followers.stop(None)
         raise
-    runner.followers = Relay(group)
+    runner.followers = Relay(group, runner.lora)
     followers.watch(on_failure)
     atexit.register(followers.stop, group)
     return loaded, runner, limits
