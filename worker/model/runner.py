@@ -77,6 +77,7 @@ class Followers(Protocol):
 
     def execute(self, work: Sequence[Work], fed: torch.Tensor | None) -> None: ...
     def score(self, prompt: Sequence[int], top_n: int, lora: LoraHandle | None) -> None: ...
+    def accepted(self, item: Work, kept: int) -> None: ...
 
 
 class ModelRunner:
@@ -197,6 +198,8 @@ class ModelRunner:
         """The last step's verifying ``item`` kept ``kept`` of its proposals: a hybrid model's slot
         takes the state after them (rejected proposals must not advance it); nothing otherwise."""
         if self._verify is not None and self.states is not None:
+            if self.followers is not None:  # their states advanced over the same proposals
+                self.followers.accepted(item, kept)
             self._verify.keep(self.states, item.state_slot, kept)
 
     def _copy_states(self, copies: Sequence[tuple[int, int, bool]]) -> None:

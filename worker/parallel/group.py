@@ -6,6 +6,7 @@ Design notes: docs/worker.md, "Tensor parallelism".
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -61,11 +62,20 @@ class Score:
 
 
 @dataclass(frozen=True)
+class Accepted:
+    """A hybrid model's verifying row kept ``kept`` of its proposals: every rank's state slot takes
+    the state after them (:meth:`worker.model.runner.ModelRunner.accepted`)."""
+
+    item: Work
+    kept: int
+
+
+@dataclass(frozen=True)
 class Stop:
     """The worker is stopping: the followers exit."""
 
 
-Message = Execute | Score | Stop
+Message = Execute | Score | Accepted | Stop
 
 
 def rendezvous_store(host: str, port: int, ranks: int) -> dist.TCPStore:
@@ -141,7 +151,7 @@ class RankGroup:
         box: list[object] = [None]
         self._broadcast(box)
         message = box[0]
-        assert isinstance(message, Execute | Score | Stop), f"unexpected message {message!r}"
+        assert isinstance(message, Execute | Score | Accepted | Stop), f"unexpected message {message!r}"
         return message
 
     def _broadcast(self, box: list[object]) -> None:
@@ -172,3 +182,6 @@ class Relay:
 
     def score(self, prompt: Sequence[int], top_n: int, lora: LoraHandle | None = None) -> None:
         self._group.send(Score(list(prompt), top_n, told_handle(lora, self._lora)))
+
+    def accepted(self, item: Work, kept: int) -> None:
+        self._group.send(Accepted(dataclasses.replace(item, seq=None, lora=None), kept))
