@@ -29,6 +29,7 @@ PROMPTS = (
     [7, 7, 81, 3000, 19, 4, 250, 66],
 )
 STEPS = 16
+STEPS_RUN = "sluice_worker_steps_total"
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,11 @@ def test_two_adapters_and_the_base_in_one_batch_decode_the_tokens_of_one_rank(
 ) -> None:
     two, one = workers
     models = ["alpha", "beta", ""]  # "": the base model
+    before = two.metrics()[STEPS_RUN]
     sharded, expected = together(two, models), together(one, models)
+    steps = two.metrics()[STEPS_RUN] - before
+    print(f"two ranks: the three requests took {steps:.0f} steps")
+    assert steps < 2 * STEPS  # they shared steps (one at a time: 3 x 16)
     same(sharded, expected, models)
     assert len({tuple(ids) for ids, _ in expected}) == 3  # the adapters move the tokens apart
     assert "tensor-parallel rank 1 of 2 joined (gloo)" in two.log_tail(400)

@@ -23,6 +23,7 @@ from worker.lora.layers import LoraLayers
 from worker.model.step_inputs import Work
 from worker.parallel.group import Execute, Layout, Message, RankGroup, Relay, Score
 from worker.parallel.sharding import Shard, shard_model
+from worker.quant.layers import quantize_linears
 from worker.types import LoraHandle
 
 ROWS = torch.tensor(
@@ -226,3 +227,17 @@ def test_a_scored_prompt_tells_its_adapter_with_its_weights_until_a_slot_holds_i
     )
     assert isinstance(second, Score) and second.lora is not None and second.lora.weights is None
     assert second.lora.uid == served["beta"].uid and third == Score([1, 2, 3], 2, None)
+
+
+def test_a_quantized_shard_keeps_its_cuts_for_the_adapters(
+    checkpoints: dict[str, tuple[Path, dict[str, Path]]],
+) -> None:
+    # The loader quantizes a rank's shards after the cut (new modules): the cuts stay with the parents.
+    base, adapters = checkpoints["llama"]
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    shard_model(model, Shard(1, 2, lambda tensor: None))
+    quantize_linears(model, "int8")
+    layers = LoraLayers(model, MAX_LORAS, MAX_RANK)
+    assert len(layers.layers) == 14 and layers.targets["model.layers.1.mlp.down_proj"] == (64, 64)
+    assert {type(layer.base).__name__ for layer in layers.layers.values()} == {"Int8Linear"}
+    assert handles(adapters, layers)["alpha"].weights.rank == 8  # checked against the whole shapes
