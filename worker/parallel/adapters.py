@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 from torch import nn
 
@@ -47,7 +46,7 @@ def told_handle(handle: LoraHandle | None, lora: LoraLayers | None) -> LoraHandl
 def told_work(work: Sequence[Work], lora: LoraLayers | None) -> list[Work]:
     """A step's work as the followers are told it: without its sequences, adapters' weights only
     where the step fills a slot with them (one copy however many rows hold the adapter)."""
-    handles: dict[int, Any] = {}
+    handles: dict[int, LoraHandle | None] = {}
     items = []
     for item in work:
         handle = item.lora
