@@ -96,6 +96,8 @@ def same(
     for (ids, scored), (want_ids, want_scored), model in zip(sharded, expected, models, strict=True):
         assert len(ids) == STEPS and ids == want_ids, model
         assert len(scored) > 4 and scored == pytest.approx(want_scored, abs=1e-4), model
+        gap = max(abs(got - want) for got, want in zip(scored, want_scored, strict=True))
+        print(f"{model or 'base'}: prompt logprobs within {gap:.1e} of one rank's")
 
 
 def lora_call(worker: WorkerProcess, method: str, request: object) -> None:
