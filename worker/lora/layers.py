@@ -175,6 +175,10 @@ class LoraLayers:
         if adapter.uid in self._slots:
             self._slots.move_to_end(adapter.uid)
             return self._slots[adapter.uid]
+        if adapter.weights is None:  # a follower told it by name: rank 0's slots held it, these do not
+            raise RuntimeError(
+                f"LoRA adapter {adapter.name!r} (uid {adapter.uid}) is in no slot and came without weights"
+            )
         if len(self._slots) < self.max_loras:
             slot = len(self._slots)
         else:
