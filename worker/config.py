@@ -579,8 +579,6 @@ class WorkerConfig:
             f"--tensor-parallel-size cannot be combined with {flag} yet"
             for flag, on in (
                 ("--fake-tokens", self.fake_tokens),
-                ("--enable-lora", self.enable_lora),
-                (f"--speculative {self.speculative}", self.speculative != "off"),
                 ("--kv-offload-bytes", bool(self.kv_offload_bytes)),
                 ("--batch-invariant", self.batch_invariant),
                 (f"--task {self.task}", self.task in ("embed", "score")),

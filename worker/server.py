@@ -177,6 +177,9 @@ def _build_serving(
         limits = batch_limits(config, loaded.device, runner.num_blocks * runner.block_size)
     elif config.tensor_parallel_size > 1:  # rank 0 of a tensor-parallel group (worker/parallel/)
         loaded, runner, limits = lead_ranks(config, progress.advance, on_device_failure)
+        # The proposer runs on rank 0 alone (a draft model whole, on its device); the verifying
+        # forwards are steps like any other, which rank 0 tells the followers.
+        speculation = speculation_of(config, loaded)
     else:
         loaded = load_configured(config, progress.advance)
         if loaded.task != "generate":

@@ -1,5 +1,5 @@
-"""The model's attention and MLP projections wrapped for LoRA, the adapters' device slots, and a
-step's plan of which tokens use which slot.
+"""The model's attention and MLP projections wrapped for LoRA (whole, or a tensor-parallel rank's
+cut of them), the adapters' device slots, and a step's plan of which tokens use which slot.
 
 Design notes: docs/worker.md ("LoRA adapters").
 """
@@ -10,6 +10,7 @@ import re
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -46,6 +47,21 @@ _PROJECTIONS = frozenset(
     ]
 )
 _SKIPPED = ("expert", "vision", "visual")
+# A module's attribute naming its children cut by tensor parallelism: ``{child: Cut}``.
+CUTS = "lora_cuts"
+
+
+@dataclass(frozen=True)
+class Cut:
+    """The share of a whole projection a tensor-parallel rank computes: the whole one's ``(in, out)``
+    ``features`` (what adapters are checked against), and its output ``rows`` (column-parallel: B's
+    rows, A whole) or input ``columns`` (row-parallel: A's columns, B whole); ``inner``: the child
+    holding the rank's partial product (row-parallel: the LoRA term joins it before the sum)."""
+
+    features: tuple[int, int]
+    rows: slice = field(default_factory=lambda: slice(None))
+    columns: slice = field(default_factory=lambda: slice(None))
+    inner: str = ""
 
 
 class LoraPlan:
@@ -60,11 +76,15 @@ class LoraLinear(torch.nn.Module):
     """A projection (float, packed or weight-only quantized) plus the LoRA product of the step's
     adapters: ``y = base(x) + x A_s^T B_s^T`` for the rows of adapter slot ``s``."""
 
-    def __init__(self, base: torch.nn.Module, owner: LoraLayers, slots: int, rank: int):
+    def __init__(
+        self, base: torch.nn.Module, owner: LoraLayers, slots: int, rank: int, cut: Cut | None = None
+    ):
         super().__init__()
         self.base = base
         self.in_features = int(cast(int, base.in_features))
         self.out_features = int(cast(int, base.out_features))
+        # None: the whole projection; else the part of the adapters' A and B this rank's shard takes.
+        self.cut = cut
         self._owner = [owner]  # a list: not a submodule
         self.lora_a: torch.Tensor
         self.lora_b: torch.Tensor
@@ -101,6 +121,22 @@ def _wrappable(name: str, module: torch.nn.Module) -> bool:
     )
 
 
+def _sites(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, Cut | None]]:
+    """Each projection to wrap: its path (the adapters' module name), the module holding the wrapped
+    child, the child's name there, and its tensor-parallel cut (None: whole). A cut projection is
+    wrapped at its ``inner`` child when it has one (a row-parallel shard's partial product)."""
+    sites: list[tuple[str, torch.nn.Module, str, Cut | None]] = []
+    for name, module in model.named_modules():
+        parent_name, _, leaf = name.rpartition(".")
+        cut = getattr(model.get_submodule(parent_name), CUTS, {}).get(leaf) if name else None
+        if cut is not None and cut.inner:
+            if _wrappable(name, module.get_submodule(cut.inner)):
+                sites.append((name, module, cut.inner, cut))
+        elif _wrappable(name, module):
+            sites.append((name, model.get_submodule(parent_name), leaf, cut))
+    return sites
+
+
 class LoraLayers:
     """Every wrapped projection of one model, ``max_loras`` device slots of rank ``max_rank`` each
     (least recently used refilled first) and the plan of the step running now."""
@@ -112,20 +148,26 @@ class LoraLayers:
         self.plan: LoraPlan | None = None
         self._slots: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
         self._ranks: dict[int, int] = {}
-        found = [(name, module) for name, module in model.named_modules() if _wrappable(name, module)]
         self.layers: dict[str, LoraLinear] = {}
-        for name, module in found:
-            parent_name, _, leaf = name.rpartition(".")
-            wrapped = LoraLinear(module, self, max_loras, max_rank)
-            setattr(model.get_submodule(parent_name), leaf, wrapped)
+        for name, holder, child, cut in _sites(model):
+            wrapped = LoraLinear(holder.get_submodule(child), self, max_loras, max_rank, cut)
+            setattr(holder, child, wrapped)
             self.layers[name] = wrapped
         if not self.layers:
             raise ValueError("the model has no attention or MLP projections to apply LoRA adapters to")
 
     @property
     def targets(self) -> dict[str, tuple[int, int]]:
-        """Each wrapped module's path and ``(in, out)`` features (what adapters are checked against)."""
-        return {name: (layer.in_features, layer.out_features) for name, layer in self.layers.items()}
+        """Each wrapped module's path and ``(in, out)`` features (what adapters are checked against):
+        the whole projection's where this rank holds a cut of it."""
+        return {
+            name: layer.cut.features if layer.cut else (layer.in_features, layer.out_features)
+            for name, layer in self.layers.items()
+        }
+
+    def holds(self, uid: int) -> bool:
+        """Whether the adapter of ``uid`` is in a slot now (a step that names it copies nothing)."""
+        return uid in self._slots
 
     def slot_of(self, adapter: LoraHandle, keep: set[int]) -> int:
         """``adapter``'s slot, its weights copied in if it holds none (the least recently used slot
@@ -133,6 +175,10 @@ class LoraLayers:
         if adapter.uid in self._slots:
             self._slots.move_to_end(adapter.uid)
             return self._slots[adapter.uid]
+        if adapter.weights is None:  # a follower told it by name: rank 0's slots held it, these do not
+            raise RuntimeError(
+                f"LoRA adapter {adapter.name!r} (uid {adapter.uid}) is in no slot and came without weights"
+            )
         if len(self._slots) < self.max_loras:
             slot = len(self._slots)
         else:
@@ -153,6 +199,8 @@ class LoraLayers:
             pair = weights.modules.get(name)
             if pair is not None:
                 a, b = pair
+                if layer.cut is not None:  # this rank's share: A's input columns, B's output rows
+                    a, b = a[:, layer.cut.columns], b[layer.cut.rows]
                 layer.lora_a[slot, : a.shape[0]].copy_(a)
                 layer.lora_b[slot, :, : b.shape[1]].copy_(b)
 

@@ -76,7 +76,8 @@ class Followers(Protocol):
     """The other tensor-parallel ranks (worker/parallel/): told each forward before rank 0 runs it."""
 
     def execute(self, work: Sequence[Work], fed: torch.Tensor | None) -> None: ...
-    def score(self, prompt: Sequence[int], top_n: int) -> None: ...
+    def score(self, prompt: Sequence[int], top_n: int, lora: LoraHandle | None) -> None: ...
+    def accepted(self, item: Work, kept: int) -> None: ...
 
 
 class ModelRunner:
@@ -197,6 +198,8 @@ class ModelRunner:
         """The last step's verifying ``item`` kept ``kept`` of its proposals: a hybrid model's slot
         takes the state after them (rejected proposals must not advance it); nothing otherwise."""
         if self._verify is not None and self.states is not None:
+            if self.followers is not None:  # their states advanced over the same proposals
+                self.followers.accepted(item, kept)
             self._verify.keep(self.states, item.state_slot, kept)
 
     def _copy_states(self, copies: Sequence[tuple[int, int, bool]]) -> None:
@@ -382,7 +385,7 @@ class ModelRunner:
         ``top_n`` best alternatives, from one forward over the whole prompt (no KV kept, no prefix
         reused: every position needs its logits), under ``lora``'s adapter when given."""
         if self.followers is not None:
-            self.followers.score(prompt, top_n)
+            self.followers.score(prompt, top_n, lora)
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.device)
         if self.lora is not None:
             with self.lora.step([(lora, len(prompt))]):

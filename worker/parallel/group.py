@@ -15,8 +15,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from worker.lora.layers import LoraLayers
 from worker.model.device import RankFailure
 from worker.model.step_inputs import Work
+from worker.parallel.adapters import told_handle, told_work
+from worker.types import LoraHandle
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +45,8 @@ class Layout:
 
 @dataclass(frozen=True)
 class Execute:
-    """A forward of rank 0's step (:meth:`worker.model.runner.ModelRunner.execute`)."""
+    """A forward of rank 0's step (:meth:`worker.model.runner.ModelRunner.execute`); an item's LoRA
+    adapter carries its weights in the step that copies them into a slot (worker/parallel/adapters.py)."""
 
     work: list[Work]
     fed: torch.Tensor | None
@@ -50,10 +54,20 @@ class Execute:
 
 @dataclass(frozen=True)
 class Score:
-    """A prompt's logprobs (:meth:`worker.model.runner.ModelRunner.score`)."""
+    """A prompt's logprobs (:meth:`worker.model.runner.ModelRunner.score`), under ``lora``'s adapter."""
 
     prompt: list[int]
     top_n: int
+    lora: LoraHandle | None = None
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A hybrid model's verifying row kept ``kept`` of its proposals: every rank's state slot takes
+    the state after them (:meth:`worker.model.runner.ModelRunner.accepted`)."""
+
+    item: Work
+    kept: int
 
 
 @dataclass(frozen=True)
@@ -61,7 +75,7 @@ class Stop:
     """The worker is stopping: the followers exit."""
 
 
-Message = Execute | Score | Stop
+Message = Execute | Score | Accepted | Stop
 
 
 def rendezvous_store(host: str, port: int, ranks: int) -> dist.TCPStore:
@@ -137,7 +151,7 @@ class RankGroup:
         box: list[object] = [None]
         self._broadcast(box)
         message = box[0]
-        assert isinstance(message, Execute | Score | Stop), f"unexpected message {message!r}"
+        assert isinstance(message, Execute | Score | Accepted | Stop), f"unexpected message {message!r}"
         return message
 
     def _broadcast(self, box: list[object]) -> None:
@@ -156,14 +170,18 @@ class RankGroup:
 
 class Relay:
     """Rank 0's side (:class:`worker.model.runner.Followers`): each forward, told to the followers
-    before rank 0 runs it (its sequences left out; the fed ids on the host)."""
+    before rank 0 runs it (its sequences left out; the fed ids on the host; an adapter's weights
+    only when rank 0's ``lora`` slots lack it, so every rank fills the same slot in that step)."""
 
-    def __init__(self, group: RankGroup):
+    def __init__(self, group: RankGroup, lora: LoraLayers | None = None):
         self._group = group
+        self._lora = lora
 
     def execute(self, work: Sequence[Work], fed: torch.Tensor | None) -> None:
-        items = [dataclasses.replace(item, seq=None) for item in work]
-        self._group.send(Execute(items, None if fed is None else fed.cpu()))
+        self._group.send(Execute(told_work(work, self._lora), None if fed is None else fed.cpu()))
 
-    def score(self, prompt: Sequence[int], top_n: int) -> None:
-        self._group.send(Score(list(prompt), top_n))
+    def score(self, prompt: Sequence[int], top_n: int, lora: LoraHandle | None = None) -> None:
+        self._group.send(Score(list(prompt), top_n, told_handle(lora, self._lora)))
+
+    def accepted(self, item: Work, kept: int) -> None:
+        self._group.send(Accepted(dataclasses.replace(item, seq=None, lora=None), kept))

@@ -22,7 +22,16 @@ from worker.model.device import RankFailure, bind_device
 from worker.model.loader import LoadedModel, resolve_device
 from worker.model.runner import ModelRunner
 from worker.model.runner_setup import BatchLimits, load_configured, model_runner
-from worker.parallel.group import Execute, Layout, RankGroup, Relay, Score, Stop, rendezvous_store
+from worker.parallel.group import (
+    Accepted,
+    Execute,
+    Layout,
+    RankGroup,
+    Relay,
+    Score,
+    Stop,
+    rendezvous_store,
+)
 from worker.parallel.sharding import Shard, shard_model
 
 log = logging.getLogger(__name__)
@@ -81,8 +90,10 @@ def follow(group: RankGroup, runner: ModelRunner) -> None:
         match group.receive():
             case Execute(work, fed):
                 runner.execute(work, None if fed is None else fed.to(runner.device))
-            case Score(prompt, top_n):
-                runner.score(prompt, top_n)
+            case Score(prompt, top_n, lora):
+                runner.score(prompt, top_n, lora)
+            case Accepted(item, kept):
+                runner.accepted(item, kept)
             case Stop():
                 return
 
@@ -204,7 +215,7 @@ def lead_ranks(
     except BaseException:
         followers.stop(None)
         raise
-    runner.followers = Relay(group)
+    runner.followers = Relay(group, runner.lora)
     followers.watch(on_failure)
     atexit.register(followers.stop, group)
     return loaded, runner, limits

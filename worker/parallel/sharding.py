@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from worker.model.loader import ModelLoadError
+from worker.parallel.adapters import column_cut, note_cut, row_cut
 from worker.parallel.experts import expert_width, experts_of, extra_parts, shard_moe
 from worker.parallel.vocabulary import shard_vocabulary
 from worker.quant.layers import INT4_GROUP
@@ -63,6 +64,21 @@ def _rows(linear: nn.Linear, first: int, count: int) -> nn.Linear:
         part.bias.data = linear.bias.data[first : first + count].clone()
     part.requires_grad_(False)
     return part
+
+
+def _column(parent: nn.Module, name: str, first: int, count: int) -> None:
+    """Replaces ``parent.name`` by its column-parallel slice (:func:`_rows`), its cut noted for LoRA."""
+    linear = getattr(parent, name)
+    setattr(parent, name, _rows(linear, first, count))
+    note_cut(parent, name, column_cut(linear, first, count))
+
+
+def _row(parent: nn.Module, name: str, shard: Shard) -> None:
+    """Replaces ``parent.name`` by its row-parallel shard, its cut noted for LoRA."""
+    linear = getattr(parent, name)
+    setattr(parent, name, RowParallel(linear, shard))
+    width = linear.in_features // shard.ranks
+    note_cut(parent, name, row_cut(linear, shard.rank * width, width, "part"))
 
 
 def decoder_layers(model: Any) -> list[Any]:
@@ -157,8 +173,8 @@ def shard_model(model: Any, shard: Shard, quantization: str = "none") -> None:
             continue
         width = mlp.gate_proj.out_features // shard.ranks
         for name in MLP_COLUMNS:
-            setattr(mlp, name, _rows(getattr(mlp, name), shard.rank * width, width))
-        mlp.down_proj = RowParallel(mlp.down_proj, shard)
+            _column(mlp, name, shard.rank * width, width)
+        _row(mlp, "down_proj", shard)
     shard_vocabulary(model, shard.rank, shard.ranks, shard.all_reduce)
 
 
@@ -169,14 +185,14 @@ def _shard_attention(attention: Any, shard: Shard) -> None:
     heads = attention.q_proj.out_features // head_dim
     kv_heads = attention.k_proj.out_features // head_dim
     local = heads // shard.ranks
-    attention.q_proj = _rows(attention.q_proj, shard.rank * local * head_dim, local * head_dim)
+    _column(attention, "q_proj", shard.rank * local * head_dim, local * head_dim)
     if kv_heads >= shard.ranks:
         local_kv, first_kv = kv_heads // shard.ranks, shard.rank * (kv_heads // shard.ranks)
     else:
         local_kv, first_kv = 1, shard.rank // (shard.ranks // kv_heads)
-    attention.k_proj = _rows(attention.k_proj, first_kv * head_dim, local_kv * head_dim)
-    attention.v_proj = _rows(attention.v_proj, first_kv * head_dim, local_kv * head_dim)
-    attention.o_proj = RowParallel(attention.o_proj, shard)
+    _column(attention, "k_proj", first_kv * head_dim, local_kv * head_dim)
+    _column(attention, "v_proj", first_kv * head_dim, local_kv * head_dim)
+    _row(attention, "o_proj", shard)
     attention.num_key_value_groups = local // local_kv
     sinks = getattr(attention, "sinks", None)
     if isinstance(sinks, nn.Parameter):  # gpt-oss: one per query head
