@@ -165,8 +165,7 @@ def test_an_moe_block_with_more_than_experts_and_a_router_or_a_layer_not_linear_
         check_shardable(model, 2)
     assert refused.value.message == (
         "--tensor-parallel-size 2: qwen3_moe: layer 0 needs float nn.Linear q_proj/k_proj/v_proj/o_proj "
-        "to shard, has Linear/Linear/Linear/Identity (hybrid layers and pre-quantized checkpoints are "
-        "not supported yet)"
+        "to shard, has Linear/Linear/Linear/Identity (pre-quantized checkpoints are not supported yet)"
     )
 
 
