@@ -1,8 +1,9 @@
-"""Issue 45 for the hybrid families: a tiny random Qwen3.5 (Gated DeltaNet) and Granite 4 (Mamba-2
-with one B/C group, so its gated norm's group spans the ranks, and MoE) served by a
-``--tensor-parallel-size 2`` worker over gloo give one rank's greedy tokens and prompt logprobs
-(within 1e-4), with a pool too small for the batch (streams preempted and recomputed) and a prefix
-resumed at its state checkpoint (reported as cached), as test_tensor_parallel_batches does for llama."""
+"""Issue 45 for the hybrid families: tiny random Qwen3.5 (Gated DeltaNet), Granite 4 (Mamba-2 with one
+B/C group, so its gated norm's group spans the ranks; MoE), Nemotron-H (one-part blocks), Falcon-H1
+(attention and Mamba-2 side by side) and LFM2 (short convs) served by ``--tensor-parallel-size 2``
+over gloo give one rank's greedy tokens and prompt logprobs (within 1e-4), with a pool too small for
+the batch (preemptions) and a prefix resumed at its state checkpoint, as for llama
+(test_tensor_parallel_batches.py)."""
 
 from __future__ import annotations
 
@@ -19,22 +20,25 @@ from tests.processes import WorkerProcess
 
 pytestmark = pytest.mark.integration
 
-FAMILIES = ("qwen3_5_text", "granitemoehybrid")
+FAMILIES = ("qwen3_5_text", "granitemoehybrid", "nemotron_h", "falcon_h1", "lfm2")
+# What differs from tests/tiny_families.py: Granite's shared MLP narrower than its default 1024,
+# Falcon-H1's gated norm on (its default leaves it off).
+CHANGES = {"granitemoehybrid": {"shared_intermediate_size": 128}, "falcon_h1": {"mamba_rms_norm": True}}
 
 
-def build_granite(folder: Path, tokenizer_dir: Path) -> Path:
-    """Saves a tiny random Granite 4 hybrid (three Mamba-2 layers of 8 heads and one group, one
-    attention layer, MoE and a shared MLP) with the tokenizer of ``tokenizer_dir``."""
+def build_tiny(folder: Path, family: str, tokenizer_dir: Path) -> Path:
+    """Saves the family's tiny random model (tests/tiny_families.py: four layers or three, conv
+    kernel 4, Mamba chunks of 8 tokens) with the tokenizer of ``tokenizer_dir``."""
     from transformers import AutoTokenizer
 
     from tests.tiny_families import tiny_config, tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     config = tiny_config(
-        "granitemoehybrid",
+        family,
         vocab_size=len(tokenizer),
-        shared_intermediate_size=128,
         max_position_embeddings=512,
+        **CHANGES.get(family, {}),
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -57,7 +61,9 @@ def workers(
     if request.param == "qwen3_5_text":
         folder = request.getfixturevalue("tiny_hybrid_dir")
     else:
-        folder = build_granite(tmp_path_factory.mktemp("tiny-granite4"), default_model_dir)
+        folder = build_tiny(
+            tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param, default_model_dir
+        )
     logs = tmp_path_factory.mktemp(f"tp-{request.param}")
     started = [
         WorkerProcess(cache_dir=model_cache, log_dir=logs, model=str(folder), extra=extra)

@@ -16,8 +16,11 @@ AllReduce = Callable[[torch.Tensor], None]
 # The children an MoE block may have besides its experts: its router (replicated).
 ROUTERS = ("gate", "router")
 # Qwen3.5-MoE's and Qwen3-Next's shared expert (a dense gate/up/down MLP, cut like the experts) and
-# its gate (one sigmoid per token, replicated).
-SHARED, SHARED_GATE = "shared_expert", "shared_expert_gate"
+# its gate (one sigmoid per token, replicated); Nemotron-H's shared experts (up/down, no gate).
+SHARED, SHARED_GATE = ("shared_expert", "shared_experts"), "shared_expert_gate"
+# Nemotron-H's latent MoE: the experts run in a narrower space, projected in (whole on every rank)
+# and out (linear, so the ranks' partial outputs still sum; its bias on rank 0 only).
+LATENT_IN, LATENT_OUT = "fc1_latent_proj", "fc2_latent_proj"
 
 
 def experts_of(block: Any) -> Any | None:
@@ -29,20 +32,25 @@ def experts_of(block: Any) -> Any | None:
 
 
 def extra_parts(block: Any) -> list[str]:
-    """What an MoE block holds besides its experts, router and a shared expert (with its gate) of
-    gate/up/down linears: not sharded."""
-    known = ("experts", *ROUTERS, *((SHARED, SHARED_GATE) if shared_expert(block) is not None else ()))
-    return [name for name, _ in block.named_children() if name not in known]
+    """What an MoE block holds besides its experts, router, identities and a shared expert (with its
+    gate) of up/down (and gate) linears: not sharded."""
+    known = ("experts", *ROUTERS, *((*SHARED, SHARED_GATE) if shared_expert(block) is not None else ()))
+    return [
+        name
+        for name, child in block.named_children()
+        if name not in known
+        and not isinstance(child, nn.Identity)
+        and not (name in (LATENT_IN, LATENT_OUT) and isinstance(child, nn.Linear))
+    ]
 
 
 def shared_expert(block: Any) -> Any | None:
-    """The block's shared expert when it is a dense MLP of ``gate_proj``/``up_proj``/``down_proj``
-    linears (and its gate, if any, a linear), else None."""
-    shared = getattr(block, SHARED, None)
+    """The block's shared expert when it is a dense MLP of ``up_proj``/``down_proj`` (and
+    ``gate_proj``, if any) linears (and its gate, if any, a linear), else None."""
+    shared = next((part for name in SHARED if (part := getattr(block, name, None)) is not None), None)
     gate = getattr(block, SHARED_GATE, None)
-    dense = all(
-        isinstance(getattr(shared, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj")
-    )
+    names = ("up_proj", "down_proj", *(("gate_proj",) if hasattr(shared, "gate_proj") else ()))
+    dense = all(isinstance(getattr(shared, name, None), nn.Linear) for name in names)
     return shared if dense and (gate is None or isinstance(gate, nn.Linear)) else None
 
 
@@ -82,6 +90,9 @@ def shard_moe(block: Any, rank: int, ranks: int, all_reduce: AllReduce) -> None:
             setattr(experts, name, width)
     if (shared := shared_expert(block)) is not None:
         _shard_dense(shared, rank, ranks)
+    latent_out = getattr(block, LATENT_OUT, None)
+    if isinstance(latent_out, nn.Linear) and latent_out.bias is not None and rank != 0:
+        latent_out.bias.data = torch.zeros_like(latent_out.bias.data)
     block.register_forward_hook(_summed(all_reduce))
 
 
@@ -91,7 +102,7 @@ def _shard_dense(mlp: Any, rank: int, ranks: int) -> None:
     ranks' ``sigmoid(gate) * part``."""
     width = int(mlp.down_proj.in_features) // ranks
     first = rank * width
-    for name in ("gate_proj", "up_proj"):
+    for name in [name for name in ("gate_proj", "up_proj") if hasattr(mlp, name)]:
         linear = getattr(mlp, name)
         part = nn.Linear(linear.in_features, width, bias=linear.bias is not None)
         part.to(device=linear.weight.device, dtype=linear.weight.dtype)

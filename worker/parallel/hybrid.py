@@ -1,6 +1,6 @@
 """The recurrent mixers of hybrid models sharded over the tensor-parallel ranks by head: Gated
 DeltaNet's key/value heads, Mamba-2's heads and B/C groups (in-projection rows, conv channels,
-per-head parameters, a gated norm group spanning ranks summed over them), Granite 4's shared MLP.
+per-head parameters, a gated norm group spanning ranks summed over them), LFM2's conv channels.
 
 Design notes: docs/worker.md, "Tensor parallelism"."""
 
@@ -13,39 +13,43 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from worker.model.recurrent import MIXERS
+
 AllReduce = Callable[[torch.Tensor], None]
-# A decoder layer's attribute holding its recurrent mixer (Qwen3.5/Qwen3-Next, Granite 4).
-MIXER_ATTRIBUTES = ("linear_attn", "mamba")
+# A decoder layer's attribute holding its recurrent mixer (Qwen3.5/Qwen3-Next, Granite 4; Nemotron-H's
+# one-part blocks hold a mixer, attention, an MLP or an MoE block alike in ``mixer``).
+MIXER_ATTRIBUTES = ("linear_attn", "mamba", "mixer", "conv")
 DELTANETS = frozenset({"Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "Qwen3NextGatedDeltaNet"})
-MAMBAS = frozenset({"GraniteMoeHybridMambaLayer"})
-# The hybrid mixers not sharded yet, and the piece missing for each.
-UNSHARDED = {
-    "NemotronHMamba2Mixer": "layers that are Mamba-only, attention-only or MLP-only (layers_block_type)",
-    "FalconH1Mixer": "attention and a Mamba-2 mixer side by side in one layer (and its multipliers)",
-    "Lfm2ShortConv": "short-convolution layers (Lfm2ShortConv's in_proj B/C/x channels)",
-}
+MAMBAS = frozenset({"GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "FalconH1Mixer"})
+SHORT_CONVS = frozenset({"Lfm2ShortConv"})  # LFM2: in_proj gives [B | C | x], a conv over B * x
+SHARDED = DELTANETS | MAMBAS | SHORT_CONVS
 
 
 def mixer_of(layer: Any) -> Any | None:
     """The layer's recurrent mixer of a form sharded here (None: an attention layer or another)."""
     for name in MIXER_ATTRIBUTES:
         mixer = getattr(layer, name, None)
-        if type(mixer).__name__ in DELTANETS | MAMBAS:
+        if type(mixer).__name__ in SHARDED:
             return mixer
     return None
 
 
+def one_part(layer: Any) -> Any | None:
+    """The one part of a Nemotron-H block (``mixer``: Mamba-2, attention, an MLP or an MoE block,
+    by ``block_type``); None for a layer of another form."""
+    return getattr(layer, "mixer", None) if hasattr(layer, "block_type") else None
+
+
 def unsharded_piece(model: Any) -> str | None:
-    """What a hybrid ``model`` has that is not sharded yet (None: nothing)."""
-    for module in model.modules():
-        if (piece := UNSHARDED.get(type(module).__name__)) is not None:
-            return piece
-    return None
+    """The recurrent mixers of ``model`` (:data:`worker.model.recurrent.MIXERS`) of a form not
+    sharded here, by class (None: none)."""
+    found = sorted({type(m).__name__ for m in model.modules()} & (MIXERS - SHARDED))
+    return f"recurrent mixers ({', '.join(found)})" if found else None
 
 
 def mixer_linears(mixer: Any) -> tuple[str, ...]:
     """The float ``nn.Linear`` projections ``mixer`` needs to be sharded."""
-    if type(mixer).__name__ in MAMBAS:
+    if type(mixer).__name__ in MAMBAS | SHORT_CONVS:
         return ("in_proj", "out_proj")
     if hasattr(mixer, "in_proj_qkvz"):  # Qwen3-Next: q/k/v/z and b/a interleaved per key head
         return ("in_proj_qkvz", "in_proj_ba", "out_proj")
@@ -55,6 +59,9 @@ def mixer_linears(mixer: Any) -> tuple[str, ...]:
 def mixer_problems(mixer: Any, ranks: int) -> list[str]:
     """The mixer's head counts that do not split over ``ranks``: value (Mamba) heads must divide by
     it, key heads (B/C groups) divide by it or divide it (then each is replicated on its ranks)."""
+    if type(mixer).__name__ in SHORT_CONVS:
+        channels = int(mixer.out_proj.in_features)
+        return [] if channels % ranks == 0 else [f"{channels} short-convolution channels"]
     if type(mixer).__name__ in MAMBAS:
         heads, shared, names = int(mixer.num_heads), int(mixer.n_groups), ("Mamba heads", "B/C groups")
     else:
@@ -85,8 +92,20 @@ def shard_mixer(mixer: Any, rank: int, ranks: int, all_reduce: AllReduce) -> Non
     is left whole for the caller to make row-parallel."""
     if type(mixer).__name__ in MAMBAS:
         _shard_mamba(mixer, rank, ranks, all_reduce)
+    elif type(mixer).__name__ in SHORT_CONVS:
+        _shard_short_conv(mixer, rank, ranks)
     else:
         _shard_deltanet(mixer, rank, ranks)
+
+
+def _shard_short_conv(mixer: Any, rank: int, ranks: int) -> None:
+    """LFM2's gated short convolution, channel by channel: this rank's channels of B, C and x (each
+    the hidden size wide) and of the depthwise conv."""
+    channels = int(mixer.out_proj.in_features)
+    width = channels // ranks
+    mine = list(range(rank * width, (rank + 1) * width))
+    mixer.in_proj = _select_rows(mixer.in_proj, [part * channels + c for part in range(3) for c in mine])
+    mixer.conv = _select_channels(mixer.conv, mine)
 
 
 def _shard_deltanet(mixer: Any, rank: int, ranks: int) -> None:
@@ -130,31 +149,40 @@ def _shard_mamba(mixer: Any, rank: int, ranks: int, all_reduce: AllReduce) -> No
     x = _spans(0, head_dim, heads)
     b, c = _spans(width, state, kept), _spans(width + groups * state, state, kept)
     conv_dim = int(mixer.conv_dim)
-    mixer.in_proj = _select_rows(
-        mixer.in_proj, [*x, *(width + i for i in (*x, *b, *c)), *(width + conv_dim + h for h in heads)]
-    )
+    rows = [*x, *(width + i for i in (*x, *b, *c)), *(width + conv_dim + h for h in heads)]
+    mixer.in_proj = _select_rows(mixer.in_proj, rows)
+    mup = getattr(mixer, "mup_vector", None)  # Falcon-H1: a multiplier per in_proj output
+    if isinstance(mup, torch.Tensor):
+        mixer.register_buffer("mup_vector", mup[..., rows].contiguous(), persistent=False)
     mixer.conv1d = _select_channels(mixer.conv1d, [*x, *b, *c])
     for name in ("A_log", "D", "dt_bias"):
         _keep(mixer, name, heads)
     norm = mixer.norm
-    mixer.norm = GroupedGatedNorm(
-        norm.weight.data[x].clone(),
-        int(norm.group_size),
-        float(norm.variance_epsilon),
-        first_group=x[0] // int(norm.group_size),
-        groups=width // int(norm.group_size),
-        all_reduce=all_reduce,
-    )
+    if isinstance(getattr(norm, "weight", None), nn.Parameter):  # Falcon-H1's may be an identity
+        falcon = hasattr(norm, "norm_before_gate")  # groups by count, gate after the norm if asked
+        size = width // int(norm.n_groups) if falcon else int(norm.group_size)
+        mixer.norm = GroupedGatedNorm(
+            norm.weight.data[x].clone(),
+            size,
+            float(norm.variance_epsilon),
+            first_group=x[0] // size,
+            groups=width // size,
+            all_reduce=all_reduce,
+            falcon=bool(norm.norm_before_gate) if falcon else None,
+        )
     mixer.num_heads, mixer.n_groups = len(heads), len(kept)
     mixer.intermediate_size = len(x)
     mixer.conv_dim = len(x) + 2 * len(kept) * state
+    if hasattr(mixer, "groups_time_state_size"):
+        mixer.groups_time_state_size = len(kept) * state
 
 
 class GroupedGatedNorm(nn.Module):
     """Mamba-2's gated RMS norm (``x * silu(gate)`` normed per group of ``group_size`` channels) over
     this rank's channels: whole groups where they split by rank; one group spanning several ranks
     has its sum of squares summed over them (each rank's part in its group's column of a
-    ``[..., groups]`` all-reduce), so every rank divides by the whole group's variance."""
+    ``[..., groups]`` all-reduce), so every rank divides by the whole group's variance. ``falcon``
+    (Falcon-H1's form: the weight applied in float32; True: the gate after the norm), else None."""
 
     def __init__(
         self,
@@ -164,8 +192,10 @@ class GroupedGatedNorm(nn.Module):
         first_group: int,
         groups: int,
         all_reduce: AllReduce,
+        falcon: bool | None = None,
     ):
         super().__init__()
+        self.falcon = falcon
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.group_size, self.variance_epsilon = group_size, eps
         self.first_group, self.groups = first_group, groups
@@ -175,19 +205,26 @@ class GroupedGatedNorm(nn.Module):
     def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
         input_dtype = hidden_states.dtype
         hidden = hidden_states.to(torch.float32)
-        if gate is not None:
+        gate_after = bool(self.falcon)
+        if gate is not None and not gate_after:
             hidden = hidden * F.silu(gate.to(torch.float32))
         *prefix, last = hidden.shape
         if not self.spanning:
             grouped = hidden.view(*prefix, last // self.group_size, self.group_size)
             grouped = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-            return self.weight * grouped.view(*prefix, last).to(input_dtype)
-        squares = hidden.new_zeros(*prefix, self.groups)
-        squares[..., self.first_group] = hidden.pow(2).sum(-1)
-        self._all_reduce(squares)
-        variance = squares[..., self.first_group : self.first_group + 1] / self.group_size
-        hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
-        return self.weight * hidden.to(input_dtype)
+            hidden = grouped.view(*prefix, last)
+        else:
+            squares = hidden.new_zeros(*prefix, self.groups)
+            squares[..., self.first_group] = hidden.pow(2).sum(-1)
+            self._all_reduce(squares)
+            variance = squares[..., self.first_group : self.first_group + 1] / self.group_size
+            hidden = hidden * torch.rsqrt(variance + self.variance_epsilon)
+        if self.falcon is None:
+            return self.weight * hidden.to(input_dtype)
+        hidden = self.weight * hidden
+        if gate is not None and gate_after:
+            hidden = hidden * F.silu(gate.to(torch.float32))
+        return hidden.to(input_dtype)
 
 
 def _select_rows(linear: nn.Linear, rows: Sequence[int]) -> nn.Linear:

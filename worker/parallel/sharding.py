@@ -19,6 +19,7 @@ from worker.parallel.hybrid import (
     mixer_linears,
     mixer_of,
     mixer_problems,
+    one_part,
     shard_fused_mlp,
     shard_mixer,
     unsharded_piece,
@@ -29,9 +30,10 @@ from worker.quant.layers import INT4_GROUP
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj")
 MLP_COLUMNS = ("gate_proj", "up_proj")
 # A layer's MLP blocks: ``mlp``, or Granite 4's MoE block and shared MLP (fused gate/up) side by side.
-MLP_BLOCKS = ("mlp", "block_sparse_moe", "shared_mlp")
+MLP_BLOCKS = ("mlp", "block_sparse_moe", "shared_mlp", "feed_forward")
 FUSED_MLP = ("input_linear", "output_linear")
-ROW_INPUTS = ("down_proj", "output_linear")  # an MLP's row-parallel projection
+LFM2_MLP = ("w1", "w3", "w2")  # LFM2's feed-forward: gate, up, down
+ROW_INPUTS = ("down_proj", "output_linear", "w2")  # an MLP's row-parallel projection
 AllReduce = Callable[[torch.Tensor], None]
 
 
@@ -79,18 +81,47 @@ def _rows(linear: nn.Linear, first: int, count: int) -> nn.Linear:
 
 def decoder_layers(model: Any) -> list[Any]:
     """The model's decoder layers: the modules with a ``self_attn`` (or a recurrent mixer,
-    :func:`worker.parallel.hybrid.mixer_of`) and an ``mlp`` (or Granite 4's ``shared_mlp``)."""
+    :func:`worker.parallel.hybrid.mixer_of`) and an ``mlp`` (or Granite 4's ``shared_mlp``), or
+    Nemotron-H's one-part blocks (:func:`worker.parallel.hybrid.one_part`)."""
     return [
         m
         for m in model.modules()
-        if (hasattr(m, "self_attn") or mixer_of(m) is not None)
-        and (hasattr(m, "mlp") or hasattr(m, "shared_mlp"))
+        if (
+            (hasattr(m, "self_attn") or mixer_of(m) is not None)
+            and any(hasattr(m, name) for name in MLP_BLOCKS)
+        )
+        or one_part(m) is not None
     ]
 
 
+def attention_of(layer: Any) -> Any | None:
+    """The layer's attention (None: a recurrent mixer's or an MLP-only layer)."""
+    part = one_part(layer)
+    attention = getattr(layer, "self_attn", None) if part is None else part
+    return attention if hasattr(attention, "q_proj") else None
+
+
 def mlp_blocks(layer: Any) -> list[Any]:
-    """The layer's MLP blocks (:data:`MLP_BLOCKS` that it has)."""
+    """The layer's MLP blocks (:data:`MLP_BLOCKS` that it has, or a one-part block's MLP or MoE)."""
+    part = one_part(layer)
+    if part is not None:
+        return [part] if hasattr(part, "down_proj") or hasattr(part, "experts") else []
     return [block for name in MLP_BLOCKS if (block := getattr(layer, name, None)) is not None]
+
+
+def _dense_names(mlp: Any) -> tuple[str, ...]:
+    """A dense MLP's projections, the row-parallel one last: gate, up and down (up and down for
+    Nemotron-H's; LFM2's w1, w3, w2), or Granite 4's fused input and output."""
+    if hasattr(mlp, "input_linear"):
+        return FUSED_MLP
+    if hasattr(mlp, "w2"):
+        return LFM2_MLP
+    return (*(MLP_COLUMNS if hasattr(mlp, "gate_proj") else MLP_COLUMNS[1:]), "down_proj")
+
+
+def _output(attention: Any) -> str:
+    """The attention's output projection: ``o_proj``, or ``out_proj`` (LFM2's)."""
+    return "out_proj" if hasattr(attention, "out_proj") and not hasattr(attention, "o_proj") else "o_proj"
 
 
 def _dense_blocks(layer: Any) -> list[Any]:
@@ -138,13 +169,12 @@ def check_shardable(model: Any, ranks: int, quantization: str = "none") -> None:
 def _check_groups(layer: Any, ranks: int, where: str) -> None:
     """Raises :class:`ModelLoadError` where a row-parallel projection's int4 groups (along its input)
     would straddle the ranks' cut: a rank's codes would then differ from the whole layer's."""
-    mixer = mixer_of(layer)
+    mixer, attention = mixer_of(layer), attention_of(layer)
+    outputs = [(part, name) for part, name in ((attention, _output(attention)), (mixer, "out_proj")) if part]
     widths = {
         name: int(linear.in_features)
         for name, linear in (
-            ("o_proj", getattr(layer.self_attn, "o_proj", None))
-            if mixer is None
-            else ("out_proj", mixer.out_proj),
+            *((name, getattr(part, name, None)) for part, name in outputs),
             *((name, getattr(block, name, None)) for block in _dense_blocks(layer) for name in ROW_INPUTS),
         )
         if isinstance(linear, nn.Linear)
@@ -165,16 +195,18 @@ def _checked_widths(layer: Any, index: int, where: str) -> list[int]:
     """The widths layer ``index``'s MLP blocks (or each expert) split; raises
     :class:`ModelLoadError` where a projection is not a float ``nn.Linear`` or an MoE block holds
     more than experts and a router."""
-    mixer = mixer_of(layer)
-    parts: list[tuple[Any, tuple[str, ...]]] = [
-        (layer.self_attn, (*COLUMN_PARALLEL, "o_proj")) if mixer is None else (mixer, mixer_linears(mixer))
-    ]
+    mixer, attention = mixer_of(layer), attention_of(layer)
+    parts: list[tuple[Any, tuple[str, ...]]] = []
+    if mixer is not None:
+        parts.append((mixer, mixer_linears(mixer)))
+    if attention is not None or (mixer is None and one_part(layer) is None):  # not an MLP-only block
+        attention = attention if attention is not None else layer.self_attn
+        parts.append((attention, (*COLUMN_PARALLEL, _output(attention))))
     widths = []
     for block in mlp_blocks(layer):
         experts = experts_of(block)
         if experts is None:
-            fused = hasattr(block, "input_linear")
-            parts.append((block, FUSED_MLP if fused else (*MLP_COLUMNS, "down_proj")))
+            parts.append((block, _dense_names(block)))
         elif extra := extra_parts(block):
             raise ModelLoadError(
                 f"{where}: layer {index}'s MoE block has {'/'.join(extra)}; not supported yet"
@@ -188,7 +220,7 @@ def _checked_widths(layer: Any, index: int, where: str) -> list[int]:
             kinds = [type(getattr(part, n, None)).__name__ for n in names]
             raise ModelLoadError(
                 f"{where}: layer {index} needs float nn.Linear {'/'.join(names)} to shard, has "
-                f"{'/'.join(kinds)} (pre-quantized checkpoints are not supported yet)"
+                f"{'/'.join(kinds)} (fused or pre-quantized projections are not supported yet)"
             )
         if names[-1] in ROW_INPUTS:
             widths.append(int(getattr(part, names[-1]).in_features))
@@ -206,8 +238,8 @@ def shard_model(model: Any, shard: Shard, quantization: str = "none") -> None:
         if (mixer := mixer_of(layer)) is not None:
             shard_mixer(mixer, shard.rank, shard.ranks, shard.all_reduce)
             mixer.out_proj = RowParallel(mixer.out_proj, shard)
-        else:
-            _shard_attention(layer.self_attn, shard)
+        if (attention := attention_of(layer)) is not None:  # Falcon-H1: both, side by side
+            _shard_attention(attention, shard)
         for mlp in mlp_blocks(layer):
             if experts_of(mlp) is not None:
                 shard_moe(mlp, shard.rank, shard.ranks, shard.all_reduce)
@@ -215,10 +247,11 @@ def shard_model(model: Any, shard: Shard, quantization: str = "none") -> None:
                 shard_fused_mlp(mlp, shard.rank, shard.ranks)
                 mlp.output_linear = RowParallel(mlp.output_linear, shard)
             else:
-                width = mlp.gate_proj.out_features // shard.ranks
-                for name in MLP_COLUMNS:
+                *columns, down = _dense_names(mlp)
+                width = getattr(mlp, down).in_features // shard.ranks
+                for name in columns:
                     setattr(mlp, name, _rows(getattr(mlp, name), shard.rank * width, width))
-                mlp.down_proj = RowParallel(mlp.down_proj, shard)
+                setattr(mlp, down, RowParallel(getattr(mlp, down), shard))
     shard_vocabulary(model, shard.rank, shard.ranks, shard.all_reduce)
 
 
@@ -239,7 +272,7 @@ def _shard_attention(attention: Any, shard: Shard) -> None:
         local_kv, first_kv = 1, shard.rank // (shard.ranks // kv_heads)
     attention.k_proj = _rows(attention.k_proj, first_kv * head_dim, local_kv * head_dim)
     attention.v_proj = _rows(attention.v_proj, first_kv * head_dim, local_kv * head_dim)
-    attention.o_proj = RowParallel(attention.o_proj, shard)
+    setattr(attention, _output(attention), RowParallel(getattr(attention, _output(attention)), shard))
     attention.num_key_value_groups = local // local_kv
     sinks = getattr(attention, "sinks", None)
     if isinstance(sinks, nn.Parameter):  # gpt-oss: one per query head
