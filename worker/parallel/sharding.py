@@ -170,7 +170,11 @@ def _check_groups(layer: Any, ranks: int, where: str) -> None:
     """Raises :class:`ModelLoadError` where a row-parallel projection's int4 groups (along its input)
     would straddle the ranks' cut: a rank's codes would then differ from the whole layer's."""
     mixer, attention = mixer_of(layer), attention_of(layer)
-    outputs = [(part, name) for part, name in ((attention, _output(attention)), (mixer, "out_proj")) if part]
+    outputs = [
+        (part, name)
+        for part, name in ((attention, _output(attention)), (mixer, "out_proj"))
+        if part is not None
+    ]
     widths = {
         name: int(linear.in_features)
         for name, linear in (

@@ -190,6 +190,18 @@ def test_hybrid_sharding_errors_are_refused_in_one_line_naming_them(
     assert refused.value.message.startswith(message) and "\n" not in refused.value.message
 
 
+def test_a_cut_through_int4_groups_of_a_mixers_out_proj_is_refused_naming_it() -> None:
+    # Four ranks give the Gated DeltaNet's out_proj 16 of its 64 inputs each: half a group of 32.
+    with pytest.raises(ModelLoadError) as refused:
+        check_shardable(tiny_model(tiny_config("qwen3_5_text")), 4, "int4")
+    assert refused.value.message == (
+        "--tensor-parallel-size 4: qwen3_5_text: --quantization int4's groups of 32 would straddle the "
+        "ranks' cut of out_proj (16 inputs per rank) and down_proj (16 inputs per rank); use int8 or "
+        "fewer ranks"
+    )
+    check_shardable(tiny_model(tiny_config("qwen3_5_text")), 2, "int4")  # 32 inputs each: whole groups
+
+
 def test_a_recurrent_mixer_of_a_form_not_sharded_is_refused_naming_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
