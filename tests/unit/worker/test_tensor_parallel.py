@@ -165,8 +165,8 @@ def test_an_moe_block_with_more_than_experts_and_a_router_or_a_layer_not_linear_
         check_shardable(model, 2)
     assert refused.value.message == (
         "--tensor-parallel-size 2: qwen3_moe: layer 0 needs float nn.Linear q_proj/k_proj/v_proj/o_proj "
-        "to shard, has Linear/Linear/Linear/Identity (hybrid layers and pre-quantized checkpoints are "
-        "not supported yet)"
+        "to shard, has Linear/Linear/Linear/Identity (fused or pre-quantized projections are not "
+        "supported yet)"
     )
 
 
@@ -187,7 +187,12 @@ def test_an_moe_block_with_more_than_experts_and_a_router_or_a_layer_not_linear_
             "8 attention heads",
         ),
         ("qwen3_moe", {"moe_intermediate_size": 30}, 4, "qwen3_moe has an MLP width of 30, which do not"),
-        ("granitemoe", {}, 2, "granitemoe has layers other than attention and an MLP; not supported yet"),
+        (
+            "phi3",
+            {},
+            2,
+            "phi3: layer 0 needs float nn.Linear q_proj/k_proj/v_proj/o_proj to shard, has NoneType",
+        ),
     ],
 )
 def test_sharding_errors_are_refused_in_one_line_naming_them(
