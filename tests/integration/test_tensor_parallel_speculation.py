@@ -87,3 +87,45 @@ def test_two_speculating_ranks_decode_the_greedy_tokens_of_one_rank_without_spec
     print(f"{proposer}: {accepted:.0f} of {proposed:.0f} proposed tokens accepted")
     assert accepted > len(PROMPTS) * TOKENS // 4  # verifying forwards did most of the work
     assert "tensor-parallel rank 1 of 2 joined (gloo)" in workers[proposer].log_tail(400)
+
+
+def test_two_speculating_ranks_of_a_hybrid_keep_their_states_at_the_accepted_length(
+    model_cache: Path, tiny_hybrid_dir: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The session's tiny Qwen3.5 at two ranks with the tiny llama drafting for it (the same
+    tokenizer; the random Qwen3.5's own texts do not repeat, so n-gram lookup would propose
+    nothing) against one rank without speculation, the batch scenario of
+    test_tensor_parallel_batches.py (a small pool, a shared prefix): the same greedy tokens and
+    logprobs up to each text's first near-tie. The draft's proposals are nearly all rejected, and
+    a rejected proposal must not advance a follower's state slots (rank 0 tells them each kept
+    count), or its partial sums would part from rank 0's and the tokens with them."""
+    from tests.integration.test_tensor_parallel_batches import SMALL_POOL, scenario
+    from tests.integration.test_tensor_parallel_batches import TOKENS as BATCH_TOKENS
+
+    logs = tmp_path_factory.mktemp("tp-speculation-hybrid")
+    speculating = [*SMALL_POOL, "-tp", "2", "--speculative", "draft", "--draft-model", str(tiny_model_dir)]
+    speculating += ["--draft-quantization", "none", "--speculative-max-rows", "4"]
+    started = [
+        WorkerProcess(cache_dir=model_cache, log_dir=logs, model=str(tiny_hybrid_dir), extra=extra)
+        for extra in (speculating, SMALL_POOL)
+    ]
+    try:
+        for worker in started:
+            worker.launch()
+        for worker in started:
+            worker.wait_ready()
+        sharded, expected = scenario(started[0].address), scenario(started[1].address)
+        metrics = started[0].metrics()
+    finally:
+        for worker in started:
+            worker.stop()
+    compared = 0
+    for got, want in zip(sharded, expected, strict=True):
+        assert len(got.ids) == BATCH_TOKENS
+        same = want.before_a_near_tie()
+        assert got.ids[:same] == want.ids[:same]
+        assert got.logprobs[:same] == pytest.approx(want.logprobs[:same], abs=1e-4)
+        compared += same
+    print(f"{compared} tokens compared; {metrics[ACCEPTED]:.0f} of {metrics[PROPOSED]:.0f} proposed accepted")
+    assert compared >= len(expected) * BATCH_TOKENS // 2
+    assert metrics[PROPOSED] > metrics[ACCEPTED]  # proposals verified, and rejected
