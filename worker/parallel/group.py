@@ -134,13 +134,22 @@ class RankGroup:
 
     def agree(self, value: int, what: str) -> None:
         """Raises :class:`RankFailure` unless every rank has the same ``value``."""
+        values = self._gathered(value, what)
+        if len(set(values)) != 1:
+            raise RankFailure(f"tensor-parallel ranks disagree on {what}: {values}")
+
+    def all_of(self, value: bool, what: str) -> bool:
+        """Whether ``value`` holds on every rank (every rank gets the same answer)."""
+        return all(self._gathered(value, what))
+
+    def _gathered(self, value: object, what: str) -> list[object]:
+        """Every rank's ``value``, in rank order (on the control group)."""
         values: list[object] = [None] * self.layout.ranks
         try:
             dist.all_gather_object(values, value, group=self._control)
         except Exception as error:
             raise RankFailure(f"tensor-parallel ranks could not compare {what}: {error}") from error
-        if len(set(values)) != 1:
-            raise RankFailure(f"tensor-parallel ranks disagree on {what}: {values}")
+        return values
 
     def send(self, message: Message) -> None:
         """Rank 0: tells every other rank ``message``."""

@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 from worker.config import WorkerConfig
 from worker.model.device import RankFailure, bind_device
-from worker.model.loader import LoadedModel, resolve_device
+from worker.model.loader import LoadedModel, ModelLoadError, resolve_device
 from worker.model.runner import ModelRunner
 from worker.model.runner_setup import BatchLimits, load_configured, model_runner
 from worker.parallel.group import (
@@ -44,9 +44,9 @@ FOLLOWER_MODULE = "worker.parallel.follower"
 def rank_config(config: WorkerConfig) -> WorkerConfig:
     """The settings every rank loads and builds with: float weights for ``--quantization auto``
     (its measured choice is for the whole model's shapes; int8/int4/fp8 quantize each rank's
-    shards), and no CUDA graphs (collectives are not captured yet)."""
+    shards)."""
     quantization = "none" if config.quantization == "auto" else config.quantization
-    return dataclasses.replace(config, quantization=quantization, cuda_graphs=False)
+    return dataclasses.replace(config, quantization=quantization)
 
 
 def rank_device(device: str, local_rank: int) -> str:
@@ -81,7 +81,26 @@ def sharded_runner(
     bind_device(loaded.device)
     runner, limits = model_runner(loaded, settings)
     group.agree(runner.num_blocks, "the KV pool's blocks")
+    agree_on_graphs(group, runner, settings.require_cuda_graphs)
     return loaded, runner, limits
+
+
+def agree_on_graphs(group: RankGroup, runner: ModelRunner, required: bool) -> None:
+    """Every rank replays its captured decode graphs (their all-reduces inside) or none does: a
+    replay runs a bucket's padded rows, an eager step its own, so one rank decoding eagerly beside
+    replaying ones would all-reduce tensors of other sizes. A rank whose capture failed (the error
+    logged) makes every rank drop theirs; ``required`` (--require-cuda-graphs) then fails the load."""
+    if group.all_of(runner.graphs is not None, "captured decode graphs") or runner.graphs is None:
+        return
+    log.error("tensor-parallel rank %d drops its decode graphs: another rank has none", group.layout.rank)
+    runner.graphs = None
+    if runner.fast_path is not None:
+        runner.fast_path = dataclasses.replace(runner.fast_path, graphs=False)
+    if required:
+        raise ModelLoadError(
+            "--require-cuda-graphs: a tensor-parallel rank could not capture its decode graphs",
+            param="require_cuda_graphs",
+        )
 
 
 def follow(group: RankGroup, runner: ModelRunner) -> None:

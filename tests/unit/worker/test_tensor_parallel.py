@@ -314,3 +314,45 @@ def test_nodes_take_sglangs_names_and_refuse_what_cannot_be_laid_out() -> None:
         "--node-rank and --dist-init-addr only apply with --nnodes above 1"
         in WorkerConfig(node_rank=1).problems()
     )
+
+
+class GraphVotes:
+    """A rank group faked for :func:`agree_on_graphs`: the other ranks' answers given, this rank's
+    appended (rank 0's place in ``layout``)."""
+
+    def __init__(self, others: list[bool]):
+        self.others = others
+        self.layout = Layout(0, len(others) + 1, 0, "")
+
+    def all_of(self, value: bool, what: str) -> bool:
+        return all([value, *self.others])
+
+
+@pytest.mark.parametrize("mine", [True, False])
+def test_every_rank_replays_its_captured_graphs_or_none_does(
+    mine: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A replay all-reduces a bucket's padded rows and an eager step its own: ranks that captured
+    graphs keep them only where every rank did; a rank left alone with graphs drops them (and says
+    so), and --require-cuda-graphs then fails the load naming the setting."""
+    from types import SimpleNamespace
+
+    from worker.parallel.ranks import agree_on_graphs
+    from worker.types import FastPath
+
+    def runner(graphs: bool) -> Any:
+        return SimpleNamespace(
+            graphs=object() if graphs else None, fast_path=FastPath(kernel=True, graphs=graphs)
+        )
+
+    kept = runner(mine)
+    agree_on_graphs(GraphVotes([True, True]), kept, required=False)  # type: ignore[arg-type]
+    assert (kept.graphs is not None) == mine and kept.fast_path.graphs == mine
+    alone = runner(mine)
+    with caplog.at_level("ERROR", logger="worker.parallel.ranks"):
+        agree_on_graphs(GraphVotes([True, False]), alone, required=False)  # type: ignore[arg-type]
+    assert alone.graphs is None and not alone.fast_path.graphs
+    assert ("drops its decode graphs" in caplog.text) == mine
+    if mine:
+        with pytest.raises(ModelLoadError, match="--require-cuda-graphs"):
+            agree_on_graphs(GraphVotes([False]), runner(True), required=True)  # type: ignore[arg-type]
