@@ -57,6 +57,16 @@ def check_rows_startup_step(dtype: torch.dtype) -> None:
     assert row_kernel_problem(TritonRowLora(), torch.device("cpu"), dtype) is None
 
 
+def check_graph_forward_on_the_row_kernels() -> None:
+    """The CPU test of the graphs' captured forward (test_lora_graph_inputs.py) with the per-row
+    Triton kernels as the graphs' product: equal to the eager steps within 1e-5 of the largest
+    logit (their float32 sums run in another order than torch's: 1.9e-5 on logits up to 5)."""
+    from tests.unit.worker.test_lora_graph_inputs import check_decode_against_eager
+    from worker.lora.triton_ops import TritonRowLora
+
+    check_decode_against_eager(row_ops=TritonRowLora(), scaled=True)
+
+
 def check_rows(rows: int, ranks: tuple[int, ...], slot_rank: int, features: int, outputs: int) -> None:
     """Rows of every slot (adapters of ``ranks``, zero-padded to the slots' ``slot_rank``) and base
     rows (-1): the per-row kernels add what torch's grouped products add, and leave the base rows
@@ -95,6 +105,7 @@ INTERPRETER_CHECKS: dict[str, Callable[[], None]] = {
     # --max-lora-rank's default 16: four slots of ranks 16, 8, 3 and 1, features past a block.
     "rows-ranks-up-to-16": partial(check_rows, 37, (16, 8, 3, 1), 16, 300, 150),
     "rows-rank-512": partial(check_rows, 9, (512, 100), 512, 40, 70),  # --max-lora-rank's highest
+    "graph-forward-on-row-kernels": check_graph_forward_on_the_row_kernels,
 }
 
 
