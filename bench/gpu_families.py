@@ -16,8 +16,9 @@ Cases (``--cases``, in this order):
 - ``kv-fp8``, ``kv-int8``: the ``--dense`` model with ``--kv-cache-dtype``, graphs required: greedy
   against ``generate`` with the float cache's reference, tok/s at 64 and 256 streams, the pool's tokens;
 - ``lora``: the ``--dense`` model with 8 random rank-8 PEFT adapters: adapter 0's greedy tokens
-  against peft's merged model, and 64 streams' tok/s on the base alone and spread over 1, 4 and 8
-  adapters;
+  against peft's merged model, 64 streams' tok/s on the base alone and spread over 1, 4 and 8
+  adapters, and whether decode steps with adapter rows replayed graphs (the adapter-replay counter;
+  failed unless every decode-only step replayed and some had adapter rows);
 - ``quant-int4``, ``quant-fp8``: the ``--dense`` model with ``--quantization``, graphs required (the
   worker's log names the layers' kernels): how many greedy tokens agree with the float model's
   ``generate`` before the first difference (reported, not failed: the weights differ), and tok/s at
@@ -285,10 +286,20 @@ def lora_case(args: argparse.Namespace) -> Step:
             rates[n] = await streams_rate(stub, 64, 128, spread=n)
         return got, rates
 
-    (got, rates), _ = serving(args.dense, args.device, args.dtype, flags, talk)
+    (got, rates), text = serving(args.dense, args.device, args.dtype, flags, talk)
     step = checked("LoRA adapter vs peft merged, greedy", got, reference, args.dtype)
     costs = ", ".join(f"{n} adapters {rates[n]:.0f} ({rates[n] / rates[0]:.2f}x)" for n in LORA_COUNTS)
     step.detail += f"; 64 streams: base {rates[0]:.0f} tok/s, {costs}"
+    if args.device.startswith("cuda"):
+        samples = parse_metrics(text)
+        problems = fast_path_problems(samples)
+        adapter_replays = samples.get("sluice_worker_decode_graph_lora_replays_total", 0.0)
+        if not adapter_replays:
+            problems.append("no decode step with adapter rows replayed a graph")
+        step.ok = step.ok and not problems
+        step.detail += f"; {adapter_replays:.0f} replays with adapter rows of "
+        step.detail += f"{samples.get('sluice_worker_decode_graph_replays_total', 0.0):.0f}; "
+        step.detail += "; ".join(problems) or "graphs replayed every decode-only step, adapter ones too"
     return step
 
 

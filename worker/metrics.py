@@ -292,6 +292,14 @@ class EngineCollector(Collector):
         )
         replays.add_metric([self._model_id], s.graph_replays)
         yield replays
+        if s.max_loras:
+            adapter_replays = CounterMetricFamily(
+                "sluice_worker_decode_graph_lora_replays",
+                "decode steps with LoRA adapter rows replayed from a CUDA graph",
+                labels=["model"],
+            )
+            adapter_replays.add_metric([self._model_id], s.graph_lora_replays)
+            yield adapter_replays
 
     def _vllm_families(self) -> Iterator[Metric]:
         s = self._stats

@@ -64,6 +64,7 @@ class EngineStats:
     kv_blocks_used: int = 0
     fast_path: FastPath | None = None  # CUDA only: which parts of the decode fast path are on
     graph_replays: int = 0  # decode steps replayed from a CUDA graph
+    graph_lora_replays: int = 0  # of which with LoRA adapter rows (their slots graph inputs)
     mixers_on_kernels: bool | None = None  # a hybrid's mixers on their kernels (None: no mixers)
     speculative_proposer: str | None = None  # --speculative's proposer; None: off
     state_cache_bytes: int = 0  # a hybrid model's state pool (worker/attention/state_pool.py)
@@ -96,6 +97,7 @@ class EngineStats:
             kv_blocks_used=blocks.used,
             fast_path=getattr(runner, "fast_path", None),
             graph_replays=getattr(getattr(runner, "graphs", None), "replays", 0),
+            graph_lora_replays=getattr(getattr(runner, "graphs", None), "adapter_replays", 0),
             mixers_on_kernels=getattr(runner, "mixers_on_kernels", None),
             speculative_proposer=proposer,
             state_cache_bytes=getattr(runner, "state_bytes", 0),

@@ -16,7 +16,7 @@ from typing import cast
 import torch
 
 from worker.lora.adapter import LoraWeights
-from worker.lora.ops import Group, LoraOps, grouped_torch
+from worker.lora.ops import Group, LoraOps, RowLoraOps, grouped_torch, slotted_torch
 from worker.types import LoraHandle
 
 # A decoder layer's attention or MLP projection: ``…layers.<n>.<block>.<projection>`` with a block
@@ -65,11 +65,22 @@ class Cut:
 
 
 class LoraPlan:
-    """A step's tokens by adapter: the groups every wrapped layer adds its product for."""
+    """A step's tokens by adapter: the groups every wrapped layer adds its product for, and each
+    token's slot (-1: the base model) as the decode graphs stage it (worker/model/cuda_graphs.py)."""
 
-    def __init__(self, tokens: int, groups: Sequence[Group]):
+    def __init__(self, tokens: int, groups: Sequence[Group], row_slots: Sequence[int] = ()):
         self.tokens = tokens
         self.groups = tuple(groups)
+        self.row_slots = tuple(row_slots)
+
+
+class RowSlots:
+    """A captured decode step's plan: each row's slot in a device tensor (-1: none), a graph input
+    the replays read (the step's adapter mix is in the tensor's values, not in the launches)."""
+
+    def __init__(self, slots: torch.Tensor):
+        self.tokens = slots.shape[0]
+        self.slots = slots
 
 
 class LoraLinear(torch.nn.Module):
@@ -101,14 +112,18 @@ class LoraLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        plan = self._owner[0].plan
-        if plan is None or not plan.groups:
+        owner = self._owner[0]
+        plan = owner.plan
+        if plan is None or (isinstance(plan, LoraPlan) and not plan.groups):
             return y
         rows = x.reshape(-1, self.in_features)
         if rows.shape[0] != plan.tokens:
             raise RuntimeError(f"a LoRA step planned {plan.tokens} tokens, the layer got {rows.shape[0]}")
         out = y.reshape(-1, self.out_features)
-        self._owner[0].ops(rows, self.lora_a, self.lora_b, plan.groups, out)
+        if isinstance(plan, RowSlots):
+            owner.row_ops(rows, self.lora_a, self.lora_b, plan.slots, out)
+        else:
+            owner.ops(rows, self.lora_a, self.lora_b, plan.groups, out)
         return out.view(y.shape) if out.data_ptr() != y.data_ptr() else y
 
 
@@ -139,13 +154,22 @@ def _sites(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, str, Cut 
 
 class LoraLayers:
     """Every wrapped projection of one model, ``max_loras`` device slots of rank ``max_rank`` each
-    (least recently used refilled first) and the plan of the step running now."""
+    (least recently used refilled first) and the plan of the step running now. ``ops``: the grouped
+    product of eager steps; ``row_ops``: the per-row one the decode graphs capture. The slots are
+    allocated once: loading an adapter copies into them in place, so captured graphs see it."""
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, ops: LoraOps = grouped_torch):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_loras: int,
+        max_rank: int,
+        ops: LoraOps = grouped_torch,
+        row_ops: RowLoraOps = slotted_torch,
+    ):
         first = next(model.parameters())
         self.dtype, self.device = first.dtype, first.device
-        self.max_loras, self.max_rank, self.ops = max_loras, max_rank, ops
-        self.plan: LoraPlan | None = None
+        self.max_loras, self.max_rank, self.ops, self.row_ops = max_loras, max_rank, ops, row_ops
+        self.plan: LoraPlan | RowSlots | None = None
         self._slots: OrderedDict[int, int] = OrderedDict()  # adapter uid -> slot, least recent first
         self._ranks: dict[int, int] = {}
         self.layers: dict[str, LoraLinear] = {}
@@ -211,15 +235,18 @@ class LoraLayers:
             return None
         keep = {adapter.uid for adapter, _ in runs if adapter is not None}
         rows: dict[int, list[int]] = {}
+        row_slots: list[int] = []
         start = 0
         for adapter, count in runs:
-            if adapter is not None:
-                rows.setdefault(self.slot_of(adapter, keep), []).extend(range(start, start + count))
+            slot = -1 if adapter is None else self.slot_of(adapter, keep)
+            if slot >= 0:
+                rows.setdefault(slot, []).extend(range(start, start + count))
+            row_slots += [slot] * count
             start += count
         groups = [
             Group(slot, self._ranks[slot], _rows(indexes, self.device)) for slot, indexes in rows.items()
         ]
-        return LoraPlan(start, groups)
+        return LoraPlan(start, groups, row_slots)
 
     @contextmanager
     def step(self, runs: Sequence[tuple[LoraHandle | None, int]]) -> Iterator[LoraPlan | None]:
@@ -229,6 +256,16 @@ class LoraLayers:
             yield self.plan
         finally:
             self.plan = None
+
+    @contextmanager
+    def rows_step(self, slots: torch.Tensor) -> Iterator[None]:
+        """The wrapped layers add each row's adapter product, its slot read from ``slots`` (a graph
+        input, -1: none), while inside; the plan before is restored after."""
+        before, self.plan = self.plan, RowSlots(slots)
+        try:
+            yield
+        finally:
+            self.plan = before
 
 
 def _rows(indexes: list[int], device: torch.device) -> slice | torch.Tensor:

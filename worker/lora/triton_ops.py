@@ -1,6 +1,6 @@
-"""The batched LoRA product as two Triton kernels over the step's adapter segments, in the manner
-of Punica's SGMV: a shrink (``x A^T`` into a float32 buffer) and an expand (``· B^T`` added to the
-base output), one program per segment, row block and column block. Imports triton.
+"""The batched LoRA product as Triton kernels: for eager steps over the step's adapter segments
+(Punica's SGMV shrink ``x A^T`` and expand ``· B^T``); for the decode graphs per row (Punica's BGMV:
+each row's slot read from a device tensor, the grid independent of the adapter mix). Imports triton.
 
 Design notes: docs/worker.md ("LoRA adapters").
 """
@@ -168,4 +168,110 @@ class TritonLora:
             h, b, out, seg.rows, seg.starts, seg.lengths, seg.slots,
             h.stride(0), b.stride(0), b.stride(1), out.stride(0), out.shape[1], rank,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=block_r,
+        )  # fmt: skip
+
+
+# The per-row kernels hold a ``rank x BLOCK`` tile in registers: at most this many elements.
+ROW_TILE = 8192
+
+
+@triton.jit
+def shrink_rows_kernel(
+    x_ptr,
+    a_ptr,
+    h_ptr,
+    slots_ptr,
+    stride_x,
+    stride_a_slot,
+    stride_a_rank,
+    stride_h,
+    features,
+    rank,
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """``h[row] = x[row] A_slot^T`` for one row, its slot read from ``slots`` (float32 sums; a row
+    of slot -1 reads no weights and gets zeros)."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    used_rank = tl.where(slot >= 0, rank, 0)  # a row of no slot reads none of A (its h is zeros)
+    slot = tl.maximum(slot, 0)
+    offs_r = tl.arange(0, BLOCK_R)
+    rank_mask = offs_r < used_rank
+    acc = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for k0 in range(0, features, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < features
+        x = tl.load(x_ptr + row * stride_x + offs_k, mask=k_mask, other=0.0)
+        a = tl.load(
+            a_ptr + slot * stride_a_slot + offs_r[:, None] * stride_a_rank + offs_k[None, :],
+            mask=rank_mask[:, None] & k_mask[None, :],
+            other=0.0,
+        )
+        acc += tl.sum(a.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+    tl.store(h_ptr + row * stride_h + offs_r, acc, mask=offs_r < rank)
+
+
+@triton.jit
+def expand_rows_kernel(
+    h_ptr,
+    b_ptr,
+    out_ptr,
+    slots_ptr,
+    stride_h,
+    stride_b_slot,
+    stride_b_out,
+    stride_out,
+    outputs,
+    rank,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """``out[row] += h[row] B_slot^T`` for one row and block of outputs; a row of slot -1 is left
+    as it is (nothing loaded or stored)."""
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    used_outputs = tl.where(slot >= 0, outputs, 0)  # a row of no slot: every output masked off
+    slot = tl.maximum(slot, 0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < used_outputs
+    offs_r = tl.arange(0, BLOCK_R)
+    rank_mask = offs_r < rank
+    h = tl.load(h_ptr + row * stride_h + offs_r, mask=rank_mask, other=0.0)
+    b = tl.load(
+        b_ptr + slot * stride_b_slot + offs_n[:, None] * stride_b_out + offs_r[None, :],
+        mask=n_mask[:, None] & rank_mask[None, :],
+        other=0.0,
+    )
+    delta = tl.sum(b.to(tl.float32) * h[None, :], axis=1)
+    where = out_ptr + row * stride_out + offs_n
+    base = tl.load(where, mask=n_mask, other=0.0)
+    tl.store(where, (base.to(tl.float32) + delta).to(out_ptr.dtype.element_ty), mask=n_mask)
+
+
+def row_blocks(rank: int) -> tuple[int, int, int]:
+    """``(BLOCK_R, BLOCK_K, BLOCK_N)`` of the per-row kernels for slots of ``rank``: the rank's
+    power of two, and input and output blocks that keep a tile within :data:`ROW_TILE`."""
+    block_r = max(16, triton.next_power_of_2(rank))
+    return block_r, max(16, min(128, ROW_TILE // block_r)), max(16, min(64, ROW_TILE // block_r))
+
+
+class TritonRowLora:
+    """:data:`worker.lora.ops.RowLoraOps` on the two per-row kernels: one shrink program per row
+    and one expand program per row and output block, whatever the rows' slots (graph-safe)."""
+
+    def __call__(
+        self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, row_slots: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        rows, rank = x.shape[0], a.shape[1]
+        block_r, block_k, block_n = row_blocks(rank)
+        x, a, b = x.contiguous(), a.contiguous(), b.contiguous()
+        h = torch.empty(rows, rank, dtype=torch.float32, device=x.device)
+        shrink_rows_kernel[(rows,)](
+            x, a, h, row_slots, x.stride(0), a.stride(0), a.stride(1), h.stride(0), x.shape[1], rank,
+            BLOCK_R=block_r, BLOCK_K=block_k,
+        )  # fmt: skip
+        expand_rows_kernel[(rows, triton.cdiv(out.shape[1], block_n))](
+            h, b, out, row_slots, h.stride(0), b.stride(0), b.stride(1), out.stride(0), out.shape[1], rank,
+            BLOCK_N=block_n, BLOCK_R=block_r,
         )  # fmt: skip

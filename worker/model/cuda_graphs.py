@@ -1,5 +1,5 @@
 """Decode steps captured as CUDA graphs at padded batch-size buckets (CUDA only), a hybrid
-model's state slots among their inputs.
+model's state slots and each row's LoRA adapter slot among their inputs.
 
 Design notes: docs/worker.md.
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -19,6 +20,7 @@ from worker.attention.decode_kernel import DecodeKernel, decode_kernel
 from worker.attention.kv_pool import KVPool, KVShape
 from worker.attention.state_pool import StatePool
 from worker.device.staging import staged
+from worker.lora.layers import LoraLayers, LoraPlan
 from worker.model.recurrent import StateStep, state_step
 from worker.model.step_inputs import Work, decode_inputs
 
@@ -41,6 +43,7 @@ class GraphedRunner(Protocol):
     kv_shape: KVShape
     pool: KVPool
     states: StatePool | None
+    lora: LoraLayers | None
 
     def execute(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> torch.Tensor: ...
 
@@ -85,6 +88,30 @@ class StateInputs:
             self.fresh[rows:bucket].fill_(True)
 
 
+class LoraInputs:
+    """With --enable-lora, the graphs' input naming each row's adapter slot (-1: the base model; so
+    are padding rows). The wrapped layers read it on the device (:class:`LoraLayers.rows_step`,
+    per-row kernels whose launches do not depend on it), and the slots' weights are fixed tensors
+    an adapter is copied into in place, so a replay computes the adapters the buffer names now."""
+
+    def __init__(self, layers: LoraLayers, rows: int, device: torch.device):
+        self.layers = layers
+        self.slots = torch.full((rows,), -1, dtype=torch.long, device=device)
+
+    def stage(self, plan: LoraPlan | None, rows: int, bucket: int) -> bool:
+        """Writes the step's row slots from ``plan`` (the runner's, of these ``rows``; None: all
+        base rows) and -1 for the padding to ``bucket``; whether any row uses an adapter."""
+        if plan is None or not plan.groups:
+            self.slots[:bucket].fill_(-1)
+            return False
+        if len(plan.row_slots) != rows:
+            raise RuntimeError(f"a LoRA step planned {len(plan.row_slots)} rows, the graph got {rows}")
+        self.slots[:rows].copy_(staged(list(plan.row_slots), torch.long, self.slots.device))
+        if bucket > rows:
+            self.slots[rows:bucket].fill_(-1)
+        return True
+
+
 class DecodeGraphs:
     """Captured decode steps; :meth:`run` replays the smallest bucket that holds a step."""
 
@@ -103,8 +130,17 @@ class DecodeGraphs:
         self.lengths = torch.zeros((rows,), dtype=torch.int32, device=device)
         self.scratch_slot = runner.scratch_block * size
         self.states = None if runner.states is None else StateInputs(runner.states, rows, device)
+        layers = getattr(runner, "lora", None)
+        self.lora = None if layers is None else LoraInputs(layers, rows, device)
         self.captured: dict[int, CapturedStep] = {}
         self.replays = 0  # decode steps served by a replay (a metric; the GPU check compares it)
+        self.adapter_replays = 0  # of which with a LoRA adapter row (the GPU check reports it)
+        self._adapter_rows = False  # the staged step has a LoRA adapter row
+
+    @property
+    def adapters(self) -> bool:
+        """Whether the graphs take the rows' LoRA slots as inputs (steps with adapter rows replay)."""
+        return self.lora is not None
 
     def fits(self, rows: int) -> bool:
         return rows <= self.max_rows
@@ -134,7 +170,8 @@ class DecodeGraphs:
             "captured decode CUDA graphs for %d batch sizes (up to %d rows%s) in %.1fs",
             len(self.buckets),
             self.max_rows,
-            ", state slots as inputs" if self.states is not None else "",
+            (", state slots as inputs" if self.states is not None else "")
+            + (", LoRA adapter slots as inputs" if self.lora is not None else ""),
             time.monotonic() - started,
         )
 
@@ -153,11 +190,17 @@ class DecodeGraphs:
         if kernel is None:
             step.decode_mask = paged.decode_mask(self.lengths[:rows], self.width * self.runner.block_size)
         states = None if self.states is None else self.states.step(rows)
-        with paged.paged_step(step), state_step(states):
+        with paged.paged_step(step), state_step(states), self._lora_step(rows):
             out = self.runner.model(
                 input_ids=self.ids[:rows], position_ids=self.positions[:rows], use_cache=False
             )
         return out.logits[:, -1].float()
+
+    def _lora_step(self, rows: int) -> AbstractContextManager[None]:
+        """The wrapped layers reading the rows' slots from the buffer (nothing without LoRA)."""
+        if self.lora is None:
+            return nullcontext()
+        return self.lora.layers.rows_step(self.lora.slots[:rows])
 
     def run(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> torch.Tensor:
         """The logits [rows, vocab] of a decode step of ``len(work)`` rows: a view of the bucket's
@@ -167,6 +210,7 @@ class DecodeGraphs:
         captured = self.captured[bucket]
         captured.graph.replay()
         self.replays += 1
+        self.adapter_replays += self._adapter_rows
         return captured.logits[: len(work)]
 
     def stage(self, work: Sequence[Work], fed: torch.Tensor | None = None) -> int:
@@ -189,6 +233,10 @@ class DecodeGraphs:
             self.lengths[rows:bucket].zero_()
         if self.states is not None:
             self.states.stage(work, bucket)
+        self._adapter_rows = False
+        if self.lora is not None:
+            plan = self.lora.layers.plan  # the runner's step over these rows (LoraLayers.step)
+            self._adapter_rows = self.lora.stage(plan if isinstance(plan, LoraPlan) else None, rows, bucket)
         return bucket
 
 
@@ -211,5 +259,5 @@ def capture_decode_graphs(runner: GraphedRunner, max_rows: int, context_length: 
     if not torch.allclose(replayed, eager, rtol=1e-2, atol=1e-2 * float(eager.abs().max()) + 1e-3):
         log.error("a replayed decode graph disagrees with the eager step: %s", EAGER_COST)
         return None
-    graphs.replays = 0  # the metric counts the engine's steps, not this check's replay
+    graphs.replays = graphs.adapter_replays = 0  # the metrics count the engine's steps, not this check's
     return graphs

@@ -15,7 +15,7 @@ from worker.attention.decode_kernel import decode_kernel, kernel_problem
 from worker.attention.kv_pool import KVPool, KVShape, kv_shape
 from worker.attention.state_pool import StatePool
 from worker.device.staging import fence
-from worker.lora.choice import lora_ops
+from worker.lora.choice import lora_ops, lora_row_ops
 from worker.lora.layers import LoraLayers
 from worker.model.architecture import check_attention
 from worker.model.cuda_graphs import DecodeGraphs
@@ -180,8 +180,10 @@ class ModelRunner:
 
     def enable_lora(self, max_loras: int, max_rank: int) -> LoraLayers:
         """Wraps the model's attention and MLP projections for LoRA adapters (worker/lora/): each
-        step then adds its adapters' products, grouped by adapter, to their rows."""
-        self.lora = LoraLayers(self.model, max_loras, max_rank, lora_ops(self.device))
+        step then adds its adapters' products, grouped by adapter, to their rows (per row, each
+        row's slot a graph input, in the captured decode steps). Before the graphs are captured."""
+        ops, row_ops = lora_ops(self.device), lora_row_ops(self.device)
+        self.lora = LoraLayers(self.model, max_loras, max_rank, ops, row_ops)
         return self.lora
 
     def _execute_states(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
@@ -251,9 +253,10 @@ class ModelRunner:
             step.decode_mask = paged.decode_mask(step.decode_lengths, width * self.block_size)
 
     def _decode(self, work: Sequence[Work], fed: torch.Tensor | None) -> torch.Tensor:
-        # The graphs hold the base model's forward: a step with LoRA rows runs eagerly, and so does
-        # a hybrid model's step with verifying rows (their states are kept per round).
-        eager = (self.lora is not None and self.lora.plan is not None) or self._verify is not None
+        # The graphs take each row's LoRA slot as an input (captured with adapters on); a hybrid
+        # model's step with verifying rows runs eagerly (their states are kept per round).
+        lora_rows = self.lora is not None and self.lora.plan is not None
+        eager = (lora_rows and not (self.graphs and self.graphs.adapters)) or self._verify is not None
         if self.graphs is not None and self.graphs.fits(len(work)) and not eager:
             return self.graphs.run(work, fed)
         index_type = torch.int32 if self._use_kernel else torch.long

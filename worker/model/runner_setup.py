@@ -16,6 +16,7 @@ import torch
 from worker.attention import paged
 from worker.attention.kv_pool import KVPool, kv_shape, pool_blocks
 from worker.config import WorkerConfig
+from worker.lora.ops import slotted_torch
 from worker.model.cuda_graphs import capture_decode_graphs
 from worker.model.device import prefer_planless_attention
 from worker.model.fake_runner import DEFAULT_TOKENS, FakeRunner
@@ -189,12 +190,21 @@ def model_runner(loaded: LoadedModel, config: WorkerConfig) -> tuple[ModelRunner
 
 
 def log_graph_scope(runner: ModelRunner) -> None:
-    """With --enable-lora, says at start-up that the captured decode graphs hold the base model's
-    forward only: a step with adapter rows runs eagerly (the adapters' slots are no graph inputs)."""
+    """With --enable-lora, says at start-up what the captured decode graphs hold: each row's adapter
+    slot as an input (decode steps with adapter rows replay them), with which per-row product."""
     if runner.lora is not None and runner.graphs is not None:
+        if not runner.graphs.adapters:
+            log.info(
+                "CUDA graphs: captured for base-model decode steps only; a step with LoRA adapter "
+                "rows runs eagerly (adapter slots are not graph inputs)"
+            )
+            return
+        kernels = runner.lora.row_ops is not slotted_torch
         log.info(
-            "CUDA graphs: captured for base-model decode steps only; a step with LoRA adapter rows "
-            "runs eagerly (adapter slots are not graph inputs yet)"
+            "CUDA graphs: each row's LoRA adapter slot is a graph input, so decode steps with "
+            "adapter rows replay graphs too (per-row products on %s); prompt chunks and mixed "
+            "steps run eagerly",
+            "the Triton row kernels" if kernels else "torch, every slot's over all rows",
         )
 
 

@@ -46,12 +46,22 @@ def test_buckets_cover_every_batch_size_up_to_max_running():
     assert graphs.tables.shape == (100, 256) and graphs.tables.dtype == torch.int32
 
 
-def test_with_lora_the_start_up_says_graphs_hold_only_base_steps(caplog):
+def test_with_lora_the_start_up_says_what_the_graphs_hold(caplog):
+    from worker.lora.ops import slotted_torch
     from worker.model.runner_setup import log_graph_scope
 
+    kernel = SimpleNamespace(row_ops=object())  # the Triton row kernels
     with caplog.at_level(logging.INFO, logger="worker.model.runner_setup"):
         log_graph_scope(SimpleNamespace(lora=None, graphs=object()))  # type: ignore[arg-type]
-        log_graph_scope(SimpleNamespace(lora=object(), graphs=None))  # type: ignore[arg-type]
+        log_graph_scope(SimpleNamespace(lora=kernel, graphs=None))  # type: ignore[arg-type]
         assert caplog.text == ""
-        log_graph_scope(SimpleNamespace(lora=object(), graphs=object()))  # type: ignore[arg-type]
+        log_graph_scope(SimpleNamespace(lora=kernel, graphs=SimpleNamespace(adapters=True)))  # type: ignore[arg-type]
+        assert "adapter slot is a graph input, so decode steps with adapter rows replay" in caplog.text
+        assert "on the Triton row kernels" in caplog.text
+        caplog.clear()
+        torch_rows = SimpleNamespace(row_ops=slotted_torch)
+        log_graph_scope(SimpleNamespace(lora=torch_rows, graphs=SimpleNamespace(adapters=True)))  # type: ignore[arg-type]
+        assert "on torch, every slot's over all rows" in caplog.text
+        caplog.clear()
+        log_graph_scope(SimpleNamespace(lora=kernel, graphs=SimpleNamespace(adapters=False)))  # type: ignore[arg-type]
     assert "base-model decode steps only; a step with LoRA adapter rows runs eagerly" in caplog.text

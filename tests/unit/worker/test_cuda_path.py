@@ -264,3 +264,70 @@ def test_a_hybrid_models_replayed_steps_follow_the_eager_ones_over_their_state_s
     assert eager.states is not None and graphed.states is not None
     for layer, states in eager.states.conv.items():
         torch.testing.assert_close(graphed.states.conv[layer][:4], states[:4], atol=1e-3, rtol=1e-3)
+
+
+def test_replayed_steps_with_adapter_rows_equal_the_eager_steps() -> None:
+    """LoRA adapters in the graphs (each row's slot a graph input, the per-row Triton kernels):
+    adapters loaded after the capture (copied into the slots in place, a third refilling one of
+    the two slots), decode steps mixing two adapters and base rows replay graphs and give the eager
+    steps' logits (the segmented kernels); the adapters move the logits (a base step differs)."""
+    from worker.lora.adapter import LoraWeights
+    from worker.lora.triton_ops import TritonRowLora
+    from worker.model.cuda_graphs import capture_decode_graphs
+    from worker.types import LoraHandle
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1024,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).to(device="cuda", dtype=torch.bfloat16).eval()
+    loaded = SimpleNamespace(
+        model=model, device=torch.device("cuda"), dtype=torch.bfloat16, context_length=1024
+    )
+    runner = ModelRunner(loaded, num_blocks=64 * 4 + 8, block_size=16)  # type: ignore[arg-type]
+    layers = runner.enable_lora(2, 16)
+    assert isinstance(layers.row_ops, TritonRowLora)  # the per-row kernels passed their check
+    graphs = capture_decode_graphs(runner, 64, 1024)
+    assert graphs is not None and graphs.adapters
+    runner.graphs = graphs
+    slots = [(layer.lora_a, layer.lora_b) for layer in layers.layers.values()]
+    pointers = [(a.data_ptr(), b.data_ptr()) for a, b in slots]
+
+    def handle(uid: int, rank: int) -> LoraHandle:
+        generator = torch.Generator().manual_seed(uid)
+        modules = {
+            name: (
+                torch.randn(rank, features[0], generator=generator) * 0.05,
+                torch.randn(features[1], rank, generator=generator) * 0.05,
+            )
+            for name, features in layers.targets.items()
+        }
+        return LoraHandle(f"a{uid}", uid, 2, LoraWeights(f"/a/{uid}", rank, modules))
+
+    first, second, third = handle(1, 16), handle(2, 8), handle(3, 4)
+    # The third adapter comes after the first two (its step refills the slot of one of them).
+    for rows, choices in ((1, [first]), (5, [first, None, second]), (17, [second, None, first]),
+                          (64, [third, first, None])):  # fmt: skip
+        work = []
+        for row in range(rows):
+            table = [row * 4 + b for b in range(4)]
+            prompt = [(row * 7 + t) % 500 + 1 for t in range(row % 50 + 1)]
+            lora = choices[row % len(choices)]
+            runner.execute([Work(prompt, 0, table, True, lora=lora)])
+            work.append(Work([5], len(prompt), table, True, lora=lora))
+        replays, adapter_replays = graphs.replays, graphs.adapter_replays
+        replayed = runner.execute(work).clone()
+        assert (graphs.replays, graphs.adapter_replays) == (replays + 1, adapter_replays + 1), rows
+        runner.graphs = None
+        try:
+            eager = runner.execute(work)
+            base = runner.execute([Work(w.tokens, w.start, w.table, True) for w in work])
+        finally:
+            runner.graphs = graphs
+        scale = float(eager.abs().max())
+        torch.testing.assert_close(replayed, eager, atol=5e-2 * scale, rtol=5e-2, msg=f"{rows} rows")
+        adapted = [i for i, w in enumerate(work) if w.lora is not None]
+        assert not torch.allclose(base[adapted], eager[adapted], atol=5e-2 * scale, rtol=5e-2)
+    assert layers.holds(third.uid) and layers.holds(first.uid) != layers.holds(second.uid)  # refilled one
+    assert [(a.data_ptr(), b.data_ptr()) for a, b in slots] == pointers  # in place

@@ -46,6 +46,11 @@ def test_the_fast_path_metric_says_which_part_is_off() -> None:
     assert 'sluice_worker_fast_path{model="m",part="fused"} 1.0' in text
     assert 'part="quant"' not in text  # a float model has no quantized layers to report
     assert "sluice_worker_decode_graph_replays_total" in text
+    assert "sluice_worker_decode_graph_lora_replays" not in text  # only with --enable-lora
+    with_lora = EngineStats(
+        0, 0, 0, 0, 0, 0, 0, EngineCounters(), fast_path=fast, max_loras=2, graph_lora_replays=7
+    )
+    assert 'sluice_worker_decode_graph_lora_replays_total{model="m"} 7.0' in metrics.render(with_lora, "m")
     quantized = EngineStats(
         0, 0, 0, 0, 0, 0, 0, EngineCounters(), fast_path=FastPath(True, True, True, False)
     )
