@@ -114,7 +114,8 @@ def test_a_cut_through_int4_groups_is_refused_in_one_line(tiny_model_dir: Path) 
 
 class ThreadGroup:
     """What :func:`sharded_runner` uses of a :class:`~worker.parallel.group.RankGroup`, for ranks
-    run as threads: :class:`ThreadSum`'s all-reduce, rank 0's value shared, the pools compared."""
+    run as threads: :class:`ThreadSum`'s all-reduce, rank 0's value shared, the pools and graphs
+    compared."""
 
     def __init__(self, rank: int, ranks: int, summing: ThreadSum, shared: list[Any], met: threading.Barrier):
         self.layout = Layout(rank, ranks, rank, "")
@@ -129,6 +130,10 @@ class ThreadGroup:
 
     def agree(self, value: int, what: str) -> None:
         self._shared.append((what, value))
+
+    def all_of(self, value: bool, what: str) -> bool:
+        self._shared.append((what, value))
+        return value
 
 
 def test_only_rank_zero_reads_the_tokenizer_and_every_rank_warms_up_with_its_context_length(
@@ -173,5 +178,8 @@ def test_only_rank_zero_reads_the_tokenizer_and_every_rank_warms_up_with_its_con
     assert reads == ["rank0"]
     assert lead.tokenizer is not None and follower.tokenizer is None and follower.processor is None
     assert lead.context_length == follower.context_length == 96
-    assert shared[1:] == [("the KV pool's blocks", lead_runner.num_blocks)] * 2
+    assert sorted(shared[1:], key=str) == sorted(
+        [("the KV pool's blocks", lead_runner.num_blocks)] * 2 + [("captured decode graphs", False)] * 2,
+        key=str,
+    )
     assert follower_runner.num_blocks == lead_runner.num_blocks
