@@ -77,6 +77,8 @@ LONGEST_FIRST = (
     "tests/integration/test_tensor_parallel_batches.py",
     "tests/integration/test_tensor_parallel_hybrid.py",
     "tests/integration/test_tensor_parallel_speculation.py",
+    "tests/integration/test_tensor_parallel_invariant.py",
+    "tests/integration/test_tensor_parallel_prequantized.py",
     "tests/integration/test_vision_worker.py",
     "tests/integration/test_reconnect.py",
     "tests/integration/test_families_e2e.py",

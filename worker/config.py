@@ -580,7 +580,6 @@ class WorkerConfig:
             for flag, on in (
                 ("--fake-tokens", self.fake_tokens),
                 ("--kv-offload-bytes", bool(self.kv_offload_bytes)),
-                ("--batch-invariant", self.batch_invariant),
                 (f"--task {self.task}", self.task in ("embed", "score")),
             )
             if on

@@ -41,6 +41,7 @@ from worker.quant import cuda_kernels
 from worker.quant.auto_choice import linear_shapes, measure_once
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
+from worker.quant.slicing import Slicer
 
 log = logging.getLogger(__name__)
 
@@ -118,11 +119,13 @@ def load_model(
     task: str = "generate",
     on_progress: Callable[[float], None] | None = None,
     shard: Callable[[Any], None] | None = None,
+    slicer: Callable[[Any], Slicer] | None = None,
     tokenizer: bool = True,
 ) -> LoadedModel:
     """Loads the model named by ``model`` (see docs/worker.md) onto the chosen device; ``shard``
     (tensor parallelism) replaces the float model's layers by this rank's shards before any
-    packing, and a ``quantization`` scheme then quantizes the shards (each rank holds 1/N).
+    packing, and a ``quantization`` scheme then quantizes the shards (each rank holds 1/N); a
+    pre-quantized checkpoint's layers are cut by ``slicer`` as they are read (never re-quantized).
     ``tokenizer=False`` (a tensor-parallel follower rank, with ``shard``): no tokenizer and no
     processor are read (seconds for a 262k vocabulary), and ``context_length`` is the config's
     alone (the ranks then take rank 0's: :func:`worker.parallel.ranks.sharded_runner`).
@@ -193,11 +196,21 @@ def load_model(
     loaded_tokenizer: PreTrainedTokenizerBase | None = None
     if prequantized is not None and folder is not None:
         try:
-            hf_model = load_prequantized(folder, prequantized, torch_device, torch_dtype)
+            hf_model = load_prequantized(folder, prequantized, torch_device, torch_dtype, slicer)
         except PrequantizedLoadError as exc:
             raise ModelLoadError(str(exc), param="quantization") from exc
         if tokenizer:
             loaded_tokenizer = _load_float_tokenizer(folder, model)
+    elif (
+        shard is not None
+        and slicer is not None
+        and (
+            sharded_gguf := _load_gguf_sharded(
+                gguf, cache, scheme, torch_device, torch_dtype, slicer, tokenizer
+            )
+        )
+    ):
+        hf_model, loaded_tokenizer = sharded_gguf
     elif scheme == "none" or shard is not None:  # a rank quantizes its float shards, once cut
         if gguf is not None:
             folder = converted_gguf_folder(gguf, cache)
@@ -338,6 +351,31 @@ def _load_float_model(
         return model_class.from_pretrained(target, dtype=dtype)
     except OSError as exc:
         raise ModelLoadError(f"could not load model {model!r}: {exc}") from exc
+
+
+def _load_gguf_sharded(
+    gguf: Path | None,
+    cache: Path,
+    scheme: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    slicer: Callable[[Any], Slicer],
+    tokenizer: bool,
+) -> tuple[Any, PreTrainedTokenizerBase | None] | None:
+    """A tensor-parallel rank's share of a GGUF file's quantized blocks, read as they are (Q4_0/Q4_1
+    into int4, Q8_0 into int8: the whole layer's codes, cut by ``slicer``) where the direct load
+    serves (a llama GGUF, int8/int4 on the CPU in float32); None elsewhere (the float shards are
+    quantized once cut)."""
+    if gguf is None or not (device.type == "cpu" and dtype == torch.float32 and scheme in ("int8", "int4")):
+        return None
+    config_folder = gguf_config_folder(gguf, cache)
+    config = AutoConfig.from_pretrained(str(config_folder))
+    try:
+        model = load_gguf_quantized(gguf, config, scheme, slicer(config))
+    except DirectLoadUnsupported as exc:
+        log.info("%s: %s; cutting its float shards, then quantizing them", gguf.name, exc)
+        return None
+    return model, AutoTokenizer.from_pretrained(str(config_folder)) if tokenizer else None
 
 
 def _load_quantized(

@@ -5,6 +5,7 @@ line naming the format, the kernel and the weights' memory. Design notes: docs/w
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ from worker.quant.checkpoint_loading import load_checkpoint_quantized
 from worker.quant.layers import CHOICES, Fp8Linear, Int4Linear, Int8Linear, weight_bytes
 from worker.quant.loading import DirectLoadUnsupported
 from worker.quant.mxfp4 import Mxfp4Experts, float16_bytes
+from worker.quant.slicing import Slicer
 
 log = logging.getLogger(__name__)
 
@@ -87,13 +89,21 @@ def quantized_bytes(model: torch.nn.Module) -> tuple[int, int]:
     return held, float16
 
 
-def load_prequantized(folder: Path, fmt: CheckpointFormat, device: torch.device, dtype: torch.dtype) -> Any:
+def load_prequantized(
+    folder: Path,
+    fmt: CheckpointFormat,
+    device: torch.device,
+    dtype: torch.dtype,
+    slicer: Callable[[Any], Slicer] | None = None,
+) -> Any:
     """The folder's causal LM with its quantized layers in their own form on ``device``; the float
-    layers (norms, embeddings, an unquantized output layer) in ``dtype``."""
+    layers (norms, embeddings, an unquantized output layer) in ``dtype``. ``slicer``: a
+    tensor-parallel rank's, which keeps its share of each quantized layer (the float ones are cut
+    later, by the rank's ``shard``)."""
     try:
         config = AutoConfig.from_pretrained(str(folder))
         del config.quantization_config
-        model, count = load_checkpoint_quantized(folder, config, fmt, device)
+        model, count = load_checkpoint_quantized(folder, config, fmt, device, slicer)
     except (UnsupportedCheckpoint, DirectLoadUnsupported) as exc:
         raise PrequantizedLoadError(f"--model {folder}: {exc}") from exc
     for parameter in model.parameters():

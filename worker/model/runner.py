@@ -53,7 +53,10 @@ def check_batch_invariant(loaded: LoadedModel, exempt: tuple[str, ...] = ()) -> 
     """Raises :class:`ModelLoadError` unless ``loaded`` can run batch-invariant steps (the module
     docstring), and drops the quantized layers' float copies for batches (their kernels are not);
     an MoE block's float experts and router go on the same kernels (worker/quant/moe.py).
-    ``exempt``: module paths whose products see one token at a time (a hybrid's mixers)."""
+    ``exempt``: module paths whose products see one token at a time (a hybrid's mixers); the input
+    embedding, whatever its class (a tensor-parallel rank's vocabulary slice), is a lookup."""
+    table = loaded.model.get_input_embeddings()
+    exempt = (*exempt, *(name for name, module in loaded.model.named_modules() if module is table))
     if loaded.device.type != "cpu":
         raise ModelLoadError("--batch-invariant runs on the CPU only for now", param="batch_invariant")
     scheme = model_scheme(loaded.model)

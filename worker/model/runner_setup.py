@@ -27,6 +27,7 @@ from worker.model.recurrent import state_slot_bytes
 from worker.model.runner import ModelRunner
 from worker.model.step_inputs import FlatTokens, Work
 from worker.quant import cuda_kernels
+from worker.quant.slicing import Slicer
 from worker.types import FastPath
 
 log = logging.getLogger(__name__)
@@ -88,10 +89,11 @@ def load_configured(
     *,
     device: str | None = None,
     shard: Callable[[Any], None] | None = None,
+    slicer: Callable[[Any], Slicer] | None = None,
     tokenizer: bool = True,
 ) -> LoadedModel:
     """The model the settings name, loaded as they say (on ``device`` instead of ``--device`` when
-    given; ``shard`` and ``tokenizer``: a tensor-parallel rank's, see
+    given; ``shard``, ``slicer`` and ``tokenizer``: a tensor-parallel rank's, see
     :func:`worker.model.loader.load_model`)."""
     return load_model(
         config.model,
@@ -104,6 +106,7 @@ def load_configured(
         task=config.task,
         on_progress=on_progress,
         shard=shard,
+        slicer=slicer,
         tokenizer=tokenizer,
     )
 

@@ -93,7 +93,7 @@ def shard_moe(block: Any, rank: int, ranks: int, all_reduce: AllReduce) -> None:
     latent_out = getattr(block, LATENT_OUT, None)
     if isinstance(latent_out, nn.Linear) and latent_out.bias is not None and rank != 0:
         latent_out.bias.data = torch.zeros_like(latent_out.bias.data)
-    block.register_forward_hook(_summed(all_reduce))
+    block.register_forward_hook(summed_output(all_reduce))
 
 
 def _shard_dense(mlp: Any, rank: int, ranks: int) -> None:
@@ -133,7 +133,7 @@ def _keep(experts: Any, name: str, dim: int, index: torch.Tensor) -> None:
         setattr(experts, name, nn.Parameter(kept, requires_grad=False))
 
 
-def _summed(all_reduce: AllReduce) -> Callable[[nn.Module, Any, Any], Any]:
+def summed_output(all_reduce: AllReduce) -> Callable[[nn.Module, Any, Any], Any]:
     """A forward hook replacing a block's output (the first of a tuple) by its sum over the ranks."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:

@@ -9,12 +9,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import logging
 import pickle
 import subprocess
 import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from worker.config import WorkerConfig
@@ -32,7 +34,10 @@ from worker.parallel.group import (
     Stop,
     rendezvous_store,
 )
+from worker.parallel.ordered_sum import ordered_all_reduce
+from worker.parallel.quantized_shards import QuantizedShards
 from worker.parallel.sharding import Shard, shard_model
+from worker.quant.checkpoint_formats import UnsupportedCheckpoint, read_format
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +49,24 @@ FOLLOWER_MODULE = "worker.parallel.follower"
 def rank_config(config: WorkerConfig) -> WorkerConfig:
     """The settings every rank loads and builds with: float weights for ``--quantization auto``
     (its measured choice is for the whole model's shapes; int8/int4/fp8 quantize each rank's
-    shards)."""
-    quantization = "none" if config.quantization == "auto" else config.quantization
+    shards) unless the checkpoint is pre-quantized (served in its own form, each rank's layers cut
+    as read)."""
+    quantization = config.quantization
+    if quantization == "auto" and not _prequantized(config.model):
+        quantization = "none"
     return dataclasses.replace(config, quantization=quantization)
+
+
+def _prequantized(model: str | None) -> bool:
+    """Whether ``--model`` is a folder of a pre-quantized checkpoint (one the loader refuses counts:
+    its refusal names the format)."""
+    folder = None if model is None else Path(model).expanduser()
+    if folder is None or not folder.is_dir():
+        return False
+    try:
+        return read_format(folder) is not None
+    except UnsupportedCheckpoint:
+        return True
 
 
 def rank_device(device: str, local_rank: int) -> str:
@@ -63,9 +83,12 @@ def sharded_runner(
     """Every rank alike: loads its shard, waits for the others, builds and warms its runner (the
     warm-up's forwards run on every rank together) and checks that the pools match. Rank 0 alone
     reads the tokenizer (a follower only computes: seconds saved per rank for a large vocabulary);
-    every rank takes rank 0's context length, which the tokenizer can lower, so the warm-ups match."""
+    every rank takes rank 0's context length, which the tokenizer can lower, so the warm-ups match.
+    With ``--batch-invariant`` the shards' sums add the ranks' parts in rank order
+    (:mod:`worker.parallel.ordered_sum`)."""
     layout = group.layout
-    shard = Shard(layout.rank, layout.ranks, group.all_reduce)
+    summed = ordered_all_reduce(layout.ranks) if config.batch_invariant else group.all_reduce
+    shard = Shard(layout.rank, layout.ranks, summed)
 
     settings = rank_config(config)
 
@@ -74,7 +97,10 @@ def sharded_runner(
 
     device = rank_device(config.device, layout.local_rank)
     lead = layout.rank == 0
-    loaded = load_configured(settings, on_progress, device=device, shard=sharded, tokenizer=lead)
+    slicer = functools.partial(QuantizedShards, layout.rank, layout.ranks)
+    loaded = load_configured(
+        settings, on_progress, device=device, shard=sharded, slicer=slicer, tokenizer=lead
+    )
     context = group.share(loaded.context_length)  # waits for every rank, as a barrier
     if context != loaded.context_length:
         loaded = dataclasses.replace(loaded, context_length=context)

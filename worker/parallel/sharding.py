@@ -25,8 +25,11 @@ from worker.parallel.hybrid import (
     shard_mixer,
     unsharded_piece,
 )
+from worker.parallel.quantized_shards import WholeRowScale, mxfp4_width, per_token, shard_mxfp4
 from worker.parallel.vocabulary import shard_vocabulary
-from worker.quant.layers import INT4_GROUP
+from worker.quant.layers import INT4_GROUP, Fp8Linear, Int4Linear, Int8Linear
+from worker.quant.mxfp4 import BLOCK as MXFP4_BLOCK
+from worker.quant.mxfp4 import Mxfp4Experts
 
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj")
 MLP_COLUMNS = ("gate_proj", "up_proj")
@@ -36,6 +39,8 @@ FUSED_MLP = ("input_linear", "output_linear")
 LFM2_MLP = ("w1", "w3", "w2")  # LFM2's feed-forward: gate, up, down
 ROW_INPUTS = ("down_proj", "output_linear", "w2")  # an MLP's row-parallel projection
 AllReduce = Callable[[torch.Tensor], None]
+# A pre-quantized checkpoint's layers, cut as they are read (worker/parallel/quantized_shards.py).
+CUT_AT_LOAD = (Int4Linear, Int8Linear, Fp8Linear)
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,16 @@ class RowParallel(nn.Module):
 
     def __init__(self, linear: nn.Linear, shard: Shard):
         super().__init__()
+        self._all_reduce = shard.all_reduce
+        # The inputs a pre-quantized part reads: the whole layer's for act-order's spread groups.
+        self.rank, self.reads = shard.rank, int(getattr(linear, "inputs", 0))
+        if isinstance(linear, CUT_AT_LOAD):  # this rank's columns already
+            if shard.rank != 0:
+                linear.bias = None
+            self.part: nn.Module = linear
+            if per_token(linear):
+                self.part = WholeRowScale(linear, shard.rank, shard.ranks, shard.all_reduce)
+            return
         width = linear.in_features // shard.ranks
         part = nn.Linear(width, linear.out_features, bias=linear.bias is not None and shard.rank == 0)
         part.to(device=linear.weight.device, dtype=linear.weight.dtype)
@@ -61,16 +76,28 @@ class RowParallel(nn.Module):
             part.bias.data = linear.bias.data.clone()
         part.requires_grad_(False)
         self.part = part
-        self._all_reduce = shard.all_reduce
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.reads and self.reads != hidden.shape[-1]:  # gathered: the part reads the whole input
+            width = hidden.shape[-1]
+            whole = hidden.new_zeros(*hidden.shape[:-1], self.reads)
+            whole[..., self.rank * width : (self.rank + 1) * width] = hidden
+            self._all_reduce(whole)  # exact: each input one rank's value plus zeros
+            hidden = whole
         out = self.part(hidden)
         self._all_reduce(out)
         return out
 
 
 def _rows(linear: nn.Linear, first: int, count: int) -> nn.Linear:
-    """A column-parallel slice: output features ``first .. first + count`` of ``linear``."""
+    """A column-parallel slice: output features ``first .. first + count`` of ``linear`` (a
+    pre-quantized layer is that slice already)."""
+    if isinstance(linear, CUT_AT_LOAD):
+        if linear.out_features != count:
+            raise ModelLoadError(
+                f"a pre-quantized layer of {linear.out_features} outputs, not this rank's {count}"
+            )
+        return linear
     part = nn.Linear(linear.in_features, count, bias=linear.bias is not None)
     part.to(device=linear.weight.device, dtype=linear.weight.dtype)
     part.weight.data = linear.weight.data[first : first + count].clone()
@@ -84,7 +111,8 @@ def _column(parent: nn.Module, name: str, first: int, count: int) -> None:
     """Replaces ``parent.name`` by its column-parallel slice (:func:`_rows`), its cut noted for LoRA."""
     linear = getattr(parent, name)
     setattr(parent, name, _rows(linear, first, count))
-    note_cut(parent, name, column_cut(linear, first, count))
+    if not isinstance(linear, CUT_AT_LOAD):  # a pre-quantized shard: no whole shape to note (no LoRA)
+        note_cut(parent, name, column_cut(linear, first, count))
 
 
 def _row(parent: nn.Module, name: str, shard: Shard) -> None:
@@ -92,7 +120,8 @@ def _row(parent: nn.Module, name: str, shard: Shard) -> None:
     linear = getattr(parent, name)
     setattr(parent, name, RowParallel(linear, shard))
     width = linear.in_features // shard.ranks
-    note_cut(parent, name, row_cut(linear, shard.rank * width, width, "part"))
+    if not isinstance(linear, CUT_AT_LOAD):
+        note_cut(parent, name, row_cut(linear, shard.rank * width, width, "part"))
 
 
 def decoder_layers(model: Any) -> list[Any]:
@@ -164,7 +193,9 @@ def check_shardable(model: Any, ranks: int, quantization: str = "none") -> None:
     layers = decoder_layers(model)
     if not layers or len(layers) != int(getattr(config, "num_hidden_layers", -1)):
         raise ModelLoadError(f"{where} has layers other than attention and an MLP; not supported yet")
-    widths = [width for index, layer in enumerate(layers) for width in _checked_widths(layer, index, where)]
+    widths = [
+        width for index, layer in enumerate(layers) for width in _checked_widths(layer, index, where, ranks)
+    ]
     heads = int(config.num_attention_heads)
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     problems = [f"{heads} attention heads"] if heads % ranks else []
@@ -211,10 +242,11 @@ def _check_groups(layer: Any, ranks: int, where: str) -> None:
         )
 
 
-def _checked_widths(layer: Any, index: int, where: str) -> list[int]:
+def _checked_widths(layer: Any, index: int, where: str, ranks: int) -> list[int]:
     """The widths layer ``index``'s MLP blocks (or each expert) split; raises
-    :class:`ModelLoadError` where a projection is not a float ``nn.Linear`` or an MoE block holds
-    more than experts and a router."""
+    :class:`ModelLoadError` where a projection is not an ``nn.Linear`` or a pre-quantized layer,
+    an MoE block holds more than experts and a router, or a rank's share of MXFP4 experts would
+    cut through their blocks."""
     mixer, attention = mixer_of(layer), attention_of(layer)
     parts: list[tuple[Any, tuple[str, ...]]] = []
     if mixer is not None:
@@ -225,7 +257,19 @@ def _checked_widths(layer: Any, index: int, where: str) -> list[int]:
     widths = []
     for block in mlp_blocks(layer):
         experts = experts_of(block)
-        if experts is None:
+        if isinstance(mxfp4 := getattr(block, "experts", None), Mxfp4Experts):
+            if extra := extra_parts(block):
+                raise ModelLoadError(
+                    f"{where}: layer {index}'s MoE block has {'/'.join(extra)}; not supported yet"
+                )
+            width = mxfp4_width(mxfp4)
+            if width % ranks == 0 and (width // ranks) % MXFP4_BLOCK:
+                raise ModelLoadError(
+                    f"{where}: layer {index}'s MXFP4 experts: down_proj's blocks of {MXFP4_BLOCK} inputs "
+                    f"would straddle the ranks' cut ({width // ranks} inputs per rank); use fewer ranks"
+                )
+            widths.append(width)
+        elif experts is None:
             parts.append((block, _dense_names(block)))
         elif extra := extra_parts(block):
             raise ModelLoadError(
@@ -236,14 +280,15 @@ def _checked_widths(layer: Any, index: int, where: str) -> list[int]:
             if (shared := shared_expert(block)) is not None:
                 widths.append(int(shared.down_proj.in_features))
     for part, names in parts:
-        if any(not isinstance(getattr(part, n, None), nn.Linear) for n in names):
+        if any(not isinstance(getattr(part, n, None), (nn.Linear, *CUT_AT_LOAD)) for n in names):
             kinds = [type(getattr(part, n, None)).__name__ for n in names]
             raise ModelLoadError(
-                f"{where}: layer {index} needs float nn.Linear {'/'.join(names)} to shard, has "
-                f"{'/'.join(kinds)} (fused or pre-quantized projections are not supported yet)"
+                f"{where}: layer {index} needs nn.Linear or pre-quantized {'/'.join(names)} to shard, "
+                f"has {'/'.join(kinds)} (fused projections are not supported yet)"
             )
         if names[-1] in ROW_INPUTS:
-            widths.append(int(getattr(part, names[-1]).in_features))
+            down = getattr(part, names[-1])  # a pre-quantized one is this rank's share already
+            widths.append(int(down.in_features) * (ranks if isinstance(down, CUT_AT_LOAD) else 1))
     return widths
 
 
@@ -254,36 +299,46 @@ def shard_model(model: Any, shard: Shard, quantization: str = "none") -> None:
     layer by their vocabulary's slices (:mod:`worker.parallel.vocabulary`: every rank gets the
     full logits); norms and routers stay whole."""
     check_shardable(model, shard.ranks, quantization)
+    heads = int(model.config.num_attention_heads)
+    kv_heads = int(getattr(model.config, "num_key_value_heads", None) or heads)
     for layer in decoder_layers(model):
         if (mixer := mixer_of(layer)) is not None:
             shard_mixer(mixer, shard.rank, shard.ranks, shard.all_reduce)
             mixer.out_proj = RowParallel(mixer.out_proj, shard)
         if (attention := attention_of(layer)) is not None:  # Falcon-H1: both, side by side
-            _shard_attention(attention, shard)
+            _shard_attention(attention, shard, (heads, kv_heads))
         for mlp in mlp_blocks(layer):
-            if experts_of(mlp) is not None:
+            if isinstance(getattr(mlp, "experts", None), Mxfp4Experts):
+                shard_mxfp4(mlp, shard.rank, shard.ranks, shard.all_reduce)
+            elif experts_of(mlp) is not None:
                 shard_moe(mlp, shard.rank, shard.ranks, shard.all_reduce)
             elif hasattr(mlp, "input_linear"):  # Granite 4's shared MLP: [gate | up] in one linear
                 shard_fused_mlp(mlp, shard.rank, shard.ranks)
                 mlp.output_linear = RowParallel(mlp.output_linear, shard)
             else:
                 *columns, down = _dense_names(mlp)
-                width = getattr(mlp, down).in_features // shard.ranks
+                row = getattr(mlp, down)  # a pre-quantized one is this rank's share already
+                width = row.in_features // (1 if isinstance(row, CUT_AT_LOAD) else shard.ranks)
                 for name in columns:
                     _column(mlp, name, shard.rank * width, width)
                 _row(mlp, down, shard)
     shard_vocabulary(model, shard.rank, shard.ranks, shard.all_reduce)
 
 
-def _shard_attention(attention: Any, shard: Shard) -> None:
+def _shard_attention(attention: Any, shard: Shard, counted: tuple[int, int]) -> None:
     """This rank's query heads (and their sinks), and the KV heads they read: a slice of them, or
     the one they share where there are fewer KV heads than ranks (replicated). A query head's rows
-    are ``head_dim``, or a query and its output gate (Qwen3.5's, ``2 * head_dim``)."""
+    are ``head_dim``, or a query and its output gate (Qwen3.5's, ``2 * head_dim``). ``counted``:
+    the config's heads and KV heads, for pre-quantized projections (cut already)."""
     head_dim = int(attention.head_dim)
-    kv_heads = attention.k_proj.out_features // head_dim
-    groups = getattr(attention, "num_key_value_groups", None)
-    heads = kv_heads * int(groups) if groups else attention.q_proj.out_features // head_dim
-    rows = attention.q_proj.out_features // heads
+    if isinstance(attention.q_proj, CUT_AT_LOAD):
+        heads, kv_heads = counted
+        rows = attention.q_proj.out_features * shard.ranks // heads
+    else:
+        kv_heads = attention.k_proj.out_features // head_dim
+        groups = getattr(attention, "num_key_value_groups", None)
+        heads = kv_heads * int(groups) if groups else attention.q_proj.out_features // head_dim
+        rows = attention.q_proj.out_features // heads
     local = heads // shard.ranks
     _column(attention, "q_proj", shard.rank * local * rows, local * rows)
     if kv_heads >= shard.ranks:

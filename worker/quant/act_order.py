@@ -12,12 +12,14 @@ from worker.quant.layers import Int4Linear
 
 def group_order(g_idx: torch.Tensor, group: int, name: str) -> torch.Tensor | None:
     """The input order that makes ``g_idx`` (each input feature's group) contiguous, None where it
-    already is; refused where a group does not hold exactly ``group`` features."""
+    already is; refused where a group does not hold exactly ``group`` features. A group of -1: an
+    input this layer does not read (another tensor-parallel rank's groups), left out of the order."""
     g_idx = g_idx.to(torch.int64)
-    plain = torch.arange(g_idx.numel(), device=g_idx.device) // group
+    held = int((g_idx >= 0).sum())
+    plain = torch.arange(held, device=g_idx.device) // group
     if torch.equal(g_idx, plain):
         return None
-    order = torch.argsort(g_idx, stable=True)
+    order = torch.argsort(g_idx, stable=True)[g_idx.numel() - held :]
     if not torch.equal(g_idx[order], plain):
         raise UnsupportedCheckpoint(f"{name}.g_idx: groups of other than {group} input features")
     return order
@@ -34,11 +36,13 @@ class ActOrderInt4Linear(Int4Linear):
     ):
         super().__init__(q[:, order], scale, zero, group=group, batch_copy=False)
         self.register_buffer("order", order.to(torch.int32))  # index_select takes int32: half the bytes
+        self.inputs = int(q.shape[1])  # the inputs it reads (more than it holds: a rank's groups)
 
     def dequantized(self) -> torch.Tensor:
-        """The weight in the checkpoint's own column order."""
+        """The weight in the checkpoint's own column order (zeros for inputs it does not hold)."""
         weight = super().dequantized()
-        return torch.empty_like(weight).index_copy_(1, self.order.long(), weight)
+        whole = weight.new_zeros(self.out_features, self.inputs)
+        return whole.index_copy_(1, self.order.long(), weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return super().forward(x.index_select(-1, self.order))

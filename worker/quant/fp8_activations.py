@@ -12,12 +12,13 @@ from worker.quant.layers import Fp8Linear
 _E4M3 = torch.finfo(torch.float8_e4m3fn)
 
 
-def fp8_per_token(x: torch.Tensor, group: int = 0) -> torch.Tensor:
+def fp8_per_token(x: torch.Tensor, group: int = 0, amax: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` with each row (last dimension) rounded to e4m3 at scale ``max|row| / 448`` and back;
-    with ``group``, each run of ``group`` columns of a row under its own scale."""
+    with ``group``, each run of ``group`` columns of a row under its own scale; ``amax`` (rows'
+    shape, last dimension 1): the rows' largest magnitudes, given (a row-parallel shard's whole row)."""
     if group and x.shape[-1] % group == 0 and x.shape[-1] != group:
         return fp8_per_token(x.unflatten(-1, (-1, group))).flatten(-2)
-    scale = x.abs().amax(dim=-1, keepdim=True) / _E4M3.max
+    scale = (x.abs().amax(dim=-1, keepdim=True) if amax is None else amax) / _E4M3.max
     scale = torch.where(scale == 0, torch.full_like(scale, torch.finfo(x.dtype).eps), scale)
     rounded = (x / scale).clamp(_E4M3.min, _E4M3.max).to(torch.float8_e4m3fn)
     return rounded.to(x.dtype) * scale
@@ -39,8 +40,8 @@ class Fp8DynamicLinear(Fp8Linear):
 
 class Fp8BlockDynamicLinear(Fp8BlockLinear):
     """An :class:`Fp8BlockLinear` whose inputs are rounded to e4m3 per group of ``group`` columns
-    (compressed-tensors' FP8-block scheme: its dynamic group activations), then multiplied by the
-    upcast weight."""
+    (compressed-tensors' FP8-block scheme: its dynamic group activations; 0: per token), then
+    multiplied by the upcast weight."""
 
     def __init__(self, qweight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], group: int):
         super().__init__(qweight, scale, block)
@@ -50,4 +51,5 @@ class Fp8BlockDynamicLinear(Fp8BlockLinear):
         return super().forward(fp8_per_token(x, self.group))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, fp8 e4m3 activations per {self.group} columns"
+        per = f"{self.group} columns" if self.group else "token"
+        return f"{super().extra_repr()}, fp8 e4m3 activations per {per}"

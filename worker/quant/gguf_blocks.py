@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from worker.quant.layers import INT4_GROUP, Int4Linear, Int8Linear, QuantizedLinear, quantize_weight
+from worker.quant.slicing import WHOLE, Slicer
 
 BLOCK = 32
 
@@ -58,25 +59,44 @@ def dequantized(tensor: GGUFMatrix, rows: np.ndarray | None = None) -> torch.Ten
     return weight if rows is None else weight[torch.from_numpy(rows)]
 
 
-def repacked_linear(tensor: GGUFMatrix, scheme: str, rows: np.ndarray | None = None) -> QuantizedLinear:
-    """A quantized layer holding the GGUF matrix ``tensor`` (rows reordered by ``rows``).
+def repacked_linear(
+    tensor: GGUFMatrix,
+    scheme: str,
+    rows: np.ndarray | None = None,
+    slicer: Slicer = WHOLE,
+    path: str = "",
+) -> QuantizedLinear:
+    """A quantized layer holding the GGUF matrix ``tensor`` (rows reordered by ``rows``), cut by a
+    tensor-parallel rank's ``slicer`` (``path``: the layer's) to the whole layer's slice.
 
     ``scheme`` is the worker's choice (``int8`` or ``int4``). Q4_0/Q4_1 blocks go into an
     :class:`Int4Linear` as they are when ``scheme`` is int4; a Q8_0 tensor always becomes an
     :class:`Int8Linear` (int4 would throw away precision the file keeps, and the file keeps 8 bits
     where it matters, such as the tied embedding and output layer). Anything else is dequantized and
-    quantized to ``scheme``.
+    quantized to ``scheme`` (int4's groups and an int8 layer's rows quantized whole, then cut).
     """
     kind = tensor.tensor_type
-    if kind == GGMLQuantizationType.Q8_0:
-        return int8_from_q8_0(tensor, rows)
     if kind in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1) and scheme == "int4":
-        return int4_from_q4(tensor, rows)
-    return quantize_weight(scheme, dequantized(tensor, rows))
+        q, scale, zero, _ = slicer.int4(path, *int4_parts_from_q4(tensor, rows), None, INT4_GROUP)
+        return Int4Linear(q.contiguous(), scale.contiguous(), zero.contiguous(), group=INT4_GROUP)
+    if kind == GGMLQuantizationType.Q8_0:
+        whole: QuantizedLinear = int8_from_q8_0(tensor, rows)
+    elif scheme == "int4" and slicer is not WHOLE:  # quantized in groups: the slice's are the whole's
+        weight, _ = slicer.per_row(path, dequantized(tensor, rows), torch.ones(int(tensor.shape[1])))
+        return quantize_weight(scheme, weight.contiguous())
+    else:
+        whole = quantize_weight(scheme, dequantized(tensor, rows))
+    if slicer is WHOLE or not isinstance(whole, Int8Linear):
+        return whole
+    q, scale = slicer.per_row(path, whole.qweight, whole.scale)
+    return Int8Linear(q.contiguous(), scale.contiguous())
 
 
-def int4_from_q4(tensor: GGUFMatrix, rows: np.ndarray | None = None) -> Int4Linear:
-    """Q4_0 / Q4_1 blocks as an :class:`Int4Linear` without dequantizing (same 4-bit values)."""
+def int4_parts_from_q4(
+    tensor: GGUFMatrix, rows: np.ndarray | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_0 / Q4_1 blocks as :class:`Int4Linear`'s parts: the 4-bit values [out, in], and each
+    block's scale and offset [in / 32, out] (no dequantizing)."""
     blocks = _blocks(tensor, rows)
     scale = _f16(blocks, 0)
     if tensor.tensor_type == GGMLQuantizationType.Q4_1:
@@ -84,7 +104,12 @@ def int4_from_q4(tensor: GGUFMatrix, rows: np.ndarray | None = None) -> Int4Line
         zero, quants = _f16(blocks, 2) + 8 * scale, blocks[..., 4:]
     else:
         zero, quants = torch.zeros_like(scale), blocks[..., 2:]
-    return Int4Linear(_nibbles(quants), scale.t().contiguous(), zero.t().contiguous(), group=INT4_GROUP)
+    return _nibbles(quants), scale.t().contiguous(), zero.t().contiguous()
+
+
+def int4_from_q4(tensor: GGUFMatrix, rows: np.ndarray | None = None) -> Int4Linear:
+    """Q4_0 / Q4_1 blocks as an :class:`Int4Linear` without dequantizing (same 4-bit values)."""
+    return Int4Linear(*int4_parts_from_q4(tensor, rows), group=INT4_GROUP)
 
 
 def int8_from_q8_0(tensor: GGUFMatrix, rows: np.ndarray | None = None) -> Int8Linear:

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from worker.quant.gguf_blocks import GGUFMatrix, dequantized, int8_from_q8_0, repacked_linear
 from worker.quant.gguf_file import read_gguf
 from worker.quant.layers import Int8Embedding, Int8Linear, quantize_weight
+from worker.quant.slicing import WHOLE, Slicer
 
 log = logging.getLogger(__name__)
 
@@ -121,11 +122,13 @@ def _tie_output(model: torch.nn.Module, config: Any, embedding: torch.Tensor | N
 
 
 @torch.no_grad()
-def load_gguf_quantized(gguf: Path, config: Any, scheme: str) -> torch.nn.Module:
+def load_gguf_quantized(gguf: Path, config: Any, scheme: str, slicer: Slicer = WHOLE) -> torch.nn.Module:
     """A llama-architecture GGUF file as a CPU model with quantized linear layers.
 
     Q4_0/Q4_1 weights keep their 4-bit values and Q8_0 weights their 8-bit ones (see
     worker/quant/gguf_blocks.py); the norms are float32. ``scheme`` is ``int8`` or ``int4``.
+    ``slicer``: a tensor-parallel rank's, which keeps its share of each decoder projection (the
+    embedding and output layer stay whole).
     """
     reader = read_gguf(gguf)
     architecture = reader.architecture
@@ -146,7 +149,8 @@ def load_gguf_quantized(gguf: Path, config: Any, scheme: str) -> torch.nn.Module
                 rows = unpermuted_rows(module.out_features, config.num_attention_heads)
             elif path.endswith("k_proj"):
                 rows = unpermuted_rows(module.out_features, config.num_key_value_heads)
-            _set_module(model, path, repacked_linear(tensor, scheme, rows))
+            cut = slicer if path.startswith("model.layers.") else WHOLE
+            _set_module(model, path, repacked_linear(tensor, scheme, rows, cut, path))
         elif path != "model.embed_tokens":
             _set_parameter(model, f"{path}.weight", dequantized(tensor))
     embedding = tensors.get("model.embed_tokens")
