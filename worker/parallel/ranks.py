@@ -86,6 +86,13 @@ def sharded_runner(
     every rank takes rank 0's context length, which the tokenizer can lower, so the warm-ups match.
     With ``--batch-invariant`` the shards' sums add the ranks' parts in rank order
     (:mod:`worker.parallel.ordered_sum`)."""
+    if config.enable_lora and _prequantized(config.model):
+        raise ModelLoadError(
+            f"--enable-lora with --tensor-parallel-size {config.tensor_parallel_size}: {config.model} is "
+            "a pre-quantized checkpoint, whose cut layers the adapters cannot be cut by yet (float "
+            "weights, or --quantization int8/int4, are)",
+            param="enable_lora",
+        )
     layout = group.layout
     summed = ordered_all_reduce(layout.ranks) if config.batch_invariant else group.all_reduce
     shard = Shard(layout.rank, layout.ranks, summed)

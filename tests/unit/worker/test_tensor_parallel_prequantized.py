@@ -282,3 +282,18 @@ def test_heads_that_do_not_split_are_refused_by_the_sharding_naming_them() -> No
     assert refused.value.message == (
         "--tensor-parallel-size 3: llama has 4 attention heads and 2 KV heads, which do not divide by 3"
     )
+
+
+def test_adapters_over_a_cut_pre_quantized_checkpoint_are_refused_in_one_line() -> None:
+    """LoRA's wrapped layers take their share of an adapter by the float shards' cuts, which a
+    pre-quantized layer cut as read does not record: refused at load naming both settings."""
+    from worker.config import parse_config
+    from worker.model.loader import ModelLoadError
+    from worker.parallel.ranks import sharded_runner
+
+    folder = fixture("gptq")
+    config = parse_config(["--model", str(folder), "-tp", "2", "--enable-lora"], environ={})
+    with pytest.raises(
+        ModelLoadError, match=r"--enable-lora with --tensor-parallel-size 2: .* pre-quantized"
+    ):
+        sharded_runner(config, None)  # type: ignore[arg-type]  # refused before the group is used
