@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -10,8 +11,10 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import TypeVar
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -333,3 +336,21 @@ def build_tiny_hybrid(folder: Path, tokenizer_dir: Path) -> Path:
     Qwen3_5ForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+Started = TypeVar("Started", bound=_Process)
+
+
+@contextlib.contextmanager
+def side_by_side(processes: Sequence[Started]) -> Iterator[Sequence[Started]]:
+    """Starts ``processes`` together (every one launched, then each waited for: their loads overlap)
+    and stops them all when the block ends, however it ends."""
+    try:
+        for process in processes:
+            process.launch()
+        for process in processes:
+            process.wait_ready()
+        yield processes
+    finally:
+        for process in processes:
+            process.stop()

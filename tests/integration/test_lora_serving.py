@@ -21,7 +21,7 @@ from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.grpc_reads import ids_and_prompt_logprobs
 from tests.lora_adapters import build_adapter, greedy_tokens, merged_model, prompt_logprobs
-from tests.processes import EdgeProcess, WorkerProcess
+from tests.processes import EdgeProcess, WorkerProcess, side_by_side
 
 pytestmark = pytest.mark.integration
 
@@ -70,15 +70,8 @@ def workers(model_cache, tiny_model_dir, adapters, tmp_path_factory):
         )
         for name, extra in extras.items()
     ]
-    try:
-        for worker in started:  # both start at once
-            worker.launch()
-        for worker in started:
-            worker.wait_ready()
+    with side_by_side(started):
         yield started[0], started[1]
-    finally:
-        for worker in started:
-            worker.stop()
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests.migration_scenario import EDGE_FLAGS, kill_under_streams
-from tests.processes import EdgeProcess, WorkerProcess
+from tests.processes import EdgeProcess, WorkerProcess, side_by_side
 
 pytestmark = pytest.mark.integration
 
@@ -46,15 +46,8 @@ def two_workers(model_cache: Path, tmp_path_factory: pytest.TempPathFactory) -> 
             "on",
         ]
         workers.append(WorkerProcess(cache_dir=model_cache, log_dir=logs / worker_id, extra=extra))
-    try:
-        for worker in workers:  # both load at once
-            worker.launch()
-        for worker in workers:
-            worker.wait_ready()
+    with side_by_side(workers):
         yield workers
-    finally:
-        for worker in workers:
-            worker.stop()
 
 
 def test_streams_survive_their_worker_being_killed(two_workers, tmp_path: Path) -> None:

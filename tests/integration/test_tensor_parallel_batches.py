@@ -16,7 +16,7 @@ import pytest
 
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from tests.processes import WorkerProcess
+from tests.processes import WorkerProcess, side_by_side
 
 pytestmark = pytest.mark.integration
 
@@ -92,15 +92,8 @@ def workers(
         WorkerProcess(cache_dir=model_cache, log_dir=logs, model=str(tiny_model_dir), extra=extra)
         for extra in ([*SMALL_POOL, "-tp", "2"], SMALL_POOL)
     ]
-    try:
-        for worker in started:
-            worker.launch()
-        for worker in started:
-            worker.wait_ready()
+    with side_by_side(started):
         yield started[0], started[1]
-    finally:
-        for worker in started:
-            worker.stop()
 
 
 def test_two_ranks_preempted_and_reusing_a_prefix_decode_the_tokens_of_one(

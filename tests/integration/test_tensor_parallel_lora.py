@@ -17,7 +17,7 @@ from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.grpc_reads import ids_and_prompt_logprobs
 from tests.lora_adapters import build_adapter
-from tests.processes import WorkerProcess
+from tests.processes import WorkerProcess, side_by_side
 
 pytestmark = pytest.mark.integration
 
@@ -60,15 +60,8 @@ def workers(
         WorkerProcess(cache_dir=model_cache, log_dir=logs, model=str(tiny_model_dir), extra=extra)
         for extra in ([*FLAGS, *modules, "-tp", "2"], [*FLAGS, *modules])
     ]
-    try:
-        for worker in started:
-            worker.launch()
-        for worker in started:
-            worker.wait_ready()
+    with side_by_side(started):
         yield started[0], started[1]
-    finally:
-        for worker in started:
-            worker.stop()
 
 
 def generate(worker: WorkerProcess, model: str, prompt: list[int]) -> tuple[list[int], list[float]]:

@@ -15,7 +15,7 @@ import pytest
 
 from sluice.v1 import worker_pb2 as pb
 from tests.grpc_reads import ids_and_prompt_logprobs
-from tests.processes import WorkerProcess
+from tests.processes import WorkerProcess, side_by_side
 from tools.quant_fixtures import PROMPT, ROOT
 
 pytestmark = pytest.mark.integration
@@ -49,15 +49,8 @@ def workers(
         WorkerProcess(cache_dir=logs, log_dir=logs, model=str(folder), extra=["--device", "cpu", *extra])
         for extra in (["-tp", "2"], [])
     ]
-    try:
-        for worker in started:
-            worker.launch()
-        for worker in started:
-            worker.wait_ready()
+    with side_by_side(started):
         yield name, started[0], started[1]
-    finally:
-        for worker in started:
-            worker.stop()
 
 
 def asked(worker: WorkerProcess) -> list[tuple[list[int], list[float]]]:

@@ -15,7 +15,7 @@ import pytest
 
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from tests.processes import WorkerProcess
+from tests.processes import WorkerProcess, side_by_side
 
 pytestmark = pytest.mark.integration
 
@@ -48,15 +48,8 @@ def workers(
         name: WorkerProcess(cache_dir=model_cache, log_dir=logs, model=str(tiny_model_dir), extra=extra)
         for name, extra in extras.items()
     }
-    try:
-        for worker in started.values():
-            worker.launch()
-        for worker in started.values():
-            worker.wait_ready()
+    with side_by_side(list(started.values())):
         yield started
-    finally:
-        for worker in started.values():
-            worker.stop()
 
 
 def generate(worker: WorkerProcess, prompt: list[int]) -> list[int]:
@@ -109,16 +102,9 @@ def test_two_speculating_ranks_of_a_hybrid_keep_their_states_at_the_accepted_len
         WorkerProcess(cache_dir=model_cache, log_dir=logs, model=str(tiny_hybrid_dir), extra=extra)
         for extra in (speculating, SMALL_POOL)
     ]
-    try:
-        for worker in started:
-            worker.launch()
-        for worker in started:
-            worker.wait_ready()
+    with side_by_side(started):
         sharded, expected = scenario(started[0].address), scenario(started[1].address)
         metrics = started[0].metrics()
-    finally:
-        for worker in started:
-            worker.stop()
     compared = 0
     for got, want in zip(sharded, expected, strict=True):
         assert len(got.ids) == BATCH_TOKENS
