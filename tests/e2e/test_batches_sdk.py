@@ -184,7 +184,11 @@ def test_a_cancelled_batch_ends_cancelled_with_what_it_answered(alice: openai.Op
 def test_a_batch_survives_an_edge_restart_with_each_line_run_once(
     alice: openai.OpenAI, edge: EdgeProcess, worker: WorkerProcess
 ) -> None:
-    before = worker.metrics()["sluice_worker_requests_finished_total"]
+    """The stopping edge lets the lines it runs end (none is cancelled: a line the worker was
+    finishing would otherwise run to its end twice); the restarted one runs the rest."""
+    metrics = worker.metrics()
+    before = metrics["sluice_worker_requests_finished_total"]
+    cancelled = metrics["sluice_worker_requests_cancelled_total"]
     batch = submit(alice, [chat_line(f"line-{n}", tokens=40) for n in range(20)])
     poll(
         lambda: alice.batches.retrieve(batch.id),
@@ -197,8 +201,11 @@ def test_a_batch_survives_an_edge_restart_with_each_line_run_once(
     assert done.status == "completed" and done.request_counts.completed == 20
     output = read_lines(alice, done.output_file_id)
     assert sorted(line["custom_id"] for line in output) == sorted(f"line-{n}" for n in range(20))
-    # No line ran twice to its end: the worker finished exactly 20 requests.
-    assert worker.metrics()["sluice_worker_requests_finished_total"] - before == 20
+    # No line ran twice to its end: the worker finished exactly 20 requests, and cancelled none.
+    metrics = worker.metrics()
+    assert metrics["sluice_worker_requests_finished_total"] - before == 20
+    assert metrics["sluice_worker_requests_cancelled_total"] == cancelled
+    assert "line(s) running get" in edge.log_tail(400)
 
 
 def test_a_background_response_survives_a_killed_edge_by_being_rerun(

@@ -1,7 +1,8 @@
 """The batch runner of one edge process: validates new batches, claims their lines from the store
 (at most ``--batch-concurrency`` at once, leases renewed), sends each through the edge's own app
 at ``--batch-priority`` and writes its result once, then writes the output and error files.
-Several edges share the work through the store; one that stops gives its lines back."""
+Several edges share the work through the store; one that stops lets its running lines end within
+``--graceful-timeout`` and gives the rest back."""
 
 from __future__ import annotations
 
@@ -59,11 +60,21 @@ class BatchRunner:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), POLL_S)
         finally:
+            await self._wind_down()
             renewal.cancel()
-            tasks = [task for _, task in self._running.values()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _wind_down(self) -> None:
+        """The edge stops: the lines it runs get ``--graceful-timeout`` to end and be written (the
+        leases renewed meanwhile); the rest are cancelled and given back. Cancelling a line whose
+        request the worker was finishing would have it run to its end twice."""
+        tasks = [task for _, task in self._running.values()]
+        if tasks:
+            grace = self.state.settings.graceful_timeout_s
+            log.info("batch runner: %d line(s) running get %.1f s to end", len(tasks), grace)
+            await asyncio.wait(tasks, timeout=grace)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _round(self) -> None:
         store = await self.state.store.batches()
