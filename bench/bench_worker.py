@@ -451,7 +451,7 @@ def tensor_parallel(
     for size in sizes:
         proc, address = start_worker(cache_dir, [*TENSOR_PARALLEL_FLAGS, "-tp", str(size), *extra])
         try:
-            medians, _peer, _json = asyncio.run(measure(address, None, "", levels, rounds, False, proc.pid))
+            medians = asyncio.run(measure(address, None, "", levels, rounds, False, proc.pid))["sluice"]
         finally:
             stop(proc)
         steps[size] = {c: medians[c].gap(0.5) * 1000 for c in levels}
