@@ -82,6 +82,21 @@ def scenario(address: str) -> list[Answer]:
         return [first, *pool.map(lambda index: generate(address, prompt(index)), range(STREAMS))]
 
 
+def assert_same_before_near_ties(sharded: list[Answer], expected: list[Answer]) -> None:
+    """Every answer of ``sharded`` has ``expected``'s tokens, and their logprobs within 1e-4, up to
+    the expected text's first near-tie (past one the texts may part; up to it they may not), and at
+    least half of all the tokens are compared."""
+    compared = 0
+    for got, want in zip(sharded, expected, strict=True):
+        assert len(got.ids) == len(got.logprobs) == TOKENS
+        same = want.before_a_near_tie()
+        assert got.ids[:same] == want.ids[:same]
+        assert got.logprobs[:same] == pytest.approx(want.logprobs[:same], abs=1e-4)
+        compared += same
+    print(f"{compared} of {len(expected) * TOKENS} tokens compared (before each text's first near-tie)")
+    assert compared >= len(expected) * TOKENS // 2
+
+
 @pytest.fixture(scope="module")
 def workers(
     model_cache: Path, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
@@ -101,15 +116,7 @@ def test_two_ranks_preempted_and_reusing_a_prefix_decode_the_tokens_of_one(
 ) -> None:
     two, one = workers
     sharded, expected = scenario(two.address), scenario(one.address)
-    compared = 0
-    for got, want in zip(sharded, expected, strict=True):
-        assert len(got.ids) == len(got.logprobs) == TOKENS
-        same = want.before_a_near_tie()  # past a near-tie the texts may part; up to it they may not
-        assert got.ids[:same] == want.ids[:same]
-        assert got.logprobs[:same] == pytest.approx(want.logprobs[:same], abs=1e-4)
-        compared += same
-    print(f"{compared} of {len(expected) * TOKENS} tokens compared (before each text's first near-tie)")
-    assert compared >= len(expected) * TOKENS // 2
+    assert_same_before_near_ties(sharded, expected)
     assert sharded[0].cached == 0 and all(answer.cached >= len(PREFIX) for answer in sharded[1:])
     preempted = two.metrics()["sluice_worker_preemptions_total"]
     print(f"two ranks: {preempted:.0f} preemptions")

@@ -15,7 +15,13 @@ import pytest
 
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
-from tests.integration.test_tensor_parallel_batches import PREFIX, SMALL_POOL, TOKENS, prompt, scenario
+from tests.integration.test_tensor_parallel_batches import (
+    PREFIX,
+    SMALL_POOL,
+    assert_same_before_near_ties,
+    prompt,
+    scenario,
+)
 from tests.processes import WorkerProcess, side_by_side
 
 pytestmark = pytest.mark.integration
@@ -98,15 +104,7 @@ def test_two_ranks_of_a_hybrid_decode_the_tokens_and_logprobs_of_one(
 ) -> None:
     two, one = workers
     sharded, expected = scenario(two.address), scenario(one.address)
-    compared = 0
-    for got, want in zip(sharded, expected, strict=True):
-        assert len(got.ids) == len(got.logprobs) == TOKENS
-        same = want.before_a_near_tie()  # past a near-tie the texts may part; up to it they may not
-        assert got.ids[:same] == want.ids[:same]
-        assert got.logprobs[:same] == pytest.approx(want.logprobs[:same], abs=1e-4)
-        compared += same
-    print(f"{compared} of {len(expected) * TOKENS} tokens compared (before each text's first near-tie)")
-    assert compared >= len(expected) * TOKENS // 2
+    assert_same_before_near_ties(sharded, expected)
     # The prefix resumed from its state checkpoint (the last block boundary of the first prompt).
     assert sharded[0].cached == 0 and all(answer.cached >= len(PREFIX) for answer in sharded[1:])
     preempted = two.metrics()["sluice_worker_preemptions_total"]

@@ -92,8 +92,11 @@ def test_two_speculating_ranks_of_a_hybrid_keep_their_states_at_the_accepted_len
     logprobs up to each text's first near-tie. The draft's proposals are nearly all rejected, and
     a rejected proposal must not advance a follower's state slots (rank 0 tells them each kept
     count), or its partial sums would part from rank 0's and the tokens with them."""
-    from tests.integration.test_tensor_parallel_batches import SMALL_POOL, scenario
-    from tests.integration.test_tensor_parallel_batches import TOKENS as BATCH_TOKENS
+    from tests.integration.test_tensor_parallel_batches import (
+        SMALL_POOL,
+        assert_same_before_near_ties,
+        scenario,
+    )
 
     logs = tmp_path_factory.mktemp("tp-speculation-hybrid")
     speculating = [*SMALL_POOL, "-tp", "2", "--speculative", "draft", "--draft-model", str(tiny_model_dir)]
@@ -105,13 +108,6 @@ def test_two_speculating_ranks_of_a_hybrid_keep_their_states_at_the_accepted_len
     with side_by_side(started):
         sharded, expected = scenario(started[0].address), scenario(started[1].address)
         metrics = started[0].metrics()
-    compared = 0
-    for got, want in zip(sharded, expected, strict=True):
-        assert len(got.ids) == BATCH_TOKENS
-        same = want.before_a_near_tie()
-        assert got.ids[:same] == want.ids[:same]
-        assert got.logprobs[:same] == pytest.approx(want.logprobs[:same], abs=1e-4)
-        compared += same
-    print(f"{compared} tokens compared; {metrics[ACCEPTED]:.0f} of {metrics[PROPOSED]:.0f} proposed accepted")
-    assert compared >= len(expected) * BATCH_TOKENS // 2
+    assert_same_before_near_ties(sharded, expected)
+    print(f"{metrics[ACCEPTED]:.0f} of {metrics[PROPOSED]:.0f} proposed tokens accepted")
     assert metrics[PROPOSED] > metrics[ACCEPTED]  # proposals verified, and rejected
