@@ -115,10 +115,16 @@ def test_two_ranks_preempted_and_reusing_a_prefix_decode_the_tokens_of_one(
     workers: tuple[WorkerProcess, WorkerProcess],
 ) -> None:
     two, one = workers
+    assert_sharded_scenario(two, one)
+    assert "tensor-parallel rank 1 of 2 joined (gloo)" in two.log_tail(400)
+
+
+def assert_sharded_scenario(two: WorkerProcess, one: WorkerProcess) -> None:
+    """:func:`scenario` on both workers: the same answers up to near-ties, the prefix reported
+    cached after its first request, and the two ranks' small pool preempting."""
     sharded, expected = scenario(two.address), scenario(one.address)
     assert_same_before_near_ties(sharded, expected)
     assert sharded[0].cached == 0 and all(answer.cached >= len(PREFIX) for answer in sharded[1:])
     preempted = two.metrics()["sluice_worker_preemptions_total"]
     print(f"two ranks: {preempted:.0f} preemptions")
     assert preempted > 0  # the pool did run short
-    assert "tensor-parallel rank 1 of 2 joined (gloo)" in two.log_tail(400)

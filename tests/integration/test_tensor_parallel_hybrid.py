@@ -18,9 +18,8 @@ from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.integration.test_tensor_parallel_batches import (
     PREFIX,
     SMALL_POOL,
-    assert_same_before_near_ties,
+    assert_sharded_scenario,
     prompt,
-    scenario,
 )
 from tests.processes import WorkerProcess, side_by_side
 
@@ -103,13 +102,8 @@ def test_two_ranks_of_a_hybrid_decode_the_tokens_and_logprobs_of_one(
     workers: tuple[WorkerProcess, WorkerProcess],
 ) -> None:
     two, one = workers
-    sharded, expected = scenario(two.address), scenario(one.address)
-    assert_same_before_near_ties(sharded, expected)
-    # The prefix resumed from its state checkpoint (the last block boundary of the first prompt).
-    assert sharded[0].cached == 0 and all(answer.cached >= len(PREFIX) for answer in sharded[1:])
-    preempted = two.metrics()["sluice_worker_preemptions_total"]
-    print(f"two ranks: {preempted:.0f} preemptions")
-    assert preempted > 0  # the pool did run short
+    # The prefix is resumed from its state checkpoint (the last block boundary of the first prompt).
+    assert_sharded_scenario(two, one)
     scored, reference = prompt_logprobs(two.address, prompt(0)), prompt_logprobs(one.address, prompt(0))
     assert len(scored) == len(reference) >= len(PREFIX)
     assert scored == pytest.approx(reference, abs=1e-4)
