@@ -4,6 +4,7 @@ downloads), each with an eager reference built from its own copy of the config."
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -202,3 +203,24 @@ def eager_reference(model: Any) -> Any:
     reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     reference.load_state_dict(model.state_dict())
     return reference.eval()
+
+
+def save_tiny(folder: Path, family: str, tokenizer_dir: Path, **changes: Any) -> Path:
+    """Saves ``family``'s tiny random model (with ``changes``, 512 positions) and the tokenizer and
+    chat template of ``tokenizer_dir`` into ``folder``, loadable like any checkpoint."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = tiny_config(
+        family,
+        **{"max_position_embeddings": 512, **changes},
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    model = tiny_model(config)
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

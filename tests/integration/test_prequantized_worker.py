@@ -21,7 +21,7 @@ import torch
 from sluice.v1 import worker_pb2 as pb
 from tests.grpc_reads import ids_and_prompt_logprobs
 from tests.processes import WorkerProcess
-from tools.quant_fixtures import ROOT
+from tests.quant_checkpoints import quant_checkpoint
 from worker.model.loader import ModelLoadError, load_model
 from worker.model.prequantized import quantized_bytes
 
@@ -38,17 +38,10 @@ IN_PROCESS = {
 NEAR_TIE = 2e-3  # logits closer than this (twice the forwards' differences seen) may order either way
 
 
-def fixture(name: str) -> Path:
-    folder = ROOT / name
-    if not (folder / "reference.json").is_file():
-        pytest.skip(f"{folder} is missing: `make fixtures` makes it (tools/quant_fixtures.py)")
-    return folder
-
-
 @pytest.fixture(scope="module", params=list(FORMATS))
 def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     """One worker per format, on that format's checkpoint with ``--quantization auto``."""
-    folder = fixture(request.param)
+    folder = quant_checkpoint(request.param)
     log_dir = tmp_path_factory.mktemp(f"prequantized-{request.param}")
     extra = ["--quantization", "auto", "--device", "cpu"]
     with WorkerProcess(cache_dir=log_dir, log_dir=log_dir, model=str(folder), extra=extra) as worker:
@@ -98,7 +91,7 @@ def greedy_in_process(model: torch.nn.Module, prompt: list[int], steps: int) -> 
 
 @pytest.mark.parametrize("name", list(IN_PROCESS))
 def test_the_bar_in_process(name: str) -> None:
-    folder = fixture(name)
+    folder = quant_checkpoint(name)
     model = load_model(str(folder), device="cpu", quantization="auto").model.eval()
     held, float16 = quantized_bytes(model)
     print(f"{name}: the quantized layers hold {held} bytes, {held / float16:.3f}x float16")
@@ -114,7 +107,7 @@ def test_the_bar_in_process(name: str) -> None:
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_the_loaded_weights_stay_quantized(name: str) -> None:
     """In process, as the worker loads them: the quantized layers' bytes against their float16 size."""
-    model = load_model(str(fixture(name)), device="cpu", quantization="auto").model
+    model = load_model(str(quant_checkpoint(name)), device="cpu", quantization="auto").model
     held, float16 = quantized_bytes(model)
     logging.getLogger(__name__).info("%s: %.3fx float16", name, held / float16)
     assert 0 < held <= FORMATS[name] * float16
@@ -135,7 +128,7 @@ def test_the_loaded_weights_stay_quantized(name: str) -> None:
 def test_a_real_checkpoint_with_an_unsupported_option_is_refused(
     name: str, change: dict[str, Any], named: str, tmp_path: Path
 ) -> None:
-    folder = Path(shutil.copytree(fixture(name), tmp_path / name))
+    folder = Path(shutil.copytree(quant_checkpoint(name), tmp_path / name))
     config = json.loads((folder / "config.json").read_text())
     quantization = config["quantization_config"]
     target = (
@@ -153,7 +146,7 @@ def test_fp8_block_inputs_are_rounded_per_group_as_the_checkpoint_says() -> None
     """compressed-tensors' FP8-block scheme rounds each 32 columns of an input under their own scale:
     so do we, to transformers' figures (rounded per row or not at all, the prompt logprobs move
     by 0.007, inside the bar's 2e-2 but not this test's 1e-4)."""
-    folder = fixture("fp8_block_ct")
+    folder = quant_checkpoint("fp8_block_ct")
     model = load_model(str(folder), device="cpu", quantization="auto").model.eval()
     expected = json.loads((folder / "reference.json").read_text())
     _, scored = greedy_in_process(model, expected["prompt"], 1)
@@ -164,7 +157,7 @@ def test_fp8_block_inputs_are_rounded_per_group_as_the_checkpoint_says() -> None
 def test_act_order_without_a_permutation_is_served_as_plain_groups(order: str, tmp_path: Path) -> None:
     """compressed-tensors' ``actorder`` "weight" and "static" order only GPTQ's work over the columns:
     the W4A16 checkpoint with either says so and still meets the bar against its reference."""
-    folder = Path(shutil.copytree(fixture("w4a16"), tmp_path / "w4a16"))
+    folder = Path(shutil.copytree(quant_checkpoint("w4a16"), tmp_path / "w4a16"))
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"]["config_groups"]["group_0"]["weights"]["actorder"] = order
     (folder / "config.json").write_text(json.dumps(config))

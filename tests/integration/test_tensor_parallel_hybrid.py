@@ -22,6 +22,7 @@ from tests.integration.test_tensor_parallel_batches import (
     prompt,
 )
 from tests.processes import WorkerProcess, side_by_side
+from tests.tiny_families import save_tiny
 
 pytestmark = pytest.mark.integration
 
@@ -37,30 +38,6 @@ CHANGES = {
 }
 
 
-def build_tiny(folder: Path, family: str, tokenizer_dir: Path) -> Path:
-    """Saves the family's tiny random model (tests/tiny_families.py: four layers or three, conv
-    kernel 4, Mamba chunks of 8 tokens) with the tokenizer of ``tokenizer_dir``."""
-    from transformers import AutoTokenizer
-
-    from tests.tiny_families import tiny_config, tiny_model
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = tiny_config(
-        family,
-        vocab_size=len(tokenizer),
-        max_position_embeddings=512,
-        **CHANGES.get(family, {}),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    model = tiny_model(config)
-    model.config.architectures = [type(model).__name__]
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def workers(
     request: pytest.FixtureRequest,
@@ -72,8 +49,11 @@ def workers(
     if request.param == "qwen3_5_text":
         folder = request.getfixturevalue("tiny_hybrid_dir")
     else:
-        folder = build_tiny(
-            tmp_path_factory.mktemp(f"tiny-{request.param}"), request.param, default_model_dir
+        folder = save_tiny(
+            tmp_path_factory.mktemp(f"tiny-{request.param}"),
+            request.param,
+            default_model_dir,
+            **CHANGES.get(request.param, {}),
         )
     logs = tmp_path_factory.mktemp(f"tp-{request.param}")
     started = [

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from sluice.v1 import worker_pb2 as pb
 from tests.grpc_reads import ids_and_prompt_logprobs
 from tests.processes import WorkerProcess, side_by_side
-from tools.quant_fixtures import PROMPT, ROOT
+from tests.quant_checkpoints import quant_checkpoint
+from tools.quant_fixtures import PROMPT
 
 pytestmark = pytest.mark.integration
 
@@ -30,20 +30,13 @@ TOKENS = 24
 TOLERANCE = {"gptq": 3e-3, "gptq_act_order": 3e-3, "fp8_dynamic": 1e-5}
 
 
-def fixture(name: str) -> Path:
-    folder = ROOT / name
-    if not (folder / "reference.json").is_file():
-        pytest.skip(f"{folder} is missing: `make fixtures` makes it (tools/quant_fixtures.py)")
-    return folder
-
-
 @pytest.fixture(scope="module", params=list(TOLERANCE))
 def workers(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[str, WorkerProcess, WorkerProcess]]:
     """Two ranks and one rank of the format's checkpoint, loading side by side."""
     name = request.param
-    folder = fixture(name)
+    folder = quant_checkpoint(name)
     logs = tmp_path_factory.mktemp(f"tp-prequantized-{name}")
     started = [
         WorkerProcess(cache_dir=logs, log_dir=logs, model=str(folder), extra=["--device", "cpu", *extra])

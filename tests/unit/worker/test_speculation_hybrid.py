@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.tiny_families import eager_reference, tiny_config, tiny_model
+from tests.tiny_families import eager_reference, save_tiny, tiny_config, tiny_model
 from tests.unit.worker.test_engine import request as generation
 from tests.unit.worker.test_hybrid_families import ATOL
 from tests.unit.worker.test_model_families import BLOCK, VOCAB, loaded
@@ -110,26 +110,15 @@ def qwen3_5(tiny_hybrid_dir):
 @pytest.fixture(scope="module")
 def granite4(tmp_path_factory: pytest.TempPathFactory, default_model_dir: Path):
     """A tiny random Granite 4 hybrid (Mamba-2 and attention layers) with the default tokenizer."""
-    from transformers import AutoTokenizer
-
-    folder = tmp_path_factory.mktemp("tiny-granite4")
-    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
-    config = tiny_config(
+    folder = save_tiny(
+        tmp_path_factory.mktemp("tiny-granite4"),
         "granitemoehybrid",
-        vocab_size=len(tokenizer),
+        default_model_dir,
         hidden_size=32,
         intermediate_size=32,
         mamba_d_head=8,
         tie_word_embeddings=True,
-        max_position_embeddings=512,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
     )
-    model = tiny_model(config)
-    model.config.architectures = [type(model).__name__]
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
     return load_model(str(folder), device="cpu", dtype="float32")
 
 

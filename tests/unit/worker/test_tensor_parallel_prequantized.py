@@ -16,8 +16,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.quant_checkpoints import quant_checkpoint
 from tests.unit.worker.test_tensor_parallel import ThreadSum
-from tools.quant_fixtures import PROMPT, ROOT
+from tools.quant_fixtures import PROMPT
 from worker.model.loader import LoadedModel, ModelLoadError, load_model
 from worker.parallel.quantized_shards import QuantizedShards, WholeRowScale
 from worker.parallel.sharding import Shard, shard_model
@@ -36,13 +37,6 @@ FP8 = ("fp8_dynamic", "fp8_block", "fp8_block_ct")
 # scale), so only the ranks' summation order differs (measured 2.4e-7 to 3.6e-7; 3.2e-2 for
 # FP8-dynamic with each rank's own part's scale).
 BOUND = {**dict.fromkeys(INT4, 2.0**-7), **dict.fromkeys(FP8, 1e-5)}
-
-
-def fixture(name: str) -> Path:
-    folder = ROOT / name
-    if not (folder / "reference.json").is_file():
-        pytest.skip(f"{folder} is missing: `make fixtures` makes it (tools/quant_fixtures.py)")
-    return folder
 
 
 def load(folder: Path) -> LoadedModel:
@@ -91,7 +85,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("name", [*INT4, *FP8])
 def test_two_ranks_hold_the_checkpoints_own_slices_and_compute_its_logits(name: str) -> None:
-    folder = fixture(name)
+    folder = quant_checkpoint(name)
     whole = load(folder)
     ranks = rank_models(folder, 2)
     kind = Int4Linear if name in INT4 else Fp8Linear
@@ -134,7 +128,7 @@ def test_act_order_shards_hold_their_share_of_the_groups_and_read_the_whole_inpu
     instead (their codes, scales and zeros: the whole layer's), reading the whole input, gathered
     from the ranks (exact: one rank's value plus zeros). The ranks' weights add up to the whole
     layer's, each zero off its groups' inputs; the logits are one rank's within int4's rounding."""
-    folder = fixture("gptq_act_order")
+    folder = quant_checkpoint("gptq_act_order")
     whole = load(folder)
     ranks = rank_models(folder, 2)
     for index, full in enumerate(whole.model.model.layers):
@@ -194,7 +188,7 @@ def test_an_act_order_layer_whose_groups_fall_whole_on_each_rank_is_cut_exactly(
 )
 def test_a_cut_through_a_formats_groups_is_refused_in_one_line(name: str, refusal: str) -> None:
     with pytest.raises(ModelLoadError) as refused:
-        rank_models(fixture(name), 4)  # o_proj's and down_proj's 64 inputs: 16 a rank
+        rank_models(quant_checkpoint(name), 4)  # o_proj's and down_proj's 64 inputs: 16 a rank
     message = refused.value.message
     assert "\n" not in message and re.search(rf"(o_proj|down_proj): {refusal}", message), message
 
@@ -204,7 +198,7 @@ def test_mxfp4_experts_are_cut_on_their_packed_blocks() -> None:
     expert's gate/up rows of this rank's 32 intermediate columns (interleaved pairs) and its
     down_proj inputs (one block of 32), the whole expert's values bit for bit; the logits those of
     one rank within float32 summation order."""
-    folder = fixture("mxfp4")
+    folder = quant_checkpoint("mxfp4")
     whole = load(folder)
     ranks = rank_models(folder, 2)
     for rank, loaded in enumerate(ranks):
@@ -229,7 +223,7 @@ def test_mxfp4_experts_are_cut_on_their_packed_blocks() -> None:
 
 def test_mxfp4_experts_cut_through_their_blocks_are_refused_by_name() -> None:
     with pytest.raises(ModelLoadError) as refused:
-        rank_models(fixture("mxfp4"), 4)  # 16 of the 64 intermediate columns a rank: half a block
+        rank_models(quant_checkpoint("mxfp4"), 4)  # 16 of the 64 intermediate columns a rank: half a block
     assert refused.value.message == (
         "--tensor-parallel-size 4: gpt_oss: layer 0's MXFP4 experts: down_proj's blocks of 32 inputs "
         "would straddle the ranks' cut (16 inputs per rank); use fewer ranks"
@@ -278,7 +272,7 @@ def test_a_gguf_files_4_bit_blocks_are_cut_as_read_not_quantized_again() -> None
 
 def test_heads_that_do_not_split_are_refused_by_the_sharding_naming_them() -> None:
     with pytest.raises(ModelLoadError) as refused:
-        rank_models(fixture("gptq"), 3)  # 4 attention heads, 2 KV heads
+        rank_models(quant_checkpoint("gptq"), 3)  # 4 attention heads, 2 KV heads
     assert refused.value.message == (
         "--tensor-parallel-size 3: llama has 4 attention heads and 2 KV heads, which do not divide by 3"
     )
@@ -291,7 +285,7 @@ def test_adapters_over_a_cut_pre_quantized_checkpoint_are_refused_in_one_line() 
     from worker.model.loader import ModelLoadError
     from worker.parallel.ranks import sharded_runner
 
-    folder = fixture("gptq")
+    folder = quant_checkpoint("gptq")
     config = parse_config(["--model", str(folder), "-tp", "2", "--enable-lora"], environ={})
     with pytest.raises(
         ModelLoadError, match=r"--enable-lora with --tensor-parallel-size 2: .* pre-quantized"
