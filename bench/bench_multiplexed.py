@@ -27,12 +27,14 @@ import asyncio
 import os
 import shlex
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -59,26 +61,66 @@ from tests.processes import EdgeProcess, WorkerProcess  # noqa: E402
 from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
 
 PATHS = ("edge Generate", "edge GenerateStreams", "direct Generate", "direct GenerateStreams")
+BEFORE_PATHS = ("before: edge", "before: direct")
+# The fake logits' width: the sampler's tensor math on a full vocabulary (152k columns at 256 rows)
+# is the device's work on a GPU, not the host's, so the fake keeps it negligible.
+FAKE_VOCAB = 64
+
+
+class Before:
+    """Starts a service from another checkout (``--before``: the code before a change), as a plain
+    process whose ``python -m`` finds that checkout's packages first."""
+
+    tree: Path
+
+    def launch(self: Any) -> None:
+        with self.log_path.open("wb") as log:
+            env = {**self.env, "PYTHONPATH": str(self.tree)}
+            self.proc = subprocess.Popen(
+                self.args, cwd=self.tree, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+
+class BeforeWorker(Before, WorkerProcess):
+    pass
+
+
+class BeforeEdge(Before, EdgeProcess):
+    pass
 
 
 @contextmanager
-def stack(args: argparse.Namespace, logs: Path) -> Iterator[tuple[WorkerProcess, dict[str, EdgeProcess]]]:
-    """The worker and the two edges (``generate``: per-request calls, ``streams``: multiplexed)."""
-    model = shlex.split(args.worker_args) or ["--fake-tokens", "--fake-step-ms", str(args.step_ms)]
+def stack(
+    args: argparse.Namespace, logs: Path
+) -> Iterator[tuple[list[WorkerProcess], dict[str, EdgeProcess]]]:
+    """The worker and the two edges (``generate``: per-request calls, ``streams``: multiplexed); with
+    ``--before``, that checkout's worker and edge too (edge ``before``)."""
+    model = shlex.split(args.worker_args) or [
+        *("--fake-tokens", "--fake-step-ms", str(args.step_ms), "--fake-vocab", str(FAKE_VOCAB))
+    ]
     extra = [*model, "--max-running", str(args.max_running), "--max-queue", "4096"]
     with ExitStack() as stack_:
         (logs / "worker").mkdir()
-        worker = stack_.enter_context(
-            WorkerProcess(cache_dir=args.cache_dir, log_dir=logs / "worker", extra=extra)
-        )
+        workers = [
+            stack_.enter_context(
+                WorkerProcess(cache_dir=args.cache_dir, log_dir=logs / "worker", extra=extra)
+            )
+        ]
         edges = {}
         paths = (("generate", ["--no-multiplexed-streams"]), ("streams", ["--multiplexed-streams"]))
         for name, flags in paths:
             (logs / name).mkdir()
             edges[name] = stack_.enter_context(
-                EdgeProcess([worker.address], log_dir=logs / name, extra=flags)
+                EdgeProcess([workers[0].address], log_dir=logs / name, extra=flags)
             )
-        yield worker, edges
+        if args.before:
+            (logs / "before-worker").mkdir()
+            (logs / "before").mkdir()
+            BeforeWorker.tree = BeforeEdge.tree = args.before.resolve()
+            before = BeforeWorker(cache_dir=args.cache_dir, log_dir=logs / "before-worker", extra=extra)
+            workers.append(stack_.enter_context(before))
+            edges["before"] = stack_.enter_context(BeforeEdge([before.address], log_dir=logs / "before"))
+        yield workers, edges
 
 
 def direct(client: WorkerClient, multiplexed: bool, max_tokens: int) -> StreamOnce:
@@ -115,9 +157,10 @@ def cpu_ms(m: Measurement, name: str, bytes_per_token: float) -> float:
 
 
 async def throughput(
-    args: argparse.Namespace, worker: WorkerProcess, edges: dict[str, EdgeProcess]
+    args: argparse.Namespace, workers: list[WorkerProcess], edges: dict[str, EdgeProcess]
 ) -> list[str]:
-    """Every level's four paths, ``args.rounds`` times; the summary table's lines."""
+    """Every level's paths, ``args.rounds`` times; the summary table's lines."""
+    worker = workers[0]
     pids = {"worker": pid_of(worker), "client": os.getpid()} | {
         f"edge {n}": pid_of(e) for n, e in edges.items()
     }
@@ -130,37 +173,71 @@ async def throughput(
         "direct Generate": direct(clients[False], False, args.max_tokens),
         "direct GenerateStreams": direct(clients[True], True, args.max_tokens),
     }
-    for path in PATHS:  # warm every path (connections, first calls)
-        await measure(path, once[path], 4, 0.5, pids, [worker])
+    paths = PATHS
+    if "before" in edges:  # the other checkout's worker is measured as "worker" on its own paths
+        pids["before worker"] = pid_of(workers[1])
+        clients[None] = WorkerClient(workers[1].address)  # type: ignore[index]
+        once["before: edge"] = via_edge(edges["before"], readers["before"], users, args.max_tokens)
+        once["before: direct"] = direct(clients[None], False, args.max_tokens)  # type: ignore[index]
+        paths = PATHS + BEFORE_PATHS
+    for path in paths:  # warm every path (connections, first calls)
+        await measure(path, once[path], 4, 0.5, pids, workers)
     bytes_per_token = await content_bytes_per_token([clients[False]], args.max_tokens)
     lines = [
-        f"worker: {args.worker_args or f'--fake-step-ms {args.step_ms:g}'} --max-running {args.max_running}; "
-        "max_tokens "
+        f"worker: {args.worker_args or f'--fake-step-ms {args.step_ms:g} --fake-vocab {FAKE_VOCAB}'} "
+        f"--max-running {args.max_running}; max_tokens "
         f"{args.max_tokens}; {args.rounds} rounds of {args.seconds:g} s; medians (min-max)",
         "| streams | path | tok/s | worker CPU ms / 1000 tokens | edge CPU ms / 1000 tokens | sum | errors |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
+    ratios: list[str] = []
     for level in args.concurrency:
-        runs: dict[str, list[Measurement]] = {path: [] for path in PATHS}
+        runs: dict[str, list[Measurement]] = {path: [] for path in paths}
         for round_ in range(args.rounds):
-            order = PATHS[round_ % 4 :] + PATHS[: round_ % 4]
-            for path in order:
-                m = await measure(path, once[path], level, args.seconds, pids, [worker])
+            turn = round_ % len(paths)
+            for path in paths[turn:] + paths[:turn]:
+                m = await measure(path, once[path], level, args.seconds, pids, workers)
                 runs[path].append(m)
-                rate, worker_ms = m.tokens_per_s(bytes_per_token), cpu_ms(m, "worker", bytes_per_token)
+                rate, worker_ms = m.tokens_per_s(bytes_per_token), cpu_ms(m, worker_of(path), bytes_per_token)
                 print(
                     f"  {level} streams, round {round_ + 1}, {path}: {rate:.0f} tok/s, "
                     f"worker {worker_ms:.0f} ms per 1000 tokens, {m.errors} errors",
                     flush=True,
                 )
-        for path in PATHS:
+        for path in paths:
             lines.append(row(level, path, runs[path], bytes_per_token))
+        if "before" in edges:
+            ratios += [
+                f"{level} streams: {now}: {median_cpu(runs[now], bytes_per_token):.0f} against "
+                f"{median_cpu(runs[before], bytes_per_token):.0f} ms per 1000 tokens before, "
+                f"{median_cpu(runs[now], bytes_per_token) / median_cpu(runs[before], bytes_per_token):.2f}x"
+                for now, before in zip(
+                    ("edge GenerateStreams", "direct GenerateStreams"), BEFORE_PATHS, strict=True
+                )
+            ]
     for client in clients.values():
         await client.close()
     for group in readers.values():
         for reader in group.values():
             await reader.close()
-    return lines
+    return lines + (["", *ratios] if ratios else [])
+
+
+def worker_of(path: str) -> str:
+    return "before worker" if path.startswith("before") else "worker"
+
+
+def edge_of(path: str) -> str | None:
+    if path.startswith("before"):
+        return "edge before" if path == "before: edge" else None
+    return "edge generate" if path == "edge Generate" else "edge streams" if path.startswith("edge") else None
+
+
+def median_cpu(ms: list[Measurement], bytes_per_token: float) -> float:
+    """The median over rounds of the worker's plus the edge's CPU ms per 1000 tokens."""
+    path_worker, path_edge = worker_of(ms[0].path), edge_of(ms[0].path)
+    edge = (lambda m: cpu_ms(m, path_edge, bytes_per_token)) if path_edge else (lambda m: 0.0)
+    return statistics.median(cpu_ms(m, path_worker, bytes_per_token) + edge(m) for m in ms)
 
 
 def spread(values: list[float], digits: int = 0) -> str:
@@ -168,8 +245,8 @@ def spread(values: list[float], digits: int = 0) -> str:
 
 
 def row(level: int, path: str, ms: list[Measurement], bytes_per_token: float) -> str:
-    edge = "edge generate" if path == "edge Generate" else "edge streams" if path.startswith("edge") else None
-    workers = [cpu_ms(m, "worker", bytes_per_token) for m in ms]
+    edge = edge_of(path)
+    workers = [cpu_ms(m, worker_of(path), bytes_per_token) for m in ms]
     edges = [cpu_ms(m, edge, bytes_per_token) for m in ms] if edge else [0.0 for _ in ms]
     total = [w + e for w, e in zip(workers, edges, strict=True)]
     return (
@@ -223,9 +300,11 @@ async def latency_table(args: argparse.Namespace, edges: dict[str, EdgeProcess])
     return lines
 
 
-async def run(args: argparse.Namespace, worker: WorkerProcess, edges: dict[str, EdgeProcess]) -> list[str]:
-    lines = await throughput(args, worker, edges)
-    return lines + [""] + await latency_table(args, edges)
+async def run(
+    args: argparse.Namespace, workers: list[WorkerProcess], edges: dict[str, EdgeProcess]
+) -> list[str]:
+    lines = await throughput(args, workers, edges)
+    return lines + [""] + await latency_table(args, {n: e for n, e in edges.items() if n != "before"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -237,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
         "--worker-args",
         default="",
         help="a real worker's flags instead of the fake one's, e.g. \"--model M --device cuda\" (gpu-check)",
+    )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        help="a checkout of the code before a change (e.g. a `git archive` of it): its worker and edge are "
+        "measured in the same run (paths 'before: edge' and 'before: direct', per-request Generate calls)",
     )
     parser.add_argument("--rounds", type=int, default=2, help="rounds per level, each path once a round")
     parser.add_argument("--seconds", type=float, default=4.0, help="length of one measurement window")
@@ -252,9 +337,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{os.cpu_count()} CPUs, load average {loadavg.read().split()[0]} before starting", flush=True)
     with (
         tempfile.TemporaryDirectory(prefix="sluice-mux-bench-") as logs,
-        stack(args, Path(logs)) as (worker, edges),
+        stack(args, Path(logs)) as (workers, edges),
     ):
-        lines = asyncio.run(run(args, worker, edges))
+        lines = asyncio.run(run(args, workers, edges))
     print("\n".join(["", *lines]))
     return 0
 

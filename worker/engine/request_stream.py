@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from typing import Any, Protocol
 
 from worker.output.detokenizer import TokenTexts, fast_decoder
@@ -43,6 +43,8 @@ class RequestStream:
         self._processor = processor
         self._queue: asyncio.Queue[list[CoreOutput]] = asyncio.Queue()
         self._finished = False
+        self._handler: Callable[[list[Event]], None] | None = None  # set by :meth:`pushed`
+        self._ended: asyncio.Future[None] | None = None
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop:
@@ -55,7 +57,10 @@ class RequestStream:
 
     def put(self, outputs: list[CoreOutput]) -> None:
         """Runs on the stream's event loop (the engine thread calls it with ``call_soon_threadsafe``)."""
-        self._queue.put_nowait(outputs)
+        if self._handler is None:
+            self._queue.put_nowait(outputs)
+        else:
+            self._push(outputs)
 
     def cancel(self) -> None:
         if not self._finished:
@@ -72,6 +77,36 @@ class RequestStream:
                     yield event
         finally:
             self.cancel()
+
+    async def pushed(self, handler: Callable[[list[Event]], None]) -> None:
+        """The other way to read the stream: each step's events go to ``handler`` as they arrive,
+        with no task woken per step; returns once the request ended, raises what ``handler``
+        raised (the request is then aborted). Stopping early aborts the request, as iterating does."""
+        self._handler, self._ended = handler, self._loop.create_future()
+        try:
+            while not self._queue.empty() and not self._ended.done():  # what came before
+                self._push(self._queue.get_nowait())
+            if not self._finished and not self._ended.done():
+                await self._ended
+            self._ended.result()
+        finally:
+            if self._ended.done() and not self._ended.cancelled():
+                self._ended.exception()  # retrieved: raised above, or the caller stopped first
+            self._handler = None
+            self.cancel()
+
+    def _push(self, outputs: list[CoreOutput]) -> None:
+        assert self._handler is not None and self._ended is not None
+        if self._ended.done():
+            return  # the handler failed: nothing more is handed to it
+        events = self._process(outputs)
+        try:
+            self._handler(events)
+        except Exception as error:  # the caller's reason to end this request: it alone ends
+            self._ended.set_exception(error)
+            return
+        if self._finished:
+            self._ended.set_result(None)
 
     def _process(self, outputs: list[CoreOutput]) -> list[Event]:
         try:

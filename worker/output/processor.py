@@ -197,7 +197,11 @@ class RequestOutputProcessor:
             elif isinstance(item, CoreFailure):
                 out.events.append(Failed(item.message, self.usage()))
                 self._done = out.done = True
-            if not self._done and all(c.finished for c in self._choices):
+            if self._done:
+                continue
+            if type(item) is NewToken and not self._choices[item.choice_index].finished:
+                continue  # the common case, without looking at every choice: one is still open
+            if all(c.finished for c in self._choices):
                 out.events.append(self.usage())
                 self._done = out.done = True
         return out

@@ -564,14 +564,14 @@ def event_to_proto(event: Event) -> pb.GenerateResponse:
     """Converts one internal event; ``Failed`` is not an event on the wire (it ends the call)."""
     match event:
         case ContentDelta():
-            return pb.GenerateResponse(
-                content=pb.ContentDelta(
-                    choice_index=event.choice_index,
-                    text=event.text,
-                    token_ids=event.token_ids,
-                    logprobs=_logprobs(event.logprobs),
-                )
-            )
+            message = pb.GenerateResponse()
+            content = message.content  # filled in place: no nested message copied
+            content.choice_index, content.text = event.choice_index, event.text
+            if event.token_ids:  # most deltas carry neither: no empty fields to build
+                content.token_ids.extend(event.token_ids)
+            if event.logprobs:
+                content.logprobs.extend(_logprobs(event.logprobs))
+            return message
         case ReasoningDelta():
             return pb.GenerateResponse(
                 reasoning=pb.ReasoningDelta(

@@ -18,7 +18,7 @@ from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from worker.errors import NotReady
 from worker.service.servicer import WorkerService
-from worker.service.streams import Events, relayed, serve_streams
+from worker.service.streams import Events, Sink, relayed, serve_streams
 
 log = logging.getLogger(__name__)
 
@@ -147,10 +147,12 @@ class DrainingWorker(pb_grpc.WorkerServicer):
     ) -> None:
         await serve_streams(context, self.stream_events)
 
-    def stream_events(self, opened: pb.OpenStream, remaining: Callable[[], float | None]) -> Events:
+    def stream_events(
+        self, opened: pb.OpenStream, remaining: Callable[[], float | None], sink: Sink
+    ) -> Events:
         """One stream of ``GenerateStreams``, drained as a ``Generate`` call is: refused while
         draining, cut when the grace ends."""
-        return self._tracked(lambda: self._service.stream_events(opened, remaining))
+        return self._tracked(lambda: self._service.stream_events(opened, remaining, sink))
 
     async def _tracked(self, start: Callable[[], Events]) -> Events:
         """The events of ``start()``, refused with UNAVAILABLE while draining and cut with

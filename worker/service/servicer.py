@@ -57,9 +57,9 @@ from worker.service.pooling import (
     prepare_score,
     score_response,
 )
-from worker.service.streams import Events, relayed, serve_streams
+from worker.service.streams import Events, Sink, relayed, serve_streams
 from worker.service.thinking import thinking_budget, with_effort
-from worker.types import Failed, Finished, GenerationRequest, OutputOptions, Progress
+from worker.types import Event, Failed, Finished, GenerationRequest, OutputOptions, Progress
 
 # Template rendering, tokenization and grammar compilation of a large request take long enough to
 # stall every other stream's events if they ran on the event loop; they run in these threads.
@@ -267,20 +267,25 @@ class WorkerService(pb_grpc.WorkerServicer):
     ) -> None:
         await serve_streams(context, self.stream_events)
 
-    def stream_events(self, opened: pb.OpenStream, remaining: Callable[[], float | None]) -> Events:
+    def stream_events(
+        self, opened: pb.OpenStream, remaining: Callable[[], float | None], sink: Sink
+    ) -> Events:
         """The events of one stream of ``GenerateStreams`` (see :meth:`generate_events`)."""
-        return self.generate_events(opened.request, tuple(opened.metadata.items()), remaining)
+        return self.generate_events(opened.request, tuple(opened.metadata.items()), remaining, sink)
 
     async def generate_events(
         self,
         request: pb.GenerateRequest,
         metadata: Sequence[tuple[str, str | bytes]],
         remaining: Callable[[], float | None],
+        sink: Callable[[pb.GenerateResponse], None] | None = None,
     ) -> Events:
         """One ``Generate`` request's events, for ``Generate`` and each stream of
         ``GenerateStreams`` alike; a failure is raised as the :class:`WorkerError` whose status ends
         the call (after the events sent before it). ``metadata`` is the call's (request id, trace
-        parent); ``remaining`` says the seconds left before its deadline (None: none)."""
+        parent); ``remaining`` says the seconds left before its deadline (None: none). With a
+        ``sink``, the generated events go to it as each step delivers them, and only those before
+        them (load progress, ``started``) are yielded."""
         arrival = time.monotonic()
         request_id = request.request_id or _metadata_request_id(metadata) or uuid.uuid4().hex
         # Each call (and each stream) runs in its own task, so this binds the id for it only.
@@ -333,27 +338,49 @@ class WorkerService(pb_grpc.WorkerServicer):
                     resumable=True,
                 )
             )
-            async for event in stream:
+
+            def send(event: Event, emit: Callable[[pb.GenerateResponse], None]) -> None:
+                """One event to the caller (a Failed one, or one that cannot be converted, raises)."""
+                nonlocal outcome, completion_tokens
                 if trace is not None:
                     trace.observe(event)
                 if isinstance(event, Failed):
                     outcome = "failed"
                     log.error("request %s: generation failed: %s", request_id, event.message)
                     if event.usage is not None:
-                        yield event_to_proto(event.usage)  # the partial usage, before the status
+                        emit(event_to_proto(event.usage))  # the partial usage, before the status
                     raise GenerationFailed(event.message)
                 if isinstance(event, Finished):
                     reasons.append(event.reason.value)
                     completion_tokens += event.completion_tokens
                 if isinstance(event, Progress) and not request.stream_progress:
-                    continue  # the caller did not ask for progress events
+                    return  # the caller did not ask for progress events
                 try:
                     message = event_to_proto(event)
                 except Exception as error:  # this request's output cannot be sent: it alone fails
                     log.exception("request %s: converting %s failed", request_id, type(event).__name__)
                     outcome = "failed"
                     raise GenerationFailed(f"output conversion failed: {type(error).__name__}") from error
-                yield message
+                emit(message)
+
+            if sink is not None:
+
+                def push(events: list[Event]) -> None:
+                    for event in events:
+                        send(event, sink)
+
+                await stream.pushed(push)
+            else:
+                async for event in stream:
+                    messages: list[pb.GenerateResponse] = []
+                    try:
+                        send(event, messages.append)
+                    except GenerationFailed:
+                        for message in messages:  # a Failed event's usage goes before its status
+                            yield message
+                        raise
+                    for message in messages:
+                        yield message
             outcome = "completed"
         except (asyncio.CancelledError, GeneratorExit):
             raise

@@ -39,9 +39,12 @@ async def relayed(events: Events, context: grpc.aio.ServicerContext) -> Events:
         await context.abort_with_status(exc.to_status())
 
 
-#: One stream's events (``WorkerService.stream_events``): its open message and the seconds left
-#: before its deadline (None: none); raises :class:`WorkerError` for the status that ends it.
-OpenEvents = Callable[[pb.OpenStream, Callable[[], float | None]], Events]
+#: One stream's events (``WorkerService.stream_events``): its open message, the seconds left
+#: before its deadline (None: none) and the sink its generated events go to as each step delivers
+#: them (the generator yields those before them); raises :class:`WorkerError` for the status that
+#: ends it.
+Sink = Callable[[pb.GenerateResponse], None]
+OpenEvents = Callable[[pb.OpenStream, Callable[[], float | None], Sink], Events]
 
 
 class ProtocolError(InvalidRequest):
@@ -65,6 +68,14 @@ def _plain_end(code: grpc.StatusCode, message: str) -> pb.StreamEnd:
 
 
 @dataclass(eq=False)
+class _Entry:
+    """What waits in the outbox for one stream: its events (merged where the rule allows), its end."""
+
+    events: list[pb.GenerateResponse] = field(default_factory=list)
+    end: pb.StreamEnd | None = None
+
+
+@dataclass(eq=False)
 class _Stream:
     """One open stream: its credit (messages it may still be sent) and its pump task."""
 
@@ -85,17 +96,17 @@ class _Stream:
 
 
 class StreamsSession:
-    """The state of one ``GenerateStreams`` call: its open streams, each read by its own pump task,
-    and the outbox the writer empties into one message whenever it is woken.
+    """The state of one ``GenerateStreams`` call: its open streams, each with a task that waits for
+    its end, and the outbox the writer empties into one message whenever it is woken.
 
-    A pump reads its stream's next event only while the stream has credit; without, it waits and
-    the request's own stream merges the steps meanwhile (``worker/output/processor.py``). Events
-    that meet in the outbox merge too (``sluice/coalesce.py``'s rule)."""
+    A step's events reach the outbox straight from the step's hand-over (no task wakes per stream
+    per step); a stream without credit keeps its entry there, where its steps merge
+    (``sluice/coalesce.py``'s rule) until the caller grants more."""
 
     def __init__(self, open_events: OpenEvents) -> None:
         self._open_events = open_events
         self._streams: dict[int, _Stream] = {}
-        self._outbox: dict[int, pb.StreamEvents] = {}
+        self._outbox: dict[int, _Entry] = {}
         self._wake = asyncio.Event()
         self._closed = False
 
@@ -136,7 +147,13 @@ class StreamsSession:
         deadline = time.monotonic() + timeout if timeout > 0 else None
         stream = _Stream(opened.id, opened.window or DEFAULT_WINDOW, deadline)
         self._streams[opened.id] = stream
-        stream.task = asyncio.create_task(self._pump(stream, self._open_events(opened, stream.remaining)))
+
+        def sink(event: pb.GenerateResponse) -> None:
+            if self._streams.get(stream.id) is stream:  # else cancelled, its task not yet ended
+                self._post(stream.id, event)
+
+        events = self._open_events(opened, stream.remaining, sink)
+        stream.task = asyncio.create_task(self._pump(stream, events))
 
     def _cancel(self, stream_id: int) -> None:
         stream = self._streams.pop(stream_id, None)
@@ -146,7 +163,8 @@ class StreamsSession:
             stream.task.cancel()
 
     async def _pump(self, stream: _Stream, events: Events) -> None:
-        """Moves one stream's events to the outbox while it has credit; ends it with its status."""
+        """Moves a stream's first events (those before its generated ones) to the outbox while it
+        has credit, then waits for its end; ends it with its status."""
         try:
             async with contextlib.aclosing(events), asyncio.timeout(stream.remaining()):
                 async for event in events:
@@ -165,30 +183,31 @@ class StreamsSession:
             log.exception("stream %d failed", stream.id)
             end = _plain_end(grpc.StatusCode.INTERNAL, f"{type(error).__name__}: {error}")
         if self._streams.pop(stream.id, None) is not None:
-            self._outbox.setdefault(stream.id, pb.StreamEvents(id=stream.id)).end.CopyFrom(end)
+            self._outbox.setdefault(stream.id, _Entry()).end = end
             self._wake.set()
 
     def _post(self, stream_id: int, event: pb.GenerateResponse) -> None:
         entry = self._outbox.get(stream_id)
         if entry is None:
-            entry = self._outbox[stream_id] = pb.StreamEvents(id=stream_id)
-        if not (entry.events and merge_into(entry.events[-1], event)):
+            self._outbox[stream_id] = _Entry([event])
+        elif not (entry.events and merge_into(entry.events[-1], event)):
             entry.events.append(event)
         self._wake.set()
 
     def take(self) -> pb.StreamsResponse:
         """The next message: every outbox entry whose stream has credit (taking one) or ended;
-        the others wait for credit."""
+        the others wait for credit. Each event is copied once, into the message."""
         message, waiting = pb.StreamsResponse(), {}
+        add = message.streams.add
         for stream_id, entry in self._outbox.items():
             stream = self._streams.get(stream_id)
-            if stream is None:  # ended: its last events go with its end
-                message.streams.append(entry)
-            elif stream.credit > 0:
+            if stream is not None:
+                if stream.credit <= 0:
+                    waiting[stream_id] = entry
+                    continue
                 stream.credit -= 1
-                message.streams.append(entry)
-            else:
-                waiting[stream_id] = entry
+            # else ended: its last events go with its end
+            add(id=stream_id, events=entry.events, end=entry.end)
         self._outbox = waiting
         return message
 

@@ -15,6 +15,7 @@ from worker.output.processor import RequestOutputProcessor
 from worker.types import ContentDelta, Failed, Finished, GenerationRequest, SamplingOptions, Usage
 
 STEPS = 10
+LONG = 300
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +125,60 @@ def test_a_failed_prefill_fails_only_the_requests_it_prefilled(loaded):
     assert (
         ids(events) == greedy(loaded, steady, STEPS) and finished and finished[0].completion_tokens == STEPS
     )
+
+
+def test_pushed_events_are_the_iterated_ones_and_a_failing_handler_ends_its_request_only(loaded):
+    """``RequestStream.pushed`` (how ``GenerateStreams`` reads a request): each step's events go to
+    the handler, the same events iterating gives; a handler that raises ends its own request, and
+    its caller gets the error."""
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randrange(2, 30))] for _ in range(3)]
+    eng = make_engine(loaded, prefill_budget_tokens=512, max_running=8)
+
+    async def iterated(name: str, prompt: list[int]) -> list:
+        return [event async for event in eng.submit(request(name, prompt))]
+
+    async def pushed(name: str, prompt: list[int], fail_after: int | None = None) -> list:
+        events: list = []
+        long = SamplingOptions(temperature=0.0, max_tokens=LONG, min_tokens=LONG)  # outlasts the abort
+
+        def handler(batch: list) -> None:
+            assert not events or fail_after is None or len(ids(events)) < fail_after, "called after it raised"
+            events.extend(batch)
+            if fail_after is not None and len(ids(events)) >= fail_after:
+                raise ValueError("the caller's sink failed")
+
+        work = (
+            request(name, prompt)
+            if fail_after is None
+            else GenerationRequest(name, tuple(prompt), long, 0.0, return_token_ids=True)
+        )
+        await eng.submit(work).pushed(handler)
+        return events
+
+    async def run_all() -> tuple[list, list, BaseException | list]:
+        reference = await asyncio.gather(*[iterated(f"i{i}", p) for i, p in enumerate(prompts)])
+        got = await asyncio.gather(
+            *[pushed(f"p{i}", p) for i, p in enumerate(prompts)],
+            pushed("failing", prompts[0], fail_after=3),
+            return_exceptions=True,
+        )
+        return reference, got[:-1], got[-1]
+
+    try:
+        reference, got, failing = asyncio.run(asyncio.wait_for(run_all(), timeout=120))
+        for prompt, ref, events in zip(prompts, reference, got, strict=True):
+            assert ids(events) == ids(ref) == greedy(loaded, prompt, STEPS)
+            assert [type(e) for e in events if not isinstance(e, ContentDelta)] == [
+                type(e) for e in ref if not isinstance(e, ContentDelta)
+            ]
+            assert isinstance(events[-1], Usage) and events[-1].completion_tokens == STEPS
+        assert isinstance(failing, ValueError) and str(failing) == "the caller's sink failed"
+        deadline = time.monotonic() + 10
+        while eng.stats().running_requests and time.monotonic() < deadline:
+            time.sleep(0.01)
+        stats = eng.stats()
+        assert stats.running_requests == 0 and stats.live_caches == 0
+        assert stats.counters.requests_cancelled == 1 and stats.counters.requests_finished == 6
+    finally:
+        eng.stop()

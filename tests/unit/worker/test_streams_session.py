@@ -13,7 +13,7 @@ from sluice.streams import end_error
 from sluice.v1 import worker_pb2 as pb
 from worker.errors import InvalidRequest
 from worker.service.drain import DrainingWorker
-from worker.service.streams import StreamsSession
+from worker.service.streams import Sink, StreamsSession
 
 
 def in_loop(body: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
@@ -26,15 +26,23 @@ def in_loop(body: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]
     return test
 
 
+class Yielded:
+    """An event the stream yields (as the servicer yields those before the generated ones)."""
+
+    def __init__(self, event: pb.GenerateResponse) -> None:
+        self.event = event
+
+
 class FakeStream:
-    """A request's events, fed by the test; counts how many the session pulled."""
+    """A request's events, fed by the test: each goes to the session's sink (as a step's generated
+    events do), a :class:`Yielded` one is yielded; counts how many the session pulled."""
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[pb.GenerateResponse | Exception | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[pb.GenerateResponse | Yielded | Exception | None] = asyncio.Queue()
         self.pulled = 0
         self.closed = asyncio.Event()
 
-    async def events(self) -> AsyncGenerator[pb.GenerateResponse, None]:
+    async def events(self, sink: Sink) -> AsyncGenerator[pb.GenerateResponse, None]:
         try:
             while True:
                 item = await self.queue.get()
@@ -43,7 +51,10 @@ class FakeStream:
                     return
                 if isinstance(item, Exception):
                     raise item
-                yield item
+                if isinstance(item, Yielded):
+                    yield item.event
+                else:
+                    sink(item)
         finally:
             self.closed.set()
 
@@ -53,8 +64,10 @@ def content(text: str, ids: tuple[int, ...] = ()) -> pb.GenerateResponse:
 
 
 def session_of(streams: dict[int, FakeStream]) -> StreamsSession:
-    def open_events(opened: pb.OpenStream, remaining: Callable[[], float | None]) -> AsyncGenerator:
-        return streams[opened.id].events()
+    def open_events(
+        opened: pb.OpenStream, remaining: Callable[[], float | None], sink: Sink
+    ) -> AsyncGenerator:
+        return streams[opened.id].events(sink)
 
     return StreamsSession(open_events)
 
@@ -106,14 +119,34 @@ async def test_a_stream_without_credit_waits_while_the_others_go_on() -> None:
         slow.queue.put_nowait(content(text))
     fast.queue.put_nowait(content("f2"))
     await settle()
-    # No credit: the event its pump was already waiting for is held, the next stays in its request
-    # (whose own stream merges what waits there).
-    assert slow.pulled == 2
+    # No credit: the slow stream's steps wait in the outbox, merged, and its request goes on.
+    assert slow.pulled == 3
     message = session.take()
     assert [(e.id, e.events[0].content.text) for e in message.streams] == [(2, "f2")]
     session.receive(pb.StreamsRequest(credit=[1]))
     await settle()
     assert [e.content.text for e in session.take().streams[0].events] == ["s2s3"]
+    await session.cancel_all()
+
+
+@in_loop
+async def test_a_yielded_event_waits_for_credit_before_the_stream_goes_on() -> None:
+    """The events before the generated ones (``started``) are pulled one credit at a time."""
+    stream = FakeStream()
+    session = session_of({1: stream})
+    session.receive(open_message(1, window=1))
+    stream.queue.put_nowait(Yielded(content("first")))
+    await settle()
+    assert [e.content.text for e in session.take().streams[0].events] == ["first"]  # the one credit
+    for item in (Yielded(content("second")), content("third")):
+        stream.queue.put_nowait(item)
+    await settle()
+    assert stream.pulled == 2  # no credit: the pump waits before it reads on
+    assert not session.take().streams
+    session.receive(pb.StreamsRequest(credit=[1]))
+    await settle()
+    assert stream.pulled == 3
+    assert [e.content.text for e in session.take().streams[0].events] == ["secondthird"]
     await session.cancel_all()
 
 
@@ -173,8 +206,10 @@ class FakeService:
     def __init__(self, streams: dict[int, FakeStream]) -> None:
         self.streams = streams
 
-    def stream_events(self, opened: pb.OpenStream, remaining: Callable[[], float | None]) -> AsyncGenerator:
-        return self.streams[opened.id].events()
+    def stream_events(
+        self, opened: pb.OpenStream, remaining: Callable[[], float | None], sink: Sink
+    ) -> AsyncGenerator:
+        return self.streams[opened.id].events(sink)
 
 
 @in_loop
