@@ -6,11 +6,16 @@ Usage::
 
     python bench/bench_multiplexed.py     # 64 and 256 streams, 10 ms fake steps, --max-running 256
     python bench/bench_multiplexed.py --concurrency 256 --rounds 3 --latency-levels 1,16
+    git archive <rev> | tar -x -C /tmp/before && python bench/bench_multiplexed.py --before /tmp/before
 
 One ``--fake-tokens`` worker (``--fake-step-ms``: a sleep per step that releases the GIL, like a
-GPU forward) and two edges in front of it, one with ``--no-multiplexed-streams`` (a ``Generate``
-call per request) and one with the default (the worker's one ``GenerateStreams`` call). Per level
-and round, four paths are measured in turn (the order rotating by round), each a window of
+GPU forward; ``--fake-vocab 64``, so the sampler's tensor math, the device's work on a GPU, costs
+the host next to nothing) and two edges in front of it, one with ``--no-multiplexed-streams`` (a
+``Generate`` call per request) and one with the default (the worker's one ``GenerateStreams``
+call). With ``--before``, a worker and an edge run from that checkout too, so that code before a
+change is measured in the same run (paths "before: edge" and "before: direct", its own defaults),
+and the ratios of CPU per token after to before are printed. Per level
+and round, the paths are measured in turn (the order rotating by round), each a window of
 ``--seconds`` over C streams sent back to back (``bench_edge_overhead.measure``): each edge with
 light SSE readers, and direct ``Generate`` and ``GenerateStreams`` calls (``WorkerClient.generate``
 and ``open_stream``). Tokens are content bytes over the passage's bytes per token. Printed per

@@ -330,12 +330,13 @@ class Settings:
         "least-outstanding (fewest calls in flight)",
     )
     multiplexed_streams: bool = setting(
-        False,
+        True,
         help="send streams to a worker on one multiplexed GenerateStreams call per worker (one "
-        'message per engine step for all of them; docs/grpc.md, "Multiplexed streams"): about a '
-        "third less CPU per token at 16 and 64 streams, but more at 1 stream (docs/benchmarks.md), "
-        "so off by default: one Generate call per request. A worker whose ListModels does not say "
-        "it serves GenerateStreams gets Generate calls either way",
+        'message per engine step for all of them; docs/grpc.md, "Multiplexed streams"): about half '
+        "the CPU per token of edge and worker at 64 and 256 streams, the same first-token time "
+        "and gaps at 1 and 16 (docs/benchmarks.md). --no-multiplexed-streams: one Generate call "
+        "per request. A worker whose ListModels does not say it serves GenerateStreams gets "
+        "Generate calls either way",
     )
     allow_runtime_lora: bool = setting(
         False,

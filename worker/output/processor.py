@@ -295,6 +295,8 @@ def coalesce(events: Sequence[Event]) -> list[Event]:
     """Merges each run of deltas that the shared rule lets merge (``sluice.coalesce``: one choice's
     content, reasoning, refusal or tool-call arguments) into one delta: what a consumer that fell
     behind by several steps receives as one message. Order and every other event are kept."""
+    if len(events) < 2:
+        return list(events)  # a step's usual lot: nothing to merge
     merged: list[Event] = []
     for event in events:
         kind = _DELTA_KINDS.get(type(event))
