@@ -1,13 +1,16 @@
 """GenerateStreams against one real ``--fake-tokens`` worker (and an edge in front of it): the
 client learns from ListModels that the worker serves it, concurrent streams get exactly their own
 events, a cancelled or expired stream leaves the worker, a reader that stops reading holds up no
-other stream and later gets its deltas merged, a refused request fails alone. A worker dying under
-multiplexed streams is tests/integration/test_stream_migration.py's (its edge uses GenerateStreams)."""
+other stream and later gets its deltas merged, a refused request fails alone; the same streams from
+an engine in its own process, and its death. A worker dying under multiplexed streams is
+tests/integration/test_stream_migration.py's (its edge uses GenerateStreams)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
@@ -183,3 +186,33 @@ def test_streams_through_the_edge_each_get_their_tokens(edge: EdgeProcess) -> No
             assert tokens == 10 + i and PASSAGE.startswith(text) and text
 
     asyncio.run(run())
+
+
+def test_streams_of_an_engine_in_its_own_process_and_its_death(model_cache: Path, tmp_path: Path) -> None:
+    """``--engine-process``: the steps' outputs reach the streams from the pipe's reader; every stream
+    gets its own tokens, and when the engine process dies the streams still open fail at once."""
+    extra = ["--engine-process", "--fake-tokens", "--fake-step-ms", "2", "--max-running", "16"]
+    with WorkerProcess(cache_dir=model_cache, log_dir=tmp_path, extra=extra) as engine_worker:
+
+        async def body(client: WorkerClient) -> None:
+            calls = [client.open_stream(request(8 + i, f"mux-ep-{i}"), timeout=60) for i in range(12)]
+            for i, events in enumerate(await asyncio.gather(*(read_all(call) for call in calls))):
+                ids = [t for e in events if e.HasField("content") for t in e.content.token_ids]
+                assert events[0].started.request_id == f"mux-ep-{i}" and len(ids) == 8 + i
+            open_ = [client.open_stream(request(LONG), timeout=60) for _ in range(3)]
+            for call in open_:
+                while not (await call.read()).HasField("content"):  # type: ignore[union-attr]
+                    pass
+            pid = next(
+                int(line.rsplit("pid ", 1)[1].rstrip(")"))
+                for line in engine_worker.log_tail(400).splitlines()
+                if "the engine runs in its own process (pid " in line
+            )
+            os.kill(pid, signal.SIGKILL)
+            for call in open_:
+                with pytest.raises(WorkerCallError) as failure:
+                    await asyncio.wait_for(read_all(call), 30)
+                assert failure.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE)
+
+        in_client(engine_worker, body)
+        assert engine_worker.wait_exit(30) == 3
