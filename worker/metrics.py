@@ -131,6 +131,11 @@ class EngineCollector(Collector):
         family.add_metric([self._model_id], value)
         return family
 
+    def _counter(self, name: str, help_text: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(name, help_text, labels=["model"])
+        family.add_metric([self._model_id], value)
+        return family
+
     def _sluice_families(self) -> Iterator[Metric]:
         s = self._stats
         yield self._gauge(
@@ -175,9 +180,7 @@ class EngineCollector(Collector):
         yield info
         c = s.counters
         for name, help_text, attribute in _COUNTERS:
-            counter = CounterMetricFamily(name, help_text, labels=["model"])
-            counter.add_metric([self._model_id], getattr(c, attribute))
-            yield counter
+            yield self._counter(name, help_text, getattr(c, attribute))
         if s.speculative_proposer is not None:
             for name, help_text, attribute in _SPECULATIVE_COUNTERS:
                 counter = CounterMetricFamily(name, help_text, labels=["model", "proposer"])
@@ -220,9 +223,7 @@ class EngineCollector(Collector):
                 tier.bytes_to_device,
             ),
         ):
-            counter = CounterMetricFamily(name, help_text, labels=["model"])
-            counter.add_metric([self._model_id], value)
-            yield counter
+            yield self._counter(name, help_text, value)
 
     def _class_families(self) -> Iterator[Metric]:
         """The scheduling policy's metrics: queue wait and time to first token per (priority,
@@ -254,13 +255,11 @@ class EngineCollector(Collector):
         for cause in ("blocks", "priority", "fairness"):
             causes.add_metric([self._model_id, cause], classes.preemptions.get(cause, 0))
         yield causes
-        refusals = CounterMetricFamily(
+        yield self._counter(
             "sluice_worker_deadline_refusals",
             "requests refused at admission because they could not finish before their deadline",
-            labels=["model"],
+            classes.deadline_refusals,
         )
-        refusals.add_metric([self._model_id], classes.deadline_refusals)
-        yield refusals
 
     def _fast_path_families(self) -> Iterator[Metric]:
         """Which parts of the fast path are on: the CUDA decode path's and the graph replays (CUDA
@@ -287,19 +286,15 @@ class EngineCollector(Collector):
         yield fast
         if s.fast_path is None:
             return
-        replays = CounterMetricFamily(
-            "sluice_worker_decode_graph_replays", "decode steps replayed from a CUDA graph", labels=["model"]
+        yield self._counter(
+            "sluice_worker_decode_graph_replays", "decode steps replayed from a CUDA graph", s.graph_replays
         )
-        replays.add_metric([self._model_id], s.graph_replays)
-        yield replays
         if s.max_loras:
-            adapter_replays = CounterMetricFamily(
+            yield self._counter(
                 "sluice_worker_decode_graph_lora_replays",
                 "decode steps with LoRA adapter rows replayed from a CUDA graph",
-                labels=["model"],
+                s.graph_lora_replays,
             )
-            adapter_replays.add_metric([self._model_id], s.graph_lora_replays)
-            yield adapter_replays
 
     def _vllm_families(self) -> Iterator[Metric]:
         s = self._stats

@@ -278,7 +278,7 @@ class WorkerService(pb_grpc.WorkerServicer):
         request: pb.GenerateRequest,
         metadata: Sequence[tuple[str, str | bytes]],
         remaining: Callable[[], float | None],
-        sink: Callable[[pb.GenerateResponse], None] | None = None,
+        sink: Sink | None = None,
     ) -> Events:
         """One ``Generate`` request's events, for ``Generate`` and each stream of
         ``GenerateStreams`` alike; a failure is raised as the :class:`WorkerError` whose status ends
