@@ -185,7 +185,7 @@ class WorkerConfig:
         choice("auto", "none", "int8", "int4", "fp8"),
         "weight-only linear layers: none (float), int8, int4 (groups of 32), fp8 (CUDA, compute "
         "capability 8.9+) or auto (a pre-quantized checkpoint's own format; the default model int4 or "
-        "int8 on the CPU, whichever this host multiplies faster at its shapes; docs/quantization.md)",
+        "int8 on the CPU, whichever decodes faster through its layers on this host; docs/quantization.md)",
     )
     task: str = setting(
         "auto",

@@ -38,7 +38,7 @@ from worker.model.packed_linear import pack_linears
 from worker.model.pooling import PoolingConfigError, PoolingSpec, detect_task, read_spec
 from worker.model.prequantized import PrequantizedLoadError, checkpoint_format, load_prequantized
 from worker.quant import cuda_kernels
-from worker.quant.auto_choice import linear_shapes, measure_once
+from worker.quant.auto_choice import ModelShapes, measure_once, model_shapes
 from worker.quant.layers import QuantizationError, check_choice, cpu_kernels_available, quantize_linears
 from worker.quant.loading import DirectLoadUnsupported, load_folder_quantized, load_gguf_quantized
 from worker.quant.slicing import Slicer
@@ -281,7 +281,7 @@ def choose_quantization(
     device: torch.device,
     *,
     model_is_default: bool,
-    shapes: Callable[[], list[tuple[int, int]]] = list,
+    shapes: Callable[[], ModelShapes] = ModelShapes,
     batch_hint: int = 16,
     cache: Path | None = None,
 ) -> str:
@@ -289,8 +289,8 @@ def choose_quantization(
     the measured choice (docs/quantization.md), logged with its reason.
 
     ``auto``: on the CPU the default model is served quantized where torch has the weight-only
-    kernels, int4 or int8 as the faster on this host: both products timed at the model's ``shapes``
-    (a callable, read only then) for one row and ``batch_hint`` rows (worker/quant/auto_choice.py),
+    kernels, int4 or int8 as the faster on this host: a decode pass through the model's ``shapes``
+    (a callable, read only then) timed for one row and ``batch_hint`` rows (worker/quant/auto_choice.py),
     the figures kept in ``cache`` so every later worker on the host chooses alike. Other
     models stay float (their quality under quantization is not measured), as does every model on
     a GPU (on an H200, int4 and fp8 weights served fewer tokens/s than bfloat16: docs/benchmarks.md).
@@ -317,18 +317,18 @@ def choose_quantization(
 AUTO_DEFAULT_MODEL_CPU = "int4"
 
 
-def _measured(shapes: list[tuple[int, int]], batch_hint: int, cache: Path | None) -> tuple[str, str]:
+def _measured(shapes: ModelShapes, batch_hint: int, cache: Path | None) -> tuple[str, str]:
     """The faster of int4 and int8 at ``shapes`` on this host, and the figures that chose it."""
-    if not shapes:
+    if not shapes.linears:
         return AUTO_DEFAULT_MODEL_CPU, "the model's shapes are unknown: the default model's usual choice"
     measured = measure_once(shapes, batch_hint, cache)
     return measured.choice, measured.describe()
 
 
-def _config_shapes(gguf: Path | None, folder: Path | None, cache: Path) -> list[tuple[int, int]]:
-    """The model's linear shapes from its config (a GGUF file's cached config folder)."""
+def _config_shapes(gguf: Path | None, folder: Path | None, cache: Path) -> ModelShapes:
+    """The model's MLP shapes and layer count from its config (a GGUF file's cached config folder)."""
     source = gguf_config_folder(gguf, cache) if gguf is not None else folder
-    return [] if source is None else linear_shapes(AutoConfig.from_pretrained(str(source)))
+    return ModelShapes() if source is None else model_shapes(AutoConfig.from_pretrained(str(source)))
 
 
 # The transformers class each --task loads.

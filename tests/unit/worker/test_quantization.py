@@ -164,33 +164,46 @@ def test_auto_on_the_cpu_takes_the_scheme_measured_faster_on_this_host(
 ):
     """The figures (faked here: timing is the host's) decide, not a constant; they are logged."""
     from worker.model import loader
-    from worker.quant.auto_choice import Measured
+    from worker.quant.auto_choice import Measured, ModelShapes
 
-    asked: list[tuple[list[tuple[int, int]], int]] = []
+    asked: list[tuple[ModelShapes, int]] = []
 
     def fake_measure(shapes, batch_hint, cache):
         asked.append((shapes, batch_hint))
-        return Measured({"int4": int4_s, "int8": int8_s}, (1, 3), 0.02)
+        return Measured({"int4": int4_s, "int8": int8_s}, (1, 3), 0.02, 5)
 
+    shapes = ModelShapes(((128, 64), (64, 128)), 5)
     monkeypatch.setattr(loader, "measure_once", fake_measure)
     with caplog.at_level("INFO", logger="worker.model.loader"):
-        got = choose_quantization(
-            "auto", CPU, model_is_default=True, shapes=lambda: [(128, 64), (64, 128)], batch_hint=16
-        )
-    assert got == chosen and asked == [([(128, 64), (64, 128)], 16)]
+        got = choose_quantization("auto", CPU, model_is_default=True, shapes=lambda: shapes, batch_hint=16)
+    assert got == chosen and asked == [(shapes, 16)]
     assert f"--quantization auto: {chosen} (measured on this host" in caplog.text
     assert "int4 2.000 ms" in caplog.text or "int4 1.000 ms" in caplog.text
 
 
-def test_the_measurement_times_both_schemes_at_the_shapes_given():
-    from worker.quant.auto_choice import linear_shapes, measure
+def test_the_measurement_is_a_decode_pass_through_the_models_layers(monkeypatch):
+    """One layer's weights stay in a core's cache and time the arithmetic, not the memory a decode
+    step reads: the pass multiplies every layer of the model (up to PASS_BYTES), in order, at each row
+    count, and the schemes' figures are those passes."""
+    from worker.quant import auto_choice
+    from worker.quant.auto_choice import ModelShapes, measure, model_shapes, pass_layers
 
-    measured = measure([(32, 64), (64, 32)], batch_hint=16)
+    built: list[tuple[str, int, int]] = []
+    real_layer = auto_choice._layer
+    monkeypatch.setattr(
+        auto_choice, "_layer", lambda scheme, o, i: built.append((scheme, o, i)) or real_layer(scheme, o, i)
+    )
+    shapes = ModelShapes(((64, 32), (32, 64)), layers=6)
+    measured = measure(shapes, batch_hint=16)
     assert set(measured.seconds) == {"int4", "int8"} and all(s > 0 for s in measured.seconds.values())
-    assert measured.rows == (1, 3) and measured.choice in ("int4", "int8")
-    config = type("Config", (), {"hidden_size": 576, "intermediate_size": 1536})()
-    assert linear_shapes(config) == [(1536, 576), (576, 1536)]
-    assert linear_shapes(type("Config", (), {"hidden_size": 40})()) == []  # no whole int4 groups
+    assert measured.rows == (1, 3) and measured.layers == 6 and measured.choice in ("int4", "int8")
+    assert built == [(s, o, i) for s in ("int4", "int8") for _ in range(6) for o, i in shapes.linears]
+    assert "through 6 layers" in measured.describe()
+    monkeypatch.setattr(auto_choice, "PASS_BYTES", 3 * 64 * 32)  # room for one and a half layers
+    assert pass_layers(shapes) == 1 and pass_layers(ModelShapes(((64, 32),), 6)) == 3
+    config = type("Config", (), {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30})()
+    assert model_shapes(config) == ModelShapes(((1536, 576), (1536, 576), (576, 1536)), 30)
+    assert model_shapes(type("Config", (), {"hidden_size": 40})()) == ModelShapes((), 1)  # no whole groups
 
 
 def test_the_first_measurement_on_a_host_decides_for_every_later_worker(monkeypatch, tmp_path):
@@ -198,15 +211,22 @@ def test_the_first_measurement_on_a_host_decides_for_every_later_worker(monkeypa
     in the cache dir and a later start (another process) reads them instead of measuring again."""
     from worker.quant import auto_choice
 
-    runs = iter([{"int4": 1e-3, "int8": 2e-3}, {"int4": 2e-3, "int8": 1e-3}])
+    runs = iter([{"int4": 1e-3, "int8": 2e-3}, {"int4": 2e-3, "int8": 1e-3}, {"int4": 3e-3, "int8": 1e-3}])
     monkeypatch.setattr(
-        auto_choice, "measure", lambda shapes, rows: auto_choice.Measured(next(runs), (1, 3), 0.01)
+        auto_choice,
+        "measure",
+        lambda shapes, rows: auto_choice.Measured(next(runs), (1, 3), 0.01, shapes.layers),
     )
-    first = auto_choice.measure_once([(64, 32)], 16, tmp_path)
-    again = auto_choice.measure_once([(64, 32)], 16, tmp_path)
-    assert first.choice == again.choice == "int4" and again.seconds == first.seconds
-    assert auto_choice.measure_once([(128, 32)], 16, tmp_path).choice == "int8"  # other shapes: measured
-    assert [p.suffix for p in tmp_path.iterdir()] == [".json", ".json"]  # no staging file left
+    one = auto_choice.ModelShapes(((64, 32),), 4)
+    first = auto_choice.measure_once(one, 16, tmp_path)
+    again = auto_choice.measure_once(one, 16, tmp_path)
+    assert first.choice == again.choice == "int4" and again.seconds == first.seconds and again.layers == 4
+    other = auto_choice.ModelShapes(((128, 32),), 4)
+    assert auto_choice.measure_once(other, 16, tmp_path).choice == "int8"  # other shapes: measured
+    # Figures kept by an older way of measuring are not read: a new METHOD measures again.
+    monkeypatch.setattr(auto_choice, "METHOD", "another")
+    assert auto_choice.measure_once(one, 16, tmp_path).seconds == {"int4": 3e-3, "int8": 1e-3}
+    assert [p.suffix for p in tmp_path.iterdir()] == [".json"] * 3  # no staging file left
 
 
 def test_fp8_on_the_cpu_is_refused_naming_the_setting():
