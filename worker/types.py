@@ -194,7 +194,10 @@ class Timings:
 # ------------------------------------------------------------------ events
 
 
-@dataclass(frozen=True)
+# The per-token records (ContentDelta, NewToken; worker/model/step_inputs.py's Work) are slotted, not
+# frozen: a frozen dataclass sets each field through object.__setattr__, 0.6 against 0.13 us per
+# object here, and one of each is built per token. Treat them as immutable all the same.
+@dataclass(slots=True)
 class ContentDelta:
     choice_index: int
     text: str
@@ -310,7 +313,7 @@ class Dequeued:
     cached_tokens: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per token (see ContentDelta)
 class NewToken:
     """One token of one choice, drawn by the core at ``time``.
 

@@ -28,7 +28,7 @@ class ChunkImage:
     span: tuple[int, int]
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per sequence per step (see worker/types.py's ContentDelta)
 class Work:
     """One sequence's part of a step: compute ``tokens`` at positions ``start..``, whose slots the
     block table covers; ``sample``: the last token's logits are wanted (it ends the known tokens);
