@@ -182,22 +182,28 @@ def sluice_request(i: int, max_tokens: int) -> pb.GenerateRequest:
 
 
 async def sluice_rounds(
-    address: str, levels: list[int], max_tokens: int, count: int = 2, worker_pid: int | None = None
+    address: str,
+    levels: list[int],
+    max_tokens: int,
+    count: int = 2,
+    worker_pid: int | None = None,
+    connections: int = 1,
 ) -> tuple[dict[int, float], dict[int, float]]:
     """Runs every level ``count`` times on a fresh worker; returns tok/s per level for the first
     and the last round. With the worker's pid, each level is followed by the CPU its processes
-    and this client used."""
+    and this client used. Streams go round-robin over ``connections`` connections of their own
+    (which the kernel spreads over a worker's serving processes, ``--api-server-count``)."""
     rounds: list[dict[int, float]] = [{} for _ in range(max(2, count))]
-    async with grpc.aio.insecure_channel(
-        address, options=[("grpc.max_receive_message_length", 64 << 20)]
-    ) as channel:
-        stub = pb_grpc.WorkerStub(channel)
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.use_local_subchannel_pool", 1)]
+    channels = [grpc.aio.insecure_channel(address, options=options) for _ in range(connections)]
+    try:
+        stubs = [pb_grpc.WorkerStub(channel) for channel in channels]
         for round_, by_level in enumerate(rounds, start=1):
             for c in levels:
                 before = snapshot(worker_pid) if worker_pid else None
                 start = time.perf_counter()
                 results = await asyncio.gather(
-                    *[read_stream(stub, sluice_request(i, max_tokens)) for i in range(c)]
+                    *[read_stream(stubs[i % len(stubs)], sluice_request(i, max_tokens)) for i in range(c)]
                 )
                 level = LevelResult(c, time.perf_counter() - start, list(results))
                 by_level[c] = level.tokens_per_s
@@ -205,6 +211,9 @@ async def sluice_rounds(
                 if before is not None:
                     tokens = sum(r.tokens for r in level.results)
                     print(f"  {cpu_line(before, snapshot(before.root), tokens)}", flush=True)
+    finally:
+        for channel in channels:
+            await channel.close()
     return rounds[0], rounds[-1]
 
 
@@ -437,6 +446,9 @@ def main() -> None:
         "--max-running", type=int, help="the worker's --max-running (default: the largest level)"
     )
     parser.add_argument("--worker-args", default="", help='more worker flags, e.g. "--max-running 512"')
+    parser.add_argument(
+        "--connections", type=int, default=1, help="Sluice client connections, streams round-robin over them"
+    )
     args = parser.parse_args()
     dtype = resolved_dtype(args.device, args.dtype)
     levels: list[int] = args.levels
@@ -459,7 +471,7 @@ def main() -> None:
         proc, address = start_worker(None, flags, defaults=())
         try:
             table.first, table.sluice = asyncio.run(
-                sluice_rounds(address, levels, args.max_tokens, args.rounds, proc.pid)
+                sluice_rounds(address, levels, args.max_tokens, args.rounds, proc.pid, args.connections)
             )
         finally:
             stop(proc)

@@ -36,7 +36,9 @@ def children(pid: int) -> list[int]:
 
 def role(pid: int, root: int) -> str:
     """``serving`` (the worker's own process), ``engine`` (its ``--engine-process`` child) or
-    ``helper`` (multiprocessing's resource tracker and the like)."""
+    ``helper`` (multiprocessing's resource tracker and the like). With ``--api-server-count`` the
+    other serving processes are spawned too and count as ``engine`` here (their command lines are
+    the same); bench/bench_serving_processes.py splits them from the worker's log."""
     if pid == root:
         return "serving"
     try:

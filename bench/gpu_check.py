@@ -14,8 +14,9 @@ graphs and fused kernels are on and that every decode-only step replayed a graph
 --speculative ngram (greedy equal to ``generate`` too, one stream's tok/s with and without, the
 acceptance); then run bench/bench_gpu.py and print its table, again at 1 stream with
 ``--no-fused-kernels`` (the forward's RMSNorm, SiLU-mul and rotary as transformers runs them), at
-64 and 256 with ``--engine-process``, at 1, 64 and 256 with ``--overlap-steps off`` (each draw
-read between steps) and, when asked (``--interval-levels``), with ``--stream-interval 4``; then
+64 and 256 with ``--engine-process``, at 256 with ``--api-server-count 2`` (8 connections), at 1,
+64 and 256 with ``--overlap-steps off`` (each draw read between steps) and, when asked
+(``--interval-levels``), with ``--stream-interval 4``; then
 bench/profile_step.py on the same model (and 8 steps at its most rows under torch's profiler).
 A step that fails is reported in the closing table; the later steps still run. The whole check
 keeps within ``--budget`` (560 s): a step's timeout is cut to what is left and a step that would get
@@ -217,6 +218,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--engine-levels",
         default="64,256",
         help="levels benched again with --engine-process (the engine in its own process; '' = none)",
+    )
+    parser.add_argument(
+        "--server-levels",
+        default="256",
+        help="levels benched again with --api-server-count 2 over 8 connections ('' = none)",
     )
     parser.add_argument(
         "--serial-levels",
@@ -488,17 +494,19 @@ def hybrid_steps(args: argparse.Namespace, env: dict[str, str], budget: Budget) 
     ]
 
 
-def extra_benches(args: argparse.Namespace) -> list[tuple[str, str, float]]:
-    """The benches after the first, most telling first (worker flags, levels, timeout in s): the
-    engine in its own process, each draw read between steps, the forward without the fused
-    kernels, and (when asked) a stream's tokens of 4 steps per message."""
+def extra_benches(args: argparse.Namespace) -> list[tuple[str, str, float, list[str]]]:
+    """The benches after the first, most telling first (worker flags, levels, timeout in s, bench
+    flags): the engine in its own process, two serving processes (8 client connections, which the
+    kernel spreads over them), each draw read between steps, the forward without the fused kernels,
+    and (when asked) a stream's tokens of 4 steps per message."""
     wanted = [
-        ("--engine-process", args.engine_levels, 150.0),
-        ("--overlap-steps off", args.serial_levels, 150.0),
-        ("--no-fused-kernels", args.unfused_levels, 120.0),
-        ("--stream-interval 4", args.interval_levels, 150.0),
+        ("--engine-process", args.engine_levels, 150.0, []),
+        ("--api-server-count 2", args.server_levels, 120.0, ["--connections", "8"]),
+        ("--overlap-steps off", args.serial_levels, 150.0, []),
+        ("--no-fused-kernels", args.unfused_levels, 120.0, []),
+        ("--stream-interval 4", args.interval_levels, 150.0, []),
     ]
-    return [(flags, levels, timeout) for flags, levels, timeout in wanted if levels]
+    return [entry for entry in wanted if entry[1]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -561,8 +569,16 @@ def main(argv: list[str] | None = None) -> int:
             families += ["--cases", args.families_cases]
         add(run("families, KV dtypes, LoRA (gpu_families.py)", families, env, 300, budget))
     if "extra" in chosen and not args.skip_bench:
-        for flags, levels, wanted in extra_benches(args):  # the same model, one setting changed
-            again = [*bench, "--levels", levels, "--skip", "serve,generate_batch", f"--worker-args={flags}"]
+        for flags, levels, wanted, more in extra_benches(args):  # the same model, one setting changed
+            again = [
+                *bench,
+                "--levels",
+                levels,
+                "--skip",
+                "serve,generate_batch",
+                f"--worker-args={flags}",
+                *more,
+            ]
             add(run(f"bench_gpu, {flags}", again, env, wanted, budget))
     if "edge" in chosen and not args.skip_bench:
         # The name bench_multiplexed's requests give (load_edge.MODEL), on the random model.

@@ -269,6 +269,13 @@ class WorkerConfig:
         "docs/worker.md); try it on a GPU host with a core to spare at many concurrent streams, "
         "where the serving process's interpreter bounds the pace (docs/operations.md)",
     )
+    api_server_count: int = setting(
+        1,
+        int_at_least(1, 64),
+        "serving processes (vLLM's name): each runs gRPC, prompts and output processing on the one "
+        "--port (SO_REUSEPORT: the kernel spreads callers' connections), all fed by the engine in its "
+        "own process (above 1 implies --engine-process; generation only; docs/worker.md)",
+    )
     tensor_parallel_size: int = setting(
         1,
         int_at_least(1, 64),
@@ -505,6 +512,12 @@ class WorkerConfig:
         return self.speculative_max_rows or DEFAULT_MAX_ROWS[self.speculative]
 
     @property
+    def runs_engine_process(self) -> bool:
+        """Whether the engine runs in a process of its own: ``--engine-process``, or several
+        serving processes (``--api-server-count``), which it feeds."""
+        return self.engine_process or self.api_server_count > 1
+
+    @property
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}:{self.port}"
 
@@ -557,7 +570,11 @@ class WorkerConfig:
             f"--enable-lora cannot be combined with {flag} yet ({why})"
             for flag, on, why in (
                 ("--fake-tokens", self.fake_tokens, "it runs no model to wrap"),
-                ("--engine-process", self.engine_process, "the adapters live in the serving process"),
+                (
+                    "--engine-process" if self.engine_process else "--api-server-count",
+                    self.runs_engine_process,
+                    "the adapters live in the serving process",
+                ),
                 (
                     "--batch-invariant",
                     self.batch_invariant,

@@ -17,16 +17,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import grpc
 import torch
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
-from sluice.client import MAX_MESSAGE_BYTES
 from sluice.heap import freeze_startup_heap
 from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free
 from sluice.tracing import open_tracer
-from sluice.v1 import worker_pb2
 from worker import metrics
 from worker.attention.host_kv import HostKV
 from worker.config import WorkerConfig
@@ -34,7 +29,8 @@ from worker.engine.core import Engine
 from worker.engine.host_tier import HostTier, auto_offload_bytes, available_host_bytes, tiered
 from worker.engine.options import EngineOptions
 from worker.engine.pooling import PoolingEngine
-from worker.engine.process import start_engine_process
+from worker.engine.process import EngineClient, start_engine_process
+from worker.engine.process_messages import ModelFacts
 from worker.engine.speculation import Speculation
 from worker.lora.registry import LoraRegistry, lora_registry
 from worker.model.architecture import unexpected_load_error
@@ -60,50 +56,12 @@ from worker.prompts.images import ImageProcessing
 from worker.prompts.prompt import PromptRenderer
 from worker.prompts.vocabulary import TokenIndex
 from worker.sampling.grammar import GrammarCompiler
-from worker.service.drain import DrainingWorker
+from worker.service.grpc_server import EXIT_ENGINE_FAILED, GrpcServer
 from worker.service.servicer import ServingModel, WorkerService
 from worker.service.tracing import SERVICE_NAME as TRACE_SERVICE_NAME
-from worker.service.wire_decoding import add_worker_service
+from worker.serving_processes import ServingProcessError, ServingProcesses
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-# Server channel settings; the client side is sluice.client.CHANNEL_OPTIONS. Why:
-# - message sizes match the client's (a whole prompt fits in one request);
-# - keepalive enforcement: clients ping every 20 s, with or without calls. The
-#   server accepts pings down to every 10 s and with no call open; stricter
-#   values would make it answer a well-behaved client with GOAWAY
-#   "too_many_pings" and drop its connection;
-# - the server's own pings (every 60 s, 20 s to answer) close connections of
-#   clients that vanished, freeing their calls;
-# - max connection age: every connection is closed (GOAWAY) after about 5
-#   minutes (gRPC adds +-10% jitter), so clients that reach workers through a
-#   DNS name re-resolve and spread over new replicas. The grace lets calls
-#   already running on the old connection finish: it is longer than the edge's
-#   default request deadline (600 s), so age alone never cuts a generation.
-#   New calls go to a new connection at once;
-# - no SO_REUSEPORT (gRPC's default on Linux): with it, a second worker started on
-#   a taken port binds it without an error and the kernel splits the callers'
-#   connections between the two processes.
-MAX_CONNECTION_AGE_MS = 5 * 60_000
-MAX_CONNECTION_AGE_GRACE_MS = 11 * 60_000
-SERVER_OPTIONS: list[tuple[str, int]] = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 60_000),
-    ("grpc.keepalive_timeout_ms", 20_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-    ("grpc.http2.max_ping_strikes", 2),
-    ("grpc.max_connection_age_ms", MAX_CONNECTION_AGE_MS),
-    ("grpc.max_connection_age_grace_ms", MAX_CONNECTION_AGE_GRACE_MS),
-    ("grpc.so_reuseport", 0),
-]
-# Calls cut at the end of the grace period get this long to send their status.
-_CUT_WAIT_S = 2.0
-# The exit status after the engine could not go on (its device failed, or its state could no longer
-# be trusted: docs/worker.md, "Failure isolation"): the orchestrator restarts the worker.
-EXIT_ENGINE_FAILED = 3
 
 
 def eos_token_ids(loaded_model: object, tokenizer: object) -> set[int]:
@@ -312,11 +270,17 @@ def serving_in_own_process(
     progress = progress or LoadProgress()
     rules = TextRules(tuple(config.blocked_phrases), config.refusal_message)
     client, facts = start_engine_process(config, build_serving, progress, rules, on_device_failure)
+    log.info("the engine runs in its own process (pid %s)", client.pid)
+    return serving_of_engine(config, client, facts)
+
+
+def serving_of_engine(config: WorkerConfig, client: EngineClient, facts: ModelFacts) -> ServingModel:
+    """What a serving process needs of the model (its tokenizer, prompts, grammars) around the
+    client of the engine process's engine."""
     loaded = facts.loaded
     profile = family_profile(config, loaded.model, loaded.tokenizer)
     grammars = GrammarCompiler(loaded.tokenizer, set(facts.eos_token_ids))
     grammars.prepare()
-    log.info("the engine runs in its own process (pid %s)", client.pid)
     return ServingModel(
         loaded,
         client,
@@ -411,19 +375,13 @@ def metrics_text(serving: ServingModel | None, config: WorkerConfig) -> str | No
 
 async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = None) -> int:
     """Serves until SIGTERM/SIGINT; returns the exit status (2: a port is taken, 1: the model
-    did not load, 3: the device failed). ``metrics_socket``: the claimed /metrics socket (None: off)."""
+    did not load, 3: the device failed, or another serving process exited).
+    ``metrics_socket``: the claimed /metrics socket (None: off)."""
     load_progress = LoadProgress()
     service = WorkerService(config.resolved_worker_id, load_progress)
     service.tracer = open_tracer(TRACE_SERVICE_NAME, config.otlp_traces_endpoint)
-    served = DrainingWorker(service)
-    health_service = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
-    add_worker_service(served, server)  # undecodable bytes: INVALID_ARGUMENT, not UNKNOWN
-    health_pb2_grpc.add_HealthServicer_to_server(health_service, server)
-    reflection.enable_server_reflection(
-        (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-        server,
-    )
+    grpc_server = GrpcServer(service, share_port=config.api_server_count > 1)
+    server = grpc_server.server
     address = f"{config.host}:{config.port}"
     try:
         # Checked again (python -m worker checked it before importing torch): the gRPC
@@ -439,7 +397,7 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
             metrics_socket.close()
         return EXIT_PORT_TAKEN
     await server.start()
-    await _set_health(health_service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await grpc_server.set_serving(False)
     serving: ServingModel | None = None
 
     metrics_server = (
@@ -460,9 +418,9 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
 
     device_failed = asyncio.Event()
 
-    failures: list[BaseException] = []
+    failures: list[BaseException | str] = []
 
-    def on_device_failure(failure: BaseException) -> None:  # the engine thread
+    def on_device_failure(failure: BaseException | str) -> None:  # the engine thread
         failures.append(failure)
         with contextlib.suppress(RuntimeError):  # the loop is gone: the process is ending anyway
             loop.call_soon_threadsafe(device_failed.set)
@@ -470,7 +428,7 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
     loading = asyncio.ensure_future(
         in_own_thread(
             functools.partial(
-                serving_in_own_process if config.engine_process else build_serving,
+                serving_in_own_process if config.runs_engine_process else build_serving,
                 progress=load_progress,
                 on_device_failure=on_device_failure,
             ),
@@ -478,6 +436,7 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
         )
     )
     stopper = asyncio.ensure_future(stop.wait())
+    others: ServingProcesses | None = None
     try:
         await asyncio.wait({loading, stopper}, return_when=asyncio.FIRST_COMPLETED)
         if not loading.done():
@@ -486,31 +445,45 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
             return 0
         try:
             serving = service.serving = loading.result()
-        except Exception as exc:  # ModelLoadError, or a failure outside the load (one line either way)
-            failure = exc if isinstance(exc, ModelLoadError) else unexpected_load_error(exc, config.model)
-            log.error("%s", failure.message)
+            others = await _more_serving_processes(config, serving)
+        except Exception as exc:  # ModelLoadError, ServingProcessError, or a failure outside the load
+            failure = (
+                exc
+                if isinstance(exc, (ModelLoadError, ServingProcessError))
+                else unexpected_load_error(exc, config.model)
+            )
+            log.error("%s", failure.message if isinstance(failure, ModelLoadError) else failure)
             await server.stop(0)
+            if serving is not None:
+                serving.engine.stop()
             return 1
+        if others is not None:
+            others.watch(loop, on_device_failure)  # another serving process's exit ends the worker
         freeze_startup_heap(log, "serving process")
-        await _set_health(health_service, health_pb2.HealthCheckResponse.SERVING)
+        await grpc_server.set_serving(True)
         log.info("serving %s on %s (metrics on %s)", serving.loaded.model_id, address, metrics_where)
 
         failing = asyncio.ensure_future(device_failed.wait())
         await asyncio.wait({stopper, failing}, return_when=asyncio.FIRST_COMPLETED)
-        if failing.done():
+        failed = failing.done()
+        if failed:
+            first = failures[0] if failures else "unknown failure"
             log.error(
-                "the engine stopped (%s): NOT_SERVING, exiting with status %d to be restarted",
-                failures[0] if failures else "unknown failure",
+                "%s: NOT_SERVING, exiting with status %d to be restarted",
+                first if isinstance(first, str) else f"the engine stopped ({first})",
                 EXIT_ENGINE_FAILED,
             )
-            await _drain(served, health_service, 0.0)
-            await server.stop(0)
-            serving.engine.stop()
-            return EXIT_ENGINE_FAILED
         failing.cancel()
-        await _drain(served, health_service, config.grace_period)
+        grace = 0.0 if failed else config.grace_period
+        if others is not None:
+            others.terminate()  # they drain alongside this one
+        await grpc_server.drain(grace)
         await server.stop(0)
+        if others is not None:
+            await asyncio.to_thread(others.stop, grace)
         serving.engine.stop()
+        if failed:
+            return EXIT_ENGINE_FAILED
         log.info("worker stopped")
         return 0
     finally:
@@ -518,6 +491,17 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
             metrics_server.close()
         if service.tracer is not None:
             await asyncio.to_thread(service.tracer.close)  # the spans still batched
+
+
+async def _more_serving_processes(config: WorkerConfig, serving: ServingModel) -> ServingProcesses | None:
+    """``--api-server-count`` above 1: the other serving processes, started and serving."""
+    if config.api_server_count == 1:
+        return None
+    client = serving.engine
+    assert isinstance(client, EngineClient)  # several serving processes imply the engine process
+    others = await asyncio.to_thread(ServingProcesses.start, config, client, serving_of_engine)
+    log.info("%d more serving processes on the port (pids %s)", len(others.pids), others.pids)
+    return others
 
 
 _T = TypeVar("_T")
@@ -555,23 +539,3 @@ async def in_own_thread(fn: Callable[[_T], _R], arg: _T) -> _R:
 
     threading.Thread(target=run, name="sluice-loader", daemon=True).start()
     return await future
-
-
-async def _drain(served: DrainingWorker, health_service: object, grace_period: float) -> None:
-    """Health NOT_SERVING, refuse new calls, give in-flight calls the grace, then cut them."""
-    await _set_health(health_service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    served.start_drain()
-    log.info("draining: refusing new calls, %g s grace for %d in-flight", grace_period, served.in_flight)
-    if await served.wait_idle(grace_period):
-        log.info("drained: every in-flight call finished")
-        return
-    log.warning("grace period over: ending %d in-flight calls with UNAVAILABLE", served.cut())
-    if not await served.wait_idle(_CUT_WAIT_S):
-        log.warning("%d calls did not end after the cut; the server stop cancels them", served.in_flight)
-
-
-async def _set_health(service: object, status: int) -> None:
-    for name in ("", SERVICE_NAME):
-        result = service.set(name, status)  # type: ignore[attr-defined]
-        if asyncio.iscoroutine(result):
-            await result

@@ -225,7 +225,7 @@ def test_recommended_channel_options() -> None:
         assert key in options
     # The worker must accept the client's pings (see worker/server.py): its minimum ping
     # interval is below the client's keepalive time.
-    from worker.server import SERVER_OPTIONS
+    from worker.service.grpc_server import SERVER_OPTIONS
 
     server = dict(SERVER_OPTIONS)
     assert server["grpc.http2.min_ping_interval_without_data_ms"] < options["grpc.keepalive_time_ms"]

@@ -100,10 +100,18 @@ def test_the_budget_cuts_a_steps_timeout_then_skips_it() -> None:
 
 
 def test_the_benches_after_the_first_run_most_telling_first() -> None:
-    flags = [flags for flags, _, _ in extra_benches(parse_args([]))]
-    assert flags == ["--engine-process", "--overlap-steps off", "--no-fused-kernels"]
-    asked = extra_benches(parse_args(["--interval-levels", "256", "--unfused-levels", ""]))
-    assert [(flags, levels) for flags, levels, _ in asked] == [
+    benches = extra_benches(parse_args([]))
+    assert [flags for flags, _, _, _ in benches] == [
+        "--engine-process",
+        "--api-server-count 2",
+        "--overlap-steps off",
+        "--no-fused-kernels",
+    ]
+    assert benches[1][3] == ["--connections", "8"]  # spread over both serving processes
+    asked = extra_benches(
+        parse_args(["--interval-levels", "256", "--unfused-levels", "", "--server-levels", ""])
+    )
+    assert [(flags, levels) for flags, levels, _, _ in asked] == [
         ("--engine-process", "64,256"),
         ("--overlap-steps off", "1,64,256"),
         ("--stream-interval 4", "256"),

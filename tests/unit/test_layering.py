@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 # The worker's layers, top first. A module may import its own unit and any unit of a lower layer,
 # never a unit of its own layer or of a higher one. A unit is a package or a set of modules.
 WORKER_LAYERS: tuple[tuple[tuple[str, ...], ...], ...] = (
-    (("worker.__main__", "worker.server", "worker.metrics"),),  # the composition root
+    (("worker.__main__", "worker.server", "worker.serving_processes", "worker.metrics"),),  # composition root
     (("worker.service",),),
     # the service renders prompts, the engine gets ids; the tensor-parallel ranks wrap the runner
     (("worker.engine",), ("worker.prompts",), ("worker.parallel",)),

@@ -1,6 +1,6 @@
 """The engine in its own process (``--engine-process``): a child loads the model and runs the step
-loop; the serving process keeps gRPC, prompts and output processing, so neither waits for the
-other's interpreter. They talk over one pipe: a request each way, one message of outputs per step.
+loop; the serving process keeps gRPC, prompts and output processing. One pipe each way per serving
+process (``--api-server-count``: the others' passed over the first): requests, a message per step.
 
 Design notes: docs/worker.md ("The engine in its own process").
 """
@@ -17,6 +17,7 @@ import signal
 import threading
 import weakref
 from collections.abc import Callable, Iterable
+from multiprocessing import reduction
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
@@ -30,6 +31,7 @@ from worker.engine.process_intake import Intake
 from worker.engine.process_messages import (
     Abort,
     Acked,
+    Attach,
     EngineFailed,
     FromEngine,
     LoadFailed,
@@ -75,6 +77,14 @@ class _Sender:
     def send(self, message: ToEngine | FromEngine) -> None:
         with self._lock:
             self._connection.send(message)
+
+    def send_handing_over(self, message: ToEngine, connections: list[Connection], pid: int) -> None:
+        """Sends ``message``, then each of ``connections``' descriptors (to process ``pid``), with
+        nothing else between them on the pipe."""
+        with self._lock:
+            self._connection.send(message)
+            for connection in connections:
+                reduction.send_handle(self._connection, connection.fileno(), pid)
 
     def send_built(self, build: Callable[[], ToEngine | FromEngine | None]) -> None:
         """Sends what ``build()`` returns (nothing for None), built under the send lock: what it reads
@@ -139,7 +149,8 @@ class _PipeLoop:
         self.send(items)
 
     def send(self, items: list[tuple[Any, list[CoreOutput]]]) -> None:
-        self._outbox.send_outputs([(sink.key, outputs) for sink, outputs in items])
+        with contextlib.suppress(OSError, ValueError):  # that serving process is gone (the worker ends)
+            self._outbox.send_outputs([(sink.key, outputs) for sink, outputs in items])
 
 
 class _RemoteSink:
@@ -183,32 +194,90 @@ def engine_main(connection: Connection, config: WorkerConfig, build: Callable[..
     :class:`Ready` with its facts, then serves the serving process's requests until told to stop or
     the pipe closes (the serving process is gone); exits with :data:`EXIT_PIPE_FAILED` when a
     message cannot be read. Signals are the serving process's to handle: it drains, then stops
-    this one."""
+    this one. Pipes of more serving processes (:class:`Attach`) are served alongside, each on a
+    thread of its own, until their process leaves."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     configure_logging(config.log_level, config.log_format, worker_id=config.resolved_worker_id)
-    sender = _Sender(connection)
-    engine = _load(sender, config, build)
-    if engine is None:
+    senders = _Senders(_Sender(connection))
+    loaded = _load(senders, config, build)
+    if loaded is None:
         return
-    outbox = _StatsOutbox(sender)
-    engine.published.listen(outbox.offer)
-    loop = _PipeLoop(outbox)
-    intake = Intake(engine, sender.send, lambda key: _RemoteSink(key, loop))
+    engine, facts = loaded
+    intake = _intake(engine, senders.first)
+
+    def attach(message: Attach) -> None:
+        for _ in range(message.count):
+            _attach(Connection(reduction.recv_handle(connection)), engine, facts, senders)
+
     try:
-        served = _serve(connection, intake)
+        served = _serve(connection, intake, attach)
     finally:
         intake.close()
         engine.stop()
     exit_without_collecting(0 if served else EXIT_PIPE_FAILED)
 
 
-def _load(sender: _Sender, config: WorkerConfig, build: Callable[..., Any]) -> Engine | None:
-    """Loads the model and reports :class:`Ready` (the engine running), or :class:`LoadFailed`
-    (None)."""
+class _Senders:
+    """Every serving process's pipe end: a device failure reaches each of them."""
+
+    def __init__(self, first: _Sender):
+        self.first = first
+        self._all = [first]
+        self._lock = threading.Lock()
+
+    def add(self, sender: _Sender) -> None:
+        with self._lock:
+            self._all.append(sender)
+
+    def failed(self, why: str) -> None:
+        with self._lock:
+            senders = list(self._all)
+        for sender in senders:
+            with contextlib.suppress(OSError, ValueError):  # that serving process is gone
+                sender.send(EngineFailed(why))
+
+
+def _intake(engine: Engine, sender: _Sender) -> Intake:
+    """A serving process's intake: its requests queued in ``engine``, their outputs and the engine's
+    stats back over its pipe."""
+    outbox = _StatsOutbox(sender)
+    engine.published.listen(outbox.offer)
+    loop = _PipeLoop(outbox)
+    return Intake(engine, sender.send, lambda key: _RemoteSink(key, loop))
+
+
+def _attach(connection: Connection, engine: Engine, facts: ModelFacts, senders: _Senders) -> None:
+    """Serves another serving process's pipe on a thread of its own: :class:`Ready`, then its
+    requests, until it leaves (:class:`Stop`, or its pipe closes). Its requests then still queued
+    run on, their outputs dropped: a serving process that leaves has drained, and one that died
+    ends the worker."""
+    sender = _Sender(connection)
+
+    def serve() -> None:
+        intake = _intake(engine, sender)
+        try:
+            sender.send(Ready(facts, engine.latest_stats()))
+            _serve(connection, intake, None)
+        except (OSError, ValueError):
+            log.info("a serving process left before it was ready")
+        finally:
+            intake.close()
+            connection.close()
+
+    senders.add(sender)
+    threading.Thread(target=serve, name="sluice-engine-attached", daemon=True).start()
+
+
+def _load(
+    senders: _Senders, config: WorkerConfig, build: Callable[..., Any]
+) -> tuple[Engine, ModelFacts] | None:
+    """Loads the model and reports :class:`Ready` (the engine running, and its facts for more
+    serving processes), or :class:`LoadFailed` (None)."""
+    sender = senders.first
 
     def device_failed(failure: BaseException) -> None:
-        sender.send(EngineFailed(str(failure)))
+        senders.failed(str(failure))
 
     try:
         serving = build(config, _SentProgress(sender), on_device_failure=device_failed)
@@ -236,27 +305,30 @@ def _load(sender: _Sender, config: WorkerConfig, build: Callable[..., Any]) -> E
             LoadFailed(f"--engine-process: the model's tokenizer or processor cannot be sent ({why})")
         )
         return None
-    return engine
+    return engine, facts
 
 
-def _serve(connection: Connection, intake: Intake) -> bool:
-    """Hands the serving process's messages to ``intake`` until told to stop or the pipe closes
-    (True), or until a message cannot be read (False: what followed it cannot be trusted)."""
+def _serve(connection: Connection, intake: Intake, attach: Callable[[Attach], None] | None) -> bool:
+    """Hands a serving process's messages to ``intake`` until told to stop or the pipe closes
+    (True), or until a message cannot be read (False: what followed it cannot be trusted).
+    ``attach`` takes more serving processes' pipes (the first serving process's pipe only)."""
     while True:
         try:
             message = connection.recv()
         except (EOFError, OSError):
-            log.info("the serving process is gone; the engine stops")
+            log.info("the serving process is gone; %s", "the engine stops" if attach else "its pipe closes")
             return True
         except Exception:
-            log.critical(
-                "a message from the serving process could not be read; the engine stops", exc_info=True
-            )
+            then = "the engine stops" if attach else "its pipe closes"
+            log.critical("a message from a serving process could not be read; %s", then, exc_info=True)
             return False
         if isinstance(message, Stop):
             return True
         try:
-            _dispatch(message, intake)
+            if isinstance(message, Attach) and attach is not None:
+                attach(message)
+            else:
+                _dispatch(message, intake)
         except Exception:  # one message's bug must not stop the engine
             log.exception("handling the serving process's %s failed", type(message).__name__)
 
@@ -291,8 +363,10 @@ class EngineClient:
         stats: EngineStats,
         rules: TextRules,
         on_device_failure: Callable[[BaseException], None] | None,
+        key_prefix: str = "",
     ):
         self._process = process
+        self._key_prefix = key_prefix  # another serving process's keys never meet this one's
         self._connection = connection
         self._sender = _Sender(connection)
         self._opener = StreamOpener(facts.loaded.tokenizer, rules)
@@ -320,7 +394,7 @@ class EngineClient:
         """Sends the request to the engine process and waits for it to be queued; raises what refused
         it there (QueueFull, InvalidRequest)."""
         request = prepared.request
-        key = f"{request.request_id}#{next(self._ids)}"
+        key = f"{self._key_prefix}{request.request_id}#{next(self._ids)}"
         loop = asyncio.get_running_loop()
         stream = self._opener.open(self, request, key)
         if stream.ended_while_priming:
@@ -358,6 +432,14 @@ class EngineClient:
 
     def stop_choices(self, key: str, choices: Iterable[int]) -> None:
         self._send(StopChoices(key, tuple(choices)))
+
+    def attach(self, connections: list[Connection]) -> None:
+        """Hands the engine process the ends of more serving processes' pipes
+        (``--api-server-count``); it serves each alongside this one's."""
+        pid = self._process.pid
+        if pid is None:
+            raise GenerationFailed(ENGINE_STOPPED)
+        self._sender.send_handing_over(Attach(len(connections)), connections, pid)
 
     def latest_stats(self) -> EngineStats:
         """The last stats the engine process published (it sends them on its own: with the outputs
@@ -525,6 +607,30 @@ def start_engine_process(
     child imports it), and waits until it is loaded (blocking; run in a thread), raising
     ``progress`` as it reports; raises :class:`ModelLoadError` when it cannot load."""
     process, ours = spawn_engine(config, build)
+    facts, stats = _wait_ready(process, ours, progress)
+    return EngineClient(process, ours, facts, stats, rules, on_device_failure), facts
+
+
+def join_engine_process(
+    engine_pid: int,
+    connection: Connection,
+    rules: TextRules,
+    on_device_failure: Callable[[BaseException], None] | None,
+    key_prefix: str,
+) -> tuple[EngineClient, ModelFacts]:
+    """Another serving process's engine (``--api-server-count``): the running engine process
+    ``engine_pid``, over the pipe the first serving process handed it (blocking until its
+    :class:`Ready`); its keys start with ``key_prefix``."""
+    process = _EngineElsewhere(engine_pid)
+    facts, stats = _wait_ready(process, connection, LoadProgress())
+    return EngineClient(process, connection, facts, stats, rules, on_device_failure, key_prefix), facts
+
+
+def _wait_ready(
+    process: EngineProcess, ours: Connection, progress: LoadProgress
+) -> tuple[ModelFacts, EngineStats]:
+    """Reads the engine process's messages until :class:`Ready`; raises :class:`ModelLoadError`
+    when it cannot load (or cannot be read)."""
     while True:
         try:
             message = ours.recv()
@@ -546,6 +652,31 @@ def start_engine_process(
                 process.join(STOP_WAIT_S)
                 raise ModelLoadError(why)
             case Ready(facts, stats):
-                return EngineClient(process, ours, facts, stats, rules, on_device_failure), facts
+                return facts, stats
             case _:
                 log.error("the engine process sent an unexpected message while loading: %r", message)
+
+
+class _EngineElsewhere:
+    """The engine process as another serving process sees it: not its child (the first serving
+    process starts and stops it), so there is nothing to join or terminate."""
+
+    def __init__(self, pid: int):
+        self._pid = pid
+
+    @property
+    def pid(self) -> int | None:
+        return self._pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return None
+
+    def is_alive(self) -> bool:
+        return False  # for stop(): nothing of ours to wait for
+
+    def join(self, timeout: float | None = None) -> None:
+        pass
+
+    def terminate(self) -> None:
+        pass

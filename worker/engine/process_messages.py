@@ -82,10 +82,19 @@ class StopChoices:
 
 @dataclass(frozen=True, slots=True)
 class Stop:
-    """Stop the engine and exit (after the drain)."""
+    """Stop the engine and exit (after the drain); from another serving process's pipe: that
+    process is leaving, its pipe closes."""
 
 
-ToEngine = Submit | Abort | StopChoices | Stop
+@dataclass(frozen=True, slots=True)
+class Attach:
+    """``count`` more serving processes (``--api-server-count``): the ends of their pipes follow this
+    message on the pipe as passed descriptors; each hears :class:`Ready` on its own."""
+
+    count: int
+
+
+ToEngine = Submit | Abort | StopChoices | Stop | Attach
 
 
 # ------------------------------------------------------------------ engine process -> serving process

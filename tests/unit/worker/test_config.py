@@ -114,6 +114,7 @@ def test_metrics_port_defaults_to_the_grpc_port_plus_1000():
         (["--max-running", "x"], "--max-running: must be an integer, got 'x'"),
         (["--grace-period", "inf"], "--grace-period: must be a finite number of seconds"),
         (["--kv-offload-bytes", "1024", "--fake-tokens"], "--kv-offload-bytes needs a generating model"),
+        (["--api-server-count", "0"], "--api-server-count: must be"),
     ],
 )
 def test_bad_values_and_combinations_name_the_setting(argv, message, capsys):

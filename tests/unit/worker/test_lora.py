@@ -291,6 +291,11 @@ def test_lora_modules_setting_forms():
         "(the adapters live in the serving process)",
         "--max-cpu-loras 2 is below --max-loras 4",
     ]
+    servers = WorkerConfig(enable_lora=True, api_server_count=2)
+    assert servers.runs_engine_process and servers.problems() == [
+        "--enable-lora cannot be combined with --api-server-count yet "
+        "(the adapters live in the serving process)"
+    ]
     invariant = WorkerConfig(enable_lora=True, batch_invariant=True)
     assert invariant.problems() == [
         "--enable-lora cannot be combined with --batch-invariant yet "

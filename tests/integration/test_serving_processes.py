@@ -1,0 +1,166 @@
+"""``--api-server-count``: several serving processes on one port, fed by one engine process. The
+kernel spreads connections over them, each serves its callers' streams whole; a serving process
+that dies ends the worker (status 3); SIGTERM drains every one of them."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from sluice.v1 import worker_pb2 as pb
+from sluice.v1 import worker_pb2_grpc as pb_grpc
+from tests.integration.test_engine_process import alive, engine_pid
+from tests.integration.test_worker_grpc import chat
+from tests.processes import WorkerProcess
+
+pytestmark = pytest.mark.integration
+
+FAKE = ["--fake-tokens", "--fake-step-ms", "5", "--api-server-count", "2"]
+
+
+def more_serving_pids(worker: WorkerProcess) -> list[int]:
+    """The pids of the serving processes beyond the first, from the worker's start-up line."""
+    found = re.search(r"more serving processes on the port \(pids \[([\d, ]+)\]\)", worker.log_tail(400))
+    assert found, worker.log_tail()
+    return [int(pid) for pid in found.group(1).split(",")]
+
+
+def first_serving_pid(worker: WorkerProcess) -> int:
+    assert worker.proc is not None
+    return worker.proc.pid
+
+
+def accepted(pid: int, port: int) -> int:
+    """How many established TCP connections on local ``port`` process ``pid`` holds (its accepted
+    callers), from /proc: its socket descriptors' inodes against the kernel's TCP tables."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/{pid}/net/{table}") as rows:
+            for row in list(rows)[1:]:
+                fields = row.split()
+                local_port = int(fields[1].rsplit(":", 1)[1], 16)
+                if fields[3] == "01" and local_port == port and fields[9] in inodes:
+                    count += 1
+    return count
+
+
+def own_channel(address: str) -> grpc.Channel:
+    """A channel with a connection of its own (gRPC shares one per target within a process)."""
+    return grpc.insecure_channel(address, options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+def text_and_usage(stub: pb_grpc.WorkerStub, max_tokens: int) -> tuple[str, int, str]:
+    events = list(stub.Generate(chat("Tell me a story.", max_tokens=max_tokens, temperature=0.0), timeout=60))
+    text = "".join(e.content.text for e in events if e.HasField("content"))
+    finished = [e.finished.reason for e in events if e.HasField("finished")]
+    usage = [e.usage.completion_tokens for e in events if e.HasField("usage")]
+    assert len(finished) == 1 and len(usage) == 1, events
+    return text, usage[0], finished[0]
+
+
+@pytest.fixture
+def worker(model_cache: Path, tmp_path: Path) -> Iterator[WorkerProcess]:
+    with WorkerProcess(cache_dir=model_cache, log_dir=tmp_path, extra=FAKE) as started:
+        yield started
+
+
+def connections_on_each(worker: WorkerProcess, pids: list[int]) -> tuple[list[grpc.Channel], list[int]]:
+    """Opens connections (one call each, so the connection is accepted) until every serving process
+    holds one; returns the channels and the serving process of each."""
+    channels: list[grpc.Channel] = []
+    owners: list[int] = []
+    for _ in range(64):  # two processes: all 64 on one of them would be 2 ** -63
+        channel = own_channel(worker.address)
+        before = {pid: accepted(pid, worker.port) for pid in pids}
+        pb_grpc.WorkerStub(channel).Tokenize(
+            pb.TokenizeRequest(prompt=pb.PromptInput(text="hello")), timeout=10
+        )
+        after = {pid: accepted(pid, worker.port) for pid in pids}
+        grew = [pid for pid in pids if after[pid] > before[pid]]
+        assert len(grew) == 1, (before, after)
+        channels.append(channel)
+        owners.append(grew[0])
+        if set(owners) == set(pids):
+            return channels, owners
+    raise AssertionError(f"64 connections, all on {set(owners)}")
+
+
+def test_connections_spread_over_the_serving_processes_and_each_serves_whole_streams(
+    worker: WorkerProcess,
+) -> None:
+    """Every serving process accepts connections on the one port, and the streams it serves are
+    the engine's whole: concurrent requests of different lengths, each over a connection of either
+    process, give the same text and usage as one request at a time over the first connection."""
+    pids = [first_serving_pid(worker), *more_serving_pids(worker)]
+    assert engine_pid(worker) not in pids and all(alive(pid) for pid in pids)
+    channels, owners = connections_on_each(worker, pids)
+    try:
+        lengths = [8 + 7 * i for i in range(8)]
+        reference = {n: text_and_usage(pb_grpc.WorkerStub(channels[0]), n) for n in lengths}
+        got: dict[tuple[int, int], tuple[str, int, str]] = {}
+
+        def run(channel_index: int, length: int) -> None:
+            got[(channel_index, length)] = text_and_usage(pb_grpc.WorkerStub(channels[channel_index]), length)
+
+        on_each = [owners.index(pid) for pid in pids]  # a channel of each serving process
+        threads = [
+            threading.Thread(target=run, args=(on_each[i % len(on_each)], n)) for i, n in enumerate(lengths)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert len(got) == len(lengths)
+        for (_, length), result in got.items():
+            assert result == reference[length]
+            assert result[1] == length and result[2] == pb.LENGTH
+    finally:
+        for channel in channels:
+            channel.close()
+
+
+def test_a_serving_process_that_dies_ends_the_worker(worker: WorkerProcess) -> None:
+    """Killed (as an out-of-memory kill would), another serving process takes the worker down with
+    the engine-failure status, for its orchestrator to restart it whole; nothing is left running."""
+    [other] = more_serving_pids(worker)
+    engine = engine_pid(worker)
+    os.kill(other, signal.SIGKILL)
+    assert worker.wait_exit(30) == 3, worker.log_tail()
+    assert f"serving process 1 (pid {other}) exited with status -9" in worker.log_tail(100)
+    assert not alive(engine)
+
+
+def test_sigterm_drains_every_serving_process(worker: WorkerProcess) -> None:
+    """A stream open on the other serving process when the worker is told to stop finishes within
+    the grace period; then every process exits and the worker's status is 0."""
+    pids = [first_serving_pid(worker), *more_serving_pids(worker)]
+    channels, owners = connections_on_each(worker, pids)
+    try:
+        call = pb_grpc.WorkerStub(channels[owners.index(pids[1])]).Generate(
+            chat("Tell me a story.", max_tokens=150, temperature=0.0), timeout=60
+        )
+        assert next(call).HasField("started")
+        next(call)  # a token: the stream is running
+        worker.signal(signal.SIGTERM)
+        rest = list(call)
+        assert [e.finished.reason for e in rest if e.HasField("finished")] == [pb.LENGTH]
+        assert worker.wait_exit(30) == 0, worker.log_tail()
+        assert not any(alive(pid) for pid in pids[1:]) and not alive(engine_pid(worker))
+    finally:
+        for channel in channels:
+            channel.close()
