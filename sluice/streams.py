@@ -206,13 +206,14 @@ class _Session:
         self._unanswered = unanswered
         self._outgoing = pb.StreamsRequest()
         self._wake = asyncio.Event()
+        self._urgent: asyncio.Future[None] | None = None  # the credit delay, ended early by an open
         self._writer = asyncio.create_task(self._write_loop())
         self._reader = asyncio.create_task(self._read_loop())
 
     def open(self, stream: StreamCall, open_: pb.OpenStream) -> None:
         self.streams[stream.id] = stream
         self._outgoing.open.append(open_)
-        self._wake.set()
+        self._hurry()
 
     def grant(self, stream_id: int, messages: int) -> None:
         self._outgoing.credit.extend([stream_id] * messages)
@@ -220,7 +221,7 @@ class _Session:
 
     def cancel(self, stream_id: int) -> None:
         self._outgoing.cancel.append(stream_id)
-        self._wake.set()
+        self._hurry()
 
     def forget(self, stream_id: int) -> None:
         self.streams.pop(stream_id, None)
@@ -230,14 +231,32 @@ class _Session:
     def retire(self) -> None:
         """Takes no more streams; ends once its streams have."""
         self.retired = True
+        self._hurry()
+
+    def _hurry(self) -> None:
+        """Wakes the writer, cutting short a wait for more credit: an open or a cancellation goes
+        at once."""
         self._wake.set()
+        if self._urgent is not None and not self._urgent.done():
+            self._urgent.set_result(None)
+
+    async def _gather_credit(self) -> None:
+        """Waits :data:`CREDIT_DELAY_S` for more credit, or less if an open or cancellation comes."""
+        loop = asyncio.get_running_loop()
+        self._urgent = urgent = loop.create_future()
+        timer = loop.call_later(CREDIT_DELAY_S, lambda: urgent.done() or urgent.set_result(None))
+        try:
+            await urgent
+        finally:
+            timer.cancel()
+            self._urgent = None
 
     async def _write_loop(self) -> None:
         with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
             while True:
                 await self._wake.wait()
                 if not (self._outgoing.open or self._outgoing.cancel) and not self.retired:
-                    await asyncio.sleep(CREDIT_DELAY_S)  # credit alone: gather more first
+                    await self._gather_credit()  # credit alone: gather more first
                 self._wake.clear()
                 message, self._outgoing = self._outgoing, pb.StreamsRequest()
                 if message.open or message.cancel or message.credit:

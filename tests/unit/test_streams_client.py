@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from sluice import streams
 from sluice.status import WorkerCallError
 from sluice.streams import GRANT_EVERY, EventCall, Metadata, StreamsChannel
 from sluice.v1 import worker_pb2 as pb
@@ -286,3 +287,33 @@ async def test_cancelling_a_stream_tells_the_worker_and_ends_its_reads() -> None
     with pytest.raises(WorkerCallError) as failure:
         await stream.read()
     assert failure.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_an_open_does_not_wait_behind_credit_gathering(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credit alone waits CREDIT_DELAY_S for more, but an open or a cancellation that arrives
+    meanwhile goes at once (it waited out the delay: a new request's first token came up to 5 ms
+    late whenever other streams' credit was being gathered). The delay is made an hour here: a
+    request that waited for it would fail the 5 s wait."""
+    monkeypatch.setattr(streams, "CREDIT_DELAY_S", 3600.0)
+
+    async def body() -> None:
+        stub = FakeStub()
+        channel = channel_of(stub, [])
+        first = channel.open(pb.GenerateRequest(request_id="a"), None, ())
+        call = await call_of(stub)
+        [opened] = await written(call, "open", 1)
+        for step in range(GRANT_EVERY):
+            call.responses.put_nowait(
+                pb.StreamsResponse(streams=[pb.StreamEvents(id=opened.id, events=[text(f"{step}")])])
+            )
+        for _ in range(GRANT_EVERY):
+            await asyncio.wait_for(first.read(), 5)
+        await asyncio.sleep(0)  # the writer is now gathering credit
+        assert call.sent("credit") == []
+        second = channel.open(pb.GenerateRequest(request_id="b"), None, ())
+        assert [o.request.request_id for o in await written(call, "open", 2)] == ["a", "b"]
+        assert call.sent("credit") == [opened.id] * GRANT_EVERY  # it went with the open
+        assert second.cancel() and first.cancel()
+        assert len(await written(call, "cancel", 2)) == 2
+
+    asyncio.run(body())
