@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
@@ -197,18 +197,12 @@ async def throughput(
     ]
     ratios: list[str] = []
     for level in args.concurrency:
-        runs: dict[str, list[Measurement]] = {path: [] for path in paths}
-        for round_ in range(args.rounds):
-            turn = round_ % len(paths)
-            for path in paths[turn:] + paths[:turn]:
-                m = await measure(path, once[path], level, args.seconds, pids, workers)
-                runs[path].append(m)
-                rate, worker_ms = m.tokens_per_s(bytes_per_token), cpu_ms(m, worker_of(path), bytes_per_token)
-                print(
-                    f"  {level} streams, round {round_ + 1}, {path}: {rate:.0f} tok/s, "
-                    f"worker {worker_ms:.0f} ms per 1000 tokens, {m.errors} errors",
-                    flush=True,
-                )
+
+        def described(path: str, m: Measurement) -> str:
+            rate, worker_ms = m.tokens_per_s(bytes_per_token), cpu_ms(m, worker_of(path), bytes_per_token)
+            return f"{rate:.0f} tok/s, worker {worker_ms:.0f} ms per 1000 tokens, {m.errors} errors"
+
+        runs = await measure_rounds(level, paths, once, args, pids, workers, described)
         for path in paths:
             lines.append(row(level, path, runs[path], bytes_per_token))
         if "before" in edges:
@@ -226,6 +220,27 @@ async def throughput(
         for reader in group.values():
             await reader.close()
     return lines + (["", *ratios] if ratios else [])
+
+
+async def measure_rounds(
+    level: int,
+    paths: Sequence[str],
+    once: dict[str, StreamOnce],
+    args: argparse.Namespace,
+    pids: dict[str, int],
+    workers: list[WorkerProcess],
+    described: Callable[[str, Measurement], str],
+) -> dict[str, list[Measurement]]:
+    """``args.rounds`` rounds of ``level`` streams on every path, the order rotating by round, each
+    a window of ``args.seconds``; prints each measurement as ``described`` says."""
+    runs: dict[str, list[Measurement]] = {path: [] for path in paths}
+    for round_ in range(args.rounds):
+        turn = round_ % len(paths)
+        for path in [*paths[turn:], *paths[:turn]]:
+            m = await measure(path, once[path], level, args.seconds, pids, workers)
+            runs[path].append(m)
+            print(f"  {level} streams, round {round_ + 1}, {path}: {described(path, m)}", flush=True)
+    return runs
 
 
 def worker_of(path: str) -> str:

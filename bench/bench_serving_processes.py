@@ -11,7 +11,8 @@ GIL, like a GPU forward; ``--fake-vocab 64``; ``--max-running 256``) with its en
 process and N serving processes (N = 1 is ``--engine-process`` alone; N = 0 the engine in the
 serving process, the default), and an edge with N processes (at least one) in front of it.
 Paths: ``direct`` (``GenerateStreams`` calls spread over ``--connections`` client connections,
-which the kernel spreads over the serving processes) and ``edge`` (light SSE readers). Per level
+which the kernel spreads over the serving processes) and ``edge`` (light SSE readers; each edge
+process with ``--worker-connections`` as many). Per level
 and round the paths are measured in turn, the order rotating by round, each a window of
 ``--seconds`` (``bench_edge_overhead.measure``). Printed per path: tokens/s, the worker's CPU ms
 per 1,000 tokens split into its first serving process, its other serving processes and its engine
@@ -47,7 +48,7 @@ from bench_edge_overhead import (  # noqa: E402
     parse_list,
     pid_of,
 )
-from bench_multiplexed import FAKE_VOCAB, direct, via_edge  # noqa: E402
+from bench_multiplexed import FAKE_VOCAB, direct, measure_rounds, via_edge  # noqa: E402
 
 from sluice.client import WorkerClient  # noqa: E402
 from tests.processes import EdgeProcess, WorkerProcess  # noqa: E402
@@ -80,9 +81,8 @@ def stacks(args: argparse.Namespace, logs: Path) -> Iterator[dict[int, tuple[Wor
                 cache_dir=args.cache_dir, log_dir=logs / f"worker-{count}", extra=[*extra, *own]
             )
             stack.enter_context(worker)
-            edge = EdgeProcess(
-                [worker.address], log_dir=logs / f"edge-{count}", extra=["--processes", str(max(1, count))]
-            )
+            flags = ["--processes", str(max(1, count)), "--worker-connections", str(args.connections)]
+            edge = EdgeProcess([worker.address], log_dir=logs / f"edge-{count}", extra=flags)
             started[count] = (worker, stack.enter_context(edge))
         yield started
 
@@ -155,17 +155,11 @@ async def run(args: argparse.Namespace, started: dict[int, tuple[WorkerProcess, 
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for level in args.concurrency:
-        runs: dict[str, list[Measurement]] = {path: [] for path in paths}
-        for round_ in range(args.rounds):
-            turn = round_ % len(paths)
-            for path in paths[turn:] + paths[:turn]:
-                m = await measure(path, once[path], level, args.seconds, every, workers)
-                runs[path].append(m)
-                print(
-                    f"  {level} streams, round {round_ + 1}, {path}: {m.tokens_per_s(bytes_per_token):.0f} "
-                    f"tok/s, {m.errors} errors",
-                    flush=True,
-                )
+
+        def described(path: str, m: Measurement) -> str:
+            return f"{m.tokens_per_s(bytes_per_token):.0f} tok/s, {m.errors} errors"
+
+        runs = await measure_rounds(level, paths, once, args, every, workers, described)
         lines += [row(level, path, runs[path], bytes_per_token) for path in paths]
     for client in clients:
         await client.close()

@@ -6,6 +6,7 @@ Design notes: docs/edge-internals.md.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncGenerator
 
@@ -49,6 +50,7 @@ from edge.surfaces.responses.resume import Resumer
 from edge.tracing import SERVICE_NAME as TRACE_SERVICE_NAME
 from edge.tracing import EdgeTracing
 from edge.workers.pool import WorkerPool
+from sluice.client import WorkerClient
 from sluice.heap import freeze_startup_heap
 from sluice.tracing import open_tracer
 
@@ -71,6 +73,7 @@ def create_app(settings: Settings) -> EdgeApp:
         dns_refresh_interval_s=settings.dns_refresh_interval_s,
         routing=settings.routing,
         multiplexed=settings.multiplexed_streams,
+        client_factory=functools.partial(WorkerClient, streams_connections=settings.worker_connections),
     )
     metrics = EdgeMetrics()
     limiter = ConcurrencyLimiter(settings.max_concurrent_per_key)

@@ -338,6 +338,13 @@ class Settings:
         "per request. A worker whose ListModels does not say it serves GenerateStreams gets "
         "Generate calls either way",
     )
+    worker_connections: int = setting(
+        1,
+        int_at_least(1, 64),
+        "connections (each with its own multiplexed call) this edge process spreads a worker's "
+        "streams over, in turn: the kernel hands each to one of a worker's serving processes "
+        "(worker --api-server-count), so give it a few times that count (docs/operations.md)",
+    )
     allow_runtime_lora: bool = setting(
         False,
         help="answer POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's bodies), applied "

@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
+import itertools
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any, TypeVar, cast
@@ -176,19 +178,31 @@ class WorkerClient:
 
     ``address`` is anything ``grpc.aio.insecure_channel`` takes
     (``host:port``, ``dns:///name:port``...); ``options`` are channel
-    arguments (default :data:`CHANNEL_OPTIONS`).
+    arguments (default :data:`CHANNEL_OPTIONS`). ``streams_connections``: how many connections
+    (each with its own multiplexed call) :meth:`open_stream` spreads requests over, in turn: a
+    worker with several serving processes (``--api-server-count``) gets each connection in one.
     """
 
-    def __init__(self, address: str, *, options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        options: Sequence[tuple[str, Any]] = CHANNEL_OPTIONS,
+        streams_connections: int = 1,
+    ) -> None:
         if not address or not address.strip():
             raise ValueError("WorkerClient: address must be a non-empty host:port")
+        if streams_connections < 1:
+            raise ValueError(f"WorkerClient: streams_connections must be >= 1, got {streams_connections}")
         self.address = address
         self._options = tuple(options)
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self._health: health_pb2_grpc.HealthStub | None = None
-        self._streams: StreamsChannel | None = None
-        self._streams_channel: grpc.aio.Channel | None = None  # the multiplexed call's own
+        self._streams_connections = streams_connections
+        self._streams: list[StreamsChannel] = []
+        self._turn = itertools.count()
+        self._streams_channels: dict[int, grpc.aio.Channel] = {}  # the multiplexed calls' own
 
     def _connect(self) -> tuple[worker_pb2_grpc.WorkerStub, health_pb2_grpc.HealthStub]:
         if self._stub is None or self._health is None:
@@ -236,13 +250,18 @@ class WorkerClient:
         calls instead. ``metadata``: its string values travel with the request."""
         if timeout is not None and not timeout > 0:
             raise ValueError(f"open_stream: timeout must be > 0 seconds or None, got {timeout}")
-        if self._streams is None:
-            self._streams = StreamsChannel(
-                self._streams_stub,
-                lambda request, timeout, metadata: self.generate(request, timeout=timeout, metadata=metadata),
-                self._serves_streams,
-            )
-        return self._streams.open(request, timeout, metadata)
+        if not self._streams:
+            self._streams = [
+                StreamsChannel(
+                    functools.partial(self._streams_stub, index),
+                    lambda request, timeout, metadata: self.generate(
+                        request, timeout=timeout, metadata=metadata
+                    ),
+                    self._serves_streams,
+                )
+                for index in range(self._streams_connections)
+            ]
+        return self._streams[next(self._turn) % len(self._streams)].open(request, timeout, metadata)
 
     async def _serves_streams(self) -> bool:
         """Whether the worker serves ``GenerateStreams``, as its ListModels answer says (False
@@ -356,23 +375,24 @@ class WorkerClient:
         channel = self._channel
         return channel is not None and channel.get_state() == grpc.ChannelConnectivity.TRANSIENT_FAILURE
 
-    def _streams_stub(self) -> worker_pb2_grpc.WorkerStub:
-        """A stub on the multiplexed call's channel (:data:`STREAMS_CHANNEL_OPTIONS`), made on
-        first use; the client's own options when they are not the defaults."""
-        if self._streams_channel is None:
+    def _streams_stub(self, index: int) -> worker_pb2_grpc.WorkerStub:
+        """A stub on the ``index``-th multiplexed call's channel (:data:`STREAMS_CHANNEL_OPTIONS`,
+        its own connection), made on first use; the client's own options when they are not the
+        defaults."""
+        if index not in self._streams_channels:
             options = STREAMS_CHANNEL_OPTIONS if self._options == CHANNEL_OPTIONS else self._options
-            self._streams_channel = grpc.aio.insecure_channel(self.address, options=options)
-        return worker_pb2_grpc.WorkerStub(self._streams_channel)
+            self._streams_channels[index] = grpc.aio.insecure_channel(self.address, options=options)
+        return worker_pb2_grpc.WorkerStub(self._streams_channels[index])
 
     async def close(self, grace: float | None = None) -> None:
         """Closes the channel; calls still open are cancelled (after ``grace`` seconds if given).
         Idempotent; the client reconnects if used again."""
         channel, self._channel, self._stub, self._health = self._channel, None, None, None
-        streams, self._streams = self._streams, None
-        if streams is not None:
-            streams.close()
-        streams_channel, self._streams_channel = self._streams_channel, None
-        if streams_channel is not None:
+        streams, self._streams = self._streams, []
+        for one in streams:
+            one.close()
+        channels, self._streams_channels = self._streams_channels, {}
+        for streams_channel in channels.values():
             await streams_channel.close(grace=grace)
         if channel is not None:
             await channel.close(grace=grace)

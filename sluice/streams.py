@@ -244,7 +244,7 @@ class _Session:
         """Waits :data:`CREDIT_DELAY_S` for more credit, or less if an open or cancellation comes."""
         loop = asyncio.get_running_loop()
         self._urgent = urgent = loop.create_future()
-        timer = loop.call_later(CREDIT_DELAY_S, lambda: urgent.done() or urgent.set_result(None))
+        timer = loop.call_later(CREDIT_DELAY_S, _settle, urgent)
         try:
             await urgent
         finally:
@@ -301,6 +301,11 @@ class _Session:
     def close(self) -> None:
         self.closed = True
         self.call.cancel()
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class StreamsChannel:

@@ -1,6 +1,7 @@
 """``--api-server-count``: several serving processes on one port, fed by one engine process. The
-kernel spreads connections over them, each serves its callers' streams whole; a serving process
-that dies ends the worker (status 3); SIGTERM drains every one of them."""
+kernel spreads connections over them, each serves its callers' streams whole, an edge with
+``--worker-connections`` reaches every one; a serving process that dies ends the worker (status 3);
+SIGTERM drains every one of them."""
 
 from __future__ import annotations
 
@@ -9,16 +10,18 @@ import re
 import signal
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 
 from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.integration.test_engine_process import alive, engine_pid
 from tests.integration.test_worker_grpc import chat
-from tests.processes import WorkerProcess
+from tests.processes import EdgeProcess, WorkerProcess
 
 pytestmark = pytest.mark.integration
 
@@ -164,3 +167,29 @@ def test_sigterm_drains_every_serving_process(worker: WorkerProcess) -> None:
     finally:
         for channel in channels:
             channel.close()
+
+
+def test_an_edge_spreads_a_workers_streams_over_its_connections(
+    worker: WorkerProcess, tmp_path: Path
+) -> None:
+    """One edge process with ``--worker-connections 16``: its streams go over 16 connections in
+    turn, so both serving processes serve some (all 16 on one of two would be 2 ** -15), and every
+    completion is the engine's whole answer."""
+    pids = [first_serving_pid(worker), *more_serving_pids(worker)]
+    before = {pid: accepted(pid, worker.port) for pid in pids}
+    with EdgeProcess([worker.address], log_dir=tmp_path, extra=["--worker-connections", "16"]) as edge:
+
+        def complete(max_tokens: int) -> dict:
+            body = {"model": "SmolLM2-135M-Instruct", "prompt": "Tell me about the town.",
+                    "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}  # fmt: skip
+            response = httpx.post(f"{edge.base_url}/v1/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(complete, [12] * 32))
+        grew = {pid: accepted(pid, worker.port) - before[pid] for pid in pids}
+    assert all(grew[pid] > 0 for pid in pids), grew
+    texts = {answer["choices"][0]["text"] for answer in answers}
+    assert len(texts) == 1 and all(answer["usage"]["completion_tokens"] == 12 for answer in answers)
+    assert all(answer["choices"][0]["finish_reason"] == "length" for answer in answers)

@@ -308,7 +308,7 @@ def _load(
     return engine, facts
 
 
-def _serve(connection: Connection, intake: Intake, attach: Callable[[Attach], None] | None) -> bool:
+def _serve(connection: Connection, intake: Intake, attach: Callable[[Attach], None] | None = None) -> bool:
     """Hands a serving process's messages to ``intake`` until told to stop or the pipe closes
     (True), or until a message cannot be read (False: what followed it cannot be trusted).
     ``attach`` takes more serving processes' pipes (the first serving process's pipe only)."""

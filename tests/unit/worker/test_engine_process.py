@@ -374,7 +374,7 @@ def test_the_engine_process_ends_without_the_interpreters_teardown(
 
     monkeypatch.setattr(process.signal, "signal", lambda *_: None)
     monkeypatch.setattr(process, "configure_logging", lambda *_, **__: None)
-    monkeypatch.setattr(process, "_load", lambda *_: engine)
+    monkeypatch.setattr(process, "_load", lambda *_: (engine, None))  # the engine and its facts
     monkeypatch.setattr(process, "Intake", lambda *_: SimpleNamespace(close=lambda: events.append("close")))
     monkeypatch.setattr(process, "_serve", lambda *_: served)
     monkeypatch.setattr(process, "exit_without_collecting", exit_now)

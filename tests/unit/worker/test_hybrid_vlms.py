@@ -6,6 +6,7 @@ of the same processor output within 5e-3, and greedy decode rows write ``generat
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from collections.abc import Callable, Iterator
@@ -71,7 +72,7 @@ class Planned:
 
     def step(self, runner: ModelRunner, count: int) -> None:
         item: Work = work_of(self, count)
-        item = Work(**{**item.__dict__, "sample": True})  # every chunk's last logits, for the check
+        item = dataclasses.replace(item, sample=True)  # every chunk's last logits, for the check
         self.logits[self.computed + count - 1] = runner.execute([item])[0].clone()
         self.computed += count
 
