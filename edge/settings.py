@@ -343,7 +343,8 @@ class Settings:
         int_at_least(1, 64),
         "connections (each with its own multiplexed call) this edge process spreads a worker's "
         "streams over, in turn: the kernel hands each to one of a worker's serving processes "
-        "(worker --api-server-count), so give it a few times that count (docs/operations.md)",
+        "(worker --api-server-count), so give it a few times that count; each costs CPU per "
+        "token, so keep 1 for a worker with one (docs/operations.md)",
     )
     allow_runtime_lora: bool = setting(
         False,
