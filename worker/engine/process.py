@@ -62,6 +62,8 @@ log = logging.getLogger(__name__)
 STOP_WAIT_S = 10.0
 # The exit status of an engine process whose pipe's reader failed (the serving process sees it go).
 EXIT_PIPE_FAILED = 1
+# The settings that put the engine in a process of its own, as refusals name them.
+ENGINE_PROCESS_FLAGS = "--engine-process and --api-server-count"
 # What a stream hears when the engine can no longer be reached (or its device failed).
 ENGINE_STOPPED = "generation failed: the worker's engine stopped"
 DEVICE_FAILED = "generation failed: the worker's device failed"
@@ -291,7 +293,7 @@ def _load(
     engine = serving.engine
     if not isinstance(engine, Engine):
         task = serving.loaded.task
-        sender.send(LoadFailed(f"--engine-process serves generation only; this model's task is {task}"))
+        sender.send(LoadFailed(f"{ENGINE_PROCESS_FLAGS} serve generation only; this model's task is {task}"))
         return None
     freeze_startup_heap(log, "engine process")  # before any request can arrive
     try:
@@ -302,7 +304,7 @@ def _load(
         engine.stop()
         why = f"{type(error).__name__}: {error}"
         sender.send(
-            LoadFailed(f"--engine-process: the model's tokenizer or processor cannot be sent ({why})")
+            LoadFailed(f"{ENGINE_PROCESS_FLAGS}: the model's tokenizer or processor cannot be sent ({why})")
         )
         return None
     return engine, facts

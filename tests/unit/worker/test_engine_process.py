@@ -354,6 +354,20 @@ def test_an_abort_that_arrives_while_its_request_is_prepared_is_not_lost() -> No
         assert [call for call in engine.calls if call[1] == "slow"] == [("enqueue", "slow"), ("stop", "slow")]
 
 
+def test_a_model_that_does_not_generate_is_refused_in_one_line_naming_both_settings() -> None:
+    """``--task embed`` in a process of its own (``--engine-process``, or ``--api-server-count``
+    above 1, which implies it): the load fails with one line, and nothing else is sent."""
+    pipe = Recorder()
+    serving = SimpleNamespace(engine=object(), loaded=SimpleNamespace(task="embed"))
+    senders = process._Senders(pipe)  # type: ignore[arg-type]
+    assert process._load(senders, SimpleNamespace(), lambda *_, **__: serving) is None  # type: ignore[arg-type]
+    assert pipe.sent == [
+        LoadFailed(
+            "--engine-process and --api-server-count serve generation only; this model's task is embed"
+        )
+    ]
+
+
 class Exited(Exception):
     """Raised by the stand-in for :func:`sluice.heap.exit_without_collecting` with the status."""
 
