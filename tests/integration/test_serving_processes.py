@@ -12,6 +12,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -21,7 +22,10 @@ from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.integration.test_engine_process import alive, engine_pid
 from tests.integration.test_worker_grpc import chat
-from tests.processes import EdgeProcess, WorkerProcess
+from tests.processes import EdgeProcess, WorkerProcess, free_port
+from worker.config import WorkerConfig
+from worker.server import serving_of_engine
+from worker.serving_processes import ServingProcessError, ServingProcesses
 
 pytestmark = pytest.mark.integration
 
@@ -193,3 +197,15 @@ def test_an_edge_spreads_a_workers_streams_over_its_connections(
     texts = {answer["choices"][0]["text"] for answer in answers}
     assert len(texts) == 1 and all(answer["usage"]["completion_tokens"] == 12 for answer in answers)
     assert all(answer["choices"][0]["finish_reason"] == "length" for answer in answers)
+
+
+def test_a_serving_process_that_cannot_start_fails_the_start_in_one_line() -> None:
+    """The engine's end of its pipe closed before it heard ``Ready`` (as when the engine process
+    died meanwhile): the serving process exits with the engine-failure status, and the start says
+    which process and how in one line, for the first process to log and exit 1."""
+
+    client = SimpleNamespace(pid=os.getpid(), attach=lambda ends: [end.close() for end in ends])
+    config = WorkerConfig(api_server_count=2, port=free_port(), log_level="WARNING")
+    with pytest.raises(ServingProcessError) as failed:
+        ServingProcesses.start(config, client, serving_of_engine)  # type: ignore[arg-type]
+    assert str(failed.value) == "--api-server-count: serving process 1 exited with status 3 while starting"
