@@ -268,7 +268,7 @@ def serving_in_own_process(
     """``--engine-process``: :func:`build_serving` in the engine process; here, what serving needs
     of the model (its tokenizer, prompts, grammars) and the client of that process's engine."""
     progress = progress or LoadProgress()
-    rules = TextRules(tuple(config.blocked_phrases), config.refusal_message)
+    rules = TextRules.of(config)
     client, facts = start_engine_process(config, build_serving, progress, rules, on_device_failure)
     log.info("the engine runs in its own process (pid %s)", client.pid)
     return serving_of_engine(config, client, facts)

@@ -86,9 +86,10 @@ class ServingProcesses:
         deadline = time.monotonic() + START_WAIT_S
         for index, (process, up) in enumerate(started, start=1):
             while not up.wait(0.2):
-                if not process.is_alive() or time.monotonic() > deadline:
+                alive = process.is_alive()
+                if not alive or time.monotonic() > deadline:
                     processes.stop(0.0)
-                    why = f"exited with status {process.exitcode}" if not process.is_alive() else "timed out"
+                    why = "timed out" if alive else f"exited with status {process.exitcode}"
                     raise ServingProcessError(
                         f"--api-server-count: serving process {index} {why} while starting"
                     )
@@ -149,7 +150,7 @@ async def _serve(
         with contextlib.suppress(RuntimeError):  # the loop is gone: the process is ending anyway
             loop.call_soon_threadsafe(failed.set)
 
-    rules = TextRules(tuple(config.blocked_phrases), config.refusal_message)
+    rules = TextRules.of(config)
     try:
         client, facts = await asyncio.to_thread(
             join_engine_process, engine_pid, connection, rules, on_device_failure, f"{index}/"

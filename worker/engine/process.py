@@ -314,14 +314,14 @@ def _serve(connection: Connection, intake: Intake, attach: Callable[[Attach], No
     """Hands a serving process's messages to ``intake`` until told to stop or the pipe closes
     (True), or until a message cannot be read (False: what followed it cannot be trusted).
     ``attach`` takes more serving processes' pipes (the first serving process's pipe only)."""
+    then = "the engine stops" if attach else "its pipe closes"
     while True:
         try:
             message = connection.recv()
         except (EOFError, OSError):
-            log.info("the serving process is gone; %s", "the engine stops" if attach else "its pipe closes")
+            log.info("the serving process is gone; %s", then)
             return True
         except Exception:
-            then = "the engine stops" if attach else "its pipe closes"
             log.critical("a message from a serving process could not be read; %s", then, exc_info=True)
             return False
         if isinstance(message, Stop):

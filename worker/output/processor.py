@@ -7,11 +7,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from sluice.coalesce import joined, mergeable
 from worker.output.choice_output import ChoiceOutput
 from worker.output.detokenizer import Decoder, IncrementalDetokenizer, TokenTexts
 from worker.output.stop_strings import StopStringMatcher
+
+if TYPE_CHECKING:
+    from worker.config import WorkerConfig
 from worker.types import (
     ChoiceEnded,
     ContentDelta,
@@ -52,6 +56,11 @@ class TextRules:
 
     blocked_phrases: tuple[str, ...] = ()
     refusal_message: str = "I can't help with that."
+
+    @classmethod
+    def of(cls, config: WorkerConfig) -> TextRules:
+        """The rules ``--blocked-phrases`` and ``--refusal-message`` set."""
+        return cls(tuple(config.blocked_phrases), config.refusal_message)
 
 
 @dataclass
