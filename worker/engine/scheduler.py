@@ -169,7 +169,7 @@ class Scheduler(Generic[T]):
 
     @property
     def running_sequences(self) -> int:
-        return sum(len(_live(item)) for item in self.running)
+        return sum(not seq.finished for item in self.running for seq in item.sequences)
 
     def _free_slots(self) -> int:
         return self.max_running - self.running_sequences
@@ -348,6 +348,7 @@ class Scheduler(Generic[T]):
         (a request short of slots or blocks may have the policy preempt running ones for it; one
         preempted so is not started again in this plan); returns the budget left."""
         yielded: set[int] = set()
+        live = self.running_sequences  # counted once, then kept up to date: a full count is O(running)
         while self.waiting and (budget > 0 or not plan.work):
             index = self.policy.next_index(self.waiting, self.running, self.room)
             head = self.waiting[index]
@@ -356,13 +357,17 @@ class Scheduler(Generic[T]):
             if not adapters_fit(head, self.running):
                 break
             started: bool | None = False  # short of slots: it waits unless one yields
-            if len(_live(head)) + self.running_sequences <= self.max_running:
+            wanted = len(_live(head))
+            if wanted + live <= self.max_running:
                 budget, started = self._try_start(head, index, budget, plan)
+                if started:
+                    live += wanted
             if started is False:
                 refund = self._yield_for(head, plan, yielded)
                 if refund is None:
                     break
                 budget += refund
+                live = self.running_sequences  # a request left the running ones
         return budget
 
     def _try_start(self, head: T, index: int, budget: int, plan: StepPlan[T]) -> tuple[int, bool | None]:

@@ -109,6 +109,11 @@ class ChoiceOutput:
             self._logprobs = []
         if ids:
             last = len(events) - 1
-            events[last] = replace(events[last], token_ids=ids)
+            tail = events[last]
+            events[last] = (  # built directly in the common case: replace() costs ten times more
+                ContentDelta(tail.choice_index, tail.text, ids, tail.logprobs)
+                if type(tail) is ContentDelta
+                else replace(tail, token_ids=ids)
+            )
             self._ids = []
         return events

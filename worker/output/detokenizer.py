@@ -30,6 +30,34 @@ class _BackendDecoder:
         return str(self._backend.decode(token_ids, skip_special_tokens=skip_special_tokens))
 
 
+class ByteLevelDecoder(_BackendDecoder):
+    """A byte-level BPE tokenizer's decoder, whose text of a run of ordinary tokens is the UTF-8 of
+    their bytes joined: :class:`IncrementalDetokenizer` streams with those bytes, calling no decode
+    while the text is whole characters. Added tokens (special or not) have no bytes here: the
+    detokenizer decodes around them."""
+
+    def __init__(self, backend: Any):
+        super().__init__(backend)
+        self._added = frozenset(backend.get_added_tokens_decoder())
+        self._bytes: dict[int, bytes | None] = {}
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes an ordinary token decodes to (None for an added token or an unknown id)."""
+        found = self._bytes.get(token_id, _UNKNOWN)
+        if found is _UNKNOWN:
+            found = self._bytes[token_id] = self._lookup(token_id)
+        return found  # type: ignore[return-value]
+
+    def _lookup(self, token_id: int) -> bytes | None:
+        piece = None if token_id in self._added else self._backend.id_to_token(token_id)
+        if not piece or not all(ch in _BYTE_DECODER for ch in piece):
+            return None  # the decoder keeps such a piece's own text: left to decode
+        return bytes(_BYTE_DECODER[ch] for ch in piece)
+
+
+_UNKNOWN = object()
+
+
 def fast_decoder(tokenizer: Any) -> Decoder:
     """``tokenizer``, or its Rust decoder where calling that is the same: a transformers fast
     tokenizer whose ``decode`` and ``_decode`` are the library's own and that cleans up no spaces
@@ -46,7 +74,9 @@ def fast_decoder(tokenizer: Any) -> Decoder:
         and kind._decode is TokenizersBackend._decode
         and not _cleans_up_spaces(tokenizer)
     ):
-        return _BackendDecoder(tokenizer._tokenizer)
+        backend = tokenizer._tokenizer
+        byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        return ByteLevelDecoder(backend) if byte_level else _BackendDecoder(backend)
     return cast(Decoder, tokenizer)
 
 
@@ -62,7 +92,13 @@ def _cleans_up_spaces(tokenizer: Any) -> bool:
 
 
 class IncrementalDetokenizer:
-    """Turns a stream of token ids into text deltas. One instance per sequence."""
+    """Turns a stream of token ids into text deltas. One instance per sequence.
+
+    Each delta is the decode of the tokens from the last delta's start on, less the decode of
+    those before the new ones (their left context), once it ends in a whole character. With a
+    :class:`ByteLevelDecoder` the common case calls no decode: the new tokens' bytes, once they
+    are whole UTF-8, are that delta exactly (the context being whole characters too).
+    """
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int], skip_special_tokens: bool = True):
         self._tokenizer = tokenizer
@@ -70,16 +106,39 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        self._token_bytes = tokenizer.token_bytes if isinstance(tokenizer, ByteLevelDecoder) else None
+        # The new tokens' bytes when the bytes path applies (the context is whole characters of
+        # known bytes, so are the tokens since); None: decode.
+        self._pending: bytes | None = self._context_bytes()
 
     def push(self, token_id: int) -> str:
         """Adds one token; returns the text that is now complete ("" when waiting)."""
         self._ids.append(token_id)
+        if self._pending is not None and self._token_bytes is not None:
+            piece = self._token_bytes(token_id)
+            if piece is not None:
+                pending = self._pending + piece
+                try:
+                    text = pending.decode()
+                except UnicodeDecodeError as error:
+                    if error.reason == "unexpected end of data":  # a character not yet complete
+                        self._pending = pending
+                        return ""
+                else:
+                    if not text:
+                        return ""
+                    if text[-1] != REPLACEMENT:
+                        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+                        self._pending = b""
+                        return text
         prefix = self._decode(self._prefix_offset, self._read_offset)
         full = self._decode(self._prefix_offset, len(self._ids))
         if len(full) > len(prefix) and not full.endswith(REPLACEMENT):
             self._prefix_offset = self._read_offset
             self._read_offset = len(self._ids)
+            self._pending = self._context_bytes()
             return full[len(prefix) :]
+        self._pending = None
         return ""
 
     def flush(self) -> str:
@@ -87,7 +146,22 @@ class IncrementalDetokenizer:
         prefix = self._decode(self._prefix_offset, self._read_offset)
         full = self._decode(self._prefix_offset, len(self._ids))
         self._prefix_offset = self._read_offset = len(self._ids)
+        self._pending = None
         return full[len(prefix) :] if len(full) > len(prefix) else ""
+
+    def _context_bytes(self) -> bytes | None:
+        """b"" when the bytes path applies from here: the context (the tokens from
+        ``prefix_offset``, none pending) has known bytes that are whole UTF-8 characters."""
+        if self._token_bytes is None:
+            return None
+        pieces = [self._token_bytes(i) for i in self._ids[self._prefix_offset :]]
+        if any(piece is None for piece in pieces):
+            return None
+        try:
+            b"".join(cast(list[bytes], pieces)).decode()
+        except UnicodeDecodeError:
+            return None
+        return b""
 
     def _decode(self, start: int, end: int) -> str:
         return self._tokenizer.decode(self._ids[start:end], skip_special_tokens=self._skip)

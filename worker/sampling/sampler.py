@@ -81,7 +81,7 @@ class SequenceSampling:
         return bool(self.blocked_before_min) and self.generated < self.options.min_tokens
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)  # not frozen: one per row and step (see worker.types.ContentDelta)
 class Sample:
     """One row's draw: the token and, when asked, its logprob entry (ids only; texts come later)."""
 

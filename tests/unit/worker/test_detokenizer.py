@@ -5,7 +5,7 @@ from transformers import AutoTokenizer
 
 from tests.unit.worker.test_fim import real_tokenizer
 from tools.fixtures import TOKENIZERS
-from worker.output.detokenizer import IncrementalDetokenizer, TokenTexts, fast_decoder
+from worker.output.detokenizer import ByteLevelDecoder, IncrementalDetokenizer, TokenTexts, fast_decoder
 
 pytestmark = pytest.mark.slow  # left out of make test-fast
 
@@ -94,3 +94,43 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_its_own_decode(tokenizer):
     finally:
         tokenizer.clean_up_tokenization_spaces = False
         setattr(tokenizer, forced, False)
+
+
+@pytest.mark.parametrize("family", sorted(TOKENIZERS))
+def test_the_byte_level_path_streams_what_decoding_streams(family):
+    """A byte-level tokenizer's detokenizer streams from token bytes: every push and flush gives
+    what the decode path gives, on random ids with added and special tokens, lone bytes and whole
+    texts, special tokens kept or skipped; and ordinary text calls no decode once started."""
+    tokenizer = real_tokenizer(family)
+    decoder = fast_decoder(tokenizer)
+    if not isinstance(decoder, ByteLevelDecoder):
+        pytest.skip(f"{family}'s decoder is not byte-level")
+    calls = []
+
+    class Counted(ByteLevelDecoder):
+        def decode(self, token_ids, skip_special_tokens=False):
+            calls.append(len(token_ids))
+            return super().decode(token_ids, skip_special_tokens)
+
+    counted = Counted(tokenizer._tokenizer)
+    rng = random.Random(family)
+    added = sorted(tokenizer._tokenizer.get_added_tokens_decoder())
+    lone_bytes = [
+        i for i in range(len(tokenizer)) if tokenizer.convert_ids_to_tokens(i) in ("â", "Ģ", "ð", "Ł")
+    ]
+    prompt = tokenizer("Hi there", add_special_tokens=False)["input_ids"]
+    for _ in range(40):
+        ids = tokenizer(rng.choice(SAMPLES), add_special_tokens=False)["input_ids"]
+        for _ in range(rng.randrange(4)):
+            ids.insert(
+                rng.randrange(len(ids) + 1), rng.choice(added + lone_bytes + [rng.randrange(len(tokenizer))])
+            )
+        for skip in (True, False):
+            fast = IncrementalDetokenizer(counted, prompt, skip)
+            plain = IncrementalDetokenizer(tokenizer, prompt, skip)
+            assert [fast.push(i) for i in ids] == [plain.push(i) for i in ids]
+            assert fast.flush() == plain.flush()
+    calls.clear()
+    text = IncrementalDetokenizer(counted, prompt)
+    streamed = "".join(text.push(i) for i in tokenizer(SAMPLES[1], add_special_tokens=False)["input_ids"])
+    assert streamed == SAMPLES[1] and calls == []
