@@ -22,6 +22,7 @@ from hypercorn.asyncio import serve
 from hypercorn.config import Config
 
 from edge import event_loop
+from edge.access_log import AccessLogger
 from edge.app import create_app
 from edge.drain import Drain
 from edge.metrics import forget_process, use_multiprocess_dir
@@ -55,6 +56,7 @@ def hypercorn_config(settings: Settings, listen_fd: int | None = None) -> Config
     config.workers = settings.process_count
     config.graceful_timeout = settings.graceful_timeout_s + FINAL_WRITE_MARGIN_S
     config.accesslog = logging.getLogger("sluice.edge.access")
+    config.logger_class = AccessLogger  # the same lines, each field computed only when written
     config.errorlog = logging.getLogger("sluice.edge.server")
     return config
 
