@@ -138,7 +138,10 @@ def test_one_request_id_in_the_edge_and_the_worker_logs(
     # The edge: the answered request, and for a stream how it ended; the server's access line.
     assert any("POST /v1/chat/completions -> 200" in e["message"] for e in edge_lines)
     access = [e["message"] for e in json_lines(edge.log_path) if e["logger"] == "sluice.edge.access"]
-    line = r'127\.0\.0\.1:\d+ - - \[[^]]+\] "POST /v1/chat/completions 1\.1" 200 (-|\d+) "-" "python-httpx/[^"]+"'
+    line = (
+        r'127\.0\.0\.1:\d+ - - \[[^]]+\] "POST /v1/chat/completions 1\.1" 200 (-|\d+) "-" '
+        r'"python-httpx/[^"]+"'
+    )
     assert any(re.fullmatch(line, message) for message in access), access
     if stream:
         assert any("stream completed" in e["message"] for e in edge_lines)

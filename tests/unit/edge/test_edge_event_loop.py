@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from edge import event_loop
-from edge.streaming.connections import ClientTransport
+from edge.streaming.connections import is_client_transport
 
 
 def test_auto_picks_uvloop_where_it_is_installed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -41,7 +41,7 @@ def test_uvloop_transports_are_client_transports() -> None:
         port = server.sockets[0].getsockname()[1]
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
-            return isinstance(writer.transport, ClientTransport) and not isinstance(
+            return is_client_transport(writer.transport) and not isinstance(
                 writer.transport, asyncio.WriteTransport
             )
         finally:
