@@ -31,28 +31,39 @@ class _BackendDecoder:
 
 
 class ByteLevelDecoder(_BackendDecoder):
-    """A byte-level BPE tokenizer's decoder, whose text of a run of ordinary tokens is the UTF-8 of
-    their bytes joined: :class:`IncrementalDetokenizer` streams with those bytes, calling no decode
-    while the text is whole characters. Added tokens (special or not) have no bytes here: the
-    detokenizer decodes around them."""
+    """A byte-level BPE tokenizer's decoder, whose text of a run of tokens is the UTF-8 of their
+    bytes joined: :class:`IncrementalDetokenizer` streams with those bytes, calling no decode
+    while the text is whole characters. An added token's bytes are its content's, kept only
+    where decoding it alone gives that text (else the detokenizer decodes around it); a special
+    token skipped has none."""
 
     def __init__(self, backend: Any):
         super().__init__(backend)
-        self._added = frozenset(backend.get_added_tokens_decoder())
-        self._bytes: dict[int, bytes | None] = {}
+        self._added = backend.get_added_tokens_decoder()
+        self._bytes: dict[bool, dict[int, bytes | None]] = {False: {}, True: {}}
 
-    def token_bytes(self, token_id: int) -> bytes | None:
-        """The bytes an ordinary token decodes to (None for an added token or an unknown id)."""
-        found = self._bytes.get(token_id, _UNKNOWN)
+    def token_bytes(self, token_id: int, skip_special_tokens: bool) -> bytes | None:
+        """The bytes ``token_id`` decodes to with ``skip_special_tokens`` (None: unknown here)."""
+        cache = self._bytes[skip_special_tokens]
+        found = cache.get(token_id, _UNKNOWN)
         if found is _UNKNOWN:
-            found = self._bytes[token_id] = self._lookup(token_id)
+            found = cache[token_id] = self._lookup(token_id, skip_special_tokens)
         return found  # type: ignore[return-value]
 
-    def _lookup(self, token_id: int) -> bytes | None:
-        piece = None if token_id in self._added else self._backend.id_to_token(token_id)
-        if not piece or not all(ch in _BYTE_DECODER for ch in piece):
-            return None  # the decoder keeps such a piece's own text: left to decode
-        return bytes(_BYTE_DECODER[ch] for ch in piece)
+    def _lookup(self, token_id: int, skip: bool) -> bytes | None:
+        added = self._added.get(token_id)
+        if added is not None and added.special and skip:
+            return b"" if self.decode([token_id], skip_special_tokens=True) == "" else None
+        piece = added.content if added is not None else self._backend.id_to_token(token_id)
+        if not piece:
+            return None
+        if all(ch in _BYTE_DECODER for ch in piece):
+            raw = bytes(_BYTE_DECODER[ch] for ch in piece)
+        else:  # the decoder keeps such a piece's own text
+            raw = piece.encode()
+        if added is not None and self.decode([token_id]) != raw.decode(errors="replace"):
+            return None  # an added token this tokenizer decodes otherwise: left to decode
+        return raw
 
 
 _UNKNOWN = object()
@@ -106,7 +117,7 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
-        self._token_bytes = tokenizer.token_bytes if isinstance(tokenizer, ByteLevelDecoder) else None
+        self._bytes_of = tokenizer if isinstance(tokenizer, ByteLevelDecoder) else None
         # The new tokens' bytes when the bytes path applies (the context is whole characters of
         # known bytes, so are the tokens since); None: decode.
         self._pending: bytes | None = self._context_bytes()
@@ -114,8 +125,8 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """Adds one token; returns the text that is now complete ("" when waiting)."""
         self._ids.append(token_id)
-        if self._pending is not None and self._token_bytes is not None:
-            piece = self._token_bytes(token_id)
+        if self._pending is not None and self._bytes_of is not None:
+            piece = self._bytes_of.token_bytes(token_id, self._skip)
             if piece is not None:
                 pending = self._pending + piece
                 try:
@@ -152,13 +163,16 @@ class IncrementalDetokenizer:
     def _context_bytes(self) -> bytes | None:
         """b"" when the bytes path applies from here: the context (the tokens from
         ``prefix_offset``, none pending) has known bytes that are whole UTF-8 characters."""
-        if self._token_bytes is None:
+        if self._bytes_of is None:
             return None
-        pieces = [self._token_bytes(i) for i in self._ids[self._prefix_offset :]]
-        if any(piece is None for piece in pieces):
-            return None
+        pieces = []
+        for token_id in self._ids[self._prefix_offset :]:
+            piece = self._bytes_of.token_bytes(token_id, self._skip)
+            if piece is None:
+                return None
+            pieces.append(piece)
         try:
-            b"".join(cast(list[bytes], pieces)).decode()
+            b"".join(pieces).decode()
         except UnicodeDecodeError:
             return None
         return b""
