@@ -16,7 +16,9 @@ time counts waits for the GIL, the CPU time does not); ``--step-ms`` gives each 
 time on a notional device that runs beside the host, as a GPU does (the engine waits for it only
 where it reads a draw), and ``--overlap`` lets the steps overlap; ``--engine-vocab 64`` narrows the fake
 logits so that the sampler's tensor math (a device's on a GPU) is negligible and what is timed is
-the host's. ``--part host`` times instead the host
+the host's. ``--part output`` times one streamed choice's output path per token (detokenizing
+with the default model's tokenizer, stop strings, events, conversion to the wire). ``--part host``
+times instead the host
 work of a sampled decode step without model or engine: decode inputs and sampling (temperature,
 top_p, repetition penalty, a grammar mask) over a ``--vocab`` of 32 tokens, so tensor math (device
 work on a GPU) is negligible and what is timed is the host's.
@@ -230,6 +232,37 @@ def print_trace(engine: Engine, rows: int, steps: int, device: str) -> None:
         print(averages.table(sort_by="self_device_time_total", row_limit=20), flush=True)
 
 
+OUTPUT_TEXT = "The lighthouse keeper counted 12 ships; Ünïcödé, 日本語, emoji 🐉 and code: x ** 2.\n"
+
+
+def output_path_us(tokenizer: Any, tokens: int) -> float:
+    """Microseconds per token of one streamed choice's output path on the serving thread: the
+    output processor (detokenizing, stop strings, events), coalescing, conversion to the wire,
+    with token ids asked for as the edge asks; the best of five passes over ``tokens`` tokens."""
+    from worker.output.detokenizer import TokenTexts, fast_decoder
+    from worker.output.processor import RequestOutputProcessor, TextRules, coalesce
+    from worker.service.convert import event_to_proto
+    from worker.types import NewToken
+
+    ids = tokenizer(OUTPUT_TEXT * (1 + tokens // 8), add_special_tokens=False)["input_ids"][:tokens]
+    prompt = tuple(tokenizer("Tell me a story.", add_special_tokens=False)["input_ids"])
+    decoder, texts, sampling = (
+        fast_decoder(tokenizer),
+        TokenTexts(tokenizer),
+        SamplingOptions(max_tokens=1 << 20),
+    )
+    best = float("inf")
+    for _ in range(5):
+        request = GenerationRequest("r", prompt, sampling, 0.0, return_token_ids=True)
+        processor = RequestOutputProcessor(request, decoder, texts, TextRules())
+        started = time.perf_counter()
+        for token in ids:
+            for event in coalesce(processor.process([NewToken(0, token, 0.0)]).events):
+                event_to_proto(event)
+        best = min(best, time.perf_counter() - started)
+    return best / len(ids) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -237,7 +270,7 @@ def main() -> None:
     parser.add_argument("--rows", default="1,16")
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--part", choices=("engine", "host"), default="engine")
+    parser.add_argument("--part", choices=("engine", "host", "output"), default="engine")
     parser.add_argument("--vocab", type=int, default=32, help="--part host: the logits' vocabulary")
     parser.add_argument(
         "--engine-vocab", type=int, default=0, help="--part engine: logits this wide (0: the tokenizer's)"
@@ -273,6 +306,10 @@ def main() -> None:
             print(f"rows {rows:3d}: host work {statistics.mean(best) * 1e3:.2f} ms/step (p95 {p95_ms:.2f})")
         return
     loaded = load_fake_model(None, served_model_name=None, cache_dir=args.cache_dir)
+    if args.part == "output":
+        for _ in range(args.rounds):
+            print(f"output path: {output_path_us(loaded.tokenizer, args.tokens):.2f} us per token")
+        return
     print(f"engine from {Path(engine_module.__file__).resolve().parent.parent}")
     for rows in [int(r) for r in args.rows.split(",")]:
         rounds: list[tuple[list[float], float, float, float]] = []  # steps, engine CPU, process CPU, tok/s
