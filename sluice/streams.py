@@ -80,6 +80,10 @@ class StreamCall:
         self._current: collections.deque[pb.GenerateResponse] = collections.deque()
         self._arrived = asyncio.Event()
         self._read_entries = 0  # entries taken since credit was last given back
+        self._waiting = False  # read() waits for the next entry: nothing held, not ended
+        # Takes a lone event straight from the worker's message while read() waits (False: it did
+        # not, read() gets it): what reading it would do, without waking the reader (a hot path).
+        self.inline: Callable[[pb.GenerateResponse], bool] | None = None
         self._ended = False
         self._failure: grpc.RpcError | None = None  # how it ended, when not OK
         self._instead: EventCall | None = None
@@ -90,9 +94,21 @@ class StreamCall:
         )
 
     def deliver(self, entry: pb.StreamEvents) -> None:
-        """The worker sent ``entry`` for this stream (its reader calls this)."""
-        if entry.events:
-            self._entries.append(list(entry.events))
+        """The worker sent ``entry`` for this stream (its reader calls this). A lone event, while
+        :meth:`read` waits and nothing else arrived, goes to :attr:`inline` when one is set."""
+        events = entry.events
+        if (
+            self._waiting
+            and self.inline is not None
+            and len(events) == 1
+            and not self._arrived.is_set()
+            and not entry.HasField("end")
+            and self.inline(events[0])
+        ):
+            self._took_entry()
+            return
+        if events:
+            self._entries.append(list(events))
         if entry.HasField("end"):
             self._finish(end_error(entry.end))
         self._arrived.set()
@@ -127,10 +143,7 @@ class StreamCall:
                 return self._current.popleft()
             if self._entries:
                 self._current.extend(self._entries.popleft())
-                self._read_entries += 1
-                if self._read_entries >= GRANT_EVERY and not self._ended and self._session is not None:
-                    self._session.grant(self.id, self._read_entries)  # they left the buffer
-                    self._read_entries = 0
+                self._took_entry()
                 continue
             if self._instead is not None:
                 return await self._instead.read()
@@ -139,11 +152,21 @@ class StreamCall:
                     return None
                 raise self._failure
             self._arrived.clear()
+            self._waiting = True
             try:
                 await self._arrived.wait()
             except asyncio.CancelledError:
                 self.cancel()  # the reader is gone: so is the request
                 raise
+            finally:
+                self._waiting = False
+
+    def _took_entry(self) -> None:
+        """An entry left the buffer: credit goes back every :data:`GRANT_EVERY` of them."""
+        self._read_entries += 1
+        if self._read_entries >= GRANT_EVERY and not self._ended and self._session is not None:
+            self._session.grant(self.id, self._read_entries)
+            self._read_entries = 0
 
     def __aiter__(self) -> StreamCall:
         return self

@@ -257,6 +257,7 @@ class StreamPump:
         self._writer = asyncio.current_task()
         self._reading = True
         self._reader = loop.create_task(self._read())
+        self._group.take_inline(self._has_space, self._push_now, self._read_failed)
         self._metrics.stream_opened(self._framing.surface)
         self._drain.add(self)
         self._arm(now)
@@ -277,12 +278,24 @@ class StreamPump:
             return
         except asyncio.CancelledError:
             raise
-        except Exception:  # a bug of ours or a transport surprise: never a hang
-            log.exception("request %s: reading a worker call failed", self._request_id)
-            self._fail(InternalError(GENERIC_INTERNAL_MESSAGE), logged=True)
+        except Exception as error:  # a bug of ours or a transport surprise: never a hang
+            self._read_failed(error)
             return
         self._reading = False
         self._wake()
+
+    # The reader's work for an event taken as it arrives (CallGroup.take_inline), its task asleep.
+
+    def _has_space(self) -> bool:
+        return self._pending_reads < MAX_PENDING_EVENTS
+
+    def _push_now(self, index: int, event: worker_pb2.GenerateResponse) -> None:
+        assert self._loop is not None
+        self._push(index, event, self._loop)
+
+    def _read_failed(self, error: Exception) -> None:
+        log.error("request %s: reading a worker call failed", self._request_id, exc_info=error)
+        self._fail(InternalError(GENERIC_INTERNAL_MESSAGE), logged=True)
 
     def _push(self, index: int, event: worker_pb2.GenerateResponse, loop: asyncio.AbstractEventLoop) -> None:
         self._last_event = loop.time()

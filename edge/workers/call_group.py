@@ -11,7 +11,7 @@ from typing import Protocol
 
 from edge.deadlines import TimeLimits
 from edge.errors import EdgeError
-from edge.workers.call import WorkerCall
+from edge.workers.call import Inline, WorkerCall
 from edge.workers.migration import MigrationPolicy
 from edge.workers.pool import WorkerPool
 from sluice.v1 import worker_pb2
@@ -125,6 +125,26 @@ class CallGroup:
         """Cancels every call still running; idempotent, never raises."""
         for call in self._calls:
             call.cancel()
+
+    def take_inline(
+        self,
+        ready: Callable[[], bool],
+        take: Callable[[int, worker_pb2.GenerateResponse], None],
+        failed: Callable[[Exception], None],
+    ) -> None:
+        """Lets a one-call group's events reach ``take(0, event)`` as they arrive while
+        :meth:`events` waits for them (:meth:`WorkerCall.take_inline`), observed as :meth:`events`
+        observes them; the events of several calls come only through :meth:`events`."""
+        call = self._calls[0] if len(self._calls) == 1 else None
+        if not isinstance(call, WorkerCall):
+            return
+
+        def take_one(event: worker_pb2.GenerateResponse) -> None:
+            if self.observer is not None:
+                self.observer(0, event)
+            take(0, event)
+
+        call.take_inline(Inline(ready, take_one, failed))
 
     def events(self) -> AsyncGenerator[Event, None]:
         """Every event of every call (first events included) as ``(call index, event)``: the one

@@ -317,3 +317,48 @@ def test_an_open_does_not_wait_behind_credit_gathering(monkeypatch: pytest.Monke
         assert len(await written(call, "cancel", 2)) == 2
 
     asyncio.run(body())
+
+
+@in_loop
+async def test_a_waiting_readers_lone_events_go_to_its_inline_taker_in_order_with_credit() -> None:
+    """While ``read`` waits, a lone event goes to ``inline`` without waking the reader, and counts
+    toward credit as a read one does; a refused event, a message of several events and the end
+    come through ``read``, in order."""
+    stub = FakeStub()
+    stream = channel_of(stub, []).open(pb.GenerateRequest(request_id="a"), None, ())
+    call = await call_of(stub)
+    (opened,) = await written(call, "open", 1)
+    taken: list[str] = []
+    accept = True
+
+    def inline(event: pb.GenerateResponse) -> bool:
+        if accept:
+            taken.append(event.content.text)
+        return accept
+
+    stream.inline = inline  # type: ignore[union-attr]
+
+    async def send(*entries: pb.StreamEvents) -> None:
+        call.responses.put_nowait(pb.StreamsResponse(streams=list(entries)))
+        for _ in range(5):  # the channel's reader delivers it
+            await asyncio.sleep(0)
+
+    await send(pb.StreamEvents(id=opened.id, events=[text("x")]))  # nobody reads yet: it waits
+    assert (await asyncio.wait_for(stream.read(), 5)).content.text == "x" and taken == []  # type: ignore[union-attr]
+    reader = asyncio.ensure_future(stream.read())
+    await asyncio.sleep(0)  # the reader waits now
+    for step in range(GRANT_EVERY):
+        await send(pb.StreamEvents(id=opened.id, events=[text(f"i{step}")]))
+    assert taken == [f"i{step}" for step in range(GRANT_EVERY)] and not reader.done()
+    assert await written(call, "credit", GRANT_EVERY) == [opened.id] * GRANT_EVERY  # taken ones count
+    await send(pb.StreamEvents(id=opened.id, events=[text("two"), text("events")]))
+    assert (await asyncio.wait_for(reader, 5)).content.text == "two"  # type: ignore[union-attr]
+    assert (await stream.read()).content.text == "events"  # type: ignore[union-attr]
+    accept = False
+    reader = asyncio.ensure_future(stream.read())
+    await send(pb.StreamEvents(id=opened.id, events=[text("refused")]))
+    assert (await asyncio.wait_for(reader, 5)).content.text == "refused"  # type: ignore[union-attr]
+    accept = True
+    reader = asyncio.ensure_future(read_all(stream))
+    await send(pb.StreamEvents(id=opened.id, events=[text("last")], end=pb.StreamEnd()))
+    assert await asyncio.wait_for(reader, 5) == ["last"] and taken[-1] == f"i{GRANT_EVERY - 1}"

@@ -8,7 +8,9 @@ import asyncio
 import pytest
 
 from edge.errors import ServiceUnavailableError
+from edge.workers.call import WorkerCall, _Leg
 from edge.workers.call_group import CallGroup
+from edge.workers.migration import MigrationPolicy
 from sluice.v1 import worker_pb2
 from tests.unit.edge.edge_fakes import content, run
 from tests.unit.edge.test_edge_stream_pump import END, FakeStream
@@ -63,3 +65,35 @@ def test_a_failure_follows_the_events_read_before_it_and_cancels_every_call() ->
         assert all(call.cancelled for call in calls)
 
     run(body())
+
+
+def test_a_one_call_group_hands_events_taken_as_they_arrive_as_its_reader_would_get_them() -> None:
+    """``take_inline``: what the call's leg takes goes to ``take`` tracked for migration (a delta
+    waits for its ids, then goes with them), seen by the observer; nothing is taken while ``ready``
+    says no; what raises on the way goes to ``failed``, the event counted as taken."""
+    started = worker_pb2.GenerateResponse(started=worker_pb2.Started(resumable=True))
+    leg = _Leg(call=None, worker=None, first=started, pool=None)  # type: ignore[arg-type]
+    call = WorkerCall(
+        None,  # type: ignore[arg-type]
+        leg,
+        worker_pb2.GenerateRequest(),
+        request_id="r",
+        deadline=0.0,
+        metadata=(),
+        migration=MigrationPolicy(1),
+    )
+    call._delivered.track(started, False)  # the iteration's first event: resumable from here
+    group, taken, observed, failures = CallGroup([call]), [], [], []
+    group.observer = lambda index, event: observed.append(event.content.text)
+    ready = True
+    group.take_inline(lambda: ready, lambda i, e: taken.append((i, e.content.text)), failures.append)
+    bare, with_ids = content("held"), content("ids")
+    with_ids.content.token_ids.append(7)
+    assert call._take(bare) and taken == []  # held until ids come
+    assert call._take(with_ids) and taken == [(0, "held"), (0, "ids")] and observed == ["held", "ids"]
+    ready = False
+    assert not call._take(content("later")) and len(taken) == 2
+    ready = True
+    group.observer = lambda index, event: 1 / 0
+    assert call._take(with_ids) and isinstance(failures[0], ZeroDivisionError)
+    assert len(taken) == 2
