@@ -7,6 +7,7 @@ reach the registry. The Node script records what the SDK returned; the assertion
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
@@ -40,18 +41,22 @@ def node_sdk() -> Path:
     """tests/e2e/node with the pinned openai package installed (``npm ci`` when missing or stale)."""
     if shutil.which("node") is None or shutil.which("npm") is None:
         pytest.skip("node and npm are needed for the Node SDK test")
-    if _installed_version() != _locked_version():
-        done = subprocess.run(
-            ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
-            cwd=NODE_DIR,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        if done.returncode != 0:
-            if any(word in done.stderr for word in _OFFLINE):
-                pytest.skip(f"npm cannot reach the registry: {done.stderr.strip()[-300:]}")
-            raise AssertionError(f"npm ci failed:\n{done.stderr}")
+    # One install at a time: two test processes (pytest-xdist) that both find it missing would
+    # otherwise run `npm ci` together, each deleting what the other installs and runs.
+    with (NODE_DIR / ".npm-ci.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _installed_version() != _locked_version():
+            done = subprocess.run(
+                ["npm", "ci", "--no-audit", "--no-fund", "--loglevel=error"],
+                cwd=NODE_DIR,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            if done.returncode != 0:
+                if any(word in done.stderr for word in _OFFLINE):
+                    pytest.skip(f"npm cannot reach the registry: {done.stderr.strip()[-300:]}")
+                raise AssertionError(f"npm ci failed:\n{done.stderr}")
     return NODE_DIR
 
 

@@ -100,6 +100,19 @@ def json_services(
         yield worker, edge
 
 
+# The server's access line of a chat completion sent by httpx (hypercorn's format, edge/access_log.py).
+ACCESS_LINE = (
+    r'127\.0\.0\.1:\d+ - - \[[^]]+\] "POST /v1/chat/completions 1\.1" 200 (-|\d+) "-" '
+    r'"python-httpx/[^"]+"'
+)
+
+
+def access_lines(edge: EdgeProcess) -> list[str]:
+    """The edge's access lines of chat completions so far."""
+    lines = (e["message"] for e in json_lines(edge.log_path) if e["logger"] == "sluice.edge.access")
+    return [line for line in lines if re.fullmatch(ACCESS_LINE, line)]
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("stream", [False, True])
 def test_one_request_id_in_the_edge_and_the_worker_logs(
@@ -107,6 +120,7 @@ def test_one_request_id_in_the_edge_and_the_worker_logs(
 ) -> None:
     worker, edge = json_services
     request_id = f"logs-{uuid.uuid4().hex}"
+    access_before = len(access_lines(edge))
     model = httpx.get(f"{edge.base_url}/v1/models", timeout=10).json()["data"][0]["id"]
     response = httpx.post(
         f"{edge.base_url}/v1/chat/completions",
@@ -127,8 +141,10 @@ def test_one_request_id_in_the_edge_and_the_worker_logs(
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         worker_lines, edge_lines = mine(worker.log_path), mine(edge.log_path)
-        if any("completed" in e["message"] for e in worker_lines) and (
-            not stream or any("stream" in e["message"] for e in edge_lines)
+        if (
+            any("completed" in e["message"] for e in worker_lines)
+            and (not stream or any("stream" in e["message"] for e in edge_lines))
+            and len(access_lines(edge)) > access_before  # written once the response has gone
         ):
             break
         time.sleep(0.1)
@@ -137,12 +153,7 @@ def test_one_request_id_in_the_edge_and_the_worker_logs(
 
     # The edge: the answered request, and for a stream how it ended; the server's access line.
     assert any("POST /v1/chat/completions -> 200" in e["message"] for e in edge_lines)
-    access = [e["message"] for e in json_lines(edge.log_path) if e["logger"] == "sluice.edge.access"]
-    line = (
-        r'127\.0\.0\.1:\d+ - - \[[^]]+\] "POST /v1/chat/completions 1\.1" 200 (-|\d+) "-" '
-        r'"python-httpx/[^"]+"'
-    )
-    assert any(re.fullmatch(line, message) for message in access), access
+    assert len(access_lines(edge)) == access_before + 1, access_lines(edge)
     if stream:
         assert any("stream completed" in e["message"] for e in edge_lines)
     # The worker: accepted and ended, with finish reason and tokens, and its own id on every line.

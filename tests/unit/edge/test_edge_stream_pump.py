@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -137,6 +137,17 @@ def deltas(write: bytes) -> list[dict[str, Any]]:
     return [c["choices"][0]["delta"] for c in chunks if c["choices"]]
 
 
+async def settled(reads: Callable[[], int]) -> int:
+    """Yields to the event loop until ``reads()`` stays the same for 100 turns (the readers did
+    all they can without time passing: the fakes need none) and returns it; no wall-clock wait."""
+    last, still = reads(), 0
+    while still < 100:
+        await asyncio.sleep(0)
+        now = reads()
+        still, last = (still + 1 if now == last else 0), now
+    return last
+
+
 async def drain_pump(pump: StreamPump) -> list[bytes]:
     writes = [write async for write in pump]
     await pump.aclose()
@@ -185,12 +196,10 @@ def test_a_slow_writer_bounds_what_the_reader_takes() -> None:
         pump, _ = make_pump([stream])
         await anext(pump)  # the role chunk; now the "client" does not ask for more for a while
         stream.put(*(content("x") for _ in range(3 * MAX_PENDING_EVENTS)))
-        await asyncio.sleep(0.05)
-        assert stream.reads == MAX_PENDING_EVENTS  # the reader waits instead of reading on
+        assert await settled(lambda: stream.reads) == MAX_PENDING_EVENTS  # the reader waits instead
         write = await anext(pump)
         assert deltas(write) == [{"content": "x" * MAX_PENDING_EVENTS}]  # merged into one chunk
-        await asyncio.sleep(0.05)
-        assert stream.reads == 2 * MAX_PENDING_EVENTS
+        assert await settled(lambda: stream.reads) == 2 * MAX_PENDING_EVENTS
         await pump.aclose()
         assert stream.cancelled
 
@@ -204,9 +213,9 @@ def test_a_slow_writer_bounds_what_several_calls_read() -> None:
         await anext(pump)
         for call in calls:
             call.put(*(content("x") for _ in range(2 * MAX_PENDING_EVENTS)))
-        await asyncio.sleep(0.05)
+        read = await settled(lambda: sum(call.reads for call in calls))
         # The pump's reader stops at the bound; the group reads at most two events per call beyond it.
-        assert MAX_PENDING_EVENTS <= sum(call.reads for call in calls) <= MAX_PENDING_EVENTS + 4
+        assert MAX_PENDING_EVENTS <= read <= MAX_PENDING_EVENTS + 4
         await pump.aclose()
         assert all(call.cancelled for call in calls)
 
@@ -247,7 +256,7 @@ def test_output_within_the_write_interval_waits_and_goes_out_merged() -> None:
         next_write = asyncio.ensure_future(anext(pump))
         for text in ("b", "c", "d"):  # one at a time, each read before the next arrives
             stream.put(content(text))
-            await asyncio.sleep(0.01)
+            await settled(lambda: stream.reads)
         assert stream.reads == 4 and not next_write.done()  # read, held for the interval
         stream.put(finished(), usage(), END)  # the end is never held
         last = await next_write
@@ -332,7 +341,7 @@ def test_stop_sends_what_was_read_then_the_error() -> None:
         await anext(pump)
         assert drain.registered == {pump}
         stream.put(content("a"))
-        await asyncio.sleep(0.01)  # read, not yet written
+        assert await settled(lambda: stream.reads) == 1  # read, not yet written
         pump.stop(ServerShuttingDownError("bye", code="server_shutting_down"))
         assert stream.cancelled
         writes = await drain_pump(pump)
