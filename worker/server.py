@@ -423,7 +423,15 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
     def on_device_failure(failure: BaseException | str) -> None:  # the engine thread
         failures.append(failure)
         with contextlib.suppress(RuntimeError):  # the loop is gone: the process is ending anyway
-            loop.call_soon_threadsafe(device_failed.set)
+            loop.call_soon_threadsafe(not_serving)
+
+    going: list[asyncio.Task[None]] = []
+
+    def not_serving() -> None:
+        """Health NOT_SERVING in the loop's next turn, before any caller can hear of a failed request
+        (those go out from that turn on) and ask again; then the worker exits (below)."""
+        going.append(loop.create_task(grpc_server.set_serving(False)))
+        device_failed.set()
 
     loading = asyncio.ensure_future(
         in_own_thread(
