@@ -183,8 +183,9 @@ class Settings:
         0.02,
         _AT_LEAST_0,
         "shortest gap, seconds, between two output writes of one stream; deltas arriving "
-        "sooner are merged into the next chunk (0 = write each at once, for the smoothest "
-        "streams at the most CPU per token; docs/operations.md)",
+        "sooner are merged into the next chunk, and the workers keep a stream's tokens back for "
+        "it (0 = write each at once, for the smoothest streams at the most CPU per token; "
+        "docs/operations.md)",
         flag="stream-write-interval",
     )
     worker_connect_timeout_s: float = setting(

@@ -17,6 +17,9 @@ MAX_STOP_STRINGS = 16
 # The most inputs (embeddings) or pairs (scores, rerank documents) one pooling call may carry
 # (OpenAI's embeddings limit).
 MAX_POOLED_INPUTS = 2048
+# ``stream_interval_ms``: the longest window a worker keeps a stream's tokens back for (longer is
+# no longer streaming); the edge gives at most this, whatever its --stream-write-interval.
+MAX_STREAM_INTERVAL_MS = 1000
 # The largest value of a proto ``int32`` field (max_tokens, token ids, logprobs ...).
 INT32_MAX = 2**31 - 1
 

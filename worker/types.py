@@ -139,6 +139,9 @@ class GenerationRequest:
     lora: LoraHandle | None = None  # the LoRA adapter the request names; None = the base model
     scheduling: Scheduling = Scheduling()
     thinking_budget: ThinkingBudget | None = None  # None: thinking is not capped
+    # Hand the tokens over at most about once per this many seconds (``stream_interval_ms`` on the
+    # wire; worker/engine/sink.py ``paced_by_time``); 0: every step, or per ``--stream-interval``.
+    stream_interval_s: float = 0.0
 
     @property
     def prefill_token_ids(self) -> tuple[int, ...]:

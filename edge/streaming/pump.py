@@ -29,6 +29,8 @@ MAX_PENDING_EVENTS = 256
 # Worker events that are model output (a choice's end included): the first write carrying one
 # gives the time to first token, later ones the gaps.
 _OUTPUT_KINDS = frozenset({"content", "reasoning", "refusal", "tool_call", "finished"})
+# How early (a fraction of the write interval) output may go rather than wait for the interval.
+_EARLY_FRACTION = 0.25
 
 OnEvent = Callable[[int, worker_pb2.GenerateResponse], list[Any]]
 Finish = Callable[[], list[Any]]
@@ -378,8 +380,9 @@ class StreamPump:
 
     def _held(self, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether the pending events wait for the write interval: the last write that carried
-        output was less than ``write_interval_s`` ago, so what arrives until then goes out with
-        them, merged. The first output, the end of the stream and errors never wait."""
+        output was less than three quarters of ``write_interval_s`` ago, so what arrives until
+        the interval is over goes out with them, merged. The first output, the end of the stream
+        and errors never wait."""
         urgent = not self._reading or self._failure is not None or self._stop_error is not None
         if self._hold is not None:
             if not urgent:
@@ -391,7 +394,10 @@ class StreamPump:
         if urgent or not interval or self._last_output is None or not self._pending:
             return False
         due = self._last_output + interval
-        if loop.time() >= due:
+        # A wait shorter than a quarter of the interval is not worth a timer: a worker that paces
+        # the call (GenerateRequest.stream_interval_ms) hands over at the step nearest each
+        # window's end, so its deltas come about an interval apart, a little early as often as late.
+        if loop.time() >= due - interval * _EARLY_FRACTION:
             return False
         self._hold = loop.call_at(due, self._end_hold)
         return True

@@ -27,6 +27,7 @@ from edge.streaming.pump import Finish, OnEvent, PumpClock, StreamFraming, Strea
 from edge.tracing import current_trace
 from edge.workers.call_group import CallGroup
 from edge.workers.migration import MigrationPolicy, resumable_request
+from sluice.limits import MAX_STREAM_INTERVAL_MS
 from sluice.v1 import worker_pb2
 
 log = logging.getLogger("sluice.edge")
@@ -70,10 +71,14 @@ async def open_calls(
     )
     tenant = caller_tenant()
     meter = request_meter()
+    # What arrives within a stream's write interval is merged anyway (edge.streaming.pump): the
+    # worker keeps it back instead, so one delta per interval crosses, not one per token.
+    interval_ms = min(MAX_STREAM_INTERVAL_MS, round(state.settings.stream_write_interval_s * 1000))
     for worker_request in requests:
         worker_request.tenant = tenant  # the API key's, whatever the body said
         worker_request.stream_progress = True
         worker_request.model_load_wait_seconds = state.settings.wait_for_load_s
+        worker_request.stream_interval_ms = interval_ms
         if (migration.enabled and resumable_request(worker_request)) or meter is not None:
             # What a call that moves to another worker resumes from (edge.workers.migration), and
             # what a key's tokens per minute count as they stream (edge.rate_limits).

@@ -78,7 +78,7 @@ class StreamEnd(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ..., details: _Optional[bytes] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "chat", "prompt", "sampling", "response_format", "stream_progress", "return_token_ids", "echo_prompt", "user", "metadata", "model_load_wait_seconds", "resume", "priority", "tenant")
+    __slots__ = ("request_id", "model", "chat", "prompt", "sampling", "response_format", "stream_progress", "return_token_ids", "echo_prompt", "user", "metadata", "model_load_wait_seconds", "resume", "priority", "tenant", "stream_interval_ms")
     class MetadataEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +101,7 @@ class GenerateRequest(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model: str
     chat: ChatInput
@@ -116,7 +117,8 @@ class GenerateRequest(_message.Message):
     resume: Resume
     priority: int
     tenant: str
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[_Union[PromptInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_progress: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., echo_prompt: _Optional[bool] = ..., user: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., model_load_wait_seconds: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    stream_interval_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., chat: _Optional[_Union[ChatInput, _Mapping]] = ..., prompt: _Optional[_Union[PromptInput, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., response_format: _Optional[_Union[ResponseFormat, _Mapping]] = ..., stream_progress: _Optional[bool] = ..., return_token_ids: _Optional[bool] = ..., echo_prompt: _Optional[bool] = ..., user: _Optional[str] = ..., metadata: _Optional[_Mapping[str, str]] = ..., model_load_wait_seconds: _Optional[float] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., priority: _Optional[int] = ..., tenant: _Optional[str] = ..., stream_interval_ms: _Optional[int] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("choices",)

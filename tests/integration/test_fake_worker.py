@@ -189,5 +189,42 @@ def test_a_stream_interval_sends_fewer_messages_of_the_same_tokens(fake_worker, 
         assert len(content(paced.Generate(full))) <= 13
 
 
+def test_a_requests_stream_interval_sends_fewer_messages_of_the_same_tokens(model_cache, tmp_path):
+    """``stream_interval_ms``: the same text, token ids, end and usage as the same request without
+    it (one message per 5 ms step), in a handful of messages with a window of 200 ms; a window
+    over a second is refused, naming the field."""
+    plain = chat(49, temperature=0)
+    plain.return_token_ids = True
+    paced = pb.GenerateRequest()
+    paced.CopyFrom(plain)
+    paced.stream_interval_ms = 200
+    with (
+        WorkerProcess(
+            cache_dir=model_cache, log_dir=tmp_path, extra=["--fake-tokens", "--fake-step-ms", "5"]
+        ) as worker,
+        grpc.insecure_channel(worker.address) as channel,
+    ):
+        stub = pb_grpc.WorkerStub(channel)
+        every_step, grouped = list(stub.Generate(plain)), list(stub.Generate(paced))
+        paced.stream_interval_ms = 1001
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.Generate(paced))
+    assert grouped[0].HasField("started") and grouped[-1].HasField("usage")
+    ended, expected = grouped[-2].finished, every_step[-2].finished
+    assert (ended.reason, ended.completion_tokens) == (expected.reason, expected.completion_tokens)
+    used, reference = grouped[-1].usage, every_step[-1].usage  # the second one found the prompt cached
+    assert (used.prompt_tokens, used.completion_tokens) == (
+        reference.prompt_tokens,
+        reference.completion_tokens,
+    )
+    assert "".join(c.text for c in content(grouped)) == "".join(c.text for c in content(every_step))
+    ids = [t for c in content(grouped) for t in c.token_ids]
+    assert ids == [t for c in content(every_step) for t in c.token_ids] and len(ids) == 49
+    # 49 steps of at least 5 ms: at most one message per 200 ms after the first token's own.
+    assert len(content(every_step)) > 25 and len(content(grouped)) < 8
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream_interval_ms" in refused.value.details()
+
+
 def content(events: Iterable[pb.GenerateResponse]) -> list[pb.ContentDelta]:
     return [e.content for e in events if e.HasField("content")]

@@ -51,18 +51,25 @@ def _put_all(items: list[tuple[OutputSink, list[CoreOutput]]]) -> None:
 
 @dataclass
 class Pacing:
-    """A stream's tokens kept back under ``--stream-interval``."""
+    """A stream's tokens kept back under ``--stream-interval`` or its request's stream interval."""
 
     held: list[CoreOutput] = field(default_factory=list)  # the tokens kept back
     held_steps: int = 0  # steps whose tokens ``held`` keeps
     streamed: bool = False  # a token was delivered (the first one is never kept back)
+    handed_at: float = 0.0  # when outputs were last handed over (time.monotonic())
+    step_at: float = 0.0  # when the last step's outputs came (handed over or kept)
+
+
+def _plain(outputs: list[CoreOutput]) -> bool:
+    """Only tokens that end nothing: what may be kept back."""
+    return all(type(o) is NewToken and o.finish is None for o in outputs)
 
 
 def paced(pacing: Pacing, outputs: list[CoreOutput], interval: int) -> list[CoreOutput] | None:
     """What to deliver of a step's ``outputs`` under a stream interval: None while plain tokens are
     kept back (fewer than ``interval`` steps of them); anything else (a first token, an end, a
     failure, progress) goes out at once with whatever was kept."""
-    if pacing.streamed and all(type(o) is NewToken and o.finish is None for o in outputs):
+    if pacing.streamed and _plain(outputs):
         pacing.held += outputs
         pacing.held_steps += 1
         if pacing.held_steps < interval:
@@ -71,5 +78,26 @@ def paced(pacing: Pacing, outputs: list[CoreOutput], interval: int) -> list[Core
     elif pacing.held:
         outputs = pacing.held + outputs
     pacing.held, pacing.held_steps = [], 0
+    pacing.streamed = pacing.streamed or any(type(o) is NewToken for o in outputs)
+    return outputs
+
+
+def paced_by_time(
+    pacing: Pacing, outputs: list[CoreOutput], interval_s: float, now: float
+) -> list[CoreOutput] | None:
+    """The same as :func:`paced` with a window in seconds (a request's ``stream_interval_ms``):
+    plain tokens are kept back while the window has more than a quarter of a step left (a step's
+    length: the time since this stream's last one; the quarter absorbs the steps' jitter), so
+    hand-overs come at least about ``interval_s`` apart, less than a step more."""
+    step_s = now - pacing.step_at if pacing.step_at else 0.0
+    pacing.step_at = now
+    if pacing.streamed and _plain(outputs) and now - pacing.handed_at < interval_s - step_s / 4:
+        pacing.held += outputs
+        pacing.held_steps += 1
+        return None
+    if pacing.held:
+        outputs = pacing.held + outputs
+    pacing.held, pacing.held_steps = [], 0
+    pacing.handed_at = now
     pacing.streamed = pacing.streamed or any(type(o) is NewToken for o in outputs)
     return outputs

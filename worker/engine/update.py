@@ -274,12 +274,16 @@ class Update:
         stream interval)."""
         self._ledger.retire([s for s in states if s.done and not failed(outputs.get(s.key, []))])
         batches = []
+        now = time.monotonic()
         for state in unique(states):
             out = outputs.get(state.key)
             # A preempted request's token read after it went back to the queue goes out at once,
             # as its kept-back ones did (:meth:`preempted`).
-            if out is not None and self._stream_interval > 1 and not state.preempted:
-                out = sink.paced(state.pacing, out, self._stream_interval)
+            if out is not None and not state.preempted:
+                if state.request.stream_interval_s > 0:
+                    out = sink.paced_by_time(state.pacing, out, state.request.stream_interval_s, now)
+                elif self._stream_interval > 1:
+                    out = sink.paced(state.pacing, out, self._stream_interval)
             if out is not None:
                 batches.append((state.stream, out))
         if any(state.removed for state in states):  # a scrape after a request's end counts it

@@ -15,6 +15,7 @@ from sluice.limits import (
     MAX_BAD_WORDS,
     MAX_N,
     MAX_STOP_STRINGS,
+    MAX_STREAM_INTERVAL_MS,
     MAX_TOP_LOGPROBS,
     MIN_P,
     PENALTY,
@@ -69,6 +70,7 @@ class ParsedRequest:
     # ``resume``: the tokens an earlier call delivered, for choice 0 (n == 1 only); () = a new request.
     resumed_token_ids: tuple[int, ...] = ()
     scheduling: Scheduling = field(default_factory=Scheduling)  # priority, tenant, the call's deadline
+    stream_interval_s: float = 0.0  # ``stream_interval_ms``: at most one hand-over per this (0: each step)
 
 
 @dataclass(frozen=True)
@@ -160,7 +162,17 @@ def parse_request(
         scheduling=_scheduling(request, deadline),
         thinking_token_budget=budget,
         reasoning_effort=effort,
+        stream_interval_s=_stream_interval_s(request),
     )
+
+
+def _stream_interval_s(request: pb.GenerateRequest) -> float:
+    if request.stream_interval_ms > MAX_STREAM_INTERVAL_MS:
+        raise InvalidRequest(
+            f"stream_interval_ms must be at most {MAX_STREAM_INTERVAL_MS}, got {request.stream_interval_ms}",
+            param="stream_interval_ms",
+        )
+    return request.stream_interval_ms / 1000.0
 
 
 def _scheduling(request: pb.GenerateRequest, deadline: float | None) -> Scheduling:

@@ -530,6 +530,7 @@ def _prepare(
         images=images,
         lora=serving.loras.resolve(adapter) if adapter and serving.loras is not None else None,
         scheduling=parsed.scheduling,
+        stream_interval_s=parsed.stream_interval_s,
         # Thinking is parsed (a chat, a model that thinks, no grammar from the first token) and capped.
         thinking_budget=thinking_budget(
             parsed.thinking_token_budget,

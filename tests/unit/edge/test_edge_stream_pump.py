@@ -268,6 +268,30 @@ def test_output_within_the_write_interval_waits_and_goes_out_merged() -> None:
     run(body())
 
 
+def test_output_due_within_a_quarter_of_the_write_interval_goes_at_once() -> None:
+    """A worker pacing the call hands over about an interval apart, a little early as often as
+    late: what comes in the interval's last quarter is not held for the rest of it."""
+
+    async def body() -> None:
+        stream = FakeStream()
+        pump, _ = make_pump([stream], write_interval_s=HOLD_S)
+        await anext(pump)  # the role
+        stream.put(content("a"))
+        await anext(pump)  # the first output: never held
+        loop = asyncio.get_running_loop()
+        for since, held in ((0.5, True), (0.8, False)):
+            pump._last_output = loop.time() - since * HOLD_S
+            stream.put(content("b"))
+            await settled(lambda: stream.reads)
+            assert pump._held(loop) is held
+            if pump._hold is not None:
+                pump._hold.cancel()
+                pump._hold = None
+        await pump.aclose()
+
+    run(body())
+
+
 def test_a_failure_ends_the_wait_for_the_write_interval() -> None:
     async def body() -> None:
         stream = FakeStream()
