@@ -131,7 +131,8 @@ class Containment:
             raise EngineFailure(f"after {where} failed, the KV block accounting is wrong: {problem}")
 
     def stop(self, failure: EngineFailure) -> None:
-        """Fails every request and ends the loop; the owner reports NOT_SERVING and exits."""
+        """Ends the loop and fails every request; the owner, told first, reports NOT_SERVING and
+        exits (so no caller that hears its request failed can find the worker still serving)."""
         log.critical("the engine cannot go on (%s): failing every request; the engine stops", failure)
         with self._ledger.cv:
             self.failure = failure
@@ -142,9 +143,9 @@ class Containment:
             if isinstance(failure, DeviceFailure)
             else "generation failed: the worker's engine failed"
         )
-        self.end_all(message)
         if self.on_engine_failure is not None:
             self.on_engine_failure(failure)
+        self.end_all(message)
 
     def end_all(self, message: str) -> None:
         """Ends every request the engine holds with ``message`` (the loop is ending), touching neither

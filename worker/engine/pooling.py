@@ -158,9 +158,9 @@ class PoolingEngine:
                 with self._cv:
                     self.device_failure, self._stopping = exc, True
                     failed = list({id(job): job for job in [*failed, *self._queue]}.values())
-            self._finish(failed, f"the forward pass failed: {type(exc).__name__}")
             if fatal and self._on_device_failure is not None:
-                self._on_device_failure(exc)
+                self._on_device_failure(exc)  # first: no caller may hear of its failure while serving
+            self._finish(failed, f"the forward pass failed: {type(exc).__name__}")
             return
         done: list[_Job] = []
         for (job, index), row in zip(rows, output, strict=True):

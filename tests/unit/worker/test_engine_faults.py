@@ -305,3 +305,27 @@ def test_every_exit_of_the_loop_ends_every_stream(loaded, monkeypatch, exit_path
     else:
         assert stopped == [eng.failure] and isinstance(eng.failure, EngineFailure)
         assert isinstance(eng.failure, DeviceFailure) == (exit_path == "device")
+
+
+def test_the_owner_hears_the_engine_stop_before_any_request_hears_it(loaded, monkeypatch) -> None:
+    """The owner (the worker's health) is told before the last outputs go to the streams: a caller
+    that hears its request failed must not find the worker still serving when it asks."""
+    eng = make_engine(loaded, prefill_budget_tokens=64, max_running=2)
+    order: list[str] = []
+    eng._failures.on_engine_failure = lambda failure: order.append("owner")
+    deliver = sink.deliver
+
+    def recording(batches: Any) -> None:
+        batches = list(batches)
+        if any(type(o).__name__ == "CoreFailure" for _, outputs in batches for o in outputs):
+            order.append("requests")
+        deliver(batches)
+
+    monkeypatch.setattr(sink, "deliver", recording)
+    fault = Fault(RuntimeError("CUDA error: unspecified launch failure"))
+    inject(eng, "forward", fault, monkeypatch)
+    try:
+        run_with_fault(eng, fault, running=2, queued=2)
+    finally:
+        eng.stop()
+    assert order[:2] == ["owner", "requests"]
