@@ -183,9 +183,16 @@ def dead_address() -> str:
     return f"127.0.0.1:{free_port()}"
 
 
+# The edge's health-check deadline in these tests (see running_edge).
+TEST_HEALTH_TIMEOUT_S = 10.0
+
+
 @contextlib.asynccontextmanager
 async def running_edge(workers: list[str], **overrides: Any) -> AsyncIterator[str]:
-    """Serves the edge with hypercorn on a free port; yields its base URL."""
+    """Serves the edge with hypercorn on a free port; yields its base URL. Its health checks get
+    10 s (unless ``overrides`` say otherwise): the fake workers share the test's loop, which a
+    loaded machine can hold up past the 2 s default (a CI run saw a fake worker ejected so)."""
+    overrides.setdefault("health_timeout_s", TEST_HEALTH_TIMEOUT_S)
     settings = replace(Settings(workers=tuple(workers)), port=free_port(), **overrides)
     stop = asyncio.Event()
     task = asyncio.create_task(serve_edge(settings, stop))
