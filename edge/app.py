@@ -6,6 +6,7 @@ Design notes: docs/edge-internals.md.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import logging
 from collections.abc import AsyncGenerator
@@ -98,8 +99,11 @@ def create_app(settings: Settings) -> EdgeApp:
         # Channels, DNS discovery and the health-check loop start here; close() stops them.
         app.sluice.pool.open()
         await app.sluice.store.get()  # migrated and purged before the first request
-        app.sluice.background.spawn("batch runner", BatchRunner(app).run())
-        app.sluice.background.spawn("response resumer", Resumer(app).run())
+        # Each in a context of its own, outside this hook's app context: a request they make
+        # (a batch line, a re-run response) then gets an app context, and so a `g`, of its own,
+        # where inside this one all of them would share one (ids, API keys, rate-limit tickets).
+        app.sluice.background.spawn("batch runner", BatchRunner(app).run(), contextvars.Context())
+        app.sluice.background.spawn("response resumer", Resumer(app).run(), contextvars.Context())
         freeze_startup_heap(log, "edge")
         dns = [f"DNS {settings.worker_dns}"] if settings.worker_dns else []
         log.info("edge ready for workers %s", ", ".join([*settings.workers, *dns]))

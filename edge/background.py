@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 from collections.abc import Coroutine
 from typing import Any
@@ -16,10 +17,12 @@ class BackgroundTasks:
     def __init__(self) -> None:
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
-    def spawn(self, key: str, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        """Runs ``work`` in its own task (a copy of the current context; the caller's
-        disconnect does not cancel it)."""
-        task = asyncio.create_task(work, name=f"background {key}")
+    def spawn(
+        self, key: str, work: Coroutine[Any, Any, None], context: contextvars.Context | None = None
+    ) -> asyncio.Task[None]:
+        """Runs ``work`` in its own task (in ``context``, else a copy of the current one; the
+        caller's disconnect does not cancel it)."""
+        task = asyncio.create_task(work, name=f"background {key}", context=context)
         self._tasks[key] = task
         task.add_done_callback(lambda done: self._done(key, done))
         return task

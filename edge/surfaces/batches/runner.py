@@ -60,8 +60,10 @@ class BatchRunner:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), POLL_S)
         finally:
-            await self._wind_down()
-            renewal.cancel()
+            try:
+                await self._wind_down()
+            finally:
+                renewal.cancel()
 
     async def _wind_down(self) -> None:
         """The edge stops: the lines it runs get ``--graceful-timeout`` to end and be written (the
@@ -132,7 +134,7 @@ class BatchRunner:
 
     async def _claim(self, store: BatchStore, batch: BatchRecord) -> None:
         free = self.state.settings.batch_concurrency - len(self._running)
-        if free <= 0:
+        if free <= 0 or self.state.drain.draining:  # a round under way when the edge began to stop
             return
         claim = uuid.uuid4().hex
         for line, custom_id, body in await store.claim_lines(batch.id, claim, free, now_ms() + LEASE_MS):
@@ -171,7 +173,10 @@ class BatchRunner:
             log.exception("batch %s line %d failed; it runs again later", batch.id, line)
             await store.release_line(batch.id, line, claim)
         finally:
-            self._running.pop((batch.id, line), None)
+            # Given back, the line may already run again here under a new claim: that entry stays.
+            entry = self._running.get((batch.id, line))
+            if entry is not None and entry[0] == claim:
+                del self._running[(batch.id, line)]
 
     def _prioritized(self, endpoint: str, body: dict[str, Any]) -> dict[str, Any]:
         """A generation line's body at ``--batch-priority`` (or its own, if lower still)."""

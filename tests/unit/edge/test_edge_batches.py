@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from edge_fakes import (
@@ -37,6 +38,7 @@ from edge.surfaces.batches import runner as batch_runner
 from edge.surfaces.batches.lines import parse_lines
 from edge.surfaces.batches.objects import request_counts
 from sluice.limits import INT32_MAX
+from sluice.v1 import worker_pb2
 
 CHAT = "/v1/chat/completions"
 MODEL = "SmolLM2-135M-Instruct"
@@ -163,6 +165,55 @@ def test_lines_run_as_their_owner_at_the_batch_priority(tmp_path: Path) -> None:
     assert [request.priority for request in fake.requests] == [INT32_MAX, INT32_MAX]
     assert {request.tenant for request in fake.requests} == {"key#1"}
     assert key_id(keys[1]) != key_id(keys[0])
+
+
+class HeldWorker(FakeWorker):
+    """A fake worker that holds each call until ``together`` calls are open."""
+
+    def __init__(self, together: int, **fields: Any) -> None:
+        super().__init__(**fields)
+        self.together = together
+        self.opened = 0
+        self.all_open = asyncio.Event()
+
+    async def Generate(  # gRPC method name
+        self, request: worker_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[worker_pb2.GenerateResponse]:
+        self.opened += 1
+        if self.opened >= self.together:
+            self.all_open.set()
+        await self.all_open.wait()
+        async for reply in super().Generate(request, context):
+            yield reply
+
+
+def test_lines_running_at_once_are_requests_of_their_own(tmp_path: Path) -> None:
+    """Four lines of two owners' batches at once: each its own request id (to the worker and in
+    its output line) and its own owner's tenant. (The runner once ran its lines inside the app
+    context it was started from, where they shared one Quart ``g``: ids and keys leaked.)"""
+    fake = HeldWorker(4, script=ANSWER)
+    keys = ("key-a", "key-b")
+
+    async def scenario() -> list[dict[str, Any]]:
+        async with serving(fake, state_dir=str(tmp_path), api_keys=keys) as (base, client):
+            ids = []
+            for owner, key in zip("ab", keys, strict=True):
+                items = [line(f"{owner}{n}", body={**line("x")["body"], "user": owner}) for n in (1, 2)]
+                ids.append(await _submit(client, base, items, key=key))
+            outputs = []
+            for batch_id, key in zip(ids, keys, strict=True):
+                await wait_for(lambda: _ended(client, base, batch_id, key), 20)  # noqa: B023
+                done = await _batch(client, base, batch_id, key)
+                url = f"{base}/v1/files/{done['output_file_id']}/content"
+                text = (await client.get(url, headers={"Authorization": f"Bearer {key}"})).text
+                outputs += [json.loads(row) for row in text.splitlines()]
+            return outputs
+
+    outputs = run(scenario(), 40)
+    assert sorted((r.user, r.tenant) for r in fake.requests) == [("a", "key#0")] * 2 + [("b", "key#1")] * 2
+    sent_ids = {r.request_id for r in fake.requests}
+    assert len(sent_ids) == 4
+    assert {o["response"]["request_id"] for o in outputs} == sent_ids
 
 
 async def _ended(client: httpx.AsyncClient, base: str, batch_id: str, key: str = "") -> bool:
@@ -387,3 +438,51 @@ def test_a_line_answered_while_the_edge_stops_is_written_not_run_again(
     done = run(scenario(), 40)
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 1
     assert len(sends) == 1
+
+
+def test_a_line_given_back_and_claimed_again_is_still_given_back_when_the_edge_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A line refused for load is given back, and the next round may claim it again before the
+    first try's task has ended: the runner still tracks the second try, and gives its line back
+    when the edge stops. (The first try's end once dropped the second from the runner, which then
+    held the line for its whole lease: the next edge could not run it for a minute.)"""
+    real_claim, real_release = BatchStore.claim_lines, BatchStore.release_line
+
+    async def scenario() -> dict[str, int]:
+        released, claimed_again, second_try = asyncio.Event(), asyncio.Event(), asyncio.Event()
+        tries = 0
+
+        async def send(app: Any, url: str, body: dict[str, Any], owner: str) -> Any:
+            nonlocal tries
+            tries += 1
+            if tries == 1:
+                return batch_runner.dispatch.Answer(503, "req_busy", {"error": {"message": "busy"}})
+            second_try.set()
+            await asyncio.Event().wait()  # running when the edge stops
+
+        async def claim_lines(store: BatchStore, *args: Any) -> list[tuple[int, str, str]]:
+            claimed = await real_claim(store, *args)
+            if claimed and released.is_set():
+                claimed_again.set()
+            return claimed
+
+        async def release_line(store: BatchStore, *args: Any) -> None:
+            await real_release(store, *args)
+            released.set()
+            await claimed_again.wait()  # the first try ends only after the line was claimed again
+
+        monkeypatch.setattr(batch_runner.dispatch, "send", send)
+        monkeypatch.setattr(BatchStore, "claim_lines", claim_lines)
+        monkeypatch.setattr(BatchStore, "release_line", release_line)
+        stopping = {"graceful_timeout_s": 0.0, "drain_delay_s": 0.0}
+        async with serving(FakeWorker(script=ANSWER), state_dir=str(tmp_path), **stopping) as (base, client):
+            batch_id = await _submit(client, base, [line("a")])
+            await asyncio.wait_for(second_try.wait(), 10)
+        store = await open_store(str(tmp_path), None, Retention(3600.0, 0))
+        try:
+            return await BatchStore(store.database, 3600.0).counts(batch_id)
+        finally:
+            await store.database.close()
+
+    assert run(scenario(), 30) == {"pending": 1}
