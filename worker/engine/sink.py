@@ -93,7 +93,6 @@ def paced_by_time(
     pacing.step_at = now
     if pacing.streamed and _plain(outputs) and now - pacing.handed_at < interval_s - step_s / 4:
         pacing.held += outputs
-        pacing.held_steps += 1
         return None
     if pacing.held:
         outputs = pacing.held + outputs
