@@ -52,20 +52,33 @@ async def send(app: Quart, url: str, body: dict[str, Any], owner: str) -> Answer
     }
     reader = _Reader(payload)
     writer = _Writer()
-    await app(scope, reader.receive, writer.send)  # type: ignore[arg-type]
+    call = asyncio.ensure_future(app(scope, reader.receive, writer.send))  # type: ignore[arg-type]
+    try:
+        await asyncio.shield(call)
+    except asyncio.CancelledError:
+        # Cancelling the app's call would leave its handler running (Quart's does not pass a
+        # cancellation on): the line's client leaves instead, which ends the request and its
+        # worker call as any client's leaving does.
+        reader.leave()
+        await asyncio.wait([call])
+        raise
     return writer.answer()
 
 
 class _Reader:
-    """The request body in one message; then nothing until the request is cancelled (no
-    disconnect: the edge itself is the client)."""
+    """The request body in one message; then nothing until the caller leaves (a disconnect)."""
 
     def __init__(self, payload: bytes) -> None:
         self._payload: bytes | None = payload
+        self._left = asyncio.Event()
+
+    def leave(self) -> None:
+        self._left.set()
 
     async def receive(self) -> dict[str, Any]:
         if self._payload is None:
-            await asyncio.Event().wait()
+            await self._left.wait()
+            return {"type": "http.disconnect"}
         payload, self._payload = self._payload, None
         return {"type": "http.request", "body": payload, "more_body": False}
 

@@ -27,6 +27,7 @@ from edge_fakes import (
     usage,
     wait_for,
 )
+from quart import Quart
 
 from edge.auth import key_id
 from edge.store.batches import BatchStore
@@ -486,3 +487,32 @@ def test_a_line_given_back_and_claimed_again_is_still_given_back_when_the_edge_s
             await store.database.close()
 
     assert run(scenario(), 30) == {"pending": 1}
+
+
+def test_a_cancelled_lines_request_ends_as_when_a_client_leaves() -> None:
+    """A line's send cancelled (its edge stops) ends the request in the app: the handler is
+    cancelled, and its worker call with it, as when a client leaves. (Cancelling the app's call
+    alone left the handler running: Quart does not pass a cancellation on.)"""
+
+    async def scenario() -> None:
+        entered, handler_cancelled = asyncio.Event(), asyncio.Event()
+        app = Quart(__name__)
+
+        @app.post(CHAT)
+        async def held() -> str:
+            entered.set()
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                handler_cancelled.set()
+                raise
+            return ""
+
+        send = asyncio.create_task(batch_runner.dispatch.send(app, CHAT, {"model": MODEL}, "anonymous"))
+        await asyncio.wait_for(entered.wait(), 5)
+        send.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await send
+        await asyncio.wait_for(handler_cancelled.wait(), 5)
+
+    run(scenario(), 15)
