@@ -189,11 +189,13 @@ def test_a_batch_survives_an_edge_restart_with_each_line_run_once(
     metrics = worker.metrics()
     before = metrics["sluice_worker_requests_finished_total"]
     cancelled = metrics["sluice_worker_requests_cancelled_total"]
-    batch = submit(alice, [chat_line(f"line-{n}", tokens=40) for n in range(20)])
+    # Lines of half a second (100 tokens of 5 ms steps): those the worker runs when the edge is told to
+    # stop are still running when its runner winds down, a few milliseconds later.
+    batch = submit(alice, [chat_line(f"line-{n}", tokens=100) for n in range(20)])
     poll(
-        lambda: alice.batches.retrieve(batch.id),
-        lambda b: b.request_counts.completed >= 3,
-        "lines are answered",
+        lambda: (alice.batches.retrieve(batch.id), worker.metrics()),
+        lambda seen: seen[0].request_counts.completed >= 3 and seen[1]["sluice_worker_running_requests"] >= 1,
+        "lines are answered and others run",
     )
     edge.stop()
     edge.start()  # the same store: the new process resumes the batch
