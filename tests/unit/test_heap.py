@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sluice.heap import freeze_startup_heap
+from sluice.heap import YOUNG_GENERATION_THRESHOLD, freeze_startup_heap
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -32,6 +32,7 @@ def test_a_frozen_cycle_waits_for_the_unfreeze_at_exit(
     node = Node()
     node.peer = node
     ref = weakref.ref(node)
+    thresholds = gc.get_threshold()
     try:
         with caplog.at_level(logging.INFO):
             frozen = freeze_startup_heap(logging.getLogger("test"), "test process")
@@ -46,6 +47,20 @@ def test_a_frozen_cycle_waits_for_the_unfreeze_at_exit(
         assert ref() is None  # unfrozen (as at exit), the cycle is collected
     finally:
         gc.unfreeze()
+        gc.set_threshold(*thresholds)
+
+
+def test_young_collections_come_less_often_once_the_heap_is_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(atexit, "register", lambda hook: None)
+    before = gc.get_threshold()
+    try:
+        freeze_startup_heap(logging.getLogger("test"), "test process")
+        # The young generation's threshold alone changes; the older generations' stay as they were.
+        assert gc.get_threshold() == (YOUNG_GENERATION_THRESHOLD, before[1], before[2])
+        assert before[0] < YOUNG_GENERATION_THRESHOLD
+    finally:
+        gc.unfreeze()
+        gc.set_threshold(*before)
 
 
 EXITING = """
