@@ -8,7 +8,7 @@ import logging
 import subprocess
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +18,15 @@ from sluice.heap import YOUNG_GENERATION_THRESHOLD, freeze_startup_heap
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.fixture
+def heap_restored() -> Iterator[None]:
+    """This test process's heap as it was after the test: unfrozen, the collector's thresholds back."""
+    thresholds = gc.get_threshold()
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*thresholds)
+
+
 class Node:
     """An object that can sit in a reference cycle (only the collector frees those)."""
 
@@ -25,44 +34,36 @@ class Node:
 
 
 def test_a_frozen_cycle_waits_for_the_unfreeze_at_exit(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, heap_restored: None
 ) -> None:
     at_exit: list[Callable[[], None]] = []
     monkeypatch.setattr(atexit, "register", at_exit.append)
     node = Node()
     node.peer = node
     ref = weakref.ref(node)
-    thresholds = gc.get_threshold()
-    try:
-        with caplog.at_level(logging.INFO):
-            frozen = freeze_startup_heap(logging.getLogger("test"), "test process")
-        assert frozen > 0
-        assert f"test process: {frozen} objects from start-up left out of garbage collection" in caplog.text
-        del node
-        gc.collect()
-        assert ref() is not None  # alive at the freeze: full collections no longer visit it
-        assert at_exit == [gc.unfreeze]
-        at_exit[0]()
-        gc.collect()
-        assert ref() is None  # unfrozen (as at exit), the cycle is collected
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*thresholds)
+    with caplog.at_level(logging.INFO):
+        frozen = freeze_startup_heap(logging.getLogger("test"), "test process")
+    assert frozen > 0
+    assert f"test process: {frozen} objects from start-up left out of garbage collection" in caplog.text
+    del node
+    gc.collect()
+    assert ref() is not None  # alive at the freeze: full collections no longer visit it
+    assert at_exit == [gc.unfreeze]
+    at_exit[0]()
+    gc.collect()
+    assert ref() is None  # unfrozen (as at exit), the cycle is collected
 
 
-def test_young_collections_come_less_often_once_the_heap_is_frozen(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_young_collections_come_less_often_once_the_heap_is_frozen(
+    monkeypatch: pytest.MonkeyPatch, heap_restored: None
+) -> None:
     monkeypatch.setattr(atexit, "register", lambda hook: None)
-    before = gc.get_threshold()
     # CPython's young threshold (an in-process edge's start may have raised it), older ones told apart.
     gc.set_threshold(700, 11, 12)
-    try:
-        freeze_startup_heap(logging.getLogger("test"), "test process")
-        # The young generation's threshold alone changes; the older generations' stay as they were.
-        assert gc.get_threshold() == (YOUNG_GENERATION_THRESHOLD, 11, 12)
-        assert YOUNG_GENERATION_THRESHOLD > 700
-    finally:
-        gc.unfreeze()
-        gc.set_threshold(*before)
+    freeze_startup_heap(logging.getLogger("test"), "test process")
+    # The young generation's threshold alone changes; the older generations' stay as they were.
+    assert gc.get_threshold() == (YOUNG_GENERATION_THRESHOLD, 11, 12)
+    assert YOUNG_GENERATION_THRESHOLD > 700
 
 
 EXITING = """
