@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.sluice-installed
 TORCH  ?= torch==2.13.0
 
-.PHONY: install fixtures fixtures-gptq browser-deps postgres-deps redis-deps run test test-fast lint protos bench bench-edge bench-speculative bench-quant chaos fuzz clean gpu-wheels gpu-check
+.PHONY: install fixtures fixtures-gptq browser-deps postgres-deps redis-deps run test test-fast lint protos bench bench-edge bench-speculative bench-quant chaos fuzz clean gpu-wheels gpu-check compiled clean-compiled
 
 install: $(STAMP)
 
@@ -104,6 +104,19 @@ redis-deps:
 
 run: install
 	$(VENV)/bin/sluice serve
+
+# The worker's per-token modules compiled to C by mypyc, in place (sluice/compiled.py lists them): about
+# a quarter less worker CPU per streamed token (docs/benchmarks.md, "Compiled per-token modules"). Rebuilt
+# when one of them changes; `make clean-compiled` runs them from source again (docs/shared.md).
+COMPILED_SOURCES := $(shell $(PYTHON) -c 'from sluice.compiled import MODULES; print(*MODULES)')
+
+compiled: build/compiled.json
+
+build/compiled.json: $(STAMP) sluice/compiled.py tools/compile.py $(COMPILED_SOURCES)
+	$(PY) -m tools.compile
+
+clean-compiled:
+	-$(PY) -m tools.compile --clean
 
 # PYTHONDONTWRITEBYTECODE emptied: where the environment sets it, every process of the suite (the
 # worker and edge processes the tests start, pytest's rewritten test modules) would compile the

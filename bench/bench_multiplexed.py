@@ -61,6 +61,7 @@ from bench_edge_overhead import (  # noqa: E402
 from load_edge import chat_body  # noqa: E402
 
 from sluice.client import WorkerCallError, WorkerClient  # noqa: E402
+from sluice.compiled import MODULES, built  # noqa: E402
 from sluice.streams import EventCall  # noqa: E402
 from tests.processes import EdgeProcess, WorkerProcess  # noqa: E402
 from worker.config import DEFAULT_CACHE_DIR  # noqa: E402
@@ -355,6 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     args.latency_levels = [int(c) for c in parse_list(int, args.latency_levels)]
     with open("/proc/loadavg") as loadavg:
         print(f"{os.cpu_count()} CPUs, load average {loadavg.read().split()[0]} before starting", flush=True)
+    before = f"; --before: {len(built(args.before.resolve()))}" if args.before else ""
+    print(f"worker's per-token modules compiled (make compiled): {len(built())} of {len(MODULES)}{before}")
     with (
         tempfile.TemporaryDirectory(prefix="sluice-mux-bench-") as logs,
         stack(args, Path(logs)) as (workers, edges),

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from sluice.compiled import built
 from tests.postgres import INSTALL_HINT, PostgresServer, server_binaries
 from tests.processes import EdgeProcess, WorkerProcess, build_tiny_hybrid, build_tiny_model
 
@@ -22,7 +23,14 @@ def pytest_configure(config: pytest.Config) -> None:
     """Under ``make test``'s two pytest-xdist processes, each computes with one torch thread: two
     processes of two threads on two cores stall each other's parallel regions (docs/testing.md,
     "Processes"). Every edge the tests start (in process or not) keeps its state store in a
-    folder of this run, never in the user's ``~/.local/state``."""
+    folder of this run, never in the user's ``~/.local/state``. A tree built by ``make compiled``
+    stops the run before any test: the suite tests the sources (docs/testing.md)."""
+    compiled = built()
+    if compiled:
+        raise pytest.UsageError(
+            f"{compiled[0]} and {len(compiled) - 1} more are compiled (`make compiled`): the suite tests "
+            "the sources, run `make clean-compiled` first"
+        )
     state_home = tempfile.mkdtemp(prefix="sluice-test-state-")
     os.environ["XDG_STATE_HOME"] = state_home
     atexit.register(shutil.rmtree, state_home, True)

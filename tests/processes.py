@@ -66,8 +66,12 @@ def scrape_metrics(port: int) -> dict[str, float]:
 class _Process:
     name = "process"
 
-    def __init__(self, args: list[str], log_dir: Path, env: dict[str, str] | None = None):
-        self.args = args
+    def __init__(
+        self, args: list[str], log_dir: Path, env: dict[str, str] | None = None, root: Path = REPO_ROOT
+    ):
+        """``root``: the source tree it runs from (another than this one's: never forked from the
+        zygote, whose modules come from this one)."""
+        self.args, self.root = args, root
         self.log_path = log_dir / f"{self.name}.log"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
@@ -80,7 +84,7 @@ class _Process:
     def launch(self) -> None:
         """Starts the process without waiting for it (a restart appends to the first start's log)."""
         append = self.proc is not None
-        zygote = Zygote.shared()
+        zygote = Zygote.shared() if self.root == REPO_ROOT else None
         forked = zygote and zygote.start(
             self.args, env=self.env, cwd=REPO_ROOT, log=self.log_path, append=append
         )
@@ -89,7 +93,7 @@ class _Process:
             return
         with self.log_path.open("ab" if append else "wb") as log:
             self.proc = subprocess.Popen(
-                self.args, cwd=REPO_ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT
+                self.args, cwd=self.root, env=self.env, stdout=log, stderr=subprocess.STDOUT
             )
 
     def wait_ready(self) -> None:
@@ -169,10 +173,12 @@ class WorkerProcess(_Process):
         extra: list[str] | None = None,
         default_metrics_port: bool = False,
         torch_threads: int = 1,
+        root: Path = REPO_ROOT,
     ):
         """``default_metrics_port``: pass no --metrics-port (the worker's default, --port + 1000).
         ``torch_threads``: the worker's ``--torch-threads`` unless ``extra`` names it (see
-        docs/testing.md, "Processes": one thread, as the test process and the edge share the cores)."""
+        docs/testing.md, "Processes": one thread, as the test process and the edge share the cores).
+        ``root``: the source tree the worker runs from."""
         if default_metrics_port:
             self.port = free_port_pair(METRICS_PORT_OFFSET)
             self.metrics_port = self.port + METRICS_PORT_OFFSET
@@ -190,7 +196,7 @@ class WorkerProcess(_Process):
             args += ["--model", model]
         if "--torch-threads" not in (extra or []):
             args += ["--torch-threads", str(torch_threads)]
-        super().__init__(args + (extra or []), log_dir)
+        super().__init__(args + (extra or []), log_dir, root=root)
 
     @property
     def address(self) -> str:

@@ -11,6 +11,7 @@ import socket
 import sys
 from collections.abc import Sequence
 
+from sluice.compiled import StaleBuild, check_fresh
 from sluice.logs import configure_logging
 from sluice.ports import (
     EXIT_PORT_TAKEN,
@@ -47,6 +48,11 @@ def claim_ports(config: WorkerConfig) -> socket.socket | None:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_config(argv)
     configure_logging(config.log_level, config.log_format, worker_id=config.resolved_worker_id)
+    try:
+        check_fresh()
+    except StaleBuild as error:
+        log.error("%s", error)
+        return 2
     if config.node_rank > 0:  # a tensor-parallel node other than rank 0's: its ranks, no ports
         from worker.parallel.ranks import serve_node
 

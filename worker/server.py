@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import torch
 
+from sluice import compiled
 from sluice.heap import freeze_startup_heap
 from sluice.ports import EXIT_PORT_TAKEN, PortUnavailableError, check_port_free
 from sluice.tracing import open_tracer
@@ -409,6 +410,7 @@ async def run(config: WorkerConfig, *, metrics_socket: socket.socket | None = No
     log.info(
         "worker %s listening on %s (metrics on %s); loading model", service.worker_id, address, metrics_where
     )
+    log.info("per-token modules: %s", compiled.describe())
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -96,16 +96,16 @@ class Schedulable(Protocol):
 T = TypeVar("T", bound=Schedulable)
 
 
-@dataclass
 class StepPlan(Generic[T]):
     """One step: the work of every sequence that runs, the requests that started (left the queue
     for the batch, first time or after a preemption), those preempted, and those whose planning
-    raised (to fail alone)."""
+    raised (to fail alone). (Not a generic dataclass: mypyc cannot compile one, docs/shared.md.)"""
 
-    work: list[Work] = field(default_factory=list)
-    started: list[T] = field(default_factory=list)
-    preempted: list[T] = field(default_factory=list)
-    failed: list[tuple[T, Exception]] = field(default_factory=list)
+    def __init__(self) -> None:
+        self.work: list[Work] = []
+        self.started: list[T] = []
+        self.preempted: list[T] = []
+        self.failed: list[tuple[T, Exception]] = []
 
     @property
     def empty(self) -> bool:
