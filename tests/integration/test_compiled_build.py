@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,14 @@ from sluice.v1 import worker_pb2 as pb
 from sluice.v1 import worker_pb2_grpc as pb_grpc
 from tests.processes import REPO_ROOT, WorkerProcess, free_port
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(2400)]
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.timeout(2400),
+    pytest.mark.skipif(
+        not (shutil.which("cc") and (Path(sysconfig.get_paths()["include"]) / "Python.h").exists()),
+        reason="`make compiled` needs a C compiler (cc) and Python's headers (Python.h)",
+    ),
+]
 
 BUILD_TIMEOUT_S = 1500  # mypy's check of the worker, then the C compiler: about 5 minutes on 2 cores
 
