@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from sluice.cli import edge_command, worker_command
-from sluice.ports import METRICS_PORT_OFFSET
+from sluice.ports import EXIT_PORT_TAKEN, METRICS_PORT_OFFSET
 from tests.zygote import ForkedProcess, Zygote
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -63,6 +63,10 @@ def scrape_metrics(port: int) -> dict[str, float]:
     return values
 
 
+class PortTaken(RuntimeError):
+    """The process exited because a port it was given was taken (:data:`EXIT_PORT_TAKEN`)."""
+
+
 class _Process:
     name = "process"
 
@@ -77,9 +81,21 @@ class _Process:
         self.proc: subprocess.Popen[bytes] | ForkedProcess | None = None
 
     def start(self) -> None:
-        """Starts the process and waits until it is ready (raises if it exits or times out)."""
-        self.launch()
-        self.wait_ready()
+        """Starts the process and waits until it is ready (raises if it exits or times out). A port
+        taken between its choice and the process's bind (any outgoing connection of the machine may
+        take a free port as its own) is chosen again, where the process can (:meth:`choose_ports`)."""
+        for attempt in range(3):
+            self.launch()
+            try:
+                self.wait_ready()
+                return
+            except PortTaken:
+                if attempt == 2 or not self.choose_ports():
+                    raise
+
+    def choose_ports(self) -> bool:
+        """Chooses new free ports for the next :meth:`launch`; False where the ports are fixed."""
+        return False
 
     def launch(self) -> None:
         """Starts the process without waiting for it (a restart appends to the first start's log)."""
@@ -102,7 +118,8 @@ class _Process:
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                error = PortTaken if self.proc.returncode == EXIT_PORT_TAKEN else RuntimeError
+                raise error(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
             if self.ready():
                 return
             time.sleep(0.2)
@@ -179,24 +196,25 @@ class WorkerProcess(_Process):
         ``torch_threads``: the worker's ``--torch-threads`` unless ``extra`` names it (see
         docs/testing.md, "Processes": one thread, as the test process and the edge share the cores).
         ``root``: the source tree the worker runs from."""
-        if default_metrics_port:
+        self._default_metrics_port = default_metrics_port
+        rest = ["--cache-dir", str(cache_dir), "--grace-period", "2"]
+        if model:
+            rest += ["--model", model]
+        if "--torch-threads" not in (extra or []):
+            rest += ["--torch-threads", str(torch_threads)]
+        self._rest = rest + (extra or [])
+        super().__init__([], log_dir, root=root)
+        self.choose_ports()
+
+    def choose_ports(self) -> bool:
+        if self._default_metrics_port:
             self.port = free_port_pair(METRICS_PORT_OFFSET)
             self.metrics_port = self.port + METRICS_PORT_OFFSET
         else:
             self.port, self.metrics_port = free_port(), free_port()
-        args = worker_command(
-            self.port,
-            None if default_metrics_port else self.metrics_port,
-            "--cache-dir",
-            str(cache_dir),
-            "--grace-period",
-            "2",
-        )
-        if model:
-            args += ["--model", model]
-        if "--torch-threads" not in (extra or []):
-            args += ["--torch-threads", str(torch_threads)]
-        super().__init__(args + (extra or []), log_dir, root=root)
+        metrics = None if self._default_metrics_port else self.metrics_port
+        self.args = worker_command(self.port, metrics, *self._rest)
+        return True
 
     @property
     def address(self) -> str:
@@ -235,11 +253,16 @@ class EdgeProcess(_Process):
     name = "edge"
 
     def __init__(self, workers: list[str], *, log_dir: Path, extra: list[str] | None = None):
-        self.port = free_port()
-        args = edge_command(workers, self.port)
+        self._workers, self._extra = workers, extra or []
         # No load balancer watches a test edge's readiness: stop without the drain delay
         # (a test that wants one passes --drain-delay, which wins over the env var).
-        super().__init__(args + (extra or []), log_dir, env={"SLUICE_EDGE_DRAIN_DELAY": "0"})
+        super().__init__([], log_dir, env={"SLUICE_EDGE_DRAIN_DELAY": "0"})
+        self.choose_ports()
+
+    def choose_ports(self) -> bool:
+        self.port = free_port()
+        self.args = edge_command(self._workers, self.port) + self._extra
+        return True
 
     @property
     def base_url(self) -> str:

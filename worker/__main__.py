@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_fresh()
     except StaleBuild as error:
         log.error("%s", error)
-        return 2
+        return 1
     if config.node_rank > 0:  # a tensor-parallel node other than rank 0's: its ranks, no ports
         from worker.parallel.ranks import serve_node
 

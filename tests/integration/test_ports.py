@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+import tests.processes
 from sluice.cli import edge_command, worker_command
 from sluice.ports import METRICS_PORT_OFFSET
 from tests.processes import EdgeProcess, WorkerProcess, free_port, free_port_pair, run_to_exit
@@ -179,3 +180,19 @@ def test_a_model_that_fails_to_load_exits_1_and_frees_its_ports(tmp_path: Path) 
     assert f"metrics on :{metrics_port}" in output
     with pytest.raises(OSError):  # released at exit
         urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=2)
+
+
+def test_a_test_process_whose_port_was_taken_before_it_bound_starts_again_on_new_ports(
+    held_port, tiny_model_dir: Path, model_cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The suite's own helper (tests/processes.py): a port chosen free and taken before the process
+    binds it (here by the held socket) costs a second start on new ports, not the test."""
+    _, port = held_port
+    chosen = iter([port])
+    monkeypatch.setattr(tests.processes, "free_port", lambda: next(chosen, None) or free_port())
+    with WorkerProcess(
+        cache_dir=model_cache, log_dir=tmp_path, model=str(tiny_model_dir), extra=FAKE
+    ) as worker:
+        assert worker.port != port and worker.ready()
+    log = (tmp_path / "worker.log").read_text()
+    assert f"--port {port} is in use" in log  # the first start, in the same log
