@@ -38,6 +38,7 @@ class StaleBuild(ImportError):
 
 
 def source_hash(path: Path) -> str:
+    """What the build records of a source: its SHA-256."""
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
@@ -55,15 +56,14 @@ def built(root: Path = ROOT) -> list[str]:
     return [name for name in MODULES if extension_of(root / name) is not None]
 
 
-def check_fresh(root: Path = ROOT, stamp: Path | None = None) -> None:
+def check_fresh(root: Path = ROOT) -> None:
     """Raises :class:`StaleBuild` when a compiled module's source changed since the build (or the
     build's record is missing): Python would run the old code."""
     present = built(root)
     if not present:
         return
-    record_path = stamp if stamp is not None else root / STAMP.relative_to(ROOT)
     try:
-        record = json.loads(record_path.read_text())
+        record = json.loads((root / STAMP.relative_to(ROOT)).read_text())
     except (OSError, ValueError):
         record = {}
     stale = [name for name in present if record.get(name) != source_hash(root / name)]
